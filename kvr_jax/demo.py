@@ -1,0 +1,89 @@
+"""The comparison the main job prints: each strategy on one prompt, timed and checked.
+
+Lives in the library so a notebook calls the same function as `python -m launch.run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvr_jax.inference import generate, prefill
+from kvr_jax.loading import Model
+from kvr_jax.mesh import make_mesh
+
+
+@dataclasses.dataclass
+class StrategyReport:
+  strategy: str
+  partition: tuple[int, ...] | None
+  compile_s: float  # first call (trace + compile + run) minus a warm run
+  ttft_median_s: float
+  ttft_runs_s: list[float]
+  max_logit_diff_vs_single: float
+  first_tokens: list[int]
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def synthetic_prompt(vocab_size: int, context_len: int, batch: int = 1, seed: int = 0):
+  """Random token ids [batch, context_len] from a fixed seed."""
+  return np.random.RandomState(seed).randint(0, vocab_size, (batch, context_len)).astype(np.int32)
+
+
+def _timed_prefill(model, tokens, **kwargs):
+  start = time.perf_counter()
+  result = prefill(model, tokens, **kwargs)
+  jax.block_until_ready((result.logits, result.k_cache, result.v_cache))
+  return result, time.perf_counter() - start
+
+
+def compare_strategies(model: Model, tokens, strategies=("single", "tsp", "kvr"), *,
+                       num_devices: int | None = None, partition: Any = "even", repeats: int = 3,
+                       max_new_tokens: int = 8, temperature: float = 0.0,
+                       seed: int = 0) -> list[StrategyReport]:
+  """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs."""
+  if repeats < 1:
+    raise ValueError(f"`repeats` must be >= 1, got {repeats}")
+  mesh = make_mesh(num_devices)
+  reference = None
+  reports = []
+  for strategy in strategies:
+    kwargs: dict[str, Any] = {"strategy": strategy}
+    if strategy != "single":
+      kwargs["mesh"] = mesh
+    if strategy == "kvr":
+      kwargs["partition"] = partition
+    result, first = _timed_prefill(model, tokens, **kwargs)
+    runs = [_timed_prefill(model, tokens, **kwargs)[1] for _ in range(repeats)]
+    logits = np.asarray(result.logits)
+    if reference is None:
+      reference = logits
+    gen = generate(model, tokens, max_new_tokens, temperature=temperature, seed=seed, **kwargs)
+    median = statistics.median(runs)
+    reports.append(StrategyReport(
+        strategy=strategy, partition=result.partition, compile_s=max(first - median, 0.0),
+        ttft_median_s=median, ttft_runs_s=runs,
+        max_logit_diff_vs_single=float(np.abs(logits - reference).max()),
+        first_tokens=[int(t) for t in gen.tokens[0]]))
+  return reports
+
+
+def format_table(reports: list[StrategyReport]) -> str:
+  header = (f"{'strategy':<8} {'partition':<28} {'TTFT median':>12} {'compile':>9} "
+            f"{'max |dlogit|':>13}  first tokens")
+  lines = [header, "-" * len(header)]
+  for r in reports:
+    part = "-" if r.partition is None else ",".join(map(str, r.partition))
+    if len(part) > 28:
+      part = part[:25] + "..."
+    lines.append(f"{r.strategy:<8} {part:<28} {r.ttft_median_s * 1e3:>10.1f}ms "
+                 f"{r.compile_s:>8.2f}s {r.max_logit_diff_vs_single:>13.2e}  "
+                 f"{' '.join(map(str, r.first_tokens))}")
+  return "\n".join(lines)

@@ -1,0 +1,263 @@
+"""`prefill` and `generate`: one API over the single-device oracle, TSP and KV-Runahead.
+
+Every input is validated here, before anything is traced or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from kvr_jax import decode, runahead, tsp
+from kvr_jax.loading import Model
+from kvr_jax.mesh import AXIS, check_mesh, last_rank_device, make_mesh
+from kvr_jax.partition import resolve_partition
+
+STRATEGIES = ("single", "tsp", "kvr")
+TRACE_COUNT = {"single": 0}
+
+
+@dataclasses.dataclass
+class PrefillResult:
+  """What a prefill hands to decode.
+
+  logits: [B, V] float32, the last prompt position. k_cache, v_cache: [L, B, S, K, H] with
+  S = prompt_len, on `device` (for KV-Runahead: the last rank's device, where the paper leaves
+  the cache).
+  """
+
+  logits: jax.Array
+  k_cache: jax.Array
+  v_cache: jax.Array
+  prompt_len: int
+  strategy: str
+  partition: tuple[int, ...] | None = None
+
+  @property
+  def device(self):
+    return next(iter(self.k_cache.devices()))
+
+  def layer_cache(self, layer: int) -> tuple[jax.Array, jax.Array]:
+    """(K, V) of one layer, each [B, S, K, H]."""
+    return self.k_cache[layer], self.v_cache[layer]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """tokens: [B, n] new token ids (rows that hit EOS early are padded with EOS);
+  text: the decoded new tokens per row when the model has a tokenizer."""
+
+  tokens: np.ndarray
+  text: list[str] | None
+  prefill: PrefillResult
+
+
+def _check_tokens(model: Model, tokens) -> np.ndarray:
+  try:
+    array = np.asarray(tokens)
+  except ValueError:  # numpy refuses ragged nested lists
+    raise ValueError(
+      "`tokens` must be a [B, T] array of token ids with equal-length rows "
+      "(batched prompts must have the same length)"
+    ) from None
+  if array.dtype == object:
+    raise ValueError("`tokens` must be a [B, T] array of token ids with equal-length rows")
+  if array.ndim == 1:
+    array = array[None]
+  if array.ndim != 2:
+    raise ValueError(f"`tokens` must be [B, T] token ids, got shape {array.shape}")
+  if array.size == 0 or array.shape[1] == 0:
+    raise ValueError(f"the prompt is empty (tokens of shape {array.shape})")
+  if not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f"`tokens` must be integer token ids, got dtype {array.dtype}")
+  vocab = model.config.vocab_size
+  bad = (array < 0) | (array >= vocab)
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"token id {int(array[first])} at {first} is outside the vocabulary [0, {vocab})"
+    )
+  if array.shape[1] > model.config.max_position_embeddings:
+    raise ValueError(
+      f"prompt of {array.shape[1]} tokens exceeds max_position_embeddings="
+      f"{model.config.max_position_embeddings}"
+    )
+  return array.astype(np.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_single(graphdef):
+  from flax import nnx
+
+  @jax.jit
+  def run(state, tokens_BT):
+    TRACE_COUNT["single"] += 1
+    model = nnx.merge(graphdef, state)
+    x_BTD, k_LBTKH, v_LBTKH = model.forward(tokens_BT)
+    return model.logits(x_BTD[:, -1:])[:, 0], k_LBTKH, v_LBTKH
+
+  return run
+
+
+def _shard_on(array: jax.Array, device) -> jax.Array:
+  """The single-device piece of a rank-sharded output that lives on `device`."""
+  for shard in array.addressable_shards:
+    if shard.device == device:
+      return shard.data[0]
+  raise ValueError(f"rank output on {device} is not addressable from this process")
+
+
+def prefill(
+  model: Model, tokens, strategy: str = "single", mesh=None, partition: Any = None
+) -> PrefillResult:
+  """Runs the prompt phase and returns the last position's logits and the KV cache.
+
+  tokens: [B, T] (or [T]) token ids, equal-length prompts.
+  strategy: "single" (one device, the oracle), "tsp" (all-gather baseline) or "kvr"
+    (KV-Runahead). mesh: from `make_mesh(p)`; default all local devices.
+  partition (kvr only): "even" or p chunk lengths summing to T, rank 0 the earliest tokens.
+  """
+  if strategy not in STRATEGIES:
+    raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+  if not isinstance(model, Model):
+    raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
+  tokens_BT = _check_tokens(model, tokens)
+  B, T = tokens_BT.shape
+  if strategy == "single":
+    if partition is not None:
+      raise ValueError("`partition` applies only to strategy='kvr'")
+    device = jax.devices()[0] if mesh is None else mesh.devices.reshape(-1)[0]
+    state = model.state_on(device)
+    logits, k, v = _compiled_single(model.graphdef)(state, jax.device_put(tokens_BT, device))
+    return PrefillResult(logits, k, v, T, strategy)
+
+  mesh = make_mesh() if mesh is None else mesh
+  p = check_mesh(mesh)
+  if p > T:
+    raise ValueError(
+      f"{p} ranks but only {T} prompt tokens: every rank needs at least one "
+      "token; use a smaller mesh"
+    )
+  replicated = NamedSharding(mesh, jax.P())
+  by_rank = NamedSharding(mesh, jax.P(AXIS))
+  state = model.state_on(replicated)
+  last = last_rank_device(mesh)
+  if strategy == "tsp":
+    if partition not in (None, "even"):
+      raise ValueError("TSP always splits evenly; `partition` applies only to strategy='kvr'")
+    run, owner = tsp.compiled_prefill(model.graphdef, mesh, T)
+    logits, kv = run(state, jax.device_put(tsp.pad_shards(tokens_BT, p), by_rank))
+    # Every rank holds the whole cache after the all-gather; decode from the last rank's copy,
+    # and take the logits from the rank that owns position T-1.
+    kv_L2BSKH = _shard_on(kv, last)
+    logits_BV = jax.device_put(_shard_on(logits, mesh.devices.reshape(-1)[owner]), last)
+    return PrefillResult(logits_BV, kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, None)
+
+  chunks = resolve_partition(partition, T, p)
+  run = runahead.compiled_prefill(model.graphdef, mesh, chunks)
+  logits, kv = run(state, jax.device_put(runahead.pad_chunks(tokens_BT, chunks), by_rank))
+  kv_L2BSKH = _shard_on(kv, last)
+  return PrefillResult(
+    _shard_on(logits, last), kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, chunks
+  )
+
+
+def _encode_prompt(model: Model, prompt) -> np.ndarray:
+  if isinstance(prompt, str) or (
+    isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt)
+  ):
+    if model.tokenizer is None:
+      raise ValueError(
+        "a text prompt needs a tokenizer, and this model has none (load a "
+        "Hugging Face directory with tokenizer files, or pass token ids)"
+      )
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if any(not t for t in texts):
+      raise ValueError("the prompt is empty")
+    ids = [model.tokenizer(t)["input_ids"] for t in texts]
+    if len({len(i) for i in ids}) != 1:
+      raise ValueError(
+        f"text prompts tokenize to different lengths {[len(i) for i in ids]}; "
+        "batched prompts must have equal length"
+      )
+    return np.asarray(ids, np.int32)
+  return prompt
+
+
+def generate(
+  model: Model,
+  prompt,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+  strategy: str = "single",
+  mesh=None,
+  partition: Any = None,
+) -> GenerationResult:
+  """Prefill with `strategy`, then decode token by token from the KV cache.
+
+  prompt: token ids [T] or [B, T], or text (a string or equal-length list of strings; needs a
+  tokenizer). Stops when every row has produced EOS or after `max_new_tokens`. Temperature 0
+  is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+  if not temperature >= 0:
+    raise ValueError(f"`temperature` must be >= 0, got {temperature!r}")
+  vocab = model.config.vocab_size
+  if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+    raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
+  if top_p is not None and not 0 < top_p <= 1:
+    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+  tokens_BT = _check_tokens(model, _encode_prompt(model, prompt))
+  B, T = tokens_BT.shape
+  limit = model.config.max_position_embeddings
+  if T + max_new_tokens > limit:
+    raise ValueError(
+      f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+      f"max_position_embeddings={limit}"
+    )
+
+  result = prefill(model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition)
+  device = result.device
+  state = model.state_on(device)
+  # Room for the new tokens, allocated where the cache already is.
+  grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
+  k_cache, v_cache = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
+  eos = np.asarray(model.config.eos_ids, np.int32)
+  key = jax.device_put(jax.random.key(seed), device)
+  logits = result.logits
+  out = np.zeros((B, max_new_tokens), np.int32)
+  done = np.zeros(B, bool)
+  n = 0
+  for step in range(max_new_tokens):
+    token_B = decode.sample(
+      logits,
+      jax.random.fold_in(key, step),
+      float(temperature),
+      top_k=top_k,
+      top_p=1.0 if top_p is None else float(top_p),
+    )
+    token_np = np.asarray(token_B)
+    out[:, step] = np.where(done, eos[0] if eos.size else 0, token_np)
+    n = step + 1
+    done |= np.isin(token_np, eos)
+    if done.all() or step == max_new_tokens - 1:
+      break
+    logits, k_cache, v_cache = decode.decode_step(
+      model.graphdef, state, token_B, T + step, k_cache, v_cache
+    )
+  out = out[:, :n]
+  text = None
+  if model.tokenizer is not None:
+    text = [model.tokenizer.decode(row, skip_special_tokens=True) for row in out]
+  return GenerationResult(out, text, result)

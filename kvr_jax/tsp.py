@@ -1,0 +1,77 @@
+"""The TSP baseline as the paper runs it: even split, all-gather K,V, dense masked scores.
+
+Every rank projects its own C/p tokens, an `all_gather` (a global barrier) gives every rank
+all C keys and values, and each rank computes the dense (C/p) x C score block, masking the
+future afterwards: no causal skipping. A prompt length not divisible by p is padded to
+p * ceil(C/p); padded keys sit after every real query, so the causal mask hides them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvr_jax.mesh import AXIS
+from models import layers, scan_blocks
+
+TRACE_COUNT = {"tsp": 0}
+
+
+def shard_len(context_len: int, num_ranks: int) -> int:
+  return math.ceil(context_len / num_ranks)
+
+
+def rank_program(graphdef, context_len: int, num_ranks: int):
+  c = shard_len(context_len, num_ranks)
+  last_rank, last_row = divmod(context_len - 1, c)
+
+  def program(state, tokens_1Bc):
+    TRACE_COUNT["tsp"] += 1
+    model = nnx.merge(graphdef, state)
+    rank = jax.lax.axis_index(AXIS)
+    tokens_Bc = tokens_1Bc[0]
+    B = tokens_Bc.shape[0]
+    offset = rank * c
+    positions_Bc = jnp.broadcast_to(offset + jnp.arange(c), (B, c))
+
+    def layer(block, x_BcD, _):
+      q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD, positions_Bc)
+      # [2, B, p*c, K, H]: every rank gets every rank's K,V
+      kv = jax.lax.all_gather(jnp.stack([k_BcKH, v_BcKH]), AXIS, axis=2, tiled=True)
+      attn_BcNH = layers.attend(q_BcNH, kv[0], kv[1], query_offset=offset)
+      return block.finish(x_BcD, attn_BcNH), kv[:, :, :context_len]
+
+    x_BcD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
+    # Row `last_row` of rank `last_rank` is the prompt's last position.
+    logits_BV = model.logits(x_BcD[:, last_row : last_row + 1])[:, 0]
+    return logits_BV[None], kv_L2BCKH[None]
+
+  return program, last_rank
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_prefill(graphdef, mesh, context_len: int):
+  """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B,C,K,H]).
+
+  Also returns the rank whose logits belong to the prompt's last position.
+  """
+  P = jax.P
+  num_ranks = mesh.shape[AXIS]
+  program, last_rank = rank_program(graphdef, context_len, num_ranks)
+  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
+  return jax.jit(body), last_rank
+
+
+def pad_shards(tokens_BC, num_ranks: int):
+  """[B, C] -> [p, B, ceil(C/p)], zero-padded at the end."""
+  tokens_BC = np.asarray(tokens_BC)
+  B, C = tokens_BC.shape
+  c = shard_len(C, num_ranks)
+  padded = np.zeros((B, c * num_ranks), tokens_BC.dtype)
+  padded[:, :C] = tokens_BC
+  return padded.reshape(B, num_ranks, c).transpose(1, 0, 2)

@@ -1,0 +1,113 @@
+"""What every decoder-only model here shares: embeddings, the stacked layer scan, the head.
+
+Layers are stored stacked: every block parameter has a leading [L] axis, so `scan_blocks` runs
+them with one `jax.lax.scan` (one compiled layer body whatever the depth). A block exposes the
+two halves of its computation that the parallel strategies need separately:
+
+  block.project_qkv(x_BTD, positions_BT) -> q_BTNH, k_BTKH, v_BTKH   (norm, projections, RoPE)
+  models.layers.attend(q, k_prefix, v_prefix, query_offset)          (shared by all models)
+  block.finish(x_BTD, attn_BTNH) -> x_BTD                            (output proj., MLP, residual)
+
+so a strategy can move K,V between devices in the middle of a layer. Models know nothing
+about devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import layers
+from models.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+  return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
+
+
+def ones_param(shape: tuple[int, ...], dtype) -> nnx.Param:
+  return nnx.Param(jnp.ones(shape, dtype))
+
+
+def zeros_param(shape: tuple[int, ...], dtype) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class Block(nnx.Module):
+  """Interface of one transformer layer (its parameters may carry a leading [L] axis)."""
+
+  config: ModelConfig
+
+  def project_qkv(self, x_BTD, positions_BT):  # pragma: no cover - interface
+    raise NotImplementedError
+
+  def finish(self, x_BTD, attn_BTNH):  # pragma: no cover - interface
+    raise NotImplementedError
+
+
+def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]], carry, xs=None):
+  """`lax.scan` over stacked layers: body(block_of_one_layer, carry, x_l) -> (carry, y_l)."""
+  graphdef, stacked_state = nnx.split(blocks)
+
+  def step(carry, inputs):
+    layer_state, x_l = inputs
+    return body(nnx.merge(graphdef, layer_state), carry, x_l)
+
+  return jax.lax.scan(step, carry, (stacked_state, xs))
+
+
+class CausalLM(nnx.Module):
+  """Token embedding -> L stacked blocks -> final norm -> vocabulary logits."""
+
+  block_class: type[Block]
+
+  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    V, D = config.vocab_size, config.d_model
+    self.embedding = normal_param(rngs, (V, D), dtype)  # [V, D]
+    self.blocks = self.block_class(config, num_layers=config.num_layers, dtype=dtype, rngs=rngs)
+    self.lm_head = None if config.tie_embeddings else normal_param(rngs, (D, V), dtype)
+
+  # Subclasses define the final norm.
+  def final_norm(self, x_BTD: jax.Array) -> jax.Array:  # pragma: no cover - interface
+    raise NotImplementedError
+
+  def embed(self, tokens_BT: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding[...], tokens_BT, axis=0)
+
+  def logits(self, x_BTD: jax.Array) -> jax.Array:
+    """Final norm and vocabulary projection; float32 logits [B, T, V]."""
+    h_BTD = self.final_norm(x_BTD)
+    if self.lm_head is None:
+      return jnp.einsum(
+        "BTD,VD->BTV", h_BTD, self.embedding[...], preferred_element_type=jnp.float32
+      )
+    return jnp.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
+
+  def forward(self, tokens_BT: jax.Array):
+    """The whole prompt on one device: final hidden states [B, T, D] and the KV cache.
+
+    Returns (x_BTD, k_LBTKH, v_LBTKH).
+    """
+    B, T = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    def layer(block: Block, x_BTD, _):
+      q, k, v = block.project_qkv(x_BTD, positions_BT)
+      attn_BTNH = layers.attend(q, k, v, query_offset=0)
+      return block.finish(x_BTD, attn_BTNH), (k, v)
+
+    x_BTD, (k_LBTKH, v_LBTKH) = scan_blocks(self.blocks, layer, self.embed(tokens_BT))
+    return x_BTD, k_LBTKH, v_LBTKH
+
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    """Logits of every position, [B, T, V] float32."""
+    x_BTD, _, _ = self.forward(tokens_BT)
+    return self.logits(x_BTD)

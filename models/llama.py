@@ -1,0 +1,67 @@
+"""Llama 2 / Llama 3 in Flax NNX.
+
+Legend: B batch, T tokens, D d_model, N query heads, K KV heads, H head dim, F MLP dim,
+L layers. Block parameters carry a leading [L] axis (see models/base.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import layers
+from models.base import Block, CausalLM, normal_param, ones_param
+from models.config import LlamaConfig
+
+
+class LlamaBlock(Block):
+  """Pre-norm attention then pre-norm SwiGLU MLP, each with a residual."""
+
+  def __init__(self, config: LlamaConfig, *, num_layers: int, dtype, rngs: nnx.Rngs):
+    self.config = config
+    L, D, N, K, H, F = (
+      num_layers,
+      config.d_model,
+      config.num_heads,
+      config.num_kv_heads,
+      config.head_dim,
+      config.mlp_dim,
+    )
+    self.attn_norm = ones_param((L, D), dtype)
+    self.wq = normal_param(rngs, (L, D, N, H), dtype)
+    self.wk = normal_param(rngs, (L, D, K, H), dtype)
+    self.wv = normal_param(rngs, (L, D, K, H), dtype)
+    self.wo = normal_param(rngs, (L, N, H, D), dtype)
+    self.mlp_norm = ones_param((L, D), dtype)
+    self.w_gate = normal_param(rngs, (L, D, F), dtype)
+    self.w_up = normal_param(rngs, (L, D, F), dtype)
+    self.w_down = normal_param(rngs, (L, F, D), dtype)
+
+  def project_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
+    cfg = self.config
+    h_BTD = layers.rms_norm(x_BTD, self.attn_norm[...], cfg.norm_eps)
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.wq[...])
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wk[...])
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
+    q_BTNH = layers.apply_rope(q_BTNH, positions_BT, cfg.rope)
+    k_BTKH = layers.apply_rope(k_BTKH, positions_BT, cfg.rope)
+    return q_BTNH, k_BTKH, v_BTKH
+
+  def finish(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
+    x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
+    h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
+    gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))
+    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up[...])
+    return x_BTD + jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, self.w_down[...])
+
+
+class Llama(CausalLM):
+  block_class = LlamaBlock
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    super().__init__(config, dtype=dtype, rngs=rngs)
+    self.norm = ones_param((config.d_model,), dtype)
+
+  def final_norm(self, x_BTD: jax.Array) -> jax.Array:
+    return layers.rms_norm(x_BTD, self.norm[...], self.config.norm_eps)

@@ -1,0 +1,105 @@
+"""Tiny random Hugging Face checkpoints written with save_pretrained (no model hub)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 128
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+  """Every parameter random, norms around 1: a swapped or ignored tensor changes the logits."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      noise = torch.randn(param.shape, generator=gen)
+      if param.ndim == 1 and ("norm" in name or "ln" in name) and name.endswith("weight"):
+        param.copy_(1.0 + 0.1 * noise)
+      elif param.ndim == 1:
+        param.copy_(0.1 * noise)
+      else:
+        param.copy_(0.1 * noise)
+  return model.eval()
+
+
+LLAMA_CASES = {
+  "llama-mha": dict(num_attention_heads=4, num_key_value_heads=4),
+  "llama-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+  "llama3-rope": dict(
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    rope_parameters={
+      "rope_type": "llama3",
+      "rope_theta": 10000.0,
+      "factor": 8.0,
+      "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64,
+    },
+  ),
+  "llama-linear-rope": dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+  ),
+  "llama-tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+FALCON_CASES = {
+  # Falcon-7B form: multi-query, one input LayerNorm, parallel attention + MLP.
+  "falcon-7b-form": dict(
+    num_attention_heads=4, multi_query=True, parallel_attn=True, new_decoder_architecture=False
+  ),
+  # Falcon-40B form: grouped KV heads, ln_attn and ln_mlp.
+  "falcon-40b-form": dict(num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True),
+}
+
+
+def make_hf_model(case: str, seed: int = 0):
+  if case in LLAMA_CASES:
+    config = transformers.LlamaConfig(
+      vocab_size=VOCAB,
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      max_position_embeddings=256,
+      rms_norm_eps=1e-5,
+      eos_token_id=None,
+      bos_token_id=None,
+      pad_token_id=None,
+      **LLAMA_CASES[case],
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomize(transformers.LlamaForCausalLM(config), seed)
+  config = transformers.FalconConfig(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    alibi=False,
+    bias=False,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    ffn_hidden_size=128,
+    **FALCON_CASES[case],
+  )
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  return randomize(transformers.FalconForCausalLM(config), seed)
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def hf_greedy(model, tokens: np.ndarray, n: int) -> np.ndarray:
+  with torch.no_grad():
+    out = model.generate(
+      torch.as_tensor(tokens, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )
+  return out[:, tokens.shape[1] :].numpy()

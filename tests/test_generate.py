@@ -1,0 +1,104 @@
+"""Single-device prefill and generate: results, determinism and every bad input."""
+
+import numpy as np
+import pytest
+
+import kvr_jax
+
+
+@pytest.fixture(scope="module")
+def model():
+  return kvr_jax.load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+  return np.random.RandomState(0).randint(0, 512, (2, 24))
+
+
+def test_prefill_single_shapes_and_last_logits(model, prompt):
+  result = kvr_jax.prefill(model, prompt)
+  cfg = model.config
+  assert result.logits.shape == (2, cfg.vocab_size)
+  assert result.k_cache.shape == (cfg.num_layers, 2, 24, cfg.num_kv_heads, cfg.head_dim)
+  assert result.prompt_len == 24
+  np.testing.assert_allclose(
+    np.asarray(result.logits), np.asarray(model.module(prompt))[:, -1], atol=1e-5
+  )
+
+
+def test_decode_steps_match_a_longer_prefill(model, prompt):
+  """Greedy continuation scored by a fresh prefill picks the same tokens."""
+  out = kvr_jax.generate(model, prompt, max_new_tokens=6).tokens
+  extended = np.concatenate([prompt, out[:, :5]], axis=1)
+  predicted = np.asarray(model.module(extended))[:, 23:].argmax(-1)
+  eos = model.config.eos_token_id
+  for row in range(2):  # after EOS a row is padded, so compare up to its first EOS
+    stop = list(out[row]).index(eos) + 1 if eos in out[row] else 6
+    np.testing.assert_array_equal(predicted[row, :stop], out[row, :stop])
+  assert out.shape == (2, 6)
+
+
+def test_greedy_is_deterministic_and_sampling_depends_on_seed(model, prompt):
+  a = kvr_jax.generate(model, prompt, max_new_tokens=8).tokens
+  b = kvr_jax.generate(model, prompt, max_new_tokens=8).tokens
+  np.testing.assert_array_equal(a, b)
+  s1 = kvr_jax.generate(model, prompt, 8, temperature=5.0, seed=1).tokens
+  s1_again = kvr_jax.generate(model, prompt, 8, temperature=5.0, seed=1).tokens
+  s2 = kvr_jax.generate(model, prompt, 8, temperature=5.0, seed=2).tokens
+  np.testing.assert_array_equal(s1, s1_again)
+  assert not np.array_equal(s1, s2)
+
+
+def test_top_k_one_is_greedy(model, prompt):
+  greedy = kvr_jax.generate(model, prompt, 6).tokens
+  np.testing.assert_array_equal(
+    kvr_jax.generate(model, prompt, 6, temperature=3.0, top_k=1).tokens, greedy
+  )
+  np.testing.assert_array_equal(
+    kvr_jax.generate(model, prompt, 6, temperature=3.0, top_p=1e-6).tokens, greedy
+  )
+
+
+def test_stops_at_eos(model, prompt):
+  greedy = kvr_jax.generate(model, prompt[:1], 6).tokens[0]
+  import dataclasses
+
+  eos_model = kvr_jax.Model(model.module)
+  eos_model.module.config = dataclasses.replace(model.config, eos_token_id=int(greedy[1]))
+  try:
+    out = kvr_jax.generate(eos_model, prompt[:1], 6).tokens[0]
+  finally:
+    eos_model.module.config = model.config
+  first = list(greedy).index(greedy[1])
+  np.testing.assert_array_equal(out, greedy[: first + 1])
+  assert len(out) < 6
+
+
+@pytest.mark.parametrize(
+  "tokens,message",
+  [
+    (np.zeros((1, 0), np.int32), "empty"),
+    ([[1, 2], [3]], "equal-length"),
+    (np.array([[1, 2, 512]]), "outside the vocabulary"),
+    (np.array([[1, -1]]), "outside the vocabulary"),
+    (np.array([[1.5, 2.0]]), "integer"),
+  ],
+)
+def test_bad_prompts(model, tokens, message):
+  with pytest.raises(ValueError, match=message):
+    kvr_jax.prefill(model, tokens)
+
+
+def test_bad_generate_arguments(model, prompt):
+  limit = model.config.max_position_embeddings
+  with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+    kvr_jax.generate(model, prompt, max_new_tokens=limit)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    kvr_jax.generate(model, prompt, max_new_tokens=0)
+  with pytest.raises(ValueError, match="tokenizer"):
+    kvr_jax.generate(model, "hello", max_new_tokens=2)
+  with pytest.raises(ValueError, match="top_k"):
+    kvr_jax.generate(model, prompt, 2, top_k=0)
+  with pytest.raises(ValueError, match="unknown strategy"):
+    kvr_jax.prefill(model, prompt, strategy="ring")

@@ -1,0 +1,150 @@
+"""Presets, Hugging Face import errors, and the Orbax round trip."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import kvr_jax
+from tests import hf_fixtures
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("llama-gqa")
+  hf_fixtures.make_hf_model("llama-gqa").save_pretrained(directory)
+  return str(directory)
+
+
+def _copy_with(hf_dir, tmp_path, *, tensors=None, config=None):
+  for name in os.listdir(hf_dir):
+    shutil.copy(os.path.join(hf_dir, name), tmp_path / name)
+  if tensors is not None:
+    weights = load_file(os.path.join(hf_dir, "model.safetensors"))
+    tensors(weights)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+  if config is not None:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+      data = json.load(f)
+    config(data)
+    with open(tmp_path / "config.json", "w") as f:
+      json.dump(data, f)
+  return str(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
+def test_tiny_presets_are_about_one_million_parameters(name):
+  model = kvr_jax.load_model(name)
+  count = sum(x.size for x in __import__("jax").tree.leaves(model.state))
+  assert count == model.config.num_params()
+  assert 0.5e6 < count < 1.5e6
+
+
+def test_presets_are_deterministic():
+  a = kvr_jax.load_model("tiny-llama")
+  b = kvr_jax.load_model("tiny-llama")
+  np.testing.assert_array_equal(
+    np.asarray(a.state["embedding"][...]), np.asarray(b.state["embedding"][...])
+  )
+
+
+@pytest.mark.parametrize(
+  "name,params", [("llama-2-7b", 6.74e9), ("llama-3-8b", 8.03e9), ("falcon-7b", 6.92e9)]
+)
+def test_real_shape_presets(name, params):
+  assert kvr_jax.preset_config(name).num_params() == pytest.approx(params, rel=2e-3)
+
+
+def test_unknown_preset_and_dtype():
+  with pytest.raises(ValueError, match="unknown preset 'tiny-gpt'"):
+    kvr_jax.load_model("tiny-gpt")
+  with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+    kvr_jax.load_model("tiny-llama", dtype="float8")
+  with pytest.raises(ValueError, match="no such directory"):
+    kvr_jax.load_model("./does/not/exist")
+
+
+def test_unknown_tensor_is_named(hf_dir, tmp_path):
+  def add(weights):
+    weights["model.layers.0.self_attn.rotary_extra.weight"] = np.zeros(3, np.float32)
+
+  path = _copy_with(hf_dir, tmp_path, tensors=add)
+  with pytest.raises(ValueError, match="rotary_extra"):
+    kvr_jax.load_model(path)
+
+
+def test_missing_tensor_is_named(hf_dir, tmp_path):
+  path = _copy_with(hf_dir, tmp_path, tensors=lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+  with pytest.raises(ValueError, match=r"blocks\.w_up \(layers \[1\]"):
+    kvr_jax.load_model(path)
+
+
+def test_shape_mismatch_is_named(hf_dir, tmp_path):
+  def shrink(weights):
+    weights["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
+
+  path = _copy_with(hf_dir, tmp_path, tensors=shrink)
+  with pytest.raises(ValueError, match="k_proj.weight.*shape"):
+    kvr_jax.load_model(path)
+
+
+@pytest.mark.parametrize(
+  "edit,message",
+  [
+    (lambda c: c.update(model_type="gpt2"), "model_type"),
+    (lambda c: c.update(attention_bias=True), "attention_bias"),
+    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+  ],
+)
+def test_unsupported_config_fields(hf_dir, tmp_path, edit, message):
+  path = _copy_with(hf_dir, tmp_path, config=edit)
+  with pytest.raises(ValueError, match=message):
+    kvr_jax.load_model(path)
+
+
+def test_alibi_falcon_refused():
+  from models.config import config_from_hf
+
+  with pytest.raises(ValueError, match="ALiBi"):
+    config_from_hf(
+      {
+        "model_type": "falcon",
+        "alibi": True,
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+      }
+    )
+
+
+def test_orbax_round_trip(hf_dir, tmp_path):
+  model = kvr_jax.load_model(hf_dir)
+  kvr_jax.save_model(model, str(tmp_path / "ckpt"))
+  restored = kvr_jax.load_model(str(tmp_path / "ckpt"))
+  assert restored.config == model.config
+  tokens = np.arange(20)[None] % model.config.vocab_size
+  np.testing.assert_array_equal(
+    np.asarray(restored.module(tokens)), np.asarray(model.module(tokens))
+  )
+  with pytest.raises(ValueError, match="already holds a checkpoint"):
+    kvr_jax.save_model(model, str(tmp_path / "ckpt"))
+
+
+def test_corrupt_or_partial_orbax_checkpoint(tmp_path):
+  model = kvr_jax.load_model("tiny-llama")
+  ckpt = tmp_path / "ckpt"
+  kvr_jax.save_model(model, str(ckpt))
+  # Truncate every data file: the restore must fail with a clear error, not return garbage.
+  for root, _, files in os.walk(ckpt / "state"):
+    for name in files:
+      with open(os.path.join(root, name), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(root, name)) // 3)
+  with pytest.raises(ValueError, match="corrupt or partial"):
+    kvr_jax.load_model(str(ckpt))
+  shutil.rmtree(ckpt / "state")
+  with pytest.raises(ValueError, match="incomplete"):
+    kvr_jax.load_model(str(ckpt))
