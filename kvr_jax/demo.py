@@ -44,10 +44,18 @@ def _timed_prefill(model, tokens, **kwargs):
   return result, time.perf_counter() - start
 
 
-def compare_strategies(model: Model, tokens, strategies=("single", "tsp", "kvr"), *,
-                       num_devices: int | None = None, partition: Any = "even", repeats: int = 3,
-                       max_new_tokens: int = 8, temperature: float = 0.0,
-                       seed: int = 0) -> list[StrategyReport]:
+def compare_strategies(
+  model: Model,
+  tokens,
+  strategies=("single", "tsp", "kvr"),
+  *,
+  num_devices: int | None = None,
+  partition: Any = "even",
+  repeats: int = 3,
+  max_new_tokens: int = 8,
+  temperature: float = 0.0,
+  seed: int = 0,
+) -> list[StrategyReport]:
   """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs."""
   if repeats < 1:
     raise ValueError(f"`repeats` must be >= 1, got {repeats}")
@@ -67,23 +75,33 @@ def compare_strategies(model: Model, tokens, strategies=("single", "tsp", "kvr")
       reference = logits
     gen = generate(model, tokens, max_new_tokens, temperature=temperature, seed=seed, **kwargs)
     median = statistics.median(runs)
-    reports.append(StrategyReport(
-        strategy=strategy, partition=result.partition, compile_s=max(first - median, 0.0),
-        ttft_median_s=median, ttft_runs_s=runs,
+    reports.append(
+      StrategyReport(
+        strategy=strategy,
+        partition=result.partition,
+        compile_s=max(first - median, 0.0),
+        ttft_median_s=median,
+        ttft_runs_s=runs,
         max_logit_diff_vs_single=float(np.abs(logits - reference).max()),
-        first_tokens=[int(t) for t in gen.tokens[0]]))
+        first_tokens=[int(t) for t in gen.tokens[0]],
+      )
+    )
   return reports
 
 
 def format_table(reports: list[StrategyReport]) -> str:
-  header = (f"{'strategy':<8} {'partition':<28} {'TTFT median':>12} {'compile':>9} "
-            f"{'max |dlogit|':>13}  first tokens")
+  header = (
+    f"{'strategy':<8} {'partition':<28} {'TTFT median':>12} {'compile':>9} "
+    f"{'max |dlogit|':>13}  first tokens"
+  )
   lines = [header, "-" * len(header)]
   for r in reports:
     part = "-" if r.partition is None else ",".join(map(str, r.partition))
     if len(part) > 28:
       part = part[:25] + "..."
-    lines.append(f"{r.strategy:<8} {part:<28} {r.ttft_median_s * 1e3:>10.1f}ms "
-                 f"{r.compile_s:>8.2f}s {r.max_logit_diff_vs_single:>13.2e}  "
-                 f"{' '.join(map(str, r.first_tokens))}")
+    lines.append(
+      f"{r.strategy:<8} {part:<28} {r.ttft_median_s * 1e3:>10.1f}ms "
+      f"{r.compile_s:>8.2f}s {r.max_logit_diff_vs_single:>13.2e}  "
+      f"{' '.join(map(str, r.first_tokens))}"
+    )
   return "\n".join(lines)

@@ -16,12 +16,14 @@ def setup_devices(num_devices: int | None) -> bool:
   """
   if "jax" in sys.modules:
     import jax
+
     return jax.devices()[0].platform == "cpu"
   wanted = max(num_devices or DEFAULT_EMULATED_DEVICES, 1)
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={wanted}".strip()
   import jax
+
   return jax.devices()[0].platform == "cpu"
 
 
@@ -41,14 +43,17 @@ def parse_partition(text: str):
   try:
     return [int(x) for x in text.split(",")]
   except ValueError:
-    raise ValueError(f"--partition must be even, search, predict, balanced or comma-separated "
-                     f"integers, got {text!r}") from None
+    raise ValueError(
+      f"--partition must be even, search, predict, balanced or comma-separated "
+      f"integers, got {text!r}"
+    ) from None
 
 
 def prompt_tokens(model, prompt: str | None, context_len: int, batch: int, seed: int):
   import numpy as np
 
   from kvr_jax import demo
+
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")
   if prompt is not None:
@@ -61,6 +66,8 @@ def prompt_tokens(model, prompt: str | None, context_len: int, batch: int, seed:
   if context_len < 1:
     raise ValueError(f"--context_len must be >= 1, got {context_len}")
   if context_len > model.config.max_position_embeddings:
-    raise ValueError(f"--context_len={context_len} exceeds the model's max_position_embeddings="
-                     f"{model.config.max_position_embeddings}")
+    raise ValueError(
+      f"--context_len={context_len} exceeds the model's max_position_embeddings="
+      f"{model.config.max_position_embeddings}"
+    )
   return demo.synthetic_prompt(model.config.vocab_size, context_len, batch, seed)

@@ -44,16 +44,27 @@ def main(argv):
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
     partition = common.parse_partition(FLAGS.partition)
     reports = demo.compare_strategies(
-        model, tokens, FLAGS.strategy, num_devices=FLAGS.num_devices, partition=partition,
-        repeats=FLAGS.repeats, max_new_tokens=FLAGS.max_new_tokens,
-        temperature=FLAGS.temperature, seed=FLAGS.seed)
+      model,
+      tokens,
+      FLAGS.strategy,
+      num_devices=FLAGS.num_devices,
+      partition=partition,
+      repeats=FLAGS.repeats,
+      max_new_tokens=FLAGS.max_new_tokens,
+      temperature=FLAGS.temperature,
+      seed=FLAGS.seed,
+    )
   import jax
 
-  print(f"{model}; prompt {tokens.shape[1]} tokens x batch {tokens.shape[0]}; "
-        f"{FLAGS.num_devices or jax.device_count()} ranks on {jax.devices()[0].platform}")
+  print(
+    f"{model}; prompt {tokens.shape[1]} tokens x batch {tokens.shape[0]}; "
+    f"{FLAGS.num_devices or jax.device_count()} ranks on {jax.devices()[0].platform}"
+  )
   if emulated:
-    print("NOTE: these are emulated CPU devices sharing this machine's cores: the times prove "
-          "nothing about parallel speed-up (see `python -m launch.benchmark`).")
+    print(
+      "NOTE: these are emulated CPU devices sharing this machine's cores: the times prove "
+      "nothing about parallel speed-up (see `python -m launch.benchmark`)."
+    )
   print(demo.format_table(reports))
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:

@@ -1,0 +1,240 @@
+"""KV-Runahead and TSP against the single-device oracle, on emulated CPU devices.
+
+Tolerance (fixed): float32 strategies agree with `single` within 1e-5 relative to the largest
+magnitude of the reference tensor (logits and every layer's K and V).
+"""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvr_jax
+from kvr_jax import costs, runahead, tsp
+from kvr_jax.loading import build_model
+from models.config import FalconConfig
+
+REL_TOL = 1e-5
+CONTEXT = 13  # not divisible by 2, 3, 4 or 8
+
+
+def assert_close(got, want, what):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL}"
+
+
+def falcon_40b_form():
+  config = dataclasses.replace(
+    kvr_jax.preset_config("tiny-falcon"),
+    num_kv_heads=2,
+    separate_mlp_norm=True,
+    qkv_layout="grouped",
+    num_layers=2,
+  )
+  assert isinstance(config, FalconConfig)
+  return kvr_jax.Model(build_model(config), source="falcon-40b-form")
+
+
+@pytest.fixture(scope="module")
+def models():
+  return {
+    "tiny-llama": kvr_jax.load_model("tiny-llama"),
+    "tiny-falcon": kvr_jax.load_model("tiny-falcon"),
+    "falcon-40b-form": falcon_40b_form(),
+  }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.RandomState(0)
+  return {1: rng.randint(0, 512, (1, CONTEXT)), 3: rng.randint(0, 512, (3, CONTEXT))}
+
+
+@pytest.fixture(scope="module")
+def oracle(models, prompts):
+  return {(name, b): kvr_jax.prefill(m, prompts[b]) for name, m in models.items() for b in (1, 3)}
+
+
+# (p, partition, batch): even and uneven splits, a one-token chunk, C not divisible by p.
+CASES = [
+  (1, "even", 1),
+  (2, "even", 3),
+  (2, [12, 1], 1),
+  (3, [6, 4, 3], 3),
+  (4, "even", 1),
+  (4, [1, 5, 4, 3], 3),
+  (8, "even", 1),
+  (8, [3, 2, 2, 2, 1, 1, 1, 1], 3),
+]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon", "falcon-40b-form"])
+@pytest.mark.parametrize("p,partition,batch", CASES)
+def test_kvr_matches_single(models, prompts, oracle, name, p, partition, batch):
+  model, ref = models[name], oracle[(name, batch)]
+  mesh = kvr_jax.make_mesh(p)
+  got = kvr_jax.prefill(model, prompts[batch], strategy="kvr", mesh=mesh, partition=partition)
+  assert_close(got.logits, ref.logits, "logits")
+  assert_close(got.k_cache, ref.k_cache, "K cache")
+  assert_close(got.v_cache, ref.v_cache, "V cache")
+  # The whole cache is on the last rank's device, where decode continues.
+  assert got.device == mesh.devices.reshape(-1)[-1]
+  assert got.k_cache.sharding.device_set == {got.device}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon", "falcon-40b-form"])
+@pytest.mark.parametrize("p,batch", [(1, 1), (2, 3), (3, 1), (4, 3), (8, 1)])
+def test_tsp_matches_single(models, prompts, oracle, name, p, batch):
+  ref = oracle[(name, batch)]
+  got = kvr_jax.prefill(models[name], prompts[batch], strategy="tsp", mesh=kvr_jax.make_mesh(p))
+  assert_close(got.logits, ref.logits, "logits")
+  assert_close(got.k_cache, ref.k_cache, "K cache")
+  assert_close(got.v_cache, ref.v_cache, "V cache")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
+def test_greedy_generation_identical_across_strategies(models, name):
+  model = models[name]
+  prompt = np.random.RandomState(5).randint(0, 512, (2, 29))
+  mesh = kvr_jax.make_mesh(4)
+  single = kvr_jax.generate(model, prompt, 16).tokens
+  kvr = kvr_jax.generate(model, prompt, 16, strategy="kvr", mesh=mesh, partition=[11, 8, 6, 4])
+  tsp_tokens = kvr_jax.generate(model, prompt, 16, strategy="tsp", mesh=mesh).tokens
+  np.testing.assert_array_equal(kvr.tokens, single)
+  np.testing.assert_array_equal(tsp_tokens, single)
+  assert kvr.prefill.device == mesh.devices.reshape(-1)[-1]
+
+
+def test_bfloat16_kvr_close_to_float32(prompts):
+  """bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2% per op). Through 4 layers of
+  ~10 rounded ops each the logits drift by a few percent of their range; we allow 5% of the
+  largest float32 logit. A wiring error (wrong offset, missing prefix) shows up as O(100%)."""
+  f32 = kvr_jax.prefill(kvr_jax.load_model("tiny-llama"), prompts[3]).logits
+  model16 = kvr_jax.load_model("tiny-llama", dtype="bfloat16")
+  got = kvr_jax.prefill(
+    model16, prompts[3], strategy="kvr", mesh=kvr_jax.make_mesh(3), partition=[6, 4, 3]
+  )
+  assert got.k_cache.dtype == np.dtype("bfloat16")
+  f32 = np.asarray(f32)
+  err = np.abs(np.asarray(got.logits, np.float32) - f32).max() / np.abs(f32).max()
+  assert err < 0.05
+  single16 = kvr_jax.prefill(model16, prompts[3]).logits
+  # bf16 KVR against bf16 single: the same roundings in a different order.
+  assert np.abs(np.asarray(got.logits) - np.asarray(single16)).max() / np.abs(f32).max() < 0.05
+
+
+def test_second_call_does_not_compile_again(models, prompts):
+  model, mesh = models["tiny-llama"], kvr_jax.make_mesh(4)
+  kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[5, 3, 3, 2])
+  kvr_jax.prefill(model, prompts[1], strategy="tsp", mesh=mesh)
+  before = (runahead.TRACE_COUNT["kvr"], tsp.TRACE_COUNT["tsp"])
+  kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[5, 3, 3, 2])
+  kvr_jax.prefill(model, prompts[1], strategy="tsp", mesh=mesh)
+  assert (runahead.TRACE_COUNT["kvr"], tsp.TRACE_COUNT["tsp"]) == before
+  kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[4, 4, 3, 2])
+  assert runahead.TRACE_COUNT["kvr"] == before[0] + 1  # a new partition is a new program
+
+
+@pytest.mark.parametrize(
+  "partition,message",
+  [
+    ([7, 6], "2 chunks but the mesh has 4 ranks"),
+    ([7, 0, 3, 3], "at least one token"),
+    ([9, -2, 3, 3], "at least one token"),
+    ([5, 3, 3, 3], "sums to 14"),
+    ("fastest", "unknown partition"),
+    ([5, 3, 3, 2.5], "integer"),
+  ],
+)
+def test_bad_partitions_fail_before_compiling(models, prompts, partition, message):
+  before = runahead.TRACE_COUNT["kvr"]
+  with pytest.raises(ValueError, match=message):
+    kvr_jax.prefill(
+      models["tiny-llama"],
+      prompts[1],
+      strategy="kvr",
+      mesh=kvr_jax.make_mesh(4),
+      partition=partition,
+    )
+  assert runahead.TRACE_COUNT["kvr"] == before
+
+
+def test_bad_meshes_fail_before_compiling(models):
+  model = models["tiny-llama"]
+  before = runahead.TRACE_COUNT["kvr"]
+  with pytest.raises(ValueError, match="8 ranks but only 5 prompt tokens"):
+    kvr_jax.prefill(model, np.arange(5)[None], strategy="kvr", mesh=kvr_jax.make_mesh(8))
+  wrong_axis = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with pytest.raises(ValueError, match="axis 'ranks'"):
+    kvr_jax.prefill(model, np.arange(5)[None], strategy="kvr", mesh=wrong_axis)
+  with pytest.raises(ValueError, match="Mesh"):
+    kvr_jax.prefill(model, np.arange(5)[None], strategy="tsp", mesh="cpu:0")
+  with pytest.raises(ValueError, match="only 8 devices"):
+    kvr_jax.make_mesh(9)
+  assert runahead.TRACE_COUNT["kvr"] == before
+
+
+# --- The compiled program: hops, bytes and per-rank work -------------------------------------
+
+
+def _compiled_kvr_hlo(model, chunks, batch=1):
+  mesh = kvr_jax.make_mesh(len(chunks))
+  fn = runahead.compiled_prefill(model.graphdef, mesh, tuple(chunks))
+  tokens = runahead.pad_chunks(np.zeros((batch, sum(chunks)), np.int32), tuple(chunks))
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  lowered = fn.lower(model.state_on(replicated), jax.device_put(tokens, by_rank))
+  return lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
+def test_hop_chain_one_pair_per_hop_and_exact_bytes(models, name):
+  """p-1 collective-permutes, hop k couples only (k, k+1) and carries exactly S_k tokens of
+  K and V with the model's own KV head count (Falcon-7B form: one head)."""
+  model, chunks, batch = models[name], (400, 250, 200, 174), 2
+  hlo = _compiled_kvr_hlo(model, chunks, batch)
+  hops = []
+  for line in hlo.splitlines():
+    m = re.search(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} collective-permute(?:-start)?\(", line)
+    if m:
+      pairs = re.search(r"source_target_pairs=\{(\{\d+,\d+\}(?:,\{\d+,\d+\})*)\}", line).group(1)
+      shape = tuple(int(d) for d in m.group(2).split(","))
+      hops.append((pairs, m.group(1), shape))
+  assert "all-gather" not in hlo
+  cfg = model.config
+  ends = np.cumsum(chunks)
+  assert len(hops) == len(chunks) - 1
+  for k, (pairs, dtype, shape) in enumerate(sorted(hops)):
+    assert pairs == f"{{{k},{k + 1}}}"
+    assert dtype == "f32"
+    assert shape == (2, batch, ends[k], cfg.num_kv_heads, cfg.head_dim)
+    assert np.prod(shape) * 4 == costs.kv_bytes(cfg, int(ends[k]), batch, 4)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
+def test_each_rank_computes_only_its_share(models, name):
+  """XLA's cost analysis of each rank's compiled layer follows c_i and c_i * S_i."""
+  model, chunks = models[name], (400, 250, 200, 174)
+  cfg = model.config
+  ends = np.cumsum(chunks)
+  graphdef, stacked = nnx.split(model.module.blocks)
+  layer0 = jax.tree.map(lambda a: a[0], stacked)
+  x = jax.ShapeDtypeStruct((1, max(chunks), cfg.d_model), np.float32)
+  prefix = jax.ShapeDtypeStruct((2, 1, sum(chunks), cfg.num_kv_heads, cfg.head_dim), np.float32)
+  for i in range(len(chunks)):
+
+    def rank_i(layer_state, x_BcD, kv_prefix, i=i):
+      return runahead.rank_layer(nnx.merge(graphdef, layer_state), x_BcD, kv_prefix, i, chunks)
+
+    compiled = jax.jit(rank_i).lower(layer0, x, prefix).compile()
+    measured = compiled.cost_analysis()["flops"]
+    analytic = costs.layer_flops(cfg, chunks[i], int(ends[i])).total
+    padded = costs.layer_flops(cfg, max(chunks), sum(chunks)).total
+    assert abs(measured / analytic - 1) < 0.10, (i, measured, analytic)
+    if i > 0:  # what a program that worked on padding would cost: clearly distinguishable
+      assert measured < 0.9 * padded
