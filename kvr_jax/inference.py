@@ -122,7 +122,8 @@ def prefill(
   tokens: [B, T] (or [T]) token ids, equal-length prompts.
   strategy: "single" (one device, the oracle), "tsp" (all-gather baseline) or "kvr"
     (KV-Runahead). mesh: from `make_mesh(p)`; default all local devices.
-  partition (kvr only): "even" or p chunk lengths summing to T, rank 0 the earliest tokens.
+  partition (kvr only): p chunk lengths summing to T (rank 0 the earliest tokens), or
+    "even", "search", "balanced", "predict", or a `PartitionPlan` (see kvr_jax.partition).
   """
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
@@ -160,7 +161,16 @@ def prefill(
     logits_BV = jax.device_put(_shard_on(logits, mesh.devices.reshape(-1)[owner]), last)
     return PrefillResult(logits_BV, kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, None)
 
-  chunks = resolve_partition(partition, T, p)
+  preset = model.source[len("preset:") :] if model.source.startswith("preset:") else None
+  chunks = resolve_partition(
+    partition,
+    T,
+    p,
+    config=model.config,
+    batch=B,
+    dtype_bytes=jnp.dtype(model.dtype).itemsize,
+    model_name=preset,
+  )
   run = runahead.compiled_prefill(model.graphdef, mesh, chunks)
   logits, kv = run(state, jax.device_put(runahead.pad_chunks(tokens_BT, chunks), by_rank))
   kv_L2BSKH = _shard_on(kv, last)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 
 
@@ -29,20 +31,82 @@ def check_partition(partition: Sequence[int], context_len: int, num_ranks: int) 
   return chunks
 
 
-def resolve_partition(partition, context_len: int, num_ranks: int) -> tuple[int, ...]:
-  """`"even"` or explicit lengths -> a validated tuple of p chunk lengths."""
+METHODS = ("even", "search", "balanced", "predict")
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionPlan:
+  """How to choose chunk lengths when they are not given explicitly.
+
+  method: "even" (KVR-E), "search" (KVR-S, modelled TTFT), "balanced" (equal modelled compute)
+    or "predict" (KVR-P, interpolated from a table in configs/partitions/).
+  hardware, links: cost-model presets (kvr_jax.costmodel); "local" is measured on this machine.
+  multiple: boundaries held to multiples of this (kernel-friendly shapes).
+  table_model: which model's table "predict" reads (default: the preset the model came from).
+  """
+
+  method: str = "even"
+  hardware: str = "local"
+  links: str = "local"
+  multiple: int = 1
+  table_model: str | None = None
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise ValueError(f"unknown partition method {self.method!r}; expected one of {METHODS}")
+    if not isinstance(self.multiple, int) or self.multiple < 1:
+      raise ValueError(f"`multiple` must be a positive integer, got {self.multiple!r}")
+
+
+def resolve_partition(partition, context_len: int, num_ranks: int, *, config=None,
+                      batch: int = 1, dtype_bytes: int = 4,
+                      model_name: str | None = None) -> tuple[int, ...]:
+  """`"even"`, `"search"`, `"balanced"`, `"predict"`, a PartitionPlan or explicit lengths ->
+  a validated tuple of p chunk lengths (rank 0 first)."""
   if num_ranks > context_len:
-    raise ValueError(
-      f"{num_ranks} ranks but only {context_len} prompt tokens: every rank needs "
-      "at least one token; use fewer devices"
-    )
-  if partition is None or partition == "even":
-    return even_partition(context_len, num_ranks)
+    raise ValueError(f"{num_ranks} ranks but only {context_len} prompt tokens: every rank needs "
+                     "at least one token; use fewer devices")
+  if partition is None:
+    partition = "even"
   if isinstance(partition, str):
-    raise ValueError(
-      f"unknown partition {partition!r}; expected 'even' or a list of p chunk lengths"
-    )
+    if partition not in METHODS:
+      raise ValueError(f"unknown partition {partition!r}; expected one of {METHODS} or a list "
+                       "of p chunk lengths")
+    partition = PartitionPlan(partition)
+  if isinstance(partition, PartitionPlan):
+    return _plan_chunks(partition, context_len, num_ranks, config, batch, dtype_bytes,
+                        model_name)
   return check_partition(partition, context_len, num_ranks)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_chunks(plan: PartitionPlan, context_len, num_ranks, config, batch, dtype_bytes,
+                 model_name) -> tuple[int, ...]:
+  from kvr_jax import search  # the cost model is only needed for these methods
+
+  if plan.method == "even":
+    chunks = even_partition(context_len, num_ranks)
+    if plan.multiple == 1:
+      return chunks
+    return search.round_to_multiple(chunks, context_len, plan.multiple)
+  if config is None:
+    raise ValueError(f"partition method {plan.method!r} needs the model config")
+  sim = dict(batch=batch, hardware=plan.hardware, links=plan.links, dtype_bytes=dtype_bytes)
+  if plan.method == "balanced":
+    return search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple,
+                                     **sim)
+  if plan.method == "search":
+    start = search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple,
+                                      **sim)
+    objective = search.modelled_objective(config, context_len, num_ranks, **sim)
+    return search.search_partition(objective, context_len, num_ranks, multiple=plan.multiple,
+                                   start=start)
+  name = plan.table_model or model_name
+  if name is None:
+    raise ValueError("partition 'predict' needs a table: pass PartitionPlan('predict', "
+                     "table_model=<preset name>, hardware=..., links=...)")
+  table = search.load_table(name, plan.hardware, plan.links, num_ranks)
+  return search.predict_partition(table, context_len, plan.multiple)
 
 
 def prefix_ends(chunks: Sequence[int]) -> tuple[int, ...]:
