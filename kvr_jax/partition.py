@@ -58,30 +58,40 @@ class PartitionPlan:
       raise ValueError(f"`multiple` must be a positive integer, got {self.multiple!r}")
 
 
-def resolve_partition(partition, context_len: int, num_ranks: int, *, config=None,
-                      batch: int = 1, dtype_bytes: int = 4,
-                      model_name: str | None = None) -> tuple[int, ...]:
+def resolve_partition(
+  partition,
+  context_len: int,
+  num_ranks: int,
+  *,
+  config=None,
+  batch: int = 1,
+  dtype_bytes: int = 4,
+  model_name: str | None = None,
+) -> tuple[int, ...]:
   """`"even"`, `"search"`, `"balanced"`, `"predict"`, a PartitionPlan or explicit lengths ->
   a validated tuple of p chunk lengths (rank 0 first)."""
   if num_ranks > context_len:
-    raise ValueError(f"{num_ranks} ranks but only {context_len} prompt tokens: every rank needs "
-                     "at least one token; use fewer devices")
+    raise ValueError(
+      f"{num_ranks} ranks but only {context_len} prompt tokens: every rank needs "
+      "at least one token; use fewer devices"
+    )
   if partition is None:
     partition = "even"
   if isinstance(partition, str):
     if partition not in METHODS:
-      raise ValueError(f"unknown partition {partition!r}; expected one of {METHODS} or a list "
-                       "of p chunk lengths")
+      raise ValueError(
+        f"unknown partition {partition!r}; expected one of {METHODS} or a list of p chunk lengths"
+      )
     partition = PartitionPlan(partition)
   if isinstance(partition, PartitionPlan):
-    return _plan_chunks(partition, context_len, num_ranks, config, batch, dtype_bytes,
-                        model_name)
+    return _plan_chunks(partition, context_len, num_ranks, config, batch, dtype_bytes, model_name)
   return check_partition(partition, context_len, num_ranks)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_chunks(plan: PartitionPlan, context_len, num_ranks, config, batch, dtype_bytes,
-                 model_name) -> tuple[int, ...]:
+def _plan_chunks(
+  plan: PartitionPlan, context_len, num_ranks, config, batch, dtype_bytes, model_name
+) -> tuple[int, ...]:
   from kvr_jax import search  # the cost model is only needed for these methods
 
   if plan.method == "even":
@@ -93,18 +103,19 @@ def _plan_chunks(plan: PartitionPlan, context_len, num_ranks, config, batch, dty
     raise ValueError(f"partition method {plan.method!r} needs the model config")
   sim = dict(batch=batch, hardware=plan.hardware, links=plan.links, dtype_bytes=dtype_bytes)
   if plan.method == "balanced":
-    return search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple,
-                                     **sim)
+    return search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple, **sim)
   if plan.method == "search":
-    start = search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple,
-                                      **sim)
+    start = search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple, **sim)
     objective = search.modelled_objective(config, context_len, num_ranks, **sim)
-    return search.search_partition(objective, context_len, num_ranks, multiple=plan.multiple,
-                                   start=start)
+    return search.search_partition(
+      objective, context_len, num_ranks, multiple=plan.multiple, start=start
+    )
   name = plan.table_model or model_name
   if name is None:
-    raise ValueError("partition 'predict' needs a table: pass PartitionPlan('predict', "
-                     "table_model=<preset name>, hardware=..., links=...)")
+    raise ValueError(
+      "partition 'predict' needs a table: pass PartitionPlan('predict', "
+      "table_model=<preset name>, hardware=..., links=...)"
+    )
   table = search.load_table(name, plan.hardware, plan.links, num_ranks)
   return search.predict_partition(table, context_len, plan.multiple)
 

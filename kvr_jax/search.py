@@ -60,7 +60,7 @@ def round_to_multiple(chunks: Sequence[float], context_len: int, multiple: int =
   for k in range(p - 1):  # strictly increasing, room left for the later chunks
     low = (bounds[k - 1] if k else 0) + multiple
     high = context_len - 1 - (p - 2 - k) * multiple
-    high -= (high - 0) % multiple if multiple > 1 else 0
+    high -= high % multiple
     bounds[k] = min(max(bounds[k], low), high)
   return _to_chunks(bounds, context_len)
 
@@ -76,10 +76,10 @@ def search_partition(
 ) -> tuple[int, ...]:
   """Hierarchical grid search for the chunk lengths that minimise `objective`.
 
-  Boundaries move on a grid of `step` multiples, from a coarse step (about C/2p) halving to
-  one multiple. At each step every move of a contiguous run of boundaries by +-step (moving
-  tokens from one chunk to another, possibly non-adjacent) is tried, best-improvement, until
-  none improves; then the step halves. Each partition is evaluated once (memoised).
+  The grid step starts coarse (about C/2p tokens) and halves down to one `multiple`. At each
+  step, every transfer of `step` tokens from one chunk to another (adjacent or not: moving the
+  run of boundaries between them) is tried, best improvement first, until none improves; then
+  the step halves around the best point. Each partition is evaluated once (memoised).
   """
   _check_search_args(context_len, num_ranks, multiple)
   p = num_ranks
@@ -87,45 +87,42 @@ def search_partition(
     return (context_len,)
   cache: dict[tuple[int, ...], float] = {}
 
-  def cost(bounds: tuple[int, ...]) -> float:
-    if bounds not in cache:
-      cache[bounds] = objective(_to_chunks(bounds, context_len))
+  def cost(chunks: tuple[int, ...]) -> float:
+    if chunks not in cache:
+      cache[chunks] = objective(chunks)
       if progress is not None:
         progress(len(cache))
-    return cache[bounds]
+    return cache[chunks]
 
-  def valid(bounds) -> bool:
-    edges = (0, *bounds, context_len)
-    return all(edges[i + 1] - edges[i] >= 1 for i in range(p)) and all(
-      b % multiple == 0 for b in bounds
-    )
+  def smallest(i: int) -> int:  # the last chunk only needs one token; the others a multiple
+    return 1 if i == p - 1 else multiple
 
   starts = [round_to_multiple(even_partition(context_len, p), context_len, multiple)]
   if start is not None:
     starts.append(round_to_multiple(start, context_len, multiple))
-  best = min((tuple(prefix_ends(s)[:-1]) for s in starts), key=cost)
+  best = min(starts, key=cost)
   units = max(context_len // (2 * p * multiple), 1)
   step = 1 << (units.bit_length() - 1)
   while step >= 1:
     delta = step * multiple
     while True:
       candidates = []
-      for lo in range(p - 1):
-        for hi in range(lo, p - 1):
-          for sign in (-1, 1):
+      for donor in range(p):
+        if best[donor] - delta < smallest(donor):
+          continue
+        for taker in range(p):
+          if taker != donor:
             moved = list(best)
-            for k in range(lo, hi + 1):
-              moved[k] += sign * delta
-            moved = tuple(moved)
-            if valid(moved):
-              candidates.append(moved)
+            moved[donor] -= delta
+            moved[taker] += delta
+            candidates.append(tuple(moved))
       better = min(candidates, key=cost, default=best)
       if cost(better) < cost(best):
         best = better
       else:
         break
     step //= 2
-  return _to_chunks(best, context_len)
+  return best
 
 
 def modelled_objective(
@@ -137,6 +134,39 @@ def modelled_objective(
       config, "kvr", context_len, num_ranks=num_ranks, partition=chunks, **sim_kwargs
     ).ttft
   )
+
+
+def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
+  """t(c, S): one layer's modelled compute time for c queries over S keys, fast.
+
+  Every phase's FLOPs and bytes are bilinear in (c, S), so four evaluations of
+  costmodel.phase_work give exact coefficients; the roofline max is then taken per phase.
+  """
+  coefficients = []
+  for name in ("qkv", "attention", "rest"):
+
+    def at(c, s, name=name):
+      w = costmodel.phase_work(config, c, s, **kw)[name]
+      return w.flops, w.bytes
+
+    (f00, b00), (f10, b10), (f01, b01), (f11, b11) = at(0, 0), at(1, 0), at(0, 1), at(1, 1)
+    coefficients.append(
+      (
+        (f00, f10 - f00, f01 - f00, f11 - f10 - f01 + f00),
+        (b00, b10 - b00, b01 - b00, b11 - b10 - b01 + b00),
+      )
+    )
+
+  def time(c: float, s: float) -> float:
+    total = 0.0
+    for (f0, fc, fs, fcs), (b0, bc, bs, bcs) in coefficients:
+      total += max(
+        (f0 + fc * c + fs * s + fcs * c * s) / hw.flops,
+        (b0 + bc * c + bs * s + bcs * c * s) / hw.bandwidth,
+      )
+    return total
+
+  return time
 
 
 def balanced_partition(
@@ -154,66 +184,76 @@ def balanced_partition(
   """Chunks that equalise each rank's modelled per-layer compute time (no search).
 
   Communication is ignored (sends are asynchronous and, at high bandwidth, hidden); at low
-  bandwidth the chain of hops dominates and `search` does clearly better.
-
-  For a target time T, rank 0 takes the largest chunk whose compute fits in T, rank
-  1 likewise given S_0, and so on; the last rank takes the rest. Bisection on T makes the last
-  rank's time equal T too.
+  bandwidth the chain of hops dominates and `search` does clearly better. For a target time
+  T, rank 0 takes the largest chunk whose compute fits in T, rank 1 likewise given S_0, and so
+  on; the last rank takes the rest. Bisection on T makes the last rank's time equal T too.
   """
   _check_search_args(context_len, num_ranks, multiple)
   p, C = num_ranks, context_len
   if p == 1:
     return (C,)
-  hw = costmodel.hardware_preset(hardware) if isinstance(hardware, str) else hardware
   del links  # communication is not part of the balance (see docstring)
-  kw = dict(batch=batch, dtype_bytes=dtype_bytes, scores_in_memory=scores_in_memory)
+  hw = costmodel.hardware_preset(hardware) if isinstance(hardware, str) else hardware
+  compute = _compute_time_fn(
+    config, hw, batch=batch, dtype_bytes=dtype_bytes, scores_in_memory=scores_in_memory
+  )
 
-  def busy(rank: int, c: float, start: float) -> float:
-    t = sum(w.time(hw) for w in costmodel.phase_work(config, c, start + c, **kw).values())
-    return t
-
-  def chunks_for(target: float) -> list[float]:
+  def chunks_for(target: float) -> list[float] | None:
+    """Greedy chunks for time `target`; None when the first p-1 ranks already take all C."""
     out, start = [], 0.0
-    for rank in range(p - 1):
+    for _ in range(p - 1):
       lo, hi = 0.0, C - start
-      for _ in range(60):
+      for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if busy(rank, mid, start) <= target else (lo, mid)
+        lo, hi = (mid, hi) if compute(mid, start + mid) <= target else (lo, mid)
       out.append(lo)
       start += lo
+      if start >= C:
+        return None
     out.append(C - start)
     return out
 
-  lo, hi = 0.0, busy(p - 1, C, 0.0) * 2
-  for _ in range(80):
+  lo, hi = 0.0, compute(C, C) * 2
+  for _ in range(50):
     mid = (lo + hi) / 2
     chunks = chunks_for(mid)
-    last_start = C - chunks[-1]
-    if busy(p - 1, chunks[-1], last_start) > mid:
-      lo = mid
+    if chunks is not None and compute(chunks[-1], C) > mid:
+      lo = mid  # the last rank is left with more than T: raise T
     else:
       hi = mid
-  return round_to_multiple(chunks_for(hi), C, multiple)
+  chunks = chunks_for(lo) or even_partition(C, p)
+  return round_to_multiple(chunks, C, multiple)
 
 
 # --- KVR-P: tables of searched partitions ------------------------------------------------------
 
 
-def table_path(model: str, hardware: str, links: str, num_ranks: int) -> str:
-  return os.path.join(PARTITION_DIR, f"{model}__{hardware}__{links}__p{num_ranks}.json")
+def table_path(
+  model: str, hardware: str, links: str, num_ranks: int, directory: str = PARTITION_DIR
+) -> str:
+  return os.path.join(directory, f"{model}__{hardware}__{links}__p{num_ranks}.json")
 
 
-def load_table(model: str, hardware: str, links: str, num_ranks: int) -> dict:
-  path = table_path(model, hardware, links, num_ranks)
+def load_table(
+  model: str, hardware: str, links: str, num_ranks: int, directory: str = PARTITION_DIR
+) -> dict:
+  """The KVR-P table for (model, hardware, links, p); checks it is the table it claims."""
+  path = table_path(model, hardware, links, num_ranks, directory)
   if not os.path.exists(path):
-    have = sorted(f[:-5] for f in os.listdir(PARTITION_DIR)) if os.path.isdir(PARTITION_DIR) else []
+    have = sorted(f[:-5] for f in os.listdir(directory)) if os.path.isdir(directory) else []
     raise ValueError(
       f"no partition table for model={model!r}, hardware={hardware!r}, "
       f"links={links!r}, p={num_ranks} ({path}); tables: {have}. Regenerate with "
       "`python -m launch.partition_tables`"
     )
-  with open(path) as f:
-    table = json.load(f)
+  try:
+    with open(path) as f:
+      table = json.load(f)
+    entries_ok = all(len(e["partition"]) == num_ranks for e in table["entries"])
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f"{path}: corrupt partition table ({e!r})") from None
+  if not entries_ok or not table["entries"]:
+    raise ValueError(f"{path}: corrupt partition table (entries must have {num_ranks} chunks)")
   expected = {"model": model, "hardware": hardware, "links": links, "num_ranks": num_ranks}
   for key, value in expected.items():
     if table.get(key) != value:

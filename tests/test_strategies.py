@@ -238,3 +238,14 @@ def test_each_rank_computes_only_its_share(models, name):
     assert abs(measured / analytic - 1) < 0.10, (i, measured, analytic)
     if i > 0:  # what a program that worked on padding would cost: clearly distinguishable
       assert measured < 0.9 * padded
+
+
+@pytest.mark.parametrize("method", ["search", "balanced"])
+def test_cost_model_partitions_run_and_match_single(models, prompts, oracle, method):
+  """ "search"/"balanced" pick uneven chunks from the cost model (local preset); the result is
+  still exact, and the chosen partition is reported."""
+  got = kvr_jax.prefill(
+    models["tiny-llama"], prompts[1], strategy="kvr", mesh=kvr_jax.make_mesh(3), partition=method
+  )
+  assert len(got.partition) == 3 and sum(got.partition) == CONTEXT
+  assert_close(got.logits, oracle[("tiny-llama", 1)].logits, "logits")

@@ -1,0 +1,261 @@
+"""The cost model, the timeline simulator and the partition methods (all modelled, no devices
+except the FLOP check against XLA's cost analysis)."""
+
+import dataclasses
+import itertools
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import kvr_jax
+from kvr_jax import costmodel, search, tables, tsp
+from kvr_jax.inference import _compiled_single
+from kvr_jax.loading import build_model
+from kvr_jax.partition import PartitionPlan, resolve_partition
+from models.config import LlamaConfig
+
+LLAMA7 = kvr_jax.preset_config("llama-2-7b")
+
+
+def unit_config():
+  """One KV head of dimension 2 (RoPE needs pairs), batch 1, 1-byte values: a token's K (or V)
+  is 2 bytes, so K and V of n tokens are 4n bytes."""
+  return LlamaConfig(
+    vocab_size=8,
+    d_model=2,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=2,
+    mlp_dim=2,
+    max_position_embeddings=64,
+    norm_eps=1e-5,
+  )
+
+
+# --- the paper's worked example and hand-computed timelines -----------------------------------
+
+
+def test_paper_example_c9_p3_score_entries_and_traffic():
+  from kvr_jax import costs
+
+  cfg = unit_config()
+  attention = [costs.layer_flops(cfg, c, s).attention for c, s in ((4, 4), (3, 7), (2, 9))]
+  unit = costs.layer_flops(cfg, 1, 1).attention
+  assert [a / unit for a in attention] == [16, 21, 18]  # critical rank: 21 entries
+  assert costs.layer_flops(cfg, 3, 9).attention / unit == 27  # TSP, every rank
+  kvr = costmodel.simulate(cfg, "kvr", 9, num_ranks=3, partition=(4, 3, 2), dtype_bytes=1)
+  assert kvr.link_bytes == [4 * 4, 4 * 7]  # 4 + 7 = 11 tokens per tensor
+  tsp_sim = costmodel.simulate(cfg, "tsp", 9, num_ranks=3, dtype_bytes=1)
+  assert sum(tsp_sim.link_bytes) == 4 * 18  # 2 x 18 = 36 K/V entries exchanged
+
+
+def test_kvr_timeline_hand_computed():
+  # C=9, p=3, (4,3,2): attention c_i*S_i = 16, 21, 18 time units; hop k carries S_k units.
+  # Layer 1: r0 sends [0,4) 0->4, done 16; r1 ready 4, sends [0,7) 4->11, done 25;
+  #          r2 ready 11, done 29.
+  # Layer 2: r0 sends 16->20, done 32; r1 ready max(25,20)=25, sends 25->32, done 46;
+  #          r2 ready max(29,32)=32, done 50.
+  finish = costmodel.kvr_timeline([0, 0, 0], [16, 21, 18], [4, 7], num_layers=2)
+  assert finish == [32, 46, 50]
+
+
+def test_kvr_timeline_one_slow_link_hand_computed():
+  # As above with link 1 three times slower (hop 1 takes 20): layer 1 r2 ready 24, done 42;
+  # layer 2 r1 sends at max(25, link free 24) = 25 -> 45; r2 ready 45, done 63.
+  finish = costmodel.kvr_timeline([0, 0, 0], [16, 21, 18], [4, 20], num_layers=2)
+  assert finish == [32, 46, 63]
+
+
+def test_kvr_timeline_qkv_overlaps_waiting():
+  # A receiver computes its own qkv while the prefix is in flight: waiting costs max, not sum.
+  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], num_layers=1) == [4, 9]
+
+
+def test_tsp_timeline_is_a_barrier_per_layer():
+  assert costmodel.tsp_timeline(2.0, 3.0, 5.0, num_layers=4) == 40.0
+
+
+def test_slow_link_only_slows_its_hop():
+  fast = costmodel.Links(100.0, 0.0)
+  slow = fast.with_slow_link(1, 10.0)
+  assert [slow.link_bandwidth(k) for k in range(3)] == [100.0, 10.0, 100.0]
+  assert slow.slowest(4) == 10.0
+  cfg = kvr_jax.preset_config("tiny-llama")
+  hw = costmodel.Hardware("unit", 1e12, 1e12, 1.0, 1.0)
+  base = costmodel.simulate(cfg, "tsp", 64, num_ranks=4, hardware=hw, links=fast)
+  slower = costmodel.simulate(cfg, "tsp", 64, num_ranks=4, hardware=hw, links=slow)
+  assert slower.ttft > base.ttft  # the ring all-gather is bound by its slowest link
+
+
+# --- FLOP counts against the compiled programs ------------------------------------------------
+
+
+def _one_layer(name):
+  config = dataclasses.replace(kvr_jax.preset_config(name), num_layers=1)
+  return kvr_jax.Model(build_model(config)), config
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
+def test_single_program_flops_match_xla(name):
+  model, config = _one_layer(name)
+  C = 512
+  tokens = jax.ShapeDtypeStruct((1, C), np.int32)
+  compiled = _compiled_single(model.graphdef).lower(model.state, tokens).compile()
+  measured = compiled.cost_analysis()["flops"]
+  phases = costmodel.phase_work(config, C, C, batch=1, dtype_bytes=4)
+  modelled = sum(w.flops for w in phases.values()) + costmodel.head_work(config, 1, 4).flops
+  assert abs(measured / modelled - 1) < 0.10, (measured, modelled)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
+def test_tsp_program_flops_match_xla(name):
+  model, config = _one_layer(name)
+  C, p = 1000, 4  # padded to 4 x 250
+  mesh = kvr_jax.make_mesh(p)
+  fn, _ = tsp.compiled_prefill(model.graphdef, mesh, C)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  tokens = jax.device_put(tsp.pad_shards(np.zeros((1, C), np.int32), p), by_rank)
+  measured = fn.lower(model.state_on(replicated), tokens).compile().cost_analysis()["flops"]
+  sim = costmodel.simulate(config, "tsp", C, num_ranks=p, dtype_bytes=4)
+  modelled = sim.rank_flops[0] + costmodel.head_work(config, 1, 4).flops
+  assert abs(measured / modelled - 1) < 0.10, (measured, modelled)
+
+
+def test_kvr_rank_flops_follow_the_partition():
+  chunks = (400, 250, 200, 174)
+  sim = costmodel.simulate(LLAMA7, "kvr", 1024, num_ranks=4, partition=chunks)
+  from kvr_jax import costs
+
+  ends = np.cumsum(chunks)
+  for i in range(4):
+    assert sim.rank_flops[i] == pytest.approx(costs.layer_flops(LLAMA7, chunks[i], ends[i]).total)
+
+
+# --- partition methods ------------------------------------------------------------------------
+
+
+def _brute_force(objective, C, p):
+  best = None
+  for bounds in itertools.combinations(range(1, C), p - 1):
+    chunks = tuple(np.diff((0, *bounds, C)))
+    value = objective(chunks)
+    if best is None or value < best[0]:
+      best = (value, chunks)
+  return best
+
+
+@pytest.mark.parametrize(
+  "model,C,p,links",
+  [
+    ("llama-2-7b", 24, 3, "300GBps"),
+    ("llama-2-7b", 16, 4, "10GBps"),
+    ("falcon-7b", 20, 4, "300GBps"),
+    ("tiny-llama", 30, 3, "10GBps"),
+  ],
+)
+def test_search_finds_the_brute_force_optimum(model, C, p, links):
+  config = kvr_jax.preset_config(model)
+  objective = search.modelled_objective(config, C, p, links=links)
+  found = search.search_partition(objective, C, p)
+  best_value, best_chunks = _brute_force(objective, C, p)
+  assert objective(found) == pytest.approx(best_value, rel=1e-12), (found, best_chunks)
+
+
+def test_search_respects_a_multiple():
+  objective = search.modelled_objective(LLAMA7, 4100, 4)
+  chunks = search.search_partition(objective, 4100, 4, multiple=128)
+  assert sum(chunks) == 4100 and all(c % 128 == 0 for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("C", [5, 9, 17, 64, 1000])
+@pytest.mark.parametrize("method", ["search", "balanced", "predict", "even"])
+def test_every_partition_is_valid(C, method):
+  # p close to C where C is small; a long prompt with the usual rank counts.
+  ranks = {1, 2, 3, min(8, C), C - 1, C} if C <= 64 else {1, 2, 3, 8}
+  for p in sorted(ranks - {0}):
+    plan = PartitionPlan(method, hardware="a100-80gb", links="10GBps", table_model="llama-2-7b")
+    if method == "predict" and p not in tables.TABLE_RANKS:
+      continue
+    chunks = resolve_partition(plan, C, p, config=LLAMA7, dtype_bytes=2)
+    assert len(chunks) == p and sum(chunks) == C and min(chunks) >= 1, (method, C, p, chunks)
+
+
+def test_predict_is_exact_at_table_points():
+  for path in sorted(__import__("glob").glob(f"{search.PARTITION_DIR}/*.json")):
+    with open(path) as f:
+      table = json.load(f)
+    for entry in table["entries"]:
+      assert search.predict_partition(table, entry["context_len"]) == tuple(entry["partition"])
+
+
+def test_predict_interpolates_fractions_between_entries():
+  table = {
+    "num_ranks": 2,
+    "entries": [
+      {"context_len": 100, "partition": [60, 40]},
+      {"context_len": 300, "partition": [150, 150]},
+    ],
+  }
+  # Halfway (C=200): boundary fraction (0.6 + 0.5) / 2 = 0.55 -> 110.
+  assert search.predict_partition(table, 200) == (110, 90)
+  # Outside the range: the nearest entry's fractions (clamped).
+  assert search.predict_partition(table, 1000) == (500, 500)
+  assert search.predict_partition(table, 50) == (30, 20)
+
+
+def test_shipped_tables_are_current():
+  """The committed tables equal a fresh search (so the regeneration command is the truth)."""
+  table = tables.build_table("falcon-7b", "a100-80gb", "300GBps", 4, context_lens=(1024, 16384))
+  with open(search.table_path("falcon-7b", "a100-80gb", "300GBps", 4)) as f:
+    shipped = {e["context_len"]: e["partition"] for e in json.load(f)["entries"]}
+  for entry in table["entries"]:
+    assert shipped[entry["context_len"]] == entry["partition"]
+
+
+def test_balanced_comes_close_to_search_at_high_bandwidth():
+  for C in (2048, 8192):
+    objective = search.modelled_objective(LLAMA7, C, 8, links="300GBps")
+    balanced = search.balanced_partition(LLAMA7, C, 8, links="300GBps")
+    searched = search.search_partition(objective, C, 8, start=balanced)
+    assert objective(balanced) <= 1.02 * objective(searched)
+
+
+def test_local_calibration_measures_positive_numbers():
+  hw, links = costmodel.hardware_preset("local"), costmodel.links_preset("local")
+  assert hw.flops > 1e8 and hw.bandwidth > 1e8
+  assert links.bandwidth > 1e6 and links.latency > 0
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_inputs(tmp_path):
+  with pytest.raises(ValueError, match="p=9 ranks but only C=8"):
+    costmodel.simulate(LLAMA7, "tsp", 8, num_ranks=9)
+  with pytest.raises(ValueError, match="p=9 ranks but only C=8"):
+    search.search_partition(lambda c: 0.0, 8, 9)
+  with pytest.raises(ValueError, match="unknown hardware preset 'v100'"):
+    costmodel.simulate(LLAMA7, "single", 8, hardware="v100")
+  with pytest.raises(ValueError, match="unknown link preset"):
+    costmodel.simulate(LLAMA7, "tsp", 8, num_ranks=2, links="1GBps")
+  with pytest.raises(ValueError, match="no partition table for model='llama-3-8b'"):
+    search.load_table("llama-3-8b", "a100-80gb", "300GBps", 4)
+  wrong = search.table_path("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
+  with open(search.table_path("llama-2-7b", "a100-80gb", "300GBps", 4)) as f:
+    table = json.load(f)
+  with open(wrong, "w") as f:
+    json.dump(table, f)  # a llama table filed under falcon's name
+  with pytest.raises(ValueError, match="table is for model='llama-2-7b'"):
+    search.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
+  with open(wrong, "w") as f:
+    f.write("{not json")
+  with pytest.raises(ValueError, match="corrupt partition table"):
+    search.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
+  with pytest.raises(ValueError, match="unknown partition method"):
+    PartitionPlan("fastest")
+  with pytest.raises(ValueError, match="needs a table"):
+    resolve_partition("predict", 64, 2, config=LLAMA7)
