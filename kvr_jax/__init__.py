@@ -9,12 +9,13 @@ out = kvr_jax.generate(model, tokens, max_new_tokens=32, strategy="kvr", mesh=me
 from kvr_jax.inference import STRATEGIES, GenerationResult, PrefillResult, generate, prefill
 from kvr_jax.loading import Model, load_model, preset_config, preset_names, save_model
 from kvr_jax.mesh import AXIS, make_mesh
-from kvr_jax.partition import even_partition, resolve_partition
+from kvr_jax.partition import PartitionPlan, even_partition, resolve_partition
 
 __all__ = [
   "AXIS",
   "GenerationResult",
   "Model",
+  "PartitionPlan",
   "PrefillResult",
   "STRATEGIES",
   "even_partition",

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from kvr_jax import decode, runahead, tsp
 from kvr_jax.loading import Model
 from kvr_jax.mesh import AXIS, check_mesh, last_rank_device, make_mesh
-from kvr_jax.partition import resolve_partition
+from kvr_jax.partition import PartitionPlan, resolve_partition
 
 STRATEGIES = ("single", "tsp", "kvr")
 TRACE_COUNT = {"single": 0}
@@ -161,6 +161,12 @@ def prefill(
     logits_BV = jax.device_put(_shard_on(logits, mesh.devices.reshape(-1)[owner]), last)
     return PrefillResult(logits_BV, kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, None)
 
+  if isinstance(partition, PartitionPlan) and partition.objective == "measured":
+    from kvr_jax import search
+
+    partition = search.measured_search(
+      model, tokens_BT, mesh, multiple=partition.multiple, cache_path=partition.cache_path
+    )
   preset = model.source[len("preset:") :] if model.source.startswith("preset:") else None
   chunks = resolve_partition(
     partition,

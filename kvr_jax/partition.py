@@ -43,6 +43,8 @@ class PartitionPlan:
   hardware, links: cost-model presets (kvr_jax.costmodel); "local" is measured on this machine.
   multiple: boundaries held to multiples of this (kernel-friendly shapes).
   table_model: which model's table "predict" reads (default: the preset the model came from).
+  objective: "modelled" (cost model, seconds) or "measured" (times prefill on the mesh for
+    each candidate; `cache_path` keeps results on disk so an interrupted search resumes).
   """
 
   method: str = "even"
@@ -50,8 +52,14 @@ class PartitionPlan:
   links: str = "local"
   multiple: int = 1
   table_model: str | None = None
+  objective: str = "modelled"
+  cache_path: str | None = None
 
   def __post_init__(self):
+    if self.objective not in ("modelled", "measured"):
+      raise ValueError(f"`objective` must be 'modelled' or 'measured', got {self.objective!r}")
+    if self.objective == "measured" and self.method != "search":
+      raise ValueError("objective='measured' applies only to method='search'")
     if self.method not in METHODS:
       raise ValueError(f"unknown partition method {self.method!r}; expected one of {METHODS}")
     if not isinstance(self.multiple, int) or self.multiple < 1:

@@ -287,3 +287,104 @@ def predict_partition(table: dict, context_len: int, multiple: int = 1) -> tuple
   bounds = [f * context_len for f in frac]
   edges = [0.0, *bounds, float(context_len)]
   return round_to_multiple([edges[i + 1] - edges[i] for i in range(p)], context_len, multiple)
+
+
+# --- KVR-S with a measured objective -----------------------------------------------------------
+
+
+def measured_objective(
+  model, tokens, mesh, *, repeats: int = 3, cache_path: str | None = None
+) -> Objective:
+  """Measured KVR TTFT of a partition on `mesh` (median of `repeats` warm runs, seconds).
+
+  Every result is appended to `cache_path` (JSON) as soon as it is measured, so an interrupted
+  search resumes where it stopped. The file records what was measured (model, shape, devices)
+  and is refused if it belongs to another setup.
+  """
+  import statistics
+  import time
+
+  import jax
+  import numpy as np
+
+  from kvr_jax.inference import prefill
+
+  tokens = np.asarray(tokens)
+  setup = {
+    "model": model.source,
+    "config": model.config.to_dict(),
+    "shape": list(tokens.shape),
+    "devices": [str(d) for d in mesh.devices.reshape(-1)],
+    "device_kind": mesh.devices.reshape(-1)[0].device_kind,
+  }
+  results: dict[str, float] = {}
+  if cache_path and os.path.exists(cache_path):
+    try:
+      with open(cache_path) as f:
+        stored = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{cache_path}: corrupt measured-search cache ({e}); delete it") from None
+    if stored.get("setup") != json.loads(json.dumps(setup)):
+      raise ValueError(
+        f"{cache_path} holds measurements of another setup (model, prompt shape "
+        "or devices); use another cache path"
+      )
+    results = stored["results"]
+
+  def objective(chunks: tuple[int, ...]) -> float:
+    key = ",".join(map(str, chunks))
+    if key not in results:
+      run = lambda: jax.block_until_ready(  # noqa: E731
+        prefill(model, tokens, strategy="kvr", mesh=mesh, partition=list(chunks)).logits
+      )
+      run()  # compile and warm up
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+      results[key] = statistics.median(times)
+      if cache_path:
+        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+        tmp = cache_path + ".tmp"
+        with open(tmp, "w") as f:
+          json.dump({"setup": setup, "results": results}, f, indent=1)
+        os.replace(tmp, cache_path)  # atomic: an interruption never leaves half a file
+    return results[key]
+
+  return objective
+
+
+def measured_search(
+  model,
+  tokens,
+  mesh,
+  *,
+  multiple: int = 1,
+  repeats: int = 3,
+  cache_path: str | None = None,
+  start: Sequence[int] | None = None,
+  show_progress: bool = True,
+) -> tuple[int, ...]:
+  """KVR-S over measured TTFT on the actual mesh, with a progress bar; resumable from disk."""
+  from tqdm.auto import tqdm
+
+  from kvr_jax.mesh import check_mesh
+
+  p = check_mesh(mesh)
+  context_len = int(tokens.shape[-1])
+  objective = measured_objective(model, tokens, mesh, repeats=repeats, cache_path=cache_path)
+  bar = tqdm(
+    desc=f"measured KVR-S (C={context_len}, p={p})", unit=" partitions", disable=not show_progress
+  )
+  try:
+    return search_partition(
+      objective,
+      context_len,
+      p,
+      multiple=multiple,
+      start=start,
+      progress=lambda n: bar.update(n - bar.n),
+    )
+  finally:
+    bar.close()

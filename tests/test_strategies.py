@@ -249,3 +249,48 @@ def test_cost_model_partitions_run_and_match_single(models, prompts, oracle, met
   )
   assert len(got.partition) == 3 and sum(got.partition) == CONTEXT
   assert_close(got.logits, oracle[("tiny-llama", 1)].logits, "logits")
+
+
+def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
+  """objective='measured' times real prefills; an interrupted search resumes from its file."""
+  from kvr_jax import inference, search
+
+  model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
+  tokens = np.random.RandomState(3).randint(0, 512, (1, 64))
+  cache = str(tmp_path / "measured.json")
+  real_prefill = inference.prefill
+  calls = {"n": 0, "limit": None}
+
+  def counting_prefill(*args, **kwargs):
+    calls["n"] += 1
+    if calls["limit"] is not None and calls["n"] > calls["limit"]:
+      raise KeyboardInterrupt
+    return real_prefill(*args, **kwargs)
+
+  monkeypatch.setattr(inference, "prefill", counting_prefill)
+  calls["limit"] = 5  # two partitions measured (warm-up + 1 run each), then "Ctrl-C"
+  with pytest.raises(KeyboardInterrupt):
+    search.measured_search(
+      model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False
+    )
+  with open(cache) as f:
+    assert len(__import__("json").load(f)["results"]) == 2
+  calls.update(n=0, limit=None)
+  chunks = search.measured_search(
+    model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False
+  )
+  with open(cache) as f:
+    measured = len(__import__("json").load(f)["results"])
+  assert calls["n"] == 2 * (measured - 2)  # the first two were not measured again
+  assert sum(chunks) == 64 and chunks[0] % 16 == 0
+  calls["n"] = 0
+  assert (
+    search.measured_search(
+      model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False
+    )
+    == chunks
+  )
+  assert calls["n"] == 0  # fully resumed
+  other = np.random.RandomState(3).randint(0, 512, (2, 64))
+  with pytest.raises(ValueError, match="another setup"):
+    search.measured_search(model, other, mesh, cache_path=cache, show_progress=False)
