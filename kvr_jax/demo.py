@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvr_jax.inference import generate, prefill
+from kvr_jax.inference import STRATEGIES, generate, prefill
 from kvr_jax.loading import Model
 from kvr_jax.mesh import make_mesh
 
@@ -59,6 +59,11 @@ def compare_strategies(
   """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs."""
   if repeats < 1:
     raise ValueError(f"`repeats` must be >= 1, got {repeats}")
+  unknown = [s for s in strategies if s not in STRATEGIES]
+  if unknown or not strategies:
+    raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
+  # "single" first, so the others are compared with it.
+  strategies = sorted(strategies, key=lambda s: s != "single")
   mesh = make_mesh(num_devices)
   reference = None
   reports = []
@@ -71,7 +76,7 @@ def compare_strategies(
     result, first = _timed_prefill(model, tokens, **kwargs)
     runs = [_timed_prefill(model, tokens, **kwargs)[1] for _ in range(repeats)]
     logits = np.asarray(result.logits)
-    if reference is None:
+    if strategy == "single":
       reference = logits
     gen = generate(model, tokens, max_new_tokens, temperature=temperature, seed=seed, **kwargs)
     median = statistics.median(runs)
@@ -82,7 +87,9 @@ def compare_strategies(
         compile_s=max(first - median, 0.0),
         ttft_median_s=median,
         ttft_runs_s=runs,
-        max_logit_diff_vs_single=float(np.abs(logits - reference).max()),
+        max_logit_diff_vs_single=(
+          float("nan") if reference is None else float(np.abs(logits - reference).max())
+        ),
         first_tokens=[int(t) for t in gen.tokens[0]],
       )
     )

@@ -19,6 +19,7 @@ from kvr_jax import decode, runahead, tsp
 from kvr_jax.loading import Model
 from kvr_jax.mesh import AXIS, check_mesh, last_rank_device, make_mesh
 from kvr_jax.partition import PartitionPlan, resolve_partition
+from models.layers import ATTENTION_KINDS
 
 STRATEGIES = ("single", "tsp", "kvr")
 TRACE_COUNT = {"single": 0}
@@ -93,14 +94,14 @@ def _check_tokens(model: Model, tokens) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_single(graphdef):
+def _compiled_single(graphdef, attention: str = "dense"):
   from flax import nnx
 
   @jax.jit
   def run(state, tokens_BT):
     TRACE_COUNT["single"] += 1
     model = nnx.merge(graphdef, state)
-    x_BTD, k_LBTKH, v_LBTKH = model.forward(tokens_BT)
+    x_BTD, k_LBTKH, v_LBTKH = model.forward(tokens_BT, attention)
     return model.logits(x_BTD[:, -1:])[:, 0], k_LBTKH, v_LBTKH
 
   return run
@@ -115,7 +116,12 @@ def _shard_on(array: jax.Array, device) -> jax.Array:
 
 
 def prefill(
-  model: Model, tokens, strategy: str = "single", mesh=None, partition: Any = None
+  model: Model,
+  tokens,
+  strategy: str = "single",
+  mesh=None,
+  partition: Any = None,
+  attention: str = "dense",
 ) -> PrefillResult:
   """Runs the prompt phase and returns the last position's logits and the KV cache.
 
@@ -124,9 +130,19 @@ def prefill(
     (KV-Runahead). mesh: from `make_mesh(p)`; default all local devices.
   partition (kvr only): p chunk lengths summing to T (rank 0 the earliest tokens), or
     "even", "search", "balanced", "predict", or a `PartitionPlan` (see kvr_jax.partition).
+  attention: "dense" computes each rank's whole query x key rectangle and masks it (the
+    paper's accounting, and the default) or "blocked", which also skips fully masked blocks
+    inside it (single and kvr; TSP is dense by definition).
   """
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+  if attention not in ATTENTION_KINDS:
+    raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+  if strategy == "tsp" and attention != "dense":
+    raise ValueError(
+      "TSP computes dense masked scores by definition; attention='blocked' "
+      "applies to 'single' and 'kvr'"
+    )
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
   tokens_BT = _check_tokens(model, tokens)
@@ -136,7 +152,8 @@ def prefill(
       raise ValueError("`partition` applies only to strategy='kvr'")
     device = jax.devices()[0] if mesh is None else mesh.devices.reshape(-1)[0]
     state = model.state_on(device)
-    logits, k, v = _compiled_single(model.graphdef)(state, jax.device_put(tokens_BT, device))
+    run = _compiled_single(model.graphdef, attention)
+    logits, k, v = run(state, jax.device_put(tokens_BT, device))
     return PrefillResult(logits, k, v, T, strategy)
 
   mesh = make_mesh() if mesh is None else mesh
@@ -177,7 +194,7 @@ def prefill(
     dtype_bytes=jnp.dtype(model.dtype).itemsize,
     model_name=preset,
   )
-  run = runahead.compiled_prefill(model.graphdef, mesh, chunks)
+  run = runahead.compiled_prefill(model.graphdef, mesh, chunks, attention)
   logits, kv = run(state, jax.device_put(runahead.pad_chunks(tokens_BT, chunks), by_rank))
   kv_L2BSKH = _shard_on(kv, last)
   return PrefillResult(
@@ -218,6 +235,7 @@ def generate(
   strategy: str = "single",
   mesh=None,
   partition: Any = None,
+  attention: str = "dense",
 ) -> GenerationResult:
   """Prefill with `strategy`, then decode token by token from the KV cache.
 
@@ -243,7 +261,9 @@ def generate(
       f"max_position_embeddings={limit}"
     )
 
-  result = prefill(model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition)
+  result = prefill(
+    model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition, attention=attention
+  )
   device = result.device
   state = model.state_on(device)
   # Room for the new tokens, allocated where the cache already is.

@@ -128,8 +128,11 @@ def _load_tokenizer(directory: str):
   return transformers.AutoTokenizer.from_pretrained(directory)
 
 
-def load_hf_model(directory: str, dtype=jnp.float32) -> Model:
-  """Reads config.json and the safetensors weights of a Hugging Face directory."""
+def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> Model:
+  """Reads config.json and the safetensors weights of a Hugging Face directory.
+
+  progress: show a progress bar over the tensors read (for large checkpoints).
+  """
   with open(os.path.join(directory, "config.json")) as f:
     try:
       hf_config = json.load(f)
@@ -144,8 +147,12 @@ def load_hf_model(directory: str, dtype=jnp.float32) -> Model:
   buffers: dict[tuple[str, ...], np.ndarray] = {}
   filled: dict[tuple[str, ...], np.ndarray] = {}  # one flag per layer (or one for unstacked)
   origin: dict[tuple[str, ...], str] = {}
+  from tqdm.auto import tqdm
+
+  bar = tqdm(desc="reading tensors", unit=" tensors", disable=not progress)
   for path in files:
     for name, array in checkpoints.iter_safetensors(path):
+      bar.update()
       targets = checkpoints.hf_targets(config, name)
       if targets is None:
         if checkpoints.ignored_hf_tensor(config, name):
@@ -178,6 +185,7 @@ def load_hf_model(directory: str, dtype=jnp.float32) -> Model:
           buffers[param_path][layer] = value
           filled[param_path][layer] = True
 
+  bar.close()
   missing = []
   for param_path in flat_abstract:
     if param_path not in filled:

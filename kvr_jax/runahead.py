@@ -62,16 +62,22 @@ def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...], cache_len: 
   return q_pad, kv
 
 
-def attend_and_finish(block, x_BcD, q_BcNH, kv, i: int, chunks: tuple[int, ...]):
-  """Rank i, static shapes: its c_i queries against the S_i-key prefix, then the block's rest."""
+def attend_and_finish(
+  block, x_BcD, q_BcNH, kv, i: int, chunks: tuple[int, ...], attention: str = "dense"
+):
+  """Rank i, static shapes: its c_i queries against the S_i-key prefix, then the block's rest.
+
+  attention "dense" computes the c_i x S_i rectangle (the paper's count); "blocked" also skips
+  the masked upper triangle of the rank's own diagonal block.
+  """
   c, start, end = chunks[i], chunk_starts(chunks)[i], prefix_ends(chunks)[i]
   c_max = x_BcD.shape[1]
-  attn_BcNH = layers.attend(q_BcNH[:, :c], kv[0, :, :end], kv[1, :, :end], query_offset=start)
+  attn_BcNH = layers.attend_static(q_BcNH[:, :c], kv[0, :, :end], kv[1, :, :end], start, attention)
   out_BcD = block.finish(x_BcD[:, :c], attn_BcNH)
   return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
 
 
-def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...]):
+def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attention="dense"):
   """Rank i's whole layer given the prefix it received: the unit of per-rank cost.
 
   Used only to measure one rank's compiled cost in isolation (cost analysis); the SPMD program
@@ -79,7 +85,7 @@ def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...]):
   """
   q, kv = project_own_chunk(block, x_BcD, i, chunks, kv_prefix.shape[2])
   kv = kv + kv_prefix
-  return attend_and_finish(block, x_BcD, q, kv, i, chunks), kv
+  return attend_and_finish(block, x_BcD, q, kv, i, chunks, attention), kv
 
 
 def hop_chain(kv, rank, chunks: tuple[int, ...]):
@@ -93,7 +99,9 @@ def hop_chain(kv, rank, chunks: tuple[int, ...]):
   return kv
 
 
-def rank_program(graphdef, chunks: tuple[int, ...], cache_len: int) -> Callable:
+def rank_program(
+  graphdef, chunks: tuple[int, ...], cache_len: int, attention: str = "dense"
+) -> Callable:
   """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs."""
   p = len(chunks)
 
@@ -115,7 +123,10 @@ def rank_program(graphdef, chunks: tuple[int, ...], cache_len: int) -> Callable:
       kv = hop_chain(kv, rank, chunks)
       x_BcD = jax.lax.switch(
         rank,
-        [functools.partial(attend_and_finish, block, i=i, chunks=chunks) for i in range(p)],
+        [
+          functools.partial(attend_and_finish, block, i=i, chunks=chunks, attention=attention)
+          for i in range(p)
+        ],
         x_BcD,
         q_BcNH,
         kv,
@@ -132,8 +143,8 @@ def rank_program(graphdef, chunks: tuple[int, ...], cache_len: int) -> Callable:
 
 
 @functools.lru_cache(maxsize=64)
-def compiled_prefill(graphdef, mesh, chunks: tuple[int, ...]):
-  """The jitted KV-Runahead prefill for one (model graph, mesh, partition); cached.
+def compiled_prefill(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
+  """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention); cached.
 
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H]); only
   rank p-1's slice of each output is the answer (its shard lives on the last device).
@@ -141,7 +152,7 @@ def compiled_prefill(graphdef, mesh, chunks: tuple[int, ...]):
   P = jax.P
   context_len = sum(chunks)
   body = jax.shard_map(
-    rank_program(graphdef, chunks, context_len),
+    rank_program(graphdef, chunks, context_len, attention),
     mesh=mesh,
     in_specs=(P(), P(AXIS)),
     out_specs=(P(AXIS), P(AXIS)),

@@ -37,15 +37,24 @@ def user_errors():
     sys.exit(2)
 
 
-def parse_partition(text: str):
-  if text in ("even", "search", "predict", "balanced"):
-    return text
+def parse_partition(text: str, hardware: str = "local", links: str = "local"):
+  """--partition: a method name (with the cost-model presets) or comma-separated lengths."""
+  from kvr_jax.costmodel import HARDWARE, LINKS
+  from kvr_jax.partition import METHODS, PartitionPlan
+
+  if text in METHODS:
+    if hardware != "local" and hardware not in HARDWARE:
+      raise ValueError(
+        f"--hardware: unknown preset {hardware!r}; presets: {sorted(HARDWARE) + ['local']}"
+      )
+    if links != "local" and links not in LINKS:
+      raise ValueError(f"--links: unknown preset {links!r}; presets: {sorted(LINKS) + ['local']}")
+    return PartitionPlan(text, hardware=hardware, links=links)
   try:
     return [int(x) for x in text.split(",")]
   except ValueError:
     raise ValueError(
-      f"--partition must be even, search, predict, balanced or comma-separated "
-      f"integers, got {text!r}"
+      f"--partition must be one of {METHODS} or comma-separated integers, got {text!r}"
     ) from None
 
 

@@ -19,7 +19,13 @@ flags.DEFINE_string("model", "tiny-llama", "Preset name, Hugging Face directory 
 flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer); else --context_len.")
 flags.DEFINE_integer("context_len", 2048, "Length of the synthetic prompt.")
 flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Comma list of single, tsp, kvr.")
-flags.DEFINE_string("partition", "even", "KVR partition: even or comma-separated lengths.")
+flags.DEFINE_string(
+  "partition",
+  "search",
+  "KVR partition: even, search, predict, balanced or comma-separated lengths.",
+)
+flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/balanced/predict.")
+flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")
 flags.DEFINE_integer("num_devices", None, "Ranks in the mesh (default: all devices).")
 flags.DEFINE_string("dtype", "float32", "float32, bfloat16 or float16.")
 flags.DEFINE_integer("batch", 1, "Batch size (copies of the prompt for text prompts).")
@@ -42,7 +48,7 @@ def main(argv):
   with common.user_errors():
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
-    partition = common.parse_partition(FLAGS.partition)
+    partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)
     reports = demo.compare_strategies(
       model,
       tokens,

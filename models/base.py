@@ -91,9 +91,11 @@ class CausalLM(nnx.Module):
       )
     return jnp.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
 
-  def forward(self, tokens_BT: jax.Array):
+  def forward(self, tokens_BT: jax.Array, attention: str = "dense"):
     """The whole prompt on one device: final hidden states [B, T, D] and the KV cache.
 
+    attention: "dense" (the T x T score matrix, masked: what the paper's single-device and
+    Hugging Face eager baselines compute) or "blocked" (skips masked-out blocks).
     Returns (x_BTD, k_LBTKH, v_LBTKH).
     """
     B, T = tokens_BT.shape
@@ -101,7 +103,7 @@ class CausalLM(nnx.Module):
 
     def layer(block: Block, x_BTD, _):
       q, k, v = block.project_qkv(x_BTD, positions_BT)
-      attn_BTNH = layers.attend(q, k, v, query_offset=0)
+      attn_BTNH = layers.attend_static(q, k, v, 0, attention)
       return block.finish(x_BTD, attn_BTNH), (k, v)
 
     x_BTD, (k_LBTKH, v_LBTKH) = scan_blocks(self.blocks, layer, self.embed(tokens_BT))

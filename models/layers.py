@@ -22,6 +22,19 @@ from models.config import RopeConfig
 # uniform softmax instead of NaNs that would poison reductions downstream.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
+# Query block of the "blocked" attention (see attend_blocked): measured fastest of 64/128/256/512
+# on this 2-core CPU for T = 2048 and 4096.
+ATTENTION_BLOCK = 128
+ATTENTION_KINDS = ("dense", "blocked")
+
+
+def attend_static(q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str) -> jax.Array:
+  """`attend` ("dense": every score of the [T, S] rectangle, masked afterwards) or
+  `attend_blocked` ("blocked": masked-out query-key blocks skipped); the offset is static."""
+  if attention == "blocked":
+    return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, ATTENTION_BLOCK)
+  return attend(q_BTNH, k_BSKH, v_BSKH, query_offset)
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   """RMSNorm in float32 (as Hugging Face Llama does), cast back to the input dtype."""
@@ -116,8 +129,51 @@ def attend(
   )
   mask_TS = causal_mask(T, S, query_offset)
   scores_BKGTS = jnp.where(mask_TS, scores_BKGTS, _MASK_VALUE)
-  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+  # Softmax with the normalisation deferred to the [T, H] output: one pass fewer over the
+  # [T, S] scores than normalising the probabilities themselves.
+  max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
+  unnormalised_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
+  denominator_BTKG1 = jnp.einsum("BKGTS->BTKG", unnormalised_BKGTS)[..., None]
   out_BTKGH = jnp.einsum(
-    "BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH, preferred_element_type=jnp.float32
+    "BKGTS,BSKH->BTKGH",
+    unnormalised_BKGTS.astype(v_BSKH.dtype),
+    v_BSKH,
+    preferred_element_type=jnp.float32,
   )
+  out_BTKGH = out_BTKGH / denominator_BTKG1
   return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def attend_blocked(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  query_offset: int,
+  block_size: int,
+  *,
+  softmax_scale: float | None = None,
+) -> jax.Array:
+  """`attend` that skips the masked-out future: queries in static blocks of `block_size`, each
+  attending only to the keys up to its last query's position.
+
+  The offset must be static (a Python int). For T queries over S = offset + T keys this costs
+  T * offset + about T^2 / 2 score entries instead of T * S, and never materialises the whole
+  [T, S] score matrix. Same results as `attend` (each block still sees all of its keys).
+  """
+  T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+  if T <= block_size:
+    return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, softmax_scale=softmax_scale)
+  outputs = []
+  for start in range(0, T, block_size):
+    stop = min(start + block_size, T)
+    visible = min(query_offset + stop, S)  # keys past the block's last query are all masked
+    outputs.append(
+      attend(
+        q_BTNH[:, start:stop],
+        k_BSKH[:, :visible],
+        v_BSKH[:, :visible],
+        query_offset + start,
+        softmax_scale=softmax_scale,
+      )
+    )
+  return jnp.concatenate(outputs, axis=1)

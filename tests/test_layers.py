@@ -103,3 +103,16 @@ def test_future_token_has_no_influence_on_past_outputs():
   out2 = layers.attend(q, k2, v2, 0)
   np.testing.assert_allclose(out2[:, :5], out[:, :5], atol=TOL)
   assert not np.allclose(out2[:, 5:], out[:, 5:], atol=1e-2)
+
+
+@pytest.mark.parametrize("offset,T", [(0, 300), (37, 129), (5, 64)])
+def test_blocked_attention_equals_dense(offset, T):
+  B, N, K, H = 1, 4, 2, 8
+  keys = jax.random.split(jax.random.key(6), 3)
+  S = offset + T
+  q = jax.random.normal(keys[0], (B, T, N, H))
+  k = jax.random.normal(keys[1], (B, S, K, H))
+  v = jax.random.normal(keys[2], (B, S, K, H))
+  dense = layers.attend(q, k, v, offset)
+  np.testing.assert_allclose(layers.attend_blocked(q, k, v, offset, 128), dense, atol=TOL)
+  np.testing.assert_allclose(layers.attend_blocked(q, k, v, offset, 16), dense, atol=TOL)

@@ -294,3 +294,19 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   other = np.random.RandomState(3).randint(0, 512, (2, 64))
   with pytest.raises(ValueError, match="another setup"):
     search.measured_search(model, other, mesh, cache_path=cache, show_progress=False)
+
+
+@pytest.mark.parametrize("strategy,p,partition", [("single", 1, None), ("kvr", 3, [150, 60, 90])])
+def test_blocked_attention_matches_dense(models, strategy, p, partition):
+  """attention='blocked' skips masked blocks (blocks of 128 queries: 300 tokens span three)."""
+  model = models["tiny-falcon"]
+  tokens = np.random.RandomState(7).randint(0, 512, (2, 300))
+  kwargs = {} if strategy == "single" else {"mesh": kvr_jax.make_mesh(p), "partition": partition}
+  dense = kvr_jax.prefill(model, tokens, strategy=strategy, **kwargs)
+  blocked = kvr_jax.prefill(model, tokens, strategy=strategy, attention="blocked", **kwargs)
+  assert_close(blocked.logits, dense.logits, "logits")
+  assert_close(blocked.k_cache, dense.k_cache, "K cache")
+  with pytest.raises(ValueError, match="TSP computes dense"):
+    kvr_jax.prefill(model, tokens, strategy="tsp", attention="blocked")
+  with pytest.raises(ValueError, match="unknown attention"):
+    kvr_jax.prefill(model, tokens, attention="flash")
