@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax import decode, runahead, tsp
-from kvr_jax.loading import Model
+from kvr_jax.loading import Model, global_array
 from kvr_jax.mesh import AXIS, check_mesh, last_rank_device, make_mesh
 from kvr_jax.partition import PartitionPlan, resolve_partition
 from models.layers import ATTENTION_KINDS
@@ -31,7 +31,8 @@ class PrefillResult:
 
   logits: [B, V] float32, the last prompt position. k_cache, v_cache: [L, B, S, K, H] with
   S = prompt_len, on `device` (for KV-Runahead: the last rank's device, where the paper leaves
-  the cache).
+  the cache). With a mesh spanning processes, only the process of the last rank holds them;
+  elsewhere they are None (`is_local` is False).
   """
 
   logits: jax.Array
@@ -40,6 +41,10 @@ class PrefillResult:
   prompt_len: int
   strategy: str
   partition: tuple[int, ...] | None = None
+
+  @property
+  def is_local(self) -> bool:
+    return self.logits is not None
 
   @property
   def device(self):
@@ -53,9 +58,10 @@ class PrefillResult:
 @dataclasses.dataclass
 class GenerationResult:
   """tokens: [B, n] new token ids (rows that hit EOS early are padded with EOS);
-  text: the decoded new tokens per row when the model has a tokenizer."""
+  text: the decoded new tokens per row when the model has a tokenizer. Both are None in the
+  processes that do not hold the last rank (jax.distributed)."""
 
-  tokens: np.ndarray
+  tokens: np.ndarray | None
   text: list[str] | None
   prefill: PrefillResult
 
@@ -107,12 +113,22 @@ def _compiled_single(graphdef, attention: str = "dense"):
   return run
 
 
-def _shard_on(array: jax.Array, device) -> jax.Array:
-  """The single-device piece of a rank-sharded output that lives on `device`."""
+def _shard_on(array: jax.Array, device) -> jax.Array | None:
+  """The single-device piece of a rank-sharded output that lives on `device`; None when that
+  device belongs to another process (jax.distributed)."""
   for shard in array.addressable_shards:
     if shard.device == device:
       return shard.data[0]
-  raise ValueError(f"rank output on {device} is not addressable from this process")
+  return None
+
+
+def _result(logits, kv, last, T, strategy, chunks) -> PrefillResult:
+  kv_L2BSKH = _shard_on(kv, last)
+  if kv_L2BSKH is None:  # the last rank is another process's: it holds the answer
+    return PrefillResult(None, None, None, T, strategy, chunks)
+  return PrefillResult(
+    _shard_on(logits, last), kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, chunks
+  )
 
 
 def prefill(
@@ -170,13 +186,11 @@ def prefill(
   if strategy == "tsp":
     if partition not in (None, "even"):
       raise ValueError("TSP always splits evenly; `partition` applies only to strategy='kvr'")
-    run, owner = tsp.compiled_prefill(model.graphdef, mesh, T)
-    logits, kv = run(state, jax.device_put(tsp.pad_shards(tokens_BT, p), by_rank))
-    # Every rank holds the whole cache after the all-gather; decode from the last rank's copy,
-    # and take the logits from the rank that owns position T-1.
-    kv_L2BSKH = _shard_on(kv, last)
-    logits_BV = jax.device_put(_shard_on(logits, mesh.devices.reshape(-1)[owner]), last)
-    return PrefillResult(logits_BV, kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, None)
+    run, _ = tsp.compiled_prefill(model.graphdef, mesh, T)
+    logits, kv = run(state, global_array(tsp.pad_shards(tokens_BT, p), by_rank))
+    # Every rank holds the whole cache after the all-gather; decode from the last rank's copy
+    # (the program also moved the last position's logits there).
+    return _result(logits, kv, last, T, strategy, None)
 
   if isinstance(partition, PartitionPlan) and partition.objective == "measured":
     from kvr_jax import search
@@ -195,11 +209,8 @@ def prefill(
     model_name=preset,
   )
   run = runahead.compiled_prefill(model.graphdef, mesh, chunks, attention)
-  logits, kv = run(state, jax.device_put(runahead.pad_chunks(tokens_BT, chunks), by_rank))
-  kv_L2BSKH = _shard_on(kv, last)
-  return PrefillResult(
-    _shard_on(logits, last), kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, chunks
-  )
+  logits, kv = run(state, global_array(runahead.pad_chunks(tokens_BT, chunks), by_rank))
+  return _result(logits, kv, last, T, strategy, chunks)
 
 
 def _encode_prompt(model: Model, prompt) -> np.ndarray:
@@ -264,6 +275,8 @@ def generate(
   result = prefill(
     model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition, attention=attention
   )
+  if not result.is_local:  # another process holds the cache and generates
+    return GenerationResult(None, None, result)
   device = result.device
   state = model.state_on(device)
   # Room for the new tokens, allocated where the cache already is.

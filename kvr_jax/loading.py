@@ -52,9 +52,18 @@ class Model:
     return self.module.dtype
 
   def state_on(self, sharding_or_device) -> Any:
-    """The weights placed on a device or replicated with a sharding; cached per placement."""
+    """The weights placed on a device or replicated with a sharding; cached per placement.
+
+    A sharding may span other processes' devices (jax.distributed): each process then fills
+    only its own devices, from its own copy of the weights.
+    """
     if sharding_or_device not in self._placed:
-      self._placed[sharding_or_device] = jax.device_put(self.state, sharding_or_device)
+      if isinstance(sharding_or_device, jax.sharding.Sharding):
+        self._placed[sharding_or_device] = jax.tree.map(
+          lambda a: global_array(np.asarray(a), sharding_or_device), self.state
+        )
+      else:
+        self._placed[sharding_or_device] = jax.device_put(self.state, sharding_or_device)
     return self._placed[sharding_or_device]
 
   def __repr__(self):
@@ -63,6 +72,12 @@ class Model:
       f"Model({cfg.architecture}, {cfg.num_params() / 1e6:.2f}M params, "
       f"dtype={jnp.dtype(self.dtype).name}, source={self.source!r})"
     )
+
+
+def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A jax.Array with `sharding` built from a host array that every process holds; each
+  process transfers only the pieces of its own devices (works in one process too)."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def resolve_dtype(dtype) -> Any:

@@ -49,6 +49,10 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
     x_BcD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
     # Row `last_row` of rank `last_rank` is the prompt's last position.
     logits_BV = model.logits(x_BcD[:, last_row : last_row + 1])[:, 0]
+    if last_rank != num_ranks - 1:
+      # Position C-1 lives on `last_rank` when C is not a multiple of p; decode continues on
+      # rank p-1, so its logits travel there (B x V values, once).
+      logits_BV = jax.lax.ppermute(logits_BV, AXIS, perm=[(last_rank, num_ranks - 1)])
     return logits_BV[None], kv_L2BCKH[None]
 
   return program, last_rank
