@@ -166,7 +166,16 @@ def prefill(
   if strategy == "single":
     if partition is not None:
       raise ValueError("`partition` applies only to strategy='kvr'")
-    device = jax.devices()[0] if mesh is None else mesh.devices.reshape(-1)[0]
+    # This process's first device (of the mesh, if one is given): with jax.distributed every
+    # process can run the single-device oracle on its own device.
+    local = [
+      d
+      for d in (jax.local_devices() if mesh is None else mesh.devices.reshape(-1))
+      if d.process_index == jax.process_index()
+    ]
+    if not local:
+      raise ValueError("strategy='single': the mesh has no device of this process")
+    device = local[0]
     state = model.state_on(device)
     run = _compiled_single(model.graphdef, attention)
     logits, k, v = run(state, jax.device_put(tokens_BT, device))
@@ -208,6 +217,12 @@ def prefill(
     dtype_bytes=jnp.dtype(model.dtype).itemsize,
     model_name=preset,
   )
+  if jax.process_count() > 1:
+    # Cost-model partitions use per-process measurements; every process must compile the same
+    # program, so all take process 0's choice.
+    from jax.experimental import multihost_utils
+
+    chunks = tuple(int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(chunks)))
   run = runahead.compiled_prefill(model.graphdef, mesh, chunks, attention)
   logits, kv = run(state, global_array(runahead.pad_chunks(tokens_BT, chunks), by_rank))
   return _result(logits, kv, last, T, strategy, chunks)

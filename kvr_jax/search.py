@@ -343,8 +343,16 @@ def measured_objective(
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-      results[key] = statistics.median(times)
-      if cache_path:
+      elapsed = statistics.median(times)
+      if jax.process_count() > 1:
+        # The last rank's process sees the true TTFT; every process must take the same value
+        # or their searches (and so their compiled programs) would diverge.
+        from jax.experimental import multihost_utils
+
+        last = jax.process_index() == jax.process_count() - 1
+        elapsed = float(multihost_utils.broadcast_one_to_all(np.float64(elapsed), is_source=last))
+      results[key] = elapsed
+      if cache_path and jax.process_index() == jax.process_count() - 1:
         os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
         tmp = cache_path + ".tmp"
         with open(tmp, "w") as f:

@@ -1,0 +1,126 @@
+"""What each process runs under launch.multiprocess (the same code on every process).
+
+Each job returns a dict on the process that holds the last rank (the owner) and None
+elsewhere. Kept in the library so that a process joined to a cluster by hand, or a test, can
+call them directly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from kvr_jax.demo import synthetic_prompt
+from kvr_jax.inference import generate, prefill
+from kvr_jax.loading import load_model
+from kvr_jax.mesh import make_mesh
+from kvr_jax.partition import PartitionPlan
+
+
+def check_job(
+  model_name: str,
+  context_len: int,
+  partition,
+  *,
+  batch: int = 1,
+  max_new_tokens: int = 8,
+  seed: int = 0,
+) -> dict | None:
+  """KV-Runahead over every process's devices against the single-device oracle (computed
+  again on the owner's own device): logits and greedy tokens."""
+  model = load_model(model_name)
+  mesh = make_mesh()
+  tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
+  kvr = generate(model, tokens, max_new_tokens, strategy="kvr", mesh=mesh, partition=partition)
+  if kvr.tokens is None:
+    return None
+  single = generate(model, tokens, max_new_tokens)
+  ref = np.asarray(single.prefill.logits)
+  err = float(np.abs(np.asarray(kvr.prefill.logits) - ref).max() / np.abs(ref).max())
+  return {
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+    "num_ranks": int(mesh.devices.size),
+    "partition": list(kvr.prefill.partition),
+    "cache_device": str(kvr.prefill.device),
+    "relative_logit_error": err,
+    "kvr_tokens": kvr.tokens.tolist(),
+    "single_tokens": single.tokens.tolist(),
+  }
+
+
+def _timed(model, tokens, repeats: int, **kwargs) -> tuple[float, object]:
+  result = prefill(model, tokens, **kwargs)  # compile, warm up
+  if result.is_local:
+    jax.block_until_ready(result.logits)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = prefill(model, tokens, **kwargs)
+    if result.is_local:  # the owner's clock: TTFT is when the last rank has its logits
+      jax.block_until_ready((result.logits, result.k_cache))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), result
+
+
+BENCH_VARIANTS = ("single", "tsp", "kvr-even", "kvr-search", "kvr-measured")
+
+
+def bench_job(
+  model_name: str,
+  context_lens,
+  variants=BENCH_VARIANTS,
+  *,
+  repeats: int = 3,
+  measured_multiple: int = 64,
+  seed: int = 0,
+) -> dict | None:
+  """Median TTFT of each variant at each context length, on every process's devices.
+
+  kvr-search uses the cost model with the `local` presets measured here (this process's
+  core, the real link between processes); kvr-measured runs KVR-S over measured TTFT.
+  """
+  model = load_model(model_name)
+  mesh = make_mesh()
+  rows = []
+  owner = False
+  for C in context_lens:
+    tokens = synthetic_prompt(model.config.vocab_size, C, 1, seed)
+    for variant in variants:
+      if variant == "single":
+        if jax.process_count() > 1:
+          raise ValueError("variant 'single' runs in a one-process launch")
+        kwargs = {"strategy": "single"}
+      elif variant == "tsp":
+        kwargs = {"strategy": "tsp", "mesh": mesh}
+      elif variant.startswith("kvr-"):
+        method = variant[len("kvr-") :]
+        plan = (
+          PartitionPlan("search", objective="measured", multiple=measured_multiple)
+          if method == "measured"
+          else PartitionPlan(method)
+        )
+        kwargs = {"strategy": "kvr", "mesh": mesh, "partition": plan}
+      else:
+        raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
+      seconds, result = _timed(model, tokens, repeats, **kwargs)
+      owner = result.is_local
+      rows.append(
+        {
+          "variant": variant,
+          "context_len": C,
+          "ttft_s": seconds,
+          "partition": None if result.partition is None else list(result.partition),
+        }
+      )
+  if not owner:
+    return None
+  return {
+    "process_count": jax.process_count(),
+    "num_ranks": int(mesh.devices.size),
+    "model": model_name,
+    "rows": rows,
+  }
