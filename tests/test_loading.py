@@ -148,3 +148,56 @@ def test_corrupt_or_partial_orbax_checkpoint(tmp_path):
   shutil.rmtree(ckpt / "state")
   with pytest.raises(ValueError, match="incomplete"):
     kvr_jax.load_model(str(ckpt))
+
+
+def test_tokenizer_files_are_used_when_present(hf_dir, tmp_path):
+  """A Hugging Face directory with tokenizer files gets a tokenizer: text in, text out."""
+  import tokenizers
+  import transformers
+
+  path = _copy_with(hf_dir, tmp_path)
+  words = ["<unk>"] + [f"w{i}" for i in range(hf_fixtures.VOCAB - 1)]
+  core = tokenizers.Tokenizer(
+    tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+  )
+  core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  core.decoder = tokenizers.decoders.WordPiece()
+  transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(
+    path
+  )
+  model = kvr_jax.load_model(path)
+  assert model.tokenizer is not None
+  out = kvr_jax.generate(model, "w1 w2 w3 w4", max_new_tokens=4)
+  ids = np.asarray([model.tokenizer("w1 w2 w3 w4")["input_ids"]])
+  np.testing.assert_array_equal(out.tokens, kvr_jax.generate(model, ids, 4).tokens)
+  assert isinstance(out.text[0], str) and len(out.text[0].split()) == 4
+
+
+def test_loading_holds_one_copy_of_the_weights(tmp_path):
+  """Peak host memory while loading stays near one copy of the weights: tensors are
+  memory-mapped and written straight into one buffer per parameter (numpy allocations are
+  traced; reading every tensor into a dict first and then stacking would show 2x)."""
+  import tracemalloc
+
+  import transformers
+
+  from kvr_jax import loading
+
+  config = transformers.LlamaConfig(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+  )
+  transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)  # about 55 MB of float32
+  weights_bytes = os.path.getsize(tmp_path / "model.safetensors")
+  loading.load_hf_model(str(tmp_path))  # warm caches so only the load itself is traced
+  tracemalloc.start()
+  try:
+    loading.load_hf_model(str(tmp_path))
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert peak < 1.3 * weights_bytes, (peak, weights_bytes)

@@ -1,0 +1,21 @@
+"""The tour notebook runs top to bottom without an error."""
+
+import os
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tour_notebook_runs():
+  path = os.path.join(ROOT, "launch", "tour.ipynb")
+  notebook = nbformat.read(path, as_version=4)
+  client = NotebookClient(
+    notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}
+  )
+  client.execute()  # raises CellExecutionError on the first failing cell
+  outputs = "".join(
+    o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+  )
+  assert "identical to single: True" in outputs
