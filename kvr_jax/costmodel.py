@@ -167,6 +167,32 @@ def phase_work(
   return {"qkv": qkv, "attention": attention, "rest": rest}
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerFlops:
+  """Matmul FLOPs of one layer on one rank, by part."""
+
+  projections: float  # Q, K, V and the output projection
+  attention: float  # QK^T and PV over the prefix
+  mlp: float
+
+  @property
+  def total(self) -> float:
+    return self.projections + self.attention + self.mlp
+
+
+def layer_flops(config: ModelConfig, num_queries: int, num_keys: int, batch: int = 1) -> LayerFlops:
+  """One layer, `num_queries` tokens attending to `num_keys` keys (c_i and S_i for KVR rank i;
+  C/p and C for TSP; T and T on one device). Elementwise work (norms, RoPE, softmax) is left
+  out, which is why compiled programs count a few percent more."""
+  phases = phase_work(config, num_queries, num_keys, batch, 1)
+  out_projection = 2 * batch * num_queries * config.num_heads * config.head_dim * config.d_model
+  return LayerFlops(
+    phases["qkv"].flops + out_projection,
+    phases["attention"].flops,
+    phases["rest"].flops - out_projection,
+  )
+
+
 def head_work(config: ModelConfig, batch: int, dtype_bytes: int) -> Work:
   """Final norm and vocabulary projection of the last position."""
   return Work(

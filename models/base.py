@@ -40,12 +40,37 @@ def zeros_param(shape: tuple[int, ...], dtype) -> nnx.Param:
 
 
 class Block(nnx.Module):
-  """Interface of one transformer layer (its parameters may carry a leading [L] axis)."""
+  """One transformer layer (its parameters may carry a leading [L] axis).
+
+  Subclasses call `init_attention` for wq, wk, wv, wo and define `attention_input` (the
+  pre-attention norm) and `finish`; the Q/K/V projection and RoPE are shared.
+  """
 
   config: ModelConfig
 
-  def project_qkv(self, x_BTD, positions_BT):  # pragma: no cover - interface
+  def init_attention(self, num_layers: int, dtype, rngs: nnx.Rngs) -> None:
+    cfg = self.config
+    L, D, N, K, H = num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.wq = normal_param(rngs, (L, D, N, H), dtype)
+    self.wk = normal_param(rngs, (L, D, K, H), dtype)
+    self.wv = normal_param(rngs, (L, D, K, H), dtype)
+    self.wo = normal_param(rngs, (L, N, H, D), dtype)
+
+  def attention_input(self, x_BTD: jax.Array) -> jax.Array:  # pragma: no cover - interface
     raise NotImplementedError
+
+  def project_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
+    """Norm, Q/K/V projections and RoPE at absolute `positions_BT` -> q_BTNH, k_BTKH, v_BTKH."""
+    h_BTD = self.attention_input(x_BTD)
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.wq[...])
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wk[...])
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
+    q_BTNH = layers.apply_rope(q_BTNH, positions_BT, self.config.rope)
+    k_BTKH = layers.apply_rope(k_BTKH, positions_BT, self.config.rope)
+    return q_BTNH, k_BTKH, v_BTKH
+
+  def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:
+    return jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
 
   def finish(self, x_BTD, attn_BTNH):  # pragma: no cover - interface
     raise NotImplementedError

@@ -22,40 +22,20 @@ class FalconBlock(Block):
 
   def __init__(self, config: FalconConfig, *, num_layers: int, dtype, rngs: nnx.Rngs):
     self.config = config
-    L, D, N, K, H, F = (
-      num_layers,
-      config.d_model,
-      config.num_heads,
-      config.num_kv_heads,
-      config.head_dim,
-      config.mlp_dim,
-    )
+    L, D, F = num_layers, config.d_model, config.mlp_dim
     self.attn_norm_scale = ones_param((L, D), dtype)
     self.attn_norm_bias = zeros_param((L, D), dtype)
     if config.separate_mlp_norm:
       self.mlp_norm_scale = ones_param((L, D), dtype)
       self.mlp_norm_bias = zeros_param((L, D), dtype)
-    self.wq = normal_param(rngs, (L, D, N, H), dtype)
-    self.wk = normal_param(rngs, (L, D, K, H), dtype)
-    self.wv = normal_param(rngs, (L, D, K, H), dtype)
-    self.wo = normal_param(rngs, (L, N, H, D), dtype)
+    self.init_attention(num_layers, dtype, rngs)
     self.w_in = normal_param(rngs, (L, D, F), dtype)
     self.w_out = normal_param(rngs, (L, F, D), dtype)
 
-  def _attn_input(self, x_BTD):
+  def attention_input(self, x_BTD):
     return layers.layer_norm(
       x_BTD, self.attn_norm_scale[...], self.attn_norm_bias[...], self.config.norm_eps
     )
-
-  def project_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
-    cfg = self.config
-    h_BTD = self._attn_input(x_BTD)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.wq[...])
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wk[...])
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
-    q_BTNH = layers.apply_rope(q_BTNH, positions_BT, cfg.rope)
-    k_BTKH = layers.apply_rope(k_BTKH, positions_BT, cfg.rope)
-    return q_BTNH, k_BTKH, v_BTKH
 
   def finish(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
     # The MLP input norm is recomputed here rather than carried from project_qkv: it costs
@@ -65,8 +45,8 @@ class FalconBlock(Block):
         x_BTD, self.mlp_norm_scale[...], self.mlp_norm_bias[...], self.config.norm_eps
       )
     else:
-      h_BTD = self._attn_input(x_BTD)
-    attn_out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
+      h_BTD = self.attention_input(x_BTD)
+    attn_out_BTD = self.attention_output(attn_BTNH)
     hidden_BTF = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_in[...]), approximate=False)
     mlp_out_BTD = jnp.einsum("BTF,FD->BTD", hidden_BTF, self.w_out[...])
     return x_BTD + attn_out_BTD + mlp_out_BTD

@@ -20,36 +20,19 @@ class LlamaBlock(Block):
 
   def __init__(self, config: LlamaConfig, *, num_layers: int, dtype, rngs: nnx.Rngs):
     self.config = config
-    L, D, N, K, H, F = (
-      num_layers,
-      config.d_model,
-      config.num_heads,
-      config.num_kv_heads,
-      config.head_dim,
-      config.mlp_dim,
-    )
+    L, D, F = num_layers, config.d_model, config.mlp_dim
     self.attn_norm = ones_param((L, D), dtype)
-    self.wq = normal_param(rngs, (L, D, N, H), dtype)
-    self.wk = normal_param(rngs, (L, D, K, H), dtype)
-    self.wv = normal_param(rngs, (L, D, K, H), dtype)
-    self.wo = normal_param(rngs, (L, N, H, D), dtype)
+    self.init_attention(num_layers, dtype, rngs)
     self.mlp_norm = ones_param((L, D), dtype)
     self.w_gate = normal_param(rngs, (L, D, F), dtype)
     self.w_up = normal_param(rngs, (L, D, F), dtype)
     self.w_down = normal_param(rngs, (L, F, D), dtype)
 
-  def project_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
-    cfg = self.config
-    h_BTD = layers.rms_norm(x_BTD, self.attn_norm[...], cfg.norm_eps)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.wq[...])
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wk[...])
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
-    q_BTNH = layers.apply_rope(q_BTNH, positions_BT, cfg.rope)
-    k_BTKH = layers.apply_rope(k_BTKH, positions_BT, cfg.rope)
-    return q_BTNH, k_BTKH, v_BTKH
+  def attention_input(self, x_BTD: jax.Array) -> jax.Array:
+    return layers.rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
   def finish(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
-    x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
+    x_BTD = x_BTD + self.attention_output(attn_BTNH)
     h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
     gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))
     up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up[...])

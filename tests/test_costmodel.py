@@ -39,13 +39,11 @@ def unit_config():
 
 
 def test_paper_example_c9_p3_score_entries_and_traffic():
-  from kvr_jax import costs
-
   cfg = unit_config()
-  attention = [costs.layer_flops(cfg, c, s).attention for c, s in ((4, 4), (3, 7), (2, 9))]
-  unit = costs.layer_flops(cfg, 1, 1).attention
+  attention = [costmodel.layer_flops(cfg, c, s).attention for c, s in ((4, 4), (3, 7), (2, 9))]
+  unit = costmodel.layer_flops(cfg, 1, 1).attention
   assert [a / unit for a in attention] == [16, 21, 18]  # critical rank: 21 entries
-  assert costs.layer_flops(cfg, 3, 9).attention / unit == 27  # TSP, every rank
+  assert costmodel.layer_flops(cfg, 3, 9).attention / unit == 27  # TSP, every rank
   kvr = costmodel.simulate(cfg, "kvr", 9, num_ranks=3, partition=(4, 3, 2), dtype_bytes=1)
   assert kvr.link_bytes == [4 * 4, 4 * 7]  # 4 + 7 = 11 tokens per tensor
   tsp_sim = costmodel.simulate(cfg, "tsp", 9, num_ranks=3, dtype_bytes=1)
@@ -128,11 +126,11 @@ def test_tsp_program_flops_match_xla(name):
 def test_kvr_rank_flops_follow_the_partition():
   chunks = (400, 250, 200, 174)
   sim = costmodel.simulate(LLAMA7, "kvr", 1024, num_ranks=4, partition=chunks)
-  from kvr_jax import costs
-
   ends = np.cumsum(chunks)
   for i in range(4):
-    assert sim.rank_flops[i] == pytest.approx(costs.layer_flops(LLAMA7, chunks[i], ends[i]).total)
+    assert sim.rank_flops[i] == pytest.approx(
+      costmodel.layer_flops(LLAMA7, chunks[i], ends[i]).total
+    )
 
 
 # --- partition methods ------------------------------------------------------------------------

@@ -13,6 +13,16 @@ MODEL_TOL = 1e-4  # whole models against transformers, float32
 CASES = list(hf_fixtures.LLAMA_CASES) + list(hf_fixtures.FALCON_CASES)
 
 
+def assert_matches_transformers(ours, hf_model, tokens):
+  """Logits of every position within MODEL_TOL (absolute and relative)."""
+  np.testing.assert_allclose(
+    np.asarray(ours.module(tokens)),
+    hf_fixtures.hf_logits(hf_model, tokens),
+    atol=MODEL_TOL,
+    rtol=MODEL_TOL,
+  )
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   """case -> (torch model, directory written with save_pretrained)."""
@@ -34,12 +44,7 @@ def tokens():
 def test_logits_every_position_match_transformers(checkpoints, tokens, case):
   hf_model, directory = checkpoints[case]
   ours = kvr_jax.load_model(directory)
-  np.testing.assert_allclose(
-    np.asarray(ours.module(tokens)),
-    hf_fixtures.hf_logits(hf_model, tokens),
-    atol=MODEL_TOL,
-    rtol=MODEL_TOL,
-  )
+  assert_matches_transformers(ours, hf_model, tokens)
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "falcon-7b-form", "falcon-40b-form"])
@@ -80,12 +85,7 @@ def test_older_config_layout_rope_theta_and_rope_scaling(checkpoints, tokens, tm
   with open(tmp_path / "config.json", "w") as f:
     json.dump(config, f)
   ours = kvr_jax.load_model(str(tmp_path))
-  np.testing.assert_allclose(
-    np.asarray(ours.module(tokens)),
-    hf_fixtures.hf_logits(hf_model, tokens),
-    atol=MODEL_TOL,
-    rtol=MODEL_TOL,
-  )
+  assert_matches_transformers(ours, hf_model, tokens)
 
 
 def test_sharded_safetensors_index(checkpoints, tokens, tmp_path):
@@ -93,12 +93,7 @@ def test_sharded_safetensors_index(checkpoints, tokens, tmp_path):
   hf_model.save_pretrained(tmp_path, max_shard_size="50KB")
   assert (tmp_path / "model.safetensors.index.json").exists()
   ours = kvr_jax.load_model(str(tmp_path))
-  np.testing.assert_allclose(
-    np.asarray(ours.module(tokens)),
-    hf_fixtures.hf_logits(hf_model, tokens),
-    atol=MODEL_TOL,
-    rtol=MODEL_TOL,
-  )
+  assert_matches_transformers(ours, hf_model, tokens)
 
 
 def test_bfloat16_load_runs_close_to_float32(checkpoints, tokens):

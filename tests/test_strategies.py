@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import kvr_jax
-from kvr_jax import costs, runahead, tsp
+from kvr_jax import costmodel, runahead, tsp
 from kvr_jax.loading import build_model
 from models.config import FalconConfig
 
@@ -213,7 +213,7 @@ def test_hop_chain_one_pair_per_hop_and_exact_bytes(models, name):
     assert pairs == f"{{{k},{k + 1}}}"
     assert dtype == "f32"
     assert shape == (2, batch, ends[k], cfg.num_kv_heads, cfg.head_dim)
-    assert np.prod(shape) * 4 == costs.kv_bytes(cfg, int(ends[k]), batch, 4)
+    assert np.prod(shape) * 4 == costmodel.kv_message_bytes(cfg, int(ends[k]), batch, 4)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
@@ -233,8 +233,8 @@ def test_each_rank_computes_only_its_share(models, name):
 
     compiled = jax.jit(rank_i).lower(layer0, x, prefix).compile()
     measured = compiled.cost_analysis()["flops"]
-    analytic = costs.layer_flops(cfg, chunks[i], int(ends[i])).total
-    padded = costs.layer_flops(cfg, max(chunks), sum(chunks)).total
+    analytic = costmodel.layer_flops(cfg, chunks[i], int(ends[i])).total
+    padded = costmodel.layer_flops(cfg, max(chunks), sum(chunks)).total
     assert abs(measured / analytic - 1) < 0.10, (i, measured, analytic)
     if i > 0:  # what a program that worked on padding would cost: clearly distinguishable
       assert measured < 0.9 * padded
