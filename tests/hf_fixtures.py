@@ -103,3 +103,17 @@ def hf_greedy(model, tokens: np.ndarray, n: int) -> np.ndarray:
       torch.as_tensor(tokens, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False
     )
   return out[:, tokens.shape[1] :].numpy()
+
+
+def save_word_tokenizer(directory) -> None:
+  """A word-level tokenizer over "w0".."w{VOCAB-2}" (plus <unk>), saved as tokenizer files."""
+  import tokenizers
+
+  words = ["<unk>"] + [f"w{i}" for i in range(VOCAB - 1)]
+  core = tokenizers.Tokenizer(
+    tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+  )
+  core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  core.decoder = tokenizers.decoders.WordPiece()
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+  fast.save_pretrained(directory)

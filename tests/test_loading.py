@@ -152,19 +152,8 @@ def test_corrupt_or_partial_orbax_checkpoint(tmp_path):
 
 def test_tokenizer_files_are_used_when_present(hf_dir, tmp_path):
   """A Hugging Face directory with tokenizer files gets a tokenizer: text in, text out."""
-  import tokenizers
-  import transformers
-
   path = _copy_with(hf_dir, tmp_path)
-  words = ["<unk>"] + [f"w{i}" for i in range(hf_fixtures.VOCAB - 1)]
-  core = tokenizers.Tokenizer(
-    tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
-  )
-  core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  core.decoder = tokenizers.decoders.WordPiece()
-  transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(
-    path
-  )
+  hf_fixtures.save_word_tokenizer(path)
   model = kvr_jax.load_model(path)
   assert model.tokenizer is not None
   out = kvr_jax.generate(model, "w1 w2 w3 w4", max_new_tokens=4)
