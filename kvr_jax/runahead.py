@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kvr_jax.mesh import AXIS
@@ -162,8 +163,6 @@ def compiled_prefill(graphdef, mesh, chunks: tuple[int, ...], attention: str = "
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):
   """[B, C] -> [p, B, c_max]: rank i's tokens, zero-padded to the largest chunk."""
-  import numpy as np
-
   tokens_BC = np.asarray(tokens_BC)
   c_max = max(chunks)
   out = np.zeros((len(chunks), tokens_BC.shape[0], c_max), tokens_BC.dtype)
