@@ -271,13 +271,20 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   calls["limit"] = 5  # two partitions measured (warm-up + 1 run each), then "Ctrl-C"
   with pytest.raises(KeyboardInterrupt):
     search.measured_search(
-      model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False
+      model,
+      tokens,
+      mesh,
+      multiple=16,
+      repeats=1,
+      cache_path=cache,
+      show_progress=False,
+      verify_top=0,
     )
   with open(cache) as f:
     assert len(__import__("json").load(f)["results"]) == 2
   calls.update(n=0, limit=None)
   chunks = search.measured_search(
-    model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False
+    model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False, verify_top=0
   )
   with open(cache) as f:
     measured = len(__import__("json").load(f)["results"])
@@ -286,14 +293,21 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   calls["n"] = 0
   assert (
     search.measured_search(
-      model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False
+      model,
+      tokens,
+      mesh,
+      multiple=16,
+      repeats=1,
+      cache_path=cache,
+      show_progress=False,
+      verify_top=0,
     )
     == chunks
   )
   assert calls["n"] == 0  # fully resumed
   other = np.random.RandomState(3).randint(0, 512, (2, 64))
   with pytest.raises(ValueError, match="another setup"):
-    search.measured_search(model, other, mesh, cache_path=cache, show_progress=False)
+    search.measured_search(model, other, mesh, cache_path=cache, show_progress=False, verify_top=0)
 
 
 @pytest.mark.parametrize("strategy,p,partition", [("single", 1, None), ("kvr", 3, [150, 60, 90])])
@@ -310,3 +324,28 @@ def test_blocked_attention_matches_dense(models, strategy, p, partition):
     kvr_jax.prefill(model, tokens, strategy="tsp", attention="blocked")
   with pytest.raises(ValueError, match="unknown attention"):
     kvr_jax.prefill(model, tokens, attention="flash")
+
+
+def test_measured_search_verifies_its_best_candidates(models, tmp_path):
+  """The answer is one of the two best partitions the search measured, measured again."""
+  import json
+
+  from kvr_jax import search
+
+  model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
+  tokens = np.random.RandomState(4).randint(0, 512, (1, 64))
+  cache = tmp_path / "m.json"
+  verified = search.measured_search(
+    model,
+    tokens,
+    mesh,
+    multiple=16,
+    repeats=1,
+    cache_path=str(cache),
+    show_progress=False,
+    verify_top=2,
+  )
+  results = json.loads(cache.read_text())["results"]
+  top_two = sorted(results, key=results.get)[:2]
+  assert len(results) >= 2
+  assert ",".join(map(str, verified)) in top_two
