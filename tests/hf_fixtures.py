@@ -52,6 +52,10 @@ FALCON_CASES = {
   "falcon-7b-form": dict(
     num_attention_heads=4, multi_query=True, parallel_attn=True, new_decoder_architecture=False
   ),
+  # Older multi-head Falcon (RW): per-head interleaved q, k, v in query_key_value.
+  "falcon-mha-form": dict(
+    num_attention_heads=4, multi_query=False, parallel_attn=True, new_decoder_architecture=False
+  ),
   # Falcon-40B form: grouped KV heads, ln_attn and ln_mlp.
   "falcon-40b-form": dict(num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True),
 }
