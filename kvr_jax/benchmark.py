@@ -16,11 +16,9 @@ import statistics
 import tempfile
 import time
 
-import jax
 import numpy as np
 
 from kvr_jax import demo
-from kvr_jax.inference import prefill
 from kvr_jax.loading import Model, load_hf_model
 from kvr_jax.mesh import make_mesh
 
@@ -42,19 +40,6 @@ def peak_memory(devices) -> str:
     return " ".join(f"{s['peak_bytes_in_use'] / 2**20:.0f}MiB" for s in stats)
   rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return f"process peak RSS {rss_kib / 1024:.0f}MiB (backend reports no per-device memory)"
-
-
-def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> tuple[float, object]:
-  """Median of `repeats` warm runs (after one compile-and-run)."""
-  result = prefill(model, tokens, **kwargs)
-  jax.block_until_ready(result.logits)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    result = prefill(model, tokens, **kwargs)
-    jax.block_until_ready((result.logits, result.k_cache))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), result
 
 
 def sweep(
@@ -82,7 +67,8 @@ def sweep(
           kwargs["mesh"] = mesh
         if strategy == "kvr":
           kwargs["partition"] = partition
-        median, result = time_prefill(model, tokens, repeats, **kwargs)
+        timing = demo.time_prefill(model, tokens, repeats, **kwargs)
+        median, result = timing.median_s, timing.result
         devices = [result.device] if strategy == "single" else list(mesh.devices.reshape(-1))
         part = "-" if result.partition is None else " ".join(map(str, result.partition))
         rows.append(
@@ -209,8 +195,9 @@ def compare_with_transformers(
   out = []
   for C in tqdm(context_lens, desc="vs transformers", disable=not progress):
     tokens = demo.synthetic_prompt(config.vocab_size, C, 1, seed)
-    dense_s, result = time_prefill(ours, tokens, repeats)
-    blocked_s, _ = time_prefill(ours, tokens, repeats, attention="blocked")
+    dense = demo.time_prefill(ours, tokens, repeats)
+    dense_s, result = dense.median_s, dense.result
+    blocked_s = demo.time_prefill(ours, tokens, repeats, attention="blocked").median_s
     input_ids = torch.as_tensor(tokens, dtype=torch.long)
     with torch.inference_mode():
       hf_logits = hf_model(input_ids, logits_to_keep=1, use_cache=True).logits  # warm-up

@@ -94,7 +94,10 @@ LINKS = {
 }
 
 
-def hardware_preset(name: str) -> Hardware:
+def hardware_preset(name: str | Hardware) -> Hardware:
+  """A preset by name ("local" is measured here); a Hardware passes through."""
+  if isinstance(name, Hardware):
+    return name
   if name == "local":
     from kvr_jax import calibrate
 
@@ -104,7 +107,10 @@ def hardware_preset(name: str) -> Hardware:
   return HARDWARE[name]
 
 
-def links_preset(name: str) -> Links:
+def links_preset(name: str | Links) -> Links:
+  """A preset by name ("local" is measured here); a Links passes through."""
+  if isinstance(name, Links):
+    return name
   if name == "local":
     from kvr_jax import calibrate
 
@@ -246,8 +252,7 @@ def simulate(
   scores_in_memory: bool = True,
 ) -> Simulation:
   """Modelled TTFT of one prefill (see the module docstring for the dependency rules)."""
-  hw = hardware_preset(hardware) if isinstance(hardware, str) else hardware
-  ln = links_preset(links) if isinstance(links, str) else links
+  hw, ln = hardware_preset(hardware), links_preset(links)
   C, L, B, db = context_len, config.num_layers, batch, dtype_bytes
   _check(config, C, num_ranks, B)
   head = head_work(config, B, db).time(hw)
@@ -336,14 +341,20 @@ def tsp_timeline(t_qkv: float, t_allgather: float, t_after: float, num_layers: i
   return num_layers * (t_qkv + t_allgather + t_after)
 
 
-def lower_bound(config: ModelConfig, context_len: int, num_ranks: int, **kwargs) -> float:
+def lower_bound(
+  config: ModelConfig,
+  context_len: int,
+  num_ranks: int,
+  *,
+  batch: int = 1,
+  hardware: Hardware | str = "a100-80gb",
+  dtype_bytes: int = 2,
+  scores_in_memory: bool = True,
+) -> float:
   """Modelled ideal: the single-device causal work (C(C+1)/2 scores, not C^2) split perfectly
   over p ranks with free communication. No real schedule reaches it."""
-  hw = kwargs.get("hardware", "a100-80gb")
-  hw = hardware_preset(hw) if isinstance(hw, str) else hw
-  B, db = kwargs.get("batch", 1), kwargs.get("dtype_bytes", 2)
-  scores_in_memory = kwargs.get("scores_in_memory", True)
-  C = context_len
+  hw = hardware_preset(hardware)
+  B, db, C = batch, dtype_bytes, context_len
   phases = phase_work(config, C, C, batch=B, dtype_bytes=db, scores_in_memory=scores_in_memory)
   causal = phase_work(
     config, C, (C + 1) / 2, batch=B, dtype_bytes=db, scores_in_memory=scores_in_memory

@@ -41,19 +41,27 @@ def decode_step(graphdef, state, tokens_B, position, k_cache, v_cache):
   return model.logits(x_B1D)[:, 0], k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("top_k",))
-def sample(logits_BV, key, temperature, *, top_k: int | None, top_p):
-  """Greedy when temperature == 0; otherwise temperature, then top-k, then top-p (nucleus)."""
-  greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  scaled = logits_BV / jnp.maximum(temperature, 1e-6)
+@jax.jit
+def greedy(logits_BV):
+  """Temperature 0: the most likely token of each row."""
+  return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def sample(logits_BV, key, temperature, *, top_k: int | None, top_p: float | None):
+  """Temperature (> 0) scaling, then top-k, then top-p (nucleus) when given, then a draw.
+
+  top_k and top_p are static: the vocabulary is sorted only when a nucleus is asked for.
+  """
+  scaled = logits_BV / temperature
   if top_k is not None:
     kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
     scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-  # Nucleus: keep the smallest prefix of the sorted distribution whose mass reaches top_p.
-  sorted_desc = -jnp.sort(-scaled, axis=-1)
-  cum = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
-  cutoff_index = jnp.minimum(jnp.sum(cum < top_p, axis=-1, keepdims=True), cum.shape[-1] - 1)
-  cutoff = jnp.take_along_axis(sorted_desc, cutoff_index, axis=-1)
-  scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-  sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-  return jnp.where(temperature == 0.0, greedy, sampled)
+  if top_p is not None:
+    # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    cum = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
+    cutoff_index = jnp.minimum(jnp.sum(cum < top_p, axis=-1, keepdims=True), cum.shape[-1] - 1)
+    cutoff = jnp.take_along_axis(sorted_desc, cutoff_index, axis=-1)
+    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+  return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvr_jax.inference import STRATEGIES, generate, prefill
+from kvr_jax import inference
+from kvr_jax.inference import STRATEGIES, PrefillResult, decode_from
 from kvr_jax.loading import Model
 from kvr_jax.mesh import make_mesh
 
@@ -37,11 +38,33 @@ def synthetic_prompt(vocab_size: int, context_len: int, batch: int = 1, seed: in
   return np.random.RandomState(seed).randint(0, vocab_size, (batch, context_len)).astype(np.int32)
 
 
-def _timed_prefill(model, tokens, **kwargs):
-  start = time.perf_counter()
-  result = prefill(model, tokens, **kwargs)
-  jax.block_until_ready((result.logits, result.k_cache, result.v_cache))
-  return result, time.perf_counter() - start
+@dataclasses.dataclass
+class PrefillTiming:
+  first_s: float  # the first call: trace and compile (unless cached), then run
+  runs_s: list[float]  # the warm runs after it
+  result: PrefillResult
+
+  @property
+  def median_s(self) -> float:
+    return statistics.median(self.runs_s)
+
+
+def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
+  """One call, then `repeats` timed warm calls of `prefill(model, tokens, **kwargs)`.
+
+  A call ends when the logits and KV cache are ready. With a mesh spanning processes only the
+  last rank's process holds them, so its clock is the TTFT; the others time their own part.
+  """
+
+  def run():
+    start = time.perf_counter()
+    result = inference.prefill(model, tokens, **kwargs)
+    if result.is_local:
+      jax.block_until_ready((result.logits, result.k_cache, result.v_cache))
+    return result, time.perf_counter() - start
+
+  result, first = run()
+  return PrefillTiming(first, [run()[1] for _ in range(repeats)], result)
 
 
 def compare_strategies(
@@ -73,20 +96,19 @@ def compare_strategies(
       kwargs["mesh"] = mesh
     if strategy == "kvr":
       kwargs["partition"] = partition
-    result, first = _timed_prefill(model, tokens, **kwargs)
-    runs = [_timed_prefill(model, tokens, **kwargs)[1] for _ in range(repeats)]
+    timing = time_prefill(model, tokens, repeats, **kwargs)
+    result, median = timing.result, timing.median_s
     logits = np.asarray(result.logits)
     if strategy == "single":
       reference = logits
-    gen = generate(model, tokens, max_new_tokens, temperature=temperature, seed=seed, **kwargs)
-    median = statistics.median(runs)
+    gen = decode_from(model, result, max_new_tokens, temperature=temperature, seed=seed)
     reports.append(
       StrategyReport(
         strategy=strategy,
         partition=result.partition,
-        compile_s=max(first - median, 0.0),
+        compile_s=max(timing.first_s - median, 0.0),
         ttft_median_s=median,
-        ttft_runs_s=runs,
+        ttft_runs_s=timing.runs_s,
         max_logit_diff_vs_single=(
           float("nan") if reference is None else float(np.abs(logits - reference).max())
         ),

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax import decode, runahead, tsp
@@ -102,8 +103,6 @@ def _check_tokens(model: Model, tokens) -> np.ndarray:
 
 @functools.lru_cache(maxsize=32)
 def _compiled_single(graphdef, attention: str = "dense"):
-  from flax import nnx
-
   @jax.jit
   def run(state, tokens_BT):
     TRACE_COUNT["single"] += 1
@@ -256,6 +255,27 @@ def _encode_prompt(model: Model, prompt) -> np.ndarray:
   return prompt
 
 
+def _check_sampling(model: Model, max_new_tokens, temperature, top_k, top_p) -> None:
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+  if not temperature >= 0:
+    raise ValueError(f"`temperature` must be >= 0, got {temperature!r}")
+  vocab = model.config.vocab_size
+  if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+    raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
+  if top_p is not None and not 0 < top_p <= 1:
+    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+
+
+def _check_length(model: Model, prompt_len: int, max_new_tokens: int) -> None:
+  limit = model.config.max_position_embeddings
+  if prompt_len + max_new_tokens > limit:
+    raise ValueError(
+      f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+      f"max_position_embeddings={limit}"
+    )
+
+
 def generate(
   model: Model,
   prompt,
@@ -275,29 +295,30 @@ def generate(
   tokenizer). Stops when every row has produced EOS or after `max_new_tokens`. Temperature 0
   is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
-  if not temperature >= 0:
-    raise ValueError(f"`temperature` must be >= 0, got {temperature!r}")
-  vocab = model.config.vocab_size
-  if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
-    raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
-  if top_p is not None and not 0 < top_p <= 1:
-    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+  _check_sampling(model, max_new_tokens, temperature, top_k, top_p)
   tokens_BT = _check_tokens(model, _encode_prompt(model, prompt))
-  B, T = tokens_BT.shape
-  limit = model.config.max_position_embeddings
-  if T + max_new_tokens > limit:
-    raise ValueError(
-      f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-      f"max_position_embeddings={limit}"
-    )
-
+  _check_length(model, tokens_BT.shape[1], max_new_tokens)
   result = prefill(
     model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition, attention=attention
   )
+  return decode_from(model, result, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def decode_from(
+  model: Model,
+  result: PrefillResult,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+) -> GenerationResult:
+  """Decodes from a prefill's KV cache, on the device that holds it (see `generate`)."""
+  _check_sampling(model, max_new_tokens, temperature, top_k, top_p)
+  _check_length(model, result.prompt_len, max_new_tokens)
   if not result.is_local:  # another process holds the cache and generates
     return GenerationResult(None, None, result)
+  B, T = result.logits.shape[0], result.prompt_len
   device = result.device
   state = model.state_on(device)
   # Room for the new tokens, allocated where the cache already is.
@@ -310,13 +331,16 @@ def generate(
   done = np.zeros(B, bool)
   n = 0
   for step in range(max_new_tokens):
-    token_B = decode.sample(
-      logits,
-      jax.random.fold_in(key, step),
-      float(temperature),
-      top_k=top_k,
-      top_p=1.0 if top_p is None else float(top_p),
-    )
+    if temperature == 0:
+      token_B = decode.greedy(logits)
+    else:
+      token_B = decode.sample(
+        logits,
+        jax.random.fold_in(key, step),
+        float(temperature),
+        top_k=top_k,
+        top_p=None if top_p is None else float(top_p),
+      )
     token_np = np.asarray(token_B)
     out[:, step] = np.where(done, eos[0] if eos.size else 0, token_np)
     n = step + 1

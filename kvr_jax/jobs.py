@@ -7,13 +7,12 @@ call them directly.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import jax
 import numpy as np
 
-from kvr_jax.demo import synthetic_prompt
+from kvr_jax.demo import synthetic_prompt, time_prefill
 from kvr_jax.inference import generate, prefill
 from kvr_jax.loading import load_model
 from kvr_jax.mesh import make_mesh
@@ -50,20 +49,6 @@ def check_job(
     "kvr_tokens": kvr.tokens.tolist(),
     "single_tokens": single.tokens.tolist(),
   }
-
-
-def _timed(model, tokens, repeats: int, **kwargs) -> tuple[float, object]:
-  result = prefill(model, tokens, **kwargs)  # compile, warm up
-  if result.is_local:
-    jax.block_until_ready(result.logits)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    result = prefill(model, tokens, **kwargs)
-    if result.is_local:  # the owner's clock: TTFT is when the last rank has its logits
-      jax.block_until_ready((result.logits, result.k_cache))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), result
 
 
 BENCH_VARIANTS = ("single", "single-blocked", "tsp", "kvr-even", "kvr-search", "kvr-measured")
@@ -115,7 +100,8 @@ def bench_job(
         start = time.perf_counter()
         kwargs["partition"] = list(prefill(model, tokens, **kwargs).partition)
         search_s = time.perf_counter() - start
-      seconds, result = _timed(model, tokens, repeats, **kwargs)
+      timing = time_prefill(model, tokens, repeats, **kwargs)
+      seconds, result = timing.median_s, timing.result
       owner = result.is_local
       rows.append(
         {

@@ -63,8 +63,24 @@ class Model:
           lambda a: global_array(np.asarray(a), sharding_or_device), self.state
         )
       else:
-        self._placed[sharding_or_device] = jax.device_put(self.state, sharding_or_device)
+        self._placed[sharding_or_device] = self._replica_on(sharding_or_device)
+        if self._placed[sharding_or_device] is None:
+          self._placed[sharding_or_device] = jax.device_put(self.state, sharding_or_device)
     return self._placed[sharding_or_device]
+
+  def _replica_on(self, device) -> Any:
+    """The weights on `device` taken from a replicated placement that already covers it (as
+    after a mesh prefill, where decode runs on the last rank): no second copy of the weights."""
+    for placement, state in self._placed.items():
+      if (
+        isinstance(placement, jax.sharding.Sharding)
+        and placement.is_fully_replicated
+        and device in placement.addressable_devices
+      ):
+        return jax.tree.map(
+          lambda a: next(s.data for s in a.addressable_shards if s.device == device), state
+        )
+    return None
 
   def __repr__(self):
     cfg = self.config
@@ -91,9 +107,7 @@ def resolve_dtype(dtype) -> Any:
 
 
 def preset_names() -> list[str]:
-  return sorted(
-    f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json") and not f.startswith("partitions")
-  )
+  return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -65,12 +65,7 @@ def model_cell(
     ).ttft
 
   balanced = search.balanced_partition(config, context_len, num_ranks, **sim)
-  searched = search.search_partition(
-    search.modelled_objective(config, context_len, num_ranks, **sim),
-    context_len,
-    num_ranks,
-    start=balanced,
-  )
+  searched = search.modelled_search(config, context_len, num_ranks, start=balanced, **sim)
   table = search.load_table(model, hardware, links, num_ranks)
   predicted = search.predict_partition(table, context_len)
   in_table = any(e["context_len"] == context_len for e in table["entries"])
@@ -132,10 +127,8 @@ def slow_link_case(
 
   def best(links):
     sim = dict(hardware=hardware, links=links, dtype_bytes=2)
-    obj = search.modelled_objective(config, context_len, num_ranks, **sim)
-    start = search.balanced_partition(config, context_len, num_ranks, **sim)
-    chunks = search.search_partition(obj, context_len, num_ranks, start=start)
-    return chunks, obj(chunks)
+    chunks = search.modelled_search(config, context_len, num_ranks, **sim)
+    return chunks, search.modelled_objective(config, context_len, num_ranks, **sim)(chunks)
 
   def tsp(links):
     return costmodel.simulate(

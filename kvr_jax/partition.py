@@ -113,11 +113,7 @@ def _plan_chunks(
   if plan.method == "balanced":
     return search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple, **sim)
   if plan.method == "search":
-    start = search.balanced_partition(config, context_len, num_ranks, multiple=plan.multiple, **sim)
-    objective = search.modelled_objective(config, context_len, num_ranks, **sim)
-    return search.search_partition(
-      objective, context_len, num_ranks, multiple=plan.multiple, start=start
-    )
+    return search.modelled_search(config, context_len, num_ranks, multiple=plan.multiple, **sim)
   name = plan.table_model or model_name
   if name is None:
     raise ValueError(

@@ -136,6 +136,24 @@ def modelled_objective(
   )
 
 
+def modelled_search(
+  config: ModelConfig,
+  context_len: int,
+  num_ranks: int,
+  *,
+  multiple: int = 1,
+  start: Sequence[int] | None = None,
+  **sim_kwargs,
+) -> tuple[int, ...]:
+  """KVR-S over the modelled TTFT, started from the balanced split unless `start` is given.
+
+  sim_kwargs go to costmodel.simulate (batch, hardware, links, dtype_bytes, ...)."""
+  if start is None:
+    start = balanced_partition(config, context_len, num_ranks, multiple=multiple, **sim_kwargs)
+  objective = modelled_objective(config, context_len, num_ranks, **sim_kwargs)
+  return search_partition(objective, context_len, num_ranks, multiple=multiple, start=start)
+
+
 def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
   """t(c, S): one layer's modelled compute time for c queries over S keys, fast.
 
@@ -193,7 +211,7 @@ def balanced_partition(
   if p == 1:
     return (C,)
   del links  # communication is not part of the balance (see docstring)
-  hw = costmodel.hardware_preset(hardware) if isinstance(hardware, str) else hardware
+  hw = costmodel.hardware_preset(hardware)
   compute = _compute_time_fn(
     config, hw, batch=batch, dtype_bytes=dtype_bytes, scores_in_memory=scores_in_memory
   )
@@ -301,13 +319,10 @@ def measured_objective(
   search resumes where it stopped. The file records what was measured (model, shape, devices)
   and is refused if it belongs to another setup.
   """
-  import statistics
-  import time
-
   import jax
   import numpy as np
 
-  from kvr_jax.inference import prefill
+  from kvr_jax.demo import time_prefill  # only the measured objective needs the inference stack
 
   tokens = np.asarray(tokens)
   setup = {
@@ -333,16 +348,9 @@ def measured_objective(
 
   def measure(chunks: tuple[int, ...], times_to_run: int) -> float:
     """Median of `times_to_run` warm runs; the same value in every process."""
-    run = lambda: jax.block_until_ready(  # noqa: E731
-      prefill(model, tokens, strategy="kvr", mesh=mesh, partition=list(chunks)).logits
-    )
-    run()  # compile and warm up
-    times = []
-    for _ in range(times_to_run):
-      start = time.perf_counter()
-      run()
-      times.append(time.perf_counter() - start)
-    elapsed = statistics.median(times)
+    elapsed = time_prefill(
+      model, tokens, times_to_run, strategy="kvr", mesh=mesh, partition=list(chunks)
+    ).median_s
     if jax.process_count() > 1:
       # The last rank's process sees the true TTFT; every process must take the same value
       # or their searches (and so their compiled programs) would diverge.

@@ -30,12 +30,9 @@ def build_table(
   entries = []
   for C in context_lens:
     sim = dict(hardware=hardware, links=links, dtype_bytes=dtype_bytes)
-    start = search.balanced_partition(config, C, num_ranks, **sim)
-    objective = search.modelled_objective(config, C, num_ranks, **sim)
-    chunks = search.search_partition(objective, C, num_ranks, start=start)
-    entries.append(
-      {"context_len": C, "partition": list(chunks), "modelled_ttft_s": objective(chunks)}
-    )
+    chunks = search.modelled_search(config, C, num_ranks, **sim)
+    ttft = search.modelled_objective(config, C, num_ranks, **sim)(chunks)
+    entries.append({"context_len": C, "partition": list(chunks), "modelled_ttft_s": ttft})
   return {
     "model": model,
     "hardware": hardware,

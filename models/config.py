@@ -8,7 +8,6 @@ A config is plain data. It is built from a preset in `configs/` or from a Huggin
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, ClassVar, Literal
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -257,8 +256,3 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
   raise ValueError(
     f"config.json: `model_type`={model_type!r} is not supported; supported: 'llama', 'falcon'"
   )
-
-
-def load_config_json(path: str) -> dict[str, Any]:
-  with open(path) as f:
-    return json.load(f)

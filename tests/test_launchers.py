@@ -85,26 +85,18 @@ def test_run_with_a_text_prompt(tmp_path):
   from tests import hf_fixtures
 
   hf_fixtures.make_hf_model("falcon-7b-form").save_pretrained(tmp_path)
-  proc = run(
-    "launch.run",
+  flags = [
     f"--model={tmp_path}",
     "--num_devices=2",
     "--repeats=1",
     "--max_new_tokens=2",
     "--prompt=w5 w6 w7 w8 w9 w10 w11 w12",
     "--batch=2",
-  )
+  ]
+  proc = run("launch.run", *flags)
   assert proc.returncode == 2 and "--prompt needs a model with a tokenizer" in proc.stderr
   hf_fixtures.save_word_tokenizer(tmp_path)
-  proc = run(
-    "launch.run",
-    f"--model={tmp_path}",
-    "--num_devices=2",
-    "--repeats=1",
-    "--max_new_tokens=2",
-    "--prompt=w5 w6 w7 w8 w9 w10 w11 w12",
-    "--batch=2",
-  )
+  proc = run("launch.run", *flags)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "prompt 8 tokens x batch 2" in proc.stdout
 

@@ -267,10 +267,8 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
       raise KeyboardInterrupt
     return real_prefill(*args, **kwargs)
 
-  monkeypatch.setattr(inference, "prefill", counting_prefill)
-  calls["limit"] = 5  # two partitions measured (warm-up + 1 run each), then "Ctrl-C"
-  with pytest.raises(KeyboardInterrupt):
-    search.measured_search(
+  def search_with_cache():
+    return search.measured_search(
       model,
       tokens,
       mesh,
@@ -280,30 +278,21 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
       show_progress=False,
       verify_top=0,
     )
+
+  monkeypatch.setattr(inference, "prefill", counting_prefill)
+  calls["limit"] = 5  # two partitions measured (warm-up + 1 run each), then "Ctrl-C"
+  with pytest.raises(KeyboardInterrupt):
+    search_with_cache()
   with open(cache) as f:
     assert len(__import__("json").load(f)["results"]) == 2
   calls.update(n=0, limit=None)
-  chunks = search.measured_search(
-    model, tokens, mesh, multiple=16, repeats=1, cache_path=cache, show_progress=False, verify_top=0
-  )
+  chunks = search_with_cache()
   with open(cache) as f:
     measured = len(__import__("json").load(f)["results"])
   assert calls["n"] == 2 * (measured - 2)  # the first two were not measured again
   assert sum(chunks) == 64 and chunks[0] % 16 == 0
   calls["n"] = 0
-  assert (
-    search.measured_search(
-      model,
-      tokens,
-      mesh,
-      multiple=16,
-      repeats=1,
-      cache_path=cache,
-      show_progress=False,
-      verify_top=0,
-    )
-    == chunks
-  )
+  assert search_with_cache() == chunks
   assert calls["n"] == 0  # fully resumed
   other = np.random.RandomState(3).randint(0, 512, (2, 64))
   with pytest.raises(ValueError, match="another setup"):
