@@ -8,7 +8,7 @@ machine: emulated devices sharing the cores, which checks cost, not speed-up) an
 single-device path with Hugging Face transformers on the same weights and tokens.
 --mode=multiprocess runs p processes, one device each, each pinned to its own core with
 single-threaded XLA, against one such process alone. Intentionally kept short: the logic is
-kvr_jax.benchmark, kvr_jax.jobs and kvr_jax.distributed.
+kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
 """
 
 import json
@@ -17,8 +17,23 @@ import sys
 
 from absl import app, flags, logging
 
+import kvr_jax
+from kvr_jax.runtime import distributed
+from kvr_jax.tools import benchmark, jobs
+from kvr_jax.tools import timing as timing_lib
+from launch import common
+
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "devices", ["devices", "multiprocess"], "What to measure.")
+flags.DEFINE_enum(
+  "mode", "devices", ["devices", "multiprocess", "kernels", "long"], "What to measure."
+)
+flags.DEFINE_integer(
+  "threads", None, "XLA and PyTorch threads (devices, kernels, long modes; default: all cores)."
+)
+flags.DEFINE_list(
+  "flash_blocks", ["256x512"], "Kernels mode: flash query x key block sizes to try."
+)
+flags.DEFINE_list("kernels", ["flash", "blocked", "dense"], "Attention kernels to time.")
 flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax directory.")
 flags.DEFINE_list("context_lens", ["1024", "2048", "4096"], "Prompt lengths to sweep.")
 flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Strategies (devices mode).")
@@ -39,13 +54,69 @@ flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
 flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
 
 
+def set_threads():
+  """One thread for XLA (before its backend starts) and PyTorch when --threads=1."""
+  if FLAGS.threads is None:
+    return
+  if FLAGS.threads < 1:
+    raise ValueError(f"--threads must be >= 1, got {FLAGS.threads}")
+  if FLAGS.threads == 1:
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " " + distributed.SINGLE_THREAD_XLA_FLAGS
+    ).strip()
+  elif FLAGS.threads != os.cpu_count():
+    raise ValueError("--threads takes 1 or the number of cores (XLA's CPU backend uses all)")
+
+
+def kernels_mode():
+  with common.user_errors():
+    blocks = []
+    for text in FLAGS.flash_blocks:
+      try:
+        bq, bk = (int(x) for x in text.split("x"))
+      except ValueError:
+        raise ValueError(f"--flash_blocks takes QxK pairs like 256x512, got {text!r}") from None
+      blocks.append((bq, bk))
+    rows = benchmark.time_attention_kernels(
+      [int(c) for c in FLAGS.context_lens], FLAGS.kernels, blocks, repeats=FLAGS.repeats
+    )
+  print(
+    f"MEASURED causal attention alone, 1 device, {FLAGS.threads or os.cpu_count()} thread(s), "
+    "4 heads x 64, float32, median of warm runs:"
+  )
+  print(f"{'kernel':<8}{'blocks':>10}{'C':>7}  {'time':>9}  {'compile':>8}")
+  for r in rows:
+    blocks = "-" if r.query_block is None else f"{r.query_block}x{r.key_block}"
+    print(
+      f"{r.kernel:<8}{blocks:>10}{r.context_len:>7}  {r.seconds * 1e3:>7.1f}ms  "
+      f"{r.compile_s:>7.2f}s"
+    )
+  return 0
+
+
+def long_mode():
+  """Single-device prefill of long prompts: time, compile time and the process's peak RSS."""
+  import resource
+
+  with common.user_errors():
+    model = kvr_jax.load_model(FLAGS.model)
+    rows = []
+    for C in [int(c) for c in FLAGS.context_lens]:
+      for kernel in FLAGS.kernels:
+        tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, C)
+        timing = timing_lib.time_prefill(model, tokens, FLAGS.repeats, attention=kernel)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        rows.append((kernel, C, timing.median_s, timing.first_s - timing.median_s, rss))
+        del timing
+  print(f"MEASURED single-device prefill, {FLAGS.model}, float32:")
+  print(f"{'kernel':<8}{'C':>7}  {'TTFT':>9}  {'compile':>8}  peak RSS of the process so far")
+  for kernel, C, seconds, compile_s, rss in rows:
+    print(f"{kernel:<8}{C:>7}  {seconds:>8.3f}s  {compile_s:>7.2f}s  {rss:.2f} GiB")
+  return 0
+
+
 def devices_mode():
-  from launch import common
-
   emulated = common.setup_devices(FLAGS.num_devices)
-  import kvr_jax
-  from kvr_jax import benchmark
-
   with common.user_errors():
     model = kvr_jax.load_model(FLAGS.model)
     lens = [int(c) for c in FLAGS.context_lens]
@@ -77,20 +148,22 @@ def devices_mode():
   )
   if FLAGS.compare_transformers:
     with common.user_errors():
-      comparison = benchmark.compare_with_transformers(model.config, lens, repeats=FLAGS.repeats)
+      comparison = benchmark.compare_with_transformers(
+        model.config,
+        lens,
+        kernels=FLAGS.kernels,
+        repeats=FLAGS.repeats,
+        threads=FLAGS.threads,
+      )
     print(
       "\nsingle-device prefill vs Hugging Face transformers (PyTorch CPU, same weights, "
       "tokens and thread count), MEASURED:"
     )
-    print(
-      f"{'C':>7} {'threads':>7} {'ours dense':>12} {'ours blocked':>13} {'transformers':>13}"
-      f" {'dense/HF':>9} {'blocked/HF':>11}"
-    )
+    print(f"{'C':>7} {'threads':>7} {'kernel':>8} {'ours':>11} {'transformers':>13} {'ours/HF':>8}")
     for c in comparison:
       print(
-        f"{c.context_len:>7} {c.threads:>7} {c.ours_dense_tokens_per_s:>10.0f}/s "
-        f"{c.ours_blocked_tokens_per_s:>11.0f}/s {c.transformers_tokens_per_s:>11.0f}/s "
-        f"{c.ratio_dense:>8.2f}x {c.ratio_blocked:>10.2f}x"
+        f"{c.context_len:>7} {c.threads:>7} {c.kernel:>8} {c.ours_tokens_per_s:>9.0f}/s "
+        f"{c.transformers_tokens_per_s:>11.0f}/s {c.ratio:>7.2f}x"
       )
     benchmark.write_csv(
       comparison, os.path.join(FLAGS.output_dir, "vs_transformers.csv"), "MEASURED prefill tokens/s"
@@ -99,8 +172,6 @@ def devices_mode():
 
 
 def worker():
-  from kvr_jax import distributed, jobs
-
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   result = jobs.bench_job(
     FLAGS.model,
@@ -114,9 +185,6 @@ def worker():
 
 
 def multiprocess_mode():
-  from kvr_jax import benchmark, distributed
-  from launch import common
-
   common_flags = [
     f"--model={FLAGS.model}",
     f"--context_lens={','.join(FLAGS.context_lens)}",
@@ -206,8 +274,15 @@ def main(argv):
   if FLAGS.process_id is not None:
     worker()
     return 0
+  if FLAGS.mode != "multiprocess":
+    with common.user_errors():
+      set_threads()  # before XLA's backend starts
   if FLAGS.mode == "multiprocess":
     return multiprocess_mode()
+  if FLAGS.mode == "kernels":
+    return kernels_mode()
+  if FLAGS.mode == "long":
+    return long_mode()
   devices_mode()
   return 0
 

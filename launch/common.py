@@ -6,24 +6,28 @@ import contextlib
 import os
 import sys
 
+import jax
+import numpy as np
+
+from kvr_jax.planning.partition import METHODS, PartitionPlan
+from kvr_jax.planning.presets import check_preset_names
+from kvr_jax.tools.timing import synthetic_prompt
+
 DEFAULT_EMULATED_DEVICES = 8
 
 
 def setup_devices(num_devices: int | None) -> bool:
-  """On a CPU-only machine, asks XLA for emulated devices. Must run before jax is imported.
+  """On a CPU-only machine, asks XLA for emulated CPU devices. Must run before JAX's backend
+  starts (importing jax and kvr_jax does not start it; the first device query does).
 
   Returns True when the devices are emulated CPU devices.
   """
-  if "jax" in sys.modules:
-    import jax
-
-    return jax.devices()[0].platform == "cpu"
   wanted = max(num_devices or DEFAULT_EMULATED_DEVICES, 1)
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={wanted}".strip()
-  import jax
-
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    try:
+      jax.config.update("jax_num_cpu_devices", wanted)
+    except RuntimeError:  # the backend already runs (a notebook, a test): keep its devices
+      pass
   return jax.devices()[0].platform == "cpu"
 
 
@@ -39,16 +43,11 @@ def user_errors():
 
 def parse_partition(text: str, hardware: str = "local", links: str = "local"):
   """--partition: a method name (with the cost-model presets) or comma-separated lengths."""
-  from kvr_jax.costmodel import HARDWARE, LINKS
-  from kvr_jax.partition import METHODS, PartitionPlan
-
   if text in METHODS:
-    if hardware != "local" and hardware not in HARDWARE:
-      raise ValueError(
-        f"--hardware: unknown preset {hardware!r}; presets: {sorted(HARDWARE) + ['local']}"
-      )
-    if links != "local" and links not in LINKS:
-      raise ValueError(f"--links: unknown preset {links!r}; presets: {sorted(LINKS) + ['local']}")
+    try:
+      check_preset_names(hardware, links)
+    except ValueError as e:
+      raise ValueError(f"--hardware/--links: {e}") from None
     return PartitionPlan(text, hardware=hardware, links=links)
   try:
     return [int(x) for x in text.split(",")]
@@ -59,10 +58,6 @@ def parse_partition(text: str, hardware: str = "local", links: str = "local"):
 
 
 def prompt_tokens(model, prompt: str | None, context_len: int, batch: int, seed: int):
-  import numpy as np
-
-  from kvr_jax import demo
-
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")
   if prompt is not None:
@@ -79,4 +74,4 @@ def prompt_tokens(model, prompt: str | None, context_len: int, batch: int, seed:
       f"--context_len={context_len} exceeds the model's max_position_embeddings="
       f"{model.config.max_position_embeddings}"
     )
-  return demo.synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
+  return synthetic_prompt(model.config.vocab_size, context_len, batch, seed)

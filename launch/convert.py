@@ -3,12 +3,16 @@
   python -m launch.convert --hf_dir=/models/Llama-2-7b-hf --output_dir=/ckpt/llama-2-7b
 
 `load_model(output_dir)` and `python -m launch.run --model=output_dir` read the result, without
-the safetensors. Intentionally kept short: the logic is kvr_jax.loading.
+the safetensors. Intentionally kept short: the logic is kvr_jax.runtime.loading.
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
+
+from kvr_jax.runtime import loading
+from launch import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "Hugging Face directory (config.json + safetensors).")
@@ -20,13 +24,7 @@ flags.mark_flags_as_required(["hf_dir", "output_dir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from launch import common
-
   with common.user_errors():
-    import os
-
-    from kvr_jax import loading
-
     if not os.path.isdir(FLAGS.hf_dir):
       raise ValueError(f"--hf_dir {FLAGS.hf_dir}: no such directory")
     if not os.path.exists(os.path.join(FLAGS.hf_dir, "config.json")):

@@ -8,7 +8,7 @@ Join a cluster (run once per process, e.g. on each host):
 
 The job (`--job=check`) prefills with KV-Runahead over all processes' devices, generates on
 the last rank's process, and compares with the single-device oracle there. Intentionally kept
-short: the logic is kvr_jax.distributed and kvr_jax.jobs.
+short: the logic is kvr_jax.runtime.distributed and kvr_jax.tools.jobs.
 """
 
 import json
@@ -16,6 +16,10 @@ import os
 import sys
 
 from absl import app, flags, logging
+
+from kvr_jax.runtime import distributed
+from kvr_jax.tools import jobs
+from launch import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_processes", 2, "Processes in the cluster.")
@@ -40,9 +44,6 @@ flags.DEFINE_multi_integer("debug_skip_process", [], "Testing: do not start thes
 
 
 def worker():
-  from kvr_jax import distributed, jobs
-  from launch import common
-
   distributed.initialize(
     FLAGS.coordinator_address,
     FLAGS.num_processes,
@@ -64,9 +65,6 @@ def worker():
 
 
 def launcher():
-  from kvr_jax import distributed
-  from launch import common
-
   passthrough = [
     f"--{name}={getattr(FLAGS, name)}"
     for name in (

@@ -3,7 +3,7 @@
   python -m launch.paper --output_dir=results/paper
 
 Prints the table, a summary next to the paper's reported speed-ups, and writes CSV and PNG.
-Intentionally kept short: the logic is kvr_jax.paper.
+Intentionally kept short: the logic is kvr_jax.tools.paper.
 """
 
 import itertools
@@ -13,17 +13,17 @@ import time
 
 from absl import app, flags
 
+from kvr_jax.tools import paper
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "results/paper", "Where to write paper_ttft.csv and plots.")
 
 
 def main(argv):
   del argv
-  from kvr_jax import paper
-
   start = time.perf_counter()
   os.makedirs(FLAGS.output_dir, exist_ok=True)
-  print("MODELLED TTFT (kvr_jax.costmodel: A100 80GB, fp16, batch 1); not a measurement.")
+  print("MODELLED TTFT (kvr_jax.planning.costmodel: A100 80GB, fp16, batch 1); not a measurement.")
   print(
     f"{'links':<8}{'model':<12}{'p':>2}{'C':>7} {'TSP':>9}{'KVR-E':>9}{'KVR-S':>9}"
     f"{'KVR-P':>9}{'bal.':>9}{'bound':>9}  S/TSP  P-S"

@@ -2,10 +2,12 @@
 
   python -m launch.partition_tables
 
-Intentionally kept short: the logic is kvr_jax.tables.write_all_tables.
+Intentionally kept short: the logic is kvr_jax.planning.tables.write_all_tables.
 """
 
 from absl import app, flags
+
+from kvr_jax.planning import tables
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", None, "Where to write (default: configs/partitions).")
@@ -13,9 +15,7 @@ flags.DEFINE_string("output_dir", None, "Where to write (default: configs/partit
 
 def main(argv):
   del argv
-  from kvr_jax import search, tables
-
-  tables.write_all_tables(FLAGS.output_dir or search.PARTITION_DIR)
+  tables.write_all_tables(FLAGS.output_dir or tables.PARTITION_DIR)
 
 
 if __name__ == "__main__":

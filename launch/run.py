@@ -3,15 +3,19 @@
   python -m launch.run                      # tiny-llama, 2048 tokens, 8 (emulated) devices
   python -m launch.run --model=tiny-falcon --context_len=1024 --partition=600,424
 
-Intentionally kept short: all logic lives in kvr_jax (kvr_jax.demo.compare_strategies).
+Intentionally kept short: all logic lives in kvr_jax (kvr_jax.tools.demo.compare_strategies).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
+import jax
 from absl import app, flags, logging
 
+import kvr_jax
+from kvr_jax.tools import demo
 from launch import common
 
 FLAGS = flags.FLAGS
@@ -23,6 +27,11 @@ flags.DEFINE_string(
   "partition",
   "search",
   "KVR partition: even, search, predict, balanced or comma-separated lengths.",
+)
+flags.DEFINE_string(
+  "attention",
+  None,
+  "Attention kernel for single and kvr: flash, dense, blocked or fused (default: flash).",
 )
 flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/balanced/predict.")
 flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")
@@ -40,11 +49,6 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   emulated = common.setup_devices(FLAGS.num_devices)
-  import json
-
-  import kvr_jax
-  from kvr_jax import demo
-
   with common.user_errors():
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
@@ -55,13 +59,12 @@ def main(argv):
       FLAGS.strategy,
       num_devices=FLAGS.num_devices,
       partition=partition,
+      attention=FLAGS.attention,
       repeats=FLAGS.repeats,
       max_new_tokens=FLAGS.max_new_tokens,
       temperature=FLAGS.temperature,
       seed=FLAGS.seed,
     )
-  import jax
-
   print(
     f"{model}; prompt {tokens.shape[1]} tokens x batch {tokens.shape[0]}; "
     f"{FLAGS.num_devices or jax.device_count()} ranks on {jax.devices()[0].platform}"

@@ -1,11 +1,15 @@
 """Test setup: 8 emulated CPU devices, configured before jax is first imported."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The `local` calibration and other per-machine caches go to a directory of this run (the
+# launchers the tests start inherit it), never to the user's ~/.cache.
+os.environ["KVR_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvr_jax_test_cache_")
 
 import jax  # noqa: E402
 

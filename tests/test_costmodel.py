@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax import costmodel, search, tables, tsp
-from kvr_jax.inference import _compiled_single
-from kvr_jax.loading import build_model
-from kvr_jax.partition import PartitionPlan, resolve_partition
+from kvr_jax.planning import costmodel, presets, search, tables
+from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.runtime.loading import build_model
+from kvr_jax.strategies import single, tsp
 from models.config import LlamaConfig
 
 LLAMA7 = kvr_jax.preset_config("llama-2-7b")
+
+
+def a100(links="300GBps", dtype_bytes=2, hardware="a100-80gb"):
+  """The paper's setting: A100, fp16 (what the cost model's callers used to get by default)."""
+  return presets.make_setup(hardware, links, dtype_bytes=dtype_bytes)
 
 
 def unit_config():
@@ -44,9 +49,9 @@ def test_paper_example_c9_p3_score_entries_and_traffic():
   unit = costmodel.layer_flops(cfg, 1, 1).attention
   assert [a / unit for a in attention] == [16, 21, 18]  # critical rank: 21 entries
   assert costmodel.layer_flops(cfg, 3, 9).attention / unit == 27  # TSP, every rank
-  kvr = costmodel.simulate(cfg, "kvr", 9, num_ranks=3, partition=(4, 3, 2), dtype_bytes=1)
+  kvr = costmodel.simulate(cfg, "kvr", 9, a100(dtype_bytes=1), num_ranks=3, partition=(4, 3, 2))
   assert kvr.link_bytes == [4 * 4, 4 * 7]  # 4 + 7 = 11 tokens per tensor
-  tsp_sim = costmodel.simulate(cfg, "tsp", 9, num_ranks=3, dtype_bytes=1)
+  tsp_sim = costmodel.simulate(cfg, "tsp", 9, a100(dtype_bytes=1), num_ranks=3)
   assert sum(tsp_sim.link_bytes) == 4 * 18  # 2 x 18 = 36 K/V entries exchanged
 
 
@@ -83,8 +88,8 @@ def test_slow_link_only_slows_its_hop():
   assert slow.slowest(4) == 10.0
   cfg = kvr_jax.preset_config("tiny-llama")
   hw = costmodel.Hardware("unit", 1e12, 1e12, 1.0, 1.0)
-  base = costmodel.simulate(cfg, "tsp", 64, num_ranks=4, hardware=hw, links=fast)
-  slower = costmodel.simulate(cfg, "tsp", 64, num_ranks=4, hardware=hw, links=slow)
+  base = costmodel.simulate(cfg, "tsp", 64, costmodel.Setup(hw, fast, 2), num_ranks=4)
+  slower = costmodel.simulate(cfg, "tsp", 64, costmodel.Setup(hw, slow, 2), num_ranks=4)
   assert slower.ttft > base.ttft  # the ring all-gather is bound by its slowest link
 
 
@@ -100,8 +105,12 @@ def _one_layer(name):
 def test_single_program_flops_match_xla(name):
   model, config = _one_layer(name)
   C = 512
-  tokens = jax.ShapeDtypeStruct((1, C), np.int32)
-  compiled = _compiled_single(model.graphdef).lower(model.state, tokens).compile()
+  mesh = kvr_jax.make_mesh(1)
+  fn = single.compile_program(model.graphdef, mesh, (C,), "dense")
+  by_rank = jax.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  tokens = jax.ShapeDtypeStruct((1, 1, C), np.int32, sharding=by_rank)
+  state = model.state_on(jax.NamedSharding(mesh, jax.P()))
+  compiled = fn.lower(state, tokens).compile()
   measured = compiled.cost_analysis()["flops"]
   phases = costmodel.phase_work(config, C, C, batch=1, dtype_bytes=4)
   modelled = sum(w.flops for w in phases.values()) + costmodel.head_work(config, 1, 4).flops
@@ -113,19 +122,19 @@ def test_tsp_program_flops_match_xla(name):
   model, config = _one_layer(name)
   C, p = 1000, 4  # padded to 4 x 250
   mesh = kvr_jax.make_mesh(p)
-  fn, _ = tsp.compiled_prefill(model.graphdef, mesh, C)
+  fn = tsp.compile_program(model.graphdef, mesh, tsp.layout(C, p))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
   tokens = jax.device_put(tsp.pad_shards(np.zeros((1, C), np.int32), p), by_rank)
   measured = fn.lower(model.state_on(replicated), tokens).compile().cost_analysis()["flops"]
-  sim = costmodel.simulate(config, "tsp", C, num_ranks=p, dtype_bytes=4)
+  sim = costmodel.simulate(config, "tsp", C, a100(dtype_bytes=4), num_ranks=p)
   modelled = sim.rank_flops[0] + costmodel.head_work(config, 1, 4).flops
   assert abs(measured / modelled - 1) < 0.10, (measured, modelled)
 
 
 def test_kvr_rank_flops_follow_the_partition():
   chunks = (400, 250, 200, 174)
-  sim = costmodel.simulate(LLAMA7, "kvr", 1024, num_ranks=4, partition=chunks)
+  sim = costmodel.simulate(LLAMA7, "kvr", 1024, a100(), num_ranks=4, partition=chunks)
   ends = np.cumsum(chunks)
   for i in range(4):
     assert sim.rank_flops[i] == pytest.approx(
@@ -157,14 +166,14 @@ def _brute_force(objective, C, p):
 )
 def test_search_finds_the_brute_force_optimum(model, C, p, links):
   config = kvr_jax.preset_config(model)
-  objective = search.modelled_objective(config, C, p, links=links)
+  objective = search.modelled_objective(config, C, p, a100(links))
   found = search.search_partition(objective, C, p)
   best_value, best_chunks = _brute_force(objective, C, p)
   assert objective(found) == pytest.approx(best_value, rel=1e-12), (found, best_chunks)
 
 
 def test_search_respects_a_multiple():
-  objective = search.modelled_objective(LLAMA7, 4100, 4)
+  objective = search.modelled_objective(LLAMA7, 4100, 4, a100())
   chunks = search.search_partition(objective, 4100, 4, multiple=128)
   assert sum(chunks) == 4100 and all(c % 128 == 0 for c in chunks[:-1])
 
@@ -183,11 +192,11 @@ def test_every_partition_is_valid(C, method):
 
 
 def test_predict_is_exact_at_table_points():
-  for path in sorted(__import__("glob").glob(f"{search.PARTITION_DIR}/*.json")):
+  for path in sorted(__import__("glob").glob(f"{tables.PARTITION_DIR}/*.json")):
     with open(path) as f:
       table = json.load(f)
     for entry in table["entries"]:
-      assert search.predict_partition(table, entry["context_len"]) == tuple(entry["partition"])
+      assert tables.predict_partition(table, entry["context_len"]) == tuple(entry["partition"])
 
 
 def test_predict_interpolates_fractions_between_entries():
@@ -199,16 +208,16 @@ def test_predict_interpolates_fractions_between_entries():
     ],
   }
   # Halfway (C=200): boundary fraction (0.6 + 0.5) / 2 = 0.55 -> 110.
-  assert search.predict_partition(table, 200) == (110, 90)
+  assert tables.predict_partition(table, 200) == (110, 90)
   # Outside the range: the nearest entry's fractions (clamped).
-  assert search.predict_partition(table, 1000) == (500, 500)
-  assert search.predict_partition(table, 50) == (30, 20)
+  assert tables.predict_partition(table, 1000) == (500, 500)
+  assert tables.predict_partition(table, 50) == (30, 20)
 
 
 def test_shipped_tables_are_current():
   """The committed tables equal a fresh search (so the regeneration command is the truth)."""
   table = tables.build_table("falcon-7b", "a100-80gb", "300GBps", 4, context_lens=(1024, 16384))
-  with open(search.table_path("falcon-7b", "a100-80gb", "300GBps", 4)) as f:
+  with open(tables.table_path("falcon-7b", "a100-80gb", "300GBps", 4)) as f:
     shipped = {e["context_len"]: e["partition"] for e in json.load(f)["entries"]}
   for entry in table["entries"]:
     assert shipped[entry["context_len"]] == entry["partition"]
@@ -216,14 +225,14 @@ def test_shipped_tables_are_current():
 
 def test_balanced_comes_close_to_search_at_high_bandwidth():
   for C in (2048, 8192):
-    objective = search.modelled_objective(LLAMA7, C, 8, links="300GBps")
-    balanced = search.balanced_partition(LLAMA7, C, 8, links="300GBps")
+    objective = search.modelled_objective(LLAMA7, C, 8, a100("300GBps"))
+    balanced = search.balanced_partition(LLAMA7, C, 8, a100("300GBps"))
     searched = search.search_partition(objective, C, 8, start=balanced)
     assert objective(balanced) <= 1.02 * objective(searched)
 
 
 def test_local_calibration_measures_positive_numbers():
-  hw, links = costmodel.hardware_preset("local"), costmodel.links_preset("local")
+  hw, links = presets.hardware_preset("local"), presets.links_preset("local")
   assert hw.flops > 1e8 and hw.bandwidth > 1e8
   assert links.bandwidth > 1e6 and links.latency > 0
 
@@ -233,26 +242,26 @@ def test_local_calibration_measures_positive_numbers():
 
 def test_bad_inputs(tmp_path):
   with pytest.raises(ValueError, match="p=9 ranks but only C=8"):
-    costmodel.simulate(LLAMA7, "tsp", 8, num_ranks=9)
+    costmodel.simulate(LLAMA7, "tsp", 8, a100(), num_ranks=9)
   with pytest.raises(ValueError, match="p=9 ranks but only C=8"):
     search.search_partition(lambda c: 0.0, 8, 9)
   with pytest.raises(ValueError, match="unknown hardware preset 'v100'"):
-    costmodel.simulate(LLAMA7, "single", 8, hardware="v100")
+    presets.make_setup("v100", "300GBps", dtype_bytes=2)
   with pytest.raises(ValueError, match="unknown link preset"):
-    costmodel.simulate(LLAMA7, "tsp", 8, num_ranks=2, links="1GBps")
+    presets.make_setup("a100-80gb", "1GBps", dtype_bytes=2)
   with pytest.raises(ValueError, match="no partition table for model='llama-3-8b'"):
-    search.load_table("llama-3-8b", "a100-80gb", "300GBps", 4)
-  wrong = search.table_path("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
-  with open(search.table_path("llama-2-7b", "a100-80gb", "300GBps", 4)) as f:
+    tables.load_table("llama-3-8b", "a100-80gb", "300GBps", 4)
+  wrong = tables.table_path("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
+  with open(tables.table_path("llama-2-7b", "a100-80gb", "300GBps", 4)) as f:
     table = json.load(f)
   with open(wrong, "w") as f:
     json.dump(table, f)  # a llama table filed under falcon's name
   with pytest.raises(ValueError, match="table is for model='llama-2-7b'"):
-    search.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
+    tables.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
   with open(wrong, "w") as f:
     f.write("{not json")
   with pytest.raises(ValueError, match="corrupt partition table"):
-    search.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
+    tables.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
   with pytest.raises(ValueError, match="unknown partition method"):
     PartitionPlan("fastest")
   with pytest.raises(ValueError, match="needs a table"):

@@ -170,7 +170,7 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path):
 
   import transformers
 
-  from kvr_jax import loading
+  from kvr_jax.runtime import loading
 
   config = transformers.LlamaConfig(
     vocab_size=4096,

@@ -76,7 +76,7 @@ def test_port_already_in_use():
 
 
 def test_bad_cluster_arguments():
-  from kvr_jax import distributed
+  from kvr_jax.runtime import distributed
 
   with pytest.raises(ValueError, match="host:port"):
     distributed.initialize("localhost", 2, 0)

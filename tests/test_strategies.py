@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 import kvr_jax
-from kvr_jax import costmodel, runahead, tsp
-from kvr_jax.loading import build_model
+from kvr_jax.planning import costmodel
+from kvr_jax.runtime.loading import build_model
+from kvr_jax.strategies import TRACE_COUNT, runahead
 from models.config import FalconConfig
 
 REL_TOL = 1e-5
@@ -132,12 +133,12 @@ def test_second_call_does_not_compile_again(models, prompts):
   model, mesh = models["tiny-llama"], kvr_jax.make_mesh(4)
   kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[5, 3, 3, 2])
   kvr_jax.prefill(model, prompts[1], strategy="tsp", mesh=mesh)
-  before = (runahead.TRACE_COUNT["kvr"], tsp.TRACE_COUNT["tsp"])
+  before = (TRACE_COUNT["kvr"], TRACE_COUNT["tsp"])
   kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[5, 3, 3, 2])
   kvr_jax.prefill(model, prompts[1], strategy="tsp", mesh=mesh)
-  assert (runahead.TRACE_COUNT["kvr"], tsp.TRACE_COUNT["tsp"]) == before
+  assert (TRACE_COUNT["kvr"], TRACE_COUNT["tsp"]) == before
   kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[4, 4, 3, 2])
-  assert runahead.TRACE_COUNT["kvr"] == before[0] + 1  # a new partition is a new program
+  assert TRACE_COUNT["kvr"] == before[0] + 1  # a new partition is a new program
 
 
 @pytest.mark.parametrize(
@@ -152,7 +153,7 @@ def test_second_call_does_not_compile_again(models, prompts):
   ],
 )
 def test_bad_partitions_fail_before_compiling(models, prompts, partition, message):
-  before = runahead.TRACE_COUNT["kvr"]
+  before = TRACE_COUNT["kvr"]
   with pytest.raises(ValueError, match=message):
     kvr_jax.prefill(
       models["tiny-llama"],
@@ -161,12 +162,12 @@ def test_bad_partitions_fail_before_compiling(models, prompts, partition, messag
       mesh=kvr_jax.make_mesh(4),
       partition=partition,
     )
-  assert runahead.TRACE_COUNT["kvr"] == before
+  assert TRACE_COUNT["kvr"] == before
 
 
 def test_bad_meshes_fail_before_compiling(models):
   model = models["tiny-llama"]
-  before = runahead.TRACE_COUNT["kvr"]
+  before = TRACE_COUNT["kvr"]
   with pytest.raises(ValueError, match="8 ranks but only 5 prompt tokens"):
     kvr_jax.prefill(model, np.arange(5)[None], strategy="kvr", mesh=kvr_jax.make_mesh(8))
   wrong_axis = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -176,7 +177,7 @@ def test_bad_meshes_fail_before_compiling(models):
     kvr_jax.prefill(model, np.arange(5)[None], strategy="tsp", mesh="cpu:0")
   with pytest.raises(ValueError, match="only 8 devices"):
     kvr_jax.make_mesh(9)
-  assert runahead.TRACE_COUNT["kvr"] == before
+  assert TRACE_COUNT["kvr"] == before
 
 
 # --- The compiled program: hops, bytes and per-rank work -------------------------------------
@@ -184,7 +185,7 @@ def test_bad_meshes_fail_before_compiling(models):
 
 def _compiled_kvr_hlo(model, chunks, batch=1):
   mesh = kvr_jax.make_mesh(len(chunks))
-  fn = runahead.compiled_prefill(model.graphdef, mesh, tuple(chunks))
+  fn = runahead.compile_program(model.graphdef, mesh, tuple(chunks))
   tokens = runahead.pad_chunks(np.zeros((batch, sum(chunks)), np.int32), tuple(chunks))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
@@ -253,7 +254,8 @@ def test_cost_model_partitions_run_and_match_single(models, prompts, oracle, met
 
 def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   """objective='measured' times real prefills; an interrupted search resumes from its file."""
-  from kvr_jax import inference, search
+  from kvr_jax.tools import measured as search
+  from kvr_jax.tools import timing as inference
 
   model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
   tokens = np.random.RandomState(3).randint(0, 512, (1, 64))
@@ -305,21 +307,21 @@ def test_blocked_attention_matches_dense(models, strategy, p, partition):
   model = models["tiny-falcon"]
   tokens = np.random.RandomState(7).randint(0, 512, (2, 300))
   kwargs = {} if strategy == "single" else {"mesh": kvr_jax.make_mesh(p), "partition": partition}
-  dense = kvr_jax.prefill(model, tokens, strategy=strategy, **kwargs)
+  dense = kvr_jax.prefill(model, tokens, strategy=strategy, attention="dense", **kwargs)
   blocked = kvr_jax.prefill(model, tokens, strategy=strategy, attention="blocked", **kwargs)
   assert_close(blocked.logits, dense.logits, "logits")
   assert_close(blocked.k_cache, dense.k_cache, "K cache")
   with pytest.raises(ValueError, match="TSP computes dense"):
     kvr_jax.prefill(model, tokens, strategy="tsp", attention="blocked")
   with pytest.raises(ValueError, match="unknown attention"):
-    kvr_jax.prefill(model, tokens, attention="flash")
+    kvr_jax.prefill(model, tokens, attention="sparse")
 
 
 def test_measured_search_verifies_its_best_candidates(models, tmp_path):
   """The answer is one of the two best partitions the search measured, measured again."""
   import json
 
-  from kvr_jax import search
+  from kvr_jax.tools import measured as search
 
   model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
   tokens = np.random.RandomState(4).randint(0, 512, (1, 64))

@@ -1,0 +1,1 @@
+"""Package data: KVR-P tables, <model>__<hardware>__<links>__p<ranks>.json."""

@@ -1,0 +1,151 @@
+"""`generate` and `decode_from`: prefill with any strategy, then decode from the KV cache where
+it already lives (the last rank's device after KV-Runahead), with greedy or sampled tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvr_jax.inference import decode
+from kvr_jax.inference.prefill import PrefillResult, check_tokens, prefill
+from kvr_jax.runtime.loading import Model
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """tokens: [B, n] new token ids (rows that hit EOS early are padded with EOS);
+  text: the decoded new tokens per row when the model has a tokenizer. Both are None in the
+  processes that do not hold the last rank (jax.distributed)."""
+
+  tokens: np.ndarray | None
+  text: list[str] | None
+  prefill: PrefillResult
+
+
+def _encode_prompt(model: Model, prompt) -> np.ndarray:
+  if isinstance(prompt, str) or (
+    isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt)
+  ):
+    if model.tokenizer is None:
+      raise ValueError(
+        "a text prompt needs a tokenizer, and this model has none (load a "
+        "Hugging Face directory with tokenizer files, or pass token ids)"
+      )
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if any(not t for t in texts):
+      raise ValueError("the prompt is empty")
+    ids = [model.tokenizer(t)["input_ids"] for t in texts]
+    if len({len(i) for i in ids}) != 1:
+      raise ValueError(
+        f"text prompts tokenize to different lengths {[len(i) for i in ids]}; "
+        "batched prompts must have equal length"
+      )
+    return np.asarray(ids, np.int32)
+  return prompt
+
+
+def _check_sampling(model: Model, max_new_tokens, temperature, top_k, top_p) -> None:
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+  if not temperature >= 0:
+    raise ValueError(f"`temperature` must be >= 0, got {temperature!r}")
+  vocab = model.config.vocab_size
+  if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+    raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
+  if top_p is not None and not 0 < top_p <= 1:
+    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+
+
+def _check_length(model: Model, prompt_len: int, max_new_tokens: int) -> None:
+  limit = model.config.max_position_embeddings
+  if prompt_len + max_new_tokens > limit:
+    raise ValueError(
+      f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+      f"max_position_embeddings={limit}"
+    )
+
+
+def generate(
+  model: Model,
+  prompt,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+  strategy: str = "single",
+  mesh=None,
+  partition: Any = None,
+  attention: str | None = None,
+) -> GenerationResult:
+  """Prefill with `strategy`, then decode token by token from the KV cache.
+
+  prompt: token ids [T] or [B, T], or text (a string or equal-length list of strings; needs a
+  tokenizer). Stops when every row has produced EOS or after `max_new_tokens`. Temperature 0
+  is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
+  """
+  _check_sampling(model, max_new_tokens, temperature, top_k, top_p)
+  tokens_BT = check_tokens(model, _encode_prompt(model, prompt))
+  _check_length(model, tokens_BT.shape[1], max_new_tokens)
+  result = prefill(
+    model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition, attention=attention
+  )
+  return decode_from(model, result, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def decode_from(
+  model: Model,
+  result: PrefillResult,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+) -> GenerationResult:
+  """Decodes from a prefill's KV cache, on the device that holds it (see `generate`)."""
+  _check_sampling(model, max_new_tokens, temperature, top_k, top_p)
+  _check_length(model, result.prompt_len, max_new_tokens)
+  if not result.is_local:  # another process holds the cache and generates
+    return GenerationResult(None, None, result)
+  B, T = result.logits.shape[0], result.prompt_len
+  device = result.device
+  state = model.state_on(device)
+  # Room for the new tokens, allocated where the cache already is.
+  grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
+  k_cache, v_cache = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
+  eos = np.asarray(model.config.eos_ids, np.int32)
+  key = jax.device_put(jax.random.key(seed), device)
+  logits = result.logits
+  out = np.zeros((B, max_new_tokens), np.int32)
+  done = np.zeros(B, bool)
+  n = 0
+  for step in range(max_new_tokens):
+    if temperature == 0:
+      token_B = decode.greedy(logits)
+    else:
+      token_B = decode.sample(
+        logits,
+        jax.random.fold_in(key, step),
+        float(temperature),
+        top_k=top_k,
+        top_p=None if top_p is None else float(top_p),
+      )
+    token_np = np.asarray(token_B)
+    out[:, step] = np.where(done, eos[0] if eos.size else 0, token_np)
+    n = step + 1
+    done |= np.isin(token_np, eos)
+    if done.all() or step == max_new_tokens - 1:
+      break
+    logits, k_cache, v_cache = decode.decode_step(
+      model.graphdef, state, token_B, T + step, k_cache, v_cache
+    )
+  out = out[:, :n]
+  text = None
+  if model.tokenizer is not None:
+    text = [model.tokenizer.decode(row, skip_special_tokens=True) for row in out]
+  return GenerationResult(out, text, result)

@@ -1,0 +1,192 @@
+"""`prefill`: one API over every registered strategy (kvr_jax.strategies).
+
+Every input is validated here, before anything is traced or compiled; then the strategy lays
+the tokens out over the mesh, its compiled program runs, and the rank that holds the cache
+hands the result over on its own device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+from kvr_jax.planning.partition import resolve_partition
+from kvr_jax.runtime.loading import Model
+from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, make_mesh, shard_on
+from kvr_jax.strategies import STRATEGIES, get_strategy
+from models.layers import ATTENTION_KINDS, FUSED_KERNELS
+
+
+@dataclasses.dataclass
+class PrefillResult:
+  """What a prefill hands to decode.
+
+  logits: [B, V] float32, the last prompt position. k_cache, v_cache: [L, B, S, K, H] with
+  S = prompt_len, on `device` (for KV-Runahead: the last rank's device, where the paper leaves
+  the cache). With a mesh spanning processes, only the process of the last rank holds them;
+  elsewhere they are None (`is_local` is False).
+  """
+
+  logits: jax.Array
+  k_cache: jax.Array
+  v_cache: jax.Array
+  prompt_len: int
+  strategy: str
+  partition: tuple[int, ...] | None = None
+
+  @property
+  def is_local(self) -> bool:
+    return self.logits is not None
+
+  @property
+  def device(self):
+    return next(iter(self.k_cache.devices()))
+
+  def layer_cache(self, layer: int) -> tuple[jax.Array, jax.Array]:
+    """(K, V) of one layer, each [B, S, K, H]."""
+    return self.k_cache[layer], self.v_cache[layer]
+
+
+def check_tokens(model: Model, tokens) -> np.ndarray:
+  try:
+    array = np.asarray(tokens)
+  except ValueError:  # numpy refuses ragged nested lists
+    raise ValueError(
+      "`tokens` must be a [B, T] array of token ids with equal-length rows "
+      "(batched prompts must have the same length)"
+    ) from None
+  if array.dtype == object:
+    raise ValueError("`tokens` must be a [B, T] array of token ids with equal-length rows")
+  if array.ndim == 1:
+    array = array[None]
+  if array.ndim != 2:
+    raise ValueError(f"`tokens` must be [B, T] token ids, got shape {array.shape}")
+  if array.size == 0 or array.shape[1] == 0:
+    raise ValueError(f"the prompt is empty (tokens of shape {array.shape})")
+  if not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f"`tokens` must be integer token ids, got dtype {array.dtype}")
+  vocab = model.config.vocab_size
+  bad = (array < 0) | (array >= vocab)
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"token id {int(array[first])} at {first} is outside the vocabulary [0, {vocab})"
+    )
+  if array.shape[1] > model.config.max_position_embeddings:
+    raise ValueError(
+      f"prompt of {array.shape[1]} tokens exceeds max_position_embeddings="
+      f"{model.config.max_position_embeddings}"
+    )
+  return array.astype(np.int32)
+
+
+def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attention=None):
+  """The `prefill` keyword arguments for `strategy`: the mesh always, the partition only for a
+  partitioned strategy, the attention kernel only when it runs it (else its default)."""
+  spec = get_strategy(strategy)
+  kwargs: dict[str, Any] = {"strategy": strategy, "mesh": mesh}
+  if spec.partitioned:
+    kwargs["partition"] = partition
+  if attention is not None:
+    if attention not in ATTENTION_KINDS:
+      raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+    if attention in spec.attention_kinds:  # TSP keeps its dense kernel
+      kwargs["attention"] = attention
+  return kwargs
+
+
+def _single_device_mesh(mesh):
+  """This process's first device (of the mesh, if one is given), as a mesh of one: with
+  jax.distributed every process can run the single-device oracle on its own device."""
+  devices = jax.local_devices() if mesh is None else mesh.devices.reshape(-1)
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  if not local:
+    raise ValueError("strategy='single': the mesh has no device of this process")
+  return make_mesh(1, devices=local[:1])
+
+
+def prefill(
+  model: Model,
+  tokens,
+  strategy: str = "single",
+  mesh=None,
+  partition: Any = None,
+  attention: str | None = None,
+) -> PrefillResult:
+  """Runs the prompt phase and returns the last position's logits and the KV cache.
+
+  tokens: [B, T] (or [T]) token ids, equal-length prompts.
+  strategy: a name in kvr_jax.strategies.STRATEGIES: "single" (one device, the oracle),
+    "tsp" (all-gather baseline) or "kvr" (KV-Runahead). mesh: from `make_mesh(p)`; default
+    all local devices ("single" runs on its first device of this process).
+  partition (partitioned strategies, i.e. kvr): p chunk lengths summing to T (rank 0 the
+    earliest tokens), or "even", "search", "balanced", "predict", or a `PartitionPlan` (see
+    kvr_jax.planning.partition).
+  attention: the kernel; default the strategy's own ("flash" for single and kvr, "dense" for
+    TSP). "flash": online softmax over key blocks, fully masked blocks skipped, no score
+    matrix in memory; "dense": each rank's whole query x key rectangle, masked (the paper's
+    accounting); "blocked": query blocks over the keys up to their last query; "fused":
+    jax.nn.dot_product_attention on the prefix and the diagonal, merged (cuDNN on GPUs with
+    models.layers.FUSED_IMPLEMENTATION = "cudnn"). TSP is dense by definition.
+  """
+  spec = get_strategy(strategy)
+  attention = spec.check_attention(attention)
+  if not isinstance(model, Model):
+    raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
+  tokens_BT = check_tokens(model, tokens)
+  B, T = tokens_BT.shape
+  if not spec.partitioned and partition not in (None, "even"):
+    raise ValueError(
+      f"strategy {strategy!r} lays the prompt out itself; `partition` applies only to "
+      f"{[s for s in STRATEGIES if get_strategy(s).partitioned]}"
+    )
+  if spec.max_ranks == 1:
+    if mesh is not None:
+      check_mesh(mesh)
+    mesh = _single_device_mesh(mesh)
+  else:
+    mesh = make_mesh() if mesh is None else mesh
+  p = check_mesh(mesh)
+  if p > T:
+    raise ValueError(
+      f"{p} ranks but only {T} prompt tokens: every rank needs at least one "
+      "token; use a smaller mesh"
+    )
+
+  user_chunks = None
+  if spec.partitioned:
+    preset = model.source[len("preset:") :] if model.source.startswith("preset:") else None
+    user_chunks = resolve_partition(
+      partition,
+      T,
+      p,
+      config=model.config,
+      batch=B,
+      dtype_bytes=jnp.dtype(model.dtype).itemsize,
+      model_name=preset,
+      scores_in_memory=attention not in FUSED_KERNELS,
+    )
+    if jax.process_count() > 1:
+      # Cost-model partitions use per-process measurements; every process must compile the
+      # same program, so all take process 0's choice.
+      user_chunks = tuple(
+        int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(user_chunks))
+      )
+  chunks = spec.layout(T, p, user_chunks)
+  run = spec.compile(model.graphdef, mesh, chunks, attention)
+  state = model.state_on(NamedSharding(mesh, jax.P()))
+  tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
+  logits, kv = run(state, tokens_pBc)
+  owner = mesh.devices.reshape(-1)[spec.cache_rank(chunks)]
+  kv_L2BSKH = shard_on(kv, owner)
+  if kv_L2BSKH is None:  # the cache is another process's: it holds the answer
+    return PrefillResult(None, None, None, T, strategy, user_chunks)
+  return PrefillResult(
+    shard_on(logits, owner), kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, user_chunks
+  )

@@ -1,0 +1,123 @@
+"""Partition plans: how many prompt tokens each rank takes, chosen by method or given.
+
+Resolves "even" (KVR-E), "search" (KVR-S over the modelled TTFT), "balanced" and "predict"
+(KVR-P) into chunk lengths with the cost model. A search over *measured* TTFT runs prefills,
+so it lives above them: kvr_jax.tools.measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from kvr_jax.core.chunks import check_chunks, check_ranks, even_partition, round_to_multiple
+from kvr_jax.planning import presets, search, tables
+
+METHODS = ("even", "search", "balanced", "predict")
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionPlan:
+  """How to choose chunk lengths when they are not given explicitly.
+
+  method: "even" (KVR-E), "search" (KVR-S, modelled TTFT), "balanced" (equal modelled compute)
+    or "predict" (KVR-P, interpolated from a table in configs/partitions/).
+  hardware, links: cost-model presets (kvr_jax.planning.presets); "local" is measured on
+    this machine.
+  multiple: boundaries held to multiples of this (kernel-friendly shapes).
+  table_model: which model's table "predict" reads (default: the preset the model came from).
+  objective: "modelled" (cost model, seconds) or "measured" (times prefill on the mesh for
+    each candidate; `cache_path` keeps results on disk so an interrupted search resumes).
+  """
+
+  method: str = "even"
+  hardware: str = "local"
+  links: str = "local"
+  multiple: int = 1
+  table_model: str | None = None
+  objective: str = "modelled"
+  cache_path: str | None = None
+
+  def __post_init__(self):
+    if self.objective not in ("modelled", "measured"):
+      raise ValueError(f"`objective` must be 'modelled' or 'measured', got {self.objective!r}")
+    if self.objective == "measured" and self.method != "search":
+      raise ValueError("objective='measured' applies only to method='search'")
+    if self.method not in METHODS:
+      raise ValueError(f"unknown partition method {self.method!r}; expected one of {METHODS}")
+    if isinstance(self.multiple, bool) or not isinstance(self.multiple, int) or self.multiple < 1:
+      raise ValueError(f"`multiple` must be a positive integer, got {self.multiple!r}")
+    presets.check_preset_names(self.hardware, self.links)
+
+
+def resolve_partition(
+  partition,
+  context_len: int,
+  num_ranks: int,
+  *,
+  config=None,
+  batch: int = 1,
+  dtype_bytes: int = 4,
+  model_name: str | None = None,
+  scores_in_memory: bool = True,
+) -> tuple[int, ...]:
+  """`"even"`, `"search"`, `"balanced"`, `"predict"`, a PartitionPlan or explicit lengths ->
+  a validated tuple of p chunk lengths (rank 0 first).
+
+  scores_in_memory: whether the attention kernel that will run writes its scores to memory
+  (dense, blocked) or not (flash, fused); the modelled methods model that kernel."""
+  check_ranks(context_len, num_ranks)
+  if partition is None:
+    partition = "even"
+  if isinstance(partition, str):
+    if partition not in METHODS:
+      raise ValueError(
+        f"unknown partition {partition!r}; expected one of {METHODS} or a list of p chunk lengths"
+      )
+    partition = PartitionPlan(partition)
+  if isinstance(partition, PartitionPlan):
+    if partition.objective == "measured":
+      raise ValueError(
+        "a measured search times prefills, so it runs above them: "
+        "chunks = kvr_jax.measured_partition(model, tokens, mesh, plan), then "
+        "prefill(..., partition=chunks)"
+      )
+    if partition.method != "even" and config is None:
+      raise ValueError(f"partition method {partition.method!r} needs the model config")
+    setup = None
+    if partition.method in ("balanced", "search"):
+      setup = presets.make_setup(
+        partition.hardware,
+        partition.links,
+        dtype_bytes=dtype_bytes,
+        batch=batch,
+        scores_in_memory=scores_in_memory,
+      )
+    chunks = _plan_chunks(partition, context_len, num_ranks, config, setup, model_name)
+    # Every plan's answer is checked like a user's list: a bad plan never reaches a program.
+    return check_chunks(chunks, context_len, num_ranks)
+  return check_chunks(partition, context_len, num_ranks)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_chunks(
+  plan: PartitionPlan, context_len, num_ranks, config, setup, model_name
+) -> tuple[int, ...]:
+  """Keyed on the resolved Setup (not the preset names), so a recalibration is seen."""
+  if plan.method == "even":
+    chunks = even_partition(context_len, num_ranks)
+    if plan.multiple == 1:
+      return chunks
+    return round_to_multiple(chunks, context_len, plan.multiple)
+  if plan.method == "balanced":
+    return search.balanced_partition(config, context_len, num_ranks, setup, multiple=plan.multiple)
+  if plan.method == "search":
+    return search.modelled_search(config, context_len, num_ranks, setup, multiple=plan.multiple)
+  name = plan.table_model or model_name
+  if name is None:
+    raise ValueError(
+      "partition 'predict' needs a table: pass PartitionPlan('predict', "
+      "table_model=<preset name>, hardware=..., links=...)"
+    )
+  table = tables.load_table(name, plan.hardware, plan.links, num_ranks)
+  return tables.predict_partition(table, context_len, plan.multiple)

@@ -1,0 +1,192 @@
+"""The KVR-S search engine, its modelled objective, and the direct balance.
+
+search    hierarchical grid search over the p-1 chunk boundaries: moves of a coarse step
+          first, refined by halving the step around the best point (what the paper does
+          offline over measured TTFT). The objective is any function of the chunks: the
+          modelled TTFT here (seconds to run), or the measured TTFT on a mesh
+          (kvr_jax.tools.measured, which sits above prefill because it runs prefills).
+balanced  no search: chunk sizes that equalise every rank's modelled per-layer compute
+          time (c_i tokens of projections and MLP, c_i x S_i attention), so that all ranks
+          would finish together if communication were free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvr_jax.core.chunks import check_multiple, even_partition, round_to_multiple
+from kvr_jax.planning import costmodel
+from kvr_jax.planning.costmodel import Setup
+from models.config import ModelConfig
+
+Objective = Callable[[tuple[int, ...]], float]
+
+
+def search_partition(
+  objective: Objective,
+  context_len: int,
+  num_ranks: int,
+  *,
+  multiple: int = 1,
+  start: Sequence[int] | None = None,
+  progress: Callable[[int], None] | None = None,
+) -> tuple[int, ...]:
+  """Hierarchical grid search for the chunk lengths that minimise `objective`.
+
+  The grid step starts coarse (about C/2p tokens) and halves down to one `multiple`. At each
+  step, every transfer of `step` tokens from one chunk to another (adjacent or not: moving the
+  run of boundaries between them) is tried, best improvement first, until none improves; then
+  the step halves around the best point. Each partition is evaluated once (memoised).
+  """
+  check_multiple(context_len, num_ranks, multiple)
+  p = num_ranks
+  if p == 1:
+    return (context_len,)
+  cache: dict[tuple[int, ...], float] = {}
+
+  def cost(chunks: tuple[int, ...]) -> float:
+    if chunks not in cache:
+      cache[chunks] = objective(chunks)
+      if progress is not None:
+        progress(len(cache))
+    return cache[chunks]
+
+  def smallest(i: int) -> int:  # the last chunk only needs one token; the others a multiple
+    return 1 if i == p - 1 else multiple
+
+  starts = [round_to_multiple(even_partition(context_len, p), context_len, multiple)]
+  if start is not None:
+    starts.append(round_to_multiple(start, context_len, multiple))
+  best = min(starts, key=cost)
+  units = max(context_len // (2 * p * multiple), 1)
+  step = 1 << (units.bit_length() - 1)
+  while step >= 1:
+    delta = step * multiple
+    while True:
+      candidates = []
+      for donor in range(p):
+        if best[donor] - delta < smallest(donor):
+          continue
+        for taker in range(p):
+          if taker != donor:
+            moved = list(best)
+            moved[donor] -= delta
+            moved[taker] += delta
+            candidates.append(tuple(moved))
+      better = min(candidates, key=cost, default=best)
+      if cost(better) < cost(best):
+        best = better
+      else:
+        break
+    step //= 2
+  return best
+
+
+def modelled_objective(
+  config: ModelConfig, context_len: int, num_ranks: int, setup: Setup
+) -> Objective:
+  """Modelled KVR TTFT of a partition (seconds; see kvr_jax.planning.costmodel)."""
+  return lambda chunks: (
+    costmodel.simulate(
+      config, "kvr", context_len, setup, num_ranks=num_ranks, partition=chunks
+    ).ttft
+  )
+
+
+def modelled_search(
+  config: ModelConfig,
+  context_len: int,
+  num_ranks: int,
+  setup: Setup,
+  *,
+  multiple: int = 1,
+  start: Sequence[int] | None = None,
+) -> tuple[int, ...]:
+  """KVR-S over the modelled TTFT, started from the balanced split unless `start` is given."""
+  if start is None:
+    start = balanced_partition(config, context_len, num_ranks, setup, multiple=multiple)
+  objective = modelled_objective(config, context_len, num_ranks, setup)
+  return search_partition(objective, context_len, num_ranks, multiple=multiple, start=start)
+
+
+def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
+  """t(c, S): one layer's modelled compute time for c queries over S keys, fast.
+
+  Every phase's FLOPs and bytes are bilinear in (c, S), so four evaluations of
+  costmodel.phase_work give exact coefficients; the roofline max is then taken per phase.
+  """
+  coefficients = []
+  for name in ("qkv", "attention", "rest"):
+
+    def at(c, s, name=name):
+      w = costmodel.phase_work(config, c, s, **kw)[name]
+      return w.flops, w.bytes
+
+    (f00, b00), (f10, b10), (f01, b01), (f11, b11) = at(0, 0), at(1, 0), at(0, 1), at(1, 1)
+    coefficients.append(
+      (
+        (f00, f10 - f00, f01 - f00, f11 - f10 - f01 + f00),
+        (b00, b10 - b00, b01 - b00, b11 - b10 - b01 + b00),
+      )
+    )
+
+  def time(c: float, s: float) -> float:
+    total = 0.0
+    for (f0, fc, fs, fcs), (b0, bc, bs, bcs) in coefficients:
+      total += max(
+        (f0 + fc * c + fs * s + fcs * c * s) / hw.flops,
+        (b0 + bc * c + bs * s + bcs * c * s) / hw.bandwidth,
+      )
+    return total
+
+  return time
+
+
+def balanced_partition(
+  config: ModelConfig, context_len: int, num_ranks: int, setup: Setup, *, multiple: int = 1
+) -> tuple[int, ...]:
+  """Chunks that equalise each rank's modelled per-layer compute time (no search).
+
+  Communication is ignored (sends are asynchronous and, at high bandwidth, hidden); at low
+  bandwidth the chain of hops dominates and `search` does clearly better. For a target time
+  T, rank 0 takes the largest chunk whose compute fits in T, rank 1 likewise given S_0, and so
+  on; the last rank takes the rest. Bisection on T makes the last rank's time equal T too.
+  """
+  check_multiple(context_len, num_ranks, multiple)
+  p, C = num_ranks, context_len
+  if p == 1:
+    return (C,)
+  # Communication (setup.links) is not part of the balance (see docstring).
+  compute = _compute_time_fn(
+    config,
+    setup.hardware,
+    batch=setup.batch,
+    dtype_bytes=setup.dtype_bytes,
+    scores_in_memory=setup.scores_in_memory,
+  )
+
+  def chunks_for(target: float) -> list[float] | None:
+    """Greedy chunks for time `target`; None when the first p-1 ranks already take all C."""
+    out, start = [], 0.0
+    for _ in range(p - 1):
+      lo, hi = 0.0, C - start
+      for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if compute(mid, start + mid) <= target else (lo, mid)
+      out.append(lo)
+      start += lo
+      if start >= C:
+        return None
+    out.append(C - start)
+    return out
+
+  lo, hi = 0.0, compute(C, C) * 2
+  for _ in range(50):
+    mid = (lo + hi) / 2
+    chunks = chunks_for(mid)
+    if chunks is not None and compute(chunks[-1], C) > mid:
+      lo = mid  # the last rank is left with more than T: raise T
+    else:
+      hi = mid
+  chunks = chunks_for(lo) or even_partition(C, p)
+  return round_to_multiple(chunks, C, multiple)

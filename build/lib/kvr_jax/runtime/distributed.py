@@ -1,0 +1,238 @@
+"""KV-Runahead across processes: jax.distributed setup and a supervised local launcher.
+
+Every process runs the same program (multi-controller JAX). After `initialize`, `jax.devices()`
+lists every process's devices, so `make_mesh()` spans them all, and `prefill` / `generate` run
+unchanged: each process feeds only its own ranks' chunks, and only the process of the last
+rank gets the logits and the KV cache (and generates).
+
+Faults are bounded in time, never a hang:
+* a process that never arrives: after `init_timeout` seconds the others print one clear line
+  and exit with status 75 (EXIT_CLUSTER_NOT_FORMED);
+* a process that dies: under `launch_local` the supervisor sees its exit at once, stops the
+  others and raises naming it; in a cluster joined by hand, JAX's coordination service aborts
+  the survivors after `heartbeat_timeout` seconds (its own fatal message);
+* a coordinator port already in use: ValueError before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+DEFAULT_INIT_TIMEOUT = 60
+DEFAULT_HEARTBEAT_TIMEOUT = 10
+EXIT_CLUSTER_NOT_FORMED = 75
+RESULT_PREFIX = "KVR_RESULT "
+# One XLA CPU thread per process: each process is pinned to its own core.
+SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"coordinator address must be host:port, got {address!r}")
+  return host, int(port)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+      s.bind((host, port))
+    except OSError:
+      return False
+  return True
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def initialize(
+  coordinator_address: str,
+  num_processes: int,
+  process_id: int,
+  *,
+  init_timeout: int = DEFAULT_INIT_TIMEOUT,
+  heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT,
+) -> None:
+  """jax.distributed.initialize with gloo CPU collectives, checked arguments, bounded waits."""
+  host, port = _parse_address(coordinator_address)
+  if not isinstance(num_processes, int) or num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes!r}")
+  if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
+  local = host in ("localhost", "127.0.0.1", socket.gethostname())
+  if process_id == 0 and local and not port_is_free(port):
+    raise ValueError(
+      f"coordinator port {port} is already in use; choose another (--coordinator_address or --port)"
+    )
+  import jax
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  message = (
+    f"error: process {process_id}: the cluster of {num_processes} processes did not form "
+    f"within {init_timeout}s at {coordinator_address}: at least one process never arrived, or "
+    "the coordinator is unreachable"
+  )
+
+  def give_up():
+    # JAX's own deadline aborts the process from C++ with a stack trace; this watchdog fires
+    # first and exits with one clear line instead.
+    print(message, file=sys.stderr, flush=True)
+    os._exit(EXIT_CLUSTER_NOT_FORMED)
+
+  watchdog = threading.Timer(init_timeout, give_up)
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(
+      coordinator_address,
+      num_processes,
+      process_id,
+      initialization_timeout=init_timeout + 30,
+      heartbeat_timeout_seconds=heartbeat_timeout,
+    )
+  except Exception as e:  # noqa: BLE001 - jax raises XlaRuntimeError and others here
+    detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    raise RuntimeError(f"{message[len('error: ') :]} ({detail})") from None
+  finally:
+    watchdog.cancel()
+
+
+def owner_output(payload: dict) -> None:
+  """The process holding the last rank reports its result to the launcher (one stdout line)."""
+  print(RESULT_PREFIX + json.dumps(payload), flush=True)
+
+
+@dataclasses.dataclass
+class ProcessOutcome:
+  process_id: int
+  returncode: int
+  stdout: str
+  stderr: str
+
+  def results(self) -> list[dict]:
+    return [
+      json.loads(line[len(RESULT_PREFIX) :])
+      for line in self.stdout.splitlines()
+      if line.startswith(RESULT_PREFIX)
+    ]
+
+
+def launch_local(
+  worker_module: str,
+  worker_args: list[str],
+  num_processes: int,
+  *,
+  devices_per_process: int = 1,
+  port: int | None = None,
+  pin_cores: bool = False,
+  timeout: float = 600.0,
+  skip_processes: tuple[int, ...] = (),
+  extra_env: dict | None = None,
+) -> list[ProcessOutcome]:
+  """Starts `python -m worker_module` num_processes times on this machine and supervises them.
+
+  Each worker gets --coordinator_address, --num_processes and --process_id. pin_cores pins
+  process i to core i (mod the cores present) with single-threaded XLA. If a process exits
+  with an error, the others are stopped at once and RuntimeError names it; past `timeout`
+  seconds all are stopped. `skip_processes` leaves processes out (to test a missing one).
+  """
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  port = free_port() if port is None else port
+  if not port_is_free(port):
+    raise ValueError(f"coordinator port {port} is already in use; choose another (--port)")
+  cores = sorted(os.sched_getaffinity(0))
+  procs: dict[int, subprocess.Popen] = {}
+  for i in range(num_processes):
+    if i in skip_processes:
+      continue
+    env = dict(os.environ, **(extra_env or {}))
+    xla_flags = f"--xla_force_host_platform_device_count={devices_per_process}"
+    if pin_cores:
+      xla_flags += " " + SINGLE_THREAD_XLA_FLAGS
+    env["XLA_FLAGS"] = xla_flags
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    core = cores[i % len(cores)]
+    cmd = [
+      sys.executable,
+      "-m",
+      worker_module,
+      f"--coordinator_address=localhost:{port}",
+      f"--num_processes={num_processes}",
+      f"--process_id={i}",
+      *worker_args,
+    ]
+    procs[i] = subprocess.Popen(
+      cmd,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      preexec_fn=(lambda core=core: os.sched_setaffinity(0, {core})) if pin_cores else None,
+    )
+  return _supervise(procs, timeout)
+
+
+def _supervise(procs: dict[int, subprocess.Popen], timeout: float) -> list[ProcessOutcome]:
+  import threading
+
+  output: dict[int, list[str]] = {i: ["", ""] for i in procs}
+
+  def drain(i, stream, slot):  # read continuously so a full pipe never blocks a worker
+    output[i][slot] = stream.read()
+
+  threads = [
+    threading.Thread(target=drain, args=(i, p.stdout, 0), daemon=True) for i, p in procs.items()
+  ]
+  threads += [
+    threading.Thread(target=drain, args=(i, p.stderr, 1), daemon=True) for i, p in procs.items()
+  ]
+  for t in threads:
+    t.start()
+  deadline = time.monotonic() + timeout
+  failed = None
+  while time.monotonic() < deadline:
+    codes = {i: p.poll() for i, p in procs.items()}
+    failed = next((i for i, c in codes.items() if c not in (None, 0)), None)
+    if failed is not None or all(c == 0 for c in codes.values()):
+      break
+    time.sleep(0.1)
+  timed_out = failed is None and any(p.poll() is None for p in procs.values())
+  for p in procs.values():
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM)
+  for p in procs.values():
+    try:
+      p.wait(5)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+  for t in threads:
+    t.join(5)
+  outcomes = [ProcessOutcome(i, p.returncode, *output[i]) for i, p in procs.items()]
+  if failed is not None:
+    bad = next(o for o in outcomes if o.process_id == failed)
+    raise RuntimeError(
+      f"process {failed} exited with code {bad.returncode}; the other "
+      f"processes were stopped. Its last error output:\n"
+      f"{_tail(bad.stderr)}"
+    )
+  if timed_out:
+    raise RuntimeError(f"the processes did not finish within {timeout:.0f}s and were stopped")
+  return outcomes
+
+
+def _tail(text: str, lines: int = 8) -> str:
+  kept = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("    @")]
+  return "\n".join(kept[-lines:]) or "(none: it exited without a message)"

@@ -1,0 +1,118 @@
+"""What each process runs under launch.multiprocess (the same code on every process).
+
+Each job returns a dict on the process that holds the last rank (the owner) and None
+elsewhere. Kept in the library so that a process joined to a cluster by hand, or a test, can
+call them directly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from kvr_jax.inference.generate import generate
+from kvr_jax.inference.prefill import prefill_arguments
+from kvr_jax.planning.partition import PartitionPlan
+from kvr_jax.runtime.loading import load_model
+from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.tools.measured import measured_partition
+from kvr_jax.tools.timing import synthetic_prompt, time_prefill
+
+
+def check_job(
+  model_name: str,
+  context_len: int,
+  partition,
+  *,
+  batch: int = 1,
+  max_new_tokens: int = 8,
+  seed: int = 0,
+) -> dict | None:
+  """KV-Runahead over every process's devices against the single-device oracle (computed
+  again on the owner's own device): logits and greedy tokens."""
+  model = load_model(model_name)
+  mesh = make_mesh()
+  tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
+  kvr = generate(model, tokens, max_new_tokens, strategy="kvr", mesh=mesh, partition=partition)
+  if kvr.tokens is None:
+    return None
+  single = generate(model, tokens, max_new_tokens)
+  ref = np.asarray(single.prefill.logits)
+  err = float(np.abs(np.asarray(kvr.prefill.logits) - ref).max() / np.abs(ref).max())
+  return {
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+    "num_ranks": int(mesh.devices.size),
+    "partition": list(kvr.prefill.partition),
+    "cache_device": str(kvr.prefill.device),
+    "relative_logit_error": err,
+    "kvr_tokens": kvr.tokens.tolist(),
+    "single_tokens": single.tokens.tolist(),
+  }
+
+
+BENCH_VARIANTS = ("single", "single-blocked", "tsp", "kvr-even", "kvr-search", "kvr-measured")
+
+
+def bench_job(
+  model_name: str,
+  context_lens,
+  variants=BENCH_VARIANTS,
+  *,
+  repeats: int = 3,
+  measured_multiple: int = 64,
+  seed: int = 0,
+) -> dict | None:
+  """Median TTFT of each variant at each context length, on every process's devices.
+
+  single is the paper's single-device baseline (dense masked scores); single-blocked skips
+  masked blocks. kvr-search uses the cost model with the `local` presets measured here (this
+  process's core, the real link between processes); kvr-measured runs KVR-S over measured
+  TTFT once (its duration is reported as search_s) and then times the partition it found.
+  """
+  model = load_model(model_name)
+  mesh = make_mesh()
+  rows = []
+  owner = False
+  for C in context_lens:
+    tokens = synthetic_prompt(model.config.vocab_size, C, 1, seed)
+    for variant in variants:
+      if variant in ("single", "single-blocked"):
+        if jax.process_count() > 1:
+          raise ValueError(f"variant {variant!r} runs in a one-process launch")
+        attention = "blocked" if variant == "single-blocked" else None
+        kwargs = prefill_arguments("single", attention=attention)
+      elif variant == "tsp":
+        kwargs = prefill_arguments("tsp", mesh=mesh)
+      elif variant in ("kvr-even", "kvr-search", "kvr-measured"):
+        kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-") :])
+      else:
+        raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
+      search_s = 0.0
+      if variant == "kvr-measured":  # search once, timed apart from TTFT
+        start = time.perf_counter()
+        plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)
+        kwargs["partition"] = list(measured_partition(model, tokens, mesh, plan))
+        search_s = time.perf_counter() - start
+      timing = time_prefill(model, tokens, repeats, **kwargs)
+      seconds, result = timing.median_s, timing.result
+      owner = result.is_local
+      rows.append(
+        {
+          "variant": variant,
+          "context_len": C,
+          "ttft_s": seconds,
+          "search_s": search_s,
+          "partition": None if result.partition is None else list(result.partition),
+        }
+      )
+  if not owner:
+    return None
+  return {
+    "process_count": jax.process_count(),
+    "num_ranks": int(mesh.devices.size),
+    "model": model_name,
+    "rows": rows,
+  }

@@ -1,0 +1,291 @@
+"""Benchmarks. Every figure printed here is MEASURED on this machine.
+
+  python -m launch.benchmark                      # devices present + vs transformers
+  python -m launch.benchmark --mode=multiprocess  # the real parallel speed-up on CPU cores
+
+--mode=devices sweeps context lengths and strategies on the local devices (on a CPU-only
+machine: emulated devices sharing the cores, which checks cost, not speed-up) and compares the
+single-device path with Hugging Face transformers on the same weights and tokens.
+--mode=multiprocess runs p processes, one device each, each pinned to its own core with
+single-threaded XLA, against one such process alone. Intentionally kept short: the logic is
+kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+
+import kvr_jax
+from kvr_jax.runtime import distributed
+from kvr_jax.tools import benchmark, jobs
+from kvr_jax.tools import timing as timing_lib
+from launch import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum(
+  "mode", "devices", ["devices", "multiprocess", "kernels", "long"], "What to measure."
+)
+flags.DEFINE_integer(
+  "threads", None, "XLA and PyTorch threads (devices, kernels, long modes; default: all cores)."
+)
+flags.DEFINE_list(
+  "flash_blocks", ["256x512"], "Kernels mode: flash query x key block sizes to try."
+)
+flags.DEFINE_list("kernels", ["flash", "blocked", "dense"], "Attention kernels to time.")
+flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax directory.")
+flags.DEFINE_list("context_lens", ["1024", "2048", "4096"], "Prompt lengths to sweep.")
+flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Strategies (devices mode).")
+flags.DEFINE_list(
+  "variants",
+  ["tsp", "kvr-even", "kvr-search", "kvr-measured"],
+  "Multi-process variants (single always runs as the baseline).",
+)
+flags.DEFINE_string("partition", "search", "KVR partition in devices mode.")
+flags.DEFINE_integer("num_devices", None, "Ranks in devices mode (default: all).")
+flags.DEFINE_integer("num_processes", 2, "Processes in multiprocess mode.")
+flags.DEFINE_integer("repeats", 3, "Timed runs after a warm-up; the median is reported.")
+flags.DEFINE_bool("compare_transformers", True, "Devices mode: also time transformers.")
+flags.DEFINE_integer("measured_multiple", 64, "kvr-measured: chunk lengths multiple.")
+flags.DEFINE_string("output_dir", "results/benchmark", "Where CSV, PNG and JSON go.")
+# Worker role (set by the multiprocess launcher).
+flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
+flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
+
+
+def set_threads():
+  """One thread for XLA (before its backend starts) and PyTorch when --threads=1."""
+  if FLAGS.threads is None:
+    return
+  if FLAGS.threads < 1:
+    raise ValueError(f"--threads must be >= 1, got {FLAGS.threads}")
+  if FLAGS.threads == 1:
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " " + distributed.SINGLE_THREAD_XLA_FLAGS
+    ).strip()
+  elif FLAGS.threads != os.cpu_count():
+    raise ValueError("--threads takes 1 or the number of cores (XLA's CPU backend uses all)")
+
+
+def kernels_mode():
+  with common.user_errors():
+    blocks = []
+    for text in FLAGS.flash_blocks:
+      try:
+        bq, bk = (int(x) for x in text.split("x"))
+      except ValueError:
+        raise ValueError(f"--flash_blocks takes QxK pairs like 256x512, got {text!r}") from None
+      blocks.append((bq, bk))
+    rows = benchmark.time_attention_kernels(
+      [int(c) for c in FLAGS.context_lens], FLAGS.kernels, blocks, repeats=FLAGS.repeats
+    )
+  print(
+    f"MEASURED causal attention alone, 1 device, {FLAGS.threads or os.cpu_count()} thread(s), "
+    "4 heads x 64, float32, median of warm runs:"
+  )
+  print(f"{'kernel':<8}{'blocks':>10}{'C':>7}  {'time':>9}  {'compile':>8}")
+  for r in rows:
+    blocks = "-" if r.query_block is None else f"{r.query_block}x{r.key_block}"
+    print(
+      f"{r.kernel:<8}{blocks:>10}{r.context_len:>7}  {r.seconds * 1e3:>7.1f}ms  "
+      f"{r.compile_s:>7.2f}s"
+    )
+  return 0
+
+
+def long_mode():
+  """Single-device prefill of long prompts: time, compile time and the process's peak RSS."""
+  import resource
+
+  with common.user_errors():
+    model = kvr_jax.load_model(FLAGS.model)
+    rows = []
+    for C in [int(c) for c in FLAGS.context_lens]:
+      for kernel in FLAGS.kernels:
+        tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, C)
+        timing = timing_lib.time_prefill(model, tokens, FLAGS.repeats, attention=kernel)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        rows.append((kernel, C, timing.median_s, timing.first_s - timing.median_s, rss))
+        del timing
+  print(f"MEASURED single-device prefill, {FLAGS.model}, float32:")
+  print(f"{'kernel':<8}{'C':>7}  {'TTFT':>9}  {'compile':>8}  peak RSS of the process so far")
+  for kernel, C, seconds, compile_s, rss in rows:
+    print(f"{kernel:<8}{C:>7}  {seconds:>8.3f}s  {compile_s:>7.2f}s  {rss:.2f} GiB")
+  return 0
+
+
+def devices_mode():
+  emulated = common.setup_devices(FLAGS.num_devices)
+  with common.user_errors():
+    model = kvr_jax.load_model(FLAGS.model)
+    lens = [int(c) for c in FLAGS.context_lens]
+    partition = common.parse_partition(FLAGS.partition)
+    rows = benchmark.sweep(
+      model,
+      lens,
+      FLAGS.strategy,
+      num_devices=FLAGS.num_devices,
+      partition=partition,
+      repeats=FLAGS.repeats,
+    )
+  note = "MEASURED; " + (
+    "emulated CPU devices sharing the cores: not a parallel speed-up"
+    if emulated
+    else "devices present"
+  )
+  print(note)
+  print(f"{'strategy':<8}{'C':>7}{'ranks':>6}  {'TTFT':>10}  {'tokens/s':>10}  peak memory")
+  for r in rows:
+    print(
+      f"{r.strategy:<8}{r.context_len:>7}{r.num_ranks:>6}  {r.ttft_median_s * 1e3:>8.1f}ms"
+      f"  {r.prompt_tokens_per_s:>10.0f}  {r.peak_memory}"
+    )
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  benchmark.write_csv(rows, os.path.join(FLAGS.output_dir, "devices.csv"), note)
+  benchmark.plot_sweep(
+    rows, os.path.join(FLAGS.output_dir, "devices.png"), f"{FLAGS.model}: {note}"
+  )
+  if FLAGS.compare_transformers:
+    with common.user_errors():
+      comparison = benchmark.compare_with_transformers(
+        model.config,
+        lens,
+        kernels=FLAGS.kernels,
+        repeats=FLAGS.repeats,
+        threads=FLAGS.threads,
+      )
+    print(
+      "\nsingle-device prefill vs Hugging Face transformers (PyTorch CPU, same weights, "
+      "tokens and thread count), MEASURED:"
+    )
+    print(f"{'C':>7} {'threads':>7} {'kernel':>8} {'ours':>11} {'transformers':>13} {'ours/HF':>8}")
+    for c in comparison:
+      print(
+        f"{c.context_len:>7} {c.threads:>7} {c.kernel:>8} {c.ours_tokens_per_s:>9.0f}/s "
+        f"{c.transformers_tokens_per_s:>11.0f}/s {c.ratio:>7.2f}x"
+      )
+    benchmark.write_csv(
+      comparison, os.path.join(FLAGS.output_dir, "vs_transformers.csv"), "MEASURED prefill tokens/s"
+    )
+  print(f"wrote {FLAGS.output_dir}")
+
+
+def worker():
+  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  result = jobs.bench_job(
+    FLAGS.model,
+    [int(c) for c in FLAGS.context_lens],
+    FLAGS.variants,
+    repeats=FLAGS.repeats,
+    measured_multiple=FLAGS.measured_multiple,
+  )
+  if result is not None:
+    distributed.owner_output(result)
+
+
+def multiprocess_mode():
+  common_flags = [
+    f"--model={FLAGS.model}",
+    f"--context_lens={','.join(FLAGS.context_lens)}",
+    f"--repeats={FLAGS.repeats}",
+    f"--measured_multiple={FLAGS.measured_multiple}",
+  ]
+  with common.user_errors():
+    if FLAGS.num_processes < 2:
+      raise ValueError("--num_processes must be >= 2 in multiprocess mode")
+    try:
+      print("one process, one core (single-threaded XLA): single ...", flush=True)
+      single = distributed.launch_local(
+        "launch.benchmark",
+        common_flags + ["--variants=single,single-blocked", "--num_processes=1"],
+        1,
+        pin_cores=True,
+        timeout=3600,
+      )
+      print(
+        f"{FLAGS.num_processes} processes, one core each: {','.join(FLAGS.variants)} ...",
+        flush=True,
+      )
+      multi = distributed.launch_local(
+        "launch.benchmark",
+        common_flags
+        + [f"--variants={','.join(FLAGS.variants)}", f"--num_processes={FLAGS.num_processes}"],
+        FLAGS.num_processes,
+        pin_cores=True,
+        timeout=3600,
+      )
+    except RuntimeError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+  rows = [r for o in single + multi for res in o.results() for r in res["rows"]]
+  base = {r["context_len"]: r["ttft_s"] for r in rows if r["variant"] == "single"}
+  tsp = {r["context_len"]: r["ttft_s"] for r in rows if r["variant"] == "tsp"}
+  print(
+    f"\nMEASURED TTFT, {FLAGS.model}, {FLAGS.num_processes} processes x 1 core vs 1 process "
+    "x 1 core (median of warm runs):"
+  )
+  print("single: dense masked scores (the paper's single-device baseline); single-blocked skips")
+  print("masked blocks. Speed-ups are against `single`.")
+  print(f"{'variant':<14}{'C':>7}  {'TTFT':>9}  {'vs single':>9}  {'vs tsp':>7}  partition")
+  table = []
+  for r in rows:
+    C = r["context_len"]
+    speedup = base[C] / r["ttft_s"]
+    vs_tsp = tsp[C] / r["ttft_s"] if C in tsp else float("nan")
+    table.append(dict(r, speedup_vs_single=speedup, speedup_vs_tsp=vs_tsp))
+    print(
+      f"{r['variant']:<14}{C:>7}  {r['ttft_s']:>8.3f}s  {speedup:>8.2f}x  {vs_tsp:>6.2f}x  "
+      f"{r['partition'] or '-'}"
+      + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
+    )
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  with open(os.path.join(FLAGS.output_dir, "multiprocess.json"), "w") as f:
+    json.dump(table, f, indent=1)
+  rows_for_plot = [
+    benchmark.SweepRow(
+      r["variant"],
+      r["context_len"],
+      FLAGS.num_processes,
+      str(r["partition"]),
+      r["ttft_s"],
+      r["context_len"] / r["ttft_s"],
+      "",
+    )
+    for r in rows
+  ]
+  benchmark.write_csv(
+    rows_for_plot,
+    os.path.join(FLAGS.output_dir, "multiprocess.csv"),
+    "MEASURED, processes pinned to cores, single-threaded XLA",
+  )
+  benchmark.plot_sweep(
+    rows_for_plot,
+    os.path.join(FLAGS.output_dir, "multiprocess.png"),
+    f"{FLAGS.model}: MEASURED, {FLAGS.num_processes} pinned processes",
+  )
+  print(f"wrote {FLAGS.output_dir}")
+  return 0
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if FLAGS.process_id is not None:
+    worker()
+    return 0
+  if FLAGS.mode != "multiprocess":
+    with common.user_errors():
+      set_threads()  # before XLA's backend starts
+  if FLAGS.mode == "multiprocess":
+    return multiprocess_mode()
+  if FLAGS.mode == "kernels":
+    return kernels_mode()
+  if FLAGS.mode == "long":
+    return long_mode()
+  devices_mode()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))

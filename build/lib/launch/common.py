@@ -1,0 +1,77 @@
+"""Helpers shared by the launchers: device setup before jax loads, user-error reporting."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import jax
+import numpy as np
+
+from kvr_jax.planning.partition import METHODS, PartitionPlan
+from kvr_jax.planning.presets import check_preset_names
+from kvr_jax.tools.timing import synthetic_prompt
+
+DEFAULT_EMULATED_DEVICES = 8
+
+
+def setup_devices(num_devices: int | None) -> bool:
+  """On a CPU-only machine, asks XLA for emulated CPU devices. Must run before JAX's backend
+  starts (importing jax and kvr_jax does not start it; the first device query does).
+
+  Returns True when the devices are emulated CPU devices.
+  """
+  wanted = max(num_devices or DEFAULT_EMULATED_DEVICES, 1)
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    try:
+      jax.config.update("jax_num_cpu_devices", wanted)
+    except RuntimeError:  # the backend already runs (a notebook, a test): keep its devices
+      pass
+  return jax.devices()[0].platform == "cpu"
+
+
+@contextlib.contextmanager
+def user_errors():
+  """A user mistake (ValueError) becomes one clear line on stderr and exit status 2."""
+  try:
+    yield
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_partition(text: str, hardware: str = "local", links: str = "local"):
+  """--partition: a method name (with the cost-model presets) or comma-separated lengths."""
+  if text in METHODS:
+    try:
+      check_preset_names(hardware, links)
+    except ValueError as e:
+      raise ValueError(f"--hardware/--links: {e}") from None
+    return PartitionPlan(text, hardware=hardware, links=links)
+  try:
+    return [int(x) for x in text.split(",")]
+  except ValueError:
+    raise ValueError(
+      f"--partition must be one of {METHODS} or comma-separated integers, got {text!r}"
+    ) from None
+
+
+def prompt_tokens(model, prompt: str | None, context_len: int, batch: int, seed: int):
+  if batch < 1:
+    raise ValueError(f"--batch must be >= 1, got {batch}")
+  if prompt is not None:
+    if model.tokenizer is None:
+      raise ValueError("--prompt needs a model with a tokenizer; use --context_len instead")
+    ids = model.tokenizer(prompt)["input_ids"]
+    if not ids:
+      raise ValueError("--prompt is empty")
+    return np.asarray([ids] * batch, np.int32)
+  if context_len < 1:
+    raise ValueError(f"--context_len must be >= 1, got {context_len}")
+  if context_len > model.config.max_position_embeddings:
+    raise ValueError(
+      f"--context_len={context_len} exceeds the model's max_position_embeddings="
+      f"{model.config.max_position_embeddings}"
+    )
+  return synthetic_prompt(model.config.vocab_size, context_len, batch, seed)

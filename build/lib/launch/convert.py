@@ -1,0 +1,40 @@
+"""Converts a Hugging Face directory (safetensors) to a kvr-jax Orbax checkpoint.
+
+  python -m launch.convert --hf_dir=/models/Llama-2-7b-hf --output_dir=/ckpt/llama-2-7b
+
+`load_model(output_dir)` and `python -m launch.run --model=output_dir` read the result, without
+the safetensors. Intentionally kept short: the logic is kvr_jax.runtime.loading.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+
+from kvr_jax.runtime import loading
+from launch import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("hf_dir", None, "Hugging Face directory (config.json + safetensors).")
+flags.DEFINE_string("output_dir", None, "Where to write the Orbax checkpoint (must be new).")
+flags.DEFINE_string("dtype", "float32", "float32, bfloat16 or float16.")
+flags.mark_flags_as_required(["hf_dir", "output_dir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  with common.user_errors():
+    if not os.path.isdir(FLAGS.hf_dir):
+      raise ValueError(f"--hf_dir {FLAGS.hf_dir}: no such directory")
+    if not os.path.exists(os.path.join(FLAGS.hf_dir, "config.json")):
+      raise ValueError(f"--hf_dir {FLAGS.hf_dir}: no config.json (not a Hugging Face directory)")
+    model = loading.load_hf_model(FLAGS.hf_dir, loading.resolve_dtype(FLAGS.dtype), progress=True)
+    print(f"loaded {model}; saving to {FLAGS.output_dir}")
+    loading.save_model(model, FLAGS.output_dir)
+  print(f"wrote {FLAGS.output_dir}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))

@@ -1,0 +1,122 @@
+"""KV-Runahead across processes (jax.distributed, gloo CPU collectives).
+
+Start N processes on this machine (the launcher supervises them):
+  python -m launch.multiprocess --num_processes=2 --devices_per_process=2 \
+      --partition=700,500,500,348
+Join a cluster (run once per process, e.g. on each host):
+  python -m launch.multiprocess --coordinator_address=host0:1234 --num_processes=4 --process_id=0
+
+The job (`--job=check`) prefills with KV-Runahead over all processes' devices, generates on
+the last rank's process, and compares with the single-device oracle there. Intentionally kept
+short: the logic is kvr_jax.runtime.distributed and kvr_jax.tools.jobs.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+
+from kvr_jax.runtime import distributed
+from kvr_jax.tools import jobs
+from launch import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("num_processes", 2, "Processes in the cluster.")
+flags.DEFINE_integer(
+  "process_id", None, "This process's id (joins a cluster; set by the launcher for its workers)."
+)
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (cluster mode).")
+flags.DEFINE_integer("devices_per_process", 1, "Emulated CPU devices per process (local mode).")
+flags.DEFINE_integer("port", None, "Coordinator port for local mode (default: a free one).")
+flags.DEFINE_bool("pin_cores", False, "Pin process i to core i with single-threaded XLA.")
+flags.DEFINE_integer("timeout", 600, "Seconds before the launcher stops everything.")
+flags.DEFINE_integer("init_timeout", 60, "Seconds to wait for every process to arrive.")
+flags.DEFINE_integer("heartbeat_timeout", 10, "Seconds before a silent process counts as dead.")
+flags.DEFINE_string("model", "tiny-llama", "Preset, Hugging Face or Orbax directory.")
+flags.DEFINE_integer("context_len", 2048, "Synthetic prompt length.")
+flags.DEFINE_string("partition", "even", "KVR partition: even, search, balanced or lengths.")
+flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated on the last rank.")
+flags.DEFINE_integer(
+  "debug_crash_process", -1, "Testing: this process exits right after joining, as if it crashed."
+)
+flags.DEFINE_multi_integer("debug_skip_process", [], "Testing: do not start these processes.")
+
+
+def worker():
+  distributed.initialize(
+    FLAGS.coordinator_address,
+    FLAGS.num_processes,
+    FLAGS.process_id,
+    init_timeout=FLAGS.init_timeout,
+    heartbeat_timeout=FLAGS.heartbeat_timeout,
+  )
+  if FLAGS.process_id == FLAGS.debug_crash_process:
+    os._exit(3)
+  with common.user_errors():
+    result = jobs.check_job(
+      FLAGS.model,
+      FLAGS.context_len,
+      common.parse_partition(FLAGS.partition),
+      max_new_tokens=FLAGS.max_new_tokens,
+    )
+  if result is not None:
+    distributed.owner_output(result)
+
+
+def launcher():
+  passthrough = [
+    f"--{name}={getattr(FLAGS, name)}"
+    for name in (
+      "model",
+      "context_len",
+      "partition",
+      "max_new_tokens",
+      "init_timeout",
+      "heartbeat_timeout",
+      "debug_crash_process",
+    )
+  ]
+  with common.user_errors():
+    try:
+      outcomes = distributed.launch_local(
+        "launch.multiprocess",
+        passthrough,
+        FLAGS.num_processes,
+        devices_per_process=FLAGS.devices_per_process,
+        port=FLAGS.port,
+        pin_cores=FLAGS.pin_cores,
+        timeout=FLAGS.timeout,
+        skip_processes=tuple(FLAGS.debug_skip_process),
+      )
+    except RuntimeError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+  results = [r for o in outcomes for r in o.results()]
+  if not results:
+    print("error: no process reported a result", file=sys.stderr)
+    return 1
+  print(json.dumps(results[0], indent=1))
+  same = results[0]["kvr_tokens"] == results[0]["single_tokens"]
+  print(
+    f"{results[0]['process_count']} processes, {results[0]['num_ranks']} ranks, partition "
+    f"{results[0]['partition']}: relative logit error vs single "
+    f"{results[0]['relative_logit_error']:.1e}, greedy tokens identical: {same}"
+  )
+  return 0 if same else 1
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if FLAGS.process_id is not None:
+    if FLAGS.coordinator_address is None:
+      print("error: --process_id needs --coordinator_address", file=sys.stderr)
+      return 2
+    worker()
+    return 0
+  return launcher()
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))

@@ -1,0 +1,86 @@
+"""Main job: prefill one prompt with single, TSP and KV-Runahead; print a comparison table.
+
+  python -m launch.run                      # tiny-llama, 2048 tokens, 8 (emulated) devices
+  python -m launch.run --model=tiny-falcon --context_len=1024 --partition=600,424
+
+Intentionally kept short: all logic lives in kvr_jax (kvr_jax.tools.demo.compare_strategies).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+from absl import app, flags, logging
+
+import kvr_jax
+from kvr_jax.tools import demo
+from launch import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "tiny-llama", "Preset name, Hugging Face directory or Orbax dir.")
+flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer); else --context_len.")
+flags.DEFINE_integer("context_len", 2048, "Length of the synthetic prompt.")
+flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Comma list of single, tsp, kvr.")
+flags.DEFINE_string(
+  "partition",
+  "search",
+  "KVR partition: even, search, predict, balanced or comma-separated lengths.",
+)
+flags.DEFINE_string(
+  "attention",
+  None,
+  "Attention kernel for single and kvr: flash, dense, blocked or fused (default: flash).",
+)
+flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/balanced/predict.")
+flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")
+flags.DEFINE_integer("num_devices", None, "Ranks in the mesh (default: all devices).")
+flags.DEFINE_string("dtype", "float32", "float32, bfloat16 or float16.")
+flags.DEFINE_integer("batch", 1, "Batch size (copies of the prompt for text prompts).")
+flags.DEFINE_integer("max_new_tokens", 8, "Tokens generated after the prompt.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
+flags.DEFINE_integer("seed", 0, "Seed of the synthetic prompt and of sampling.")
+flags.DEFINE_integer("repeats", 3, "Timed runs per strategy after the warm-up.")
+flags.DEFINE_string("output_json", None, "Write the table as JSON here.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  emulated = common.setup_devices(FLAGS.num_devices)
+  with common.user_errors():
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
+    tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
+    partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)
+    reports = demo.compare_strategies(
+      model,
+      tokens,
+      FLAGS.strategy,
+      num_devices=FLAGS.num_devices,
+      partition=partition,
+      attention=FLAGS.attention,
+      repeats=FLAGS.repeats,
+      max_new_tokens=FLAGS.max_new_tokens,
+      temperature=FLAGS.temperature,
+      seed=FLAGS.seed,
+    )
+  print(
+    f"{model}; prompt {tokens.shape[1]} tokens x batch {tokens.shape[0]}; "
+    f"{FLAGS.num_devices or jax.device_count()} ranks on {jax.devices()[0].platform}"
+  )
+  if emulated:
+    print(
+      "NOTE: these are emulated CPU devices sharing this machine's cores: the times prove "
+      "nothing about parallel speed-up (see `python -m launch.benchmark`)."
+    )
+  print(demo.format_table(reports))
+  if FLAGS.output_json:
+    with open(FLAGS.output_json, "w") as f:
+      json.dump([r.as_dict() for r in reports], f, indent=2)
+    print(f"wrote {FLAGS.output_json}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))

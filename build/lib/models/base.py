@@ -1,0 +1,140 @@
+"""What every decoder-only model here shares: embeddings, the stacked layer scan, the head.
+
+Layers are stored stacked: every block parameter has a leading [L] axis, so `scan_blocks` runs
+them with one `jax.lax.scan` (one compiled layer body whatever the depth). A block exposes the
+two halves of its computation that the parallel strategies need separately:
+
+  block.project_qkv(x_BTD, positions_BT) -> q_BTNH, k_BTKH, v_BTKH   (norm, projections, RoPE)
+  models.layers.attend(q, k_prefix, v_prefix, query_offset)          (shared by all models)
+  block.finish(x_BTD, attn_BTNH) -> x_BTD                            (output proj., MLP, residual)
+
+so a strategy can move K,V between devices in the middle of a layer. Models know nothing
+about devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import layers
+from models.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+  return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
+
+
+def ones_param(shape: tuple[int, ...], dtype) -> nnx.Param:
+  return nnx.Param(jnp.ones(shape, dtype))
+
+
+def zeros_param(shape: tuple[int, ...], dtype) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class Block(nnx.Module):
+  """One transformer layer (its parameters may carry a leading [L] axis).
+
+  Subclasses call `init_attention` for wq, wk, wv, wo and define `attention_input` (the
+  pre-attention norm) and `finish`; the Q/K/V projection and RoPE are shared.
+  """
+
+  config: ModelConfig
+
+  def init_attention(self, num_layers: int, dtype, rngs: nnx.Rngs) -> None:
+    cfg = self.config
+    L, D, N, K, H = num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.wq = normal_param(rngs, (L, D, N, H), dtype)
+    self.wk = normal_param(rngs, (L, D, K, H), dtype)
+    self.wv = normal_param(rngs, (L, D, K, H), dtype)
+    self.wo = normal_param(rngs, (L, N, H, D), dtype)
+
+  def attention_input(self, x_BTD: jax.Array) -> jax.Array:  # pragma: no cover - interface
+    raise NotImplementedError
+
+  def project_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
+    """Norm, Q/K/V projections and RoPE at absolute `positions_BT` -> q_BTNH, k_BTKH, v_BTKH."""
+    h_BTD = self.attention_input(x_BTD)
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.wq[...])
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wk[...])
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
+    q_BTNH = layers.apply_rope(q_BTNH, positions_BT, self.config.rope)
+    k_BTKH = layers.apply_rope(k_BTKH, positions_BT, self.config.rope)
+    return q_BTNH, k_BTKH, v_BTKH
+
+  def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:
+    return jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
+
+  def finish(self, x_BTD, attn_BTNH):  # pragma: no cover - interface
+    raise NotImplementedError
+
+
+def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]], carry, xs=None):
+  """`lax.scan` over stacked layers: body(block_of_one_layer, carry, x_l) -> (carry, y_l)."""
+  graphdef, stacked_state = nnx.split(blocks)
+
+  def step(carry, inputs):
+    layer_state, x_l = inputs
+    return body(nnx.merge(graphdef, layer_state), carry, x_l)
+
+  return jax.lax.scan(step, carry, (stacked_state, xs))
+
+
+class CausalLM(nnx.Module):
+  """Token embedding -> L stacked blocks -> final norm -> vocabulary logits."""
+
+  block_class: type[Block]
+
+  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    V, D = config.vocab_size, config.d_model
+    self.embedding = normal_param(rngs, (V, D), dtype)  # [V, D]
+    self.blocks = self.block_class(config, num_layers=config.num_layers, dtype=dtype, rngs=rngs)
+    self.lm_head = None if config.tie_embeddings else normal_param(rngs, (D, V), dtype)
+
+  # Subclasses define the final norm.
+  def final_norm(self, x_BTD: jax.Array) -> jax.Array:  # pragma: no cover - interface
+    raise NotImplementedError
+
+  def embed(self, tokens_BT: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding[...], tokens_BT, axis=0)
+
+  def logits(self, x_BTD: jax.Array) -> jax.Array:
+    """Final norm and vocabulary projection; float32 logits [B, T, V]."""
+    h_BTD = self.final_norm(x_BTD)
+    if self.lm_head is None:
+      return jnp.einsum(
+        "BTD,VD->BTV", h_BTD, self.embedding[...], preferred_element_type=jnp.float32
+      )
+    return jnp.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
+
+  def forward(self, tokens_BT: jax.Array, attention: str = "dense"):
+    """The whole prompt on one device: final hidden states [B, T, D] and the KV cache.
+
+    attention: "dense" (the T x T score matrix, masked: what the paper's single-device and
+    Hugging Face eager baselines compute) or "blocked" (skips masked-out blocks).
+    Returns (x_BTD, k_LBTKH, v_LBTKH).
+    """
+    B, T = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    def layer(block: Block, x_BTD, _):
+      q, k, v = block.project_qkv(x_BTD, positions_BT)
+      attn_BTNH = layers.attend_static(q, k, v, 0, attention)
+      return block.finish(x_BTD, attn_BTNH), (k, v)
+
+    x_BTD, (k_LBTKH, v_LBTKH) = scan_blocks(self.blocks, layer, self.embed(tokens_BT))
+    return x_BTD, k_LBTKH, v_LBTKH
+
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    """Logits of every position, [B, T, V] float32."""
+    x_BTD, _, _ = self.forward(tokens_BT)
+    return self.logits(x_BTD)

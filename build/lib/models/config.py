@@ -1,0 +1,258 @@
+"""Model configurations: one frozen dataclass per architecture.
+
+A config is plain data. It is built from a preset in `configs/` or from a Hugging Face
+`config.json` (both the older `rope_theta`/`rope_scaling` layout and the current
+`rope_parameters` one) and it refuses, by field name, anything the models do not implement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+  """Rotary position embedding: base `theta` and an optional frequency scaling."""
+
+  theta: float = 10000.0
+  type: Literal["default", "linear", "llama3"] = "default"
+  factor: float = 1.0
+  # llama3 only: the band of wavelengths that is smoothly interpolated.
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.type not in ROPE_TYPES:
+      raise ValueError(f"rope type {self.type!r} is not supported; expected one of {ROPE_TYPES}")
+    if self.factor <= 0:
+      raise ValueError(f"rope `factor` must be positive, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Fields every architecture shares. Dimension letters used across the code base:
+
+  V vocab_size, D d_model, L num_layers, N num_heads, K num_kv_heads, H head_dim, F mlp_dim.
+  """
+
+  architecture: ClassVar[str] = "base"
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  max_position_embeddings: int
+  norm_eps: float
+  rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+  tie_embeddings: bool = False
+  eos_token_id: int | tuple[int, ...] | None = None
+  bos_token_id: int | None = None
+
+  def __post_init__(self):
+    for name in (
+      "vocab_size",
+      "d_model",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "mlp_dim",
+      "max_position_embeddings",
+    ):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config field `{name}` must be a positive integer, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"`num_heads` ({self.num_heads}) must be a multiple of `num_kv_heads` ({self.num_kv_heads})"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"`head_dim` must be even for rotary embeddings, got {self.head_dim}")
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    if self.eos_token_id is None:
+      return ()
+    if isinstance(self.eos_token_id, int):
+      return (self.eos_token_id,)
+    return tuple(self.eos_token_id)
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out["architecture"] = self.architecture
+    return out
+
+  def num_params(self) -> int:
+    """Parameter count, without building the model."""
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(ModelConfig):
+  """Llama 2 / Llama 3: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+
+  architecture: ClassVar[str] = "llama"
+
+  def num_params(self) -> int:
+    D, N, K, H, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D
+    head = 0 if self.tie_embeddings else self.vocab_size * D
+    return self.vocab_size * D + self.num_layers * per_layer + D + head
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FalconConfig(ModelConfig):
+  """Falcon with rotary embeddings and a parallel attention + MLP block.
+
+  `separate_mlp_norm` is the Falcon-40B form (`ln_attn` and `ln_mlp`); without it one input
+  LayerNorm feeds both branches (Falcon-7B).
+  """
+
+  architecture: ClassVar[str] = "falcon"
+  separate_mlp_norm: bool = False
+  # How the fused query_key_value weight is laid out in Hugging Face checkpoints:
+  # "grouped" (new_decoder_architecture), "multi_query" (Falcon-7B) or "interleaved" (MHA).
+  qkv_layout: Literal["grouped", "multi_query", "interleaved"] = "multi_query"
+  tie_embeddings: bool = True
+
+  def num_params(self) -> int:
+    D, N, K, H, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+    norms = (4 if self.separate_mlp_norm else 2) * D
+    per_layer = D * (N + 2 * K) * H + N * H * D + 2 * D * F + norms
+    head = 0 if self.tie_embeddings else self.vocab_size * D
+    return self.vocab_size * D + self.num_layers * per_layer + 2 * D + head
+
+
+ARCHITECTURES: dict[str, type[ModelConfig]] = {"llama": LlamaConfig, "falcon": FalconConfig}
+
+
+def config_from_dict(data: dict[str, Any]) -> ModelConfig:
+  """Inverse of `ModelConfig.to_dict` (the format of the presets in `configs/`)."""
+  data = dict(data)
+  arch = data.pop("architecture", None)
+  if arch not in ARCHITECTURES:
+    raise ValueError(
+      f"config field `architecture` must be one of {sorted(ARCHITECTURES)}, got {arch!r}"
+    )
+  cls = ARCHITECTURES[arch]
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - known)
+  if unknown:
+    raise ValueError(f"unknown config field(s) for {arch}: {unknown}")
+  if isinstance(data.get("rope"), dict):
+    data["rope"] = RopeConfig(**data["rope"])
+  if isinstance(data.get("eos_token_id"), list):
+    data["eos_token_id"] = tuple(data["eos_token_id"])
+  return cls(**data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face config.json
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+  """Reads RoPE settings from either config layout.
+
+  transformers < 5 wrote `rope_theta` and `rope_scaling` ({"type" or "rope_type": ...});
+  transformers >= 5 writes `rope_parameters` = {"rope_type", "rope_theta", ...}.
+  """
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = dict(hf.get("rope_scaling") or {})
+  merged = {**scaling, **params}
+  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+  rope_type = merged.get("rope_type", merged.get("type", "default"))
+  if rope_type not in ROPE_TYPES:
+    raise ValueError(
+      f"config.json: rope type {rope_type!r} (in `rope_parameters`/`rope_scaling`)"
+      f" is not supported; supported: {ROPE_TYPES}"
+    )
+  kwargs: dict[str, Any] = {"theta": float(theta), "type": rope_type}
+  if rope_type in ("linear", "llama3"):
+    if "factor" not in merged:
+      raise ValueError(f"config.json: rope type {rope_type!r} needs a `factor`")
+    kwargs["factor"] = float(merged["factor"])
+  if rope_type == "llama3":
+    for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+      if key not in merged:
+        raise ValueError(f"config.json: rope type 'llama3' needs `{key}`")
+      kwargs[key] = merged[key]
+  if merged.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("config.json: `partial_rotary_factor` != 1 is not supported")
+  return RopeConfig(**kwargs)
+
+
+def _refuse(hf: dict[str, Any], field: str, bad: Any, why: str) -> None:
+  if hf.get(field, None) == bad:
+    raise ValueError(f"config.json: `{field}`={bad!r} is not supported ({why})")
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+  """Builds a config from the dict of a Hugging Face `config.json`."""
+  model_type = hf.get("model_type")
+  eos = hf.get("eos_token_id")
+  if isinstance(eos, list):
+    eos = tuple(eos)
+  common = dict(
+    vocab_size=hf["vocab_size"],
+    d_model=hf["hidden_size"],
+    num_layers=hf["num_hidden_layers"],
+    num_heads=hf["num_attention_heads"],
+    eos_token_id=eos,
+    bos_token_id=hf.get("bos_token_id"),
+    max_position_embeddings=hf.get("max_position_embeddings", 2048),
+  )
+  if model_type == "llama":
+    _refuse(hf, "attention_bias", True, "Llama attention without bias only")
+    _refuse(hf, "mlp_bias", True, "Llama MLP without bias only")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"config.json: `hidden_act`={hf['hidden_act']!r} is not supported (silu)")
+    num_heads = hf["num_attention_heads"]
+    return LlamaConfig(
+      **common,
+      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      mlp_dim=hf["intermediate_size"],
+      norm_eps=hf.get("rms_norm_eps", 1e-6),
+      rope=_rope_from_hf(hf),
+      tie_embeddings=hf.get("tie_word_embeddings", False),
+    )
+  if model_type == "falcon":
+    _refuse(hf, "alibi", True, "ALiBi Falcon models are not implemented; rotary Falcon only")
+    _refuse(hf, "bias", True, "Falcon linear layers without bias only")
+    new_arch = bool(hf.get("new_decoder_architecture", False))
+    if not new_arch and not hf.get("parallel_attn", True):
+      raise ValueError(
+        "config.json: `parallel_attn`=False is not supported (parallel "
+        "attention + MLP Falcon blocks only)"
+      )
+    if hf.get("activation", "gelu") != "gelu":
+      raise ValueError(f"config.json: `activation`={hf['activation']!r} is not supported (gelu)")
+    num_heads = hf["num_attention_heads"]
+    multi_query = bool(hf.get("multi_query", True))
+    if new_arch:
+      layout, num_kv = "grouped", hf.get("num_kv_heads") or num_heads
+      separate = (hf.get("num_ln_in_parallel_attn") or 2) == 2
+    elif multi_query:
+      layout, num_kv, separate = "multi_query", 1, False
+    else:
+      layout, num_kv, separate = "interleaved", num_heads, False
+    return FalconConfig(
+      **common,
+      num_kv_heads=num_kv,
+      head_dim=hf["hidden_size"] // num_heads,
+      mlp_dim=hf.get("ffn_hidden_size") or 4 * hf["hidden_size"],
+      norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+      rope=_rope_from_hf(hf),
+      tie_embeddings=hf.get("tie_word_embeddings", True),
+      separate_mlp_norm=separate,
+      qkv_layout=layout,
+    )
+  raise ValueError(
+    f"config.json: `model_type`={model_type!r} is not supported; supported: 'llama', 'falcon'"
+  )

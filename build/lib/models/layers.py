@@ -1,0 +1,353 @@
+"""Pure per-layer maths shared by every model and every parallel strategy.
+
+Dimension legend: B batch, T query tokens in this slice, S keys in the prefix (cache) the
+queries attend to, N query heads, K key/value heads, G = N // K query heads per KV head,
+H head dim, D model dim.
+
+Nothing here knows about devices. Positions are absolute token indices, so the same code
+computes a whole prompt, one rank's chunk of it, or one decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import RopeConfig
+
+# A large finite negative rather than -inf: a fully masked row (a padded query) then gives a
+# uniform softmax instead of NaNs that would poison reductions downstream.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# Query block of the "blocked" attention (see attend_blocked): measured fastest of 64/128/256/512
+# on this 2-core CPU for T = 2048 and 4096.
+ATTENTION_BLOCK = 128
+# Query and key blocks of the "flash" attention (see attend_flash), chosen by measurement
+# (README: `python -m launch.benchmark --mode=kernels`).
+FLASH_QUERY_BLOCK = 256
+FLASH_KEY_BLOCK = 512
+# "dense": the whole [T, S] rectangle, masked afterwards (the paper's accounting);
+# "blocked": query blocks, each over the keys up to its last query; "flash": online softmax
+# over key blocks, masked blocks skipped, O(block^2) memory; "fused":
+# jax.nn.dot_product_attention on the unmasked prefix and the causal diagonal, merged.
+ATTENTION_KINDS = ("dense", "blocked", "flash", "fused")
+# Kernels that never write a score matrix to memory (the cost model's scores_in_memory=False).
+FUSED_KERNELS = ("flash", "fused")
+# The default of strategies that skip masked work (single, kvr): the fastest exact kernel on
+# this machine's benchmark (README) from 1k tokens up.
+DEFAULT_CAUSAL_KERNEL = "flash"
+# The implementation "fused" asks jax.nn.dot_product_attention for: None lets JAX choose
+# (XLA today); "cudnn" is the fused flash kernel on NVIDIA GPUs.
+FUSED_IMPLEMENTATION = None
+
+
+def attend_static(q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str) -> jax.Array:
+  """Causal attention at a static offset with the kernel named by `attention`."""
+  if attention == "blocked":
+    return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, ATTENTION_BLOCK)
+  if attention == "flash":
+    return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset)[0]
+  if attention == "fused":
+    return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATION)[0]
+  if attention != "dense":
+    raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+  return attend(q_BTNH, k_BSKH, v_BSKH, query_offset)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm in float32 (as Hugging Face Llama does), cast back to the input dtype."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return scale * x32.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+  """LayerNorm with statistics in float32."""
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+  y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+  return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
+  """Inverse frequencies [H/2] of rotary embeddings, with linear or llama3 scaling.
+
+  Computed in numpy at trace time: they are constants of the model.
+  """
+  inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  if rope.type == "linear":
+    inv_freq = inv_freq / rope.factor
+  elif rope.type == "llama3":
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+      rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    inv_freq = np.where(is_medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def apply_rope(x_BTnH: jax.Array, positions_BT: jax.Array, rope: RopeConfig) -> jax.Array:
+  """Rotates query or key heads by their absolute positions (Hugging Face `rotate_half` form).
+
+  x: [B, T, n, H] for any head count n; positions: [B, T] int.
+  """
+  head_dim = x_BTnH.shape[-1]
+  inv_freq = jnp.asarray(rope_inv_freq(head_dim, rope))
+  angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
+  cos = jnp.cos(angles_BTH)[:, :, None, :]
+  sin = jnp.sin(angles_BTH)[:, :, None, :]
+  x32 = x_BTnH.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x_BTnH.dtype)
+
+
+def causal_mask(num_queries: int, num_keys: int, query_offset) -> jax.Array:
+  """[T, S] bool: query t (absolute position query_offset + t) may see key s iff s <= that.
+
+  With query_offset = S - T this is the usual lower-triangular block at the end of the prefix;
+  keys past the last query's position are masked, which is also what hides the unused tail of
+  a preallocated decode cache.
+  """
+  q_pos = query_offset + jnp.arange(num_queries)[:, None]
+  k_pos = jnp.arange(num_keys)[None, :]
+  return k_pos <= q_pos
+
+
+def attend(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  query_offset,
+  *,
+  softmax_scale: float | None = None,
+) -> jax.Array:
+  """Causal attention of T queries to an S-key prefix; returns [B, T, N, H].
+
+  The queries sit at absolute positions query_offset + [0, T). Grouped-query attention is done
+  by folding the N query heads into [K, G] so that the K key/value heads are never repeated.
+  Scores and softmax are in float32 whatever the input dtype.
+  """
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G = N // K
+  scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(H)
+  q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+  scores_BKGTS = (
+    jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
+  )
+  mask_TS = causal_mask(T, S, query_offset)
+  scores_BKGTS = jnp.where(mask_TS, scores_BKGTS, _MASK_VALUE)
+  # Softmax with the normalisation deferred to the [T, H] output: one pass fewer over the
+  # [T, S] scores than normalising the probabilities themselves.
+  max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
+  unnormalised_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
+  denominator_BTKG1 = jnp.einsum("BKGTS->BTKG", unnormalised_BKGTS)[..., None]
+  out_BTKGH = jnp.einsum(
+    "BKGTS,BSKH->BTKGH",
+    unnormalised_BKGTS.astype(v_BSKH.dtype),
+    v_BSKH,
+    preferred_element_type=jnp.float32,
+  )
+  out_BTKGH = out_BTKGH / denominator_BTKG1
+  return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def attend_blocked(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  query_offset: int,
+  block_size: int,
+  *,
+  softmax_scale: float | None = None,
+) -> jax.Array:
+  """`attend` that skips the masked-out future: queries in static blocks of `block_size`, each
+  attending only to the keys up to its last query's position.
+
+  The offset must be static (a Python int). For T queries over S = offset + T keys this costs
+  T * offset + about T^2 / 2 score entries instead of T * S, and never materialises the whole
+  [T, S] score matrix. Same results as `attend` (each block still sees all of its keys).
+  """
+  T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+  if T <= block_size:
+    return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, softmax_scale=softmax_scale)
+  outputs = []
+  for start in range(0, T, block_size):
+    stop = min(start + block_size, T)
+    visible = min(query_offset + stop, S)  # keys past the block's last query are all masked
+    outputs.append(
+      attend(
+        q_BTNH[:, start:stop],
+        k_BSKH[:, :visible],
+        v_BSKH[:, :visible],
+        query_offset + start,
+        softmax_scale=softmax_scale,
+      )
+    )
+  return jnp.concatenate(outputs, axis=1)
+
+
+# --- flash attention: online softmax over key blocks, mergeable partials --------------------
+
+
+def merge_partials(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN):
+  """Combines two attentions of the same queries over disjoint key sets, exactly.
+
+  out = (e^{l1-m} o1 + e^{l2-m} o2) / (e^{l1-m} + e^{l2-m}), lse = m + log(e^{l1-m} + e^{l2-m})
+  with m = max(l1, l2), in float32 (bf16 partials drift). A partial that saw no key has
+  lse = -inf and weight 0. Returns (out float32 [B, T, N, H], lse float32 [B, T, N]).
+  """
+  lse1, lse2 = lse1_BTN.astype(jnp.float32), lse2_BTN.astype(jnp.float32)
+  m = jnp.maximum(lse1, lse2)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)
+  total = w1 + w2
+  out = (w1[..., None] * out1_BTNH.astype(jnp.float32) + w2[..., None] * out2_BTNH) / jnp.where(
+    total > 0, total, 1.0
+  )[..., None]
+  return out, m + jnp.log(total)
+
+
+def attend_flash(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  query_offset: int,
+  *,
+  query_block: int = FLASH_QUERY_BLOCK,
+  key_block: int = FLASH_KEY_BLOCK,
+  causal: bool = True,
+  softmax_scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Flash-style attention: returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32).
+
+  Queries in blocks of `query_block` (a `lax.scan`), keys in blocks of `key_block` (a
+  `fori_loop` whose bounds come from the block's static offset), with a running max m, sum l
+  and output o in float32: per key block s = q k^T * scale, m' = max(m, rowmax s),
+  o = o e^{m-m'} + e^{s-m'} v, l = l e^{m-m'} + rowsum e^{s-m'}; at the end o / l and
+  lse = m + log l. Key blocks past a query block's last position are never visited; only the
+  blocks that straddle the diagonal are masked. Memory is O(query_block x key_block) per head,
+  and the compiled program does not grow with T or S.
+
+  causal=False attends every query to all S keys (a prefix that lies wholly in the past).
+  The offset must be static (a Python int); query t sits at position query_offset + t.
+  """
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G = N // K
+  scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(H)
+  bq, bk = min(query_block, T), min(key_block, S)
+  nq, nk = -(-T // bq), -(-S // bk)
+  # Padded queries sit past the last real position and are dropped; padded keys sit past the
+  # last real query's position (S >= offset + T when causal), so the mask hides them; without
+  # the causal mask they are masked by position explicitly.
+  q_pad = jnp.pad(q_BTNH, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0)))
+  # Keys laid out once: [B, K, S, H], so every key block is one contiguous slice.
+  k_BKSH = jnp.pad(k_BSKH, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  v_BKSH = jnp.pad(v_BSKH, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  # [nq, B, K, bq*G, H]: query block i's rows r = t*G + g, grouped under their KV head
+  q_blocks = (q_pad.reshape(B, nq, bq, K, G, H).transpose(1, 0, 3, 2, 4, 5)).reshape(
+    nq, B, K, bq * G, H
+  )
+  row_t = jnp.arange(bq * G) // G  # query index inside the block, per row
+
+  def query_block_fn(_, inputs):
+    i, q_BKRH = inputs
+    q_BKRH = q_BKRH * jnp.asarray(scale, q_BKRH.dtype)
+    first_q = query_offset + i * bq  # absolute position of the block's first query
+    if causal:
+      # Key blocks every query of the block sees whole, then those that straddle its diagonal.
+      n_full = jnp.minimum((first_q + 1) // bk, nk)
+      n_visible = jnp.minimum((first_q + bq - 1) // bk + 1, nk)
+    else:
+      n_full = jnp.asarray(S // bk)
+      n_visible = jnp.asarray(nk)
+    # Built from q (not from shapes) so that they carry q's type everywhere, also where q
+    # varies over a shard_map axis: a loop carry must keep one type.
+    zero_BKRH = jnp.zeros_like(q_BKRH, jnp.float32)
+    init = (
+      zero_BKRH[..., 0] - jnp.inf,  # running max [B, K, R]
+      zero_BKRH[..., 0],  # running sum [B, K, R]
+      zero_BKRH,  # running output [B, K, R, H]
+    )
+
+    def key_block_fn(j, carry, masked: bool):
+      m, l, o = carry
+      k_BKbH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * bk, bk, axis=2)
+      v_BKbH = jax.lax.dynamic_slice_in_dim(v_BKSH, j * bk, bk, axis=2)
+      s_BKRb = jnp.einsum("BKRH,BKbH->BKRb", q_BKRH, k_BKbH, preferred_element_type=jnp.float32)
+      if masked:
+        k_pos = j * bk + jnp.arange(bk)
+        visible = k_pos[None, :] <= (first_q + row_t)[:, None] if causal else k_pos[None, :] < S
+        s_BKRb = jnp.where(visible, s_BKRb, _MASK_VALUE)
+      m_new = jnp.maximum(m, s_BKRb.max(axis=-1))
+      p_BKRb = jnp.exp(s_BKRb - m_new[..., None])
+      correction = jnp.exp(m - m_new)
+      l = l * correction + p_BKRb.sum(axis=-1)
+      o = o * correction[..., None] + jnp.einsum(
+        "BKRb,BKbH->BKRH", p_BKRb.astype(v_BKbH.dtype), v_BKbH, preferred_element_type=jnp.float32
+      )
+      return m_new, l, o
+
+    carry = jax.lax.fori_loop(0, n_full, functools.partial(key_block_fn, masked=False), init)
+    m, l, o = jax.lax.fori_loop(
+      n_full, n_visible, functools.partial(key_block_fn, masked=True), carry
+    )
+    l_safe = jnp.where(l > 0, l, 1.0)
+    return None, (o / l_safe[..., None], jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf))
+
+  _, (o_blocks, lse_blocks) = jax.lax.scan(query_block_fn, None, (jnp.arange(nq), q_blocks))
+  # [nq, B, K, bq*G, H] -> [B, T, N, H]
+  out = o_blocks.reshape(nq, B, K, bq, G, H).transpose(1, 0, 3, 2, 4, 5).reshape(B, nq * bq, N, H)
+  lse = lse_blocks.reshape(nq, B, K, bq, G).transpose(1, 0, 3, 2, 4).reshape(B, nq * bq, N)
+  return out[:, :T].astype(q_BTNH.dtype), lse[:, :T]
+
+
+def attend_fused(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  query_offset: int,
+  implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Causal attention at a static offset through `jax.nn.dot_product_attention`, whose causal
+  mask is aligned at the top left only: the rectangle splits into the unmasked prefix
+  [0, offset) and the causal diagonal square [offset, offset + T), merged by their
+  log-sum-exp. `implementation="cudnn"` makes both pieces cuDNN's fused flash kernel.
+  Returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32).
+  """
+  T = q_BTNH.shape[1]
+  if k_BSKH.shape[1] < query_offset + T:
+    raise ValueError(
+      f"attend_fused needs the keys of every query: S={k_BSKH.shape[1]} < offset + T = "
+      f"{query_offset + T}"
+    )
+
+  def piece(k, v, is_causal):
+    out, lse = jax.nn.dot_product_attention(
+      q_BTNH, k, v, is_causal=is_causal, implementation=implementation, return_residual=True
+    )
+    return out, lse.astype(jnp.float32)  # lse: [B, T, N]
+
+  diag_out, diag_lse = piece(
+    k_BSKH[:, query_offset : query_offset + T], v_BSKH[:, query_offset : query_offset + T], True
+  )
+  if query_offset == 0:
+    return diag_out, diag_lse
+  prefix_out, prefix_lse = piece(k_BSKH[:, :query_offset], v_BSKH[:, :query_offset], False)
+  out, lse = merge_partials(prefix_out, prefix_lse, diag_out, diag_lse)
+  return out.astype(q_BTNH.dtype), lse

@@ -1,0 +1,50 @@
+"""Llama 2 / Llama 3 in Flax NNX.
+
+Legend: B batch, T tokens, D d_model, N query heads, K KV heads, H head dim, F MLP dim,
+L layers. Block parameters carry a leading [L] axis (see models/base.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import layers
+from models.base import Block, CausalLM, normal_param, ones_param
+from models.config import LlamaConfig
+
+
+class LlamaBlock(Block):
+  """Pre-norm attention then pre-norm SwiGLU MLP, each with a residual."""
+
+  def __init__(self, config: LlamaConfig, *, num_layers: int, dtype, rngs: nnx.Rngs):
+    self.config = config
+    L, D, F = num_layers, config.d_model, config.mlp_dim
+    self.attn_norm = ones_param((L, D), dtype)
+    self.init_attention(num_layers, dtype, rngs)
+    self.mlp_norm = ones_param((L, D), dtype)
+    self.w_gate = normal_param(rngs, (L, D, F), dtype)
+    self.w_up = normal_param(rngs, (L, D, F), dtype)
+    self.w_down = normal_param(rngs, (L, F, D), dtype)
+
+  def attention_input(self, x_BTD: jax.Array) -> jax.Array:
+    return layers.rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
+
+  def finish(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
+    x_BTD = x_BTD + self.attention_output(attn_BTNH)
+    h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
+    gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))
+    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up[...])
+    return x_BTD + jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, self.w_down[...])
+
+
+class Llama(CausalLM):
+  block_class = LlamaBlock
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    super().__init__(config, dtype=dtype, rngs=rngs)
+    self.norm = ones_param((config.d_model,), dtype)
+
+  def final_norm(self, x_BTD: jax.Array) -> jax.Array:
+    return layers.rms_norm(x_BTD, self.norm[...], self.config.norm_eps)

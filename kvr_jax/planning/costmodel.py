@@ -1,0 +1,323 @@
+"""A TTFT cost model of the prefill programs: per-rank FLOPs and bytes, and a timeline.
+
+Everything this module prints is MODELLED, never measured. It exists to (a) drive the
+partition search without running the model and (b) reproduce the paper's GPU-scale figures,
+which this machine cannot measure.
+
+Per layer, each rank runs three phases (the same split as the real program):
+  qkv        input norm, Q/K/V projections, RoPE            on its c_i tokens
+  attention  c_i queries against S_i keys                    (TSP: C/p against C, dense)
+  rest       output projection and MLP                       on its c_i tokens
+Each phase takes max(FLOPs / achievable FLOP/s, bytes / achievable memory bandwidth).
+
+The timeline follows the dependencies of the real programs:
+  kvr   ranks run independently; hop k couples only ranks k and k+1. It starts when rank k
+        holds [0, S_k) (its own qkv done and hop k-1 arrived) and link k is free, and takes
+        bytes / bandwidth_k + latency. Sends are asynchronous (XLA's collective-permute-start
+        /-done, an NCCL send on its own stream): the sender goes on to its attention while the
+        message is in flight; the receiver waits for it before its attention.
+  tsp   the all-gather is a barrier over all ranks; a ring all-gather takes p-1 steps of one
+        chunk each over the slowest link.
+  single one device, dense masked attention (as the Hugging Face baseline computes it).
+Bandwidth is per link, so one slow link (the paper's non-uniform case) can be modelled.
+
+Pure: it takes Hardware and Links objects (in one frozen `Setup`); named presets and the
+`local` calibration live in kvr_jax.planning.presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from kvr_jax.core.chunks import check_ranks, prefix_ends
+from models.config import FalconConfig, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """One accelerator. `*_fraction` are the stated achievable fractions of the peaks."""
+
+  name: str
+  peak_flops: float  # dense fp16/bf16 FLOP/s
+  memory_bandwidth: float  # bytes/s
+  flops_fraction: float
+  memory_fraction: float
+  note: str = ""
+
+  @property
+  def flops(self) -> float:
+    return self.peak_flops * self.flops_fraction
+
+  @property
+  def bandwidth(self) -> float:
+    return self.memory_bandwidth * self.memory_fraction
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+  """Point-to-point links between rank k and k+1 (link k); `slow` overrides single links."""
+
+  bandwidth: float  # bytes/s
+  latency: float = 10e-6  # seconds per message
+  slow: tuple[tuple[int, float], ...] = ()  # (link index, bytes/s)
+
+  def link_bandwidth(self, k: int) -> float:
+    return dict(self.slow).get(k, self.bandwidth)
+
+  def slowest(self, num_ranks: int) -> float:
+    return min([self.link_bandwidth(k) for k in range(max(num_ranks - 1, 1))])
+
+  def with_slow_link(self, k: int, bandwidth: float) -> Links:
+    slow = dict(self.slow)
+    slow[k] = bandwidth
+    return dataclasses.replace(self, slow=tuple(sorted(slow.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What a modelled prefill runs on: the device, the links, and the shape of the traffic.
+
+  dtype_bytes: bytes per weight/activation element (2 for fp16/bf16, 4 for float32).
+  scores_in_memory: the attention kernel writes its score matrix to memory (dense and
+    blocked kernels, eager Hugging Face attention); False models a fused (flash) kernel.
+  """
+
+  hardware: Hardware
+  links: Links
+  dtype_bytes: int
+  batch: int = 1
+  scores_in_memory: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.hardware, Hardware) or not isinstance(self.links, Links):
+      raise ValueError(
+        "Setup takes Hardware and Links objects; for presets by name use "
+        "kvr_jax.planning.presets.make_setup"
+      )
+    if self.dtype_bytes not in (1, 2, 4, 8):
+      raise ValueError(f"`dtype_bytes` must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
+    if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+      raise ValueError(f"batch must be >= 1, got {self.batch!r}")
+
+
+# --- per-phase work ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+  flops: float
+  bytes: float
+
+  def __add__(self, other: Work) -> Work:
+    return Work(self.flops + other.flops, self.bytes + other.bytes)
+
+  def time(self, hw: Hardware) -> float:
+    return max(self.flops / hw.flops, self.bytes / hw.bandwidth)
+
+
+def phase_work(
+  config: ModelConfig,
+  num_queries: int,
+  num_keys: int,
+  batch: int,
+  dtype_bytes: int,
+  *,
+  scores_in_memory: bool = True,
+) -> dict[str, Work]:
+  """Work of the three phases of one layer for `num_queries` tokens over `num_keys` keys.
+
+  scores_in_memory: the attention writes its [N, T, S] scores and probabilities to memory
+  (eager attention, as in the Hugging Face models the paper ran); False models a fused
+  (flash) kernel.
+  """
+  D, N, K, H, F = (
+    config.d_model,
+    config.num_heads,
+    config.num_kv_heads,
+    config.head_dim,
+    config.mlp_dim,
+  )
+  T, S, B, db = num_queries, num_keys, batch, dtype_bytes
+  mlp_matrices = 2 if isinstance(config, FalconConfig) else 3
+  qkv = Work(
+    2 * B * T * D * (N + 2 * K) * H, db * (D * (N + 2 * K) * H + B * T * (D + (N + 2 * K) * H))
+  )
+  score_traffic = 4 * B * N * T * S * db if scores_in_memory else 0  # write, read, write, read
+  attention = Work(
+    4 * B * N * H * T * S, db * (2 * B * T * N * H + 2 * B * S * K * H) + score_traffic
+  )
+  rest = Work(
+    2 * B * T * N * H * D + 2 * B * T * D * F * mlp_matrices,
+    db * (N * H * D + mlp_matrices * D * F + B * T * (N * H + 2 * D + 2 * F)),
+  )
+  return {"qkv": qkv, "attention": attention, "rest": rest}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFlops:
+  """Matmul FLOPs of one layer on one rank, by part."""
+
+  projections: float  # Q, K, V and the output projection
+  attention: float  # QK^T and PV over the prefix
+  mlp: float
+
+  @property
+  def total(self) -> float:
+    return self.projections + self.attention + self.mlp
+
+
+def layer_flops(config: ModelConfig, num_queries: int, num_keys: int, batch: int = 1) -> LayerFlops:
+  """One layer, `num_queries` tokens attending to `num_keys` keys (c_i and S_i for KVR rank i;
+  C/p and C for TSP; T and T on one device). Elementwise work (norms, RoPE, softmax) is left
+  out, which is why compiled programs count a few percent more."""
+  phases = phase_work(config, num_queries, num_keys, batch, 1)
+  out_projection = 2 * batch * num_queries * config.num_heads * config.head_dim * config.d_model
+  return LayerFlops(
+    phases["qkv"].flops + out_projection,
+    phases["attention"].flops,
+    phases["rest"].flops - out_projection,
+  )
+
+
+def head_work(config: ModelConfig, batch: int, dtype_bytes: int) -> Work:
+  """Final norm and vocabulary projection of the last position."""
+  return Work(
+    2 * batch * config.d_model * config.vocab_size, dtype_bytes * config.d_model * config.vocab_size
+  )
+
+
+def kv_message_bytes(config: ModelConfig, num_tokens: int, batch: int, dtype_bytes: int) -> int:
+  """K and V of `num_tokens` tokens of one layer, with the model's own KV head count."""
+  return 2 * batch * num_tokens * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+# --- the timeline ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Simulation:
+  """A modelled prefill. Times in seconds; per-rank lists are indexed by rank."""
+
+  strategy: str
+  partition: tuple[int, ...]
+  ttft: float
+  rank_finish: list[float]  # when each rank finished its last layer
+  rank_flops: list[float]  # per layer
+  rank_memory_bytes: list[float]  # per layer
+  link_bytes: list[float]  # per layer: hop k (kvr) or per-rank all-gather receive (tsp)
+
+
+def simulate(
+  config: ModelConfig,
+  strategy: str,
+  context_len: int,
+  setup: Setup,
+  *,
+  num_ranks: int = 1,
+  partition: Sequence[int] | None = None,
+) -> Simulation:
+  """Modelled TTFT of one prefill (see the module docstring for the dependency rules)."""
+  if not isinstance(setup, Setup):
+    raise ValueError(f"`setup` must be a costmodel.Setup, got {type(setup).__name__}")
+  hw, ln = setup.hardware, setup.links
+  C, L, B, db = context_len, config.num_layers, setup.batch, setup.dtype_bytes
+  check_ranks(C, num_ranks)
+  head = head_work(config, B, db).time(hw)
+  kw = dict(batch=B, dtype_bytes=db, scores_in_memory=setup.scores_in_memory)
+
+  if strategy == "single":
+    phases = phase_work(config, C, C, **kw)
+    per_layer = sum(w.time(hw) for w in phases.values())
+    total = sum(phases.values(), Work(0, 0))
+    ttft = L * per_layer + head
+    return Simulation("single", (C,), ttft, [ttft], [total.flops], [total.bytes], [])
+
+  p = num_ranks
+  if strategy == "tsp":
+    c = math.ceil(C / p)
+    phases = phase_work(config, c, c * p, **kw)
+    chunk_bytes = kv_message_bytes(config, c, B, db)
+    allgather = (p - 1) * (chunk_bytes / ln.slowest(p) + ln.latency) if p > 1 else 0.0
+    t_qkv = phases["qkv"].time(hw)
+    t_after = phases["attention"].time(hw) + phases["rest"].time(hw)
+    # Identical ranks: each layer is qkv, the all-gather barrier, then attention and MLP.
+    ttft = tsp_timeline(t_qkv, allgather, t_after, L) + head
+    total = sum(phases.values(), Work(0, 0))
+    return Simulation(
+      "tsp",
+      (c,) * p,
+      ttft,
+      [ttft] * p,
+      [total.flops] * p,
+      [total.bytes] * p,
+      [(p - 1) * chunk_bytes] * p,
+    )
+
+  if strategy != "kvr":
+    raise ValueError(f"unknown strategy {strategy!r}; expected single, tsp or kvr")
+  if partition is None or len(partition) != p or sum(partition) != C or min(partition) < 1:
+    raise ValueError(
+      f"kvr needs a partition of {p} positive chunks summing to {C}, got {partition!r}"
+    )
+  chunks = tuple(int(c) for c in partition)
+  ends = prefix_ends(chunks)
+  phases = [phase_work(config, chunks[i], ends[i], **kw) for i in range(p)]
+  t_qkv = [ph["qkv"].time(hw) for ph in phases]
+  t_after = [ph["attention"].time(hw) + ph["rest"].time(hw) for ph in phases]
+  hop_bytes = [kv_message_bytes(config, ends[k], B, db) for k in range(p - 1)]
+  hop_time = [hop_bytes[k] / ln.link_bandwidth(k) + ln.latency for k in range(p - 1)]
+  free = kvr_timeline(t_qkv, t_after, hop_time, L)
+  ttft = free[-1] + head
+  totals = [sum(ph.values(), Work(0, 0)) for ph in phases]
+  return Simulation(
+    "kvr",
+    chunks,
+    ttft,
+    list(free),
+    [w.flops for w in totals],
+    [w.bytes for w in totals],
+    [float(b) for b in hop_bytes],
+  )
+
+
+def kvr_timeline(
+  t_qkv: Sequence[float], t_after: Sequence[float], hop_time: Sequence[float], num_layers: int
+) -> list[float]:
+  """When each rank finishes its last layer, from per-layer phase times (see module doc).
+
+  t_qkv[i]: rank i's qkv phase; t_after[i]: its attention + rest; hop_time[k]: hop k's time.
+  """
+  p = len(t_qkv)
+  free = [0.0] * p  # rank i is done with the previous layer
+  link_free = [0.0] * max(p - 1, 0)  # link k has delivered the previous layer's message
+  for _ in range(num_layers):
+    arrive = 0.0
+    for i in range(p):
+      ready = free[i] + t_qkv[i]  # own K,V written into the buffer
+      if i > 0:
+        ready = max(ready, arrive)  # prefix [0, S_{i-1}) received
+      if i < p - 1:
+        arrive = max(ready, link_free[i]) + hop_time[i]
+        link_free[i] = arrive
+      free[i] = ready + t_after[i]
+  return free
+
+
+def tsp_timeline(t_qkv: float, t_allgather: float, t_after: float, num_layers: int) -> float:
+  """Identical ranks; the all-gather is a barrier between qkv and attention in every layer."""
+  return num_layers * (t_qkv + t_allgather + t_after)
+
+
+def lower_bound(config: ModelConfig, context_len: int, num_ranks: int, setup: Setup) -> float:
+  """Modelled ideal: the single-device causal work (C(C+1)/2 scores, not C^2) split perfectly
+  over p ranks with free communication. No real schedule reaches it."""
+  hw, scores_in_memory = setup.hardware, setup.scores_in_memory
+  B, db, C = setup.batch, setup.dtype_bytes, context_len
+  phases = phase_work(config, C, C, batch=B, dtype_bytes=db, scores_in_memory=scores_in_memory)
+  causal = phase_work(
+    config, C, (C + 1) / 2, batch=B, dtype_bytes=db, scores_in_memory=scores_in_memory
+  )["attention"]
+  per_layer = (phases["qkv"].time(hw) + causal.time(hw) + phases["rest"].time(hw)) / num_ranks
+  return config.num_layers * per_layer + head_work(config, B, db).time(hw)

@@ -1,0 +1,227 @@
+"""Hardware and link presets for the cost model, and the `local` ones measured on this machine.
+
+`local` times a float32 matmul (FLOP/s), a large elementwise pass (memory bandwidth) and a
+ppermute between two devices (link bandwidth and latency). On emulated CPU devices the "link"
+is a memory copy inside one process; across processes (launch.multiprocess) it is gloo over
+TCP. Measurements move by 5-10% from run to run, and a searched partition moves with them, so
+the first calibration of a machine setup is kept on disk (kvr_jax.core.resources.cache_dir)
+and reused: the same command gives the same chunks run after run. `calibrate()` (or
+`python -m launch.calibrate`) measures again and replaces the stored figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from kvr_jax.core import resources
+from kvr_jax.planning.costmodel import Hardware, Links, Setup
+from kvr_jax.runtime.mesh import AXIS, global_array, make_mesh
+
+HARDWARE = {
+  # Peaks from the NVIDIA data sheets; 60% of the tensor-core peak and 80% of HBM
+  # bandwidth are typical of large fp16 GEMMs and streaming kernels (an assumption).
+  "a100-80gb": Hardware(
+    "a100-80gb",
+    312e12,
+    2.039e12,
+    0.6,
+    0.8,
+    "A100 80GB SXM: 312 TFLOP/s dense fp16/bf16, 2.04 TB/s HBM2e",
+  ),
+  "h100-sxm": Hardware(
+    "h100-sxm", 989e12, 3.35e12, 0.6, 0.8, "H100 SXM: 989 TFLOP/s dense fp16/bf16, 3.35 TB/s HBM3"
+  ),
+}
+
+LINKS = {
+  "300GBps": Links(300e9, 10e-6),  # NVLink-class, as the paper's high-bandwidth setting
+  "10GBps": Links(10e9, 10e-6),  # the paper's low-bandwidth setting
+}
+
+LOCAL = "local"
+
+
+def check_preset_names(hardware: str | Hardware, links: str | Links) -> None:
+  """Refuses unknown preset names without measuring anything."""
+  if not isinstance(hardware, Hardware) and hardware != LOCAL and hardware not in HARDWARE:
+    raise ValueError(f"unknown hardware preset {hardware!r}; presets: {sorted(HARDWARE) + [LOCAL]}")
+  if not isinstance(links, Links) and links != LOCAL and links not in LINKS:
+    raise ValueError(f"unknown link preset {links!r}; presets: {sorted(LINKS) + [LOCAL]}")
+
+
+def hardware_preset(name: str | Hardware) -> Hardware:
+  """A preset by name ("local" is measured here, once per machine); a Hardware passes through."""
+  check_preset_names(name, LOCAL)
+  if isinstance(name, Hardware):
+    return name
+  return local_calibration()[0] if name == LOCAL else HARDWARE[name]
+
+
+def links_preset(name: str | Links) -> Links:
+  """A preset by name ("local" is measured here, once per machine); a Links passes through."""
+  check_preset_names(LOCAL, name)
+  if isinstance(name, Links):
+    return name
+  return local_calibration()[1] if name == LOCAL else LINKS[name]
+
+
+def make_setup(
+  hardware: str | Hardware = LOCAL,
+  links: str | Links = LOCAL,
+  *,
+  dtype_bytes: int,
+  batch: int = 1,
+  scores_in_memory: bool = True,
+) -> Setup:
+  """A cost-model Setup from preset names (the one default: this machine, `local`)."""
+  check_preset_names(hardware, links)
+  return Setup(
+    hardware_preset(hardware),
+    links_preset(links),
+    dtype_bytes=dtype_bytes,
+    batch=batch,
+    scores_in_memory=scores_in_memory,
+  )
+
+
+# --- the local calibration ---------------------------------------------------------------------
+
+
+def machine_key() -> str:
+  """What the local figures depend on: host, devices, processes and XLA's threading flags."""
+  devices = jax.devices()
+  facts = {
+    "host": platform.node(),
+    "machine": platform.machine(),
+    "cpus": os.cpu_count(),
+    "platform": devices[0].platform,
+    "device_kind": devices[0].device_kind,
+    "devices": len(devices),
+    "processes": jax.process_count(),
+    "xla_flags": " ".join(sorted(os.environ.get("XLA_FLAGS", "").split())),
+  }
+  return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def calibration_path() -> str:
+  return str(resources.cache_dir() / f"calibration-{machine_key()}.json")
+
+
+def _read(path: str) -> tuple[Hardware, Links] | None:
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+    links = dict(stored["links"])
+    links["slow"] = tuple(tuple(x) for x in links.get("slow", ()))
+    return Hardware(**stored["hardware"]), Links(**links)
+  except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+    return None
+
+
+@functools.cache
+def local_calibration() -> tuple[Hardware, Links]:
+  """The `local` presets: read from this machine's cache, measured (and stored) if absent.
+
+  With several processes (jax.distributed) the link measurement needs all of them, so they
+  measure together unless every one of them has the figures on disk.
+  """
+  path = calibration_path()
+  stored = _read(path)
+  if jax.process_count() > 1:
+    everyone_has = multihost_utils.process_allgather(np.int32(stored is not None)).all()
+    if not everyone_has:
+      stored = None
+  return stored if stored is not None else _measure_and_store(path)
+
+
+def calibrate() -> tuple[Hardware, Links]:
+  """Measures this machine again and replaces the stored `local` presets."""
+  local_calibration.cache_clear()
+  result = _measure_and_store(calibration_path())
+  local_calibration.cache_clear()
+  return result
+
+
+def _measure_and_store(path: str) -> tuple[Hardware, Links]:
+  hardware = measure_hardware()
+  links = measure_links(hardware)
+  if jax.process_count() > 1:
+    # Every process must model the same machine (or their searches, and so their compiled
+    # programs, would differ): all take process 0's figures.
+    figures = np.asarray(
+      [hardware.peak_flops, hardware.memory_bandwidth, links.bandwidth, links.latency]
+    )
+    f, m, b, lat = (float(x) for x in multihost_utils.broadcast_one_to_all(figures))
+    hardware = dataclasses.replace(hardware, peak_flops=f, memory_bandwidth=m)
+    links = Links(b, lat)
+  if jax.process_index() == 0:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+      payload = {"hardware": dataclasses.asdict(hardware), "links": dataclasses.asdict(links)}
+      payload["links"]["slow"] = list(links.slow)
+      json.dump(payload, f, indent=1)
+    os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+  return hardware, links
+
+
+def _best_time(fn, *args, repeats: int = 5) -> float:
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def measure_hardware() -> Hardware:
+  """Measured matmul FLOP/s and memory bandwidth of the first device (fractions are 1: the
+  measurement already is what is achievable)."""
+  n = 1024
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  flops = 2 * n**3 / _best_time(matmul, a, a)
+  big = jnp.ones((16 * 1024 * 1024,), jnp.float32)  # 64 MB
+  scale = jax.jit(lambda x: x * 1.5)
+  bandwidth = 2 * big.nbytes / _best_time(scale, big)  # one read and one write
+  return Hardware(
+    LOCAL,
+    flops,
+    bandwidth,
+    1.0,
+    1.0,
+    f"measured on {jax.devices()[0].device_kind}: {flops / 1e9:.1f} GFLOP/s, "
+    f"{bandwidth / 1e9:.1f} GB/s",
+  )
+
+
+def measure_links(hardware: Hardware) -> Links:
+  """Measured ppermute bandwidth and latency between the first two devices."""
+  if jax.device_count() < 2:
+    return Links(hardware.memory_bandwidth / 2, 1e-6)
+  # The whole mesh takes part (with jax.distributed every process must run the program); only
+  # the first pair exchanges data: on processes pinned to cores that is the real link.
+  mesh = make_mesh()
+
+  def hop(x):
+    return jax.lax.ppermute(x, AXIS, perm=[(0, 1)])
+
+  fn = jax.jit(jax.shard_map(hop, mesh=mesh, in_specs=jax.P(AXIS), out_specs=jax.P(AXIS)))
+  sharding = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
+  p = mesh.devices.size
+  small = global_array(np.zeros((p, 8), np.float32), sharding)
+  large = global_array(np.zeros((p, 4 * 1024 * 1024), np.float32), sharding)  # 16 MB per rank
+  latency = _best_time(fn, small)
+  seconds = max(_best_time(fn, large) - latency, 1e-9)
+  return Links(large.nbytes / p / seconds, latency)

@@ -1,0 +1,317 @@
+"""`load_model`: a preset name, a Hugging Face directory or an Orbax checkpoint -> `Model`.
+
+Nothing half-loaded is ever returned: every error is raised before the model is assembled.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import models
+from kvr_jax.core import resources
+from kvr_jax.runtime import checkpoints
+from kvr_jax.runtime.mesh import global_array
+from models.config import ModelConfig, config_from_dict, config_from_hf
+
+PRESET_SEED = 0
+# Weight copies a Model keeps, one per placement (a device or a replicated mesh sharding).
+MAX_PLACEMENTS = 4
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ORBAX_CONFIG = "kvr_config.json"
+ORBAX_STATE = "state"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclasses.dataclass(eq=False)
+class Model:
+  """A loaded model: the NNX module split once into a static graph and its weights.
+
+  `graphdef` is hashable and identifies the architecture for compiled-program caches;
+  `state` holds the weights. `tokenizer` is a transformers tokenizer or None.
+  """
+
+  module: models.CausalLM
+  tokenizer: Any = None
+  source: str = ""
+
+  def __post_init__(self):
+    self.graphdef, self.state = nnx.split(self.module)
+    # Weight copies per placement, least recently used first; bounded so that a notebook
+    # trying many meshes does not keep every copy of the weights alive.
+    self._placed: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+  @property
+  def config(self) -> ModelConfig:
+    return self.module.config
+
+  @property
+  def dtype(self):
+    return self.module.dtype
+
+  def state_on(self, sharding_or_device) -> Any:
+    """The weights placed on a device or replicated with a sharding; cached per placement.
+
+    A sharding may span other processes' devices (jax.distributed): each process then fills
+    only its own devices, from its own copy of the weights.
+    """
+    if sharding_or_device in self._placed:
+      self._placed.move_to_end(sharding_or_device)
+    else:
+      if isinstance(sharding_or_device, jax.sharding.Sharding):
+        self._placed[sharding_or_device] = jax.tree.map(
+          lambda a: global_array(np.asarray(a), sharding_or_device), self.state
+        )
+      else:
+        self._placed[sharding_or_device] = self._replica_on(sharding_or_device)
+        if self._placed[sharding_or_device] is None:
+          self._placed[sharding_or_device] = jax.device_put(self.state, sharding_or_device)
+      while len(self._placed) > MAX_PLACEMENTS:
+        self._placed.popitem(last=False)
+    return self._placed[sharding_or_device]
+
+  @property
+  def placements(self) -> tuple[Any, ...]:
+    """The placements whose weight copies are kept (least recently used first)."""
+    return tuple(self._placed)
+
+  def _replica_on(self, device) -> Any:
+    """The weights on `device` taken from a replicated placement that already covers it (as
+    after a mesh prefill, where decode runs on the last rank): no second copy of the weights."""
+    for placement, state in self._placed.items():
+      if (
+        isinstance(placement, jax.sharding.Sharding)
+        and placement.is_fully_replicated
+        and device in placement.addressable_devices
+      ):
+        return jax.tree.map(
+          lambda a: next(s.data for s in a.addressable_shards if s.device == device), state
+        )
+    return None
+
+  def __repr__(self):
+    cfg = self.config
+    return (
+      f"Model({cfg.architecture}, {cfg.num_params() / 1e6:.2f}M params, "
+      f"dtype={jnp.dtype(self.dtype).name}, source={self.source!r})"
+    )
+
+
+def resolve_dtype(dtype) -> Any:
+  if isinstance(dtype, str):
+    if dtype not in DTYPES:
+      raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
+    raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+  return dtype
+
+
+def preset_names() -> list[str]:
+  return sorted(p.stem for p in resources.config_dir().glob("*.json"))
+
+
+def preset_config(name: str) -> ModelConfig:
+  path = resources.config_dir() / f"{name}.json"
+  if not isinstance(name, str) or not path.is_file():
+    raise ValueError(
+      f"unknown preset {name!r}; presets: {preset_names()} "
+      "(or pass a Hugging Face or Orbax directory)"
+    )
+  with open(path) as f:
+    return config_from_dict(json.load(f))
+
+
+def build_model(config: ModelConfig, dtype=jnp.float32, seed: int = PRESET_SEED) -> models.CausalLM:
+  """A model with random weights from a fixed seed (the presets)."""
+  return models.model_class(config)(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed))
+
+
+def abstract_model(config: ModelConfig, dtype=jnp.float32) -> models.CausalLM:
+  """The model's structure with ShapeDtypeStructs instead of arrays (no memory used)."""
+  return nnx.eval_shape(lambda: build_model(config, dtype))
+
+
+def load_model(name_or_path: str, dtype="float32") -> Model:
+  """Loads a preset (random weights, fixed seed), a Hugging Face directory or an Orbax dir."""
+  dtype = resolve_dtype(dtype)
+  if os.path.isdir(name_or_path):
+    if os.path.exists(os.path.join(name_or_path, ORBAX_CONFIG)):
+      return restore_model(name_or_path, dtype)
+    if os.path.exists(os.path.join(name_or_path, "config.json")):
+      return load_hf_model(name_or_path, dtype)
+    raise ValueError(
+      f"{name_or_path}: neither a Hugging Face directory (config.json) nor a "
+      f"kvr-jax Orbax checkpoint ({ORBAX_CONFIG})"
+    )
+  if os.sep in name_or_path or name_or_path.startswith("."):
+    raise ValueError(f"{name_or_path}: no such directory")
+  config = preset_config(name_or_path)
+  return Model(build_model(config, dtype), source=f"preset:{name_or_path}")
+
+
+def _load_tokenizer(directory: str):
+  if not any(os.path.exists(os.path.join(directory, f)) for f in _TOKENIZER_FILES):
+    return None
+  import transformers  # only when there is a tokenizer: the import is slow
+
+  return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> Model:
+  """Reads config.json and the safetensors weights of a Hugging Face directory.
+
+  progress: show a progress bar over the tensors read (for large checkpoints).
+  """
+  with open(os.path.join(directory, "config.json")) as f:
+    try:
+      hf_config = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{directory}/config.json is not valid JSON: {e}") from None
+  config = config_from_hf(hf_config)
+  files = checkpoints.safetensors_files(directory)
+  graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
+  flat_abstract = dict(nnx.to_flat_state(abstract_state))
+  np_dtype = np.dtype(dtype)
+
+  buffers: dict[tuple[str, ...], np.ndarray] = {}
+  filled: dict[tuple[str, ...], np.ndarray] = {}  # one flag per layer (or one for unstacked)
+  origin: dict[tuple[str, ...], str] = {}
+  from tqdm.auto import tqdm
+
+  bar = tqdm(desc="reading tensors", unit=" tensors", disable=not progress)
+  for path in files:
+    for name, array in checkpoints.iter_safetensors(path):
+      bar.update()
+      targets = checkpoints.hf_targets(config, name)
+      if targets is None:
+        if checkpoints.ignored_hf_tensor(config, name):
+          continue
+        raise ValueError(
+          f"{path}: tensor {name!r} has no place in a {config.architecture} "
+          f"model with this config.json (unknown tensor)"
+        )
+      for param_path, layer, transform in targets:
+        spec = flat_abstract[param_path]
+        shape = spec.shape[1:] if layer is not None else spec.shape
+        try:
+          value = transform(array)
+        except ValueError:
+          value = None
+        if value is None or value.shape != tuple(shape):
+          raise ValueError(
+            f"{path}: tensor {name!r} has shape {tuple(array.shape)}, which "
+            f"does not fit parameter {'.'.join(param_path)} of shape "
+            f"{tuple(shape)} (per layer) for this config.json"
+          )
+        if param_path not in buffers:
+          buffers[param_path] = np.empty(spec.shape, np_dtype)
+          filled[param_path] = np.zeros(spec.shape[0] if layer is not None else 1, bool)
+        origin[param_path] = name
+        if layer is None:
+          buffers[param_path][...] = value
+          filled[param_path][0] = True
+        else:
+          buffers[param_path][layer] = value
+          filled[param_path][layer] = True
+
+  bar.close()
+  missing = []
+  for param_path in flat_abstract:
+    if param_path not in filled:
+      missing.append(".".join(param_path))
+    elif not filled[param_path].all():
+      layers_missing = np.flatnonzero(~filled[param_path]).tolist()
+      missing.append(
+        f"{'.'.join(param_path)} (layers {layers_missing}, from tensors like "
+        f"{origin[param_path]!r})"
+      )
+  if missing:
+    raise ValueError(f"{directory}: the checkpoint lacks tensors for: {missing}")
+
+  # One parameter at a time to device, freeing its host buffer: peak memory stays about one
+  # copy of the weights plus the largest parameter.
+  flat_state = []
+  for param_path in list(flat_abstract):
+    flat_state.append((param_path, jnp.asarray(buffers.pop(param_path))))
+  state = nnx.from_flat_state(flat_state)
+  module = nnx.merge(graphdef, state)
+  return Model(module, tokenizer=_load_tokenizer(directory), source=f"hf:{directory}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Orbax
+
+
+def save_model(model: Model, directory: str) -> None:
+  """Saves weights (Orbax), config and tokenizer, so `load_model(directory)` restores them."""
+  import orbax.checkpoint as ocp
+
+  directory = os.path.abspath(directory)
+  if os.path.exists(os.path.join(directory, ORBAX_STATE)):
+    raise ValueError(f"{directory} already holds a checkpoint; choose an empty directory")
+  os.makedirs(directory, exist_ok=True)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.join(directory, ORBAX_STATE), nnx.to_pure_dict(model.state))
+  checkpointer.wait_until_finished()
+  if model.tokenizer is not None:
+    model.tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
+  # Written last: its presence marks a complete checkpoint.
+  meta = {
+    "config": model.config.to_dict(),
+    "dtype": jnp.dtype(model.dtype).name,
+    "source": model.source,
+  }
+  with open(os.path.join(directory, ORBAX_CONFIG), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
+def restore_model(directory: str, dtype=None) -> Model:
+  """Restores a checkpoint written by `save_model` (optionally casting to `dtype`)."""
+  import orbax.checkpoint as ocp
+
+  directory = os.path.abspath(directory)
+  try:
+    with open(os.path.join(directory, ORBAX_CONFIG)) as f:
+      meta = json.load(f)
+    config = config_from_dict(meta["config"])
+    saved_dtype = DTYPES[meta["dtype"]]
+  except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(
+      f"{directory}: corrupt kvr-jax checkpoint metadata ({ORBAX_CONFIG}): {e!r}"
+    ) from None
+  graphdef, abstract_state = nnx.split(abstract_model(config, saved_dtype))
+  target = nnx.to_pure_dict(abstract_state)
+  state_dir = os.path.join(directory, ORBAX_STATE)
+  if not os.path.isdir(state_dir):
+    raise ValueError(f"{directory}: checkpoint is incomplete: no {ORBAX_STATE}/ directory")
+  try:
+    restored = ocp.StandardCheckpointer().restore(state_dir, target)
+  except Exception as e:  # orbax raises many types for truncated or corrupt files
+    raise ValueError(
+      f"{directory}: cannot restore the Orbax checkpoint, it is corrupt or "
+      f"partial ({type(e).__name__}: {str(e)[:300]})"
+    ) from None
+  nnx.replace_by_pure_dict(abstract_state, restored)
+  module = nnx.merge(graphdef, abstract_state)
+  if dtype is not None and jnp.dtype(dtype) != jnp.dtype(saved_dtype):
+    module = _cast(module, dtype)
+  tok_dir = os.path.join(directory, "tokenizer")
+  tokenizer = _load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
+  return Model(module, tokenizer=tokenizer, source=f"orbax:{directory}")
+
+
+def _cast(module: models.CausalLM, dtype) -> models.CausalLM:
+  graphdef, state = nnx.split(module)
+  state = jax.tree.map(lambda a: a.astype(dtype), state)
+  module = nnx.merge(graphdef, state)
+  module.dtype = jnp.dtype(dtype)
+  return module

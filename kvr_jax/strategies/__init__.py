@@ -1,0 +1,23 @@
+"""Layer 3: prefill strategies, one module each, one interface (base.Strategy), one registry.
+
+Adding a strategy: write its module (layout, arrange, compile, cache_rank and a STRATEGY),
+add it to REGISTRY below, and add its row to the parity matrix in tests/test_strategies.py.
+"""
+
+from kvr_jax.strategies import runahead, single, tsp
+from kvr_jax.strategies.base import TRACE_COUNT, Strategy
+
+REGISTRY: dict[str, Strategy] = {
+  s.name: s for s in (single.STRATEGY, tsp.STRATEGY, runahead.STRATEGY)
+}
+STRATEGIES = tuple(REGISTRY)
+
+
+def get_strategy(name: str) -> Strategy:
+  """The registered strategy called `name`; a clear error for anything else."""
+  if not isinstance(name, str) or name not in REGISTRY:
+    raise ValueError(f"unknown strategy {name!r}; expected one of {STRATEGIES}")
+  return REGISTRY[name]
+
+
+__all__ = ["REGISTRY", "STRATEGIES", "TRACE_COUNT", "Strategy", "get_strategy"]

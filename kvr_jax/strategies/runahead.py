@@ -1,0 +1,181 @@
+"""KV-Runahead prefill under `jax.shard_map`: uneven chunks, a point-to-point K,V hop chain.
+
+One jitted SPMD program; every rank runs the layer loop below on its own chunk. Per layer:
+
+  rank:        0            1                 2                    3
+  own chunk  [0,S0)      [S0,S1)           [S1,S2)              [S2,C)
+  project    q,k,v       q,k,v             q,k,v                q,k,v       (switch: c_i rows)
+  hop 0      kv[0,S0) ─────▶ kv[0,S0)
+  hop 1                  kv[0,S1) ───────────▶ kv[0,S1)
+  hop 2                                    kv[0,S2) ──────────────▶ kv[0,C)
+  attend     c0 x S0     c1 x S1           c2 x S2              c3 x C      (switch: static)
+  finish     MLP c0      MLP c1            MLP c2               MLP c3
+
+Every rank holds a [B, c_max] padded chunk because SPMD needs one static shape, but the
+per-rank work is a `lax.switch` on the rank index whose branch i slices exactly c_i rows and
+S_i keys: no FLOP is spent on padding. Hop k is a `ppermute` with the single pair (k, k+1)
+that sends the static prefix [0, S_k) of the accumulation buffer, K and V stacked in one
+message, with their own K heads (never repeated to the N query heads).
+
+The last rank ends with the whole KV cache of every layer; its shard of the output is where
+decode continues (see kvr_jax.inference.prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvr_jax.core.chunks import chunk_starts, prefix_ends
+from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from models import layers, scan_blocks
+from models.layers import ATTENTION_KINDS, DEFAULT_CAUSAL_KERNEL
+
+
+def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...], cache_len: int):
+  """Rank i, static shapes: Q of its c_i tokens, and an accumulation buffer with its own K,V.
+
+  Returns q [B, c_max, N, H] (rows past c_i are zero) and kv [2, B, cache_len, K, H] holding
+  K,V at [S_{i-1}, S_i) and zeros elsewhere.
+  """
+  c, start = chunks[i], chunk_starts(chunks)[i]
+  B, c_max, _ = x_BcD.shape
+  positions_Bc = jnp.broadcast_to(start + jnp.arange(c), (B, c))
+  q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD[:, :c], positions_Bc)
+  K, H = k_BcKH.shape[2:]
+  # [2, B, cache_len, K, H]: K and V travel as one message
+  kv = jnp.zeros((2, B, cache_len, K, H), k_BcKH.dtype)
+  kv = jax.lax.dynamic_update_slice_in_dim(kv, jnp.stack([k_BcKH, v_BcKH]), start, axis=2)
+  q_pad = jnp.pad(q_BcNH, ((0, 0), (0, c_max - c), (0, 0), (0, 0)))
+  return q_pad, kv
+
+
+def attend_and_finish(
+  block, x_BcD, q_BcNH, kv, i: int, chunks: tuple[int, ...], attention: str = "dense"
+):
+  """Rank i, static shapes: its c_i queries against the S_i-key prefix, then the block's rest.
+
+  attention "dense" computes the c_i x S_i rectangle (the paper's count); "blocked" also skips
+  the masked upper triangle of the rank's own diagonal block.
+  """
+  c, start, end = chunks[i], chunk_starts(chunks)[i], prefix_ends(chunks)[i]
+  c_max = x_BcD.shape[1]
+  attn_BcNH = layers.attend_static(q_BcNH[:, :c], kv[0, :, :end], kv[1, :, :end], start, attention)
+  out_BcD = block.finish(x_BcD[:, :c], attn_BcNH)
+  return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
+
+
+def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attention="dense"):
+  """Rank i's whole layer given the prefix it received: the unit of per-rank cost.
+
+  Used only to measure one rank's compiled cost in isolation (cost analysis); the SPMD program
+  runs the same two functions with the hop chain between them.
+  """
+  q, kv = project_own_chunk(block, x_BcD, i, chunks, kv_prefix.shape[2])
+  kv = kv + kv_prefix
+  return attend_and_finish(block, x_BcD, q, kv, i, chunks, attention), kv
+
+
+def hop_chain(kv, rank, chunks: tuple[int, ...]):
+  """p-1 hops: hop k sends kv[:, :, :S_k] from rank k to rank k+1 (one pair per ppermute)."""
+  ends = prefix_ends(chunks)
+  for k in range(len(chunks) - 1):
+    received = jax.lax.ppermute(kv[:, :, : ends[k]], AXIS, perm=[(k, k + 1)])
+    # ppermute gives zeros to ranks outside the pair: only rank k+1 takes the message.
+    prefix = jnp.where(rank == k + 1, received, kv[:, :, : ends[k]])
+    kv = jax.lax.dynamic_update_slice_in_dim(kv, prefix, 0, axis=2)
+  return kv
+
+
+def rank_program(
+  graphdef, chunks: tuple[int, ...], cache_len: int, attention: str = "dense"
+) -> Callable:
+  """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs."""
+  p = len(chunks)
+
+  def program(state, tokens_1Bc):
+    count_trace("kvr")
+    model = nnx.merge(graphdef, state)
+    rank = jax.lax.axis_index(AXIS)
+    x_BcD = model.embed(tokens_1Bc[0])
+
+    def layer(block, x_BcD, _):
+      q_BcNH, kv = jax.lax.switch(
+        rank,
+        [
+          functools.partial(project_own_chunk, block, i=i, chunks=chunks, cache_len=cache_len)
+          for i in range(p)
+        ],
+        x_BcD,
+      )
+      kv = hop_chain(kv, rank, chunks)
+      x_BcD = jax.lax.switch(
+        rank,
+        [
+          functools.partial(attend_and_finish, block, i=i, chunks=chunks, attention=attention)
+          for i in range(p)
+        ],
+        x_BcD,
+        q_BcNH,
+        kv,
+      )
+      return x_BcD, kv
+
+    x_BcD, kv_L2BSKH = scan_blocks(model.blocks, layer, x_BcD)
+    # Each rank's last real row; on rank p-1 that is the prompt's last position.
+    last_BD = jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
+    logits_BV = model.logits(last_BD[:, None])[:, 0]
+    return logits_BV[None], kv_L2BSKH[None]
+
+  return program
+
+
+@functools.lru_cache(maxsize=64)
+def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
+  """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention); cached.
+
+  Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H]); only
+  rank p-1's slice of each output is the answer (its shard lives on the last device).
+  """
+  P = jax.P
+  context_len = sum(chunks)
+  body = jax.shard_map(
+    rank_program(graphdef, chunks, context_len, attention),
+    mesh=mesh,
+    in_specs=(P(), P(AXIS)),
+    out_specs=(P(AXIS), P(AXIS)),
+  )
+  return jax.jit(body)
+
+
+def pad_chunks(tokens_BC, chunks: tuple[int, ...]):
+  """[B, C] -> [p, B, c_max]: rank i's tokens, zero-padded to the largest chunk."""
+  tokens_BC = np.asarray(tokens_BC)
+  c_max = max(chunks)
+  out = np.zeros((len(chunks), tokens_BC.shape[0], c_max), tokens_BC.dtype)
+  for i, (start, c) in enumerate(zip(chunk_starts(chunks), chunks, strict=True)):
+    out[i, :, :c] = tokens_BC[:, start : start + c]
+  return out
+
+
+def layout(context_len: int, num_ranks: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
+  return chunks  # the user's (validated) partition, rank 0 the earliest tokens
+
+
+STRATEGY = Strategy(
+  name="kvr",
+  description="KV-Runahead: uneven chunks, point-to-point K,V hop chain, causal skipping",
+  partitioned=True,
+  attention_kinds=(DEFAULT_CAUSAL_KERNEL,)
+  + tuple(k for k in ATTENTION_KINDS if k != DEFAULT_CAUSAL_KERNEL),
+  layout=layout,
+  arrange=pad_chunks,
+  compile=compile_program,
+  cache_rank=last_rank,
+)

@@ -1,0 +1,62 @@
+"""The single-device oracle: the whole prompt on one device, as a one-rank SPMD program.
+
+It runs under the same interface as the parallel strategies (a mesh of one device), so
+`prefill` treats every strategy alike and the oracle's cache lands where decode runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from models.layers import ATTENTION_KINDS, DEFAULT_CAUSAL_KERNEL
+
+
+def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
+  del num_ranks, chunks  # one rank, the whole prompt
+  return (context_len,)
+
+
+def arrange(tokens_BC, chunks) -> np.ndarray:
+  return np.asarray(tokens_BC)[None]
+
+
+def program(graphdef, attention: str):
+  def run(state, tokens_1BC):
+    count_trace("single")
+    model = nnx.merge(graphdef, state)
+    x_BCD, k_LBCKH, v_LBCKH = model.forward(tokens_1BC[0], attention)
+    logits_BV = model.logits(x_BCD[:, -1:])[:, 0]
+    # [L, 2, B, C, K, H]: K and V stacked, as every strategy returns them
+    return logits_BV[None], jax.numpy.stack([k_LBCKH, v_LBCKH], axis=1)[None]
+
+  return run
+
+
+@functools.lru_cache(maxsize=32)
+def compile_program(graphdef, mesh, chunks, attention: str = DEFAULT_CAUSAL_KERNEL):
+  """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B, C, K, H])."""
+  P = jax.P
+  body = jax.shard_map(
+    program(graphdef, attention), mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
+  )
+  return jax.jit(body)
+
+
+STRATEGY = Strategy(
+  name="single",
+  description="one device, the oracle (whole prompt, causal attention)",
+  partitioned=False,
+  attention_kinds=(DEFAULT_CAUSAL_KERNEL,)
+  + tuple(k for k in ATTENTION_KINDS if k != DEFAULT_CAUSAL_KERNEL),
+  layout=layout,
+  arrange=arrange,
+  compile=compile_program,
+  cache_rank=last_rank,
+  max_ranks=1,
+)

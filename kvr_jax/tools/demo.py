@@ -1,0 +1,102 @@
+"""The comparison the main job prints: each strategy on one prompt, timed and checked.
+
+Lives in the library so a notebook calls the same function as `python -m launch.run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from kvr_jax.inference.generate import decode_from
+from kvr_jax.inference.prefill import prefill_arguments
+from kvr_jax.runtime.loading import Model
+from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.strategies import STRATEGIES
+from kvr_jax.tools.timing import synthetic_prompt, time_prefill
+
+__all__ = ["StrategyReport", "compare_strategies", "format_table", "synthetic_prompt"]
+
+
+@dataclasses.dataclass
+class StrategyReport:
+  strategy: str
+  partition: tuple[int, ...] | None
+  compile_s: float  # first call (trace + compile + run) minus a warm run
+  ttft_median_s: float
+  ttft_runs_s: list[float]
+  max_logit_diff_vs_single: float
+  first_tokens: list[int]
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def compare_strategies(
+  model: Model,
+  tokens,
+  strategies=("single", "tsp", "kvr"),
+  *,
+  num_devices: int | None = None,
+  partition: Any = "even",
+  attention: str | None = None,
+  repeats: int = 3,
+  max_new_tokens: int = 8,
+  temperature: float = 0.0,
+  seed: int = 0,
+) -> list[StrategyReport]:
+  """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs.
+
+  attention: the kernel for the strategies that run it (default: each strategy's own)."""
+  if repeats < 1:
+    raise ValueError(f"`repeats` must be >= 1, got {repeats}")
+  unknown = [s for s in strategies if s not in STRATEGIES]
+  if unknown or not strategies:
+    raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
+  # "single" first, so the others are compared with it.
+  strategies = sorted(strategies, key=lambda s: s != "single")
+  mesh = make_mesh(num_devices)
+  reference = None
+  reports = []
+  for strategy in strategies:
+    kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
+    timing = time_prefill(model, tokens, repeats, **kwargs)
+    result, median = timing.result, timing.median_s
+    logits = np.asarray(result.logits)
+    if strategy == "single":
+      reference = logits
+    gen = decode_from(model, result, max_new_tokens, temperature=temperature, seed=seed)
+    reports.append(
+      StrategyReport(
+        strategy=strategy,
+        partition=result.partition,
+        compile_s=max(timing.first_s - median, 0.0),
+        ttft_median_s=median,
+        ttft_runs_s=timing.runs_s,
+        max_logit_diff_vs_single=(
+          float("nan") if reference is None else float(np.abs(logits - reference).max())
+        ),
+        first_tokens=[int(t) for t in gen.tokens[0]],
+      )
+    )
+  return reports
+
+
+def format_table(reports: list[StrategyReport]) -> str:
+  header = (
+    f"{'strategy':<8} {'partition':<28} {'TTFT median':>12} {'compile':>9} "
+    f"{'max |dlogit|':>13}  first tokens"
+  )
+  lines = [header, "-" * len(header)]
+  for r in reports:
+    part = "-" if r.partition is None else ",".join(map(str, r.partition))
+    if len(part) > 28:
+      part = part[:25] + "..."
+    lines.append(
+      f"{r.strategy:<8} {part:<28} {r.ttft_median_s * 1e3:>10.1f}ms "
+      f"{r.compile_s:>8.2f}s {r.max_logit_diff_vs_single:>13.2e}  "
+      f"{' '.join(map(str, r.first_tokens))}"
+    )
+  return "\n".join(lines)

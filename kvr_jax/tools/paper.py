@@ -1,0 +1,216 @@
+"""The paper's TTFT figures, MODELLED with kvr_jax.costmodel (8x A100, fp16, batch 1).
+
+Nothing here is measured: every number is the cost model's simulated TTFT, and every output
+says so. `launch.paper` prints the table and writes CSV and PNG plots.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+
+from kvr_jax.core.chunks import even_partition
+from kvr_jax.planning import costmodel, presets, search, tables
+from kvr_jax.runtime.loading import preset_config
+
+MODELS = ("llama-2-7b", "falcon-7b")
+RANKS = (2, 4, 8)
+CONTEXT_LENS = (1024, 2048, 4096, 8192, 12288, 16384)
+LINK_PRESETS = ("300GBps", "10GBps")
+HARDWARE = "a100-80gb"
+# What the paper reports (from its abstract and secondary summaries; DESIGN.md section 3).
+PAPER = {
+  "llama-2-7b": "1.4x headline; best cell 1.42x (4 GPUs, 12k, 300 GB/s)",
+  "falcon-7b": "1.6x headline; best cell 1.63x (8 GPUs, 8k)",
+  "10GBps": "larger gains at 10 GB/s, up to 1.79x",
+  "slow link": "TSP loses up to 11.8%, KVR 2.7%",
+}
+
+
+@dataclasses.dataclass
+class Cell:
+  model: str
+  num_ranks: int
+  context_len: int
+  links: str
+  tsp_s: float
+  kvr_even_s: float
+  kvr_search_s: float
+  kvr_predict_s: float
+  kvr_balanced_s: float
+  lower_bound_s: float
+  search_partition: tuple[int, ...]
+  predict_partition: tuple[int, ...]
+  predicted_by_interpolation: bool
+
+  @property
+  def speedup(self) -> float:
+    return self.tsp_s / self.kvr_search_s
+
+  @property
+  def predict_gap(self) -> float:
+    return self.kvr_predict_s / self.kvr_search_s - 1
+
+
+def model_cell(
+  model: str, num_ranks: int, context_len: int, links: str, hardware: str = HARDWARE
+) -> Cell:
+  config = preset_config(model)
+  setup = presets.make_setup(hardware, links, dtype_bytes=2)  # fp16, as the paper ran
+
+  def kvr(chunks):
+    return costmodel.simulate(
+      config, "kvr", context_len, setup, num_ranks=num_ranks, partition=chunks
+    ).ttft
+
+  balanced = search.balanced_partition(config, context_len, num_ranks, setup)
+  searched = search.modelled_search(config, context_len, num_ranks, setup, start=balanced)
+  table = tables.load_table(model, hardware, links, num_ranks)
+  predicted = tables.predict_partition(table, context_len)
+  in_table = any(e["context_len"] == context_len for e in table["entries"])
+  return Cell(
+    model,
+    num_ranks,
+    context_len,
+    links,
+    tsp_s=costmodel.simulate(config, "tsp", context_len, setup, num_ranks=num_ranks).ttft,
+    kvr_even_s=kvr(even_partition(context_len, num_ranks)),
+    kvr_search_s=kvr(searched),
+    kvr_predict_s=kvr(predicted),
+    kvr_balanced_s=kvr(balanced),
+    lower_bound_s=costmodel.lower_bound(config, context_len, num_ranks, setup),
+    search_partition=searched,
+    predict_partition=predicted,
+    predicted_by_interpolation=not in_table,
+  )
+
+
+def all_cells(
+  models=MODELS, ranks=RANKS, context_lens=CONTEXT_LENS, link_presets=LINK_PRESETS, progress=None
+) -> list[Cell]:
+  cells = []
+  for links in link_presets:
+    for model in models:
+      for p in ranks:
+        for C in context_lens:
+          cells.append(model_cell(model, p, C, links))
+          if progress:
+            progress(cells[-1])
+  return cells
+
+
+@dataclasses.dataclass
+class SlowLinkCase:
+  model: str
+  num_ranks: int
+  context_len: int
+  slow_link: int
+  slow_bandwidth: float
+  tsp_loss: float  # TTFT increase over all links fast
+  kvr_loss: float  # searched with the slow link known, against searched with uniform links
+  kvr_unaware_loss: float  # the uniform-links partition run on the slow link
+
+
+def slow_link_case(
+  model: str,
+  num_ranks: int,
+  context_len: int,
+  slow_link: int,
+  slow_bandwidth: float = 10e9,
+  hardware: str = HARDWARE,
+) -> SlowLinkCase:
+  """One link of a 300 GB/s mesh at `slow_bandwidth` (the paper's non-uniform case)."""
+  config = preset_config(model)
+  fast = presets.links_preset("300GBps")
+  slow = fast.with_slow_link(slow_link, slow_bandwidth)
+
+  def setup(links):
+    return presets.make_setup(hardware, links, dtype_bytes=2)
+
+  def best(links):
+    chunks = search.modelled_search(config, context_len, num_ranks, setup(links))
+    return chunks, search.modelled_objective(config, context_len, num_ranks, setup(links))(chunks)
+
+  def tsp(links):
+    return costmodel.simulate(config, "tsp", context_len, setup(links), num_ranks=num_ranks).ttft
+
+  fast_chunks, fast_kvr = best(fast)
+  _, slow_kvr = best(slow)
+  unaware = costmodel.simulate(
+    config, "kvr", context_len, setup(slow), num_ranks=num_ranks, partition=fast_chunks
+  ).ttft
+  return SlowLinkCase(
+    model,
+    num_ranks,
+    context_len,
+    slow_link,
+    slow_bandwidth,
+    tsp(slow) / tsp(fast) - 1,
+    slow_kvr / fast_kvr - 1,
+    unaware / fast_kvr - 1,
+  )
+
+
+def write_csv(cells: list[Cell], path: str) -> None:
+  fields = [f.name for f in dataclasses.fields(Cell)] + ["speedup_search_over_tsp", "predict_gap"]
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["# MODELLED with kvr_jax.costmodel, not measured"])
+    writer.writerow(fields)
+    for c in cells:
+      row = [getattr(c, n) for n in fields[:-2]]
+      row = [" ".join(map(str, v)) if isinstance(v, tuple) else v for v in row]
+      writer.writerow(row + [f"{c.speedup:.4f}", f"{c.predict_gap:.5f}"])
+
+
+def plot(cells: list[Cell], directory: str) -> list[str]:
+  """One PNG per bandwidth: a panel per (model, p), a bar per method at each context length."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  paths = []
+  methods = [
+    ("TSP", "tsp_s"),
+    ("KVR-E", "kvr_even_s"),
+    ("KVR-S", "kvr_search_s"),
+    ("KVR-P", "kvr_predict_s"),
+    ("lower bound", "lower_bound_s"),
+  ]
+  for links in sorted({c.links for c in cells}):
+    models = sorted({c.model for c in cells if c.links == links})
+    ranks = sorted({c.num_ranks for c in cells if c.links == links})
+    fig, axes = plt.subplots(
+      len(models), len(ranks), figsize=(5 * len(ranks), 3.6 * len(models)), squeeze=False
+    )
+    for r, model in enumerate(models):
+      for k, p in enumerate(ranks):
+        ax = axes[r][k]
+        group = sorted(
+          (c for c in cells if (c.links, c.model, c.num_ranks) == (links, model, p)),
+          key=lambda c: c.context_len,
+        )
+        x = np.arange(len(group))
+        width = 0.8 / len(methods)
+        for j, (label, field) in enumerate(methods):
+          ax.bar(
+            x + (j - len(methods) / 2 + 0.5) * width,
+            [getattr(c, field) * 1e3 for c in group],
+            width,
+            label=label,
+          )
+        ax.set_xticks(x, [f"{c.context_len // 1024}k" for c in group])
+        ax.set_title(f"{model}, {p} GPUs, {links}")
+        ax.set_ylabel("TTFT (ms, modelled)")
+        ax.set_xlabel("context length")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"MODELLED TTFT (kvr_jax cost model, A100 fp16), links {links}")
+    fig.tight_layout()
+    path = os.path.join(directory, f"paper_ttft_{links}.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    paths.append(path)
+  return paths

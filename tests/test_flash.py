@@ -1,0 +1,197 @@
+"""The flash kernel (online softmax over key blocks) and its mergeable partials.
+
+Tolerance (fixed): float32 kernels agree within 1e-5 relative to the largest magnitude of the
+reference (the dense kernel); whole strategies likewise against the dense single oracle.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvr_jax
+from models import layers
+
+REL_TOL = 1e-5
+
+
+def assert_close(got, want, what):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL}"
+
+
+def qkv(T, S, N, K, H=8, B=2, seed=0, dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (B, T, N, H), dtype)
+  k = jax.random.normal(keys[1], (B, S, K, H), dtype)
+  v = jax.random.normal(keys[2], (B, S, K, H), dtype)
+  return q, k, v
+
+
+def reference_lse(q, k, offset):
+  """log-sum-exp of the masked scores, [B, T, N], from the dense scores in float64."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  B, T, N, H = q.shape
+  G = N // k.shape[2]
+  k_N = np.repeat(k, G, axis=2)
+  s = np.einsum("btnh,bsnh->btns", q, k_N) / np.sqrt(H)
+  visible = np.arange(k.shape[1])[None, :] <= (offset + np.arange(T))[:, None]
+  s = np.where(visible[None, :, None, :], s, -np.inf)
+  m = s.max(-1)
+  return m + np.log(np.exp(s - m[..., None]).sum(-1))
+
+
+# (T, S, offset, N, K, query_block, key_block): one block, many blocks, partial blocks at both
+# ends, a rank's rectangle (offset > 0), MQA (K=1) and GQA, blocks larger than the input.
+SHAPES = [
+  (37, 37, 0, 4, 2, 8, 16),
+  (13, 50, 37, 4, 1, 4, 8),
+  (100, 300, 200, 2, 2, 32, 64),
+  (5, 5, 0, 2, 2, 256, 512),
+  (64, 1000, 936, 4, 4, 16, 128),
+  (129, 129, 0, 4, 1, 32, 32),
+]
+
+
+@pytest.mark.parametrize("T,S,offset,N,K,bq,bk", SHAPES)
+def test_flash_equals_dense_with_its_lse(T, S, offset, N, K, bq, bk):
+  q, k, v = qkv(T, S, N, K)
+  out, lse = layers.attend_flash(q, k, v, offset, query_block=bq, key_block=bk)
+  assert_close(out, layers.attend(q, k, v, offset), "flash output")
+  assert_close(lse, reference_lse(q, k, offset), "flash lse")
+
+
+@pytest.mark.parametrize("T,S,offset,N,K,bq,bk", SHAPES)
+def test_fused_split_equals_dense(T, S, offset, N, K, bq, bk):
+  """jax.nn.dot_product_attention on the unmasked prefix and the causal diagonal, merged by
+  their lse (implementation="xla" here; "cudnn" on a GPU is the same code path)."""
+  del bq, bk
+  q, k, v = qkv(T, S, N, K, seed=1)
+  out, lse = layers.attend_fused(q, k, v, offset, "xla")
+  assert_close(out, layers.attend(q, k, v, offset), "fused output")
+  assert_close(lse, reference_lse(q, k, offset), "fused lse")
+
+
+def test_merge_of_disjoint_key_sets_is_exact():
+  """A rank's rectangle as [0, offset) unmasked plus its causal square, merged: equals the
+  whole; and merging with an empty partial (lse = -inf) changes nothing."""
+  T, offset, N, K = 48, 80, 4, 2
+  q, k, v = qkv(T, offset + T, N, K, seed=2)
+  prefix = layers.attend_flash(q, k[:, :offset], v[:, :offset], 0, causal=False, key_block=32)
+  diagonal = layers.attend_flash(q, k[:, offset:], v[:, offset:], 0, query_block=16, key_block=16)
+  out, lse = layers.merge_partials(*prefix, *diagonal)
+  assert_close(out, layers.attend(q, k, v, offset), "merged output")
+  assert_close(lse, reference_lse(q, k, offset), "merged lse")
+  empty = (jnp.zeros_like(prefix[0]), jnp.full_like(prefix[1], -jnp.inf))
+  same, same_lse = layers.merge_partials(*prefix, *empty)
+  assert_close(same, prefix[0], "merge with nothing")
+  assert_close(same_lse, prefix[1], "merge with nothing (lse)")
+  # The merge is not an average: swapping one partial's lse must change the result.
+  wrong, _ = layers.merge_partials(prefix[0], diagonal[1], diagonal[0], prefix[1])
+  assert np.abs(np.asarray(wrong) - np.asarray(out)).max() > 1e-3
+
+
+def test_flash_program_does_not_grow_with_the_prompt():
+  """Blocks are a scan and a fori_loop: the compiled program's text is the same size for 1k
+  and 8k queries (the blocked kernel unrolls one slice per query block)."""
+
+  def hlo_size(T):
+    q, k, v = (jax.ShapeDtypeStruct((1, T, 4, 16), jnp.float32) for _ in range(3))
+    k = v = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
+    fn = jax.jit(lambda q, k, v: layers.attend_flash(q, k, v, 0)[0])
+    return len(fn.lower(q, k, v).as_text())
+
+  small, large = hlo_size(1024), hlo_size(8192)
+  assert large < 1.05 * small, (small, large)
+
+
+def test_flash_future_token_has_no_influence():
+  T, N, K = 300, 4, 2
+  q, k, v = qkv(T, T, N, K, seed=3)
+  out = layers.attend_flash(q, k, v, 0, query_block=64, key_block=64)[0]
+  k2, v2 = k.at[:, 150].set(100.0), v.at[:, 150].set(-100.0)
+  out2 = layers.attend_flash(q, k2, v2, 0, query_block=64, key_block=64)[0]
+  np.testing.assert_array_equal(np.asarray(out2[:, :150]), np.asarray(out[:, :150]))
+  assert not np.allclose(out2[:, 150:], out[:, 150:], atol=1e-2)
+
+
+def test_flash_bfloat16_close_to_float32():
+  """bf16 inputs, float32 softmax statistics: within bf16's own rounding (2^-8 relative per
+  element, a few roundings deep) of the float32 result."""
+  q, k, v = qkv(200, 200, 4, 1, seed=4)
+  want = layers.attend(q, k, v, 0)
+  got = layers.attend_flash(
+    q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), 0, key_block=64
+  )[0]
+  assert got.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() / np.abs(want).max()
+  assert err < 0.02
+
+
+# --- whole strategies with the flash kernel ----------------------------------------------------
+
+# Long enough for several 256-query and 512-key blocks, with partial blocks everywhere.
+LONG = 1100
+# (p, partition): even and uneven, chunks not multiples of any block size.
+FLASH_CASES = [
+  (1, "even"),
+  (2, [700, 400]),
+  (3, [500, 333, 267]),
+  (4, "even"),
+  (8, [250, 200, 150, 140, 120, 100, 90, 50]),
+]
+
+
+@pytest.fixture(scope="module")
+def long_setup():
+  models = {"gqa": kvr_jax.load_model("tiny-llama"), "mqa": kvr_jax.load_model("tiny-falcon")}
+  tokens = np.random.RandomState(5).randint(0, 512, (2, LONG))
+  dense = {
+    name: kvr_jax.prefill(model, tokens, attention="dense") for name, model in models.items()
+  }
+  return models, tokens, dense
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_single_flash_matches_dense(long_setup, name):
+  models, tokens, dense = long_setup
+  got = kvr_jax.prefill(models[name], tokens, attention="flash")
+  assert_close(got.logits, dense[name].logits, "logits")
+  assert_close(got.k_cache, dense[name].k_cache, "K cache")
+  assert_close(got.v_cache, dense[name].v_cache, "V cache")
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+@pytest.mark.parametrize("p,partition", FLASH_CASES)
+def test_kvr_flash_matches_dense_single(long_setup, name, p, partition):
+  models, tokens, dense = long_setup
+  got = kvr_jax.prefill(
+    models[name],
+    tokens,
+    strategy="kvr",
+    mesh=kvr_jax.make_mesh(p),
+    partition=partition,
+    attention="flash",
+  )
+  assert_close(got.logits, dense[name].logits, "logits")
+  assert_close(got.k_cache, dense[name].k_cache, "K cache")
+  assert_close(got.v_cache, dense[name].v_cache, "V cache")
+
+
+def test_kvr_flash_bfloat16_close_to_float32(long_setup):
+  models, tokens, dense = long_setup
+  model16 = kvr_jax.load_model("tiny-llama", dtype="bfloat16")
+  got = kvr_jax.prefill(
+    model16, tokens, strategy="kvr", mesh=kvr_jax.make_mesh(3), partition=[500, 333, 267]
+  )
+  f32 = np.asarray(dense["gqa"].logits)
+  err = np.abs(np.asarray(got.logits, np.float32) - f32).max() / np.abs(f32).max()
+  assert err < 0.05  # the bound the bf16 dense strategy test uses (test_strategies.py)
+
+
+def test_flash_is_the_default_of_single_and_kvr():
+  assert kvr_jax.get_strategy("single").default_attention == "flash"
+  assert kvr_jax.get_strategy("kvr").default_attention == "flash"
+  assert kvr_jax.get_strategy("tsp").default_attention == "dense"
