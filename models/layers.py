@@ -28,7 +28,7 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 ATTENTION_BLOCK = 128
 # Query and key blocks of the "flash" attention (see attend_flash), chosen by measurement
 # (README: `python -m launch.benchmark --mode=kernels`).
-FLASH_QUERY_BLOCK = 256
+FLASH_QUERY_BLOCK = 512
 FLASH_KEY_BLOCK = 512
 # "dense": the whole [T, S] rectangle, masked afterwards (the paper's accounting);
 # "blocked": query blocks, each over the keys up to its last query; "flash": online softmax

@@ -266,3 +266,23 @@ def test_bad_inputs(tmp_path):
     PartitionPlan("fastest")
   with pytest.raises(ValueError, match="needs a table"):
     resolve_partition("predict", 64, 2, config=LLAMA7)
+
+
+def test_the_search_models_the_kernel_that_runs():
+  """flash writes no scores and skips a rank's masked future: modelled attention work of c
+  queries at the end of an S-key prefix is c * (S - (c-1)/2), and no score traffic."""
+  cfg = unit_config()
+  dense = costmodel.phase_work(cfg, 4, 9, 1, 1)["attention"]
+  flash = costmodel.phase_work(cfg, 4, 9, 1, 1, scores_in_memory=False, causal_skip=True)[
+    "attention"
+  ]
+  assert flash.flops / dense.flops == pytest.approx((9 - 1.5) / 9)
+  assert dense.bytes - flash.bytes == 4 * 1 * 1 * 4 * 9  # the score traffic, gone
+  # A later rank's attention is cheaper under flash, so the search gives it more tokens.
+  dense_setup = presets.make_setup("a100-80gb", "300GBps", dtype_bytes=2)
+  flash_setup = presets.make_setup(
+    "a100-80gb", "300GBps", dtype_bytes=2, scores_in_memory=False, causal_skip=True
+  )
+  chunks_dense = search.balanced_partition(LLAMA7, 8192, 4, dense_setup)
+  chunks_flash = search.balanced_partition(LLAMA7, 8192, 4, flash_setup)
+  assert chunks_flash[-1] > chunks_dense[-1] and sum(chunks_flash) == 8192

@@ -130,7 +130,7 @@ def test_benchmark_multiprocess_mode(tmp_path):
   table = json.loads((tmp_path / "multiprocess.json").read_text())
   assert {r["variant"] for r in table} == {
     "single",
-    "single-blocked",
+    "single-dense",
     "tsp",
     "kvr-even",
     "kvr-search",

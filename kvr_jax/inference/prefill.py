@@ -171,6 +171,7 @@ def prefill(
       dtype_bytes=jnp.dtype(model.dtype).itemsize,
       model_name=preset,
       scores_in_memory=attention not in FUSED_KERNELS,
+      causal_skip=attention != "dense",
     )
     if jax.process_count() > 1:
       # Cost-model partitions use per-process measurements; every process must compile the

@@ -82,6 +82,9 @@ class Setup:
   dtype_bytes: bytes per weight/activation element (2 for fp16/bf16, 4 for float32).
   scores_in_memory: the attention kernel writes its score matrix to memory (dense and
     blocked kernels, eager Hugging Face attention); False models a fused (flash) kernel.
+  causal_skip: the kernel skips the masked future inside a rank's own diagonal block (flash,
+    blocked, fused): T queries at the end of an S-key prefix then see S - (T-1)/2 keys on
+    average instead of S (the paper's dense accounting).
   """
 
   hardware: Hardware
@@ -89,6 +92,7 @@ class Setup:
   dtype_bytes: int
   batch: int = 1
   scores_in_memory: bool = True
+  causal_skip: bool = False
 
   def __post_init__(self):
     if not isinstance(self.hardware, Hardware) or not isinstance(self.links, Links):
@@ -125,12 +129,13 @@ def phase_work(
   dtype_bytes: int,
   *,
   scores_in_memory: bool = True,
+  causal_skip: bool = False,
 ) -> dict[str, Work]:
   """Work of the three phases of one layer for `num_queries` tokens over `num_keys` keys.
 
   scores_in_memory: the attention writes its [N, T, S] scores and probabilities to memory
   (eager attention, as in the Hugging Face models the paper ran); False models a fused
-  (flash) kernel.
+  (flash) kernel. causal_skip: see Setup.
   """
   D, N, K, H, F = (
     config.d_model,
@@ -144,9 +149,11 @@ def phase_work(
   qkv = Work(
     2 * B * T * D * (N + 2 * K) * H, db * (D * (N + 2 * K) * H + B * T * (D + (N + 2 * K) * H))
   )
-  score_traffic = 4 * B * N * T * S * db if scores_in_memory else 0  # write, read, write, read
+  # Keys each query scores, on average: all S, or only the visible ones.
+  S_scored = S - (T - 1) / 2 if causal_skip and T <= S else S
+  score_traffic = 4 * B * N * T * S_scored * db if scores_in_memory else 0  # w, r, w, r
   attention = Work(
-    4 * B * N * H * T * S, db * (2 * B * T * N * H + 2 * B * S * K * H) + score_traffic
+    4 * B * N * H * T * S_scored, db * (2 * B * T * N * H + 2 * B * S * K * H) + score_traffic
   )
   rest = Work(
     2 * B * T * N * H * D + 2 * B * T * D * F * mlp_matrices,
@@ -225,7 +232,12 @@ def simulate(
   C, L, B, db = context_len, config.num_layers, setup.batch, setup.dtype_bytes
   check_ranks(C, num_ranks)
   head = head_work(config, B, db).time(hw)
-  kw = dict(batch=B, dtype_bytes=db, scores_in_memory=setup.scores_in_memory)
+  kw = dict(
+    batch=B,
+    dtype_bytes=db,
+    scores_in_memory=setup.scores_in_memory,
+    causal_skip=setup.causal_skip,
+  )
 
   if strategy == "single":
     phases = phase_work(config, C, C, **kw)

@@ -60,12 +60,14 @@ def resolve_partition(
   dtype_bytes: int = 4,
   model_name: str | None = None,
   scores_in_memory: bool = True,
+  causal_skip: bool = False,
 ) -> tuple[int, ...]:
   """`"even"`, `"search"`, `"balanced"`, `"predict"`, a PartitionPlan or explicit lengths ->
   a validated tuple of p chunk lengths (rank 0 first).
 
   scores_in_memory: whether the attention kernel that will run writes its scores to memory
-  (dense, blocked) or not (flash, fused); the modelled methods model that kernel."""
+  (dense, blocked) or not (flash, fused), and whether it skips the masked future of a rank's
+  diagonal block (all but dense); the modelled methods model that kernel."""
   check_ranks(context_len, num_ranks)
   if partition is None:
     partition = "even"
@@ -92,6 +94,7 @@ def resolve_partition(
         dtype_bytes=dtype_bytes,
         batch=batch,
         scores_in_memory=scores_in_memory,
+        causal_skip=causal_skip,
       )
     chunks = _plan_chunks(partition, context_len, num_ranks, config, setup, model_name)
     # Every plan's answer is checked like a user's list: a bad plan never reaches a program.

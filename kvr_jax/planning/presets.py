@@ -83,6 +83,7 @@ def make_setup(
   dtype_bytes: int,
   batch: int = 1,
   scores_in_memory: bool = True,
+  causal_skip: bool = False,
 ) -> Setup:
   """A cost-model Setup from preset names (the one default: this machine, `local`)."""
   check_preset_names(hardware, links)
@@ -92,6 +93,7 @@ def make_setup(
     dtype_bytes=dtype_bytes,
     batch=batch,
     scores_in_memory=scores_in_memory,
+    causal_skip=causal_skip,
   )
 
 

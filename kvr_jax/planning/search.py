@@ -115,6 +115,12 @@ def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
   Every phase's FLOPs and bytes are bilinear in (c, S), so four evaluations of
   costmodel.phase_work give exact coefficients; the roofline max is then taken per phase.
   """
+  if kw.get("causal_skip"):
+    # S - (c-1)/2 visible keys is not bilinear in (c, S): evaluate the phases directly.
+    def direct(c: float, s: float) -> float:
+      return sum(w.time(hw) for w in costmodel.phase_work(config, c, s, **kw).values())
+
+    return direct
   coefficients = []
   for name in ("qkv", "attention", "rest"):
 
@@ -163,6 +169,7 @@ def balanced_partition(
     batch=setup.batch,
     dtype_bytes=setup.dtype_bytes,
     scores_in_memory=setup.scores_in_memory,
+    causal_skip=setup.causal_skip,
   )
 
   def chunks_for(target: float) -> list[float] | None:
