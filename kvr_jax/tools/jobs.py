@@ -81,7 +81,8 @@ def bench_job(
   single-device baseline (dense masked scores); single-blocked skips masked blocks with the
   older blocked kernel. Every kvr and single variant runs its default kernel. kvr-search uses
   the cost model with the `local` presets measured here (this process's core, the real link
-  between processes); kvr-measured runs KVR-S over measured TTFT once (its duration is reported as search_s) and then times the partition it found.
+  between processes); kvr-measured runs KVR-S over measured TTFT once (its duration is
+  reported as search_s) and then times the partition it found.
   """
   model = load_model(model_name)
   mesh = make_mesh()
