@@ -25,13 +25,19 @@ from launch import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
-  "mode", "devices", ["devices", "multiprocess", "kernels", "long"], "What to measure."
+  "mode",
+  "devices",
+  ["devices", "multiprocess", "kernels", "long", "phases"],
+  "What to measure.",
 )
 flags.DEFINE_integer(
   "threads", None, "XLA and PyTorch threads (devices, kernels, long modes; default: all cores)."
 )
 flags.DEFINE_list(
-  "flash_blocks", ["256x512"], "Kernels mode: flash query x key block sizes to try."
+  "flash_blocks", ["512x512"], "Kernels mode: flash query x key block sizes to try."
+)
+flags.DEFINE_list(
+  "partitions", [], "Phases mode: KV-Runahead partitions, lengths joined by '/' (2048/2048)."
 )
 flags.DEFINE_list("kernels", ["flash", "blocked", "dense"], "Attention kernels to time.")
 flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax directory.")
@@ -117,6 +123,33 @@ def long_mode():
   print(f"{'kernel':<8}{'C':>7}  {'TTFT':>9}  {'compile':>8}  peak RSS of the process so far")
   for kernel, C, seconds, compile_s, rss in rows:
     print(f"{kernel:<8}{C:>7}  {seconds:>8.3f}s  {compile_s:>7.2f}s  {rss:.2f} GiB")
+  return 0
+
+
+def phases_mode():
+  """Per-rank compute phases of KV-Runahead partitions (--partitions), on one device."""
+  with common.user_errors():
+    model = kvr_jax.load_model(FLAGS.model)
+    if not FLAGS.partitions:
+      raise ValueError("--mode=phases needs --partitions, e.g. --partitions=2048/2048,2588/1508")
+    print(
+      f"MEASURED per-rank compute of KV-Runahead, {FLAGS.model}, all layers, one device with "
+      f"{FLAGS.threads or os.cpu_count()} thread(s); communication not included:"
+    )
+    print(
+      f"{'partition':<16}{'rank':>5}{'c_i':>7}{'S_i':>7}  {'qkv':>8}{'attention':>11}"
+      f"{'rest':>8}{'total':>9}"
+    )
+    for text in FLAGS.partitions:
+      try:
+        chunks = tuple(int(x) for x in text.split("/"))
+      except ValueError:
+        raise ValueError(f"--partitions takes lengths separated by '/', got {text!r}") from None
+      for r in benchmark.rank_phase_times(model, chunks, FLAGS.kernels[0], repeats=FLAGS.repeats):
+        print(
+          f"{text:<16}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s{r.attention_s:>10.3f}s"
+          f"{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
+        )
   return 0
 
 
@@ -288,6 +321,8 @@ def main(argv):
     return kernels_mode()
   if FLAGS.mode == "long":
     return long_mode()
+  if FLAGS.mode == "phases":
+    return phases_mode()
   devices_mode()
   return 0
 

@@ -45,10 +45,18 @@ class Hardware:
   flops_fraction: float
   memory_fraction: float
   note: str = ""
+  # Achievable fraction of the peak inside a fused (flash) attention kernel, whose exp and
+  # rescaling make it slower than a plain matmul; None: the same as flops_fraction.
+  fused_attention_fraction: float | None = None
 
   @property
   def flops(self) -> float:
     return self.peak_flops * self.flops_fraction
+
+  @property
+  def fused_attention_flops(self) -> float:
+    fraction = self.fused_attention_fraction
+    return self.peak_flops * (self.flops_fraction if fraction is None else fraction)
 
   @property
   def bandwidth(self) -> float:
@@ -113,12 +121,14 @@ class Setup:
 class Work:
   flops: float
   bytes: float
+  fused_attention: bool = False  # runs at the hardware's fused-attention FLOP/s
 
   def __add__(self, other: Work) -> Work:
     return Work(self.flops + other.flops, self.bytes + other.bytes)
 
   def time(self, hw: Hardware) -> float:
-    return max(self.flops / hw.flops, self.bytes / hw.bandwidth)
+    flops = hw.fused_attention_flops if self.fused_attention else hw.flops
+    return max(self.flops / flops, self.bytes / hw.bandwidth)
 
 
 def phase_work(
@@ -153,7 +163,9 @@ def phase_work(
   S_scored = S - (T - 1) / 2 if causal_skip and T <= S else S
   score_traffic = 4 * B * N * T * S_scored * db if scores_in_memory else 0  # w, r, w, r
   attention = Work(
-    4 * B * N * H * T * S_scored, db * (2 * B * T * N * H + 2 * B * S * K * H) + score_traffic
+    4 * B * N * H * T * S_scored,
+    db * (2 * B * T * N * H + 2 * B * S * K * H) + score_traffic,
+    fused_attention=not scores_in_memory,
   )
   rest = Work(
     2 * B * T * N * H * D + 2 * B * T * D * F * mlp_matrices,
@@ -267,8 +279,10 @@ def simulate(
       [(p - 1) * chunk_bytes] * p,
     )
 
+  if strategy in ("ring", "allgather"):
+    return _simulate_zigzag(config, strategy, C, setup, p)
   if strategy != "kvr":
-    raise ValueError(f"unknown strategy {strategy!r}; expected single, tsp or kvr")
+    raise ValueError(f"unknown strategy {strategy!r}; expected single, tsp, kvr, ring or allgather")
   if partition is None or len(partition) != p or sum(partition) != C or min(partition) < 1:
     raise ValueError(
       f"kvr needs a partition of {p} positive chunks summing to {C}, got {partition!r}"
@@ -292,6 +306,51 @@ def simulate(
     [w.bytes for w in totals],
     [float(b) for b in hop_bytes],
   )
+
+
+def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: int):
+  """The zigzag peers: 2p chunks of c tokens (prompt padded to 2pc), rank r holds chunks r
+  and 2p-1-r, so every rank has the same work; messages go over the slowest link.
+
+  ring       per layer: qkv on 2c tokens; p attention steps of 2c^2 visible scores each (own
+             chunks causally at step 0, then a c x 2c or 2c x c unmasked block); the K,V of
+             2c tokens for step s+1 is sent while step s computes, so each step takes the
+             longer of the two; then the rest. After the last layer the cache is gathered
+             (p-1 messages of L layers' 2c-token K,V) onto every rank, decode's included.
+  allgather  per layer: qkv; a barrier all-gather of 2c-token K,V in p-1 ring steps; attention
+             of the two chunks over every visible key ((2pc+1)/2 per query on average with a
+             causally skipping kernel, all 2pc with the dense one); the rest.
+  """
+  hw, ln = setup.hardware, setup.links
+  L, B, db = config.num_layers, setup.batch, setup.dtype_bytes
+  c = math.ceil(context_len / (2 * p))
+  padded = 2 * p * c
+  kw = dict(batch=B, dtype_bytes=db, scores_in_memory=setup.scores_in_memory)
+  own = phase_work(config, 2 * c, 2 * c, **kw)  # qkv and rest of 2c tokens
+  t_qkv, t_rest = own["qkv"].time(hw), own["rest"].time(hw)
+  message = kv_message_bytes(config, 2 * c, B, db)
+  t_message = message / ln.slowest(p) + ln.latency if p > 1 else 0.0
+  head = head_work(config, B, db).time(hw)
+  if strategy == "ring":
+    # Every step scores 2c^2 entries: a [2c queries x c keys] unmasked block.
+    step = phase_work(config, 2 * c, c, **kw)["attention"]
+    t_step = step.time(hw)
+    t_attention = (p - 1) * max(t_step, t_message) + t_step
+    t_cache = (p - 1) * (L * message / ln.slowest(p) + ln.latency)
+    ttft = L * (t_qkv + t_attention + t_rest) + t_cache + head
+    attention = Work(step.flops * p, step.bytes * p)
+    link = [float(message * (p - 1))] * p
+  else:
+    keys = (padded + 1) / 2 if setup.causal_skip else padded
+    attention = phase_work(config, 2 * c, keys, **kw)["attention"]
+    t_gather = (p - 1) * t_message
+    ttft = L * (t_qkv + t_gather + attention.time(hw) + t_rest) + head
+    link = [float(message * (p - 1))] * p
+  total = own["qkv"] + attention + own["rest"]
+  chunks = tuple(
+    sum(max(0, min(c, context_len - a * c)) for a in (r, 2 * p - 1 - r)) for r in range(p)
+  )
+  return Simulation(strategy, chunks, ttft, [ttft] * p, [total.flops] * p, [total.bytes] * p, link)
 
 
 def kvr_timeline(

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from kvr_jax.core import resources
 from kvr_jax.planning.costmodel import Hardware, Links, Setup
 from kvr_jax.runtime.mesh import AXIS, global_array, make_mesh
+from models.layers import attend_flash
 
 HARDWARE = {
   # Peaks from the NVIDIA data sheets; 60% of the tensor-core peak and 80% of HBM
@@ -162,10 +163,18 @@ def _measure_and_store(path: str) -> tuple[Hardware, Links]:
     # Every process must model the same machine (or their searches, and so their compiled
     # programs, would differ): all take process 0's figures.
     figures = np.asarray(
-      [hardware.peak_flops, hardware.memory_bandwidth, links.bandwidth, links.latency]
+      [
+        hardware.peak_flops,
+        hardware.memory_bandwidth,
+        hardware.fused_attention_fraction,
+        links.bandwidth,
+        links.latency,
+      ]
     )
-    f, m, b, lat = (float(x) for x in multihost_utils.broadcast_one_to_all(figures))
-    hardware = dataclasses.replace(hardware, peak_flops=f, memory_bandwidth=m)
+    f, m, a, b, lat = (float(x) for x in multihost_utils.broadcast_one_to_all(figures))
+    hardware = dataclasses.replace(
+      hardware, peak_flops=f, memory_bandwidth=m, fused_attention_fraction=a
+    )
     links = Links(b, lat)
   if jax.process_index() == 0:
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -197,6 +206,11 @@ def measure_hardware() -> Hardware:
   big = jnp.ones((16 * 1024 * 1024,), jnp.float32)  # 64 MB
   scale = jax.jit(lambda x: x * 1.5)
   bandwidth = 2 * big.nbytes / _best_time(scale, big)  # one read and one write
+  # The flash kernel's own throughput: causal self-attention of 2048 tokens, 4 heads x 64.
+  C, N, H = 2048, 4, 64
+  qkv = jnp.ones((1, C, N, H), jnp.float32)
+  flash = jax.jit(lambda x: attend_flash(x, x, x, 0)[0])
+  attention_flops = 4 * N * H * C * (C + 1) / 2 / _best_time(flash, qkv)
   return Hardware(
     LOCAL,
     flops,
@@ -204,7 +218,8 @@ def measure_hardware() -> Hardware:
     1.0,
     1.0,
     f"measured on {jax.devices()[0].device_kind}: {flops / 1e9:.1f} GFLOP/s, "
-    f"{bandwidth / 1e9:.1f} GB/s",
+    f"{bandwidth / 1e9:.1f} GB/s, flash attention {attention_flops / 1e9:.1f} GFLOP/s",
+    fused_attention_fraction=attention_flops / flops,
   )
 
 

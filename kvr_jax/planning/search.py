@@ -115,8 +115,9 @@ def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
   Every phase's FLOPs and bytes are bilinear in (c, S), so four evaluations of
   costmodel.phase_work give exact coefficients; the roofline max is then taken per phase.
   """
-  if kw.get("causal_skip"):
-    # S - (c-1)/2 visible keys is not bilinear in (c, S): evaluate the phases directly.
+  if kw.get("causal_skip") or not kw.get("scores_in_memory", True):
+    # S - (c-1)/2 visible keys is not bilinear in (c, S), and a fused kernel's attention runs
+    # at its own FLOP/s: evaluate the phases directly.
     def direct(c: float, s: float) -> float:
       return sum(w.time(hw) for w in costmodel.phase_work(config, c, s, **kw).values())
 

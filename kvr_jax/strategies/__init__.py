@@ -4,11 +4,18 @@ Adding a strategy: write its module (layout, arrange, compile, cache_rank and a 
 add it to REGISTRY below, and add its row to the parity matrix in tests/test_strategies.py.
 """
 
-from kvr_jax.strategies import runahead, single, tsp
+from kvr_jax.strategies import allgather, ring, runahead, single, tsp
 from kvr_jax.strategies.base import TRACE_COUNT, Strategy
 
 REGISTRY: dict[str, Strategy] = {
-  s.name: s for s in (single.STRATEGY, tsp.STRATEGY, runahead.STRATEGY)
+  s.name: s
+  for s in (
+    single.STRATEGY,
+    tsp.STRATEGY,
+    runahead.STRATEGY,
+    ring.STRATEGY,
+    allgather.STRATEGY,
+  )
 }
 STRATEGIES = tuple(REGISTRY)
 

@@ -58,6 +58,8 @@ BENCH_VARIANTS = (
   "single-dense",
   "single-blocked",
   "tsp",
+  "ring",
+  "allgather",
   "kvr-even",
   "kvr-search",
   "kvr-measured",
@@ -95,8 +97,8 @@ def bench_job(
         if jax.process_count() > 1:
           raise ValueError(f"variant {variant!r} runs in a one-process launch")
         kwargs = prefill_arguments("single", attention=_SINGLE_KERNELS[variant])
-      elif variant == "tsp":
-        kwargs = prefill_arguments("tsp", mesh=mesh)
+      elif variant in ("tsp", "ring", "allgather"):
+        kwargs = prefill_arguments(variant, mesh=mesh)
       elif variant in ("kvr-even", "kvr-search", "kvr-measured"):
         kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-") :])
       else:

@@ -1,0 +1,81 @@
+"""All-gather context parallelism (Llama 3, MaxText's default, Transformer Engine all_gather).
+
+Zigzag layout (kvr_jax.strategies.zigzag): rank r holds chunks r and 2p-1-r. Per layer every
+rank projects its 2c tokens, one tiled `all_gather` of K,V (own KV heads, a barrier) gives
+every rank the whole prompt's K,V, which is put in prompt order, and each rank attends its two
+chunks causally with the flash kernel (key blocks past a chunk's last query are never
+visited, so both chunks together cost the same on every rank). After the last layer every
+rank holds the whole cache; rank p-1's copy, in prompt order, is the one decode uses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies import zigzag
+from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from models import layers, scan_blocks
+
+
+def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
+  c = zigzag.chunk_len(context_len, num_ranks)
+  p = num_ranks
+
+  def program(state, tokens_1B2c):
+    count_trace("allgather")
+    model = nnx.merge(graphdef, state)
+    rank = jax.lax.axis_index(AXIS)
+    tokens_B2c = tokens_1B2c[0]
+    B = tokens_B2c.shape[0]
+    positions_B2c = zigzag.positions(rank, c, p, B)
+
+    def layer(block, x_B2cD, _):
+      q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
+      # [2, B, 2pc, K, H]: every rank's two chunks, in rank order, then in prompt order
+      kv = jax.lax.all_gather(jnp.stack([k_B2cKH, v_B2cKH]), AXIS, axis=2, tiled=True)
+      kv = zigzag.in_prompt_order(kv, zigzag.padded_len(context_len, p), p, axis=2)
+      outs = []
+      for half, chunk in enumerate((rank, 2 * p - 1 - rank)):
+        q_BcNH = q_B2cNH[:, half * c : (half + 1) * c]
+        # The offset is traced (it depends on the rank): the flash kernel's loop bounds take
+        # it as they are, so masked key blocks are skipped on every rank.
+        outs.append(
+          layers.attend_flash(q_BcNH, kv[0], kv[1], chunk * c)[0]
+          if attention == "flash"
+          else layers.attend(q_BcNH, kv[0], kv[1], chunk * c)
+        )
+      attn_B2cNH = jnp.concatenate(outs, axis=1)
+      return block.finish(x_B2cD, attn_B2cNH), kv[:, :, :context_len]
+
+    x_B2cD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
+    logits_BV = zigzag.logits_to_last_rank(model, x_B2cD, context_len, p)
+    return logits_BV[None], kv_L2BCKH[None]
+
+  return program
+
+
+@functools.lru_cache(maxsize=64)
+def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
+  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H])."""
+  P = jax.P
+  program = rank_program(graphdef, sum(chunks), len(chunks), attention)
+  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
+  return jax.jit(body)
+
+
+STRATEGY = Strategy(
+  name="allgather",
+  description="all-gather context parallelism: zigzag chunks, one all_gather of K,V per layer",
+  partitioned=False,
+  attention_kinds=("flash", "dense"),
+  layout=zigzag.layout,
+  arrange=zigzag.arrange,
+  compile=compile_program,
+  cache_rank=last_rank,
+  attention_note="its chunks attend at a rank-dependent offset (flash or dense)",
+)

@@ -1,0 +1,120 @@
+"""Zigzag ring attention (pass-KV context parallelism, ring-flash-attention's zigzag).
+
+Zigzag layout (kvr_jax.strategies.zigzag): rank r holds chunks r and 2p-1-r of c tokens. Per
+layer every rank projects its 2c tokens, then p steps: at step s it holds the K,V of rank
+src = (r - s) mod p (both of src's chunks, own KV heads) and, before attending to them,
+already sends them on to rank r+1 (one `ppermute` around the ring per step, p-1 in all), so
+that XLA can overlap the transfer with the attention. Each step's attention is a flash
+partial (output, log-sum-exp) merged exactly into the running result:
+
+  step 0      own K,V: chunk r causal for the first chunk; the second chunk sees chunk r
+              whole and its own chunk causally.
+  src < r     both query chunks see src's first chunk (src < r) whole, its second not at all.
+  src > r     only the second query chunk sees anything, and sees both of src's chunks whole.
+
+Both cases are c x 2c or 2c x c unmasked blocks: the same work on every rank and step (the
+point of zigzag). After the last layer one tiled `all_gather` of the per-layer K,V puts the
+whole cache, in prompt order, on every rank; rank p-1's copy is the one decode uses. That
+gather is part of the prefill (and of its time to first token).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies import zigzag
+from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from models import layers, scan_blocks
+
+
+def ring_attention(q_B2cNH, kv_own, rank, c: int, p: int):
+  """Rank's two query chunks against every rank's K,V, passed around the ring.
+
+  kv_own: [2, B, 2c, K, H], this rank's K and V. Returns [B, 2c, N, H] in q's dtype.
+  """
+  q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
+
+  # Step 0, own K,V: the first chunk causally over its own keys; the second over the first
+  # chunk whole and itself causally, i.e. causal at offset c over the 2c own keys.
+  out_first, lse_first = layers.attend_flash(q_first, kv_own[0, :, :c], kv_own[1, :, :c], 0)
+  out_second, lse_second = layers.attend_flash(q_second, kv_own[0], kv_own[1], c)
+  out = jnp.concatenate([out_first, out_second], axis=1).astype(jnp.float32)
+  lse = jnp.concatenate([lse_first, lse_second], axis=1)
+
+  def earlier_rank(kv):  # src < r: every query sees src's first chunk, whole
+    return layers.attend_flash(q_B2cNH, kv[0, :, :c], kv[1, :, :c], 0, causal=False)
+
+  def later_rank(kv):  # src > r: only the second chunk sees anything, and all of src's keys
+    out_second, lse_second = layers.attend_flash(q_second, kv[0], kv[1], 0, causal=False)
+    nothing = jnp.zeros_like(out_second), jnp.full_like(lse_second, -jnp.inf)
+    return (
+      jnp.concatenate([nothing[0], out_second], axis=1),
+      jnp.concatenate([nothing[1], lse_second], axis=1),
+    )
+
+  ring = [(i, (i + 1) % p) for i in range(p)]
+  kv = kv_own
+  for step in range(1, p):
+    # The send is issued before this step's attention so that the two can overlap.
+    kv = jax.lax.ppermute(kv, AXIS, perm=ring)
+    src = (rank - step) % p
+    step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv)
+    out, lse = layers.merge_partials(out, lse, step_out, step_lse)
+  return out.astype(q_B2cNH.dtype)
+
+
+def rank_program(graphdef, context_len: int, num_ranks: int):
+  c = zigzag.chunk_len(context_len, num_ranks)
+  p = num_ranks
+
+  def program(state, tokens_1B2c):
+    count_trace("ring")
+    model = nnx.merge(graphdef, state)
+    rank = jax.lax.axis_index(AXIS)
+    tokens_B2c = tokens_1B2c[0]
+    B = tokens_B2c.shape[0]
+    positions_B2c = zigzag.positions(rank, c, p, B)
+
+    def layer(block, x_B2cD, _):
+      q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
+      # [2, B, 2c, K, H]: K and V travel as one message, with their own K heads
+      kv_own = jnp.stack([k_B2cKH, v_B2cKH])
+      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p)
+      return block.finish(x_B2cD, attn_B2cNH), kv_own
+
+    x_B2cD, kv_L2B2cKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
+    # The cache, in prompt order, for decode: one gather after the last layer.
+    kv_L2BPKH = jax.lax.all_gather(kv_L2B2cKH, AXIS, axis=3, tiled=True)
+    kv_L2BCKH = zigzag.in_prompt_order(kv_L2BPKH, context_len, p, axis=3)
+    logits_BV = zigzag.logits_to_last_rank(model, x_B2cD, context_len, p)
+    return logits_BV[None], kv_L2BCKH[None]
+
+  return program
+
+
+@functools.lru_cache(maxsize=64)
+def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
+  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H])."""
+  del attention  # flash partials are what the ring merges
+  P = jax.P
+  program = rank_program(graphdef, sum(chunks), len(chunks))
+  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
+  return jax.jit(body)
+
+
+STRATEGY = Strategy(
+  name="ring",
+  description="zigzag ring attention: 2p chunks, K,V passed around the ring, flash partials",
+  partitioned=False,
+  attention_kinds=("flash",),
+  layout=zigzag.layout,
+  arrange=zigzag.arrange,
+  compile=compile_program,
+  cache_rank=last_rank,
+  attention_note="ring attention merges flash partials (output and log-sum-exp)",
+)

@@ -1,0 +1,94 @@
+"""The zigzag layout the context-parallel peers share (ring attention, all-gather CP).
+
+The prompt, padded to a multiple of 2p, is cut into 2p equal chunks of c tokens; rank r
+holds chunks r and 2p-1-r, so every rank has the same causal work (an early chunk with little
+past and a late one with much). Padding tokens sit at the end, after every real token: the
+causal mask hides their keys from every real query, and their own outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from kvr_jax.runtime.mesh import AXIS
+
+
+def chunk_len(context_len: int, num_ranks: int) -> int:
+  """c: tokens per chunk, 2p chunks covering the prompt padded to a multiple of 2p."""
+  return math.ceil(context_len / (2 * num_ranks))
+
+
+def padded_len(context_len: int, num_ranks: int) -> int:
+  return 2 * num_ranks * chunk_len(context_len, num_ranks)
+
+
+def rank_chunks(rank: int, num_ranks: int) -> tuple[int, int]:
+  return rank, 2 * num_ranks - 1 - rank
+
+
+def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
+  """Real (unpadded) tokens per rank."""
+  del chunks  # the zigzag assignment is fixed
+  c = chunk_len(context_len, num_ranks)
+
+  def real(chunk):
+    return max(0, min(c, context_len - chunk * c))
+
+  return tuple(sum(real(a) for a in rank_chunks(r, num_ranks)) for r in range(num_ranks))
+
+
+def rank_order(context_len: int, num_ranks: int) -> np.ndarray:
+  """[2pc] prompt positions in rank order: rank 0's two chunks, then rank 1's, ..."""
+  c = chunk_len(context_len, num_ranks)
+  return np.concatenate(
+    [np.arange(a * c, (a + 1) * c) for r in range(num_ranks) for a in rank_chunks(r, num_ranks)]
+  )
+
+
+def prompt_order(context_len: int, num_ranks: int) -> np.ndarray:
+  """The inverse permutation: prompt position -> index in rank order."""
+  return np.argsort(rank_order(context_len, num_ranks))
+
+
+def arrange(tokens_BC, chunks) -> np.ndarray:
+  """[B, C] -> [p, B, 2c]: each rank's two chunks, the prompt zero-padded to 2pc."""
+  tokens_BC = np.asarray(tokens_BC)
+  B, C = tokens_BC.shape
+  p = len(chunks)
+  padded = np.zeros((B, padded_len(C, p)), tokens_BC.dtype)
+  padded[:, :C] = tokens_BC
+  return padded[:, rank_order(C, p)].reshape(B, p, -1).transpose(1, 0, 2)
+
+
+def positions(rank, c: int, num_ranks: int, batch: int):
+  """[B, 2c] absolute positions of rank's two chunks (rank may be traced)."""
+  first = rank * c + jax.numpy.arange(c)
+  second = (2 * num_ranks - 1 - rank) * c + jax.numpy.arange(c)
+  return jax.numpy.broadcast_to(jax.numpy.concatenate([first, second]), (batch, 2 * c))
+
+
+def last_position_owner(context_len: int, num_ranks: int) -> tuple[int, int]:
+  """(rank, row in that rank's [2c] tokens) of the prompt's last position."""
+  c = chunk_len(context_len, num_ranks)
+  chunk, offset = divmod(context_len - 1, c)
+  if chunk < num_ranks:
+    return chunk, offset
+  return 2 * num_ranks - 1 - chunk, c + offset
+
+
+def logits_to_last_rank(model, x_B2cD, context_len: int, num_ranks: int):
+  """The last prompt position's logits [B, V], on rank p-1 (decode continues there)."""
+  owner, row = last_position_owner(context_len, num_ranks)
+  logits_BV = model.logits(x_B2cD[:, row : row + 1])[:, 0]
+  if owner != num_ranks - 1:  # B x V values, once
+    logits_BV = jax.lax.ppermute(logits_BV, AXIS, perm=[(owner, num_ranks - 1)])
+  return logits_BV
+
+
+def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):
+  """K,V laid out in rank order along `axis` -> prompt order, padding dropped."""
+  index = prompt_order(context_len, num_ranks)[:context_len]
+  return jax.numpy.take(kv_rank_order, index, axis=axis)
