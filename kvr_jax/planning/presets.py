@@ -51,6 +51,8 @@ LINKS = {
 }
 
 LOCAL = "local"
+# Part of the cache key: a new version (what is measured changed) measures again.
+CALIBRATION_VERSION = 2
 
 
 def check_preset_names(hardware: str | Hardware, links: str | Links) -> None:
@@ -105,6 +107,7 @@ def machine_key() -> str:
   """What the local figures depend on: host, devices, processes and XLA's threading flags."""
   devices = jax.devices()
   facts = {
+    "calibration": CALIBRATION_VERSION,
     "host": platform.node(),
     "machine": platform.machine(),
     "cpus": os.cpu_count(),
