@@ -86,7 +86,7 @@ def main(argv):
     if c.speedup_vs_peers <= 1:
       print(
         f"  KVR-S loses: {c.model} p={c.num_ranks} C={c.context_len} {c.links} "
-        f"({c.speedup_vs_peers:.2f}x)"
+        f"({c.speedup_vs_peers:.3f}x)"
       )
   print()
   print("One slow link among 300 GB/s links, MODELLED (TTFT increase over all links fast):")
