@@ -101,4 +101,4 @@ def test_bad_generate_arguments(model, prompt):
   with pytest.raises(ValueError, match="top_k"):
     kvr_jax.generate(model, prompt, 2, top_k=0)
   with pytest.raises(ValueError, match="unknown strategy"):
-    kvr_jax.prefill(model, prompt, strategy="ring")
+    kvr_jax.prefill(model, prompt, strategy="ulysses")

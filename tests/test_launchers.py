@@ -47,7 +47,7 @@ def test_run_main_job(tmp_path):
     (["--partition=3,3", "--context_len=12", "--num_devices=4"], "2 chunks but the mesh has 4"),
     (["--partition=fast"], "--partition must be one of"),
     (["--context_len=100000"], "exceeds the model's max_position_embeddings"),
-    (["--strategy=single,ring"], "unknown strategy"),
+    (["--strategy=single,ulysses"], "unknown strategy"),
     (["--num_devices=64"], "only 8 devices"),
   ],
 )

@@ -86,7 +86,7 @@ def compare_strategies(
 
 def format_table(reports: list[StrategyReport]) -> str:
   header = (
-    f"{'strategy':<8} {'partition':<28} {'TTFT median':>12} {'compile':>9} "
+    f"{'strategy':<9} {'partition':<28} {'TTFT median':>12} {'compile':>9} "
     f"{'max |dlogit|':>13}  first tokens"
   )
   lines = [header, "-" * len(header)]
@@ -95,7 +95,7 @@ def format_table(reports: list[StrategyReport]) -> str:
     if len(part) > 28:
       part = part[:25] + "..."
     lines.append(
-      f"{r.strategy:<8} {part:<28} {r.ttft_median_s * 1e3:>10.1f}ms "
+      f"{r.strategy:<9} {part:<28} {r.ttft_median_s * 1e3:>10.1f}ms "
       f"{r.compile_s:>8.2f}s {r.max_logit_diff_vs_single:>13.2e}  "
       f"{' '.join(map(str, r.first_tokens))}"
     )
