@@ -4,6 +4,7 @@ installed wheel carries its presets and KVR-P tables."""
 import ast
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -157,6 +158,15 @@ def test_every_strategy_is_registered_and_has_a_module():
 def test_the_wheel_carries_presets_and_tables(tmp_path):
   """`pip install .` (not -e) must find presets and KVR-P tables: build the wheel, install it
   into a bare directory and load both from there, run from a directory without the sources."""
+  # Built from a copy: setuptools writes build/ and *.egg-info next to the sources it builds.
+  source = tmp_path / "src"
+  shutil.copytree(
+    ROOT,
+    source,
+    ignore=shutil.ignore_patterns(
+      ".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "results"
+    ),
+  )
   build = subprocess.run(
     [
       sys.executable,
@@ -168,7 +178,7 @@ def test_the_wheel_carries_presets_and_tables(tmp_path):
       "-q",
       "-w",
       str(tmp_path / "dist"),
-      str(ROOT),
+      str(source),
     ],
     capture_output=True,
     text=True,

@@ -1,1 +1,0 @@
-"""Layer 1: chunk arithmetic, validation and shipped resources. No JAX, no devices."""

@@ -1,1 +1,0 @@
-"""Layer 5: `prefill` (any registered strategy) and `generate` / `decode_from`."""
