@@ -13,6 +13,7 @@ kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
 
 import json
 import os
+import resource
 import sys
 
 from absl import app, flags, logging
@@ -107,8 +108,6 @@ def kernels_mode():
 
 def long_mode():
   """Single-device prefill of long prompts: time, compile time and the process's peak RSS."""
-  import resource
-
   with common.user_errors():
     model = kvr_jax.load_model(FLAGS.model)
     rows = []

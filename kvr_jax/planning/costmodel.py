@@ -32,6 +32,7 @@ import math
 from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_ranks, prefix_ends
+from kvr_jax.strategies import zigzag
 from models.config import FalconConfig, ModelConfig
 
 
@@ -323,8 +324,8 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
   """
   hw, ln = setup.hardware, setup.links
   L, B, db = config.num_layers, setup.batch, setup.dtype_bytes
-  c = math.ceil(context_len / (2 * p))
-  padded = 2 * p * c
+  c = zigzag.chunk_len(context_len, p)
+  padded = zigzag.padded_len(context_len, p)
   kw = dict(batch=B, dtype_bytes=db, scores_in_memory=setup.scores_in_memory)
   own = phase_work(config, 2 * c, 2 * c, **kw)  # qkv and rest of 2c tokens
   t_qkv, t_rest = own["qkv"].time(hw), own["rest"].time(hw)
@@ -347,10 +348,15 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
     ttft = L * (t_qkv + t_gather + attention.time(hw) + t_rest) + head
     link = [float(message * (p - 1))] * p
   total = own["qkv"] + attention + own["rest"]
-  chunks = tuple(
-    sum(max(0, min(c, context_len - a * c)) for a in (r, 2 * p - 1 - r)) for r in range(p)
+  return Simulation(
+    strategy,
+    zigzag.layout(context_len, p),
+    ttft,
+    [ttft] * p,
+    [total.flops] * p,
+    [total.bytes] * p,
+    link,
   )
-  return Simulation(strategy, chunks, ttft, [ttft] * p, [total.flops] * p, [total.bytes] * p, link)
 
 
 def kvr_timeline(

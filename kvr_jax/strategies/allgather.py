@@ -18,7 +18,7 @@ from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from kvr_jax.strategies.base import Strategy, count_trace, last_rank, spmd
 from models import layers, scan_blocks
 
 
@@ -53,7 +53,7 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
       return block.finish(x_B2cD, attn_B2cNH), kv[:, :, :context_len]
 
     x_B2cD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
-    logits_BV = zigzag.logits_to_last_rank(model, x_B2cD, context_len, p)
+    logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
     return logits_BV[None], kv_L2BCKH[None]
 
   return program
@@ -62,10 +62,7 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
 @functools.lru_cache(maxsize=64)
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H])."""
-  P = jax.P
-  program = rank_program(graphdef, sum(chunks), len(chunks), attention)
-  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
-  return jax.jit(body)
+  return spmd(rank_program(graphdef, sum(chunks), len(chunks), attention), mesh)
 
 
 STRATEGY = Strategy(

@@ -19,9 +19,16 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
-from models.layers import ATTENTION_KINDS
+from kvr_jax.runtime.mesh import AXIS
+from models.layers import ATTENTION_KINDS, DEFAULT_CAUSAL_KERNEL
+
+# The kernels of strategies that skip masked work (single, kvr), their default first.
+CAUSAL_KERNELS = (DEFAULT_CAUSAL_KERNEL,) + tuple(
+  k for k in ATTENTION_KINDS if k != DEFAULT_CAUSAL_KERNEL
+)
 
 # Times each strategy's program was traced (= compiled): tests use it to show that a second
 # call with the same shapes compiles nothing.
@@ -80,3 +87,20 @@ class Strategy:
 
 def last_rank(chunks: tuple[int, ...]) -> int:
   return len(chunks) - 1
+
+
+def spmd(rank_program, mesh):
+  """The common program shape: weights replicated, tokens and both outputs sharded by rank."""
+  P = jax.P
+  body = jax.shard_map(
+    rank_program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
+  )
+  return jax.jit(body)
+
+
+def logits_to_last_rank(logits_BV, owner: int, num_ranks: int):
+  """The prompt's last position's logits, computed on rank `owner`, moved to rank p-1 where
+  decode continues (B x V values, once); unchanged when the owner is already p-1."""
+  if owner == num_ranks - 1:
+    return logits_BV
+  return jax.lax.ppermute(logits_BV, AXIS, perm=[(owner, num_ranks - 1)])

@@ -28,7 +28,7 @@ from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from kvr_jax.strategies.base import Strategy, count_trace, last_rank, spmd
 from models import layers, scan_blocks
 
 
@@ -91,7 +91,7 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
     # The cache, in prompt order, for decode: one gather after the last layer.
     kv_L2BPKH = jax.lax.all_gather(kv_L2B2cKH, AXIS, axis=3, tiled=True)
     kv_L2BCKH = zigzag.in_prompt_order(kv_L2BPKH, context_len, p, axis=3)
-    logits_BV = zigzag.logits_to_last_rank(model, x_B2cD, context_len, p)
+    logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
     return logits_BV[None], kv_L2BCKH[None]
 
   return program
@@ -101,10 +101,7 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H])."""
   del attention  # flash partials are what the ring merges
-  P = jax.P
-  program = rank_program(graphdef, sum(chunks), len(chunks))
-  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
-  return jax.jit(body)
+  return spmd(rank_program(graphdef, sum(chunks), len(chunks)), mesh)
 
 
 STRATEGY = Strategy(

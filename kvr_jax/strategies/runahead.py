@@ -33,9 +33,8 @@ from flax import nnx
 
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from kvr_jax.strategies.base import CAUSAL_KERNELS, Strategy, count_trace, last_rank, spmd
 from models import layers, scan_blocks
-from models.layers import ATTENTION_KINDS, DEFAULT_CAUSAL_KERNEL
 
 
 def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...], cache_len: int):
@@ -143,15 +142,7 @@ def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "d
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H]); only
   rank p-1's slice of each output is the answer (its shard lives on the last device).
   """
-  P = jax.P
-  context_len = sum(chunks)
-  body = jax.shard_map(
-    rank_program(graphdef, chunks, context_len, attention),
-    mesh=mesh,
-    in_specs=(P(), P(AXIS)),
-    out_specs=(P(AXIS), P(AXIS)),
-  )
-  return jax.jit(body)
+  return spmd(rank_program(graphdef, chunks, sum(chunks), attention), mesh)
 
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):
@@ -172,8 +163,7 @@ STRATEGY = Strategy(
   name="kvr",
   description="KV-Runahead: uneven chunks, point-to-point K,V hop chain, causal skipping",
   partitioned=True,
-  attention_kinds=(DEFAULT_CAUSAL_KERNEL,)
-  + tuple(k for k in ATTENTION_KINDS if k != DEFAULT_CAUSAL_KERNEL),
+  attention_kinds=CAUSAL_KERNELS,
   layout=layout,
   arrange=pad_chunks,
   compile=compile_program,

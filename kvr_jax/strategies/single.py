@@ -12,9 +12,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank
-from models.layers import ATTENTION_KINDS, DEFAULT_CAUSAL_KERNEL
+from kvr_jax.strategies.base import CAUSAL_KERNELS, Strategy, count_trace, last_rank, spmd
+from models.layers import DEFAULT_CAUSAL_KERNEL
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
@@ -41,19 +40,14 @@ def program(graphdef, attention: str):
 @functools.lru_cache(maxsize=32)
 def compile_program(graphdef, mesh, chunks, attention: str = DEFAULT_CAUSAL_KERNEL):
   """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B, C, K, H])."""
-  P = jax.P
-  body = jax.shard_map(
-    program(graphdef, attention), mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
-  )
-  return jax.jit(body)
+  return spmd(program(graphdef, attention), mesh)
 
 
 STRATEGY = Strategy(
   name="single",
   description="one device, the oracle (whole prompt, causal attention)",
   partitioned=False,
-  attention_kinds=(DEFAULT_CAUSAL_KERNEL,)
-  + tuple(k for k in ATTENTION_KINDS if k != DEFAULT_CAUSAL_KERNEL),
+  attention_kinds=CAUSAL_KERNELS,
   layout=layout,
   arrange=arrange,
   compile=compile_program,

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank
+from kvr_jax.strategies.base import Strategy, count_trace, last_rank, logits_to_last_rank, spmd
 from models import layers, scan_blocks
 
 
@@ -48,10 +48,8 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
     x_BcD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
     # Row `last_row` of rank `last_rank` is the prompt's last position.
     logits_BV = model.logits(x_BcD[:, last_row : last_row + 1])[:, 0]
-    if last_rank != num_ranks - 1:
-      # Position C-1 lives on `last_rank` when C is not a multiple of p; decode continues on
-      # rank p-1, so its logits travel there (B x V values, once).
-      logits_BV = jax.lax.ppermute(logits_BV, AXIS, perm=[(last_rank, num_ranks - 1)])
+    # Position C-1 lives on `last_rank` when C is not a multiple of p.
+    logits_BV = logits_to_last_rank(logits_BV, last_rank, num_ranks)
     return logits_BV[None], kv_L2BCKH[None]
 
   return program, last_rank
@@ -72,18 +70,13 @@ def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "d
   The logits of the prompt's last position are moved to rank p-1 (see rank_program).
   """
   del attention  # dense masked scores by definition
-  P = jax.P
   program, _ = rank_program(graphdef, sum(chunks), len(chunks))
-  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
-  return jax.jit(body)
+  return spmd(program, mesh)
 
 
-def pad_shards(tokens_BC, chunks_or_num_ranks):
+def pad_shards(tokens_BC, num_ranks: int):
   """[B, C] -> [p, B, ceil(C/p)], zero-padded at the end."""
   tokens_BC = np.asarray(tokens_BC)
-  num_ranks = (
-    chunks_or_num_ranks if isinstance(chunks_or_num_ranks, int) else len(chunks_or_num_ranks)
-  )
   B, C = tokens_BC.shape
   c = shard_len(C, num_ranks)
   padded = np.zeros((B, c * num_ranks), tokens_BC.dtype)
@@ -97,7 +90,7 @@ STRATEGY = Strategy(
   partitioned=False,
   attention_kinds=("dense",),
   layout=layout,
-  arrange=pad_shards,
+  arrange=lambda tokens_BC, chunks: pad_shards(tokens_BC, len(chunks)),
   compile=compile_program,
   cache_rank=last_rank,
   attention_note="TSP computes dense masked scores by definition",

@@ -13,7 +13,7 @@ import math
 import jax
 import numpy as np
 
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies.base import logits_to_last_rank
 
 
 def chunk_len(context_len: int, num_ranks: int) -> int:
@@ -79,13 +79,10 @@ def last_position_owner(context_len: int, num_ranks: int) -> tuple[int, int]:
   return 2 * num_ranks - 1 - chunk, c + offset
 
 
-def logits_to_last_rank(model, x_B2cD, context_len: int, num_ranks: int):
+def last_logits(model, x_B2cD, context_len: int, num_ranks: int):
   """The last prompt position's logits [B, V], on rank p-1 (decode continues there)."""
   owner, row = last_position_owner(context_len, num_ranks)
-  logits_BV = model.logits(x_B2cD[:, row : row + 1])[:, 0]
-  if owner != num_ranks - 1:  # B x V values, once
-    logits_BV = jax.lax.ppermute(logits_BV, AXIS, perm=[(owner, num_ranks - 1)])
-  return logits_BV
+  return logits_to_last_rank(model.logits(x_B2cD[:, row : row + 1])[:, 0], owner, num_ranks)
 
 
 def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):
