@@ -5,7 +5,8 @@ them with one `jax.lax.scan` (one compiled layer body whatever the depth). A blo
 two halves of its computation that the parallel strategies need separately:
 
   block.project_qkv(x_BTD, positions_BT) -> q_BTNH, k_BTKH, v_BTKH   (norm, projections, RoPE)
-  models.layers.attend(q, k_prefix, v_prefix, query_offset)          (shared by all models)
+  block.attend(q, k_prefix, v_prefix, query_offset, kernel)         (models.layers, with the
+                                                                     config's sliding window)
   block.finish(x_BTD, attn_BTNH) -> x_BTD                            (output proj., MLP, residual)
 
 so a strategy can move K,V between devices in the middle of a layer. Models know nothing
@@ -42,8 +43,9 @@ def zeros_param(shape: tuple[int, ...], dtype) -> nnx.Param:
 class Block(nnx.Module):
   """One transformer layer (its parameters may carry a leading [L] axis).
 
-  Subclasses call `init_attention` for wq, wk, wv, wo and define `attention_input` (the
-  pre-attention norm) and `finish`; the Q/K/V projection and RoPE are shared.
+  Subclasses call `init_attention` for wq, wk, wv, wo (and the config's switches: Q/K/V
+  biases, q/k norms) and define `attention_input` (the pre-attention norm) and `finish`; the
+  Q/K/V projection, RoPE and the attention call (with the config's sliding window) are shared.
   """
 
   config: ModelConfig
@@ -55,19 +57,39 @@ class Block(nnx.Module):
     self.wk = normal_param(rngs, (L, D, K, H), dtype)
     self.wv = normal_param(rngs, (L, D, K, H), dtype)
     self.wo = normal_param(rngs, (L, N, H, D), dtype)
+    if cfg.qkv_bias:  # Qwen2/2.5
+      self.bq = zeros_param((L, N, H), dtype)
+      self.bk = zeros_param((L, K, H), dtype)
+      self.bv = zeros_param((L, K, H), dtype)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's H features, before RoPE
+      self.q_norm = ones_param((L, H), dtype)
+      self.k_norm = ones_param((L, H), dtype)
 
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:  # pragma: no cover - interface
     raise NotImplementedError
 
   def project_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
     """Norm, Q/K/V projections and RoPE at absolute `positions_BT` -> q_BTNH, k_BTKH, v_BTKH."""
+    cfg = self.config
     h_BTD = self.attention_input(x_BTD)
     q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.wq[...])
     k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wk[...])
     v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
+    if cfg.qkv_bias:
+      q_BTNH, k_BTKH, v_BTKH = q_BTNH + self.bq[...], k_BTKH + self.bk[...], v_BTKH + self.bv[...]
+    if cfg.qk_norm:
+      q_BTNH = layers.rms_norm(q_BTNH, self.q_norm[...], cfg.norm_eps)
+      k_BTKH = layers.rms_norm(k_BTKH, self.k_norm[...], cfg.norm_eps)
     q_BTNH = layers.apply_rope(q_BTNH, positions_BT, self.config.rope)
     k_BTKH = layers.apply_rope(k_BTKH, positions_BT, self.config.rope)
     return q_BTNH, k_BTKH, v_BTKH
+
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention: str) -> jax.Array:
+    """This model's attention (causal, with its sliding window if any) at `query_offset`
+    counted from the first key given; `attention` names the kernel (models.layers)."""
+    return layers.attend_static(
+      q_BTNH, k_BSKH, v_BSKH, query_offset, attention, self.config.sliding_window
+    )
 
   def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:
     return jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
@@ -128,7 +150,7 @@ class CausalLM(nnx.Module):
 
     def layer(block: Block, x_BTD, _):
       q, k, v = block.project_qkv(x_BTD, positions_BT)
-      attn_BTNH = layers.attend_static(q, k, v, 0, attention)
+      attn_BTNH = block.attend(q, k, v, 0, attention)
       return block.finish(x_BTD, attn_BTNH), (k, v)
 
     x_BTD, (k_LBTKH, v_LBTKH) = scan_blocks(self.blocks, layer, self.embed(tokens_BT))

@@ -53,6 +53,12 @@ class ModelConfig:
   tie_embeddings: bool = False
   eos_token_id: int | tuple[int, ...] | None = None
   bos_token_id: int | None = None
+  # Switches of the shared attention (models/base.Block), one per model family that needs it:
+  # bias on the Q/K/V projections (Qwen2/2.5), per-head RMSNorm of q and k before RoPE
+  # (Qwen3), sliding-window attention: query q sees keys s with q - W < s <= q (Mistral).
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  sliding_window: int | None = None
 
   def __post_init__(self):
     for name in (
@@ -74,6 +80,19 @@ class ModelConfig:
       )
     if self.head_dim % 2:
       raise ValueError(f"`head_dim` must be even for rotary embeddings, got {self.head_dim}")
+    window = self.sliding_window
+    bad_window = isinstance(window, bool) or not isinstance(window, int) or window < 1
+    if window is not None and bad_window:
+      raise ValueError(
+        f"config field `sliding_window` must be a positive integer or None, got {window!r}"
+      )
+
+  def attention_params(self) -> int:
+    """Parameters of one layer's attention: projections, Q/K/V biases, q/k norms."""
+    D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+    bias = (N + 2 * K) * H if self.qkv_bias else 0
+    norms = 2 * H if self.qk_norm else 0
+    return D * (N + 2 * K) * H + N * H * D + bias + norms
 
   @property
   def eos_ids(self) -> tuple[int, ...]:
@@ -95,13 +114,17 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig(ModelConfig):
-  """Llama 2 / Llama 3: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+  """Llama 2 / Llama 3: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+  The same decoder is Mistral (sliding_window), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, a
+  head_dim that need not be d_model / num_heads): switches of this config, not other models.
+  """
 
   architecture: ClassVar[str] = "llama"
 
   def num_params(self) -> int:
-    D, N, K, H, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
-    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D
+    D, F = self.d_model, self.mlp_dim
+    per_layer = self.attention_params() + 3 * D * F + 2 * D
     head = 0 if self.tie_embeddings else self.vocab_size * D
     return self.vocab_size * D + self.num_layers * per_layer + D + head
 
@@ -122,9 +145,9 @@ class FalconConfig(ModelConfig):
   tie_embeddings: bool = True
 
   def num_params(self) -> int:
-    D, N, K, H, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+    D, F = self.d_model, self.mlp_dim
     norms = (4 if self.separate_mlp_norm else 2) * D
-    per_layer = D * (N + 2 * K) * H + N * H * D + 2 * D * F + norms
+    per_layer = self.attention_params() + 2 * D * F + norms
     head = 0 if self.tie_embeddings else self.vocab_size * D
     return self.vocab_size * D + self.num_layers * per_layer + 2 * D + head
 
@@ -192,6 +215,51 @@ def _refuse(hf: dict[str, Any], field: str, bad: Any, why: str) -> None:
     raise ValueError(f"config.json: `{field}`={bad!r} is not supported ({why})")
 
 
+# Hugging Face model types that are the Llama decoder with switches (see LlamaConfig).
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon",)
+
+
+def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
+  """One window for every layer, or None. Per-layer windows are refused by name.
+
+  Mistral: `sliding_window` (null: none). Qwen2/Qwen3: a window only if `use_sliding_window`,
+  and then only on layers >= `max_window_layers`. transformers >= 4.54 also writes
+  `layer_types`, which decides when present.
+  """
+  window = hf.get("sliding_window")
+  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    window = None
+  num_layers = hf["num_hidden_layers"]
+  layer_types = hf.get("layer_types")
+  if layer_types is None:
+    first_windowed = hf.get("max_window_layers", 0) if model_type in ("qwen2", "qwen3") else 0
+    layer_types = [
+      "sliding_attention" if window is not None and i >= first_windowed else "full_attention"
+      for i in range(num_layers)
+    ]
+  kinds = set(layer_types)
+  if not kinds <= {"full_attention", "sliding_attention"}:
+    raise ValueError(
+      f"config.json: `layer_types` {sorted(kinds)} are not supported "
+      "(full_attention or sliding_attention only)"
+    )
+  if kinds == {"full_attention", "sliding_attention"}:
+    raise ValueError(
+      "config.json: sliding-window attention on some layers only (`layer_types` mixes "
+      "full_attention and sliding_attention; Qwen2's `use_sliding_window` with "
+      f"`max_window_layers`={hf.get('max_window_layers')!r}) is not supported: one window "
+      "for every layer or none"
+    )
+  if kinds == {"sliding_attention"}:
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+      raise ValueError(
+        f"config.json: sliding_attention layers need a positive `sliding_window`, got {window!r}"
+      )
+    return window
+  return None
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
   """Builds a config from the dict of a Hugging Face `config.json`."""
   model_type = hf.get("model_type")
@@ -207,9 +275,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     bos_token_id=hf.get("bos_token_id"),
     max_position_embeddings=hf.get("max_position_embeddings", 2048),
   )
-  if model_type == "llama":
-    _refuse(hf, "attention_bias", True, "Llama attention without bias only")
-    _refuse(hf, "mlp_bias", True, "Llama MLP without bias only")
+  if model_type in LLAMA_FAMILIES:
+    _refuse(hf, "attention_bias", True, f"{model_type} attention without bias on o_proj only")
+    _refuse(hf, "mlp_bias", True, f"{model_type} MLP without bias only")
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"config.json: `hidden_act`={hf['hidden_act']!r} is not supported (silu)")
     num_heads = hf["num_attention_heads"]
@@ -221,6 +289,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       norm_eps=hf.get("rms_norm_eps", 1e-6),
       rope=_rope_from_hf(hf),
       tie_embeddings=hf.get("tie_word_embeddings", False),
+      qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always carry a bias
+      qk_norm=model_type == "qwen3",
+      sliding_window=_sliding_window_from_hf(hf, model_type),
     )
   if model_type == "falcon":
     _refuse(hf, "alibi", True, "ALiBi Falcon models are not implemented; rotary Falcon only")
@@ -254,5 +325,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       qkv_layout=layout,
     )
   raise ValueError(
-    f"config.json: `model_type`={model_type!r} is not supported; supported: 'llama', 'falcon'"
+    f"config.json: `model_type`={model_type!r} is not supported; supported: "
+    f"{', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}"
   )

@@ -45,17 +45,32 @@ DEFAULT_CAUSAL_KERNEL = "flash"
 FUSED_IMPLEMENTATION = None
 
 
-def attend_static(q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str) -> jax.Array:
-  """Causal attention at a static offset with the kernel named by `attention`."""
+# Kernels that take a sliding window (the fused one cannot: dot_product_attention aligns its
+# local window at the top left of each piece, which the prefix piece is not).
+WINDOWED_KERNELS = ("dense", "blocked", "flash")
+
+
+def attend_static(
+  q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str, window: int | None = None
+) -> jax.Array:
+  """Causal (optionally sliding-window) attention at a static offset with the kernel named by
+  `attention`. window=W: query q sees keys s with q - W < s <= q (Mistral's convention)."""
   if attention == "blocked":
-    return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, ATTENTION_BLOCK)
+    return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, ATTENTION_BLOCK, window=window)
   if attention == "flash":
-    return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset)[0]
+    return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)[0]
   if attention == "fused":
+    if window is not None:
+      raise ValueError(f"attention 'fused' takes no sliding window; use one of {WINDOWED_KERNELS}")
     return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATION)[0]
   if attention != "dense":
     raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
-  return attend(q_BTNH, k_BSKH, v_BSKH, query_offset)
+  return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)
+
+
+def window_start(first_query: int, window: int | None) -> int:
+  """The first key position any query at or after `first_query` can see (0 without a window)."""
+  return 0 if window is None else max(0, first_query - window + 1)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -115,16 +130,20 @@ def apply_rope(x_BTnH: jax.Array, positions_BT: jax.Array, rope: RopeConfig) -> 
   return (x32 * cos + rotated * sin).astype(x_BTnH.dtype)
 
 
-def causal_mask(num_queries: int, num_keys: int, query_offset) -> jax.Array:
-  """[T, S] bool: query t (absolute position query_offset + t) may see key s iff s <= that.
+def causal_mask(num_queries: int, num_keys: int, query_offset, window=None) -> jax.Array:
+  """[T, S] bool: query t (position query_offset + t) may see key s iff s <= that position
+  and, with a sliding window W, s > that position - W.
 
-  With query_offset = S - T this is the usual lower-triangular block at the end of the prefix;
+  Positions are relative to the first key given, so a caller that slices keys [a, b) passes
+  query_offset - a: causality and windows depend only on differences of positions. With
+  query_offset = S - T this is the usual lower-triangular block at the end of the prefix;
   keys past the last query's position are masked, which is also what hides the unused tail of
   a preallocated decode cache.
   """
   q_pos = query_offset + jnp.arange(num_queries)[:, None]
   k_pos = jnp.arange(num_keys)[None, :]
-  return k_pos <= q_pos
+  visible = k_pos <= q_pos
+  return visible if window is None else visible & (k_pos > q_pos - window)
 
 
 def attend(
@@ -133,12 +152,15 @@ def attend(
   v_BSKH: jax.Array,
   query_offset,
   *,
+  window: int | None = None,
   softmax_scale: float | None = None,
 ) -> jax.Array:
   """Causal attention of T queries to an S-key prefix; returns [B, T, N, H].
 
-  The queries sit at absolute positions query_offset + [0, T). Grouped-query attention is done
-  by folding the N query heads into [K, G] so that the K key/value heads are never repeated.
+  The queries sit at positions query_offset + [0, T) counted from the first key; with a
+  sliding `window` W each sees at most its W latest keys (itself included). Grouped-query
+  attention is done by folding the N query heads into [K, G] so that the K key/value heads
+  are never repeated.
   Scores and softmax are in float32 whatever the input dtype.
   """
   B, T, N, H = q_BTNH.shape
@@ -149,7 +171,7 @@ def attend(
   scores_BKGTS = (
     jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
   )
-  mask_TS = causal_mask(T, S, query_offset)
+  mask_TS = causal_mask(T, S, query_offset, window)
   scores_BKGTS = jnp.where(mask_TS, scores_BKGTS, _MASK_VALUE)
   # Softmax with the normalisation deferred to the [T, H] output: one pass fewer over the
   # [T, S] scores than normalising the probabilities themselves.
@@ -173,6 +195,7 @@ def attend_blocked(
   query_offset: int,
   block_size: int,
   *,
+  window: int | None = None,
   softmax_scale: float | None = None,
 ) -> jax.Array:
   """`attend` that skips the masked-out future: queries in static blocks of `block_size`, each
@@ -180,21 +203,24 @@ def attend_blocked(
 
   The offset must be static (a Python int). For T queries over S = offset + T keys this costs
   T * offset + about T^2 / 2 score entries instead of T * S, and never materialises the whole
-  [T, S] score matrix. Same results as `attend` (each block still sees all of its keys).
+  [T, S] score matrix. Same results as `attend` (each block still sees all of its keys). With
+  a sliding window each block also starts at the first key its first query sees.
   """
   T, S = q_BTNH.shape[1], k_BSKH.shape[1]
-  if T <= block_size:
+  if T <= block_size and window is None:
     return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, softmax_scale=softmax_scale)
   outputs = []
   for start in range(0, T, block_size):
     stop = min(start + block_size, T)
     visible = min(query_offset + stop, S)  # keys past the block's last query are all masked
+    first = min(window_start(query_offset + start, window), visible)
     outputs.append(
       attend(
         q_BTNH[:, start:stop],
-        k_BSKH[:, :visible],
-        v_BSKH[:, :visible],
-        query_offset + start,
+        k_BSKH[:, first:visible],
+        v_BSKH[:, first:visible],
+        query_offset + start - first,
+        window=window,
         softmax_scale=softmax_scale,
       )
     )
@@ -235,25 +261,28 @@ def attend_flash(
   q_BTNH: jax.Array,
   k_BSKH: jax.Array,
   v_BSKH: jax.Array,
-  query_offset: int,
+  query_offset,
   *,
+  window: int | None = None,
   query_block: int = FLASH_QUERY_BLOCK,
   key_block: int = FLASH_KEY_BLOCK,
-  causal: bool = True,
   softmax_scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Flash-style attention: returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32).
 
   Queries in blocks of `query_block` (a `lax.scan`), keys in blocks of `key_block` (a
-  `fori_loop` whose bounds come from the block's static offset), with a running max m, sum l
-  and output o in float32: per key block s = q k^T * scale, m' = max(m, rowmax s),
+  `fori_loop` whose bounds come from the block's offset), with a running max m, sum l and
+  output o in float32: per key block s = q k^T * scale, m' = max(m, rowmax s),
   o = o e^{m-m'} + e^{s-m'} v, l = l e^{m-m'} + rowsum e^{s-m'}; at the end o / l and
-  lse = m + log l. Key blocks past a query block's last position are never visited; only the
-  blocks that straddle the diagonal are masked. Memory is O(query_block x key_block) per head,
-  and the compiled program does not grow with T or S.
+  lse = m + log l. Memory is O(query_block x key_block) per head, and the compiled program does
+  not grow with T or S.
 
-  causal=False attends every query to all S keys (a prefix that lies wholly in the past).
-  The offset must be static (a Python int); query t sits at position query_offset + t.
+  Query t sits at position query_offset + t counted from the first key (the offset may be
+  traced). It sees key s iff s <= its position and, with a sliding `window` W, s > its
+  position - W. Key blocks nobody in a query block sees (the future, and the past beyond the
+  window) are never visited; blocks every query sees whole run unmasked; only the blocks that
+  straddle an edge (the diagonal, the window's start, the padded end) are masked. A prefix
+  that lies wholly in the past (offset >= S) is attended whole.
   """
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -261,9 +290,7 @@ def attend_flash(
   scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(H)
   bq, bk = _even_block(T, query_block), _even_block(S, key_block)
   nq, nk = -(-T // bq), -(-S // bk)
-  # Padded queries sit past the last real position and are dropped; padded keys sit past the
-  # last real query's position (S >= offset + T when causal), so the mask hides them; without
-  # the causal mask they are masked by position explicitly.
+  # Padded queries are dropped at the end; padded keys (at positions >= S) are masked.
   q_pad = jnp.pad(q_BTNH, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0)))
   # Keys laid out once: [B, K, S, H], so every key block is one contiguous slice.
   k_BKSH = jnp.pad(k_BSKH, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
@@ -277,14 +304,17 @@ def attend_flash(
   def query_block_fn(_, inputs):
     i, q_BKRH = inputs
     q_BKRH = q_BKRH * jnp.asarray(scale, q_BKRH.dtype)
-    first_q = query_offset + i * bq  # absolute position of the block's first query
-    if causal:
-      # Key blocks every query of the block sees whole, then those that straddle its diagonal.
-      n_full = jnp.minimum((first_q + 1) // bk, nk)
-      n_visible = jnp.minimum((first_q + bq - 1) // bk + 1, nk)
+    first_q = query_offset + i * bq  # position of the block's first query
+    last_q = first_q + bq - 1
+    # Visited key blocks [lo, hi); of those, [full_lo, full_hi) are seen whole by every query
+    # of the block (real keys, none in its future, none before its window), the rest masked.
+    hi = jnp.clip(last_q // bk + 1, 0, nk)
+    full_hi = jnp.clip(jnp.minimum((first_q + 1) // bk, S // bk), 0, hi)
+    if window is None:
+      lo = full_lo = jnp.zeros_like(hi)
     else:
-      n_full = jnp.asarray(S // bk)
-      n_visible = jnp.asarray(nk)
+      lo = jnp.clip((first_q - window + 1) // bk, 0, full_hi)
+      full_lo = jnp.clip(-((window - 1 - last_q) // bk), lo, full_hi)  # ceil((last_q-W+1)/bk)
     # Built from q (not from shapes) so that they carry q's type everywhere, also where q
     # varies over a shard_map axis: a loop carry must keep one type.
     zero_BKRH = jnp.zeros_like(q_BKRH, jnp.float32)
@@ -300,11 +330,18 @@ def attend_flash(
       v_BKbH = jax.lax.dynamic_slice_in_dim(v_BKSH, j * bk, bk, axis=2)
       s_BKRb = jnp.einsum("BKRH,BKbH->BKRb", q_BKRH, k_BKbH, preferred_element_type=jnp.float32)
       if masked:
-        k_pos = j * bk + jnp.arange(bk)
-        visible = k_pos[None, :] <= (first_q + row_t)[:, None] if causal else k_pos[None, :] < S
+        k_pos = (j * bk + jnp.arange(bk))[None, :]
+        q_pos = (first_q + row_t)[:, None]
+        visible = (k_pos <= q_pos) & (k_pos < S)  # [R, b]
+        if window is not None:
+          visible &= k_pos > q_pos - window
         s_BKRb = jnp.where(visible, s_BKRb, _MASK_VALUE)
       m_new = jnp.maximum(m, s_BKRb.max(axis=-1))
       p_BKRb = jnp.exp(s_BKRb - m_new[..., None])
+      # A row that has seen only masked keys so far keeps weight 0 (its m is still -inf or
+      # the mask value, and exp(mask - mask) must not count).
+      if masked:
+        p_BKRb = jnp.where(visible, p_BKRb, 0.0)
       correction = jnp.exp(m - m_new)
       l = l * correction + p_BKRb.sum(axis=-1)
       o = o * correction[..., None] + jnp.einsum(
@@ -312,10 +349,11 @@ def attend_flash(
       )
       return m_new, l, o
 
-    carry = jax.lax.fori_loop(0, n_full, functools.partial(key_block_fn, masked=False), init)
-    m, l, o = jax.lax.fori_loop(
-      n_full, n_visible, functools.partial(key_block_fn, masked=True), carry
-    )
+    masked = functools.partial(key_block_fn, masked=True)
+    unmasked = functools.partial(key_block_fn, masked=False)
+    carry = jax.lax.fori_loop(lo, full_lo, masked, init)
+    carry = jax.lax.fori_loop(full_lo, full_hi, unmasked, carry)
+    m, l, o = jax.lax.fori_loop(full_hi, hi, masked, carry)
     l_safe = jnp.where(l > 0, l, 1.0)
     return None, (o / l_safe[..., None], jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf))
 

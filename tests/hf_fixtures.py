@@ -61,7 +61,47 @@ FALCON_CASES = {
 }
 
 
+# The families that are the Llama decoder with switches: (transformers classes, config).
+# The Mistral window (6) is shorter than the prompts and than some ranks' chunks.
+FAMILY_CASES = {
+  "mistral-window": (
+    "MistralConfig",
+    "MistralForCausalLM",
+    dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
+  ),
+  "qwen2-bias": (
+    "Qwen2Config",
+    "Qwen2ForCausalLM",
+    dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, use_sliding_window=False),
+  ),
+  # head_dim 24 with d_model 64 and 4 heads: N x H (96) is not d_model.
+  "qwen3-qknorm": (
+    "Qwen3Config",
+    "Qwen3ForCausalLM",
+    dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, use_sliding_window=False),
+  ),
+}
+
+
 def make_hf_model(case: str, seed: int = 0):
+  if case in FAMILY_CASES:
+    config_class, model_class, kwargs = FAMILY_CASES[case]
+    config = getattr(transformers, config_class)(
+      vocab_size=VOCAB,
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      max_position_embeddings=256,
+      rms_norm_eps=1e-5,
+      eos_token_id=None,
+      bos_token_id=None,
+      pad_token_id=None,
+      tie_word_embeddings=False,
+      **kwargs,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomize(getattr(transformers, model_class)(config), seed)
   if case in LLAMA_CASES:
     config = transformers.LlamaConfig(
       vocab_size=VOCAB,

@@ -63,6 +63,64 @@ def test_flash_equals_dense_with_its_lse(T, S, offset, N, K, bq, bk):
   assert_close(lse, reference_lse(q, k, offset), "flash lse")
 
 
+def reference_attention(q, k, v, offset, window):
+  """Sliding-window causal attention in float64 straight from the definition: query t (at
+  offset + t) sees key s iff offset + t - window < s <= offset + t. Returns (out, lse); a row
+  that sees no key has out 0 and lse -inf."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  B, T, N, H = q.shape
+  G = N // k.shape[2]
+  k_N, v_N = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+  s = np.einsum("btnh,bsnh->btns", q, k_N) / np.sqrt(H)
+  q_pos = (offset + np.arange(T))[:, None]
+  k_pos = np.arange(k.shape[1])[None, :]
+  visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+  s = np.where(visible[None, :, None, :], s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  w = np.exp(s - m)
+  total = w.sum(-1)
+  out = np.einsum("btns,bsnh->btnh", w, v_N) / np.where(total > 0, total, 1.0)[..., None]
+  with np.errstate(divide="ignore"):
+    return out, m[..., 0] + np.log(total)
+
+
+# (T, S, offset, N, K, query_block, key_block, window): windows shorter than a block, across
+# blocks, of one key, longer than the prompt; a prefix wholly in the past where the last
+# queries see nothing (lse -inf); MQA and GQA.
+WINDOW_SHAPES = [
+  (37, 37, 0, 4, 2, 8, 16, 5),
+  (13, 50, 37, 4, 1, 4, 8, 20),
+  (100, 300, 200, 2, 2, 32, 64, 70),
+  (64, 1000, 936, 4, 4, 16, 128, 1),
+  (129, 129, 0, 4, 1, 32, 32, 129),
+  (40, 40, 0, 2, 2, 8, 8, 100),
+  (16, 32, 60, 2, 1, 8, 8, 40),
+]
+
+
+@pytest.mark.parametrize("T,S,offset,N,K,bq,bk,window", WINDOW_SHAPES)
+def test_sliding_window_kernels_equal_the_definition(T, S, offset, N, K, bq, bk, window):
+  q, k, v = qkv(T, S, N, K, seed=3)
+  want_out, want_lse = reference_attention(q, k, v, offset, window)
+  out, lse = layers.attend_flash(q, k, v, offset, window=window, query_block=bq, key_block=bk)
+  lse, sees_nothing = np.asarray(lse), np.isinf(want_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), sees_nothing)
+  assert_close(np.where(sees_nothing, 0.0, lse), np.where(sees_nothing, 0.0, want_lse), "lse")
+  assert_close(out, want_out, "flash output")
+  if not sees_nothing.any():  # dense and blocked give a padded row a uniform average instead
+    assert_close(layers.attend(q, k, v, offset, window=window), want_out, "dense output")
+    blocked = layers.attend_blocked(q, k, v, offset, bq, window=window)
+    assert_close(blocked, want_out, "blocked output")
+
+
+def test_sliding_window_is_exercised():
+  """Control: the window changes the answer of these shapes (so the test above can fail)."""
+  q, k, v = qkv(37, 37, 4, 2, seed=3)
+  windowed = layers.attend_flash(q, k, v, 0, window=5, query_block=8, key_block=16)[0]
+  assert np.abs(np.asarray(windowed) - np.asarray(layers.attend(q, k, v, 0))).max() > 0.1
+
+
 @pytest.mark.parametrize("T,S,offset,N,K,bq,bk", SHAPES)
 def test_fused_split_equals_dense(T, S, offset, N, K, bq, bk):
   """jax.nn.dot_product_attention on the unmasked prefix and the causal diagonal, merged by
@@ -79,7 +137,7 @@ def test_merge_of_disjoint_key_sets_is_exact():
   whole; and merging with an empty partial (lse = -inf) changes nothing."""
   T, offset, N, K = 48, 80, 4, 2
   q, k, v = qkv(T, offset + T, N, K, seed=2)
-  prefix = layers.attend_flash(q, k[:, :offset], v[:, :offset], 0, causal=False, key_block=32)
+  prefix = layers.attend_flash(q, k[:, :offset], v[:, :offset], offset, key_block=32)
   diagonal = layers.attend_flash(q, k[:, offset:], v[:, offset:], 0, query_block=16, key_block=16)
   out, lse = layers.merge_partials(*prefix, *diagonal)
   assert_close(out, layers.attend(q, k, v, offset), "merged output")

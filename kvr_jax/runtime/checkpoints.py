@@ -46,6 +46,7 @@ def _same(w: np.ndarray) -> np.ndarray:
 
 
 def _llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:
+  """Llama and the families that share its tensor names (Mistral, Qwen2, Qwen3)."""
   D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   fixed = {
     "model.embed_tokens.weight": [(("embedding",), None, _same)],
@@ -70,6 +71,13 @@ def _llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:
     "mlp.up_proj.weight": ("w_up", _linear(D, F)),
     "mlp.down_proj.weight": ("w_down", _linear(F, D)),
   }
+  if cfg.qkv_bias:  # Qwen2: [out] biases -> [heads, H]
+    per_layer["self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(N, H))
+    per_layer["self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(K, H))
+    per_layer["self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(K, H))
+  if cfg.qk_norm:  # Qwen3: one [H] scale shared by the heads
+    per_layer["self_attn.q_norm.weight"] = ("q_norm", _same)
+    per_layer["self_attn.k_norm.weight"] = ("k_norm", _same)
   if rest not in per_layer or layer >= cfg.num_layers:
     return None
   param, fn = per_layer[rest]
