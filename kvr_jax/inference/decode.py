@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers, scan_blocks
+from models import scan_blocks
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4, 5))
@@ -20,7 +20,9 @@ def decode_step(graphdef, state, tokens_B, position, k_cache, v_cache):
   """Appends one token per sequence at `position`; returns (logits [B, V], k_cache, v_cache).
 
   k_cache, v_cache: [L, B, S_max, K, H] with positions [0, position) filled. Keys past
-  `position` are hidden by the causal offset, so the unused tail of the cache needs no mask.
+  `position` are hidden by the causal offset, so the unused tail of the cache needs no mask;
+  with a sliding window W keys before position - W + 1 are masked (they may be zeros after a
+  windowed KV-Runahead prefill).
   """
   model = nnx.merge(graphdef, state)
   B = tokens_B.shape[0]
@@ -32,7 +34,7 @@ def decode_step(graphdef, state, tokens_B, position, k_cache, v_cache):
     # [B, S_max, K, H]: write this token's K,V at its position
     k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_B1KH, position, axis=1)
     v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_B1KH, position, axis=1)
-    attn_B1NH = layers.attend(q_B1NH, k_BSKH, v_BSKH, query_offset=position)
+    attn_B1NH = block.attend(q_B1NH, k_BSKH, v_BSKH, position, "dense")
     return block.finish(x_B1D, attn_B1NH), (k_BSKH, v_BSKH)
 
   x_B1D, (k_cache, v_cache) = scan_blocks(

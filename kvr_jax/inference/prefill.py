@@ -20,7 +20,7 @@ from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, make_mesh, shard_on
 from kvr_jax.strategies import STRATEGIES, get_strategy
-from models.layers import ATTENTION_KINDS, FUSED_KERNELS
+from models.layers import ATTENTION_KINDS, FUSED_KERNELS, WINDOWED_KERNELS
 
 
 @dataclasses.dataclass
@@ -30,7 +30,9 @@ class PrefillResult:
   logits: [B, V] float32, the last prompt position. k_cache, v_cache: [L, B, S, K, H] with
   S = prompt_len, on `device` (for KV-Runahead: the last rank's device, where the paper leaves
   the cache). With a mesh spanning processes, only the process of the last rank holds them;
-  elsewhere they are None (`is_local` is False).
+  elsewhere they are None (`is_local` is False). With a sliding window W, positions before
+  S - W + 1 are not needed by decode (it masks them), and KV-Runahead leaves them zero where
+  its hops did not carry them; every strategy fills positions [S - W + 1, S).
   """
 
   logits: jax.Array
@@ -139,6 +141,12 @@ def prefill(
   attention = spec.check_attention(attention)
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
+  window = model.config.sliding_window
+  if window is not None and attention not in WINDOWED_KERNELS:
+    raise ValueError(
+      f"this model attends through a sliding window of {window} tokens, which attention "
+      f"{attention!r} does not take; use one of {WINDOWED_KERNELS}"
+    )
   tokens_BT = check_tokens(model, tokens)
   B, T = tokens_BT.shape
   if not spec.partitioned and partition not in (None, "even"):

@@ -19,7 +19,7 @@ from flax import nnx
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import Strategy, count_trace, last_rank, spmd
-from models import layers, scan_blocks
+from models import scan_blocks
 
 
 def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
@@ -43,12 +43,9 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
       for half, chunk in enumerate((rank, 2 * p - 1 - rank)):
         q_BcNH = q_B2cNH[:, half * c : (half + 1) * c]
         # The offset is traced (it depends on the rank): the flash kernel's loop bounds take
-        # it as they are, so masked key blocks are skipped on every rank.
-        outs.append(
-          layers.attend_flash(q_BcNH, kv[0], kv[1], chunk * c)[0]
-          if attention == "flash"
-          else layers.attend(q_BcNH, kv[0], kv[1], chunk * c)
-        )
+        # it as they are, so masked key blocks (and those before a sliding window) are
+        # skipped on every rank.
+        outs.append(block.attend(q_BcNH, kv[0], kv[1], chunk * c, attention))
       attn_B2cNH = jnp.concatenate(outs, axis=1)
       return block.finish(x_B2cD, attn_B2cNH), kv[:, :, :context_len]
 

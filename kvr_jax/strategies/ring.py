@@ -8,14 +8,18 @@ that XLA can overlap the transfer with the attention. Each step's attention is a
 partial (output, log-sum-exp) merged exactly into the running result:
 
   step 0      own K,V: chunk r causal for the first chunk; the second chunk sees chunk r
-              whole and its own chunk causally.
+              in its past and its own chunk causally.
   src < r     both query chunks see src's first chunk (src < r) whole, its second not at all.
   src > r     only the second query chunk sees anything, and sees both of src's chunks whole.
 
-Both cases are c x 2c or 2c x c unmasked blocks: the same work on every rank and step (the
-point of zigzag). After the last layer one tiled `all_gather` of the per-layer K,V puts the
-whole cache, in prompt order, on every rank; rank p-1's copy is the one decode uses. That
-gather is part of the prefill (and of its time to first token).
+Both cases are two c x c blocks wholly in the past: the same work on every rank and step (the
+point of zigzag). Each partial is a flash call at the relative offset of its query and key
+chunks, so a sliding window masks (and skips) by true positions; the ring still passes
+every rank's K,V, whatever the window.
+
+After the last layer one tiled `all_gather` of the per-layer K,V puts the whole cache, in
+prompt order, on every rank; rank p-1's copy is the one decode uses. That gather is part of
+the prefill (and of its time to first token).
 """
 
 from __future__ import annotations
@@ -32,29 +36,47 @@ from kvr_jax.strategies.base import Strategy, count_trace, last_rank, spmd
 from models import layers, scan_blocks
 
 
-def ring_attention(q_B2cNH, kv_own, rank, c: int, p: int):
+def ring_attention(q_B2cNH, kv_own, rank, c: int, p: int, window: int | None):
   """Rank's two query chunks against every rank's K,V, passed around the ring.
 
-  kv_own: [2, B, 2c, K, H], this rank's K and V. Returns [B, 2c, N, H] in q's dtype.
+  kv_own: [2, B, 2c, K, H], this rank's K and V. Every partial is a flash call over one
+  c-token key chunk at the relative offset (query chunk start - key chunk start), so
+  causality and a sliding window come from positions alone; a chunk wholly in the past is
+  an offset >= c (seen whole, or up to the window). Returns [B, 2c, N, H] in q's dtype.
   """
+  first_query_chunk, second_query_chunk = rank, 2 * p - 1 - rank  # chunk indices
   q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
 
-  # Step 0, own K,V: the first chunk causally over its own keys; the second over the first
-  # chunk whole and itself causally, i.e. causal at offset c over the 2c own keys.
-  out_first, lse_first = layers.attend_flash(q_first, kv_own[0, :, :c], kv_own[1, :, :c], 0)
-  out_second, lse_second = layers.attend_flash(q_second, kv_own[0], kv_own[1], c)
-  out = jnp.concatenate([out_first, out_second], axis=1).astype(jnp.float32)
+  def partial(q_BcNH, query_chunk, kv, key_half, key_chunk):
+    """Flash partial of one query chunk over one key chunk: (out, lse)."""
+    k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
+    return layers.attend_flash(q_BcNH, k, v, (query_chunk - key_chunk) * c, window=window)
+
+  # Step 0, own K,V: each query chunk causally over itself; the second also over the first,
+  # which lies wholly in its past.
+  out_first, lse_first = partial(q_first, first_query_chunk, kv_own, 0, first_query_chunk)
+  out_second, lse_second = layers.merge_partials(
+    *partial(q_second, second_query_chunk, kv_own, 0, first_query_chunk),
+    *partial(q_second, second_query_chunk, kv_own, 1, second_query_chunk),
+  )
+  out = jnp.concatenate([out_first.astype(jnp.float32), out_second], axis=1)
   lse = jnp.concatenate([lse_first, lse_second], axis=1)
 
-  def earlier_rank(kv):  # src < r: every query sees src's first chunk, whole
-    return layers.attend_flash(q_B2cNH, kv[0, :, :c], kv[1, :, :c], 0, causal=False)
+  def earlier_rank(kv, src):  # src < r: both query chunks see src's first chunk only
+    out_a, lse_a = partial(q_first, first_query_chunk, kv, 0, src)
+    out_b, lse_b = partial(q_second, second_query_chunk, kv, 0, src)
+    return jnp.concatenate([out_a, out_b], axis=1), jnp.concatenate([lse_a, lse_b], axis=1)
 
-  def later_rank(kv):  # src > r: only the second chunk sees anything, and all of src's keys
-    out_second, lse_second = layers.attend_flash(q_second, kv[0], kv[1], 0, causal=False)
-    nothing = jnp.zeros_like(out_second), jnp.full_like(lse_second, -jnp.inf)
+  def later_rank(kv, src):  # src > r: only the second query chunk sees anything, both chunks
+    out_b, lse_b = layers.merge_partials(
+      *partial(q_second, second_query_chunk, kv, 0, src),
+      *partial(q_second, second_query_chunk, kv, 1, 2 * p - 1 - src),
+    )
+    out_b = out_b.astype(q_B2cNH.dtype)
+    nothing = jnp.zeros_like(out_b), jnp.full_like(lse_b, -jnp.inf)
     return (
-      jnp.concatenate([nothing[0], out_second], axis=1),
-      jnp.concatenate([nothing[1], lse_second], axis=1),
+      jnp.concatenate([nothing[0], out_b], axis=1),
+      jnp.concatenate([nothing[1], lse_b], axis=1),
     )
 
   ring = [(i, (i + 1) % p) for i in range(p)]
@@ -63,7 +85,7 @@ def ring_attention(q_B2cNH, kv_own, rank, c: int, p: int):
     # The send is issued before this step's attention so that the two can overlap.
     kv = jax.lax.ppermute(kv, AXIS, perm=ring)
     src = (rank - step) % p
-    step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv)
+    step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv, src)
     out, lse = layers.merge_partials(out, lse, step_out, step_lse)
   return out.astype(q_B2cNH.dtype)
 
@@ -84,7 +106,7 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
       q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
       # [2, B, 2c, K, H]: K and V travel as one message, with their own K heads
       kv_own = jnp.stack([k_B2cKH, v_B2cKH])
-      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p)
+      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, model.config.sliding_window)
       return block.finish(x_B2cD, attn_B2cNH), kv_own
 
     x_B2cD, kv_L2B2cKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))

@@ -19,6 +19,12 @@ message, with their own K heads (never repeated to the N query heads).
 
 The last rank ends with the whole KV cache of every layer; its shard of the output is where
 decode continues (see kvr_jax.inference.prefill).
+
+Sliding window W (Mistral): query q sees only keys (q - W, q], so hop k carries only the last
+W-1 keys of [0, S_k) and each rank attends to [start - W + 1, S_i): hop bytes and attention
+are bounded by W whatever the prompt length. The last rank then holds the K,V decode needs,
+positions [C - W + 1, C) and more; positions no rank passed on stay zero in its cache, and
+decode masks by the window, so it never reads them.
 """
 
 from __future__ import annotations
@@ -60,12 +66,17 @@ def attend_and_finish(
 ):
   """Rank i, static shapes: its c_i queries against the S_i-key prefix, then the block's rest.
 
-  attention "dense" computes the c_i x S_i rectangle (the paper's count); "blocked" also skips
-  the masked upper triangle of the rank's own diagonal block.
+  attention "dense" computes the c_i x S_i rectangle (the paper's count); "blocked" and
+  "flash" also skip the masked upper triangle of the rank's own diagonal block. With a sliding
+  window the prefix starts at the chunk's window start.
   """
   c, start, end = chunks[i], chunk_starts(chunks)[i], prefix_ends(chunks)[i]
   c_max = x_BcD.shape[1]
-  attn_BcNH = layers.attend_static(q_BcNH[:, :c], kv[0, :, :end], kv[1, :, :end], start, attention)
+  # With a sliding window W the chunk's first query sees nothing before start - W + 1.
+  first = layers.window_start(start, block.config.sliding_window)
+  attn_BcNH = block.attend(
+    q_BcNH[:, :c], kv[0, :, first:end], kv[1, :, first:end], start - first, attention
+  )
   out_BcD = block.finish(x_BcD[:, :c], attn_BcNH)
   return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
 
@@ -81,14 +92,23 @@ def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attenti
   return attend_and_finish(block, x_BcD, q, kv, i, chunks, attention), kv
 
 
-def hop_chain(kv, rank, chunks: tuple[int, ...]):
-  """p-1 hops: hop k sends kv[:, :, :S_k] from rank k to rank k+1 (one pair per ppermute)."""
-  ends = prefix_ends(chunks)
+def hop_span(k: int, chunks: tuple[int, ...], window: int | None) -> tuple[int, int]:
+  """The key positions [a, S_k) hop k carries: the whole prefix, or with a sliding window W
+  only the last W-1 keys of it (all that any later query can see): bounded by W, not by C."""
+  end = prefix_ends(chunks)[k]
+  return layers.window_start(end, window), end
+
+
+def hop_chain(kv, rank, chunks: tuple[int, ...], window: int | None = None):
+  """p-1 hops: hop k sends kv[:, :, a:S_k] (hop_span) from rank k to rank k+1, one pair per
+  ppermute. A rank whose chunk is shorter than the window forwards part of what it received
+  (it sits in its buffer beside its own keys)."""
   for k in range(len(chunks) - 1):
-    received = jax.lax.ppermute(kv[:, :, : ends[k]], AXIS, perm=[(k, k + 1)])
+    a, end = hop_span(k, chunks, window)
+    received = jax.lax.ppermute(kv[:, :, a:end], AXIS, perm=[(k, k + 1)])
     # ppermute gives zeros to ranks outside the pair: only rank k+1 takes the message.
-    prefix = jnp.where(rank == k + 1, received, kv[:, :, : ends[k]])
-    kv = jax.lax.dynamic_update_slice_in_dim(kv, prefix, 0, axis=2)
+    prefix = jnp.where(rank == k + 1, received, kv[:, :, a:end])
+    kv = jax.lax.dynamic_update_slice_in_dim(kv, prefix, a, axis=2)
   return kv
 
 
@@ -113,7 +133,7 @@ def rank_program(
         ],
         x_BcD,
       )
-      kv = hop_chain(kv, rank, chunks)
+      kv = hop_chain(kv, rank, chunks, model.config.sliding_window)
       x_BcD = jax.lax.switch(
         rank,
         [

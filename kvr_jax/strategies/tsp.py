@@ -18,7 +18,7 @@ from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies.base import Strategy, count_trace, last_rank, logits_to_last_rank, spmd
-from models import layers, scan_blocks
+from models import scan_blocks
 
 
 def shard_len(context_len: int, num_ranks: int) -> int:
@@ -42,7 +42,8 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
       q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD, positions_Bc)
       # [2, B, p*c, K, H]: every rank gets every rank's K,V
       kv = jax.lax.all_gather(jnp.stack([k_BcKH, v_BcKH]), AXIS, axis=2, tiled=True)
-      attn_BcNH = layers.attend(q_BcNH, kv[0], kv[1], query_offset=offset)
+      # Dense masked scores over all p*c keys (with a sliding window too: TSP skips nothing).
+      attn_BcNH = block.attend(q_BcNH, kv[0], kv[1], offset, "dense")
       return block.finish(x_BcD, attn_BcNH), kv[:, :, :context_len]
 
     x_BcD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
