@@ -142,6 +142,50 @@ def test_kvr_rank_flops_follow_the_partition():
     )
 
 
+# --- sliding windows ---------------------------------------------------------------------------
+
+MISTRAL7 = kvr_jax.preset_config("mistral-7b")  # W = 4096
+
+
+@pytest.mark.parametrize("first,T,W", [(0, 10, 4), (3, 5, 100), (50, 7, 20), (2, 30, 9), (0, 1, 1)])
+def test_visible_keys_counts_by_brute_force(first, T, W):
+  positions = np.arange(first, first + T)
+  assert costmodel.visible_keys(first, T, W) == pytest.approx(np.minimum(positions + 1, W).mean())
+  assert costmodel.visible_keys(first, T, None) == pytest.approx((positions + 1).mean())
+
+
+def test_windowed_kvr_scores_and_hops_are_bounded_by_the_window():
+  """With a skipping kernel the ranks together score exactly the visible entries,
+  sum_q min(q+1, W), and hop k carries min(S_k, W-1) tokens' K,V, whatever the partition."""
+  C, W, chunks = 16384, MISTRAL7.sliding_window, (7000, 4000, 3000, 2384)
+  setup = dataclasses.replace(a100(), scores_in_memory=False, causal_skip=True)
+  sim = costmodel.simulate(MISTRAL7, "kvr", C, setup, num_ranks=4, partition=chunks)
+  cfg = MISTRAL7
+  per_score = 4 * cfg.num_heads * cfg.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
+  one_token = costmodel.layer_flops(cfg, 1, 1)
+  rank_non_attention = [c * (one_token.projections + one_token.mlp) for c in chunks]
+  attention = sum(sim.rank_flops) - sum(rank_non_attention)
+  assert attention == pytest.approx(per_score * np.minimum(np.arange(C) + 1, W).sum(), rel=1e-9)
+  ends = np.cumsum(chunks)[:-1]
+  token_bytes = costmodel.kv_message_bytes(cfg, 1, 1, 2)
+  assert sim.link_bytes == [token_bytes * min(int(e), W - 1) for e in ends]
+  unwindowed = dataclasses.replace(MISTRAL7, sliding_window=None)
+  plain = costmodel.simulate(unwindowed, "kvr", C, setup, num_ranks=4, partition=chunks)
+  assert plain.link_bytes == [token_bytes * int(e) for e in ends]
+  assert sim.ttft < plain.ttft
+
+
+def test_the_search_takes_the_window():
+  """Past the window every token costs the same, so the searched split of a long prompt is
+  close to even with a window and strongly uneven without (modelled, A100, flash)."""
+  C, p = 32768, 4
+  setup = dataclasses.replace(a100(), scores_in_memory=False, causal_skip=True)
+  windowed = search.search_partition(search.modelled_objective(MISTRAL7, C, p, setup), C, p)
+  unwindowed_config = dataclasses.replace(MISTRAL7, sliding_window=None)
+  plain = search.search_partition(search.modelled_objective(unwindowed_config, C, p, setup), C, p)
+  assert max(windowed) / min(windowed) < 1.2 < max(plain) / min(plain), (windowed, plain)
+
+
 # --- partition methods ------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import kvr_jax
 from kvr_jax.strategies import runahead
-from models import layers
+from models import config_from_dict, config_from_hf, layers
 from tests import hf_fixtures
 
 MODEL_TOL = 1e-4
@@ -150,3 +150,35 @@ def test_fused_kernel_refused_for_a_windowed_model(families, tokens):
   _, model = families["mistral-window"]
   with pytest.raises(ValueError, match="sliding window of 6 tokens.*'fused'"):
     kvr_jax.prefill(model, tokens, attention="fused")
+
+
+def _qwen2_config(**overrides):
+  hf = dict(
+    model_type="qwen2",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    sliding_window=32,
+  )
+  return config_from_hf({**hf, **overrides})
+
+
+def test_sliding_window_from_config_json():
+  assert _qwen2_config().sliding_window is None  # use_sliding_window defaults to off
+  assert _qwen2_config(use_sliding_window=True, max_window_layers=0).sliding_window == 32
+  sliding = ["sliding_attention"] * 4
+  assert _qwen2_config(use_sliding_window=True, layer_types=sliding).sliding_window == 32
+  with pytest.raises(ValueError, match="need a positive `sliding_window`, got None"):
+    _qwen2_config(layer_types=sliding)  # windowed layers, but the window is switched off
+  with pytest.raises(ValueError, match="some layers only.*max_window_layers`=2"):
+    _qwen2_config(use_sliding_window=True, max_window_layers=2)
+  with pytest.raises(ValueError, match="layer_types.*chunked_attention"):
+    _qwen2_config(layer_types=["chunked_attention"] * 4)
+  mistral = dict(_qwen2_config().to_dict(), architecture="llama", sliding_window=0)
+  with pytest.raises(ValueError, match="`sliding_window` must be a positive integer"):
+    config_from_dict(mistral)
+  with pytest.raises(ValueError, match="supported: 'llama', 'mistral', 'qwen2', 'qwen3', 'falcon'"):
+    _qwen2_config(model_type="gemma")

@@ -11,6 +11,16 @@ from models.config import RopeConfig
 TOL = 1e-5
 
 
+def jitted(kernel):
+  """`kernel` compiled as one program (q, k, v traced; offsets and options static): far
+  faster here than running its scans and loops op by op."""
+
+  def call(q, k, v, *static, **options):
+    return jax.jit(lambda q, k, v: kernel(q, k, v, *static, **options))(q, k, v)
+
+  return call
+
+
 def test_causal_mask_square_is_lower_triangular():
   expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], bool)
   np.testing.assert_array_equal(layers.causal_mask(4, 4, 0), expected)
@@ -113,6 +123,6 @@ def test_blocked_attention_equals_dense(offset, T):
   q = jax.random.normal(keys[0], (B, T, N, H))
   k = jax.random.normal(keys[1], (B, S, K, H))
   v = jax.random.normal(keys[2], (B, S, K, H))
-  dense = layers.attend(q, k, v, offset)
-  np.testing.assert_allclose(layers.attend_blocked(q, k, v, offset, 128), dense, atol=TOL)
-  np.testing.assert_allclose(layers.attend_blocked(q, k, v, offset, 16), dense, atol=TOL)
+  dense = jitted(layers.attend)(q, k, v, offset)
+  np.testing.assert_allclose(jitted(layers.attend_blocked)(q, k, v, offset, 128), dense, atol=TOL)
+  np.testing.assert_allclose(jitted(layers.attend_blocked)(q, k, v, offset, 16), dense, atol=TOL)

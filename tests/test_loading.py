@@ -58,6 +58,25 @@ def test_real_shape_presets(name, params):
   assert kvr_jax.preset_config(name).num_params() == pytest.approx(params, rel=2e-3)
 
 
+@pytest.mark.parametrize(
+  "name,params",
+  # The parameter counts the Hugging Face model cards state for these checkpoints.
+  [("mistral-7b", 7_241_732_096), ("qwen2.5-7b", 7_615_616_512), ("qwen3-8b", 8_190_735_360)],
+)
+def test_family_presets_have_the_published_parameter_counts(name, params):
+  config = kvr_jax.preset_config(name)
+  assert config.num_params() == params
+  switches = (config.sliding_window, config.qkv_bias, config.qk_norm)
+  assert (
+    switches
+    == {
+      "mistral-7b": (4096, False, False),
+      "qwen2.5-7b": (None, True, False),
+      "qwen3-8b": (None, False, True),
+    }[name]
+  )
+
+
 def test_unknown_preset_and_dtype():
   with pytest.raises(ValueError, match="unknown preset 'tiny-gpt'"):
     kvr_jax.load_model("tiny-gpt")

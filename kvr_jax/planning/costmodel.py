@@ -20,6 +20,9 @@ The timeline follows the dependencies of the real programs:
         chunk each over the slowest link.
   single one device, dense masked attention (as the Hugging Face baseline computes it).
 Bandwidth is per link, so one slow link (the paper's non-uniform case) can be modelled.
+A model's sliding window W bounds what kernels that skip masked work score (each query at
+most W keys), KV-Runahead's hops (at most W-1 keys) and its ranks' key reads; TSP's dense
+scores and the peers' messages stay as they are.
 
 Pure: it takes Hardware and Links objects (in one frozen `Setup`); named presets and the
 `local` calibration live in kvr_jax.planning.presets.
@@ -34,6 +37,7 @@ from collections.abc import Sequence
 from kvr_jax.core.chunks import check_ranks, prefix_ends
 from kvr_jax.strategies import zigzag
 from models.config import FalconConfig, ModelConfig
+from models.layers import window_start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +136,19 @@ class Work:
     return max(self.flops / flops, self.bytes / hw.bandwidth)
 
 
+def visible_keys(first_query: int, num_queries: int, window: int | None) -> float:
+  """Keys a causal query sees, on average over queries at positions [first, first + T):
+  q + 1, or min(q + 1, W) with a sliding window W."""
+  T, a, b = num_queries, first_query + 1, first_query + num_queries  # sum min(x, W), x in [a, b]
+  if T <= 0:
+    return 0.0
+  if window is None or b <= window:
+    return (a + b) / 2
+  if a >= window:
+    return float(window)
+  return ((a + window) * (window - a + 1) / 2 + (b - window) * window) / T
+
+
 def phase_work(
   config: ModelConfig,
   num_queries: int,
@@ -141,12 +158,15 @@ def phase_work(
   *,
   scores_in_memory: bool = True,
   causal_skip: bool = False,
+  scored_keys: float | None = None,
 ) -> dict[str, Work]:
   """Work of the three phases of one layer for `num_queries` tokens over `num_keys` keys.
 
   scores_in_memory: the attention writes its [N, T, S] scores and probabilities to memory
   (eager attention, as in the Hugging Face models the paper ran); False models a fused
-  (flash) kernel. causal_skip: see Setup.
+  (flash) kernel. causal_skip: see Setup; the T queries sit at the end of the S keys and, with
+  the model's sliding window, see at most W keys each. scored_keys: keys each query scores
+  on average, when the caller knows better (the zigzag layouts); default from the above.
   """
   D, N, K, H, F = (
     config.d_model,
@@ -161,7 +181,12 @@ def phase_work(
     2 * B * T * D * (N + 2 * K) * H, db * (D * (N + 2 * K) * H + B * T * (D + (N + 2 * K) * H))
   )
   # Keys each query scores, on average: all S, or only the visible ones.
-  S_scored = S - (T - 1) / 2 if causal_skip and T <= S else S
+  if scored_keys is not None:
+    S_scored = scored_keys
+  elif causal_skip and T <= S:
+    S_scored = visible_keys(S - T, T, config.sliding_window)
+  else:
+    S_scored = S
   score_traffic = 4 * B * N * T * S_scored * db if scores_in_memory else 0  # w, r, w, r
   attention = Work(
     4 * B * N * H * T * S_scored,
@@ -289,11 +314,15 @@ def simulate(
       f"kvr needs a partition of {p} positive chunks summing to {C}, got {partition!r}"
     )
   chunks = tuple(int(c) for c in partition)
-  ends = prefix_ends(chunks)
-  phases = [phase_work(config, chunks[i], ends[i], **kw) for i in range(p)]
+  ends, window = prefix_ends(chunks), config.sliding_window
+  # With a sliding window rank i attends from its window start and hop k carries the last
+  # W-1 keys of [0, S_k): both bounded by W (strategies.runahead).
+  keys = [ends[i] - window_start(ends[i] - chunks[i], window) for i in range(p)]
+  phases = [phase_work(config, chunks[i], keys[i], **kw) for i in range(p)]
   t_qkv = [ph["qkv"].time(hw) for ph in phases]
   t_after = [ph["attention"].time(hw) + ph["rest"].time(hw) for ph in phases]
-  hop_bytes = [kv_message_bytes(config, ends[k], B, db) for k in range(p - 1)]
+  hop_tokens = [ends[k] - window_start(ends[k], window) for k in range(p - 1)]
+  hop_bytes = [kv_message_bytes(config, hop_tokens[k], B, db) for k in range(p - 1)]
   hop_time = [hop_bytes[k] / ln.link_bandwidth(k) + ln.latency for k in range(p - 1)]
   free = kvr_timeline(t_qkv, t_after, hop_time, L)
   ttft = free[-1] + head
@@ -332,9 +361,18 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
   message = kv_message_bytes(config, 2 * c, B, db)
   t_message = message / ln.slowest(p) + ln.latency if p > 1 else 0.0
   head = head_work(config, B, db).time(hw)
+  window = config.sliding_window
+  # Keys each query of the busiest rank sees, causally (and within the window).
+  visible = max(
+    (visible_keys(r * c, c, window) + visible_keys((2 * p - 1 - r) * c, c, window)) / 2
+    for r in range(p)
+  )
   if strategy == "ring":
-    # Every step scores 2c^2 entries: a [2c queries x c keys] unmasked block.
-    step = phase_work(config, 2 * c, c, **kw)["attention"]
+    # Every step scores 2c^2 entries: a [2c queries x c keys] unmasked block. With a window
+    # most blocks are skipped; the visible work is spread over the p steps (an
+    # approximation: the real steps are uneven), and every message still travels.
+    per_step = c if window is None else visible / p
+    step = phase_work(config, 2 * c, c, **kw, scored_keys=per_step)["attention"]
     t_step = step.time(hw)
     t_attention = (p - 1) * max(t_step, t_message) + t_step
     t_cache = (p - 1) * (L * message / ln.slowest(p) + ln.latency)
@@ -342,8 +380,8 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
     attention = Work(step.flops * p, step.bytes * p)
     link = [float(message * (p - 1))] * p
   else:
-    keys = (padded + 1) / 2 if setup.causal_skip else padded
-    attention = phase_work(config, 2 * c, keys, **kw)["attention"]
+    keys = visible if setup.causal_skip else padded
+    attention = phase_work(config, 2 * c, keys, **kw, scored_keys=keys)["attention"]
     t_gather = (p - 1) * t_message
     ttft = L * (t_qkv + t_gather + attention.time(hw) + t_rest) + head
     link = [float(message * (p - 1))] * p
