@@ -36,7 +36,9 @@ flags.DEFINE_string(
 flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/balanced/predict.")
 flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")
 flags.DEFINE_integer("num_devices", None, "Ranks in the mesh (default: all devices).")
-flags.DEFINE_string("dtype", "float32", "float32, bfloat16 or float16.")
+flags.DEFINE_string(
+  "dtype", None, "float32, bfloat16 or float16 (default: as saved for Orbax, else float32)."
+)
 flags.DEFINE_integer("batch", 1, "Batch size (copies of the prompt for text prompts).")
 flags.DEFINE_integer("max_new_tokens", 8, "Tokens generated after the prompt.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")

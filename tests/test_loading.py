@@ -2,8 +2,11 @@
 
 import json
 import os
+import re
 import shutil
+import struct
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -209,3 +212,106 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path):
   finally:
     tracemalloc.stop()
   assert peak < 1.3 * weights_bytes, (peak, weights_bytes)
+
+
+# --- nothing loads silently wrong -------------------------------------------------------------
+
+
+def test_orbax_restores_the_saved_dtype_unless_asked(tmp_path):
+  kvr_jax.save_model(kvr_jax.load_model("tiny-llama", dtype="bfloat16"), str(tmp_path / "bf16"))
+  assert kvr_jax.load_model(str(tmp_path / "bf16")).dtype == jnp.bfloat16
+  assert kvr_jax.load_model(str(tmp_path / "bf16"), dtype="float32").dtype == jnp.float32
+  assert kvr_jax.load_model("tiny-llama").dtype == jnp.float32  # presets: float32 by default
+
+
+@pytest.mark.parametrize(
+  "name,shape",
+  [
+    ("model.layers.0.self_attn.k_proj.weight", "transposed"),  # (32, 64) stored as (64, 32)
+    ("model.layers.0.self_attn.q_proj.weight", (32, 128)),  # (64, 64): same element count
+  ],
+)
+def test_a_tensor_with_the_right_size_but_the_wrong_shape_is_refused(hf_dir, tmp_path, name, shape):
+  def reshape(weights):
+    w = weights[name]
+    weights[name] = np.ascontiguousarray(w.T if shape == "transposed" else w.reshape(shape))
+
+  path = _copy_with(hf_dir, tmp_path, tensors=reshape)
+  with pytest.raises(ValueError, match=re.escape(name) + r".*has shape .* needs \("):
+    kvr_jax.load_model(path)
+
+
+def _rewrite_header(path, edit):
+  """Rewrites a safetensors file's JSON header in place through `edit(header)`."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+    data = f.read()
+  edit(header)
+  raw = json.dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _point_at(header, name, other):
+  header[name]["data_offsets"] = list(header[other]["data_offsets"])
+
+
+@pytest.mark.parametrize(
+  "edit,message",
+  [
+    # One tensor pointed at another's bytes (same shape): would load silently wrong.
+    (
+      lambda h: _point_at(
+        h, "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+      ),
+      "overlap",
+    ),
+    (lambda h: h["model.norm.weight"].update(data_offsets=[0, 4]), "spans 4 bytes"),
+    (lambda h: h["model.norm.weight"].update(data_offsets=[10**12, 10**12 + 256]), "past the end"),
+    (lambda h: h["model.norm.weight"].update(data_offsets=[8, 4]), "invalid data_offsets"),
+    (lambda h: h["model.norm.weight"].update(shape=[-64]), "invalid shape"),
+  ],
+)
+def test_safetensors_offsets_are_checked(hf_dir, tmp_path, edit, message):
+  path = _copy_with(hf_dir, tmp_path)
+  _rewrite_header(os.path.join(path, "model.safetensors"), edit)
+  with pytest.raises(ValueError, match=message):
+    kvr_jax.load_model(path)
+
+
+def test_a_huge_safetensors_header_length_is_refused(hf_dir, tmp_path):
+  path = _copy_with(hf_dir, tmp_path)
+  with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+    f.write(struct.pack("<Q", 2**62))
+  with pytest.raises(ValueError, match="header claims"):
+    kvr_jax.load_model(path)
+
+
+def test_config_json_that_is_not_an_object(hf_dir, tmp_path):
+  path = _copy_with(hf_dir, tmp_path)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump([1, 2], f)
+  with pytest.raises(ValueError, match="config.json holds a JSON list"):
+    kvr_jax.load_model(path)
+
+
+def test_save_into_a_hugging_face_directory_is_refused(hf_dir, tmp_path):
+  path = _copy_with(hf_dir, tmp_path)
+  with pytest.raises(ValueError, match="holds a Hugging Face checkpoint"):
+    kvr_jax.save_model(kvr_jax.load_model(path), path)
+  assert kvr_jax.load_model(path).source.startswith("hf:")
+
+
+def test_a_failed_orbax_restore_prints_no_tracebacks(tmp_path, capfd):
+  kvr_jax.save_model(kvr_jax.load_model("tiny-llama"), str(tmp_path / "ckpt"))
+  for root, _, files in os.walk(tmp_path / "ckpt" / "state"):
+    for name in files:
+      if os.path.basename(root) == "d":  # the array data, not the metadata
+        with open(os.path.join(root, name), "r+b") as f:
+          f.truncate(100)
+  capfd.readouterr()
+  with pytest.raises(ValueError, match="corrupt or partial"):
+    kvr_jax.load_model(str(tmp_path / "ckpt"))
+  captured = capfd.readouterr()
+  assert "Traceback" not in captured.err and len(captured.err.splitlines()) < 5, captured.err

@@ -19,8 +19,14 @@ import numpy as np
 
 from models.config import FalconConfig, LlamaConfig, ModelConfig
 
-# (parameter path in the NNX state, layer index or None, transform of the HF array)
-Target = tuple[tuple[str, ...], int | None, Callable[[np.ndarray], np.ndarray]]
+# (parameter path in the NNX state, layer index or None, transform of the HF array, the shape
+# the HF tensor must have). The shape is checked before any transform: a transposed or
+# reshaped tensor with the right element count would otherwise load, silently wrong.
+Target = tuple[tuple[str, ...], int | None, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]
+
+# A safetensors header longer than this is refused before it is read (the format's own
+# reference implementation uses the same bound).
+MAX_HEADER_BYTES = 100_000_000
 
 _SAFETENSORS_DTYPES = {
   "F64": np.float64,
@@ -41,6 +47,13 @@ def _linear(*shape: int) -> Callable[[np.ndarray], np.ndarray]:
   return lambda w: w.T.reshape(shape)
 
 
+def _linear_entry(param: str, in_dims: tuple[int, ...], out_dims: tuple[int, ...]):
+  """(param, transform, HF shape) of a torch Linear weight [prod(out), prod(in)] that becomes
+  our [*in_dims, *out_dims]."""
+  hf_shape = (int(np.prod(out_dims)), int(np.prod(in_dims)))
+  return param, _linear(*in_dims, *out_dims), hf_shape
+
+
 def _same(w: np.ndarray) -> np.ndarray:
   return w
 
@@ -48,12 +61,13 @@ def _same(w: np.ndarray) -> np.ndarray:
 def _llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:
   """Llama and the families that share its tensor names (Mistral, Qwen2, Qwen3)."""
   D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  V = cfg.vocab_size
   fixed = {
-    "model.embed_tokens.weight": [(("embedding",), None, _same)],
-    "model.norm.weight": [(("norm",), None, _same)],
+    "model.embed_tokens.weight": [(("embedding",), None, _same, (V, D))],
+    "model.norm.weight": [(("norm",), None, _same, (D,))],
   }
   if not cfg.tie_embeddings:
-    fixed["lm_head.weight"] = [(("lm_head",), None, lambda w: w.T)]
+    fixed["lm_head.weight"] = [(("lm_head",), None, lambda w: w.T, (V, D))]
   if name in fixed:
     return fixed[name]
   m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
@@ -61,27 +75,27 @@ def _llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:
     return None
   layer, rest = int(m.group(1)), m.group(2)
   per_layer = {
-    "input_layernorm.weight": ("attn_norm", _same),
-    "self_attn.q_proj.weight": ("wq", _linear(D, N, H)),
-    "self_attn.k_proj.weight": ("wk", _linear(D, K, H)),
-    "self_attn.v_proj.weight": ("wv", _linear(D, K, H)),
-    "self_attn.o_proj.weight": ("wo", _linear(N, H, D)),
-    "post_attention_layernorm.weight": ("mlp_norm", _same),
-    "mlp.gate_proj.weight": ("w_gate", _linear(D, F)),
-    "mlp.up_proj.weight": ("w_up", _linear(D, F)),
-    "mlp.down_proj.weight": ("w_down", _linear(F, D)),
+    "input_layernorm.weight": ("attn_norm", _same, (D,)),
+    "self_attn.q_proj.weight": _linear_entry("wq", (D,), (N, H)),
+    "self_attn.k_proj.weight": _linear_entry("wk", (D,), (K, H)),
+    "self_attn.v_proj.weight": _linear_entry("wv", (D,), (K, H)),
+    "self_attn.o_proj.weight": _linear_entry("wo", (N, H), (D,)),
+    "post_attention_layernorm.weight": ("mlp_norm", _same, (D,)),
+    "mlp.gate_proj.weight": _linear_entry("w_gate", (D,), (F,)),
+    "mlp.up_proj.weight": _linear_entry("w_up", (D,), (F,)),
+    "mlp.down_proj.weight": _linear_entry("w_down", (F,), (D,)),
   }
   if cfg.qkv_bias:  # Qwen2: [out] biases -> [heads, H]
-    per_layer["self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(N, H))
-    per_layer["self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(K, H))
-    per_layer["self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(K, H))
+    per_layer["self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(N, H), (N * H,))
+    per_layer["self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(K, H), (K * H,))
+    per_layer["self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(K, H), (K * H,))
   if cfg.qk_norm:  # Qwen3: one [H] scale shared by the heads
-    per_layer["self_attn.q_norm.weight"] = ("q_norm", _same)
-    per_layer["self_attn.k_norm.weight"] = ("k_norm", _same)
+    per_layer["self_attn.q_norm.weight"] = ("q_norm", _same, (H,))
+    per_layer["self_attn.k_norm.weight"] = ("k_norm", _same, (H,))
   if rest not in per_layer or layer >= cfg.num_layers:
     return None
-  param, fn = per_layer[rest]
-  return [(("blocks", param), layer, fn)]
+  param, fn, hf_shape = per_layer[rest]
+  return [(("blocks", param), layer, fn, hf_shape)]
 
 
 def _split_falcon_qkv(cfg: FalconConfig) -> list[Callable[[np.ndarray], np.ndarray]]:
@@ -116,14 +130,15 @@ def _split_falcon_qkv(cfg: FalconConfig) -> list[Callable[[np.ndarray], np.ndarr
 
 
 def _falcon_targets(cfg: FalconConfig, name: str) -> list[Target] | None:
-  D, N, H, F = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+  D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  V = cfg.vocab_size
   fixed = {
-    "transformer.word_embeddings.weight": [(("embedding",), None, _same)],
-    "transformer.ln_f.weight": [(("norm_scale",), None, _same)],
-    "transformer.ln_f.bias": [(("norm_bias",), None, _same)],
+    "transformer.word_embeddings.weight": [(("embedding",), None, _same, (V, D))],
+    "transformer.ln_f.weight": [(("norm_scale",), None, _same, (D,))],
+    "transformer.ln_f.bias": [(("norm_bias",), None, _same, (D,))],
   }
   if not cfg.tie_embeddings:
-    fixed["lm_head.weight"] = [(("lm_head",), None, lambda w: w.T)]
+    fixed["lm_head.weight"] = [(("lm_head",), None, lambda w: w.T, (V, D))]
   if name in fixed:
     return fixed[name]
   m = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", name)
@@ -134,10 +149,11 @@ def _falcon_targets(cfg: FalconConfig, name: str) -> list[Target] | None:
     return None
   if rest == "self_attention.query_key_value.weight":
     q, k, v = _split_falcon_qkv(cfg)
+    fused = ((N + 2 * K) * H, D)
     return [
-      (("blocks", "wq"), layer, q),
-      (("blocks", "wk"), layer, k),
-      (("blocks", "wv"), layer, v),
+      (("blocks", "wq"), layer, q, fused),
+      (("blocks", "wk"), layer, k, fused),
+      (("blocks", "wv"), layer, v, fused),
     ]
   norms = (
     {"ln_attn": "attn_norm", "ln_mlp": "mlp_norm"}
@@ -145,17 +161,17 @@ def _falcon_targets(cfg: FalconConfig, name: str) -> list[Target] | None:
     else {"input_layernorm": "attn_norm"}
   )
   per_layer = {
-    "self_attention.dense.weight": ("wo", _linear(N, H, D)),
-    "mlp.dense_h_to_4h.weight": ("w_in", _linear(D, F)),
-    "mlp.dense_4h_to_h.weight": ("w_out", _linear(F, D)),
+    "self_attention.dense.weight": _linear_entry("wo", (N, H), (D,)),
+    "mlp.dense_h_to_4h.weight": _linear_entry("w_in", (D,), (F,)),
+    "mlp.dense_4h_to_h.weight": _linear_entry("w_out", (F,), (D,)),
   }
   for hf_norm, ours in norms.items():
-    per_layer[f"{hf_norm}.weight"] = (f"{ours}_scale", _same)
-    per_layer[f"{hf_norm}.bias"] = (f"{ours}_bias", _same)
+    per_layer[f"{hf_norm}.weight"] = (f"{ours}_scale", _same, (D,))
+    per_layer[f"{hf_norm}.bias"] = (f"{ours}_bias", _same, (D,))
   if rest not in per_layer:
     return None
-  param, fn = per_layer[rest]
-  return [(("blocks", param), layer, fn)]
+  param, fn, hf_shape = per_layer[rest]
+  return [(("blocks", param), layer, fn, hf_shape)]
 
 
 def hf_targets(cfg: ModelConfig, name: str) -> list[Target] | None:
@@ -197,27 +213,75 @@ def safetensors_files(directory: str) -> list[str]:
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (name, array) from one safetensors file, memory-mapped (read on access)."""
+  """Yields (name, array) from one safetensors file, memory-mapped (read on access).
+
+  The header is checked whole before any tensor is yielded: its length is bounded, every
+  tensor's byte range lies inside the data section, is exactly shape x itemsize long and
+  overlaps no other (a tensor pointing at another's bytes would load silently wrong).
+  """
+  file_size = os.path.getsize(path)
   with open(path, "rb") as f:
     raw = f.read(8)
     if len(raw) != 8:
       raise ValueError(f"{path}: truncated safetensors file")
     (header_len,) = struct.unpack("<Q", raw)
+    if header_len > min(MAX_HEADER_BYTES, file_size - 8):
+      raise ValueError(
+        f"{path}: safetensors header claims {header_len} bytes (file: {file_size} bytes, "
+        f"limit {MAX_HEADER_BYTES}): not a safetensors file, or corrupt"
+      )
     try:
       header = json.loads(f.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
   data_start = 8 + header_len
-  file_size = os.path.getsize(path)
+  data_size = file_size - data_start
+  tensors = []
   for name, info in header.items():
     if name == "__metadata__":
       continue
-    dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-    if dtype is None:
-      raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-    begin, end = info["data_offsets"]
-    if data_start + end > file_size:
-      raise ValueError(f"{path}: tensor {name!r} extends past the end of the file")
-    shape = tuple(info["shape"])
-    array = np.memmap(path, dtype=dtype, mode="r", offset=data_start + begin, shape=shape)
-    yield name, array
+    tensors.append((name, *_check_tensor_entry(path, name, info, data_size)))
+  previous_end, previous_name = 0, None
+  for name, _, _, begin, end in sorted(tensors, key=lambda t: (t[3], t[4])):
+    if begin < previous_end:
+      raise ValueError(
+        f"{path}: tensors {previous_name!r} and {name!r} overlap in the file "
+        f"(bytes {begin} < {previous_end}): corrupt safetensors header"
+      )
+    previous_end, previous_name = end, name
+  for name, dtype, shape, begin, _ in tensors:
+    yield name, np.memmap(path, dtype=dtype, mode="r", offset=data_start + begin, shape=shape)
+
+
+def _check_tensor_entry(path: str, name: str, info, data_size: int):
+  """(dtype, shape, begin, end) of one header entry, or a ValueError naming what is wrong."""
+  if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+    raise ValueError(f"{path}: tensor {name!r} needs dtype, shape and data_offsets in the header")
+  dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+  if dtype is None:
+    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+  shape, offsets = info["shape"], info["data_offsets"]
+  if not isinstance(shape, list) or not all(
+    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+  ):
+    raise ValueError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+  if (
+    not isinstance(offsets, list)
+    or len(offsets) != 2
+    or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+  ):
+    raise ValueError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+  begin, end = offsets
+  if not 0 <= begin <= end:
+    raise ValueError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+  if end > data_size:
+    raise ValueError(f"{path}: tensor {name!r} extends past the end of the file")
+  expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+  if end - begin != expected:
+    raise ValueError(
+      f"{path}: tensor {name!r} spans {end - begin} bytes but shape {tuple(shape)} of "
+      f"{info['dtype']} needs {expected}: corrupt safetensors header"
+    )
+  return dtype, tuple(shape), begin, end

@@ -140,14 +140,23 @@ def abstract_model(config: ModelConfig, dtype=jnp.float32) -> models.CausalLM:
   return nnx.eval_shape(lambda: build_model(config, dtype))
 
 
-def load_model(name_or_path: str, dtype="float32") -> Model:
-  """Loads a preset (random weights, fixed seed), a Hugging Face directory or an Orbax dir."""
-  dtype = resolve_dtype(dtype)
+def load_model(name_or_path: str, dtype=None) -> Model:
+  """Loads a preset (random weights, fixed seed), a Hugging Face directory or an Orbax dir.
+
+  dtype: "float32", "bfloat16" or "float16"; None keeps what an Orbax checkpoint was saved in
+  and means float32 for presets and Hugging Face directories.
+  """
+  if not isinstance(name_or_path, (str, os.PathLike)):
+    raise ValueError(
+      f"`name_or_path` must be a preset name or a directory, got {type(name_or_path).__name__}"
+    )
+  name_or_path = os.fspath(name_or_path)
+  dtype = None if dtype is None else resolve_dtype(dtype)
   if os.path.isdir(name_or_path):
     if os.path.exists(os.path.join(name_or_path, ORBAX_CONFIG)):
       return restore_model(name_or_path, dtype)
     if os.path.exists(os.path.join(name_or_path, "config.json")):
-      return load_hf_model(name_or_path, dtype)
+      return load_hf_model(name_or_path, jnp.float32 if dtype is None else dtype)
     raise ValueError(
       f"{name_or_path}: neither a Hugging Face directory (config.json) nor a "
       f"kvr-jax Orbax checkpoint ({ORBAX_CONFIG})"
@@ -155,7 +164,9 @@ def load_model(name_or_path: str, dtype="float32") -> Model:
   if os.sep in name_or_path or name_or_path.startswith("."):
     raise ValueError(f"{name_or_path}: no such directory")
   config = preset_config(name_or_path)
-  return Model(build_model(config, dtype), source=f"preset:{name_or_path}")
+  return Model(
+    build_model(config, jnp.float32 if dtype is None else dtype), source=f"preset:{name_or_path}"
+  )
 
 
 def _load_tokenizer(directory: str):
@@ -176,6 +187,11 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> 
       hf_config = json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"{directory}/config.json is not valid JSON: {e}") from None
+  if not isinstance(hf_config, dict):
+    raise ValueError(
+      f"{directory}/config.json holds a JSON {type(hf_config).__name__}, not an object "
+      "of config fields"
+    )
   config = config_from_hf(hf_config)
   files = checkpoints.safetensors_files(directory)
   graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
@@ -199,7 +215,12 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> 
           f"{path}: tensor {name!r} has no place in a {config.architecture} "
           f"model with this config.json (unknown tensor)"
         )
-      for param_path, layer, transform in targets:
+      for param_path, layer, transform, hf_shape in targets:
+        if tuple(array.shape) != hf_shape:  # before any reshape (see checkpoints.Target)
+          raise ValueError(
+            f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but this config.json "
+            f"needs {hf_shape}"
+          )
         spec = flat_abstract[param_path]
         shape = spec.shape[1:] if layer is not None else spec.shape
         try:
@@ -258,6 +279,11 @@ def save_model(model: Model, directory: str) -> None:
   directory = os.path.abspath(directory)
   if os.path.exists(os.path.join(directory, ORBAX_STATE)):
     raise ValueError(f"{directory} already holds a checkpoint; choose an empty directory")
+  if os.path.exists(os.path.join(directory, "config.json")):
+    # load_model(directory) would then restore the Orbax copy instead of the HF weights.
+    raise ValueError(
+      f"{directory} holds a Hugging Face checkpoint (config.json); save into another directory"
+    )
   os.makedirs(directory, exist_ok=True)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(directory, ORBAX_STATE), nnx.to_pure_dict(model.state))
@@ -294,7 +320,7 @@ def restore_model(directory: str, dtype=None) -> Model:
   if not os.path.isdir(state_dir):
     raise ValueError(f"{directory}: checkpoint is incomplete: no {ORBAX_STATE}/ directory")
   try:
-    restored = ocp.StandardCheckpointer().restore(state_dir, target)
+    restored = _quiet_restore(ocp, state_dir, target)
   except Exception as e:  # orbax raises many types for truncated or corrupt files
     raise ValueError(
       f"{directory}: cannot restore the Orbax checkpoint, it is corrupt or "
@@ -307,6 +333,26 @@ def restore_model(directory: str, dtype=None) -> Model:
   tok_dir = os.path.join(directory, "tokenizer")
   tokenizer = _load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
   return Model(module, tokenizer=tokenizer, source=f"orbax:{directory}")
+
+
+def _quiet_restore(ocp, state_dir: str, target):
+  """Orbax restore whose failure is one exception, not pages of asyncio and absl logging from
+  its background threads (the caller turns the exception into one line)."""
+  import logging
+
+  quiet = [logging.getLogger(name) for name in ("asyncio", "absl", "orbax")]
+  levels = [logger.level for logger in quiet]
+  for logger in quiet:
+    logger.setLevel(logging.CRITICAL)
+  try:
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+      return checkpointer.restore(state_dir, target)
+    finally:
+      checkpointer.close()
+  finally:
+    for logger, level in zip(quiet, levels, strict=True):
+      logger.setLevel(level)
 
 
 def _cast(module: models.CausalLM, dtype) -> models.CausalLM:
