@@ -1,9 +1,14 @@
 """Single-device prefill and generate: results, determinism and every bad input."""
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.inference import decode
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +107,70 @@ def test_bad_generate_arguments(model, prompt):
     kvr_jax.generate(model, prompt, 2, top_k=0)
   with pytest.raises(ValueError, match="unknown strategy"):
     kvr_jax.prefill(model, prompt, strategy="ulysses")
+
+
+def _with_first_logits(result, logits_BV):
+  return dataclasses.replace(result, logits=jax.device_put(logits_BV, result.device))
+
+
+def test_the_last_vocabulary_id_can_be_decoded(model, prompt):
+  """First-token logits whose argmax is id V-1 (greedy and a near-zero temperature): a
+  decoder that drops the last column cannot pass."""
+  result = kvr_jax.prefill(model, prompt)
+  V = model.config.vocab_size
+  logits = jnp.zeros((2, V)).at[:, V - 1].set(5.0).at[:, 0].set(4.0)
+  fixed = _with_first_logits(result, logits)
+  assert list(kvr_jax.decode_from(model, fixed, 1).tokens[:, 0]) == [V - 1, V - 1]
+  sampled = kvr_jax.decode_from(model, fixed, 1, temperature=1e-3, seed=3).tokens
+  assert list(sampled[:, 0]) == [V - 1, V - 1]
+
+
+def test_temperature_shapes_the_distribution():
+  """One logit row drawn 512 times: a low temperature is greedy, a high one spreads the draws
+  almost uniformly, T=1 lies between (fixed seed)."""
+  logits = jnp.broadcast_to(jnp.linspace(0.0, 30.0, 64), (512, 64))
+  key = jax.random.key(0)
+
+  def distinct(temperature):
+    tokens = decode.sample(logits, key, temperature, top_k=None, top_p=None)
+    return np.unique(np.asarray(tokens)), np.asarray(tokens)
+
+  cold, cold_tokens = distinct(1e-30)  # far below any logit gap: exactly greedy
+  assert list(cold) == [63] and (cold_tokens == 63).all()
+  warm, _ = distinct(1.0)
+  hot, _ = distinct(100.0)
+  assert len(warm) < 40 < len(hot), (len(warm), len(hot))
+
+
+def test_a_tiny_positive_temperature_is_greedy_or_refused(model, prompt):
+  greedy = kvr_jax.generate(model, prompt, 4).tokens
+  np.testing.assert_array_equal(
+    kvr_jax.generate(model, prompt, 4, temperature=1e-37).tokens, greedy
+  )
+  with pytest.raises(ValueError, match="smallest normal number.*temperature=0"):
+    kvr_jax.generate(model, prompt, 4, temperature=1e-39)
+
+
+def test_numpy_integers_are_accepted(model, prompt):
+  want = kvr_jax.generate(model, prompt, 3, temperature=2.0, top_k=5, seed=7).tokens
+  got = kvr_jax.generate(
+    model, prompt, np.int64(3), temperature=2.0, top_k=np.int32(5), seed=np.int64(7)
+  ).tokens
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
+    (dict(seed=2**70), "seed"),
+    (dict(seed="abc"), "seed"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(max_new_tokens=True), "max_new_tokens"),
+  ],
+)
+def test_bad_sampling_arguments_are_one_clear_error(model, prompt, kwargs, message):
+  kwargs = {"max_new_tokens": 2, **kwargs}
+  with pytest.raises(ValueError, match=message):
+    kvr_jax.generate(model, prompt, **kwargs)

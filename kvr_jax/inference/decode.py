@@ -55,7 +55,9 @@ def sample(logits_BV, key, temperature, *, top_k: int | None, top_p: float | Non
 
   top_k and top_p are static: the vocabulary is sorted only when a nucleus is asked for.
   """
-  scaled = logits_BV / temperature
+  # The row's largest logit is subtracted first: as the temperature goes to 0 the others go
+  # to -inf and the draw becomes greedy, instead of overflowing to inf - inf = NaN.
+  scaled = (logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)) / temperature
   if top_k is not None:
     kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
     scaled = jnp.where(scaled < kth, -jnp.inf, scaled)

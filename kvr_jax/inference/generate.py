@@ -4,6 +4,7 @@ it already lives (the last rank's device after KV-Runahead), with greedy or samp
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,16 +50,37 @@ def _encode_prompt(model: Model, prompt) -> np.ndarray:
   return prompt
 
 
-def _check_sampling(model: Model, max_new_tokens, temperature, top_k, top_p) -> None:
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+def _is_integer(value) -> bool:
+  """Python and numpy integers, not bools."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+# Sampling divides float32 logits by the temperature: below float32's smallest normal number
+# the division is no longer a temperature (it underflows), so such values are refused.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
+def _check_sampling(model: Model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
+  if not _is_integer(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
-  if not temperature >= 0:
-    raise ValueError(f"`temperature` must be >= 0, got {temperature!r}")
+  if not _is_real(temperature) or not temperature >= 0 or not np.isfinite(temperature):
+    raise ValueError(f"`temperature` must be a finite number >= 0, got {temperature!r}")
+  if 0 < temperature < MIN_TEMPERATURE:
+    raise ValueError(
+      f"`temperature`={temperature!r} is below float32's smallest normal number "
+      f"({MIN_TEMPERATURE:.3g}); use temperature=0 for greedy decoding"
+    )
   vocab = model.config.vocab_size
-  if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+  if top_k is not None and (not _is_integer(top_k) or not 1 <= top_k <= vocab):
     raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
-  if top_p is not None and not 0 < top_p <= 1:
+  if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
     raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+  if not _is_integer(seed) or not -(2**63) <= seed < 2**63:
+    raise ValueError(f"`seed` must be an integer in [-2**63, 2**63), got {seed!r}")
 
 
 def _check_length(model: Model, prompt_len: int, max_new_tokens: int) -> None:
@@ -89,9 +111,9 @@ def generate(
   tokenizer). Stops when every row has produced EOS or after `max_new_tokens`. Temperature 0
   is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
   """
-  _check_sampling(model, max_new_tokens, temperature, top_k, top_p)
+  _check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   tokens_BT = check_tokens(model, _encode_prompt(model, prompt))
-  _check_length(model, tokens_BT.shape[1], max_new_tokens)
+  _check_length(model, tokens_BT.shape[1], int(max_new_tokens))
   result = prefill(
     model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition, attention=attention
   )
@@ -108,7 +130,9 @@ def decode_from(
   seed: int = 0,
 ) -> GenerationResult:
   """Decodes from a prefill's KV cache, on the device that holds it (see `generate`)."""
-  _check_sampling(model, max_new_tokens, temperature, top_k, top_p)
+  _check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
+  max_new_tokens, seed = int(max_new_tokens), int(seed)
+  top_k = None if top_k is None else int(top_k)
   _check_length(model, result.prompt_len, max_new_tokens)
   if not result.is_local:  # another process holds the cache and generates
     return GenerationResult(None, None, result)
