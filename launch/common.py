@@ -75,3 +75,14 @@ def prompt_tokens(model, prompt: str | None, context_len: int, batch: int, seed:
       f"{model.config.max_position_embeddings}"
     )
   return synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
+
+
+def positive_ints(values, flag: str) -> list[int]:
+  """A comma-list flag of positive integers, or one clear error naming the flag."""
+  try:
+    out = [int(v) for v in values]
+  except ValueError:
+    raise ValueError(f"{flag} must be comma-separated positive integers, got {values!r}") from None
+  if not out or min(out) < 1:
+    raise ValueError(f"{flag} must be comma-separated positive integers, got {values!r}")
+  return out

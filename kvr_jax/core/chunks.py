@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def check_ranks(context_len: int, num_ranks: int) -> None:
   """The one check for "p ranks but only C tokens" (and for nonsense p): every rank needs at
@@ -43,6 +45,8 @@ def even_partition(context_len: int, num_ranks: int) -> tuple[int, ...]:
 def check_chunks(partition: Sequence[int], context_len: int, num_ranks: int) -> tuple[int, ...]:
   """Validates explicit chunk lengths: p positive integers summing to C."""
   check_ranks(context_len, num_ranks)
+  if isinstance(partition, np.ndarray) and partition.ndim == 1:
+    partition = partition.tolist()  # numpy integers become ints; floats stay floats (refused)
   if isinstance(partition, str) or not isinstance(partition, Sequence):
     raise ValueError(
       f"`partition` must be a list of {num_ranks} chunk lengths or a method name, got {partition!r}"

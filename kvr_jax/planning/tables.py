@@ -1,7 +1,9 @@
 """KVR-P tables: searched partitions over a grid of context lengths, loaded, predicted, built.
 
 predict   linear interpolation of searched boundaries, as fractions of C, between the entries
-          of a table (shipped under configs/partitions/, found with importlib.resources).
+          of a table: shipped under configs/partitions/ (found with importlib.resources), or
+          built on this machine into the cache (local_partition_dir) by `python -m
+          launch.partition_tables --model=... --hardware=... --links=... --num_ranks=...`.
 build     KVR-S (modelled objective) at each context length of the grid.
 """
 
@@ -18,23 +20,43 @@ from kvr_jax.runtime.loading import preset_config
 PARTITION_DIR = str(resources.partition_dir())
 
 
+def local_partition_dir() -> str:
+  """KVR-P tables built on this machine (any preset, any hardware/links preset)."""
+  return str(resources.cache_dir() / "partitions")
+
+
 def table_path(
   model: str, hardware: str, links: str, num_ranks: int, directory: str = PARTITION_DIR
 ) -> str:
   return os.path.join(directory, f"{model}__{hardware}__{links}__p{num_ranks}.json")
 
 
+def build_command(model: str, hardware: str, links: str, num_ranks: int) -> str:
+  """The command line that builds this table into the local cache."""
+  return (
+    f"python -m launch.partition_tables --model={model} --hardware={hardware} "
+    f"--links={links} --num_ranks={num_ranks}"
+  )
+
+
 def load_table(
-  model: str, hardware: str, links: str, num_ranks: int, directory: str = PARTITION_DIR
+  model: str, hardware: str, links: str, num_ranks: int, directory: str | None = None
 ) -> dict:
-  """The KVR-P table for (model, hardware, links, p); checks it is the table it claims."""
-  path = table_path(model, hardware, links, num_ranks, directory)
-  if not os.path.exists(path):
-    have = sorted(f[:-5] for f in os.listdir(directory)) if os.path.isdir(directory) else []
+  """The KVR-P table for (model, hardware, links, p); checks it is the table it claims.
+
+  directory None: the shipped tables, then those built on this machine."""
+  directories = [PARTITION_DIR, local_partition_dir()] if directory is None else [directory]
+  paths = [table_path(model, hardware, links, num_ranks, d) for d in directories]
+  path = next((p for p in paths if os.path.exists(p)), None)
+  if path is None:
+    have = sorted(
+      f[:-5] for d in directories if os.path.isdir(d) for f in os.listdir(d) if f.endswith(".json")
+    )
     raise ValueError(
       f"no partition table for model={model!r}, hardware={hardware!r}, "
-      f"links={links!r}, p={num_ranks} ({path}); tables: {have}. Regenerate with "
-      "`python -m launch.partition_tables`"
+      f"links={links!r}, p={num_ranks}; tables: {have}. Build it on this machine with "
+      f"`{build_command(model, hardware, links, num_ranks)}` (written to "
+      f"{local_partition_dir()}, where 'predict' finds it)"
     )
   try:
     with open(path) as f:
@@ -96,7 +118,8 @@ def build_table(
   context_lens=TABLE_CONTEXT_LENS,
   dtype_bytes: int = 2,
 ) -> dict:
-  """KVR-S (modelled objective) at each context length; fp16 as in the paper, batch 1."""
+  """KVR-S (modelled objective) at each context length; fp16 by default as in the paper,
+  batch 1."""
   config = preset_config(model)
   entries = []
   for C in context_lens:
@@ -109,23 +132,36 @@ def build_table(
     "hardware": hardware,
     "links": links,
     "num_ranks": num_ranks,
-    "objective": "modelled TTFT (kvr_jax.costmodel), fp16, batch 1",
-    "regenerate": "python -m launch.partition_tables",
+    "objective": f"modelled TTFT (kvr_jax.costmodel), {dtype_bytes}-byte values, batch 1",
+    "regenerate": (
+      "python -m launch.partition_tables"
+      if (model, hardware, links) in _shipped_keys()
+      else build_command(model, hardware, links, num_ranks)
+    ),
     "entries": entries,
   }
 
 
-def write_all_tables(directory: str = PARTITION_DIR, log=print) -> list[str]:
+def _shipped_keys():
+  return {(m, h, ln) for m in TABLE_MODELS for h in TABLE_HARDWARE for ln in TABLE_LINKS}
+
+
+def write_table(table: dict, directory: str) -> str:
   os.makedirs(directory, exist_ok=True)
+  key = (table["model"], table["hardware"], table["links"], table["num_ranks"])
+  path = table_path(*key, directory)
+  with open(path, "w") as f:
+    json.dump(table, f, indent=1)
+  return path
+
+
+def write_all_tables(directory: str = PARTITION_DIR, log=print) -> list[str]:
+  """The shipped tables (the paper's models and links), regenerated."""
   written = []
   for model in TABLE_MODELS:
     for hardware in TABLE_HARDWARE:
       for links in TABLE_LINKS:
         for p in TABLE_RANKS:
-          table = build_table(model, hardware, links, p)
-          path = os.path.join(directory, os.path.basename(table_path(model, hardware, links, p)))
-          with open(path, "w") as f:
-            json.dump(table, f, indent=1)
-          written.append(path)
-          log(f"wrote {path}")
+          written.append(write_table(build_table(model, hardware, links, p), directory))
+          log(f"wrote {written[-1]}")
   return written

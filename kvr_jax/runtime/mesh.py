@@ -5,6 +5,8 @@ All device logic lives in kvr_jax/; models/ knows nothing of this.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -22,8 +24,12 @@ def make_mesh(num_devices: int | None = None, devices=None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   if num_devices is None:
     num_devices = len(devices)
-  if not isinstance(num_devices, int) or num_devices < 1:
+  if not isinstance(num_devices, numbers.Integral) or isinstance(num_devices, bool):
     raise ValueError(f"`num_devices` must be a positive integer, got {num_devices!r}")
+  num_devices = int(num_devices)
+  if num_devices < 1:
+    raise ValueError(f"`num_devices` must be a positive integer, got {num_devices!r}")
+  _check_distinct(devices[:num_devices])
   if num_devices > len(devices):
     raise ValueError(
       f"`num_devices`={num_devices} but only {len(devices)} devices are present "
@@ -46,7 +52,20 @@ def check_mesh(mesh) -> int:
       f"`mesh` must be 1-D with the axis {AXIS!r}, got axes "
       f"{tuple(mesh.axis_names)}; build it with kvr_jax.make_mesh(p)"
     )
+  _check_distinct(list(mesh.devices.reshape(-1)))
   return mesh.shape[AXIS]
+
+
+def _check_distinct(devices) -> None:
+  """Every rank needs its own device: a device twice would hold two ranks' shards."""
+  seen = set()
+  for i, device in enumerate(devices):
+    if device in seen:
+      raise ValueError(
+        f"device {device} appears twice in the mesh (again at rank {i}); every rank needs "
+        "its own device"
+      )
+    seen.add(device)
 
 
 def last_rank_device(mesh: Mesh):
