@@ -16,6 +16,7 @@ import os
 import resource
 import sys
 
+import jax
 from absl import app, flags, logging
 
 import kvr_jax
@@ -172,6 +173,8 @@ def devices_mode():
     else "devices present"
   )
   print(note)
+  if not benchmark.reports_device_memory(jax.devices()):
+    print("peak memory: the backend reports no per-device memory; the process peak RSS instead")
   print(f"{'strategy':<8}{'C':>7}{'ranks':>6}  {'TTFT':>10}  {'tokens/s':>10}  peak memory")
   for r in rows:
     print(
@@ -179,10 +182,9 @@ def devices_mode():
       f"  {r.prompt_tokens_per_s:>10.0f}  {r.peak_memory}"
     )
   os.makedirs(FLAGS.output_dir, exist_ok=True)
-  benchmark.write_csv(rows, os.path.join(FLAGS.output_dir, "devices.csv"), note)
-  benchmark.plot_sweep(
-    rows, os.path.join(FLAGS.output_dir, "devices.png"), f"{FLAGS.model}: {note}"
-  )
+  written = [os.path.join(FLAGS.output_dir, name) for name in ("devices.csv", "devices.png")]
+  benchmark.write_csv(rows, written[0], note)
+  benchmark.plot_sweep(rows, written[1], f"{FLAGS.model}: {note}")
   if FLAGS.compare_transformers:
     with common.user_errors():
       comparison = benchmark.compare_with_transformers(
@@ -202,10 +204,9 @@ def devices_mode():
         f"{c.context_len:>7} {c.threads:>7} {c.kernel:>8} {c.ours_tokens_per_s:>9.0f}/s "
         f"{c.transformers_tokens_per_s:>11.0f}/s {c.ratio:>7.2f}x"
       )
-    benchmark.write_csv(
-      comparison, os.path.join(FLAGS.output_dir, "vs_transformers.csv"), "MEASURED prefill tokens/s"
-    )
-  print(f"wrote {FLAGS.output_dir}")
+    written.append(os.path.join(FLAGS.output_dir, "vs_transformers.csv"))
+    benchmark.write_csv(comparison, written[-1], "MEASURED prefill tokens/s")
+  print(f"wrote {', '.join(written)}")
 
 
 def worker():
@@ -269,15 +270,20 @@ def multiprocess_mode():
   for r in rows:
     C = r["context_len"]
     speedup = base[C] / r["ttft_s"]
-    vs_tsp = tsp[C] / r["ttft_s"] if C in tsp else float("nan")
+    vs_tsp = tsp[C] / r["ttft_s"] if C in tsp else None  # n/a when TSP did not run
     table.append(dict(r, speedup_vs_single=speedup, speedup_vs_tsp=vs_tsp))
+    vs_tsp_text = "n/a" if vs_tsp is None else f"{vs_tsp:.2f}x"
     print(
-      f"{r['variant']:<14}{C:>7}  {r['ttft_s']:>8.3f}s  {speedup:>8.2f}x  {vs_tsp:>6.2f}x  "
+      f"{r['variant']:<14}{C:>7}  {r['ttft_s']:>8.3f}s  {speedup:>8.2f}x  {vs_tsp_text:>7}  "
       f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
     )
   os.makedirs(FLAGS.output_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.output_dir, "multiprocess.json"), "w") as f:
+  written = [
+    os.path.join(FLAGS.output_dir, name)
+    for name in ("multiprocess.json", "multiprocess.csv", "multiprocess.png")
+  ]
+  with open(written[0], "w") as f:
     json.dump(table, f, indent=1)
   rows_for_plot = [
     benchmark.SweepRow(
@@ -292,16 +298,12 @@ def multiprocess_mode():
     for r in rows
   ]
   benchmark.write_csv(
-    rows_for_plot,
-    os.path.join(FLAGS.output_dir, "multiprocess.csv"),
-    "MEASURED, processes pinned to cores, single-threaded XLA",
+    rows_for_plot, written[1], "MEASURED, processes pinned to cores, single-threaded XLA"
   )
   benchmark.plot_sweep(
-    rows_for_plot,
-    os.path.join(FLAGS.output_dir, "multiprocess.png"),
-    f"{FLAGS.model}: MEASURED, {FLAGS.num_processes} pinned processes",
+    rows_for_plot, written[2], f"{FLAGS.model}: MEASURED, {FLAGS.num_processes} pinned processes"
   )
-  print(f"wrote {FLAGS.output_dir}")
+  print(f"wrote {', '.join(written)}")
   return 0
 
 

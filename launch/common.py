@@ -86,3 +86,17 @@ def positive_ints(values, flag: str) -> list[int]:
   if not out or min(out) < 1:
     raise ValueError(f"{flag} must be comma-separated positive integers, got {values!r}")
   return out
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+  """Before any work: the file can be written (its directory exists and is writable, it is
+  not a directory), so that a long run never ends in a traceback that loses its results."""
+  if path is None:
+    return
+  directory = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise ValueError(f"{flag}={path} is a directory; give a file name")
+  if not os.path.isdir(directory):
+    raise ValueError(f"{flag}={path}: the directory {directory} does not exist")
+  if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    raise ValueError(f"{flag}={path}: not writable")

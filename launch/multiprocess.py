@@ -6,9 +6,10 @@ Start N processes on this machine (the launcher supervises them):
 Join a cluster (run once per process, e.g. on each host):
   python -m launch.multiprocess --coordinator_address=host0:1234 --num_processes=4 --process_id=0
 
-The job (`--job=check`) prefills with KV-Runahead over all processes' devices, generates on
-the last rank's process, and compares with the single-device oracle there. Intentionally kept
-short: the logic is kvr_jax.runtime.distributed and kvr_jax.tools.jobs.
+The job prefills with KV-Runahead over all processes' devices, generates on the last rank's
+process, and compares with the single-device oracle there; it prints one summary table
+(--json: the full result as JSON). Intentionally kept short: the logic is
+kvr_jax.runtime.distributed and kvr_jax.tools.jobs.
 """
 
 import json
@@ -37,6 +38,7 @@ flags.DEFINE_string("model", "tiny-llama", "Preset, Hugging Face or Orbax direct
 flags.DEFINE_integer("context_len", 2048, "Synthetic prompt length.")
 flags.DEFINE_string("partition", "even", "KVR partition: even, search, balanced or lengths.")
 flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated on the last rank.")
+flags.DEFINE_bool("json", False, "Print the full result as JSON after the summary.")
 flags.DEFINE_integer(
   "debug_crash_process", -1, "Testing: this process exits right after joining, as if it crashed."
 )
@@ -44,13 +46,17 @@ flags.DEFINE_multi_integer("debug_skip_process", [], "Testing: do not start thes
 
 
 def worker():
-  distributed.initialize(
-    FLAGS.coordinator_address,
-    FLAGS.num_processes,
-    FLAGS.process_id,
-    init_timeout=FLAGS.init_timeout,
-    heartbeat_timeout=FLAGS.heartbeat_timeout,
-  )
+  try:
+    distributed.initialize(
+      FLAGS.coordinator_address,
+      FLAGS.num_processes,
+      FLAGS.process_id,
+      init_timeout=FLAGS.init_timeout,
+      heartbeat_timeout=FLAGS.heartbeat_timeout,
+    )
+  except (ValueError, RuntimeError) as e:  # bad address, busy port, id out of range, no cluster
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   if FLAGS.process_id == FLAGS.debug_crash_process:
     os._exit(3)
   with common.user_errors():
@@ -96,19 +102,29 @@ def launcher():
   if not results:
     print("error: no process reported a result", file=sys.stderr)
     return 1
-  print(json.dumps(results[0], indent=1))
-  same = results[0]["kvr_tokens"] == results[0]["single_tokens"]
-  print(
-    f"{results[0]['process_count']} processes, {results[0]['num_ranks']} ranks, partition "
-    f"{results[0]['partition']}: relative logit error vs single "
-    f"{results[0]['relative_logit_error']:.1e}, greedy tokens identical: {same}"
-  )
+  r = results[0]
+  same = r["kvr_tokens"] == r["single_tokens"]
+  rows = [
+    ("processes x ranks", f"{r['process_count']} x {r['num_ranks']}"),
+    ("partition", ",".join(map(str, r["partition"]))),
+    ("relative logit error vs single", f"{r['relative_logit_error']:.1e}"),
+    ("greedy tokens (KV-Runahead, row 0)", " ".join(map(str, r["kvr_tokens"][0]))),
+    ("greedy tokens identical to single", "yes" if same else "NO"),
+  ]
+  width = max(len(name) for name, _ in rows)
+  for name, value in rows:
+    print(f"{name:<{width}}  {value}")
+  if FLAGS.json:
+    print(json.dumps(r, indent=1))
   return 0 if same else 1
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if FLAGS.num_processes < 1:
+    print(f"error: --num_processes must be >= 1, got {FLAGS.num_processes}", file=sys.stderr)
+    return 2
   if FLAGS.process_id is not None:
     if FLAGS.coordinator_address is None:
       print("error: --process_id needs --coordinator_address", file=sys.stderr)

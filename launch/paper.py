@@ -25,28 +25,30 @@ def main(argv):
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   print("MODELLED TTFT (kvr_jax.planning.costmodel: A100 80GB, fp16, batch 1); not a measurement.")
   print(
-    f"{'links':<8}{'model':<12}{'p':>2}{'C':>7} {'TSP':>9}{'KVR-E':>9}{'KVR-S':>9}"
-    f"{'KVR-P':>9}{'bal.':>9}{'bound':>9}  S/TSP  P-S"
+    f"{'links':<8}{'model':<12}{'p':>2}{'C':>7} {'TSP':>10}{'KVR-E':>10}{'KVR-S':>10}"
+    f"{'KVR-P':>10}{'bal.':>10}{'bound':>10}  S/TSP  P-S"
   )
 
   def show(c):
     mark = "*" if c.predicted_by_interpolation else " "
     print(
       f"{c.links:<8}{c.model:<12}{c.num_ranks:>2}{c.context_len:>7} "
-      f"{c.tsp_s * 1e3:>8.1f}m{c.kvr_even_s * 1e3:>8.1f}m{c.kvr_search_s * 1e3:>8.1f}m"
-      f"{c.kvr_predict_s * 1e3:>8.1f}m{c.kvr_balanced_s * 1e3:>8.1f}m"
-      f"{c.lower_bound_s * 1e3:>8.1f}m  {c.speedup:>4.2f}x {c.predict_gap * 100:+.2f}%{mark}"
+      f"{c.tsp_s * 1e3:>8.1f}ms{c.kvr_even_s * 1e3:>8.1f}ms{c.kvr_search_s * 1e3:>8.1f}ms"
+      f"{c.kvr_predict_s * 1e3:>8.1f}ms{c.kvr_balanced_s * 1e3:>8.1f}ms"
+      f"{c.lower_bound_s * 1e3:>8.1f}ms  {c.speedup:>4.2f}x {c.predict_gap * 100:+.2f}%{mark}"
     )
 
   cells = paper.all_cells(progress=show)
-  print("(times in ms; * = KVR-P interpolated between table entries; bal. = balanced split)")
+  print("(* = KVR-P interpolated between table entries; bal. = balanced split)")
   print()
   ok_faster = all(c.kvr_search_s < c.tsp_s for c in cells)
-  worst_gap = max(c.predict_gap for c in cells)
+  # Two-sided: a KVR-P much *faster* than KVR-S would mean the search missed its optimum.
+  worst = max(cells, key=lambda c: abs(c.predict_gap))
+  worst_gap = worst.predict_gap
   print(f"KVR-S faster than TSP in every cell: {'yes' if ok_faster else 'NO'}")
   print(
-    f"KVR-P within 2% of KVR-S in every cell: {'yes' if worst_gap <= 0.02 else 'NO'} "
-    f"(worst {worst_gap * 100:.2f}%)"
+    f"KVR-P within 2% of KVR-S (either way) in every cell: "
+    f"{'yes' if abs(worst_gap) <= 0.02 else 'NO'} (worst {worst_gap * 100:+.2f}%)"
   )
   worst_bal = max(c.kvr_balanced_s / c.kvr_search_s - 1 for c in cells if c.links == "300GBps")
   print(

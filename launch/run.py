@@ -1,7 +1,7 @@
 """Main job: prefill one prompt with single, TSP and KV-Runahead; print a comparison table.
 
   python -m launch.run                      # tiny-llama, 2048 tokens, 8 (emulated) devices
-  python -m launch.run --model=tiny-falcon --context_len=1024 --partition=600,424
+  python -m launch.run --model=tiny-falcon --context_len=1024 --num_devices=2 --partition=600,424
 
 Intentionally kept short: all logic lives in kvr_jax (kvr_jax.tools.demo.compare_strategies).
 """
@@ -52,6 +52,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   emulated = common.setup_devices(FLAGS.num_devices)
   with common.user_errors():
+    common.check_output_file(FLAGS.output_json, "--output_json")
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
     partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)

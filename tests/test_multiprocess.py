@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -34,9 +36,18 @@ def test_two_processes_four_ranks_match_single_device():
     "--context_len=200",
     "--partition=80,50,40,30",
     "--max_new_tokens=8",
+    "--json",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
-  result = json.loads(proc.stdout[: proc.stdout.rindex("}") + 1])
+  result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+  # The summary table shows the same numbers as the result (no 30-line blob by default).
+  summary = dict(
+    line.split("  ", 1) for line in proc.stdout[: proc.stdout.index("{")].strip().splitlines()
+  )
+  assert summary["partition"].strip() == "80,50,40,30"
+  err = float(summary["relative logit error vs single"])
+  assert err == pytest.approx(result["relative_logit_error"], rel=0.06)
+  assert summary["greedy tokens identical to single"].strip() == "yes"
   assert result["process_count"] == 2 and result["num_ranks"] == 4
   assert result["partition"] == [80, 50, 40, 30]
   assert result["process_index"] == 1  # the last rank's process holds the cache and generates
@@ -82,3 +93,37 @@ def test_bad_cluster_arguments():
     distributed.initialize("localhost", 2, 0)
   with pytest.raises(ValueError, match="process_id must be in"):
     distributed.initialize("localhost:1234", 2, 2)
+
+
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--process_id=0", "--coordinator_address=nohost", "--num_processes=2"], "host:port"),
+    (
+      ["--process_id=5", "--coordinator_address=localhost:1234", "--num_processes=2"],
+      r"process_id must be in \[0, 2\)",
+    ),
+    (["--port=70000"], r"port must be in \[1, 65535\], got 70000"),
+    (["--port=0"], "leave --port out to pick a free one"),
+    (["--devices_per_process=0"], "devices_per_process must be >= 1"),
+  ],
+)
+def test_bad_launcher_flags_are_one_line(flags, message):
+  proc, _ = run_launcher(*flags, "--context_len=64", timeout=60)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert re.search(message, proc.stderr), proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_suspended_process_is_named_not_the_abort_it_causes():
+  """Process 1 suspended (SIGSTOP): the survivor aborts (SIGABRT) after the heartbeat timeout
+  with a native stack trace; the report names the suspended process and no stack frames."""
+  from kvr_jax.runtime import distributed
+
+  abort_trace = "F0000 coordination error\n*** SIGABRT received ***\nPC: @ 0x1\n    @ 0x2 foo"
+  text = distributed.describe_failure(0, -signal.SIGABRT, abort_trace, stopped={1})
+  assert "process 0 was killed by SIGABRT" in text and "[1] had been suspended" in text
+  assert "@ 0x" not in text
+  # Without a suspended peer the failed process's own last lines are shown, frames dropped.
+  text = distributed.describe_failure(1, 3, "ValueError: bad chunk\n    @ 0x2 frame")
+  assert "exited with code 3" in text and "ValueError: bad chunk" in text and "@ 0x" not in text

@@ -149,6 +149,15 @@ def launch_local(
   """
   if num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int):
+    raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process!r}")
+  if devices_per_process < 1:
+    raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
+  if port is not None and not 1 <= port <= 65535:
+    raise ValueError(
+      f"the coordinator port must be in [1, 65535], got {port}"
+      + (" (leave --port out to pick a free one)" if port == 0 else "")
+    )
   port = free_port() if port is None else port
   if not port_is_free(port):
     raise ValueError(f"coordinator port {port} is already in use; choose another (--port)")
@@ -202,8 +211,10 @@ def _supervise(procs: dict[int, subprocess.Popen], timeout: float) -> list[Proce
     t.start()
   deadline = time.monotonic() + timeout
   failed = None
+  stopped: set[int] = set()  # processes seen suspended (SIGSTOP, a debugger): they go silent
   while time.monotonic() < deadline:
     codes = {i: p.poll() for i, p in procs.items()}
+    stopped |= {i for i, p in procs.items() if codes[i] is None and _is_stopped(p.pid)}
     failed = next((i for i, c in codes.items() if c not in (None, 0)), None)
     if failed is not None or all(c == 0 for c in codes.values()):
       break
@@ -211,6 +222,7 @@ def _supervise(procs: dict[int, subprocess.Popen], timeout: float) -> list[Proce
   timed_out = failed is None and any(p.poll() is None for p in procs.values())
   for p in procs.values():
     if p.poll() is None:
+      p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
       p.send_signal(signal.SIGTERM)
   for p in procs.values():
     try:
@@ -223,16 +235,48 @@ def _supervise(procs: dict[int, subprocess.Popen], timeout: float) -> list[Proce
   outcomes = [ProcessOutcome(i, p.returncode, *output[i]) for i, p in procs.items()]
   if failed is not None:
     bad = next(o for o in outcomes if o.process_id == failed)
-    raise RuntimeError(
-      f"process {failed} exited with code {bad.returncode}; the other "
-      f"processes were stopped. Its last error output:\n"
-      f"{_tail(bad.stderr)}"
-    )
+    raise RuntimeError(describe_failure(failed, bad.returncode, bad.stderr, stopped - {failed}))
   if timed_out:
-    raise RuntimeError(f"the processes did not finish within {timeout:.0f}s and were stopped")
+    raise RuntimeError(
+      f"the processes did not finish within {timeout:.0f}s and were stopped"
+      + (f" (process(es) {sorted(stopped)} had been suspended)" if stopped else "")
+    )
   return outcomes
 
 
+def _is_stopped(pid: int) -> bool:
+  """Whether a process is suspended (state T: SIGSTOP, SIGTSTP, a debugger)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+  except (OSError, IndexError):
+    return False
+
+
+def describe_failure(process_id: int, returncode: int, stderr: str, stopped=()) -> str:
+  """One paragraph on why the cluster stopped: who failed, how, and the likely cause."""
+  if returncode < 0:
+    try:
+      how = f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+      how = f"was killed by signal {-returncode}"
+  else:
+    how = f"exited with code {returncode}"
+  text = f"process {process_id} {how}; the other processes were stopped."
+  if stopped:
+    text += (
+      f" Process(es) {sorted(stopped)} had been suspended (e.g. SIGSTOP) and stopped "
+      "answering, so JAX's coordination service gave up on them"
+      + (" and aborted the others" if returncode == -signal.SIGABRT else "")
+      + "."
+    )
+    return text  # the failed process's output is JAX's abort trace, not the cause
+  return f"{text} Its last error output:\n{_tail(stderr)}"
+
+
 def _tail(text: str, lines: int = 8) -> str:
-  kept = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("    @")]
+  """The last lines of a worker's stderr, without native stack frames ("    @ 0x...",
+  "*** SIGABRT received ...", "PC: @ ...")."""
+  frame = ("@ 0x", "@ ", "*** ", "PC: @", "(stack")
+  kept = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(frame)]
   return "\n".join(kept[-lines:]) or "(none: it exited without a message)"

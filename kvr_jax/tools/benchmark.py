@@ -46,7 +46,12 @@ def peak_memory(devices) -> str:
   if all(s is not None and "peak_bytes_in_use" in s for s in stats):
     return " ".join(f"{s['peak_bytes_in_use'] / 2**20:.0f}MiB" for s in stats)
   rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  return f"process peak RSS {rss_kib / 1024:.0f}MiB (backend reports no per-device memory)"
+  return f"{rss_kib / 1024:.0f}MiB (process peak RSS)"
+
+
+def reports_device_memory(devices) -> bool:
+  """Whether the backend reports per-device peak memory (GPUs do; CPU devices do not)."""
+  return all((s := d.memory_stats()) is not None and "peak_bytes_in_use" in s for d in devices)
 
 
 def sweep(

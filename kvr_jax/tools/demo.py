@@ -27,7 +27,7 @@ class StrategyReport:
   compile_s: float  # first call (trace + compile + run) minus a warm run
   ttft_median_s: float
   ttft_runs_s: list[float]
-  max_logit_diff_vs_single: float
+  max_logit_diff_vs_single: float | None  # None when `single` did not run
   first_tokens: list[int]
 
   def as_dict(self) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def compare_strategies(
         ttft_median_s=median,
         ttft_runs_s=timing.runs_s,
         max_logit_diff_vs_single=(
-          float("nan") if reference is None else float(np.abs(logits - reference).max())
+          None if reference is None else float(np.abs(logits - reference).max())
         ),
         first_tokens=[int(t) for t in gen.tokens[0]],
       )
@@ -85,18 +85,19 @@ def compare_strategies(
 
 
 def format_table(reports: list[StrategyReport]) -> str:
+  """One row per strategy; the partition in full (the column is as wide as the longest)."""
+  parts = ["-" if r.partition is None else ",".join(map(str, r.partition)) for r in reports]
+  width = max([len("partition"), *map(len, parts)])
   header = (
-    f"{'strategy':<9} {'partition':<28} {'TTFT median':>12} {'compile':>9} "
+    f"{'strategy':<9} {'partition':<{width}} {'TTFT median':>12} {'compile':>9} "
     f"{'max |dlogit|':>13}  first tokens"
   )
   lines = [header, "-" * len(header)]
-  for r in reports:
-    part = "-" if r.partition is None else ",".join(map(str, r.partition))
-    if len(part) > 28:
-      part = part[:25] + "..."
+  for r, part in zip(reports, parts, strict=True):
+    diff = r.max_logit_diff_vs_single
     lines.append(
-      f"{r.strategy:<9} {part:<28} {r.ttft_median_s * 1e3:>10.1f}ms "
-      f"{r.compile_s:>8.2f}s {r.max_logit_diff_vs_single:>13.2e}  "
+      f"{r.strategy:<9} {part:<{width}} {r.ttft_median_s * 1e3:>10.1f}ms "
+      f"{r.compile_s:>8.2f}s {'n/a' if diff is None else f'{diff:.2e}':>13}  "
       f"{' '.join(map(str, r.first_tokens))}"
     )
   return "\n".join(lines)
