@@ -138,3 +138,35 @@ def test_first_api_mistakes_are_one_clear_error():
     )
   with pytest.raises(ValueError, match="preset name or a directory"):
     kvr_jax.load_model(42)
+
+
+def test_every_plans_answer_is_validated():
+  """`PartitionPlan("even", multiple=32)` cannot split 16 tokens over 4 ranks: one clear error
+  before anything compiles (it once returned (-64, 32, 32, 16))."""
+  model = kvr_jax.load_model("tiny-llama")
+  with pytest.raises(ValueError, match="multiple"):
+    kvr_jax.prefill(
+      model,
+      np.ones((1, 16), np.int32),
+      strategy="kvr",
+      mesh=kvr_jax.make_mesh(4),
+      partition=kvr_jax.PartitionPlan("even", multiple=32),
+    )
+
+
+def test_predict_for_any_preset_after_the_command_its_error_names(tmp_path):
+  """No table: the error names a command; run exactly that command (in a fresh process with
+  the same cache directory) and predict then works."""
+  model = kvr_jax.load_model("tiny-falcon")
+  tokens = np.ones((1, 3000), np.int32)
+  plan = kvr_jax.PartitionPlan("predict", hardware="a100-80gb", links="10GBps")
+  mesh = kvr_jax.make_mesh(2)
+  with pytest.raises(ValueError, match="Build it on this machine with `python -m") as error:
+    kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=plan)
+  command = re.search(r"`(python -m launch\.partition_tables [^`]*)`", str(error.value)).group(1)
+  proc = subprocess.run(
+    [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  got = kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=plan)
+  assert sum(got.partition) == 3000 and got.partition[0] > got.partition[1]
