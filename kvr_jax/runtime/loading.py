@@ -99,8 +99,11 @@ class Model:
 
   def __repr__(self):
     cfg = self.config
+    switches = [name for name in ("qkv_bias", "qk_norm") if getattr(cfg, name)]
+    if cfg.sliding_window is not None:
+      switches.append(f"sliding_window={cfg.sliding_window}")
     return (
-      f"Model({cfg.architecture}, {cfg.num_params() / 1e6:.2f}M params, "
+      f"Model({', '.join([cfg.architecture, *switches])}, {cfg.num_params() / 1e6:.2f}M params, "
       f"dtype={jnp.dtype(self.dtype).name}, source={self.source!r})"
     )
 

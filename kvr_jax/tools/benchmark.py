@@ -27,7 +27,7 @@ from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.runtime.loading import Model, load_hf_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
-from models.layers import attend_flash, attend_static
+from models.layers import attend_flash, attend_static, window_start
 
 
 @dataclasses.dataclass
@@ -321,8 +321,14 @@ def rank_phase_times(
     positions = jnp.arange(start, end)[None]
     qkv = jax.jit(lambda s, x, pos: nnx.merge(graphdef, s).project_qkv(x, pos))
     q, k, v = qkv(layer0, x, positions)
-    k_prefix = jnp.ones((1, end, cfg.num_kv_heads, cfg.head_dim), model.dtype)
-    attend = jax.jit(lambda q, k, v, start=start: attend_static(q, k, v, start, attention))
+    # As the program does (strategies.runahead): keys from the chunk's window start.
+    first = window_start(start, cfg.sliding_window)
+    k_prefix = jnp.ones((1, end - first, cfg.num_kv_heads, cfg.head_dim), model.dtype)
+    attend = jax.jit(
+      lambda q, k, v, offset=start - first: attend_static(
+        q, k, v, offset, attention, cfg.sliding_window
+      )
+    )
     attn = attend(q, k_prefix, k_prefix)
     finish = jax.jit(lambda s, x, a: nnx.merge(graphdef, s).finish(x, a))
     rows.append(
