@@ -100,8 +100,12 @@ def test_every_example_uses_flags_its_launcher_defines(command):
 
 
 # launch.run's example lines (not prose mentions with placeholders such as --model=output_dir).
+# The bare `python -m launch.run` runs in tests/test_launchers.py::test_run_main_job (with
+# --output_json, to read its numbers back), so it is not run twice.
 RUN_EXAMPLES = sorted(
-  {c for c in _help_examples() if c.startswith("python -m launch.run") and "output_dir" not in c}
+  c
+  for c in set(_help_examples())
+  if c.startswith("python -m launch.run ") and "output_dir" not in c
 )
 
 

@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import make_mesh
-from kvr_jax.strategies import STRATEGIES
+from kvr_jax.runtime.mesh import check_mesh, make_mesh
+from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
 __all__ = ["StrategyReport", "compare_strategies", "format_table", "synthetic_prompt"]
@@ -58,6 +59,11 @@ def compare_strategies(
   # "single" first, so the others are compared with it.
   strategies = sorted(strategies, key=lambda s: s != "single")
   mesh = make_mesh(num_devices)
+  if isinstance(partition, (list, tuple, np.ndarray)) and any(
+    get_strategy(s).partitioned for s in strategies
+  ):
+    # Explicit lengths are checked before the first strategy compiles, not after it ran.
+    check_chunks(partition, np.shape(tokens)[-1], check_mesh(mesh))
   reference = None
   reports = []
   for strategy in strategies:
