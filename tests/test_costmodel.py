@@ -4,6 +4,7 @@ except the FLOP check against XLA's cost analysis)."""
 import dataclasses
 import itertools
 import json
+import os
 
 import jax
 import numpy as np
@@ -265,6 +266,17 @@ def test_shipped_tables_are_current():
     shipped = {e["context_len"]: e["partition"] for e in json.load(f)["entries"]}
   for entry in table["entries"]:
     assert shipped[entry["context_len"]] == entry["partition"]
+
+
+def test_a_failed_table_write_keeps_the_old_table(tmp_path):
+  """Tables (like the calibration and measured searches) are replaced whole or not at all."""
+  table = {"model": "m", "hardware": "h", "links": "l", "num_ranks": 2, "entries": [1]}
+  path = tables.write_table(table, str(tmp_path))
+  with pytest.raises(TypeError):
+    tables.write_table({**table, "entries": [object()]}, str(tmp_path))
+  with open(path) as f:
+    assert json.load(f) == table
+  assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(path)]
 
 
 def test_balanced_comes_close_to_search_at_high_bandwidth():

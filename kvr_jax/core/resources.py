@@ -10,6 +10,7 @@ $XDG_CACHE_HOME/kvr_jax, else ~/.cache/kvr_jax.
 from __future__ import annotations
 
 import importlib.resources
+import json
 import os
 import pathlib
 
@@ -33,3 +34,19 @@ def cache_dir() -> pathlib.Path:
   path = pathlib.Path(base)
   path.mkdir(parents=True, exist_ok=True)
   return path
+
+
+def write_json_atomically(path: str | os.PathLike, payload, indent: int = 1) -> None:
+  """Writes JSON through a per-process temporary file and os.replace.
+
+  A reader (another process, a second pytest worker, a predict call) never sees half a
+  file, and an interrupted write leaves the old one in place.
+  """
+  tmp = f"{path}.{os.getpid()}.tmp"
+  try:
+    with open(tmp, "w") as f:
+      json.dump(payload, f, indent=indent)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):  # the write failed before the replace
+      os.remove(tmp)

@@ -180,12 +180,9 @@ def _measure_and_store(path: str) -> tuple[Hardware, Links]:
     )
     links = Links(b, lat)
   if jax.process_index() == 0:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-      payload = {"hardware": dataclasses.asdict(hardware), "links": dataclasses.asdict(links)}
-      payload["links"]["slow"] = list(links.slow)
-      json.dump(payload, f, indent=1)
-    os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    payload = {"hardware": dataclasses.asdict(hardware), "links": dataclasses.asdict(links)}
+    payload["links"]["slow"] = list(links.slow)
+    resources.write_json_atomically(path, payload)
   return hardware, links
 
 

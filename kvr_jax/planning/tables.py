@@ -150,10 +150,7 @@ def write_table(table: dict, directory: str) -> str:
   os.makedirs(directory, exist_ok=True)
   key = (table["model"], table["hardware"], table["links"], table["num_ranks"])
   path = table_path(*key, directory)
-  tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(table, f, indent=1)
-  os.replace(tmp, path)  # atomic: predict in another process never reads half a table
+  resources.write_json_atomically(path, table)
   return path
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from kvr_jax.core import resources
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.planning.search import Objective, search_partition
 from kvr_jax.runtime.loading import Model
@@ -80,10 +81,7 @@ def measured_objective(
       results[key] = measure(chunks, repeats)
       if cache_path and jax.process_index() == jax.process_count() - 1:
         os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-        tmp = cache_path + ".tmp"
-        with open(tmp, "w") as f:
-          json.dump({"setup": setup, "results": results}, f, indent=1)
-        os.replace(tmp, cache_path)  # atomic: an interruption never leaves half a file
+        resources.write_json_atomically(cache_path, {"setup": setup, "results": results})
     return results[key]
 
   objective.results = results  # for the final check in measured_search
