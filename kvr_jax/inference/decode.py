@@ -1,7 +1,15 @@
 """Decode from a KV cache: one jitted step per token, and token sampling.
 
-The step runs wherever its operands live: after KV-Runahead that is the last rank's device,
-which holds the whole cache, so decoding starts there without moving the cache.
+Two steps, one per cache layout (kvr_jax.inference.kv_cache):
+* `decode_step`: the whole cache on one device (cache="last": the last rank's device), where
+  the step runs without moving the cache.
+* `sharded_decode_program`: the cache left in the ranks' parts (cache="sharded"). Every rank
+  runs the new token's projections and MLP (the weights are replicated, so no hidden state
+  is sent), attends the token's queries to its own part only, and the partial outputs are
+  merged exactly by log-sum-exp in float32 across the ranks (flash-decoding across devices,
+  pass-Q: only [B, 1, N, H] outputs and [B, 1, N] statistics travel, never K,V). The decoded
+  tokens' own K,V (the "tail", max_new_tokens long) are computed identically on every rank
+  and attended by the last rank only, where the new tokens are appended.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import scan_blocks
+from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies.base import CacheLayout
+from models import layers, scan_blocks
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4, 5))
@@ -41,6 +51,86 @@ def decode_step(graphdef, state, tokens_B, position, k_cache, v_cache):
     model.blocks, layer, model.embed(tokens_B[:, None]), (k_cache, v_cache)
   )
   return model.logits(x_B1D)[:, 0], k_cache, v_cache
+
+
+def part_attention(q_B1NH, part_2BPKH, position, runs, window: int | None):
+  """One rank's partial attention of the new token (at `position`) over its part: every run
+  (prompt position, length, row) is a flash partial at its own offset, merged. A rank with no
+  run, or whose runs lie wholly before the window, returns out 0 and lse -inf (weight 0).
+  Returns (out float32 [B, 1, N, H], lse float32 [B, 1, N])."""
+  out = jnp.zeros_like(q_B1NH, jnp.float32)
+  lse = out[..., 0] - jnp.inf
+  for position_0, length, row in runs:
+    keys = part_2BPKH[:, :, row : row + length]
+    partial = layers.attend_flash(q_B1NH, keys[0], keys[1], position - position_0, window=window)
+    out, lse = layers.merge_partials(out, lse, *partial)
+  return out, lse
+
+
+def merge_across_ranks(out_B1NH, lse_B1N):
+  """Exact merge of every rank's partial (same queries, disjoint keys), in float32:
+  sum_r e^{lse_r - m} out_r / sum_r e^{lse_r - m}, m = max_r lse_r."""
+  m = jax.lax.pmax(lse_B1N, AXIS)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  weight = jnp.exp(lse_B1N - m)
+  numerator = jax.lax.psum(weight[..., None] * out_B1NH, AXIS)
+  denominator = jax.lax.psum(weight, AXIS)
+  return numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+
+
+@functools.lru_cache(maxsize=32)
+def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
+  """f(state, tokens_B, position, kv_parts [p, L, 2, B, P, K, H], tail [L, 2, B, M, K, H],
+  tail_index) -> (logits [B, V], tail): one token per sequence at prompt position `position`
+  (= prompt_len + tail_index) from a sharded cache; `tail` (donated) gets the token's K,V at
+  `tail_index`. Weights, tokens, tail and logits are replicated; the parts stay sharded."""
+  p = layout.num_ranks
+  P = jax.P
+
+  def step(state, tokens_B, position, kv_parts_1L2BPKH, tail_L2BMKH, tail_index):
+    model = nnx.merge(graphdef, state)
+    window = model.config.sliding_window
+    rank = jax.lax.axis_index(AXIS)
+    B = tokens_B.shape[0]
+    positions_B1 = jnp.full((B, 1), position, jnp.int32)
+
+    def layer(block, x_B1D, cache_l):
+      part_2BPKH, tail_2BMKH = cache_l
+      q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B1)
+      new_2B1KH = jnp.stack([k_B1KH, v_B1KH])
+      tail_2BMKH = jax.lax.dynamic_update_slice_in_dim(tail_2BMKH, new_2B1KH, tail_index, axis=2)
+      out, lse = jax.lax.switch(
+        rank,
+        [
+          functools.partial(part_attention, runs=layout.segments[r], window=window)
+          for r in range(p)
+        ],
+        # The same queries on every rank, typed as varying like the parts they meet.
+        jax.lax.pcast(q_B1NH, (AXIS,), to="varying"),
+        part_2BPKH,
+        position,
+      )
+      # The decoded tokens sit at positions prompt_len + [0, M): the query at tail_index.
+      tail_out, tail_lse = layers.attend_flash(
+        q_B1NH, tail_2BMKH[0], tail_2BMKH[1], tail_index, window=window
+      )
+      tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
+      out, lse = layers.merge_partials(out, lse, tail_out, tail_lse)
+      attn_B1NH = merge_across_ranks(out, lse).astype(q_B1NH.dtype)
+      return block.finish(x_B1D, attn_B1NH), tail_2BMKH
+
+    x_B1D, tail_L2BMKH = scan_blocks(
+      model.blocks, layer, model.embed(tokens_B[:, None]), (kv_parts_1L2BPKH[0], tail_L2BMKH)
+    )
+    return model.logits(x_B1D)[:, 0], tail_L2BMKH
+
+  body = jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(P(), P(), P(), P(AXIS), P(), P()),
+    out_specs=(P(), P()),
+  )
+  return jax.jit(body, donate_argnums=(4,))
 
 
 @jax.jit

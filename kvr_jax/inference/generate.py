@@ -11,8 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from kvr_jax.inference import decode
+from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import PrefillResult, check_tokens, prefill
 from kvr_jax.runtime.loading import Model
 
@@ -59,6 +61,11 @@ def _is_real(value) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
+_SHARDED_MULTIPROCESS = (
+  "cache='sharded' decodes in one process (every process would have to run each step); "
+  "across processes use cache='last'"
+)
+
 # Sampling divides float32 logits by the temperature: below float32's smallest normal number
 # the division is no longer a temperature (it underflows), so such values are refused.
 MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
@@ -104,18 +111,31 @@ def generate(
   mesh=None,
   partition: Any = None,
   attention: str | None = None,
+  cache: str = "last",
 ) -> GenerationResult:
   """Prefill with `strategy`, then decode token by token from the KV cache.
 
   prompt: token ids [T] or [B, T], or text (a string or equal-length list of strings; needs a
   tokenizer). Stops when every row has produced EOS or after `max_new_tokens`. Temperature 0
   is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
+  cache: "last" (decode on the last rank's device from the whole cache) or "sharded" (the
+  cache stays in the ranks' parts; each step attends every part where it lies and merges the
+  partial outputs, see kvr_jax.inference.decode; one process only).
   """
   _check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
+  check_cache(cache)
+  if cache == "sharded" and jax.process_count() > 1:
+    raise ValueError(_SHARDED_MULTIPROCESS)
   tokens_BT = check_tokens(model, _encode_prompt(model, prompt))
   _check_length(model, tokens_BT.shape[1], int(max_new_tokens))
   result = prefill(
-    model, tokens_BT, strategy=strategy, mesh=mesh, partition=partition, attention=attention
+    model,
+    tokens_BT,
+    strategy=strategy,
+    mesh=mesh,
+    partition=partition,
+    attention=attention,
+    cache=cache,
   )
   return decode_from(model, result, max_new_tokens, temperature, top_k, top_p, seed)
 
@@ -134,40 +154,62 @@ def decode_from(
   max_new_tokens, seed = int(max_new_tokens), int(seed)
   top_k = None if top_k is None else int(top_k)
   _check_length(model, result.prompt_len, max_new_tokens)
+  if result.cache == "sharded" and jax.process_count() > 1:
+    raise ValueError(_SHARDED_MULTIPROCESS)
   if not result.is_local:  # another process holds the cache and generates
     return GenerationResult(None, None, result)
   B, T = result.logits.shape[0], result.prompt_len
-  device = result.device
-  state = model.state_on(device)
-  # Room for the new tokens, allocated where the cache already is.
-  grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
-  k_cache, v_cache = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
+  if result.cache == "sharded":
+    # Every operand replicated over the prefill's mesh but the cache parts, which stay put.
+    replicated = NamedSharding(result.mesh, jax.P())
+    state = model.state_on(replicated)
+    L, _, _, _, K, H = result.kv_parts.shape[1:]
+    tail = jnp.zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, device=replicated)
+    program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
+
+    def step(token_B, index, tail):
+      token_B = jax.device_put(token_B, replicated)
+      return program(state, token_B, T + index, result.kv_parts, tail, index)
+
+    logits = jax.device_put(result.logits, replicated)
+    key = jax.device_put(jax.random.key(seed), replicated)
+  else:
+    device = result.device
+    state = model.state_on(device)
+    # Room for the new tokens, allocated where the cache already is.
+    grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
+    tail = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
+
+    def step(token_B, index, tail):
+      logits, k_cache, v_cache = decode.decode_step(
+        model.graphdef, state, token_B, T + index, *tail
+      )
+      return logits, (k_cache, v_cache)
+
+    logits = result.logits
+    key = jax.device_put(jax.random.key(seed), device)
   eos = np.asarray(model.config.eos_ids, np.int32)
-  key = jax.device_put(jax.random.key(seed), device)
-  logits = result.logits
   out = np.zeros((B, max_new_tokens), np.int32)
   done = np.zeros(B, bool)
   n = 0
-  for step in range(max_new_tokens):
+  for index in range(max_new_tokens):
     if temperature == 0:
       token_B = decode.greedy(logits)
     else:
       token_B = decode.sample(
         logits,
-        jax.random.fold_in(key, step),
+        jax.random.fold_in(key, index),
         float(temperature),
         top_k=top_k,
         top_p=None if top_p is None else float(top_p),
       )
     token_np = np.asarray(token_B)
-    out[:, step] = np.where(done, eos[0] if eos.size else 0, token_np)
-    n = step + 1
+    out[:, index] = np.where(done, eos[0] if eos.size else 0, token_np)
+    n = index + 1
     done |= np.isin(token_np, eos)
-    if done.all() or step == max_new_tokens - 1:
+    if done.all() or index == max_new_tokens - 1:
       break
-    logits, k_cache, v_cache = decode.decode_step(
-      model.graphdef, state, token_B, T + step, k_cache, v_cache
-    )
+    logits, tail = step(token_B, index, tail)
   out = out[:, :n]
   text = None
   if model.tokenizer is not None:

@@ -16,10 +16,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from kvr_jax.inference.kv_cache import check_cache, gather_on_last_rank
 from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, make_mesh, shard_on
 from kvr_jax.strategies import STRATEGIES, get_strategy
+from kvr_jax.strategies.base import CacheLayout
 from models.layers import ATTENTION_KINDS, FUSED_KERNELS, WINDOWED_KERNELS
 
 
@@ -27,20 +29,26 @@ from models.layers import ATTENTION_KINDS, FUSED_KERNELS, WINDOWED_KERNELS
 class PrefillResult:
   """What a prefill hands to decode.
 
-  logits: [B, V] float32, the last prompt position. k_cache, v_cache: [L, B, S, K, H] with
-  S = prompt_len, on `device` (for KV-Runahead: the last rank's device, where the paper leaves
-  the cache). With a mesh spanning processes, only the process of the last rank holds them;
-  elsewhere they are None (`is_local` is False). With a sliding window W, positions before
-  S - W + 1 are not needed by decode (it masks them), and KV-Runahead leaves them zero where
-  its hops did not carry them; every strategy fills positions [S - W + 1, S).
+  logits: [B, V] float32, the last prompt position, on the last rank's device.
+  cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len, in
+  prompt order on the last rank's device (`device`), where decode continues.
+  cache="sharded": k_cache and v_cache are None; `kv_parts` [p, L, 2, B, P, K, H] stays
+  sharded over `mesh`, rank r's part holding the positions `cache_layout.segments[r]` says;
+  `gather_cache()` brings them into prompt order on the last rank when wanted.
+  With a mesh spanning processes, only the process of the last rank holds the logits and a
+  "last" cache; elsewhere they are None (`is_local` is False).
   """
 
   logits: jax.Array
-  k_cache: jax.Array
-  v_cache: jax.Array
+  k_cache: jax.Array | None
+  v_cache: jax.Array | None
   prompt_len: int
   strategy: str
   partition: tuple[int, ...] | None = None
+  cache: str = "last"
+  kv_parts: jax.Array | None = None
+  cache_layout: CacheLayout | None = None
+  mesh: Any = None
 
   @property
   def is_local(self) -> bool:
@@ -48,11 +56,18 @@ class PrefillResult:
 
   @property
   def device(self):
-    return next(iter(self.k_cache.devices()))
+    return next(iter(self.logits.devices()))
+
+  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
+    """(K, V) [L, B, S, K, H] in prompt order on the last rank's device, whichever layout."""
+    if self.cache == "last":
+      return self.k_cache, self.v_cache
+    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
 
   def layer_cache(self, layer: int) -> tuple[jax.Array, jax.Array]:
     """(K, V) of one layer, each [B, S, K, H]."""
-    return self.k_cache[layer], self.v_cache[layer]
+    k, v = self.gather_cache()
+    return k[layer], v[layer]
 
 
 def check_tokens(model: Model, tokens) -> np.ndarray:
@@ -120,6 +135,7 @@ def prefill(
   mesh=None,
   partition: Any = None,
   attention: str | None = None,
+  cache: str = "last",
 ) -> PrefillResult:
   """Runs the prompt phase and returns the last position's logits and the KV cache.
 
@@ -136,8 +152,12 @@ def prefill(
     accounting); "blocked": query blocks over the keys up to their last query; "fused":
     jax.nn.dot_product_attention on the prefix and the diagonal, merged (cuDNN on GPUs with
     models.layers.FUSED_IMPLEMENTATION = "cudnn"). TSP is dense by definition.
+  cache: "last" (the paper's layout: the whole cache in prompt order on the last rank's
+    device; moving the ranks' parts there is part of the call) or "sharded" (each rank keeps
+    the part it computed; `generate` decodes from it where it lies). See PrefillResult.
   """
   spec = get_strategy(strategy)
+  cache = check_cache(cache)
   attention = spec.check_attention(attention)
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
@@ -191,11 +211,14 @@ def prefill(
   run = spec.compile(model.graphdef, mesh, chunks, attention)
   state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
-  logits, kv = run(state, tokens_pBc)
+  logits, kv_parts = run(state, tokens_pBc)
+  layout = spec.cache_layout(T, chunks)
   owner = mesh.devices.reshape(-1)[spec.cache_rank(chunks)]
-  kv_L2BSKH = shard_on(kv, owner)
-  if kv_L2BSKH is None:  # the cache is another process's: it holds the answer
-    return PrefillResult(None, None, None, T, strategy, user_chunks)
-  return PrefillResult(
-    shard_on(logits, owner), kv_L2BSKH[:, 0], kv_L2BSKH[:, 1], T, strategy, user_chunks
+  logits_BV = shard_on(logits, owner)
+  common = dict(
+    prompt_len=T, strategy=strategy, partition=user_chunks, cache=cache, cache_layout=layout
   )
+  if cache == "sharded":
+    return PrefillResult(logits_BV, None, None, kv_parts=kv_parts, mesh=mesh, **common)
+  k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh)
+  return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common)

@@ -4,8 +4,8 @@ Zigzag layout (kvr_jax.strategies.zigzag): rank r holds chunks r and 2p-1-r. Per
 rank projects its 2c tokens, one tiled `all_gather` of K,V (own KV heads, a barrier) gives
 every rank the whole prompt's K,V, which is put in prompt order, and each rank attends its two
 chunks causally with the flash kernel (key blocks past a chunk's last query are never
-visited, so both chunks together cost the same on every rank). After the last layer every
-rank holds the whole cache; rank p-1's copy, in prompt order, is the one decode uses.
+visited, so both chunks together cost the same on every rank). The gathered K,V live one
+layer; each rank outputs only its own two chunks' K,V (see kvr_jax.inference.kv_cache).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
 
     def layer(block, x_B2cD, _):
       q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
+      own_2B2cKH = jnp.stack([k_B2cKH, v_B2cKH])
       # [2, B, 2pc, K, H]: every rank's two chunks, in rank order, then in prompt order
-      kv = jax.lax.all_gather(jnp.stack([k_B2cKH, v_B2cKH]), AXIS, axis=2, tiled=True)
+      kv = jax.lax.all_gather(own_2B2cKH, AXIS, axis=2, tiled=True)
       kv = zigzag.in_prompt_order(kv, zigzag.padded_len(context_len, p), p, axis=2)
       outs = []
       for half, chunk in enumerate((rank, 2 * p - 1 - rank)):
@@ -47,18 +48,18 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
         # skipped on every rank.
         outs.append(block.attend(q_BcNH, kv[0], kv[1], chunk * c, attention))
       attn_B2cNH = jnp.concatenate(outs, axis=1)
-      return block.finish(x_B2cD, attn_B2cNH), kv[:, :, :context_len]
+      return block.finish(x_B2cD, attn_B2cNH), own_2B2cKH
 
-    x_B2cD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
+    x_B2cD, kv_L2B2cKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
     logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
-    return logits_BV[None], kv_L2BCKH[None]
+    return logits_BV[None], kv_L2B2cKH[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
-  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H])."""
+  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B, 2c, K, H])."""
   return spmd(rank_program(graphdef, sum(chunks), len(chunks), attention), mesh)
 
 
@@ -71,5 +72,6 @@ STRATEGY = Strategy(
   arrange=zigzag.arrange,
   compile=compile_program,
   cache_rank=last_rank,
+  cache_layout=zigzag.cache_layout,
   attention_note="its chunks attend at a rank-dependent offset (flash or dense)",
 )

@@ -2,15 +2,20 @@
 
 A strategy is a frozen `Strategy`: how it lays the prompt out over the ranks of a 1-D mesh
 (`layout`, `arrange`), how it compiles one SPMD program for (graphdef, mesh, chunks,
-attention) (`compile`), and which rank ends with the logits and the whole KV cache
-(`cache_rank`). Every program has the same signature:
+attention) (`compile`), which rank ends with the logits (`cache_rank`) and which prompt
+positions each rank's part of the KV cache holds (`cache_layout`). Every program has the same
+signature:
 
-  program(state, tokens_pBc) -> (logits_pBV, kv_pL2BSKH)
+  program(state, tokens_pBc) -> (logits_pBV, kv_parts_pL2BPKH)
 
 state replicated over the mesh, tokens_pBc each rank's tokens (from `arrange`), outputs
-sharded by rank: only rank `cache_rank(chunks)`'s slice is the answer, and its shard lives on
-that rank's device, where decode continues. `kvr_jax.inference.prefill` dispatches on the
-registry in kvr_jax/strategies/__init__.py and knows nothing else about any strategy.
+sharded by rank. Only rank `cache_rank(chunks)`'s logits are the answer. kv_parts holds, on
+every rank, only the K,V that rank computed (its chunk, or its two zigzag chunks), padded to
+the longest part P: never a prompt-long copy per rank. `CacheLayout` says which rows of each
+part are which prompt positions; `kvr_jax.inference.kv_cache` brings the parts onto the last
+rank in prompt order (cache="last") or decodes from them where they are (cache="sharded").
+`kvr_jax.inference.prefill` dispatches on the registry in kvr_jax/strategies/__init__.py and
+knows nothing else about any strategy.
 """
 
 from __future__ import annotations
@@ -40,6 +45,55 @@ def count_trace(strategy: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheLayout:
+  """Which prompt positions each rank's part of the KV cache holds (static, hashable).
+
+  segments[r]: rank r's runs (position, length, row): rows [row, row + length) of its part
+  hold prompt positions [position, position + length). A rank may hold no run (TSP's last
+  ranks on a short prompt), one (KV-Runahead's chunk) or two (the zigzag peers). part_len:
+  the rows of every part (the longest rank's, so that SPMD has one shape); rows no run
+  covers are padding.
+  """
+
+  context_len: int
+  part_len: int
+  segments: tuple[tuple[tuple[int, int, int], ...], ...]
+
+  @property
+  def num_ranks(self) -> int:
+    return len(self.segments)
+
+  def runs_in_prompt_order(self) -> list[tuple[int, int, int, int]]:
+    """Every (rank, row, position, length), sorted by position: they tile [0, context_len)."""
+    runs = [
+      (rank, row, position, length)
+      for rank, rank_runs in enumerate(self.segments)
+      for position, length, row in rank_runs
+    ]
+    return sorted(runs, key=lambda run: run[2])
+
+  def check(self) -> None:
+    """The runs tile the prompt exactly and fit their parts (a strategy's own invariant)."""
+    next_position = 0
+    for rank, row, position, length in self.runs_in_prompt_order():
+      if position != next_position or length < 1 or row < 0 or row + length > self.part_len:
+        raise AssertionError(f"cache layout run {(rank, row, position, length)} in {self}")
+      next_position = position + length
+    if next_position != self.context_len:
+      raise AssertionError(f"cache layout covers {next_position} of {self.context_len} tokens")
+
+
+def contiguous_layout(chunks: tuple[int, ...], part_len: int | None = None) -> CacheLayout:
+  """Rank r holds the r-th contiguous chunk (single, KV-Runahead, TSP's real tokens), in parts
+  of `part_len` rows (default: the longest chunk)."""
+  position, segments = 0, []
+  for c in chunks:
+    segments.append(((position, c, 0),) if c > 0 else ())
+    position += c
+  return CacheLayout(sum(chunks), max(chunks) if part_len is None else part_len, tuple(segments))
+
+
+@dataclasses.dataclass(frozen=True)
 class Strategy:
   """One prefill strategy.
 
@@ -53,7 +107,8 @@ class Strategy:
     sees it (chunks is the validated partition for a partitioned strategy, else None).
   arrange(tokens_BC, chunks) -> [p, B, c_max] host tokens, each rank's slice padded.
   compile(graphdef, mesh, chunks, attention) -> the jitted program (cached by the strategy).
-  cache_rank(chunks) -> the rank whose output shard holds the logits and the whole cache.
+  cache_rank(chunks) -> the rank whose output shard holds the logits (decode continues there).
+  cache_layout(context_len, chunks) -> the CacheLayout of the program's kv_parts output.
   """
 
   name: str
@@ -64,6 +119,9 @@ class Strategy:
   arrange: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
   compile: Callable[..., Callable]
   cache_rank: Callable[[tuple[int, ...]], int]
+  cache_layout: Callable[[int, tuple[int, ...]], CacheLayout] = lambda C, chunks: contiguous_layout(
+    chunks
+  )
   max_ranks: int | None = None
   attention_note: str = ""  # why it runs only these kernels, for the error message
 

@@ -17,9 +17,9 @@ point of zigzag). Each partial is a flash call at the relative offset of its que
 chunks, so a sliding window masks (and skips) by true positions; the ring still passes
 every rank's K,V, whatever the window.
 
-After the last layer one tiled `all_gather` of the per-layer K,V puts the whole cache, in
-prompt order, on every rank; rank p-1's copy is the one decode uses. That gather is part of
-the prefill (and of its time to first token).
+Each rank outputs only its own two chunks' K,V ([L, 2, B, 2c, K, H]); the parts are brought
+onto the last rank in prompt order after the program (cache="last") or stay where they are
+(cache="sharded"), see kvr_jax.inference.kv_cache.
 """
 
 from __future__ import annotations
@@ -110,18 +110,15 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
       return block.finish(x_B2cD, attn_B2cNH), kv_own
 
     x_B2cD, kv_L2B2cKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
-    # The cache, in prompt order, for decode: one gather after the last layer.
-    kv_L2BPKH = jax.lax.all_gather(kv_L2B2cKH, AXIS, axis=3, tiled=True)
-    kv_L2BCKH = zigzag.in_prompt_order(kv_L2BPKH, context_len, p, axis=3)
     logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
-    return logits_BV[None], kv_L2BCKH[None]
+    return logits_BV[None], kv_L2B2cKH[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
-  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H])."""
+  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B, 2c, K, H])."""
   del attention  # flash partials are what the ring merges
   return spmd(rank_program(graphdef, sum(chunks), len(chunks)), mesh)
 
@@ -135,5 +132,6 @@ STRATEGY = Strategy(
   arrange=zigzag.arrange,
   compile=compile_program,
   cache_rank=last_rank,
+  cache_layout=zigzag.cache_layout,
   attention_note="ring attention merges flash partials (output and log-sum-exp)",
 )

@@ -17,14 +17,18 @@ S_i keys: no FLOP is spent on padding. Hop k is a `ppermute` with the single pai
 that sends the static prefix [0, S_k) of the accumulation buffer, K and V stacked in one
 message, with their own K heads (never repeated to the N query heads).
 
-The last rank ends with the whole KV cache of every layer; its shard of the output is where
-decode continues (see kvr_jax.inference.prefill).
+The last rank ends with the whole KV cache of every layer in its accumulation buffer, but the
+program keeps only one layer of it at a time: each rank outputs its own chunk's K,V
+([L, 2, B, c_max, K, H], padded to the largest chunk), never a prompt-long stack. The parts
+are brought onto the last rank in prompt order after the program (cache="last", the paper's
+layout) or stay where they were computed (cache="sharded"; kvr_jax.inference.kv_cache).
 
 Sliding window W (Mistral): query q sees only keys (q - W, q], so hop k carries only the last
 W-1 keys of [0, S_k) and each rank attends to [start - W + 1, S_i): hop bytes and attention
 are bounded by W whatever the prompt length. The last rank then holds the K,V decode needs,
 positions [C - W + 1, C) and more; positions no rank passed on stay zero in its cache, and
-decode masks by the window, so it never reads them.
+decode masks by the window, so it never reads them. The cache parts hold every position
+(each rank keeps its whole chunk).
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from models import layers, scan_blocks
 def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...], cache_len: int):
   """Rank i, static shapes: Q of its c_i tokens, and an accumulation buffer with its own K,V.
 
-  Returns q [B, c_max, N, H] (rows past c_i are zero) and kv [2, B, cache_len, K, H] holding
-  K,V at [S_{i-1}, S_i) and zeros elsewhere.
+  Returns q [B, c_max, N, H] (rows past c_i are zero), kv [2, B, cache_len, K, H] holding
+  K,V at [S_{i-1}, S_i) and zeros elsewhere, and own [2, B, c_max, K, H]: this rank's part of
+  the cache (rows past c_i zero).
   """
   c, start = chunks[i], chunk_starts(chunks)[i]
   B, c_max, _ = x_BcD.shape
@@ -56,9 +61,11 @@ def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...], cache_len: 
   K, H = k_BcKH.shape[2:]
   # [2, B, cache_len, K, H]: K and V travel as one message
   kv = jnp.zeros((2, B, cache_len, K, H), k_BcKH.dtype)
-  kv = jax.lax.dynamic_update_slice_in_dim(kv, jnp.stack([k_BcKH, v_BcKH]), start, axis=2)
+  own_2BcKH = jnp.stack([k_BcKH, v_BcKH])
+  kv = jax.lax.dynamic_update_slice_in_dim(kv, own_2BcKH, start, axis=2)
   q_pad = jnp.pad(q_BcNH, ((0, 0), (0, c_max - c), (0, 0), (0, 0)))
-  return q_pad, kv
+  own_pad = jnp.pad(own_2BcKH, ((0, 0), (0, 0), (0, c_max - c), (0, 0), (0, 0)))
+  return q_pad, kv, own_pad
 
 
 def attend_and_finish(
@@ -87,7 +94,7 @@ def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attenti
   Used only to measure one rank's compiled cost in isolation (cost analysis); the SPMD program
   runs the same two functions with the hop chain between them.
   """
-  q, kv = project_own_chunk(block, x_BcD, i, chunks, kv_prefix.shape[2])
+  q, kv, _ = project_own_chunk(block, x_BcD, i, chunks, kv_prefix.shape[2])
   kv = kv + kv_prefix
   return attend_and_finish(block, x_BcD, q, kv, i, chunks, attention), kv
 
@@ -125,7 +132,7 @@ def rank_program(
     x_BcD = model.embed(tokens_1Bc[0])
 
     def layer(block, x_BcD, _):
-      q_BcNH, kv = jax.lax.switch(
+      q_BcNH, kv, own_2BcKH = jax.lax.switch(
         rank,
         [
           functools.partial(project_own_chunk, block, i=i, chunks=chunks, cache_len=cache_len)
@@ -144,13 +151,14 @@ def rank_program(
         q_BcNH,
         kv,
       )
-      return x_BcD, kv
+      # Only this rank's chunk leaves the layer: the prompt-long buffer lives one layer.
+      return x_BcD, own_2BcKH
 
-    x_BcD, kv_L2BSKH = scan_blocks(model.blocks, layer, x_BcD)
+    x_BcD, kv_L2BcKH = scan_blocks(model.blocks, layer, x_BcD)
     # Each rank's last real row; on rank p-1 that is the prompt's last position.
     last_BD = jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
     logits_BV = model.logits(last_BD[:, None])[:, 0]
-    return logits_BV[None], kv_L2BSKH[None]
+    return logits_BV[None], kv_L2BcKH[None]
 
   return program
 
@@ -159,8 +167,8 @@ def rank_program(
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
   """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention); cached.
 
-  Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv [p, L, 2, B, C, K, H]); only
-  rank p-1's slice of each output is the answer (its shard lives on the last device).
+  Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B, c_max,
+  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
   """
   return spmd(rank_program(graphdef, chunks, sum(chunks), attention), mesh)
 

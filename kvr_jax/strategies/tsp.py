@@ -17,7 +17,14 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank, logits_to_last_rank, spmd
+from kvr_jax.strategies.base import (
+  Strategy,
+  contiguous_layout,
+  count_trace,
+  last_rank,
+  logits_to_last_rank,
+  spmd,
+)
 from models import scan_blocks
 
 
@@ -44,14 +51,15 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
       kv = jax.lax.all_gather(jnp.stack([k_BcKH, v_BcKH]), AXIS, axis=2, tiled=True)
       # Dense masked scores over all p*c keys (with a sliding window too: TSP skips nothing).
       attn_BcNH = block.attend(q_BcNH, kv[0], kv[1], offset, "dense")
-      return block.finish(x_BcD, attn_BcNH), kv[:, :, :context_len]
+      # The rank keeps its own shard of the cache; the gathered K,V live one layer.
+      return block.finish(x_BcD, attn_BcNH), jnp.stack([k_BcKH, v_BcKH])
 
-    x_BcD, kv_L2BCKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
+    x_BcD, kv_L2BcKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
     # Row `last_row` of rank `last_rank` is the prompt's last position.
     logits_BV = model.logits(x_BcD[:, last_row : last_row + 1])[:, 0]
     # Position C-1 lives on `last_rank` when C is not a multiple of p.
     logits_BV = logits_to_last_rank(logits_BV, last_rank, num_ranks)
-    return logits_BV[None], kv_L2BCKH[None]
+    return logits_BV[None], kv_L2BcKH[None]
 
   return program, last_rank
 
@@ -66,7 +74,7 @@ def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=64)
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
-  """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B,C,K,H]).
+  """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B,c,K,H]).
 
   The logits of the prompt's last position are moved to rank p-1 (see rank_program).
   """
@@ -94,5 +102,8 @@ STRATEGY = Strategy(
   arrange=lambda tokens_BC, chunks: pad_shards(tokens_BC, len(chunks)),
   compile=compile_program,
   cache_rank=last_rank,
+  cache_layout=lambda context_len, chunks: contiguous_layout(
+    layout(context_len, len(chunks)), part_len=shard_len(context_len, len(chunks))
+  ),
   attention_note="TSP computes dense masked scores by definition",
 )

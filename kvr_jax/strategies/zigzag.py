@@ -13,7 +13,7 @@ import math
 import jax
 import numpy as np
 
-from kvr_jax.strategies.base import logits_to_last_rank
+from kvr_jax.strategies.base import CacheLayout, logits_to_last_rank
 
 
 def chunk_len(context_len: int, num_ranks: int) -> int:
@@ -38,6 +38,22 @@ def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
     return max(0, min(c, context_len - chunk * c))
 
   return tuple(sum(real(a) for a in rank_chunks(r, num_ranks)) for r in range(num_ranks))
+
+
+def cache_layout(context_len: int, chunks: tuple[int, ...]) -> CacheLayout:
+  """Rank r's part [2c] holds chunk r in rows [0, c) and chunk 2p-1-r in rows [c, 2c); the
+  padding at the end of the prompt is not part of any run."""
+  p = len(chunks)
+  c = chunk_len(context_len, p)
+  segments = []
+  for r in range(p):
+    runs = []
+    for half, chunk in enumerate(rank_chunks(r, p)):
+      length = max(0, min(c, context_len - chunk * c))
+      if length:
+        runs.append((chunk * c, length, half * c))
+    segments.append(tuple(runs))
+  return CacheLayout(context_len, 2 * c, tuple(segments))
 
 
 def rank_order(context_len: int, num_ranks: int) -> np.ndarray:

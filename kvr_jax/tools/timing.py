@@ -40,7 +40,7 @@ def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
     start = time.perf_counter()
     result = prefill(model, tokens, **kwargs)
     if result.is_local:
-      jax.block_until_ready((result.logits, result.k_cache, result.v_cache))
+      jax.block_until_ready((result.logits, result.k_cache, result.v_cache, result.kv_parts))
     return result, time.perf_counter() - start
 
   result, first = run()
