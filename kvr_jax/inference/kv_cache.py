@@ -11,7 +11,8 @@ part holds only the K,V it computed (`CacheLayout` says which prompt positions).
                    where it lives and merges the partial outputs (kvr_jax.inference.decode).
 
 In one process every shard is addressable and the move is one device-to-device copy per
-rank. Across processes a shard on another process cannot be copied by the owner, so a small
+run of real rows, written into the cache in place (the last device holds the cache and one
+run beside it). Across processes a shard on another process cannot be copied by the owner, so a small
 SPMD program sends each rank's part to the last rank with `ppermute` instead; as SPMD gives
 every rank the output's shape, that program allocates a prompt-long (unused) output on the
 other ranks too, for the duration of the move.
@@ -37,19 +38,46 @@ def check_cache(cache) -> str:
 
 
 def _in_prompt_order(parts, layout: CacheLayout):
-  """parts: p arrays [L, 2, B, P, K, H] (rank order) -> (k, v) [L, B, C, K, H]."""
-  pieces = [
-    parts[rank][:, :, :, row : row + length]
-    for rank, row, _, length in layout.runs_in_prompt_order()
-  ]
-  kv_L2BCKH = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=3)
-  return kv_L2BCKH[:, 0], kv_L2BCKH[:, 1]
+  """parts: p arrays [L, 2, B, P, K, H] (rank order) -> (k, v) [L, B, C, K, H]: each built
+  directly from the real rows (no stacked [L, 2, ...] intermediate)."""
+  runs = layout.runs_in_prompt_order()
+
+  def gather(kv_index):
+    pieces = [parts[rank][:, kv_index, :, row : row + length] for rank, row, _, length in runs]
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=2)
+
+  return gather(0), gather(1)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def assemble(parts, layout: CacheLayout):
-  """On one device: the parts (a tuple, rank order) -> (k, v) [L, B, C, K, H] in prompt order."""
-  return _in_prompt_order(parts, layout)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def real_rows(part_L2BPKH, row: int, length: int):
+  """The rows of one run, sliced where the part lives (only real rows travel)."""
+  return part_L2BPKH[:, :, :, row : row + length]
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def place(k_LBCKH, v_LBCKH, piece_L2BnKH, position):
+  """Writes one run's K,V into the cache at `position`, in place (the cache is donated)."""
+  k_LBCKH = jax.lax.dynamic_update_slice_in_dim(k_LBCKH, piece_L2BnKH[:, 0], position, axis=2)
+  v_LBCKH = jax.lax.dynamic_update_slice_in_dim(v_LBCKH, piece_L2BnKH[:, 1], position, axis=2)
+  return k_LBCKH, v_LBCKH
+
+
+def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
+  """One process: each run's real rows are copied onto `device` and written into the cache
+  there, one at a time, so that the device holds the cache and one run beside it."""
+  rank_of = {d: r for r, d in enumerate(mesh.devices.reshape(-1))}
+  parts = {rank_of[s.device]: s.data for s in kv_parts.addressable_shards}
+  L, _, B, _, K, H = kv_parts.shape[1:]
+  shape = (L, B, layout.context_len, K, H)
+  # A plain single-device placement (a one-device mesh's shard would keep its mesh axis).
+  on_device = jax.sharding.SingleDeviceSharding(device)
+  k = jnp.zeros(shape, kv_parts.dtype, device=on_device)
+  v = jnp.zeros(shape, kv_parts.dtype, device=on_device)
+  for rank, row, position, length in layout.runs_in_prompt_order():
+    piece = jax.device_put(real_rows(parts[rank][0], row, length), on_device)
+    k, v = place(k, v, piece, position)
+  return k, v
 
 
 @functools.lru_cache(maxsize=32)
@@ -75,18 +103,15 @@ def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto
   """The parts [p, L, 2, B, P, K, H] (sharded by rank) -> (k, v) [L, B, C, K, H] on the last
   rank's device, or (None, None) in a process that does not hold it.
 
-  method "copy" copies each rank's part onto that device and assembles there (one process),
+  method "copy" copies each run's real rows onto that device and writes them into the cache
+  there (one process),
   "collective" runs `collect_program`, "auto" the first when every shard is addressable.
   """
   owner = mesh.devices.reshape(-1)[-1]
   if method == "auto":
     method = "copy" if kv_parts.is_fully_addressable else "collective"
   if method == "copy":
-    by_rank = {
-      tuple(mesh.devices.reshape(-1)).index(s.device): s for s in kv_parts.addressable_shards
-    }
-    parts = tuple(jax.device_put(by_rank[r].data[0], owner) for r in range(layout.num_ranks))
-    return assemble(parts, layout)
+    return copy_onto(kv_parts, layout, mesh, owner)
   if method != "collective":
     raise ValueError(f"unknown method {method!r}; expected 'auto', 'copy' or 'collective'")
   k, v = collect_program(mesh, layout)(kv_parts)

@@ -84,5 +84,6 @@ def shard_on(array: jax.Array, device) -> jax.Array | None:
   without its leading rank axis; None when that device belongs to another process."""
   for shard in array.addressable_shards:
     if shard.device == device:
-      return shard.data[0]
+      # A plain single-device array: the shard of a mesh array keeps the mesh's axis type.
+      return jax.device_put(shard.data[0], jax.sharding.SingleDeviceSharding(device))
   return None

@@ -1,0 +1,201 @@
+"""Per-device memory of a prefill program, from XLA's own analysis of it compiled from shapes.
+
+Nothing is allocated: the weights and tokens are `ShapeDtypeStruct`s, the program is the one
+`prefill` runs (the same `Strategy.compile`), and `compiled.memory_analysis()` reports what
+XLA will allocate on each device: its arguments (the replicated weights and the rank's
+tokens), its outputs (the logits and the rank's part of the KV cache) and its temporaries
+(every buffer the program needs while it runs, at XLA's peak). On a CPU host with fewer
+devices than ranks it runs itself again in a subprocess with emulated CPU devices.
+
+CPU caveat: XLA:CPU turns bfloat16 matmul operands into float32 temporaries (a CPU-only
+artifact that would double the weights), so measure float32 shapes and halve them for a
+bfloat16 estimate, and say so (README does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from kvr_jax.core.chunks import check_ranks
+from kvr_jax.inference.kv_cache import check_cache, place
+from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.runtime.loading import abstract_model, preset_config, resolve_dtype
+from kvr_jax.runtime.mesh import AXIS, make_mesh
+from kvr_jax.strategies import get_strategy
+from models.config import ModelConfig, config_from_dict
+from models.layers import FUSED_KERNELS
+
+# KVR's split for the memory report: equal modelled compute on a GPU node (the issue's
+# "balanced" partition), not this machine's calibration (which would measure the CPU).
+MEMORY_PARTITION = PartitionPlan("balanced", hardware="h100-sxm", links="300GBps")
+
+
+def _config(model) -> ModelConfig:
+  if isinstance(model, ModelConfig):
+    return model
+  if isinstance(model, str):
+    return preset_config(model)
+  raise ValueError(f"`model` must be a preset name or a ModelConfig, got {type(model).__name__}")
+
+
+def _analysis(compiled) -> dict[str, int]:
+  stats = compiled.memory_analysis()
+  return {
+    "argument_bytes": int(stats.argument_size_in_bytes),
+    "output_bytes": int(stats.output_size_in_bytes),
+    "temp_bytes": int(stats.temp_size_in_bytes),
+  }
+
+
+def compiled_memory(
+  model,
+  strategy: str = "kvr",
+  *,
+  context_len: int,
+  num_ranks: int,
+  dtype: str = "float32",
+  cache: str = "last",
+  batch: int = 1,
+  attention: str | None = None,
+  partition=MEMORY_PARTITION,
+) -> dict:
+  """XLA's per-device memory of `strategy`'s prefill program, compiled from shapes only.
+
+  model: a preset name or a ModelConfig. Returns a dict: per device `argument_bytes`,
+  `output_bytes`, `temp_bytes` (of the prefill program; the same program serves both cache
+  layouts), `weights_bytes`, `kv_cache_bytes` (the whole prompt's cache), the chunks, and for
+  cache="last" `move_argument_bytes` and `move_temp_bytes`: the move of the parts onto the
+  last rank's device (after the program), which then holds the whole cache and one run.
+  """
+  config = _config(model)
+  spec = get_strategy(strategy)
+  check_cache(cache)
+  for name, value in (("context_len", context_len), ("num_ranks", num_ranks), ("batch", batch)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+  context_len, num_ranks, batch = int(context_len), int(num_ranks), int(batch)
+  if spec.max_ranks is not None and num_ranks > spec.max_ranks:
+    raise ValueError(f"strategy {strategy!r} runs on at most {spec.max_ranks} rank(s)")
+  check_ranks(context_len, num_ranks)
+  if context_len > config.max_position_embeddings:
+    raise ValueError(
+      f"context_len={context_len} exceeds max_position_embeddings="
+      f"{config.max_position_embeddings} (pass a ModelConfig with more positions)"
+    )
+  attention = spec.check_attention(attention)
+  dtype_name = np.dtype(resolve_dtype(dtype)).name
+  if len(jax.devices()) < num_ranks:
+    return _in_subprocess(
+      config, strategy, context_len, num_ranks, dtype_name, cache, batch, attention, partition
+    )
+
+  graphdef, state = nnx.split(abstract_model(config, dtype_name))
+  mesh = make_mesh(num_ranks)
+  user_chunks = None
+  if spec.partitioned:
+    user_chunks = resolve_partition(
+      partition,
+      context_len,
+      num_ranks,
+      config=config,
+      batch=batch,
+      dtype_bytes=np.dtype(dtype_name).itemsize,
+      scores_in_memory=attention not in FUSED_KERNELS,
+      causal_skip=attention != "dense",
+    )
+  chunks = spec.layout(context_len, num_ranks, user_chunks)
+  program = spec.compile(graphdef, mesh, chunks, attention)
+  replicated = NamedSharding(mesh, jax.P())
+  state_shapes = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
+  )
+  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
+  tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
+  result = {
+    "strategy": strategy,
+    "context_len": context_len,
+    "num_ranks": num_ranks,
+    "dtype": dtype_name,
+    "cache": cache,
+    "chunks": list(chunks),
+    **_analysis(program.lower(state_shapes, tokens).compile()),
+  }
+  itemsize = np.dtype(dtype_name).itemsize
+  result["weights_bytes"] = int(sum(np.prod(x.shape) * itemsize for x in jax.tree.leaves(state)))
+  K, H, L = config.num_kv_heads, config.head_dim, config.num_layers
+  result["kv_cache_bytes"] = L * 2 * batch * context_len * K * H * itemsize
+  if cache == "last":
+    # The move onto the last rank: its device holds the whole cache and, at a time, one run's
+    # real rows beside it (kv_cache.copy_onto); XLA's analysis of writing the longest run.
+    layout = spec.cache_layout(context_len, chunks)
+    longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
+    on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
+    cache_shape = jax.ShapeDtypeStruct((L, batch, context_len, K, H), dtype_name, sharding=on_last)
+    piece = jax.ShapeDtypeStruct((L, 2, batch, longest, K, H), dtype_name, sharding=on_last)
+    position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)
+    move = _analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
+    result["move_argument_bytes"] = move["argument_bytes"]
+    result["move_temp_bytes"] = move["temp_bytes"]
+  return result
+
+
+def _in_subprocess(config, strategy, context_len, num_ranks, dtype, cache, batch, attention, plan):
+  """The same call in a fresh interpreter with `num_ranks` emulated CPU devices."""
+  arguments = {
+    "config": config.to_dict(),
+    "strategy": strategy,
+    "context_len": context_len,
+    "num_ranks": num_ranks,
+    "dtype": dtype,
+    "cache": cache,
+    "batch": batch,
+    "attention": attention,
+    # A plan travels as its name or its lengths; the default (None) is MEMORY_PARTITION.
+    "plan": None if plan == MEMORY_PARTITION else plan,
+  }
+  if isinstance(plan, PartitionPlan) and plan != MEMORY_PARTITION:
+    raise ValueError("a PartitionPlan other than the default needs enough devices in-process")
+  if isinstance(plan, tuple):
+    arguments["plan"] = list(plan)
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_ranks}"
+  ).strip()
+  done = subprocess.run(
+    [sys.executable, "-m", "kvr_jax.tools.memory", json.dumps(arguments)],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  if done.returncode != 0:
+    last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    raise RuntimeError(f"compiled_memory on {num_ranks} emulated devices failed: {last}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _main(argument: str) -> None:
+  arguments = json.loads(argument)
+  plan = arguments.pop("plan")
+  print(
+    json.dumps(
+      compiled_memory(
+        config_from_dict(arguments.pop("config")),
+        partition=MEMORY_PARTITION if plan is None else plan,
+        **arguments,
+      )
+    )
+  )
+
+
+if __name__ == "__main__":
+  _main(sys.argv[1])
