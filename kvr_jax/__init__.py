@@ -17,10 +17,12 @@ from kvr_jax.runtime.loading import Model, load_model, preset_config, preset_nam
 from kvr_jax.runtime.mesh import AXIS, make_mesh
 from kvr_jax.strategies import REGISTRY, STRATEGIES, Strategy, get_strategy
 from kvr_jax.tools.measured import measured_partition
+from kvr_jax.tools.memory import compiled_memory
 from kvr_jax.tools.timing import synthetic_prompt
 
 __all__ = [
   "AXIS",
+  "compiled_memory",
   "REGISTRY",
   "GenerationResult",
   "Model",

@@ -7,10 +7,15 @@
 machine: emulated devices sharing the cores, which checks cost, not speed-up) and compares the
 single-device path with Hugging Face transformers on the same weights and tokens.
 --mode=multiprocess runs p processes, one device each, each pinned to its own core with
-single-threaded XLA, against one such process alone. Intentionally kept short: the logic is
+single-threaded XLA, against one such process alone. --mode=memory prints XLA's per-device
+memory of each strategy's prefill program, compiled from shapes only (nothing allocated), e.g.
+  python -m launch.benchmark --mode=memory --model=llama-3.1-8b --num_devices=8 \
+    --context_lens=32768,131072,1048576 --strategy=kvr,ring,allgather,tsp
+Intentionally kept short: the logic is
 kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
 """
 
+import dataclasses
 import json
 import os
 import resource
@@ -21,7 +26,7 @@ from absl import app, flags, logging
 
 import kvr_jax
 from kvr_jax.runtime import distributed
-from kvr_jax.tools import benchmark, jobs
+from kvr_jax.tools import benchmark, jobs, memory
 from kvr_jax.tools import timing as timing_lib
 from launch import common
 
@@ -29,7 +34,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
   "mode",
   "devices",
-  ["devices", "multiprocess", "kernels", "long", "phases"],
+  ["devices", "multiprocess", "kernels", "long", "phases", "memory"],
   "What to measure.",
 )
 flags.DEFINE_integer(
@@ -63,6 +68,7 @@ flags.DEFINE_bool("compare_transformers", True, "Devices mode: also time transfo
 flags.DEFINE_integer("measured_multiple", 64, "kvr-measured: chunk lengths multiple.")
 flags.DEFINE_string("output_dir", "results/benchmark", "Where CSV, PNG and JSON go.")
 # Worker role (set by the multiprocess launcher).
+flags.DEFINE_enum("cache", "last", ["last", "sharded"], "Memory mode: the cache layout.")
 flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
 flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
 
@@ -123,6 +129,50 @@ def long_mode():
   print(f"{'kernel':<8}{'C':>7}  {'TTFT':>9}  {'compile':>8}  peak RSS of the process so far")
   for kernel, C, seconds, compile_s, rss in rows:
     print(f"{kernel:<8}{C:>7}  {seconds:>8.3f}s  {compile_s:>7.2f}s  {rss:.2f} GiB")
+  return 0
+
+
+def memory_mode():
+  """XLA's memory analysis of each strategy's compiled prefill, per device, float32 shapes."""
+  gib = 2**30
+  with common.user_errors():
+    config = kvr_jax.preset_config(FLAGS.model)
+    num_ranks = FLAGS.num_devices or 8
+    rows = []
+    for C in [int(c) for c in FLAGS.context_lens]:
+      shaped = config
+      if C > config.max_position_embeddings:
+        print(
+          f"NOTE: {FLAGS.model} has {config.max_position_embeddings} positions; its shapes "
+          f"are compiled at C={C} with the positions extended (as long-context variants do)"
+        )
+        shaped = dataclasses.replace(config, max_position_embeddings=C)
+      for strategy in FLAGS.strategy:
+        p = 1 if strategy == "single" else num_ranks
+        rows.append(
+          memory.compiled_memory(shaped, strategy, context_len=C, num_ranks=p, cache=FLAGS.cache)
+        )
+  print(
+    f"XLA memory analysis (compiled from shapes, nothing allocated), {FLAGS.model}, float32 "
+    f"shapes, per device, GiB; cache={FLAGS.cache}; bfloat16 would halve every column but "
+    "the softmax statistics (not shown apart)"
+  )
+  header = f"{'strategy':<10}{'C':>9}{'p':>3}  {'weights':>8}{'outputs':>9}{'temps':>8}"
+  header += f"{'out+tmp':>9}{'cache':>8}  {'(out+tmp)/cache':>15}"
+  if FLAGS.cache == "last":
+    header += f"  {'move on last':>12}"
+  print(header)
+  for r in rows:
+    total = r["output_bytes"] + r["temp_bytes"]
+    line = (
+      f"{r['strategy']:<10}{r['context_len']:>9}{r['num_ranks']:>3}  "
+      f"{r['weights_bytes'] / gib:>8.2f}{r['output_bytes'] / gib:>9.2f}"
+      f"{r['temp_bytes'] / gib:>8.2f}{total / gib:>9.2f}{r['kv_cache_bytes'] / gib:>8.2f}  "
+      f"{total / r['kv_cache_bytes']:>15.2f}"
+    )
+    if FLAGS.cache == "last":
+      line += f"  {(r['move_argument_bytes'] + r['move_temp_bytes']) / gib:>12.2f}"
+    print(line)
   return 0
 
 
@@ -324,6 +374,8 @@ def main(argv):
     return long_mode()
   if FLAGS.mode == "phases":
     return phases_mode()
+  if FLAGS.mode == "memory":
+    return memory_mode()
   devices_mode()
   return 0
 

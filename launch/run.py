@@ -33,6 +33,13 @@ flags.DEFINE_string(
   None,
   "Attention kernel for single and kvr: flash, dense, blocked or fused (default: flash).",
 )
+flags.DEFINE_enum(
+  "cache",
+  "last",
+  ["last", "sharded"],
+  "KV cache after prefill: 'last' (moved onto the last rank in prompt order, the paper's) or "
+  "'sharded' (each rank keeps its own part; decode merges the ranks' partial attention).",
+)
 flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/balanced/predict.")
 flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")
 flags.DEFINE_integer("num_devices", None, "Ranks in the mesh (default: all devices).")
@@ -67,6 +74,7 @@ def main(argv):
       max_new_tokens=FLAGS.max_new_tokens,
       temperature=FLAGS.temperature,
       seed=FLAGS.seed,
+      cache=FLAGS.cache,
     )
   print(
     f"{model}; prompt {tokens.shape[1]} tokens x batch {tokens.shape[0]}; "

@@ -27,6 +27,12 @@ from models.config import ModelConfig
 
 INIT_STD = 0.02
 
+# The most tokens `Block.finish` runs through the output projection and the MLP at once. A
+# long chunk (KV-Runahead's rank 0 holds a third of a 131k prompt) would otherwise hold its
+# [T, F] MLP intermediates whole: 42k tokens x 14336 x 4 bytes is 2.4 GB per tensor. Rows
+# are independent there, so blocks give the same result with O(ROW_BLOCK x F) memory.
+ROW_BLOCK = 8192
+
 
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
   return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
@@ -94,8 +100,25 @@ class Block(nnx.Module):
   def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:
     return jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
 
-  def finish(self, x_BTD, attn_BTNH):  # pragma: no cover - interface
+  def finish_rows(self, x_BTD, attn_BTNH):  # pragma: no cover - interface
+    """Output projection, MLP and residuals of every row (the family's own maths)."""
     raise NotImplementedError
+
+  def finish(self, x_BTD, attn_BTNH, row_block: int | None = ROW_BLOCK) -> jax.Array:
+    """`finish_rows` over blocks of at most `row_block` tokens (a `lax.map`: one block's
+    intermediates live at a time); None or a short input runs it whole. The blocks are equal
+    (T = 10,000 with 8192 is two blocks of 5000), so padding is at most 7 rows per block."""
+    B, T, D = x_BTD.shape
+    if row_block is None or T <= row_block:
+      return self.finish_rows(x_BTD, attn_BTNH)
+    n = -(-T // row_block)
+    size = -(-T // n)
+    pad = n * size - T
+    x_nBsD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, size, D).swapaxes(0, 1)
+    attn = jnp.pad(attn_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    attn_nBsNH = attn.reshape(B, n, size, *attn.shape[2:]).swapaxes(0, 1)
+    out_nBsD = jax.lax.map(lambda xa: self.finish_rows(*xa), (x_nBsD, attn_nBsNH))
+    return out_nBsD.swapaxes(0, 1).reshape(B, n * size, D)[:, :T]
 
 
 def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]], carry, xs=None):

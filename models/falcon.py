@@ -37,7 +37,7 @@ class FalconBlock(Block):
       x_BTD, self.attn_norm_scale[...], self.attn_norm_bias[...], self.config.norm_eps
     )
 
-  def finish(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
+  def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
     # The MLP input norm is recomputed here rather than carried from project_qkv: it costs
     # O(T*D), and keeping the two halves independent lets a strategy run them apart.
     if self.config.separate_mlp_norm:

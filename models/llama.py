@@ -31,7 +31,7 @@ class LlamaBlock(Block):
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:
     return layers.rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
-  def finish(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
+  def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
     x_BTD = x_BTD + self.attention_output(attn_BTNH)
     h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
     gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import CacheLayout
+from kvr_jax.strategies.base import CacheLayout, unfold_batch
 from models import layers, scan_blocks
 
 
@@ -80,7 +80,7 @@ def merge_across_ranks(out_B1NH, lse_B1N):
 
 @functools.lru_cache(maxsize=32)
 def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
-  """f(state, tokens_B, position, kv_parts [p, L, 2, B, P, K, H], tail [L, 2, B, M, K, H],
+  """f(state, tokens_B, position, kv_parts [p, L, 2, B*P, K, H], tail [L, 2, B, M, K, H],
   tail_index) -> (logits [B, V], tail): one token per sequence at prompt position `position`
   (= prompt_len + tail_index) from a sharded cache; `tail` (donated) gets the token's K,V at
   `tail_index`. Weights, tokens, tail and logits are replicated; the parts stay sharded."""
@@ -95,7 +95,8 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
     positions_B1 = jnp.full((B, 1), position, jnp.int32)
 
     def layer(block, x_B1D, cache_l):
-      part_2BPKH, tail_2BMKH = cache_l
+      part_2RKH, tail_2BMKH = cache_l
+      part_2BPKH = unfold_batch(part_2RKH, layout.part_len)
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B1)
       new_2B1KH = jnp.stack([k_B1KH, v_B1KH])
       tail_2BMKH = jax.lax.dynamic_update_slice_in_dim(tail_2BMKH, new_2B1KH, tail_index, axis=2)

@@ -163,7 +163,7 @@ def decode_from(
     # Every operand replicated over the prefill's mesh but the cache parts, which stay put.
     replicated = NamedSharding(result.mesh, jax.P())
     state = model.state_on(replicated)
-    L, _, _, _, K, H = result.kv_parts.shape[1:]
+    L, K, H = result.kv_parts.shape[1], *result.kv_parts.shape[4:]
     tail = jnp.zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, device=replicated)
     program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
 

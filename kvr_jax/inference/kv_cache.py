@@ -1,18 +1,20 @@
 """Where a prefill's KV cache ends up: on the last rank in prompt order, or left sharded.
 
-Every strategy's program returns `kv_parts` [p, L, 2, B, P, K, H] sharded by rank: rank r's
-part holds only the K,V it computed (`CacheLayout` says which prompt positions). Two layouts:
+Every strategy's program returns `kv_parts` [p, L, 2, B*P, K, H] sharded by rank (batch folded
+into the rows, see strategies.base.fold_batch): rank r's part holds only the K,V it computed
+(`CacheLayout` says which prompt positions). Two layouts:
 
   cache="last"     the paper's: the parts are moved onto the last rank's device and put in
                    prompt order there, [L, B, C, K, H] for K and for V. The move runs after
-                   the prefill program and is part of its TTFT (`PrefillResult.move_s` when
+                   the prefill program and is part of its TTFT (`PrefillTiming.moves_s` when
                    timed). No other rank holds more than its own part at any time.
   cache="sharded"  the parts stay where they were computed; decode attends each rank's part
                    where it lives and merges the partial outputs (kvr_jax.inference.decode).
 
 In one process every shard is addressable and the move is one device-to-device copy per
 run of real rows, written into the cache in place (the last device holds the cache and one
-run beside it). Across processes a shard on another process cannot be copied by the owner, so a small
+run beside it). Across processes a shard on another process cannot be copied by the owner,
+so a small
 SPMD program sends each rank's part to the last rank with `ppermute` instead; as SPMD gives
 every rank the output's shape, that program allocates a prompt-long (unused) output on the
 other ranks too, for the duration of the move.
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import CacheLayout
+from kvr_jax.strategies.base import CacheLayout, unfold_batch
 
 CACHE_LAYOUTS = ("last", "sharded")
 
@@ -38,9 +40,10 @@ def check_cache(cache) -> str:
 
 
 def _in_prompt_order(parts, layout: CacheLayout):
-  """parts: p arrays [L, 2, B, P, K, H] (rank order) -> (k, v) [L, B, C, K, H]: each built
+  """parts: p arrays [L, 2, B*P, K, H] (rank order) -> (k, v) [L, B, C, K, H]: each built
   directly from the real rows (no stacked [L, 2, ...] intermediate)."""
   runs = layout.runs_in_prompt_order()
+  parts = [unfold_batch(part, layout.part_len) for part in parts]
 
   def gather(kv_index):
     pieces = [parts[rank][:, kv_index, :, row : row + length] for rank, row, _, length in runs]
@@ -49,10 +52,12 @@ def _in_prompt_order(parts, layout: CacheLayout):
   return gather(0), gather(1)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def real_rows(part_L2BPKH, row: int, length: int):
-  """The rows of one run, sliced where the part lives (only real rows travel)."""
-  return part_L2BPKH[:, :, :, row : row + length]
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def real_rows(part_L2RKH, row, length: int, part_len: int):
+  """The rows of one run, sliced where the part lives (only real rows travel); one compile
+  per run length, the row is data. Returns [L, 2, B, length, K, H]."""
+  part_L2BPKH = unfold_batch(part_L2RKH, part_len)
+  return jax.lax.dynamic_slice_in_dim(part_L2BPKH, row, length, axis=3)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -68,14 +73,15 @@ def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
   there, one at a time, so that the device holds the cache and one run beside it."""
   rank_of = {d: r for r, d in enumerate(mesh.devices.reshape(-1))}
   parts = {rank_of[s.device]: s.data for s in kv_parts.addressable_shards}
-  L, _, B, _, K, H = kv_parts.shape[1:]
+  L, _, rows, K, H = kv_parts.shape[1:]
+  B = rows // layout.part_len
   shape = (L, B, layout.context_len, K, H)
   # A plain single-device placement (a one-device mesh's shard would keep its mesh axis).
   on_device = jax.sharding.SingleDeviceSharding(device)
   k = jnp.zeros(shape, kv_parts.dtype, device=on_device)
   v = jnp.zeros(shape, kv_parts.dtype, device=on_device)
   for rank, row, position, length in layout.runs_in_prompt_order():
-    piece = jax.device_put(real_rows(parts[rank][0], row, length), on_device)
+    piece = jax.device_put(real_rows(parts[rank][0], row, length, layout.part_len), on_device)
     k, v = place(k, v, piece, position)
   return k, v
 
@@ -100,7 +106,7 @@ def collect_program(mesh, layout: CacheLayout):
 
 
 def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto"):
-  """The parts [p, L, 2, B, P, K, H] (sharded by rank) -> (k, v) [L, B, C, K, H] on the last
+  """The parts [p, L, 2, B*P, K, H] (sharded by rank) -> (k, v) [L, B, C, K, H] on the last
   rank's device, or (None, None) in a process that does not hold it.
 
   method "copy" copies each run's real rows onto that device and writes them into the cache

@@ -32,8 +32,10 @@ class PrefillResult:
   logits: [B, V] float32, the last prompt position, on the last rank's device.
   cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len, in
   prompt order on the last rank's device (`device`), where decode continues.
-  cache="sharded": k_cache and v_cache are None; `kv_parts` [p, L, 2, B, P, K, H] stays
-  sharded over `mesh`, rank r's part holding the positions `cache_layout.segments[r]` says;
+  cache="sharded": k_cache and v_cache are None; `kv_parts` [p, L, 2, B*P, K, H] (batch folded
+  into the rows: `strategies.base.unfold_batch(part, cache_layout.part_len)` gives [..., B, P,
+  K, H]) stays sharded over `mesh`, rank r's part holding the positions
+  `cache_layout.segments[r]` says;
   `gather_cache()` brings them into prompt order on the last rank when wanted.
   With a mesh spanning processes, only the process of the last rank holds the logits and a
   "last" cache; elsewhere they are None (`is_local` is False).

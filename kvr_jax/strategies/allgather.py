@@ -18,7 +18,7 @@ from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank, spmd
+from kvr_jax.strategies.base import Strategy, count_trace, fold_batch, last_rank, spmd
 from models import scan_blocks
 
 
@@ -48,18 +48,18 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
         # skipped on every rank.
         outs.append(block.attend(q_BcNH, kv[0], kv[1], chunk * c, attention))
       attn_B2cNH = jnp.concatenate(outs, axis=1)
-      return block.finish(x_B2cD, attn_B2cNH), own_2B2cKH
+      return block.finish(x_B2cD, attn_B2cNH), fold_batch(own_2B2cKH)
 
-    x_B2cD, kv_L2B2cKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
+    x_B2cD, kv_L2RKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
     logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
-    return logits_BV[None], kv_L2B2cKH[None]
+    return logits_BV[None], kv_L2RKH[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
-  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B, 2c, K, H])."""
+  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
   return spmd(rank_program(graphdef, sum(chunks), len(chunks), attention), mesh)
 
 

@@ -6,12 +6,13 @@ attention) (`compile`), which rank ends with the logits (`cache_rank`) and which
 positions each rank's part of the KV cache holds (`cache_layout`). Every program has the same
 signature:
 
-  program(state, tokens_pBc) -> (logits_pBV, kv_parts_pL2BPKH)
+  program(state, tokens_pBc) -> (logits_pBV, kv_parts [p, L, 2, B*P, K, H])
 
 state replicated over the mesh, tokens_pBc each rank's tokens (from `arrange`), outputs
 sharded by rank. Only rank `cache_rank(chunks)`'s logits are the answer. kv_parts holds, on
 every rank, only the K,V that rank computed (its chunk, or its two zigzag chunks), padded to
-the longest part P: never a prompt-long copy per rank. `CacheLayout` says which rows of each
+the longest part P, batch folded into the rows (`fold_batch` says why): never a prompt-long
+copy per rank. `CacheLayout` says which rows of each
 part are which prompt positions; `kvr_jax.inference.kv_cache` brings the parts onto the last
 rank in prompt order (cache="last") or decodes from them where they are (cache="sharded").
 `kvr_jax.inference.prefill` dispatches on the registry in kvr_jax/strategies/__init__.py and
@@ -141,6 +142,25 @@ class Strategy:
         + (f": {self.attention_note}" if self.attention_note else "")
       )
     return attention
+
+
+def fold_batch(kv_2BPKH):
+  """[2, B, P, K, H] -> [2, B*P, K, H]: the per-layer part a program's layer scan emits.
+
+  Why: with B = 1, XLA:CPU lays the scan's stacked [L, 2, B, P, K, H] buffer out with the
+  size-1 batch axis out of place and then copies it to the output's default layout, a
+  second copy of every rank's whole part among the temporaries (`compiled_memory` showed it
+  growing with L by exactly the part size). With batch folded into the rows there is no
+  size-1 axis to misplace and the loop writes the output buffer itself. Consumers unfold it
+  (`unfold_batch`) inside their own programs, where the reshape is free.
+  """
+  return kv_2BPKH.reshape(2, -1, *kv_2BPKH.shape[3:])
+
+
+def unfold_batch(kv_2BPKH_folded, part_len: int):
+  """[..., 2, B*P, K, H] -> [..., 2, B, P, K, H] (the inverse of `fold_batch`)."""
+  *lead, rows, K, H = kv_2BPKH_folded.shape
+  return kv_2BPKH_folded.reshape(*lead, rows // part_len, part_len, K, H)
 
 
 def last_rank(chunks: tuple[int, ...]) -> int:

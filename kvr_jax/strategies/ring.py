@@ -32,7 +32,7 @@ from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, count_trace, last_rank, spmd
+from kvr_jax.strategies.base import Strategy, count_trace, fold_batch, last_rank, spmd
 from models import layers, scan_blocks
 
 
@@ -107,18 +107,18 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
       # [2, B, 2c, K, H]: K and V travel as one message, with their own K heads
       kv_own = jnp.stack([k_B2cKH, v_B2cKH])
       attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, model.config.sliding_window)
-      return block.finish(x_B2cD, attn_B2cNH), kv_own
+      return block.finish(x_B2cD, attn_B2cNH), fold_batch(kv_own)
 
-    x_B2cD, kv_L2B2cKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
+    x_B2cD, kv_L2RKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
     logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
-    return logits_BV[None], kv_L2B2cKH[None]
+    return logits_BV[None], kv_L2RKH[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
-  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B, 2c, K, H])."""
+  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
   del attention  # flash partials are what the ring merges
   return spmd(rank_program(graphdef, sum(chunks), len(chunks)), mesh)
 

@@ -43,7 +43,14 @@ from flax import nnx
 
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import CAUSAL_KERNELS, Strategy, count_trace, last_rank, spmd
+from kvr_jax.strategies.base import (
+  CAUSAL_KERNELS,
+  Strategy,
+  count_trace,
+  fold_batch,
+  last_rank,
+  spmd,
+)
 from models import layers, scan_blocks
 
 
@@ -152,13 +159,13 @@ def rank_program(
         kv,
       )
       # Only this rank's chunk leaves the layer: the prompt-long buffer lives one layer.
-      return x_BcD, own_2BcKH
+      return x_BcD, fold_batch(own_2BcKH)
 
-    x_BcD, kv_L2BcKH = scan_blocks(model.blocks, layer, x_BcD)
+    x_BcD, kv_L2RKH = scan_blocks(model.blocks, layer, x_BcD)  # R = B * c_max rows
     # Each rank's last real row; on rank p-1 that is the prompt's last position.
     last_BD = jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
     logits_BV = model.logits(last_BD[:, None])[:, 0]
-    return logits_BV[None], kv_L2BcKH[None]
+    return logits_BV[None], kv_L2RKH[None]
 
   return program
 
@@ -167,7 +174,7 @@ def rank_program(
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
   """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention); cached.
 
-  Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B, c_max,
+  Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
   K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
   """
   return spmd(rank_program(graphdef, chunks, sum(chunks), attention), mesh)

@@ -31,15 +31,17 @@ def program(graphdef, attention: str):
     model = nnx.merge(graphdef, state)
     x_BCD, k_LBCKH, v_LBCKH = model.forward(tokens_1BC[0], attention)
     logits_BV = model.logits(x_BCD[:, -1:])[:, 0]
-    # [L, 2, B, C, K, H]: K and V stacked, as every strategy returns them
-    return logits_BV[None], jax.numpy.stack([k_LBCKH, v_LBCKH], axis=1)[None]
+    # [L, 2, B*C, K, H]: K and V stacked, batch folded into the rows, as every strategy
+    L, B, C, K, H = k_LBCKH.shape
+    kv_L2RKH = jax.numpy.stack([k_LBCKH, v_LBCKH], axis=1).reshape(L, 2, B * C, K, H)
+    return logits_BV[None], kv_L2RKH[None]
 
   return run
 
 
 @functools.lru_cache(maxsize=32)
 def compile_program(graphdef, mesh, chunks, attention: str = DEFAULT_CAUSAL_KERNEL):
-  """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B, C, K, H])."""
+  """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B*C, K, H])."""
   return spmd(program(graphdef, attention), mesh)
 
 

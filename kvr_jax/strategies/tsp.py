@@ -21,6 +21,7 @@ from kvr_jax.strategies.base import (
   Strategy,
   contiguous_layout,
   count_trace,
+  fold_batch,
   last_rank,
   logits_to_last_rank,
   spmd,
@@ -52,14 +53,14 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
       # Dense masked scores over all p*c keys (with a sliding window too: TSP skips nothing).
       attn_BcNH = block.attend(q_BcNH, kv[0], kv[1], offset, "dense")
       # The rank keeps its own shard of the cache; the gathered K,V live one layer.
-      return block.finish(x_BcD, attn_BcNH), jnp.stack([k_BcKH, v_BcKH])
+      return block.finish(x_BcD, attn_BcNH), fold_batch(jnp.stack([k_BcKH, v_BcKH]))
 
-    x_BcD, kv_L2BcKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
+    x_BcD, kv_L2RKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
     # Row `last_row` of rank `last_rank` is the prompt's last position.
     logits_BV = model.logits(x_BcD[:, last_row : last_row + 1])[:, 0]
     # Position C-1 lives on `last_rank` when C is not a multiple of p.
     logits_BV = logits_to_last_rank(logits_BV, last_rank, num_ranks)
-    return logits_BV[None], kv_L2BcKH[None]
+    return logits_BV[None], kv_L2RKH[None]
 
   return program, last_rank
 
@@ -74,7 +75,7 @@ def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=64)
 def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
-  """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B,c,K,H]).
+  """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B*c,K,H]).
 
   The logits of the prompt's last position are moved to rank p-1 (see rank_program).
   """

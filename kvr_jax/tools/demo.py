@@ -12,6 +12,7 @@ import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference.generate import decode_from
+from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh, make_mesh
@@ -47,10 +48,13 @@ def compare_strategies(
   max_new_tokens: int = 8,
   temperature: float = 0.0,
   seed: int = 0,
+  cache: str = "last",
 ) -> list[StrategyReport]:
   """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs.
 
-  attention: the kernel for the strategies that run it (default: each strategy's own)."""
+  attention: the kernel for the strategies that run it (default: each strategy's own).
+  cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies."""
+  check_cache(cache)
   if repeats < 1:
     raise ValueError(f"`repeats` must be >= 1, got {repeats}")
   unknown = [s for s in strategies if s not in STRATEGIES]
@@ -68,7 +72,7 @@ def compare_strategies(
   reports = []
   for strategy in strategies:
     kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
-    timing = time_prefill(model, tokens, repeats, **kwargs)
+    timing = time_prefill(model, tokens, repeats, cache=cache, **kwargs)
     result, median = timing.result, timing.median_s
     logits = np.asarray(result.logits)
     if strategy == "single":

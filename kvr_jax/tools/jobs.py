@@ -117,6 +117,7 @@ def bench_job(
           "variant": variant,
           "context_len": C,
           "ttft_s": seconds,
+          "move_s": timing.move_median_s,  # the cache's move onto the last rank (in ttft_s)
           "search_s": search_s,
           "partition": None if result.partition is None else list(result.partition),
         }

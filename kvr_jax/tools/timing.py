@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 
+from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.inference.prefill import PrefillResult, prefill
 from kvr_jax.runtime.loading import Model
 
@@ -21,27 +22,50 @@ def synthetic_prompt(vocab_size: int, context_len: int, batch: int = 1, seed: in
 @dataclasses.dataclass
 class PrefillTiming:
   first_s: float  # the first call: trace and compile (unless cached), then run
-  runs_s: list[float]  # the warm runs after it
+  runs_s: list[float]  # the warm runs after it (the whole TTFT, the cache move included)
   result: PrefillResult
+  moves_s: list[float] = dataclasses.field(default_factory=list)  # cache="last": the move
 
   @property
   def median_s(self) -> float:
     return statistics.median(self.runs_s)
 
+  @property
+  def move_median_s(self) -> float:
+    """The median time of moving the parts onto the last rank (0 for cache="sharded")."""
+    return statistics.median(self.moves_s) if self.moves_s else 0.0
+
 
 def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
   """One call, then `repeats` timed warm calls of `prefill(model, tokens, **kwargs)`.
 
-  A call ends when the logits and KV cache are ready. With a mesh spanning processes only the
-  last rank's process holds them, so its clock is the TTFT; the others time their own part.
+  A call ends when the logits and KV cache are ready. With cache="last" (the default) the
+  program's parts and their move onto the last rank are timed apart (`moves_s`): the call is
+  prefill(cache="sharded") then the move, which is what prefill(cache="last") runs. With a
+  mesh spanning processes only the last rank's process holds the cache, so its clock is the
+  TTFT; the others time their own part.
   """
+  cache = kwargs.pop("cache", "last")
 
   def run():
     start = time.perf_counter()
-    result = prefill(model, tokens, **kwargs)
-    if result.is_local:
-      jax.block_until_ready((result.logits, result.k_cache, result.v_cache, result.kv_parts))
-    return result, time.perf_counter() - start
+    result = prefill(model, tokens, cache="sharded", **kwargs)
+    jax.block_until_ready((result.logits, result.kv_parts))
+    moved = time.perf_counter()
+    if cache == "last":
+      k, v = gather_on_last_rank(result.kv_parts, result.cache_layout, result.mesh)
+      jax.block_until_ready((k, v))
+      result = dataclasses.replace(
+        result, cache="last", k_cache=k, v_cache=v, kv_parts=None, mesh=None
+      )
+    end = time.perf_counter()
+    return result, end - start, end - moved
 
-  result, first = run()
-  return PrefillTiming(first, [run()[1] for _ in range(repeats)], result)
+  result, first, _ = run()
+  runs = [run() for _ in range(repeats)]
+  return PrefillTiming(
+    first,
+    [r[1] for r in runs],
+    result,
+    [r[2] for r in runs] if cache == "last" else [],
+  )

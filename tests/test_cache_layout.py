@@ -1,0 +1,260 @@
+"""Where the KV cache lives after a prefill: every rank keeps only its own part.
+
+Both layouts (cache="last": the parts moved onto the last rank in prompt order; "sharded": the
+parts left where they were computed) give the logits and K,V of the single-device oracle, for
+every strategy on 1, 2, 3, 4 and 8 ranks (uneven KVR partitions); decode from a sharded cache
+gives the single-device decode's logits and greedy tokens (GQA, MQA, a sliding window shorter
+than some chunks); and XLA's memory analysis shows no rank's output growing with the mesh.
+
+Tolerance (fixed): 1e-5 relative to the largest magnitude of the reference tensor.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvr_jax
+from kvr_jax.inference import decode
+from kvr_jax.inference.kv_cache import gather_on_last_rank
+from kvr_jax.runtime.loading import build_model
+from kvr_jax.tools.memory import compiled_memory
+from models import scan_blocks
+
+REL_TOL = 1e-5
+CONTEXT = 29  # not a multiple of 2, 3, 4 or 8 (zigzag and TSP pad, KVR splits unevenly)
+WINDOW = 6
+
+
+def assert_close(got, want, what):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL}"
+
+
+def windowed_model():
+  config = dataclasses.replace(kvr_jax.preset_config("tiny-mistral"), sliding_window=WINDOW)
+  return kvr_jax.Model(build_model(config), source="tiny-mistral-window-6")
+
+
+@pytest.fixture(scope="module")
+def models():
+  return {
+    "gqa": kvr_jax.load_model("tiny-llama"),  # 4 query heads over 2 KV heads
+    "mqa": kvr_jax.load_model("tiny-falcon"),  # one KV head
+    "window": windowed_model(),
+  }
+
+
+@pytest.fixture(scope="module")
+def prompt():
+  return np.random.RandomState(3).randint(0, 512, (2, CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def oracle(models, prompt):
+  return {name: kvr_jax.prefill(model, prompt) for name, model in models.items()}
+
+
+# (strategy, p, partition): uneven KVR partitions, every peer, TSP; p in {1, 2, 3, 4, 8}.
+MATRIX = [
+  ("kvr", 1, None),
+  ("kvr", 2, [20, 9]),
+  ("kvr", 3, [14, 9, 6]),
+  ("kvr", 4, [1, 12, 10, 6]),
+  ("kvr", 8, [8, 5, 4, 3, 3, 2, 2, 2]),
+  ("tsp", 3, None),
+  ("tsp", 8, None),  # ceil(29/8) = 4: the last rank holds 1 real token
+  ("ring", 2, None),
+  ("ring", 3, None),
+  ("ring", 8, None),  # 16 chunks of 2: the last chunks are padding only
+  ("allgather", 1, None),
+  ("allgather", 4, None),
+  ("allgather", 8, None),
+]
+
+
+def run(model, prompt, strategy, p, partition, cache):
+  kwargs = {"partition": partition} if partition is not None else {}
+  mesh = kvr_jax.make_mesh(p)
+  return kvr_jax.prefill(model, prompt, strategy=strategy, mesh=mesh, cache=cache, **kwargs)
+
+
+@pytest.mark.parametrize("strategy,p,partition", MATRIX)
+def test_both_layouts_match_single(models, prompt, oracle, strategy, p, partition):
+  model, ref = models["gqa"], oracle["gqa"]
+  last = run(model, prompt, strategy, p, partition, "last")
+  sharded = run(model, prompt, strategy, p, partition, "sharded")
+  mesh_devices = list(kvr_jax.make_mesh(p).devices.reshape(-1))
+  for result in (last, sharded):
+    assert_close(result.logits, ref.logits, "logits")
+    assert result.device == mesh_devices[-1]
+  # cache="last": the whole cache, in prompt order, on the last rank's device only.
+  assert_close(last.k_cache, ref.k_cache, "K cache")
+  assert_close(last.v_cache, ref.v_cache, "V cache")
+  assert last.k_cache.sharding.device_set == {mesh_devices[-1]}
+  # cache="sharded": no whole cache anywhere; each rank's part holds its own positions.
+  assert sharded.k_cache is None and sharded.v_cache is None
+  layout = sharded.cache_layout
+  L, B, C, K, H = ref.k_cache.shape
+  assert sharded.kv_parts.shape == (p, L, 2, B * layout.part_len, K, H)
+  by_device = {
+    s.device: np.asarray(s.data[0]).reshape(L, 2, B, layout.part_len, K, H)
+    for s in sharded.kv_parts.addressable_shards
+  }
+  assert set(by_device) == set(mesh_devices)
+  want_kv = np.stack([np.asarray(ref.k_cache), np.asarray(ref.v_cache)], axis=1)
+  covered = np.zeros(C, int)
+  for rank, runs in enumerate(layout.segments):
+    part = by_device[mesh_devices[rank]]
+    for position, length, row in runs:
+      covered[position : position + length] += 1
+      assert_close(
+        part[:, :, :, row : row + length],
+        want_kv[:, :, :, position : position + length],
+        f"rank {rank}'s rows {row}..{row + length}",
+      )
+  assert (covered == 1).all(), covered  # every position in exactly one part
+  # The part is the rank's own share, not a prompt-long buffer.
+  assert layout.part_len < C or p == 1
+  k, v = sharded.gather_cache()
+  assert_close(k, ref.k_cache, "gathered K cache")
+  assert_close(v, ref.v_cache, "gathered V cache")
+
+
+@pytest.mark.parametrize("strategy,p,partition", [("kvr", 3, [14, 9, 6]), ("ring", 4, None)])
+def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
+  """The multi-process path (one SPMD program of ppermutes) gives the one-process copy."""
+  result = run(models["gqa"], prompt, strategy, p, partition, "sharded")
+  mesh = kvr_jax.make_mesh(p)
+  copied = gather_on_last_rank(result.kv_parts, result.cache_layout, mesh, method="copy")
+  collected = gather_on_last_rank(result.kv_parts, result.cache_layout, mesh, method="collective")
+  for got, want in zip(collected, copied, strict=True):
+    assert got.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_cache_layout_refused_before_compiling(models, prompt):
+  with pytest.raises(ValueError, match="unknown cache layout 'rank0'"):
+    kvr_jax.prefill(models["gqa"], prompt, strategy="kvr", cache="rank0")
+  with pytest.raises(ValueError, match="unknown cache layout"):
+    kvr_jax.generate(models["gqa"], prompt, 2, cache=None)
+
+
+NEW_TOKENS = 5
+# (model, strategy, p, partition): the windowed case has chunks longer and shorter than the
+# window, so rank 0's part lies wholly before the window of every decoded token.
+DECODE_CASES = [
+  ("gqa", "kvr", 3, [14, 9, 6]),
+  ("gqa", "ring", 4, None),
+  ("mqa", "kvr", 4, [12, 8, 5, 4]),
+  ("mqa", "tsp", 8, None),
+  ("window", "kvr", 3, [17, 8, 4]),
+  ("window", "allgather", 2, None),
+]
+
+
+def single_decode_logits(model, ref, tokens):
+  """The single-device decode's logits after feeding `tokens` (teacher forcing)."""
+  grow = ((0, 0), (0, 0), (0, len(tokens)), (0, 0), (0, 0))
+  k, v = (jax.device_put(np.pad(np.asarray(c), grow), ref.device) for c in ref.gather_cache())
+  state = model.state_on(ref.device)
+  out = []
+  for i, token in enumerate(tokens):
+    token = jax.device_put(token, ref.device)
+    logits, k, v = decode.decode_step(model.graphdef, state, token, ref.prompt_len + i, k, v)
+    out.append(np.asarray(logits))
+  return out
+
+
+@pytest.mark.parametrize("name,strategy,p,partition", DECODE_CASES)
+def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p, partition):
+  model, ref = models[name], oracle[name]
+  single = kvr_jax.generate(model, prompt, NEW_TOKENS)
+  kwargs = {"partition": partition} if partition is not None else {}
+  mesh = kvr_jax.make_mesh(p)
+  got = kvr_jax.generate(
+    model, prompt, NEW_TOKENS, strategy=strategy, mesh=mesh, cache="sharded", **kwargs
+  )
+  assert got.prefill.cache == "sharded" and got.prefill.k_cache is None
+  np.testing.assert_array_equal(got.tokens, single.tokens)
+  # Step by step, the same tokens fed to both: every step's logits within tolerance.
+  tokens = [np.asarray(t, np.int32) for t in single.tokens.T[:-1]]
+  want = single_decode_logits(model, ref, tokens)
+  program = decode.sharded_decode_program(model.graphdef, mesh, got.prefill.cache_layout)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  state = model.state_on(replicated)
+  L, K, H = got.prefill.kv_parts.shape[1], *got.prefill.kv_parts.shape[4:]
+  B = prompt.shape[0]
+  tail = jax.numpy.zeros((L, 2, B, len(tokens), K, H), device=replicated)
+  for i, token in enumerate(tokens):
+    token = jax.device_put(token, replicated)
+    logits, tail = program(state, token, ref.prompt_len + i, got.prefill.kv_parts, tail, i)
+    assert_close(logits, want[i], f"{name} {strategy} decode step {i}")
+
+
+def test_window_shorter_than_chunks_is_exercised(models):
+  """The windowed decode case needs a part wholly before every decoded token's window."""
+  assert models["window"].config.sliding_window == WINDOW
+  first_chunk = DECODE_CASES[4][3][0]
+  assert first_chunk < CONTEXT - WINDOW + 1  # rank 0 ends before the first token's window
+
+
+# --- XLA's memory analysis: outputs are each rank's share, not a prompt-long copy ----------
+
+MEMORY_CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def memory():
+  cfg = kvr_jax.preset_config("tiny-llama")
+  out = {}
+  for strategy in ("kvr", "tsp", "ring", "allgather"):
+    for p in (2, 4, 8):
+      out[strategy, p] = compiled_memory(
+        cfg, strategy, context_len=MEMORY_CONTEXT, num_ranks=p, partition="even", cache="sharded"
+      )
+  return out
+
+
+@pytest.mark.parametrize("strategy", ["kvr", "tsp", "ring", "allgather"])
+def test_outputs_shrink_with_ranks(memory, strategy):
+  """A rank's outputs are its share of the cache (about C/p tokens) plus the logits: they
+  halve as p doubles. A prompt-long cache output per rank would keep them constant."""
+  cfg = kvr_jax.preset_config("tiny-llama")
+  logits_bytes = cfg.vocab_size * 4
+  for p in (2, 4, 8):
+    got = memory[strategy, p]
+    cache_share = got["kv_cache_bytes"] / p
+    assert got["output_bytes"] <= 1.05 * cache_share + logits_bytes, (p, got)
+    assert got["output_bytes"] >= cache_share, (p, got)  # it does return its share
+
+
+@pytest.mark.parametrize("strategy", ["kvr", "tsp", "ring", "allgather"])
+def test_no_prompt_long_stacked_temporary(memory, strategy):
+  """No temporary as large as the whole cache stacked over layers ([L, 2, B, C, K, H])."""
+  got = memory[strategy, 8]
+  assert got["temp_bytes"] < got["kv_cache_bytes"], got
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_finish_in_row_blocks_equals_whole(models, name):
+  """Block.finish over token blocks (what bounds a long chunk's MLP memory) is the same maths
+  as over the whole chunk: 23 tokens in blocks of at most 5 (five blocks, two padded rows)."""
+  model = nnx.merge(models[name].graphdef, models[name].state_on(jax.devices()[0]))
+  cfg = model.config
+  rng = np.random.RandomState(0)
+  x_BTD = jax.numpy.asarray(rng.randn(2, 23, cfg.d_model), jax.numpy.float32)
+  attn_BTNH = jax.numpy.asarray(rng.randn(2, 23, cfg.num_heads, cfg.head_dim), jax.numpy.float32)
+
+  def both(block, carry, _):
+    return carry, (
+      block.finish(x_BTD, attn_BTNH, row_block=5),
+      block.finish(x_BTD, attn_BTNH, None),
+    )
+
+  _, (blocked, whole) = jax.jit(lambda: scan_blocks(model.blocks, both, 0))()
+  assert_close(blocked, whole, "finish in row blocks")
