@@ -69,6 +69,9 @@ flags.DEFINE_integer("measured_multiple", 64, "kvr-measured: chunk lengths multi
 flags.DEFINE_string("output_dir", "results/benchmark", "Where CSV, PNG and JSON go.")
 # Worker role (set by the multiprocess launcher).
 flags.DEFINE_enum("cache", "last", ["last", "sharded"], "Memory mode: the cache layout.")
+flags.DEFINE_integer(
+  "max_chunk", None, "Memory mode: KVR's balanced split with no chunk above this many tokens."
+)
 flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
 flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
 
@@ -149,8 +152,11 @@ def memory_mode():
         shaped = dataclasses.replace(config, max_position_embeddings=C)
       for strategy in FLAGS.strategy:
         p = 1 if strategy == "single" else num_ranks
+        plan = dataclasses.replace(memory.MEMORY_PARTITION, max_chunk=FLAGS.max_chunk)
         rows.append(
-          memory.compiled_memory(shaped, strategy, context_len=C, num_ranks=p, cache=FLAGS.cache)
+          memory.compiled_memory(
+            shaped, strategy, context_len=C, num_ranks=p, cache=FLAGS.cache, partition=plan
+          )
         )
   print(
     f"XLA memory analysis (compiled from shapes, nothing allocated), {FLAGS.model}, float32 "

@@ -28,6 +28,9 @@ class PartitionPlan:
   table_model: which model's table "predict" reads (default: the preset the model came from).
   objective: "modelled" (cost model, seconds) or "measured" (times prefill on the mesh for
     each candidate; `cache_path` keeps results on disk so an interrupted search resumes).
+  max_chunk: no chunk longer than this many tokens ("balanced" and "search"; any answer is
+    checked against it): a per-device memory cap, since every rank's cache part and
+    activations are as long as the longest chunk (kvr_jax.compiled_memory measures them).
   """
 
   method: str = "even"
@@ -37,6 +40,7 @@ class PartitionPlan:
   table_model: str | None = None
   objective: str = "modelled"
   cache_path: str | None = None
+  max_chunk: int | None = None
 
   def __post_init__(self):
     if self.objective not in ("modelled", "measured"):
@@ -48,6 +52,10 @@ class PartitionPlan:
     if isinstance(self.multiple, bool) or not isinstance(self.multiple, int) or self.multiple < 1:
       raise ValueError(f"`multiple` must be a positive integer, got {self.multiple!r}")
     presets.check_preset_names(self.hardware, self.links)
+    if self.max_chunk is not None and (
+      isinstance(self.max_chunk, bool) or not isinstance(self.max_chunk, int) or self.max_chunk < 1
+    ):
+      raise ValueError(f"`max_chunk` must be a positive integer, got {self.max_chunk!r}")
 
 
 def resolve_partition(
@@ -96,7 +104,18 @@ def resolve_partition(
         scores_in_memory=scores_in_memory,
         causal_skip=causal_skip,
       )
+    cap = partition.max_chunk
+    if cap is not None and cap < -(-context_len // num_ranks):
+      raise ValueError(
+        f"max_chunk={cap} is below ceil(C/p) = {-(-context_len // num_ranks)} "
+        f"({context_len} tokens on {num_ranks} ranks): no partition fits it"
+      )
     chunks = _plan_chunks(partition, context_len, num_ranks, config, setup, model_name)
+    if cap is not None and max(chunks) > cap:
+      raise ValueError(
+        f"partition {partition.method!r} gives a chunk of {max(chunks)} tokens, above "
+        f"max_chunk={cap}; use 'balanced' or 'search', which respect it"
+      )
     # Every plan's answer is checked like a user's list: a bad plan never reaches a program.
     return check_chunks(chunks, context_len, num_ranks)
   return check_chunks(partition, context_len, num_ranks)
@@ -113,9 +132,13 @@ def _plan_chunks(
       return chunks
     return round_to_multiple(chunks, context_len, plan.multiple)
   if plan.method == "balanced":
-    return search.balanced_partition(config, context_len, num_ranks, setup, multiple=plan.multiple)
+    return search.balanced_partition(
+      config, context_len, num_ranks, setup, multiple=plan.multiple, max_chunk=plan.max_chunk
+    )
   if plan.method == "search":
-    return search.modelled_search(config, context_len, num_ranks, setup, multiple=plan.multiple)
+    return search.modelled_search(
+      config, context_len, num_ranks, setup, multiple=plan.multiple, max_chunk=plan.max_chunk
+    )
   name = plan.table_model or model_name
   if name is None:
     raise ValueError(

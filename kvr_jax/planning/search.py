@@ -30,8 +30,12 @@ def search_partition(
   multiple: int = 1,
   start: Sequence[int] | None = None,
   progress: Callable[[int], None] | None = None,
+  max_chunk: int | None = None,
 ) -> tuple[int, ...]:
   """Hierarchical grid search for the chunk lengths that minimise `objective`.
+
+  max_chunk: no chunk longer than this (a per-device memory cap: every rank's cache part and
+  activations are as long as the longest chunk); at least ceil(C/p), so the even split fits.
 
   The grid step starts coarse (about C/2p tokens) and halves down to one `multiple`. At each
   step, every transfer of `step` tokens from one chunk to another (adjacent or not: moving the
@@ -54,10 +58,11 @@ def search_partition(
   def smallest(i: int) -> int:  # the last chunk only needs one token; the others a multiple
     return 1 if i == p - 1 else multiple
 
+  cap = context_len if max_chunk is None else max_chunk
   starts = [round_to_multiple(even_partition(context_len, p), context_len, multiple)]
   if start is not None:
     starts.append(round_to_multiple(start, context_len, multiple))
-  best = min(starts, key=cost)
+  best = min([s for s in starts if max(s) <= cap] or starts[:1], key=cost)
   units = max(context_len // (2 * p * multiple), 1)
   step = 1 << (units.bit_length() - 1)
   while step >= 1:
@@ -68,7 +73,7 @@ def search_partition(
         if best[donor] - delta < smallest(donor):
           continue
         for taker in range(p):
-          if taker != donor:
+          if taker != donor and best[taker] + delta <= cap:
             moved = list(best)
             moved[donor] -= delta
             moved[taker] += delta
@@ -101,12 +106,18 @@ def modelled_search(
   *,
   multiple: int = 1,
   start: Sequence[int] | None = None,
+  max_chunk: int | None = None,
 ) -> tuple[int, ...]:
-  """KVR-S over the modelled TTFT, started from the balanced split unless `start` is given."""
+  """KVR-S over the modelled TTFT, started from the balanced split unless `start` is given;
+  no chunk longer than `max_chunk` (see search_partition)."""
   if start is None:
-    start = balanced_partition(config, context_len, num_ranks, setup, multiple=multiple)
+    start = balanced_partition(
+      config, context_len, num_ranks, setup, multiple=multiple, max_chunk=max_chunk
+    )
   objective = modelled_objective(config, context_len, num_ranks, setup)
-  return search_partition(objective, context_len, num_ranks, multiple=multiple, start=start)
+  return search_partition(
+    objective, context_len, num_ranks, multiple=multiple, start=start, max_chunk=max_chunk
+  )
 
 
 def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
@@ -150,9 +161,16 @@ def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
 
 
 def balanced_partition(
-  config: ModelConfig, context_len: int, num_ranks: int, setup: Setup, *, multiple: int = 1
+  config: ModelConfig,
+  context_len: int,
+  num_ranks: int,
+  setup: Setup,
+  *,
+  multiple: int = 1,
+  max_chunk: int | None = None,
 ) -> tuple[int, ...]:
-  """Chunks that equalise each rank's modelled per-layer compute time (no search).
+  """Chunks that equalise each rank's modelled per-layer compute time (no search); with
+  `max_chunk`, no rank takes more than that (the later ones take what the cap leaves).
 
   Communication is ignored (sends are asynchronous and, at high bandwidth, hidden); at low
   bandwidth the chain of hops dominates and `search` does clearly better. For a target time
@@ -163,6 +181,7 @@ def balanced_partition(
   p, C = num_ranks, context_len
   if p == 1:
     return (C,)
+  cap = float(C if max_chunk is None else max_chunk)
   # Communication (setup.links) is not part of the balance (see docstring).
   compute = _compute_time_fn(
     config,
@@ -177,7 +196,7 @@ def balanced_partition(
     """Greedy chunks for time `target`; None when the first p-1 ranks already take all C."""
     out, start = [], 0.0
     for _ in range(p - 1):
-      lo, hi = 0.0, C - start
+      lo, hi = 0.0, min(C - start, cap)
       for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if compute(mid, start + mid) <= target else (lo, mid)
@@ -197,4 +216,24 @@ def balanced_partition(
     else:
       hi = mid
   chunks = chunks_for(lo) or even_partition(C, p)
-  return round_to_multiple(chunks, C, multiple)
+  return within_cap(round_to_multiple(chunks, C, multiple), max_chunk)
+
+
+def within_cap(chunks: Sequence[int], max_chunk: int | None) -> tuple[int, ...]:
+  """Moves what rounding put above `max_chunk` onto the next chunks with room (a few tokens
+  at most; the total and order are kept). `max_chunk` >= ceil(C/p) guarantees room."""
+  chunks = list(chunks)
+  if max_chunk is None:
+    return tuple(chunks)
+  for i in range(len(chunks)):
+    excess = chunks[i] - max_chunk
+    j = 0
+    while excess > 0 and j < len(chunks):
+      room = max_chunk - chunks[j]
+      if j != i and room > 0:
+        moved = min(room, excess)
+        chunks[i] -= moved
+        chunks[j] += moved
+        excess -= moved
+      j += 1
+  return tuple(chunks)

@@ -100,6 +100,7 @@ def measured_search(
   start: Sequence[int] | None = None,
   show_progress: bool = True,
   verify_top: int = 3,
+  max_chunk: int | None = None,
 ) -> tuple[int, ...]:
   """KVR-S over measured TTFT on the actual mesh, with a progress bar; resumable from disk.
 
@@ -120,12 +121,15 @@ def measured_search(
       multiple=multiple,
       start=start,
       progress=lambda n: bar.update(n - bar.n),
+      max_chunk=max_chunk,
     )
   finally:
     bar.close()
-  ranked = sorted(objective.results.items(), key=lambda item: (item[1], item[0]))[:verify_top]
-  if len(ranked) > 1:
-    candidates = [tuple(int(c) for c in key.split(",")) for key, _ in ranked]
+  ranked = sorted(objective.results.items(), key=lambda item: (item[1], item[0]))
+  candidates = [tuple(int(c) for c in key.split(",")) for key, _ in ranked]
+  # The cache file may hold partitions of another search (another cap): only those that fit.
+  candidates = [c for c in candidates if max_chunk is None or max(c) <= max_chunk][:verify_top]
+  if len(candidates) > 1:
     best = min(candidates, key=lambda chunks: objective.measure(chunks, 2 * repeats))
   return best
 
@@ -146,7 +150,12 @@ def measured_partition(model: Model, tokens, mesh, plan: PartitionPlan | None = 
     answers.move_to_end(key)
   else:
     answers[key] = measured_search(
-      model, tokens, mesh, multiple=plan.multiple, cache_path=plan.cache_path
+      model,
+      tokens,
+      mesh,
+      multiple=plan.multiple,
+      cache_path=plan.cache_path,
+      max_chunk=plan.max_chunk,
     )
     while len(answers) > MAX_REMEMBERED:
       answers.popitem(last=False)

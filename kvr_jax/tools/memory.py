@@ -14,6 +14,7 @@ bfloat16 estimate, and say so (README does).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -158,13 +159,11 @@ def _in_subprocess(config, strategy, context_len, num_ranks, dtype, cache, batch
     "cache": cache,
     "batch": batch,
     "attention": attention,
-    # A plan travels as its name or its lengths; the default (None) is MEMORY_PARTITION.
-    "plan": None if plan == MEMORY_PARTITION else plan,
+    # A plan travels as its name, its lengths or its fields.
+    "plan": dataclasses.asdict(plan) if isinstance(plan, PartitionPlan) else plan,
   }
-  if isinstance(plan, PartitionPlan) and plan != MEMORY_PARTITION:
-    raise ValueError("a PartitionPlan other than the default needs enough devices in-process")
-  if isinstance(plan, tuple):
-    arguments["plan"] = list(plan)
+  if isinstance(plan, (tuple, np.ndarray)):
+    arguments["plan"] = [int(c) for c in plan]
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] = (
@@ -186,15 +185,10 @@ def _in_subprocess(config, strategy, context_len, num_ranks, dtype, cache, batch
 def _main(argument: str) -> None:
   arguments = json.loads(argument)
   plan = arguments.pop("plan")
-  print(
-    json.dumps(
-      compiled_memory(
-        config_from_dict(arguments.pop("config")),
-        partition=MEMORY_PARTITION if plan is None else plan,
-        **arguments,
-      )
-    )
-  )
+  if isinstance(plan, dict):
+    plan = PartitionPlan(**plan)
+  config = config_from_dict(arguments.pop("config"))
+  print(json.dumps(compiled_memory(config, partition=plan, **arguments)))
 
 
 if __name__ == "__main__":
