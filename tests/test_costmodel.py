@@ -236,6 +236,33 @@ def test_every_partition_is_valid(C, method):
     assert len(chunks) == p and sum(chunks) == C and min(chunks) >= 1, (method, C, p, chunks)
 
 
+@pytest.mark.parametrize("method", ["balanced", "search"])
+def test_max_chunk_caps_the_longest_chunk(method):
+  """A per-device memory cap: the uncapped balanced split gives rank 0 far more than C/p at
+  32k tokens on 8 ranks; capped, no chunk exceeds the cap and the split is still valid."""
+  C, p = 32768, 8
+  plan = PartitionPlan(method, hardware="a100-80gb", links="300GBps", multiple=64)
+  free = resolve_partition(plan, C, p, config=LLAMA7, dtype_bytes=2)
+  cap = 5000
+  assert max(free) > cap  # the cap binds
+  capped = resolve_partition(
+    dataclasses.replace(plan, max_chunk=cap), C, p, config=LLAMA7, dtype_bytes=2
+  )
+  assert sum(capped) == C and len(capped) == p and max(capped) <= cap, capped
+  assert capped != free
+
+
+def test_max_chunk_refused_when_nothing_fits():
+  plan = PartitionPlan("balanced", hardware="a100-80gb", links="300GBps", max_chunk=4095)
+  with pytest.raises(ValueError, match=r"max_chunk=4095 is below ceil\(C/p\) = 4096"):
+    resolve_partition(plan, 32768, 8, config=LLAMA7)
+  with pytest.raises(ValueError, match="`max_chunk` must be a positive integer"):
+    PartitionPlan("balanced", max_chunk=0)
+  predict = PartitionPlan("predict", hardware="a100-80gb", links="10GBps", max_chunk=4096)
+  with pytest.raises(ValueError, match="above max_chunk=4096"):
+    resolve_partition(predict, 32768, 8, config=LLAMA7, model_name="llama-2-7b")
+
+
 def test_predict_is_exact_at_table_points():
   for path in sorted(__import__("glob").glob(f"{tables.PARTITION_DIR}/*.json")):
     with open(path) as f:
