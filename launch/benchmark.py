@@ -25,8 +25,10 @@ import jax
 from absl import app, flags, logging
 
 import kvr_jax
+from kvr_jax.core.chunks import check_chunks
+from kvr_jax.planning import presets
 from kvr_jax.runtime import distributed
-from kvr_jax.tools import benchmark, jobs, memory
+from kvr_jax.tools import benchmark, jobs, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
 
@@ -34,7 +36,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
   "mode",
   "devices",
-  ["devices", "multiprocess", "kernels", "long", "phases", "memory"],
+  ["devices", "multiprocess", "kernels", "long", "phases", "memory", "timeline"],
   "What to measure.",
 )
 flags.DEFINE_integer(
@@ -71,6 +73,9 @@ flags.DEFINE_string("output_dir", "results/benchmark", "Where CSV, PNG and JSON 
 flags.DEFINE_enum("cache", "last", ["last", "sharded"], "Memory mode: the cache layout.")
 flags.DEFINE_integer(
   "max_chunk", None, "Memory mode: KVR's balanced split with no chunk above this many tokens."
+)
+flags.DEFINE_list(
+  "timeline_strategies", ["kvr", "allgather"], "Timeline mode: strategies (kvr, ring, allgather)."
 )
 flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
 flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
@@ -267,6 +272,17 @@ def devices_mode():
 
 def worker():
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  if FLAGS.mode == "timeline":  # every process reports its own ranks' records
+    distributed.owner_output(
+      jobs.timeline_job(
+        FLAGS.model,
+        int(FLAGS.context_lens[0]),
+        FLAGS.timeline_strategies,
+        partition=common.parse_partition(FLAGS.partition),
+        repeats=FLAGS.repeats,
+      )
+    )
+    return
   result = jobs.bench_job(
     FLAGS.model,
     [int(c) for c in FLAGS.context_lens],
@@ -276,6 +292,85 @@ def worker():
   )
   if result is not None:
     distributed.owner_output(result)
+
+
+def timeline_mode():
+  """Per-rank timelines of a multi-process run (probed programs), beside the cost model's."""
+  C = int(FLAGS.context_lens[0])
+  with common.user_errors():
+    if FLAGS.num_processes < 2:
+      raise ValueError("--num_processes must be >= 2 in timeline mode")
+    partition = common.parse_partition(FLAGS.partition)
+    if isinstance(partition, list):  # explicit lengths: checked before any process starts
+      check_chunks(partition, C, FLAGS.num_processes)
+    for s in FLAGS.timeline_strategies:
+      if not kvr_jax.get_strategy(s).timeline_probes:
+        raise ValueError(f"--timeline_strategies: {s!r} has no probes; use kvr, ring, allgather")
+    if os.path.exists(FLAGS.output_dir) and not os.path.isdir(FLAGS.output_dir):
+      raise ValueError(f"--output_dir={FLAGS.output_dir} is a file; give a directory")
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    common.check_output_file(os.path.join(FLAGS.output_dir, f"timeline_{C}.json"), "--output_dir")
+    model_config = kvr_jax.load_model(FLAGS.model).config
+    print(f"{FLAGS.num_processes} processes, one core each: timelines at C={C} ...", flush=True)
+    try:
+      outcomes = distributed.launch_local(
+        "launch.benchmark",
+        [
+          "--mode=timeline",
+          f"--model={FLAGS.model}",
+          f"--context_lens={C}",
+          f"--repeats={FLAGS.repeats}",
+          f"--partition={FLAGS.partition}",
+          f"--timeline_strategies={','.join(FLAGS.timeline_strategies)}",
+        ],
+        FLAGS.num_processes,
+        pin_cores=True,
+        timeout=3600,
+      )
+    except RuntimeError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+    reports = [r for o in outcomes for r in o.results()]
+    setup = presets.make_setup(dtype_bytes=4, scores_in_memory=False, causal_skip=True)
+  print(
+    f"\nMEASURED timelines, {FLAGS.model}, C={C}, {FLAGS.num_processes} processes x 1 core "
+    "(probes at every phase boundary; the cache stays sharded, its move is not in the span)"
+  )
+  print(
+    f"{'strategy':<10}{'TTFT':>9}{'probed':>9}{'span':>9}  per rank: qkv / hops+waits / "
+    "attention / rest (ms, all layers)"
+  )
+  written, panels, dump = [], [], []
+  for strategy in FLAGS.timeline_strategies:
+    runs = [run for r in reports for run in r["runs"] if run["strategy"] == strategy]
+    owner = max(runs, key=lambda run: run["process_index"])
+    measured = timeline.intervals(runs)
+    modelled = timeline.modelled_intervals(
+      model_config, strategy, C, setup, len(runs), owner["partition"]
+    )
+    totals = timeline.phase_totals(measured)
+    per_rank = []
+    for rank in sorted({i[0] for i in measured}):
+      exchange = sum(
+        v for (r, k), v in totals.items() if r == rank and k in ("hop", "step", "allgather", "wait")
+      )
+      ms = [totals.get((rank, k), 0.0) * 1e3 for k in ("qkv", "attention", "rest")]
+      per_rank.append(f"r{rank}: {ms[0]:.0f} / {exchange * 1e3:.0f} / {ms[1]:.0f} / {ms[2]:.0f}")
+    print(
+      f"{strategy:<10}{owner['ttft_s']:>8.3f}s{owner['probed_ttft_s']:>8.3f}s"
+      f"{timeline.span_s(runs):>8.3f}s  {'; '.join(per_rank)}"
+      + (f"  partition {owner['partition']}" if owner["partition"] else "")
+    )
+    panels.append((f"MEASURED {strategy}", measured))
+    panels.append((f"MODELLED {strategy} (local calibration)", modelled))
+    dump.append({"strategy": strategy, "runs": runs, "measured": measured, "modelled": modelled})
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  written = [os.path.join(FLAGS.output_dir, f"timeline_{C}.{ext}") for ext in ("json", "png")]
+  with open(written[0], "w") as f:
+    json.dump(dump, f)
+  timeline.plot(panels, written[1], f"{FLAGS.model}, C={C}, {FLAGS.num_processes} processes")
+  print(f"wrote {', '.join(written)}")
+  return 0
 
 
 def multiprocess_mode():
@@ -321,7 +416,10 @@ def multiprocess_mode():
   )
   print("single: one process with the flash kernel (the best single process); single-dense:")
   print("dense masked scores (the paper's baseline). Speed-ups are against `single`.")
-  print(f"{'variant':<14}{'C':>7}  {'TTFT':>9}  {'vs single':>9}  {'vs tsp':>7}  partition")
+  print("move: of TTFT, the time to bring the ranks' cache parts onto the last rank.")
+  print(
+    f"{'variant':<14}{'C':>7}  {'TTFT':>9}  {'move':>7}  {'vs single':>9}  {'vs tsp':>7}  partition"
+  )
   table = []
   for r in rows:
     C = r["context_len"]
@@ -330,7 +428,8 @@ def multiprocess_mode():
     table.append(dict(r, speedup_vs_single=speedup, speedup_vs_tsp=vs_tsp))
     vs_tsp_text = "n/a" if vs_tsp is None else f"{vs_tsp:.2f}x"
     print(
-      f"{r['variant']:<14}{C:>7}  {r['ttft_s']:>8.3f}s  {speedup:>8.2f}x  {vs_tsp_text:>7}  "
+      f"{r['variant']:<14}{C:>7}  {r['ttft_s']:>8.3f}s  {r.get('move_s', 0.0):>6.3f}s  "
+      f"{speedup:>8.2f}x  {vs_tsp_text:>7}  "
       f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
     )
@@ -369,11 +468,13 @@ def main(argv):
   if FLAGS.process_id is not None:
     worker()
     return 0
-  if FLAGS.mode != "multiprocess":
+  if FLAGS.mode not in ("multiprocess", "timeline"):
     with common.user_errors():
       set_threads()  # before XLA's backend starts
   if FLAGS.mode == "multiprocess":
     return multiprocess_mode()
+  if FLAGS.mode == "timeline":
+    return timeline_mode()
   if FLAGS.mode == "kernels":
     return kernels_mode()
   if FLAGS.mode == "long":

@@ -138,6 +138,7 @@ def prefill(
   partition: Any = None,
   attention: str | None = None,
   cache: str = "last",
+  timeline: bool = False,
 ) -> PrefillResult:
   """Runs the prompt phase and returns the last position's logits and the KV cache.
 
@@ -157,9 +158,16 @@ def prefill(
   cache: "last" (the paper's layout: the whole cache in prompt order on the last rank's
     device; moving the ranks' parts there is part of the call) or "sharded" (each rank keeps
     the part it computed; `generate` decodes from it where it lies). See PrefillResult.
+  timeline: compile with probes at the phase boundaries (strategies with
+    `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them.
   """
   spec = get_strategy(strategy)
   cache = check_cache(cache)
+  if timeline and not spec.timeline_probes:
+    raise ValueError(
+      f"strategy {strategy!r} has no timeline probes; they are placed in "
+      f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
+    )
   attention = spec.check_attention(attention)
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
@@ -210,7 +218,11 @@ def prefill(
         int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(user_chunks))
       )
   chunks = spec.layout(T, p, user_chunks)
-  run = spec.compile(model.graphdef, mesh, chunks, attention)
+  run = (
+    spec.compile(model.graphdef, mesh, chunks, attention, timeline=True)
+    if timeline
+    else spec.compile(model.graphdef, mesh, chunks, attention)
+  )
   state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = run(state, tokens_pBc)

@@ -405,19 +405,46 @@ def kvr_timeline(
   t_qkv[i]: rank i's qkv phase; t_after[i]: its attention + rest; hop_time[k]: hop k's time.
   """
   p = len(t_qkv)
+  free = [0.0] * p
+  for rank, _, _, _, end in kvr_schedule(t_qkv, t_after, [0.0] * p, hop_time, num_layers):
+    free[rank] = max(free[rank], end)
+  return free
+
+
+def kvr_schedule(
+  t_qkv: Sequence[float],
+  t_attention: Sequence[float],
+  t_rest: Sequence[float],
+  hop_time: Sequence[float],
+  num_layers: int,
+) -> list[tuple[int, int, str, float, float]]:
+  """The modelled KVR timeline as intervals (rank, layer, phase, start, end): per layer each
+  rank's "qkv", its "wait" for hop i-1 (rank i > 0, when the prefix arrives later than its
+  own K,V), "attention" and "rest"; "hop{k}" intervals (on the sender's row) run from when
+  rank k holds its prefix and link k is free to when rank k+1 has it. A sender does not wait
+  for its send (asynchronous sends)."""
+  p = len(t_qkv)
   free = [0.0] * p  # rank i is done with the previous layer
   link_free = [0.0] * max(p - 1, 0)  # link k has delivered the previous layer's message
-  for _ in range(num_layers):
+  out = []
+  for layer in range(num_layers):
     arrive = 0.0
     for i in range(p):
-      ready = free[i] + t_qkv[i]  # own K,V written into the buffer
-      if i > 0:
-        ready = max(ready, arrive)  # prefix [0, S_{i-1}) received
+      own = free[i] + t_qkv[i]  # own K,V written into the buffer
+      out.append((i, layer, "qkv", free[i], own))
+      ready = own
+      if i > 0 and arrive > own:  # prefix [0, S_{i-1}) received after its own K,V
+        out.append((i, layer, "wait", own, arrive))
+        ready = arrive
       if i < p - 1:
-        arrive = max(ready, link_free[i]) + hop_time[i]
+        send = max(ready, link_free[i])
+        arrive = send + hop_time[i]
         link_free[i] = arrive
-      free[i] = ready + t_after[i]
-  return free
+        out.append((i, layer, f"hop{i}", send, arrive))
+      out.append((i, layer, "attention", ready, ready + t_attention[i]))
+      free[i] = ready + t_attention[i] + t_rest[i]
+      out.append((i, layer, "rest", ready + t_attention[i], free[i]))
+  return out
 
 
 def tsp_timeline(t_qkv: float, t_allgather: float, t_after: float, num_layers: int) -> float:

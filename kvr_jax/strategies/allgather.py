@@ -19,10 +19,13 @@ from flax import nnx
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import Strategy, count_trace, fold_batch, last_rank, spmd
+from kvr_jax.strategies.probe import mark
 from models import scan_blocks
 
 
-def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
+def rank_program(
+  graphdef, context_len: int, num_ranks: int, attention: str, timeline: bool = False
+):
   c = zigzag.chunk_len(context_len, num_ranks)
   p = num_ranks
 
@@ -34,11 +37,13 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
     B = tokens_B2c.shape[0]
     positions_B2c = zigzag.positions(rank, c, p, B)
 
-    def layer(block, x_B2cD, _):
+    def layer(block, x_B2cD, l):
       q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
       own_2B2cKH = jnp.stack([k_B2cKH, v_B2cKH])
+      q_B2cNH, own_2B2cKH = mark(timeline, "qkv", l, (q_B2cNH, own_2B2cKH))
       # [2, B, 2pc, K, H]: every rank's two chunks, in rank order, then in prompt order
       kv = jax.lax.all_gather(own_2B2cKH, AXIS, axis=2, tiled=True)
+      kv = mark(timeline, "allgather", l, kv)
       kv = zigzag.in_prompt_order(kv, zigzag.padded_len(context_len, p), p, axis=2)
       outs = []
       for half, chunk in enumerate((rank, 2 * p - 1 - rank)):
@@ -47,20 +52,25 @@ def rank_program(graphdef, context_len: int, num_ranks: int, attention: str):
         # it as they are, so masked key blocks (and those before a sliding window) are
         # skipped on every rank.
         outs.append(block.attend(q_BcNH, kv[0], kv[1], chunk * c, attention))
-      attn_B2cNH = jnp.concatenate(outs, axis=1)
-      return block.finish(x_B2cD, attn_B2cNH), fold_batch(own_2B2cKH)
+      attn_B2cNH = mark(timeline, "attention", l, jnp.concatenate(outs, axis=1))
+      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH))
+      return x_B2cD, fold_batch(own_2B2cKH)
 
-    x_B2cD, kv_L2RKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
-    logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
+    x_B2cD = mark(timeline, "embed", -1, model.embed(tokens_B2c))
+    layers_L = jnp.arange(model.config.num_layers)
+    x_B2cD, kv_L2RKH = scan_blocks(model.blocks, layer, x_B2cD, layers_L)
+    logits_BV = mark(timeline, "logits", -1, zigzag.last_logits(model, x_B2cD, context_len, p))
     return logits_BV[None], kv_L2RKH[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
-def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
+def compile_program(
+  graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash", timeline: bool = False
+):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
-  return spmd(rank_program(graphdef, sum(chunks), len(chunks), attention), mesh)
+  return spmd(rank_program(graphdef, sum(chunks), len(chunks), attention, timeline), mesh)
 
 
 STRATEGY = Strategy(
@@ -73,5 +83,6 @@ STRATEGY = Strategy(
   compile=compile_program,
   cache_rank=last_rank,
   cache_layout=zigzag.cache_layout,
+  timeline_probes=True,
   attention_note="its chunks attend at a rank-dependent offset (flash or dense)",
 )

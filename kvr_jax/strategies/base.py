@@ -124,6 +124,8 @@ class Strategy:
     chunks
   )
   max_ranks: int | None = None
+  # compile(..., timeline=True) places probes at its phase boundaries (strategies.probe).
+  timeline_probes: bool = False
   attention_note: str = ""  # why it runs only these kernels, for the error message
 
   @property

@@ -33,10 +33,13 @@ from flax import nnx
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import Strategy, count_trace, fold_batch, last_rank, spmd
+from kvr_jax.strategies.probe import mark
 from models import layers, scan_blocks
 
 
-def ring_attention(q_B2cNH, kv_own, rank, c: int, p: int, window: int | None):
+def ring_attention(
+  q_B2cNH, kv_own, rank, c: int, p: int, window: int | None, timeline: bool = False, layer=-1
+):
   """Rank's two query chunks against every rank's K,V, passed around the ring.
 
   kv_own: [2, B, 2c, K, H], this rank's K and V. Every partial is a flash call over one
@@ -86,11 +89,13 @@ def ring_attention(q_B2cNH, kv_own, rank, c: int, p: int, window: int | None):
     kv = jax.lax.ppermute(kv, AXIS, perm=ring)
     src = (rank - step) % p
     step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv, src)
-    out, lse = layers.merge_partials(out, lse, step_out, step_lse)
+    out, lse = mark(
+      timeline, f"step{step}", layer, layers.merge_partials(out, lse, step_out, step_lse)
+    )
   return out.astype(q_B2cNH.dtype)
 
 
-def rank_program(graphdef, context_len: int, num_ranks: int):
+def rank_program(graphdef, context_len: int, num_ranks: int, timeline: bool = False):
   c = zigzag.chunk_len(context_len, num_ranks)
   p = num_ranks
 
@@ -102,25 +107,33 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
     B = tokens_B2c.shape[0]
     positions_B2c = zigzag.positions(rank, c, p, B)
 
-    def layer(block, x_B2cD, _):
+    def layer(block, x_B2cD, l):
       q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
       # [2, B, 2c, K, H]: K and V travel as one message, with their own K heads
       kv_own = jnp.stack([k_B2cKH, v_B2cKH])
-      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, model.config.sliding_window)
-      return block.finish(x_B2cD, attn_B2cNH), fold_batch(kv_own)
+      q_B2cNH, kv_own = mark(timeline, "qkv", l, (q_B2cNH, kv_own))
+      window = model.config.sliding_window
+      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, window, timeline, l)
+      attn_B2cNH = mark(timeline, "attention", l, attn_B2cNH)
+      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH))
+      return x_B2cD, fold_batch(kv_own)
 
-    x_B2cD, kv_L2RKH = scan_blocks(model.blocks, layer, model.embed(tokens_B2c))
-    logits_BV = zigzag.last_logits(model, x_B2cD, context_len, p)
+    x_B2cD = mark(timeline, "embed", -1, model.embed(tokens_B2c))
+    layers_L = jnp.arange(model.config.num_layers)
+    x_B2cD, kv_L2RKH = scan_blocks(model.blocks, layer, x_B2cD, layers_L)
+    logits_BV = mark(timeline, "logits", -1, zigzag.last_logits(model, x_B2cD, context_len, p))
     return logits_BV[None], kv_L2RKH[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
-def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash"):
+def compile_program(
+  graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash", timeline: bool = False
+):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
   del attention  # flash partials are what the ring merges
-  return spmd(rank_program(graphdef, sum(chunks), len(chunks)), mesh)
+  return spmd(rank_program(graphdef, sum(chunks), len(chunks), timeline), mesh)
 
 
 STRATEGY = Strategy(
@@ -133,5 +146,6 @@ STRATEGY = Strategy(
   compile=compile_program,
   cache_rank=last_rank,
   cache_layout=zigzag.cache_layout,
+  timeline_probes=True,
   attention_note="ring attention merges flash partials (output and log-sum-exp)",
 )

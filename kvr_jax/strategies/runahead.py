@@ -51,6 +51,7 @@ from kvr_jax.strategies.base import (
   last_rank,
   spmd,
 )
+from kvr_jax.strategies.probe import mark
 from models import layers, scan_blocks
 
 
@@ -76,7 +77,15 @@ def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...], cache_len: 
 
 
 def attend_and_finish(
-  block, x_BcD, q_BcNH, kv, i: int, chunks: tuple[int, ...], attention: str = "dense"
+  block,
+  x_BcD,
+  q_BcNH,
+  kv,
+  i: int,
+  chunks: tuple[int, ...],
+  attention: str = "dense",
+  timeline: bool = False,
+  layer=-1,
 ):
   """Rank i, static shapes: its c_i queries against the S_i-key prefix, then the block's rest.
 
@@ -91,6 +100,7 @@ def attend_and_finish(
   attn_BcNH = block.attend(
     q_BcNH[:, :c], kv[0, :, first:end], kv[1, :, first:end], start - first, attention
   )
+  attn_BcNH = mark(timeline, "attention", layer, attn_BcNH)
   out_BcD = block.finish(x_BcD[:, :c], attn_BcNH)
   return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
 
@@ -113,7 +123,9 @@ def hop_span(k: int, chunks: tuple[int, ...], window: int | None) -> tuple[int, 
   return layers.window_start(end, window), end
 
 
-def hop_chain(kv, rank, chunks: tuple[int, ...], window: int | None = None):
+def hop_chain(
+  kv, rank, chunks: tuple[int, ...], window: int | None = None, timeline: bool = False, layer=-1
+):
   """p-1 hops: hop k sends kv[:, :, a:S_k] (hop_span) from rank k to rank k+1, one pair per
   ppermute. A rank whose chunk is shorter than the window forwards part of what it received
   (it sits in its buffer beside its own keys)."""
@@ -123,22 +135,28 @@ def hop_chain(kv, rank, chunks: tuple[int, ...], window: int | None = None):
     # ppermute gives zeros to ranks outside the pair: only rank k+1 takes the message.
     prefix = jnp.where(rank == k + 1, received, kv[:, :, a:end])
     kv = jax.lax.dynamic_update_slice_in_dim(kv, prefix, a, axis=2)
+    kv = mark(timeline, f"hop{k}", layer, kv)
   return kv
 
 
 def rank_program(
-  graphdef, chunks: tuple[int, ...], cache_len: int, attention: str = "dense"
+  graphdef,
+  chunks: tuple[int, ...],
+  cache_len: int,
+  attention: str = "dense",
+  timeline: bool = False,
 ) -> Callable:
-  """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs."""
+  """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs.
+  timeline: probes at every phase boundary (kvr_jax.strategies.probe)."""
   p = len(chunks)
 
   def program(state, tokens_1Bc):
     count_trace("kvr")
     model = nnx.merge(graphdef, state)
     rank = jax.lax.axis_index(AXIS)
-    x_BcD = model.embed(tokens_1Bc[0])
+    x_BcD = mark(timeline, "embed", -1, model.embed(tokens_1Bc[0]))
 
-    def layer(block, x_BcD, _):
+    def layer(block, x_BcD, l):
       q_BcNH, kv, own_2BcKH = jax.lax.switch(
         rank,
         [
@@ -147,37 +165,50 @@ def rank_program(
         ],
         x_BcD,
       )
-      kv = hop_chain(kv, rank, chunks, model.config.sliding_window)
+      q_BcNH, kv, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, kv, own_2BcKH))
+      kv = hop_chain(kv, rank, chunks, model.config.sliding_window, timeline, l)
       x_BcD = jax.lax.switch(
         rank,
         [
-          functools.partial(attend_and_finish, block, i=i, chunks=chunks, attention=attention)
+          functools.partial(
+            attend_and_finish,
+            block,
+            i=i,
+            chunks=chunks,
+            attention=attention,
+            timeline=timeline,
+            layer=l,
+          )
           for i in range(p)
         ],
         x_BcD,
         q_BcNH,
         kv,
       )
+      x_BcD = mark(timeline, "rest", l, x_BcD)
       # Only this rank's chunk leaves the layer: the prompt-long buffer lives one layer.
       return x_BcD, fold_batch(own_2BcKH)
 
-    x_BcD, kv_L2RKH = scan_blocks(model.blocks, layer, x_BcD)  # R = B * c_max rows
+    layers_L = jnp.arange(model.config.num_layers)
+    x_BcD, kv_L2RKH = scan_blocks(model.blocks, layer, x_BcD, layers_L)  # R = B * c_max rows
     # Each rank's last real row; on rank p-1 that is the prompt's last position.
     last_BD = jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
-    logits_BV = model.logits(last_BD[:, None])[:, 0]
+    logits_BV = mark(timeline, "logits", -1, model.logits(last_BD[:, None])[:, 0])
     return logits_BV[None], kv_L2RKH[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
-def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
+def compile_program(
+  graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense", timeline: bool = False
+):
   """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention); cached.
 
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
   K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
   """
-  return spmd(rank_program(graphdef, chunks, sum(chunks), attention), mesh)
+  return spmd(rank_program(graphdef, chunks, sum(chunks), attention, timeline), mesh)
 
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):
@@ -203,4 +234,5 @@ STRATEGY = Strategy(
   arrange=pad_chunks,
   compile=compile_program,
   cache_rank=last_rank,
+  timeline_probes=True,
 )

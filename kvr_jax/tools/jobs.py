@@ -17,6 +17,7 @@ from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
@@ -129,4 +130,38 @@ def bench_job(
     "num_ranks": int(mesh.devices.size),
     "model": model_name,
     "rows": rows,
+  }
+
+
+def timeline_job(
+  model_name: str,
+  context_len: int,
+  strategies=("kvr", "allgather"),
+  *,
+  partition="search",
+  repeats: int = 3,
+  seed: int = 0,
+) -> dict:
+  """Every process: its measured timeline of each strategy (kvr_jax.tools.timeline), with
+  the cost model's split for kvr; the launcher merges the processes' answers."""
+  model = load_model(model_name)
+  mesh = make_mesh()
+  tokens = synthetic_prompt(model.config.vocab_size, context_len, 1, seed)
+  runs = [
+    timeline.probe_run(
+      model,
+      tokens,
+      strategy,
+      mesh=mesh,
+      partition=partition if strategy == "kvr" else None,
+      repeats=repeats,
+    )
+    for strategy in strategies
+  ]
+  return {
+    "process_index": jax.process_index(),
+    "num_ranks": int(mesh.devices.size),
+    "model": model_name,
+    "context_len": context_len,
+    "runs": runs,
   }

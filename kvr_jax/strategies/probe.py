@@ -1,0 +1,66 @@
+"""Timeline probes: host timestamps taken from inside a compiled program, per rank and layer.
+
+A program compiled with `timeline=True` (part of the compile cache key of the strategies that
+take probes) calls `mark(label, layer, value)` at its phase boundaries. The mark is an
+`io_callback` that records (rank, layer, label, CLOCK_MONOTONIC ns) in this process once
+`value` has
+been computed, and returns `value` tied to the record so that nothing after the mark starts
+before it: an optimization barrier materialises `value` before the callback reads one element
+of it, and a second barrier ties the callback's result to `value`. The barriers keep XLA
+from fusing across a phase boundary, which is the perturbation (`launch.benchmark
+--mode=timeline` prints TTFT with and without the probes). CLOCK_MONOTONIC is one clock for
+every process on a host, so the processes' records line up.
+
+`EVENTS` is this process's list of records; `kvr_jax.tools.timeline` reads and clears it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from kvr_jax.runtime.mesh import AXIS
+
+# (rank, layer, label, ns): appended by the callbacks of probed programs.
+EVENTS: list[tuple[int, int, str, int]] = []
+# Labels by index: the callback receives the index (an array), not the string.
+_LABELS: list[str] = []
+
+
+def _label_id(label: str) -> int:
+  if label not in _LABELS:
+    _LABELS.append(label)
+  return _LABELS.index(label)
+
+
+def _record(label_id, rank, layer, _element):
+  EVENTS.append((int(rank), int(layer), _LABELS[int(label_id)], time.monotonic_ns()))
+  return np.zeros((), np.float32)
+
+
+def now_ns() -> int:
+  """The probes' clock, for the host side of a timed call."""
+  return time.monotonic_ns()
+
+
+def mark(enabled: bool, label: str, layer, value):
+  """Records when `value` is ready on this rank (no-op unless `enabled`); returns `value`,
+  on which later work then depends. `layer` may be traced (the scan's index) or -1."""
+  if not enabled:
+    return value
+  (value,) = jax.lax.optimization_barrier((value,))
+  leaf = jax.tree.leaves(value)[0]
+  done = io_callback(
+    _record,
+    jax.ShapeDtypeStruct((), jnp.float32),
+    jnp.int32(_label_id(label)),
+    jax.lax.axis_index(AXIS),
+    jnp.asarray(layer, jnp.int32),
+    leaf.reshape(-1)[0],
+  )
+  value, _ = jax.lax.optimization_barrier((value, done))
+  return value

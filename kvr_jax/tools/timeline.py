@@ -1,0 +1,207 @@
+"""Measured per-rank timelines of a prefill, and the cost model's timeline of the same run.
+
+`probe_run` (every process of a run calls it) compiles the strategy with timeline probes
+(kvr_jax.strategies.probe), runs it, and returns this process's records: when each of its
+ranks finished each phase of each layer, on the host's CLOCK_MONOTONIC, and the TTFT of the
+same prefill without probes (the perturbation is the difference). `intervals` turns the
+records of every process into (rank, layer, phase, start, end) intervals: a phase starts
+where the rank's previous mark was. `modelled_intervals` gives the cost model's intervals of
+the same strategy and partition, and `plot` draws both, ranks by time, the paper's kind of
+figure. The cache stays sharded in the probed run: the move onto the last rank is timed apart
+(`PrefillTiming.moves_s`).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kvr_jax.core.chunks import prefix_ends
+from kvr_jax.inference.prefill import prefill, prefill_arguments
+from kvr_jax.planning import costmodel
+from kvr_jax.runtime.loading import Model
+from kvr_jax.strategies import probe, zigzag
+from kvr_jax.tools.timing import time_prefill
+from models.layers import window_start
+
+# Phases drawn in a fixed colour each; hops and ring steps share one.
+COLOURS = {
+  "embed": "#bbbbbb",
+  "qkv": "#4c72b0",
+  "wait": "#eeeeee",
+  "hop": "#dd8452",
+  "allgather": "#dd8452",
+  "step": "#dd8452",
+  "attention": "#55a868",
+  "rest": "#8172b3",
+  "logits": "#937860",
+}
+
+
+def probe_run(
+  model: Model, tokens, strategy: str, *, mesh, partition=None, attention=None, repeats: int = 3
+) -> dict:
+  """This process's measured timeline of `strategy` (the middle of `repeats` probed runs) and
+  the TTFT without probes; the same call in every process of a multi-process run."""
+  kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
+  plain = time_prefill(model, tokens, repeats, cache="sharded", **kwargs)
+  partition = plain.result.partition
+  if partition is not None:
+    kwargs["partition"] = list(partition)  # the same split in the probed program
+
+  def probed():
+    probe.EVENTS.clear()
+    start = probe.now_ns()
+    result = prefill(model, tokens, cache="sharded", timeline=True, **kwargs)
+    jax.block_until_ready((result.logits, result.kv_parts))
+    return probe.now_ns() - start, start, list(probe.EVENTS)
+
+  probed()  # compile
+  runs = [probed() for _ in range(repeats)]
+  # The same call in every process (their records must line up): the middle one in call
+  # order, not each process's own median.
+  duration, start, events = runs[len(runs) // 2]
+  return {
+    "strategy": strategy,
+    "process_index": jax.process_index(),
+    "partition": None if partition is None else list(partition),
+    "ttft_s": plain.median_s,
+    "probed_ttft_s": duration / 1e9,
+    "probed_runs_s": [run[0] / 1e9 for run in runs],
+    "start_ns": start,
+    "events": [list(e) for e in events],
+  }
+
+
+def intervals(runs: list[dict]) -> list[tuple[int, int, str, float, float]]:
+  """Every process's records of one strategy -> (rank, layer, phase, start s, end s), times
+  from the earliest process's call. Each phase starts at its rank's previous mark."""
+  origin = min(r["start_ns"] for r in runs)
+  out = []
+  for run in runs:
+    by_rank: dict[int, list] = {}
+    for rank, layer, label, ns in run["events"]:
+      by_rank.setdefault(rank, []).append((ns, layer, label))
+    for rank, events in by_rank.items():
+      previous = run["start_ns"]
+      for ns, layer, label in sorted(events):
+        out.append((rank, layer, label, (previous - origin) / 1e9, (ns - origin) / 1e9))
+        previous = ns
+  return sorted(out, key=lambda i: (i[0], i[3]))
+
+
+def span_s(runs: list[dict]) -> float:
+  """From the call's start in the last process (whose clock is the TTFT: it holds the last
+  rank) to the last mark of any rank."""
+  owner = max(runs, key=lambda r: r["process_index"])
+  return (max(e[3] for r in runs for e in r["events"]) - owner["start_ns"]) / 1e9
+
+
+def modelled_intervals(config, strategy: str, context_len: int, setup, num_ranks: int, partition):
+  """MODELLED (rank, layer, phase, start, end) of the same run (kvr_jax.planning.costmodel)."""
+  hw, ln = setup.hardware, setup.links
+  B, db, L, p = setup.batch, setup.dtype_bytes, config.num_layers, num_ranks
+  kw = dict(
+    batch=B, dtype_bytes=db, scores_in_memory=setup.scores_in_memory, causal_skip=setup.causal_skip
+  )
+  window = config.sliding_window
+  if strategy == "kvr":
+    chunks = tuple(partition)
+    ends = prefix_ends(chunks)
+    phases = [
+      costmodel.phase_work(
+        config, chunks[i], ends[i] - window_start(ends[i] - chunks[i], window), **kw
+      )
+      for i in range(p)
+    ]
+    hop_bytes = [
+      costmodel.kv_message_bytes(config, ends[k] - window_start(ends[k], window), B, db)
+      for k in range(p - 1)
+    ]
+    return costmodel.kvr_schedule(
+      [ph["qkv"].time(hw) for ph in phases],
+      [ph["attention"].time(hw) for ph in phases],
+      [ph["rest"].time(hw) for ph in phases],
+      [hop_bytes[k] / ln.link_bandwidth(k) + ln.latency for k in range(p - 1)],
+      L,
+    )
+  # The zigzag peers: every rank alike; per layer qkv, the exchange, attention, rest.
+  c = zigzag.chunk_len(context_len, p)
+  own = costmodel.phase_work(config, 2 * c, 2 * c, **kw)
+  keys = max(
+    (
+      costmodel.visible_keys(r * c, c, window)
+      + costmodel.visible_keys((2 * p - 1 - r) * c, c, window)
+    )
+    / 2
+    for r in range(p)
+  )
+  attention = costmodel.phase_work(config, 2 * c, keys, **kw, scored_keys=keys)["attention"]
+  message = costmodel.kv_message_bytes(config, 2 * c, B, db) / ln.slowest(p) + ln.latency
+  exchange = (p - 1) * message
+  if strategy == "ring":  # the sends overlap the steps: only what the steps do not hide
+    exchange = max(0.0, exchange - attention.time(hw) * (p - 1) / p)
+  label = "allgather" if strategy == "allgather" else "step"
+  t, out = 0.0, []
+  for layer in range(L):
+    for phase, length in (
+      ("qkv", own["qkv"].time(hw)),
+      (label, exchange),
+      ("attention", attention.time(hw)),
+      ("rest", own["rest"].time(hw)),
+    ):
+      out.extend((r, layer, phase, t, t + length) for r in range(p))
+      t += length
+  return out
+
+
+def _colour(phase: str) -> str:
+  for key, colour in COLOURS.items():
+    if phase.startswith(key):
+      return colour
+  return "#cccccc"
+
+
+def plot(panels: list[tuple[str, list]], path: str, title: str) -> None:
+  """A Gantt chart per panel (title, intervals): ranks by time, phases coloured, layers
+  separated by thin gaps; hops drawn as arrows from the sender's row to the receiver's."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(len(panels), 1, figsize=(14, 2.2 * len(panels) + 1), squeeze=False)
+  for ax, (name, items) in zip(axes[:, 0], panels, strict=True):
+    ranks = sorted({i[0] for i in items})
+    for rank, _, phase, start, end in items:
+      if phase.startswith("hop") and name.startswith("MODELLED"):
+        sender = int(phase[3:])
+        ax.annotate(
+          "",
+          xy=(end * 1e3, sender + 1),
+          xytext=(start * 1e3, sender),
+          arrowprops=dict(arrowstyle="->", color=COLOURS["hop"], lw=0.8),
+        )
+        continue
+      ax.barh(rank, (end - start) * 1e3, left=start * 1e3, color=_colour(phase), height=0.7)
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel("ms")
+  handles = [
+    matplotlib.patches.Patch(color=c, label=k) for k, c in COLOURS.items() if k not in ("step",)
+  ]
+  fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout(rect=(0, 0, 1, 0.95))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def phase_totals(items) -> dict[tuple[int, str], float]:
+  """Seconds per (rank, phase kind) summed over layers: where each rank's time went."""
+  out: dict[tuple[int, str], float] = {}
+  for rank, _, phase, start, end in items:
+    kind = phase.rstrip("0123456789")
+    out[rank, kind] = out.get((rank, kind), 0.0) + end - start
+  return out

@@ -1,0 +1,133 @@
+"""Per-rank timelines: probed programs compute the same thing, and their records are ordered.
+
+In one process (8 emulated devices) the probes leave logits and cache unchanged (within the
+strategies' fixed 1e-5: the barriers change XLA's fusions, hence rounding) and every
+rank's marks come in program order; across two processes (`launch.benchmark
+--mode=timeline`) the merged timeline's span matches the probed TTFT: the span runs from the
+call's start to the last rank's last mark, so it is at most the TTFT and misses only the
+hand-back of the outputs, which on a tiny model is a sizeable but bounded share (tolerance
+fixed here: the span is at least half the probed TTFT).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvr_jax
+from kvr_jax.planning import costmodel, presets
+from kvr_jax.strategies import probe
+from kvr_jax.tools import timeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYER_ORDER = {
+  "kvr": ["qkv", "hop", "attention", "rest"],
+  "allgather": ["qkv", "allgather", "attention", "rest"],
+  "ring": ["qkv", "step", "attention", "rest"],
+}
+
+
+def check_order(items, strategy, num_layers, num_ranks):
+  """Per rank: embed, then per layer the phases in program order, then the logits."""
+  for rank in range(num_ranks):
+    mine = [i for i in items if i[0] == rank]
+    assert all(end >= start for _, _, _, start, end in mine)
+    assert [start for *_, start, _ in mine] == sorted(start for *_, start, _ in mine)
+    labels = [(layer, phase.rstrip("0123456789")) for _, layer, phase, _, _ in mine]
+    assert labels[0] == (-1, "embed") and labels[-1] == (-1, "logits"), labels
+    body = labels[1:-1]
+    assert [layer for layer, _ in body] == sorted(layer for layer, _ in body)
+    for layer in range(num_layers):
+      kinds = [kind for ly, kind in body if ly == layer]
+      deduped = [k for n, k in enumerate(kinds) if n == 0 or kinds[n - 1] != k]
+      assert deduped == LAYER_ORDER[strategy], (rank, layer, kinds)
+
+
+@pytest.mark.parametrize(
+  "strategy,partition", [("kvr", [20, 12, 9, 7]), ("allgather", None), ("ring", None)]
+)
+def test_probes_change_nothing_and_come_in_order(strategy, partition):
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 48)
+  mesh = kvr_jax.make_mesh(4)
+  kwargs = {"partition": partition} if partition else {}
+  plain = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, **kwargs)
+  probe.EVENTS.clear()
+  probed = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, timeline=True, **kwargs)
+  # The barriers change XLA's fusions (rounding), not the maths: the strategies' 1e-5.
+  for got, want in ((probed.logits, plain.logits), (probed.k_cache, plain.k_cache)):
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+  run = {"start_ns": min(e[3] for e in probe.EVENTS), "events": list(probe.EVENTS)}
+  items = timeline.intervals([run])
+  check_order(items, strategy, model.config.num_layers, 4)
+  # KVR's p-1 hops and the ring's p-1 steps are each marked; all-gather has one exchange.
+  hops = {phase for _, _, phase, _, _ in items if phase.startswith(("hop", "step"))}
+  assert len(hops) == (0 if strategy == "allgather" else 3)
+
+
+def test_timeline_refused_for_strategies_without_probes():
+  model = kvr_jax.load_model("tiny-llama")
+  with pytest.raises(ValueError, match="strategy 'tsp' has no timeline probes"):
+    kvr_jax.prefill(model, np.ones((1, 16), np.int32), strategy="tsp", timeline=True)
+
+
+def test_modelled_kvr_schedule_matches_the_timeline():
+  """The schedule's last 'rest' end per rank is exactly kvr_timeline's finish time."""
+  t_qkv, t_att, t_rest, hops = [1.0, 0.5, 0.25], [1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [0.2, 0.7]
+  schedule = costmodel.kvr_schedule(t_qkv, t_att, t_rest, hops, 3)
+  finish = [max(e for r, _, _, _, e in schedule if r == rank) for rank in range(3)]
+  after = [a + r for a, r in zip(t_att, t_rest, strict=True)]
+  assert finish == pytest.approx(costmodel.kvr_timeline(t_qkv, after, hops, 3))
+  # Rank 1 waits for hop 0 in layer 0 (own K,V at 0.5, prefix at 1.0 + 0.2).
+  waits = [(s, e) for r, ly, ph, s, e in schedule if (r, ly, ph) == (1, 0, "wait")]
+  assert waits == [(0.5, pytest.approx(1.2))]
+  setup = presets.make_setup("a100-80gb", "300GBps", dtype_bytes=2)
+  config = kvr_jax.preset_config("llama-2-7b")
+  items = timeline.modelled_intervals(config, "kvr", 4096, setup, 2, (2500, 1596))
+  sim = costmodel.simulate(config, "kvr", 4096, setup, num_ranks=2, partition=(2500, 1596))
+  last = max(e for r, *_, e in items if r == 1)
+  assert last + costmodel.head_work(config, 1, 2).time(setup.hardware) == pytest.approx(sim.ttft)
+
+
+def test_two_process_timeline_span_matches_ttft(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers set their own
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "launch.benchmark",
+      "--mode=timeline",
+      "--model=tiny-llama",
+      "--context_lens=512",
+      "--num_processes=2",
+      "--repeats=2",
+      "--partition=300,212",
+      "--timeline_strategies=kvr,allgather",
+      f"--output_dir={tmp_path}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert os.path.getsize(tmp_path / "timeline_512.png") > 10_000
+  with open(tmp_path / "timeline_512.json") as f:
+    dump = json.load(f)
+  assert [d["strategy"] for d in dump] == ["kvr", "allgather"]
+  for d in dump:
+    runs = d["runs"]
+    assert sorted(r["process_index"] for r in runs) == [0, 1]
+    owner = max(runs, key=lambda r: r["process_index"])
+    items = [tuple(i) for i in d["measured"]]
+    check_order(items, d["strategy"], 4, 2)
+    span = timeline.span_s(runs)
+    assert 0.5 * owner["probed_ttft_s"] <= span <= owner["probed_ttft_s"], (span, owner)
+    assert {i[0] for i in d["modelled"]} == {0, 1}
+  assert dump[0]["runs"][0]["partition"] == [300, 212]
+  assert "MEASURED timelines" in proc.stdout
