@@ -15,6 +15,7 @@ Intentionally kept short: the logic is
 kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,7 +28,7 @@ from absl import app, flags, logging
 import kvr_jax
 from kvr_jax.core.chunks import check_chunks
 from kvr_jax.planning import presets
-from kvr_jax.runtime import distributed
+from kvr_jax.runtime import distributed, links
 from kvr_jax.tools import benchmark, jobs, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
@@ -76,6 +77,13 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_list(
   "timeline_strategies", ["kvr", "allgather"], "Timeline mode: strategies (kvr, ring, allgather)."
+)
+UNTHROTTLED = "unthrottled"
+flags.DEFINE_list(
+  "link_rates",
+  [UNTHROTTLED],
+  "Multiprocess mode: loopback rates to run the processes over, e.g. unthrottled,2gbit,500mbit "
+  "(tc tbf on lo, as root; restored after each, also on failure or interrupt).",
 )
 flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
 flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
@@ -383,6 +391,11 @@ def multiprocess_mode():
   with common.user_errors():
     if FLAGS.num_processes < 2:
       raise ValueError("--num_processes must be >= 2 in multiprocess mode")
+    throttled = [rate for rate in FLAGS.link_rates if rate != UNTHROTTLED]
+    for rate in throttled:  # every rate checked, and tc tried, before anything runs
+      links.rate_bits(rate)
+    if throttled:
+      links.check_can_throttle()
     try:
       print("one process, one core (single-threaded XLA): single ...", flush=True)
       single = distributed.launch_local(
@@ -392,24 +405,33 @@ def multiprocess_mode():
         pin_cores=True,
         timeout=3600,
       )
-      print(
-        f"{FLAGS.num_processes} processes, one core each: {','.join(FLAGS.variants)} ...",
-        flush=True,
-      )
-      multi = distributed.launch_local(
-        "launch.benchmark",
-        common_flags
-        + [f"--variants={','.join(FLAGS.variants)}", f"--num_processes={FLAGS.num_processes}"],
-        FLAGS.num_processes,
-        pin_cores=True,
-        timeout=3600,
-      )
+      multi_rows = []
+      for rate in FLAGS.link_rates:
+        print(
+          f"{FLAGS.num_processes} processes, one core each, link {rate}: "
+          f"{','.join(FLAGS.variants)} ...",
+          flush=True,
+        )
+        throttle = links.throttled_loopback(rate) if rate != UNTHROTTLED else None
+        with throttle or contextlib.nullcontext():
+          multi = distributed.launch_local(
+            "launch.benchmark",
+            common_flags
+            + [f"--variants={','.join(FLAGS.variants)}", f"--num_processes={FLAGS.num_processes}"],
+            FLAGS.num_processes,
+            pin_cores=True,
+            timeout=3600,
+          )
+        multi_rows += [
+          dict(r, link=rate) for o in multi for res in o.results() for r in res["rows"]
+        ]
     except RuntimeError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
-  rows = [r for o in single + multi for res in o.results() for r in res["rows"]]
+  single_rows = [dict(r, link="-") for o in single for res in o.results() for r in res["rows"]]
+  rows = single_rows + multi_rows
   base = {r["context_len"]: r["ttft_s"] for r in rows if r["variant"] == "single"}
-  tsp = {r["context_len"]: r["ttft_s"] for r in rows if r["variant"] == "tsp"}
+  tsp = {(r["context_len"], r["link"]): r["ttft_s"] for r in rows if r["variant"] == "tsp"}
   print(
     f"\nMEASURED TTFT, {FLAGS.model}, {FLAGS.num_processes} processes x 1 core vs 1 process "
     "x 1 core (median of warm runs):"
@@ -418,17 +440,19 @@ def multiprocess_mode():
   print("dense masked scores (the paper's baseline). Speed-ups are against `single`.")
   print("move: of TTFT, the time to bring the ranks' cache parts onto the last rank.")
   print(
-    f"{'variant':<14}{'C':>7}  {'TTFT':>9}  {'move':>7}  {'vs single':>9}  {'vs tsp':>7}  partition"
+    f"{'variant':<14}{'link':>12}{'C':>7}  {'TTFT':>9}  {'move':>7}  {'vs single':>9}  "
+    f"{'vs tsp':>7}  partition"
   )
   table = []
   for r in rows:
     C = r["context_len"]
     speedup = base[C] / r["ttft_s"]
-    vs_tsp = tsp[C] / r["ttft_s"] if C in tsp else None  # n/a when TSP did not run
+    vs_tsp = tsp[C, r["link"]] / r["ttft_s"] if (C, r["link"]) in tsp else None  # n/a: no TSP
     table.append(dict(r, speedup_vs_single=speedup, speedup_vs_tsp=vs_tsp))
     vs_tsp_text = "n/a" if vs_tsp is None else f"{vs_tsp:.2f}x"
     print(
-      f"{r['variant']:<14}{C:>7}  {r['ttft_s']:>8.3f}s  {r.get('move_s', 0.0):>6.3f}s  "
+      f"{r['variant']:<14}{r['link']:>12}{C:>7}  {r['ttft_s']:>8.3f}s  "
+      f"{r.get('move_s', 0.0):>6.3f}s  "
       f"{speedup:>8.2f}x  {vs_tsp_text:>7}  "
       f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
@@ -442,7 +466,7 @@ def multiprocess_mode():
     json.dump(table, f, indent=1)
   rows_for_plot = [
     benchmark.SweepRow(
-      r["variant"],
+      r["variant"] + ("" if r["link"] in ("-", UNTHROTTLED) else f"@{r['link']}"),
       r["context_len"],
       FLAGS.num_processes,
       str(r["partition"]),
