@@ -359,6 +359,10 @@ def timeline_mode():
     totals = timeline.phase_totals(measured)
     per_rank = []
     for rank in sorted({i[0] for i in measured}):
+      # A ring step is its partial attention (the send to the next rank overlaps it).
+      totals[rank, "attention"] = totals.get((rank, "attention"), 0.0) + totals.pop(
+        (rank, "step"), 0.0
+      )
       exchange = sum(
         v for (r, k), v in totals.items() if r == rank and k in ("hop", "step", "allgather", "wait")
       )

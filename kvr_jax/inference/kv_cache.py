@@ -68,11 +68,23 @@ def place(k_LBCKH, v_LBCKH, piece_L2BnKH, position):
   return k_LBCKH, v_LBCKH
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def split_kv(part_1L2RKH, part_len: int, row: int, length: int):
+  """One rank's part that holds the whole prompt -> (k, v) [L, B, C, K, H], plain arrays."""
+  kv_L2BPKH = unfold_batch(part_1L2RKH[0], part_len)[:, :, :, row : row + length]
+  return kv_L2BPKH[:, 0], kv_L2BPKH[:, 1]
+
+
 def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
   """One process: each run's real rows are copied onto `device` and written into the cache
   there, one at a time, so that the device holds the cache and one run beside it."""
   rank_of = {d: r for r, d in enumerate(mesh.devices.reshape(-1))}
   parts = {rank_of[s.device]: s.data for s in kv_parts.addressable_shards}
+  runs = layout.runs_in_prompt_order()
+  if len(runs) == 1 and runs[0][0] == rank_of[device]:
+    # The whole cache is already this device's part (one rank): one split, no copy in.
+    k_v = split_kv(parts[runs[0][0]], layout.part_len, runs[0][1], runs[0][3])
+    return jax.device_put(k_v, jax.sharding.SingleDeviceSharding(device))
   L, _, rows, K, H = kv_parts.shape[1:]
   B = rows // layout.part_len
   shape = (L, B, layout.context_len, K, H)
