@@ -80,6 +80,18 @@ def test_family_presets_have_the_published_parameter_counts(name, params):
   )
 
 
+@pytest.mark.parametrize(
+  "name,params",
+  # The published (safetensors) parameter counts of Meta's Llama 3.1 checkpoints.
+  [("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496)],
+)
+def test_long_context_presets(name, params):
+  config = kvr_jax.preset_config(name)
+  assert config.num_params() == params
+  assert config.max_position_embeddings == 131_072
+  assert (config.rope.type, config.rope.factor, config.rope.theta) == ("llama3", 8.0, 500_000.0)
+
+
 def test_unknown_preset_and_dtype():
   with pytest.raises(ValueError, match="unknown preset 'tiny-gpt'"):
     kvr_jax.load_model("tiny-gpt")
