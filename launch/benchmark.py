@@ -11,6 +11,11 @@ single-threaded XLA, against one such process alone. --mode=memory prints XLA's 
 memory of each strategy's prefill program, compiled from shapes only (nothing allocated), e.g.
   python -m launch.benchmark --mode=memory --model=llama-3.1-8b --num_devices=8 \
     --context_lens=32768,131072,1048576 --strategy=kvr,ring,allgather,tsp
+--mode=timeline runs p pinned processes with probes at every phase boundary and writes each
+rank's per-layer timeline (JSON, and a Gantt chart beside the cost model's), e.g.
+  python -m launch.benchmark --mode=timeline --context_lens=8192 --timeline_strategies=kvr,allgather
+--link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
+  python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=unthrottled,500mbit
 Intentionally kept short: the logic is
 kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
 """
