@@ -15,7 +15,7 @@ memory of each strategy's prefill program, compiled from shapes only (nothing al
 rank's per-layer timeline (JSON, and a Gantt chart beside the cost model's), e.g.
   python -m launch.benchmark --mode=timeline --context_lens=8192 --timeline_strategies=kvr,allgather
 --link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
-  python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=unthrottled,500mbit
+  python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=2gbit,500mbit
 Intentionally kept short: the logic is
 kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
 """
