@@ -173,7 +173,9 @@ def test_benchmark_multiprocess_mode(tmp_path):
   assert all(r["ttft_s"] > 0 for r in table)
   # The printed rows are the JSON's numbers.
   for r in table:
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.split()[:2] == [r["variant"], "128"]]
+    (line,) = [
+      ln for ln in proc.stdout.splitlines() if ln.split()[:3] == [r["variant"], r["link"], "128"]
+    ]
     assert f"{r['ttft_s']:.3f}s" in line and f"{r['speedup_vs_single']:.2f}x" in line
 
 

@@ -406,8 +406,9 @@ def kvr_timeline(
   """
   p = len(t_qkv)
   free = [0.0] * p
-  for rank, _, _, _, end in kvr_schedule(t_qkv, t_after, [0.0] * p, hop_time, num_layers):
-    free[rank] = max(free[rank], end)
+  for rank, _, phase, _, end in kvr_schedule(t_qkv, t_after, [0.0] * p, hop_time, num_layers):
+    if phase == "rest":  # a hop ends on the receiver's clock, not its sender's
+      free[rank] = max(free[rank], end)
   return free
 
 

@@ -91,9 +91,11 @@ def intervals(runs: list[dict]) -> list[tuple[int, int, str, float, float]]:
 
 def span_s(runs: list[dict]) -> float:
   """From the call's start in the last process (whose clock is the TTFT: it holds the last
-  rank) to the last mark of any rank."""
+  rank) to the last rank's last mark (its logits: the answer). Other ranks may still be
+  finishing work nobody waits for (their own unused logits)."""
   owner = max(runs, key=lambda r: r["process_index"])
-  return (max(e[3] for r in runs for e in r["events"]) - owner["start_ns"]) / 1e9
+  last_rank = max(e[0] for e in owner["events"])
+  return (max(e[3] for e in owner["events"] if e[0] == last_rank) - owner["start_ns"]) / 1e9
 
 
 def modelled_intervals(config, strategy: str, context_len: int, setup, num_ranks: int, partition):
