@@ -32,7 +32,7 @@ from absl import app, flags, logging
 
 import kvr_jax
 from kvr_jax.core.chunks import check_chunks
-from kvr_jax.planning import presets
+from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime import distributed, links
 from kvr_jax.tools import benchmark, jobs, memory, timeline
 from kvr_jax.tools import timing as timing_lib
@@ -358,8 +358,8 @@ def timeline_mode():
     runs = [run for r in reports for run in r["runs"] if run["strategy"] == strategy]
     owner = max(runs, key=lambda run: run["process_index"])
     measured = timeline.intervals(runs)
-    modelled = timeline.modelled_intervals(
-      model_config, strategy, C, setup, len(runs), owner["partition"]
+    modelled = costmodel.schedule(
+      model_config, strategy, C, setup, num_ranks=len(runs), partition=owner["partition"]
     )
     totals = timeline.phase_totals(measured)
     per_rank = []

@@ -22,17 +22,10 @@ from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.runtime.loading import build_model
 from kvr_jax.tools.memory import compiled_memory
 from models import scan_blocks
+from tests.tolerance import assert_close
 
-REL_TOL = 1e-5
 CONTEXT = 29  # not a multiple of 2, 3, 4 or 8 (zigzag and TSP pad, KVR splits unevenly)
 WINDOW = 6
-
-
-def assert_close(got, want, what):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  assert got.shape == want.shape, (what, got.shape, want.shape)
-  err = np.abs(got - want).max() / np.abs(want).max()
-  assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL}"
 
 
 def windowed_model():

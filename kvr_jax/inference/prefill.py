@@ -218,11 +218,7 @@ def prefill(
         int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(user_chunks))
       )
   chunks = spec.layout(T, p, user_chunks)
-  run = (
-    spec.compile(model.graphdef, mesh, chunks, attention, timeline=True)
-    if timeline
-    else spec.compile(model.graphdef, mesh, chunks, attention)
-  )
+  run = spec.compile(model.graphdef, mesh, chunks, attention, timeline)
   state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = run(state, tokens_pBc)

@@ -314,16 +314,9 @@ def simulate(
       f"kvr needs a partition of {p} positive chunks summing to {C}, got {partition!r}"
     )
   chunks = tuple(int(c) for c in partition)
-  ends, window = prefix_ends(chunks), config.sliding_window
-  # With a sliding window rank i attends from its window start and hop k carries the last
-  # W-1 keys of [0, S_k): both bounded by W (strategies.runahead).
-  keys = [ends[i] - window_start(ends[i] - chunks[i], window) for i in range(p)]
-  phases = [phase_work(config, chunks[i], keys[i], **kw) for i in range(p)]
+  phases, hop_bytes, hop_time = _kvr_layer(config, chunks, setup)
   t_qkv = [ph["qkv"].time(hw) for ph in phases]
   t_after = [ph["attention"].time(hw) + ph["rest"].time(hw) for ph in phases]
-  hop_tokens = [ends[k] - window_start(ends[k], window) for k in range(p - 1)]
-  hop_bytes = [kv_message_bytes(config, hop_tokens[k], B, db) for k in range(p - 1)]
-  hop_time = [hop_bytes[k] / ln.link_bandwidth(k) + ln.latency for k in range(p - 1)]
   free = kvr_timeline(t_qkv, t_after, hop_time, L)
   ttft = free[-1] + head
   totals = [sum(ph.values(), Work(0, 0)) for ph in phases]
@@ -338,19 +331,62 @@ def simulate(
   )
 
 
-def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: int):
-  """The zigzag peers: 2p chunks of c tokens (prompt padded to 2pc), rank r holds chunks r
-  and 2p-1-r, so every rank has the same work; messages go over the slowest link.
+def _kvr_layer(config, chunks: tuple[int, ...], setup: Setup):
+  """One layer of KV-Runahead: each rank's phase Work, and each hop's bytes and seconds.
+  With a sliding window rank i attends from its window start and hop k carries the last W-1
+  keys of [0, S_k): both bounded by W (strategies.runahead)."""
+  ln, B, db = setup.links, setup.batch, setup.dtype_bytes
+  kw = dict(
+    batch=B,
+    dtype_bytes=db,
+    scores_in_memory=setup.scores_in_memory,
+    causal_skip=setup.causal_skip,
+  )
+  p, ends, window = len(chunks), prefix_ends(chunks), config.sliding_window
+  keys = [ends[i] - window_start(ends[i] - chunks[i], window) for i in range(p)]
+  phases = [phase_work(config, chunks[i], keys[i], **kw) for i in range(p)]
+  hop_tokens = [ends[k] - window_start(ends[k], window) for k in range(p - 1)]
+  hop_bytes = [kv_message_bytes(config, hop_tokens[k], B, db) for k in range(p - 1)]
+  hop_time = [hop_bytes[k] / ln.link_bandwidth(k) + ln.latency for k in range(p - 1)]
+  return phases, hop_bytes, hop_time
 
-  ring       per layer: qkv on 2c tokens; p attention steps of 2c^2 visible scores each (own
-             chunks causally at step 0, then a c x 2c or 2c x c unmasked block); the K,V of
-             2c tokens for step s+1 is sent while step s computes, so each step takes the
-             longer of the two; then the rest. After the last layer the cache is gathered
-             (p-1 messages of L layers' 2c-token K,V) onto every rank, decode's included.
-  allgather  per layer: qkv; a barrier all-gather of 2c-token K,V in p-1 ring steps; attention
-             of the two chunks over every visible key ((2pc+1)/2 per query on average with a
-             causally skipping kernel, all 2pc with the dense one); the rest.
-  """
+
+def schedule(
+  config: ModelConfig,
+  strategy: str,
+  context_len: int,
+  setup: Setup,
+  *,
+  num_ranks: int,
+  partition: Sequence[int] | None = None,
+) -> list[tuple[int, int, str, float, float]]:
+  """MODELLED timeline of kvr, ring or allgather: (rank, layer, phase, start, end) intervals
+  from the same per-layer phases `simulate` sums (the head after them is not included)."""
+  hw, L = setup.hardware, config.num_layers
+  if strategy == "kvr":
+    phases, _, hop_time = _kvr_layer(config, tuple(int(c) for c in partition), setup)
+    return kvr_schedule(
+      [ph["qkv"].time(hw) for ph in phases],
+      [ph["attention"].time(hw) for ph in phases],
+      [ph["rest"].time(hw) for ph in phases],
+      hop_time,
+      L,
+    )
+  if strategy not in ("ring", "allgather"):
+    raise ValueError(f"no modelled timeline for {strategy!r}; expected kvr, ring or allgather")
+  # Every rank alike: the layer's phases one after the other.
+  phases = _zigzag_layer(config, strategy, context_len, setup, num_ranks)[0]
+  t, out = 0.0, []
+  for layer in range(L):
+    for phase, seconds in phases:
+      out.extend((r, layer, phase, t, t + seconds) for r in range(num_ranks))
+      t += seconds
+  return out
+
+
+def _zigzag_layer(config, strategy: str, context_len: int, setup: Setup, p: int):
+  """One layer of a zigzag peer: ([(phase, seconds)], seconds after the last layer, the
+  attention Work, the qkv/rest Work of 2c tokens, the bytes each rank sends per layer)."""
   hw, ln = setup.hardware, setup.links
   L, B, db = config.num_layers, setup.batch, setup.dtype_bytes
   c = zigzag.chunk_len(context_len, p)
@@ -360,7 +396,6 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
   t_qkv, t_rest = own["qkv"].time(hw), own["rest"].time(hw)
   message = kv_message_bytes(config, 2 * c, B, db)
   t_message = message / ln.slowest(p) + ln.latency if p > 1 else 0.0
-  head = head_work(config, B, db).time(hw)
   window = config.sliding_window
   # Keys each query of the busiest rank sees, causally (and within the window).
   visible = max(
@@ -376,15 +411,33 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
     t_step = step.time(hw)
     t_attention = (p - 1) * max(t_step, t_message) + t_step
     t_cache = (p - 1) * (L * message / ln.slowest(p) + ln.latency)
-    ttft = L * (t_qkv + t_attention + t_rest) + t_cache + head
-    attention = Work(step.flops * p, step.bytes * p)
-    link = [float(message * (p - 1))] * p
-  else:
-    keys = visible if setup.causal_skip else padded
-    attention = phase_work(config, 2 * c, keys, **kw, scored_keys=keys)["attention"]
-    t_gather = (p - 1) * t_message
-    ttft = L * (t_qkv + t_gather + attention.time(hw) + t_rest) + head
-    link = [float(message * (p - 1))] * p
+    phases = [("qkv", t_qkv), ("step", t_attention), ("rest", t_rest)]
+    return phases, t_cache, Work(step.flops * p, step.bytes * p), own, message
+  keys = visible if setup.causal_skip else padded
+  attention = phase_work(config, 2 * c, keys, **kw, scored_keys=keys)["attention"]
+  t_gather = (p - 1) * t_message
+  phases = [("qkv", t_qkv), ("allgather", t_gather), ("attention", attention.time(hw))]
+  return phases + [("rest", t_rest)], 0.0, attention, own, message
+
+
+def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: int):
+  """The zigzag peers: 2p chunks of c tokens (prompt padded to 2pc), rank r holds chunks r
+  and 2p-1-r, so every rank has the same work; messages go over the slowest link.
+
+  ring       per layer: qkv on 2c tokens; p attention steps of 2c^2 visible scores each (own
+             chunks causally at step 0, then a c x 2c or 2c x c unmasked block); the K,V of
+             2c tokens for step s+1 is sent while step s computes, so each step takes the
+             longer of the two; then the rest. After the last layer the cache moves onto
+             the last rank (p-1 messages of L layers' 2c-token K,V, cache="last").
+  allgather  per layer: qkv; a barrier all-gather of 2c-token K,V in p-1 ring steps; attention
+             of the two chunks over every visible key ((2pc+1)/2 per query on average with a
+             causally skipping kernel, all 2pc with the dense one); the rest.
+  """
+  L = config.num_layers
+  phases, after, attention, own, message = _zigzag_layer(config, strategy, context_len, setup, p)
+  head = head_work(config, setup.batch, setup.dtype_bytes).time(setup.hardware)
+  ttft = L * sum(seconds for _, seconds in phases) + after + head
+  link = [float(message * (p - 1))] * p
   total = own["qkv"] + attention + own["rest"]
   return Simulation(
     strategy,

@@ -20,7 +20,6 @@ from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import Strategy, count_trace, fold_batch, last_rank, spmd
 from kvr_jax.strategies.probe import mark
-from models import scan_blocks
 
 
 def rank_program(
@@ -56,11 +55,7 @@ def rank_program(
       x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH))
       return x_B2cD, fold_batch(own_2B2cKH)
 
-    x_B2cD = mark(timeline, "embed", -1, model.embed(tokens_B2c))
-    layers_L = jnp.arange(model.config.num_layers)
-    x_B2cD, kv_L2RKH = scan_blocks(model.blocks, layer, x_B2cD, layers_L)
-    logits_BV = mark(timeline, "logits", -1, zigzag.last_logits(model, x_B2cD, context_len, p))
-    return logits_BV[None], kv_L2RKH[None]
+    return zigzag.run_layers(model, layer, tokens_B2c, context_len, p, timeline)
 
   return program
 

@@ -107,7 +107,8 @@ class Strategy:
   layout(context_len, num_ranks, chunks) -> chunks: each rank's token count as the program
     sees it (chunks is the validated partition for a partitioned strategy, else None).
   arrange(tokens_BC, chunks) -> [p, B, c_max] host tokens, each rank's slice padded.
-  compile(graphdef, mesh, chunks, attention) -> the jitted program (cached by the strategy).
+  compile(graphdef, mesh, chunks, attention, timeline) -> the jitted program (cached by the
+    strategy; timeline=True only where `timeline_probes`).
   cache_rank(chunks) -> the rank whose output shard holds the logits (decode continues there).
   cache_layout(context_len, chunks) -> the CacheLayout of the program's kv_parts output.
   """

@@ -40,8 +40,12 @@ def program(graphdef, attention: str):
 
 
 @functools.lru_cache(maxsize=32)
-def compile_program(graphdef, mesh, chunks, attention: str = DEFAULT_CAUSAL_KERNEL):
+def compile_program(
+  graphdef, mesh, chunks, attention: str = DEFAULT_CAUSAL_KERNEL, timeline: bool = False
+):
   """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B*C, K, H])."""
+  if timeline:
+    raise ValueError("strategy 'single' has no timeline probes")
   return spmd(program(graphdef, attention), mesh)
 
 

@@ -74,12 +74,16 @@ def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def compile_program(graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense"):
+def compile_program(
+  graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense", timeline: bool = False
+):
   """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B*c,K,H]).
 
   The logits of the prompt's last position are moved to rank p-1 (see rank_program).
   """
   del attention  # dense masked scores by definition
+  if timeline:
+    raise ValueError("strategy 'tsp' has no timeline probes")
   program, _ = rank_program(graphdef, sum(chunks), len(chunks))
   return spmd(program, mesh)
 

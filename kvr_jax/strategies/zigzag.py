@@ -14,6 +14,8 @@ import jax
 import numpy as np
 
 from kvr_jax.strategies.base import CacheLayout, logits_to_last_rank
+from kvr_jax.strategies.probe import mark
+from models import scan_blocks
 
 
 def chunk_len(context_len: int, num_ranks: int) -> int:
@@ -99,6 +101,17 @@ def last_logits(model, x_B2cD, context_len: int, num_ranks: int):
   """The last prompt position's logits [B, V], on rank p-1 (decode continues there)."""
   owner, row = last_position_owner(context_len, num_ranks)
   return logits_to_last_rank(model.logits(x_B2cD[:, row : row + 1])[:, 0], owner, num_ranks)
+
+
+def run_layers(model, layer, tokens_B2c, context_len: int, num_ranks: int, timeline: bool):
+  """What both peers do around their layer: embed, scan `layer(block, x, layer_index)` over
+  the stacked layers, and the last position's logits on rank p-1 (probed at both ends when
+  `timeline`). Returns the program's outputs: (logits [1, B, V], kv parts [1, L, ...])."""
+  x_B2cD = mark(timeline, "embed", -1, model.embed(tokens_B2c))
+  layers_L = jax.numpy.arange(model.config.num_layers)
+  x_B2cD, kv_parts = scan_blocks(model.blocks, layer, x_B2cD, layers_L)
+  logits_BV = mark(timeline, "logits", -1, last_logits(model, x_B2cD, context_len, num_ranks))
+  return logits_BV[None], kv_parts[None]
 
 
 def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):

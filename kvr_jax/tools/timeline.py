@@ -5,23 +5,20 @@
 ranks finished each phase of each layer, on the host's CLOCK_MONOTONIC, and the TTFT of the
 same prefill without probes (the perturbation is the difference). `intervals` turns the
 records of every process into (rank, layer, phase, start, end) intervals: a phase starts
-where the rank's previous mark was. `modelled_intervals` gives the cost model's intervals of
-the same strategy and partition, and `plot` draws both, ranks by time, the paper's kind of
-figure. The cache stays sharded in the probed run: the move onto the last rank is timed apart
-(`PrefillTiming.moves_s`).
+where the rank's previous mark was; `kvr_jax.planning.costmodel.schedule` gives the cost
+model's intervals of the same strategy and partition, and `plot` draws both, ranks by
+time, the paper's kind of figure. The cache stays sharded in the probed run: the move onto
+the last rank is timed apart (`PrefillTiming.moves_s`).
 """
 
 from __future__ import annotations
 
 import jax
 
-from kvr_jax.core.chunks import prefix_ends
 from kvr_jax.inference.prefill import prefill, prefill_arguments
-from kvr_jax.planning import costmodel
 from kvr_jax.runtime.loading import Model
-from kvr_jax.strategies import probe, zigzag
+from kvr_jax.strategies import probe
 from kvr_jax.tools.timing import time_prefill
-from models.layers import window_start
 
 # Phases drawn in a fixed colour each; hops and ring steps share one.
 COLOURS = {
@@ -96,64 +93,6 @@ def span_s(runs: list[dict]) -> float:
   owner = max(runs, key=lambda r: r["process_index"])
   last_rank = max(e[0] for e in owner["events"])
   return (max(e[3] for e in owner["events"] if e[0] == last_rank) - owner["start_ns"]) / 1e9
-
-
-def modelled_intervals(config, strategy: str, context_len: int, setup, num_ranks: int, partition):
-  """MODELLED (rank, layer, phase, start, end) of the same run (kvr_jax.planning.costmodel)."""
-  hw, ln = setup.hardware, setup.links
-  B, db, L, p = setup.batch, setup.dtype_bytes, config.num_layers, num_ranks
-  kw = dict(
-    batch=B, dtype_bytes=db, scores_in_memory=setup.scores_in_memory, causal_skip=setup.causal_skip
-  )
-  window = config.sliding_window
-  if strategy == "kvr":
-    chunks = tuple(partition)
-    ends = prefix_ends(chunks)
-    phases = [
-      costmodel.phase_work(
-        config, chunks[i], ends[i] - window_start(ends[i] - chunks[i], window), **kw
-      )
-      for i in range(p)
-    ]
-    hop_bytes = [
-      costmodel.kv_message_bytes(config, ends[k] - window_start(ends[k], window), B, db)
-      for k in range(p - 1)
-    ]
-    return costmodel.kvr_schedule(
-      [ph["qkv"].time(hw) for ph in phases],
-      [ph["attention"].time(hw) for ph in phases],
-      [ph["rest"].time(hw) for ph in phases],
-      [hop_bytes[k] / ln.link_bandwidth(k) + ln.latency for k in range(p - 1)],
-      L,
-    )
-  # The zigzag peers: every rank alike; per layer qkv, the exchange, attention, rest.
-  c = zigzag.chunk_len(context_len, p)
-  own = costmodel.phase_work(config, 2 * c, 2 * c, **kw)
-  keys = max(
-    (
-      costmodel.visible_keys(r * c, c, window)
-      + costmodel.visible_keys((2 * p - 1 - r) * c, c, window)
-    )
-    / 2
-    for r in range(p)
-  )
-  attention = costmodel.phase_work(config, 2 * c, keys, **kw, scored_keys=keys)["attention"]
-  message = costmodel.kv_message_bytes(config, 2 * c, B, db) / ln.slowest(p) + ln.latency
-  exchange = (p - 1) * message
-  if strategy == "ring":  # the sends overlap the steps: only what the steps do not hide
-    exchange = max(0.0, exchange - attention.time(hw) * (p - 1) / p)
-  label = "allgather" if strategy == "allgather" else "step"
-  t, out = 0.0, []
-  for layer in range(L):
-    for phase, length in (
-      ("qkv", own["qkv"].time(hw)),
-      (label, exchange),
-      ("attention", attention.time(hw)),
-      ("rest", own["rest"].time(hw)),
-    ):
-      out.extend((r, layer, phase, t, t + length) for r in range(p))
-      t += length
-  return out
 
 
 def _colour(phase: str) -> str:

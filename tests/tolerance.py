@@ -1,0 +1,12 @@
+"""The fixed tolerance of float32 strategies and kernels against each other, and its check."""
+
+import numpy as np
+
+REL_TOL = 1e-5  # relative to the largest magnitude of the reference tensor; never loosened
+
+
+def assert_close(got, want, what):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL}"
