@@ -34,7 +34,7 @@ import kvr_jax
 from kvr_jax.core.chunks import check_chunks
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime import distributed, links
-from kvr_jax.tools import benchmark, jobs, memory, timeline
+from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
 
@@ -68,7 +68,12 @@ flags.DEFINE_list(
   ["single", "single-dense"],
   "Multi-process mode: the one-process baselines (single = flash, single-dense, single-blocked).",
 )
-flags.DEFINE_string("partition", "search", "KVR partition in devices mode.")
+flags.DEFINE_string(
+  "partition",
+  "search",
+  "KVR partition in devices and timeline modes; timeline mode also takes 'fitted' (KVR-S with "
+  "the cost model's FLOP/s fitted to this model's measured phases).",
+)
 flags.DEFINE_integer("num_devices", None, "Ranks in devices mode (default: all).")
 flags.DEFINE_integer("num_processes", 2, "Processes in multiprocess mode.")
 flags.DEFINE_integer("repeats", 3, "Timed runs after a warm-up; the median is reported.")
@@ -219,7 +224,7 @@ def phases_mode():
         chunks = tuple(int(x) for x in text.split("/"))
       except ValueError:
         raise ValueError(f"--partitions takes lengths separated by '/', got {text!r}") from None
-      for r in benchmark.rank_phase_times(model, chunks, FLAGS.kernels[0], repeats=FLAGS.repeats):
+      for r in measured.rank_phase_times(model, chunks, FLAGS.kernels[0], repeats=FLAGS.repeats):
         print(
           f"{text:<16}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s{r.attention_s:>10.3f}s"
           f"{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
@@ -291,7 +296,9 @@ def worker():
         FLAGS.model,
         int(FLAGS.context_lens[0]),
         FLAGS.timeline_strategies,
-        partition=common.parse_partition(FLAGS.partition),
+        partition=(
+          "fitted" if FLAGS.partition == "fitted" else common.parse_partition(FLAGS.partition)
+        ),
         repeats=FLAGS.repeats,
       )
     )
@@ -313,7 +320,9 @@ def timeline_mode():
   with common.user_errors():
     if FLAGS.num_processes < 2:
       raise ValueError("--num_processes must be >= 2 in timeline mode")
-    partition = common.parse_partition(FLAGS.partition)
+    partition = FLAGS.partition
+    if partition != "fitted":
+      partition = common.parse_partition(partition)
     if isinstance(partition, list):  # explicit lengths: checked before any process starts
       check_chunks(partition, C, FLAGS.num_processes)
     for s in FLAGS.timeline_strategies:
@@ -344,7 +353,14 @@ def timeline_mode():
       print(f"error: {e}", file=sys.stderr)
       return 1
     reports = [r for o in outcomes for r in o.results()]
-    setup = presets.make_setup(dtype_bytes=4, scores_in_memory=False, causal_skip=True)
+    # The modelled panels use the hardware the split was chosen with (fitted or `local`).
+    fitted = next((r["hardware"] for r in reports if r.get("hardware")), None)
+    setup = presets.make_setup(
+      costmodel.Hardware(**fitted) if fitted else presets.LOCAL,
+      dtype_bytes=4,
+      scores_in_memory=False,
+      causal_skip=True,
+    )
   print(
     f"\nMEASURED timelines, {FLAGS.model}, C={C}, {FLAGS.num_processes} processes x 1 core "
     "(probes at every phase boundary; the cache stays sharded, its move is not in the span)"
@@ -364,9 +380,12 @@ def timeline_mode():
     totals = timeline.phase_totals(measured)
     per_rank = []
     for rank in sorted({i[0] for i in measured}):
-      # A ring step is its partial attention (the send to the next rank overlaps it).
-      totals[rank, "attention"] = totals.get((rank, "attention"), 0.0) + totals.pop(
-        (rank, "step"), 0.0
+      # A ring step is its partial attention (the send to the next rank overlaps it), and
+      # KVR's diagonal the part of its attention done before the prefix arrives.
+      totals[rank, "attention"] = (
+        totals.get((rank, "attention"), 0.0)
+        + totals.pop((rank, "step"), 0.0)
+        + totals.pop((rank, "diagonal"), 0.0)
       )
       exchange = sum(
         v for (r, k), v in totals.items() if r == rank and k in ("hop", "step", "allgather", "wait")

@@ -7,6 +7,8 @@ two halves of its computation that the parallel strategies need separately:
   block.project_qkv(x_BTD, positions_BT) -> q_BTNH, k_BTKH, v_BTKH   (norm, projections, RoPE)
   block.attend(q, k_prefix, v_prefix, query_offset, kernel)         (models.layers, with the
                                                                      config's sliding window)
+  block.attend_partial(...)  -> out, lse (float32)                   (the same, flash/fused,
+                                                                     for merging partials)
   block.finish(x_BTD, attn_BTNH) -> x_BTD                            (output proj., MLP, residual)
 
 so a strategy can move K,V between devices in the middle of a layer. Models know nothing
@@ -94,6 +96,13 @@ class Block(nnx.Module):
     """This model's attention (causal, with its sliding window if any) at `query_offset`
     counted from the first key given; `attention` names the kernel (models.layers)."""
     return layers.attend_static(
+      q_BTNH, k_BSKH, v_BSKH, query_offset, attention, self.config.sliding_window
+    )
+
+  def attend_partial(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention: str):
+    """`attend` for the kernels that return their log-sum-exp (flash, fused): (out float32,
+    lse float32), to be merged with an attention of the same queries over other keys."""
+    return layers.attend_partial(
       q_BTNH, k_BSKH, v_BSKH, query_offset, attention, self.config.sliding_window
     )
 

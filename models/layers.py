@@ -68,6 +68,25 @@ def attend_static(
   return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)
 
 
+def attend_partial(
+  q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str, window: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """Like `attend_static`, for the kernels that return their log-sum-exp ("flash", "fused"),
+  so that attentions over disjoint key sets merge exactly (`merge_partials`): returns (out
+  [B, T, N, H] float32, lse [B, T, N] float32). A key set wholly in the past of every query
+  (query_offset >= S) is attended unmasked."""
+  if attention == "flash":
+    return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window, out_dtype=jnp.float32)
+  if attention == "fused":
+    if window is not None:
+      raise ValueError(f"attention 'fused' takes no sliding window; use one of {WINDOWED_KERNELS}")
+    out, lse = attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATION)
+    return out.astype(jnp.float32), lse
+  raise ValueError(
+    f"attention {attention!r} returns no log-sum-exp; expected one of {FUSED_KERNELS}"
+  )
+
+
 def window_start(first_query: int, window: int | None) -> int:
   """The first key position any query at or after `first_query` can see (0 without a window)."""
   return 0 if window is None else max(0, first_query - window + 1)
@@ -267,8 +286,11 @@ def attend_flash(
   query_block: int = FLASH_QUERY_BLOCK,
   key_block: int = FLASH_KEY_BLOCK,
   softmax_scale: float | None = None,
+  out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Flash-style attention: returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32).
+  """Flash-style attention: returns (out [B, T, N, H] in `out_dtype`, default q's dtype; lse
+  [B, T, N] float32). A partial that will be merged keeps float32 (out_dtype=jnp.float32):
+  rounding it to bfloat16 first would cost the merge a bfloat16 step.
 
   Queries in blocks of `query_block` (a `lax.scan`), keys in blocks of `key_block` (a
   `fori_loop` whose bounds come from the block's offset), with a running max m, sum l and
@@ -361,7 +383,7 @@ def attend_flash(
   # [nq, B, K, bq*G, H] -> [B, T, N, H]
   out = o_blocks.reshape(nq, B, K, bq, G, H).transpose(1, 0, 3, 2, 4, 5).reshape(B, nq * bq, N, H)
   lse = lse_blocks.reshape(nq, B, K, bq, G).transpose(1, 0, 3, 2, 4).reshape(B, nq * bq, N)
-  return out[:, :T].astype(q_BTNH.dtype), lse[:, :T]
+  return out[:, :T].astype(out_dtype or q_BTNH.dtype), lse[:, :T]
 
 
 def attend_fused(
@@ -377,8 +399,13 @@ def attend_fused(
   log-sum-exp. `implementation="cudnn"` makes both pieces cuDNN's fused flash kernel.
   Returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32).
   """
-  T = q_BTNH.shape[1]
-  if k_BSKH.shape[1] < query_offset + T:
+  T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+  if query_offset >= S:  # a prefix wholly in every query's past: one unmasked piece
+    out, lse = jax.nn.dot_product_attention(
+      q_BTNH, k_BSKH, v_BSKH, implementation=implementation, return_residual=True
+    )
+    return out, lse.astype(jnp.float32)
+  if S < query_offset + T:
     raise ValueError(
       f"attend_fused needs the keys of every query: S={k_BSKH.shape[1]} < offset + T = "
       f"{query_offset + T}"

@@ -16,6 +16,7 @@ from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import build_model
 from kvr_jax.strategies import single, tsp
 from models.config import LlamaConfig
+from models.layers import window_start
 
 LLAMA7 = kvr_jax.preset_config("llama-2-7b")
 
@@ -76,6 +77,43 @@ def test_kvr_timeline_one_slow_link_hand_computed():
 def test_kvr_timeline_qkv_overlaps_waiting():
   # A receiver computes its own qkv while the prefix is in flight: waiting costs max, not sum.
   assert costmodel.kvr_timeline([3, 3], [1, 1], [5], num_layers=1) == [4, 9]
+
+
+def test_kvr_timeline_diagonal_fills_the_wait():
+  # Rank 1 attends its own chunk (4 units) while hop 0 (qkv 3 + 5 -> arrives at 8) is in
+  # flight: done at 8 + 1, as if the diagonal were free; a diagonal of 6 ends at 9 > 8.
+  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, t_diagonal=[0, 4]) == [4, 9]
+  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, t_diagonal=[0, 6]) == [4, 10]
+  # A forwarding rank sends only after its diagonal (the program's order): rank 1's
+  # diagonal ends at 3 + 6 = 9 > hop 0's arrival at 8, so hop 1 runs 9 -> 14.
+  finish = costmodel.kvr_timeline([3, 3, 3], [1, 1, 1], [5, 5], 1, t_diagonal=[0, 6, 0])
+  assert finish == [4, 10, 15]
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_kvr_diagonal_and_prefix_add_up_to_the_ranks_attention(window):
+  """With a flash kernel rank i > 0's attention is split into its diagonal and its prefix;
+  their FLOPs add up to the whole rank's (no work lost or counted twice), and the first
+  rank keeps its whole attention."""
+  config = dataclasses.replace(kvr_jax.preset_config("llama-2-7b"), sliding_window=window)
+  chunks = (1000, 700, 500)
+  flash = presets.make_setup("a100-80gb", "300GBps", dtype_bytes=2, scores_in_memory=False)
+  flash = dataclasses.replace(flash, causal_skip=True)
+  dense = dataclasses.replace(flash, scores_in_memory=True)
+  assert flash.diagonal_first and not dense.diagonal_first
+  split, _, _ = costmodel._kvr_layer(config, chunks, flash)
+  whole, _, _ = costmodel._kvr_layer(config, chunks, dataclasses.replace(flash, causal_skip=False))
+  assert "diagonal" not in split[0]
+  starts, ends = (0, 1000, 1700), (1000, 1700, 2200)
+  keys = [e - window_start(s, window) for s, e in zip(starts, ends, strict=True)]
+  skipping = [
+    costmodel.phase_work(config, c, k, 1, 2, scores_in_memory=False, causal_skip=True)
+    for c, k in zip(chunks, keys, strict=True)
+  ]
+  for i in (1, 2):
+    total = split[i]["diagonal"].flops + split[i]["attention"].flops
+    assert total == pytest.approx(skipping[i]["attention"].flops)
+    assert split[i]["attention"].flops < whole[i]["attention"].flops
 
 
 def test_tsp_timeline_is_a_barrier_per_layer():

@@ -25,7 +25,7 @@ from tests.tolerance import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER_ORDER = {
-  "kvr": ["qkv", "hop", "attention", "rest"],
+  "kvr": ["qkv", "diagonal", "hop", "attention", "rest"],  # flash: diagonal before the hops
   "allgather": ["qkv", "allgather", "attention", "rest"],
   "ring": ["qkv", "step", "attention", "rest"],
 }

@@ -13,9 +13,11 @@ Each phase takes max(FLOPs / achievable FLOP/s, bytes / achievable memory bandwi
 The timeline follows the dependencies of the real programs:
   kvr   ranks run independently; hop k couples only ranks k and k+1. It starts when rank k
         holds [0, S_k) (its own qkv done and hop k-1 arrived) and link k is free, and takes
-        bytes / bandwidth_k + latency. Sends are asynchronous (XLA's collective-permute-start
-        /-done, an NCCL send on its own stream): the sender goes on to its attention while the
-        message is in flight; the receiver waits for it before its attention.
+        bytes / bandwidth_k + latency. With a flash/fused kernel rank i > 0 attends its own
+        chunk (the diagonal) before it waits for the prefix, and the prefix after it. Sends
+        are asynchronous (XLA's collective-permute-start/-done, an NCCL send on its own
+        stream): the sender goes on to its attention while the message is in flight; the
+        receiver waits for it before its attention.
   tsp   the all-gather is a barrier over all ranks; a ring all-gather takes p-1 steps of one
         chunk each over the slowest link.
   single one device, dense masked attention (as the Hugging Face baseline computes it).
@@ -106,6 +108,12 @@ class Setup:
   batch: int = 1
   scores_in_memory: bool = True
   causal_skip: bool = False
+
+  @property
+  def diagonal_first(self) -> bool:
+    """KV-Runahead's ranks attend their own chunk before the prefix arrives: the kernels
+    whose partials merge (flash, fused: no scores in memory, the future skipped)."""
+    return self.causal_skip and not self.scores_in_memory
 
   def __post_init__(self):
     if not isinstance(self.hardware, Hardware) or not isinstance(self.links, Links):
@@ -315,9 +323,9 @@ def simulate(
     )
   chunks = tuple(int(c) for c in partition)
   phases, hop_bytes, hop_time = _kvr_layer(config, chunks, setup)
-  t_qkv = [ph["qkv"].time(hw) for ph in phases]
-  t_after = [ph["attention"].time(hw) + ph["rest"].time(hw) for ph in phases]
-  free = kvr_timeline(t_qkv, t_after, hop_time, L)
+  t = _kvr_phase_times(phases, hw)
+  t_after = [a + r for a, r in zip(t["attention"], t["rest"], strict=True)]
+  free = kvr_timeline(t["qkv"], t_after, hop_time, L, t["diagonal"])
   ttft = free[-1] + head
   totals = [sum(ph.values(), Work(0, 0)) for ph in phases]
   return Simulation(
@@ -334,7 +342,9 @@ def simulate(
 def _kvr_layer(config, chunks: tuple[int, ...], setup: Setup):
   """One layer of KV-Runahead: each rank's phase Work, and each hop's bytes and seconds.
   With a sliding window rank i attends from its window start and hop k carries the last W-1
-  keys of [0, S_k): both bounded by W (strategies.runahead)."""
+  keys of [0, S_k): both bounded by W (strategies.runahead). With a kernel whose partials
+  merge (`Setup.diagonal_first`) rank i > 0 has a "diagonal" phase (its own chunk, before the
+  hop) and its "attention" is the prefix alone."""
   ln, B, db = setup.links, setup.batch, setup.dtype_bytes
   kw = dict(
     batch=B,
@@ -345,10 +355,27 @@ def _kvr_layer(config, chunks: tuple[int, ...], setup: Setup):
   p, ends, window = len(chunks), prefix_ends(chunks), config.sliding_window
   keys = [ends[i] - window_start(ends[i] - chunks[i], window) for i in range(p)]
   phases = [phase_work(config, chunks[i], keys[i], **kw) for i in range(p)]
+  if setup.diagonal_first:
+    for i in range(1, p):
+      c, prefix = chunks[i], keys[i] - chunks[i]
+      if prefix <= 0:
+        continue
+      diagonal = phase_work(config, c, c, **kw)["attention"]
+      # The prefix lies wholly before the queries: the keys they see there, on average.
+      seen = visible_keys(prefix, c, window) - visible_keys(0, c, window)
+      rest = dict(kw, causal_skip=False)
+      attention = phase_work(config, c, prefix, **rest, scored_keys=seen)["attention"]
+      phases[i] = dict(phases[i], diagonal=diagonal, attention=attention)
   hop_tokens = [ends[k] - window_start(ends[k], window) for k in range(p - 1)]
   hop_bytes = [kv_message_bytes(config, hop_tokens[k], B, db) for k in range(p - 1)]
   hop_time = [hop_bytes[k] / ln.link_bandwidth(k) + ln.latency for k in range(p - 1)]
   return phases, hop_bytes, hop_time
+
+
+def _kvr_phase_times(phases, hw: Hardware) -> dict[str, list[float]]:
+  """Per rank seconds of each KVR phase ("diagonal" 0 where the rank has none)."""
+  names = ("qkv", "diagonal", "attention", "rest")
+  return {n: [ph[n].time(hw) if n in ph else 0.0 for ph in phases] for n in names}
 
 
 def schedule(
@@ -365,13 +392,8 @@ def schedule(
   hw, L = setup.hardware, config.num_layers
   if strategy == "kvr":
     phases, _, hop_time = _kvr_layer(config, tuple(int(c) for c in partition), setup)
-    return kvr_schedule(
-      [ph["qkv"].time(hw) for ph in phases],
-      [ph["attention"].time(hw) for ph in phases],
-      [ph["rest"].time(hw) for ph in phases],
-      hop_time,
-      L,
-    )
+    t = _kvr_phase_times(phases, hw)
+    return kvr_schedule(t["qkv"], t["attention"], t["rest"], hop_time, L, t["diagonal"])
   if strategy not in ("ring", "allgather"):
     raise ValueError(f"no modelled timeline for {strategy!r}; expected kvr, ring or allgather")
   # Every rank alike: the layer's phases one after the other.
@@ -451,15 +473,22 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
 
 
 def kvr_timeline(
-  t_qkv: Sequence[float], t_after: Sequence[float], hop_time: Sequence[float], num_layers: int
+  t_qkv: Sequence[float],
+  t_after: Sequence[float],
+  hop_time: Sequence[float],
+  num_layers: int,
+  t_diagonal: Sequence[float] | None = None,
 ) -> list[float]:
   """When each rank finishes its last layer, from per-layer phase times (see module doc).
 
-  t_qkv[i]: rank i's qkv phase; t_after[i]: its attention + rest; hop_time[k]: hop k's time.
+  t_qkv[i]: rank i's qkv phase; t_after[i]: its attention + rest; hop_time[k]: hop k's time;
+  t_diagonal[i]: attention rank i does before its prefix arrives (kvr_schedule).
   """
   p = len(t_qkv)
   free = [0.0] * p
-  for rank, _, phase, _, end in kvr_schedule(t_qkv, t_after, [0.0] * p, hop_time, num_layers):
+  for rank, _, phase, _, end in kvr_schedule(
+    t_qkv, t_after, [0.0] * p, hop_time, num_layers, t_diagonal
+  ):
     if phase == "rest":  # a hop ends on the receiver's clock, not its sender's
       free[rank] = max(free[rank], end)
   return free
@@ -471,13 +500,17 @@ def kvr_schedule(
   t_rest: Sequence[float],
   hop_time: Sequence[float],
   num_layers: int,
+  t_diagonal: Sequence[float] | None = None,
 ) -> list[tuple[int, int, str, float, float]]:
   """The modelled KVR timeline as intervals (rank, layer, phase, start, end): per layer each
-  rank's "qkv", its "wait" for hop i-1 (rank i > 0, when the prefix arrives later than its
-  own K,V), "attention" and "rest"; "hop{k}" intervals (on the sender's row) run from when
-  rank k holds its prefix and link k is free to when rank k+1 has it. A sender does not wait
-  for its send (asynchronous sends)."""
+  rank's "qkv", its "diagonal" (rank i > 0 attending its own chunk before the prefix arrives,
+  where t_diagonal[i] > 0), its "wait" for hop i-1 (when the prefix arrives later than that),
+  "attention" (over the prefix) and "rest"; "hop{k}" intervals (on the sender's row) run from
+  when rank k holds its prefix and link k is free to when rank k+1 has it. A sender does not
+  wait for its send (asynchronous sends), and forwards only after its diagonal (the program's
+  order: the diagonal comes before the hops)."""
   p = len(t_qkv)
+  t_diagonal = [0.0] * p if t_diagonal is None else list(t_diagonal)
   free = [0.0] * p  # rank i is done with the previous layer
   link_free = [0.0] * max(p - 1, 0)  # link k has delivered the previous layer's message
   out = []
@@ -486,8 +519,11 @@ def kvr_schedule(
     for i in range(p):
       own = free[i] + t_qkv[i]  # own K,V written into the buffer
       out.append((i, layer, "qkv", free[i], own))
+      if t_diagonal[i] > 0:
+        out.append((i, layer, "diagonal", own, own + t_diagonal[i]))
+        own += t_diagonal[i]
       ready = own
-      if i > 0 and arrive > own:  # prefix [0, S_{i-1}) received after its own K,V
+      if i > 0 and arrive > own:  # prefix [0, S_{i-1}) received after its own work
         out.append((i, layer, "wait", own, arrive))
         ready = arrive
       if i < p - 1:

@@ -5,23 +5,38 @@ One jitted SPMD program; every rank runs the layer loop below on its own chunk. 
   rank:        0            1                 2                    3
   own chunk  [0,S0)      [S0,S1)           [S1,S2)              [S2,C)
   project    q,k,v       q,k,v             q,k,v                q,k,v       (switch: c_i rows)
+  diagonal     .         c1 x c1 causal    c2 x c2              c3 x c3     (switch: flash)
   hop 0      kv[0,S0) ─────▶ kv[0,S0)
   hop 1                  kv[0,S1) ───────────▶ kv[0,S1)
-  hop 2                                    kv[0,S2) ──────────────▶ kv[0,C)
-  attend     c0 x S0     c1 x S1           c2 x S2              c3 x C      (switch: static)
+  hop 2                                    kv[0,S2) ──────────────▶ kv[0,S2)
+  attend     c0 x S0     c1 x S0 prefix    c2 x S1 prefix       c3 x S2     (switch: static,
+                         + merge           + merge              + merge      lse merge)
   finish     MLP c0      MLP c1            MLP c2               MLP c3
 
 Every rank holds a [B, c_max] padded chunk because SPMD needs one static shape, but the
 per-rank work is a `lax.switch` on the rank index whose branch i slices exactly c_i rows and
 S_i keys: no FLOP is spent on padding. Hop k is a `ppermute` with the single pair (k, k+1)
-that sends the static prefix [0, S_k) of the accumulation buffer, K and V stacked in one
-message, with their own K heads (never repeated to the N query heads).
+that sends the static prefix [0, S_k) of rank k's keys, K and V stacked in one message, with
+their own K heads (never repeated to the N query heads).
 
-The last rank ends with the whole KV cache of every layer in its accumulation buffer, but the
-program keeps only one layer of it at a time: each rank outputs its own chunk's K,V
-([L, 2, B, c_max, K, H], padded to the largest chunk), never a prompt-long stack. The parts
-are brought onto the last rank in prompt order after the program (cache="last", the paper's
-layout) or stay where they were computed (cache="sharded"; kvr_jax.inference.kv_cache).
+Better than the paper: a rank does not idle while it waits for its prefix. With a kernel that
+returns its log-sum-exp (flash, fused), rank i > 0 first attends its own chunk (the causal
+diagonal square, which needs nothing from anyone), then receives the prefix and attends its
+queries to it, and the two partials merge exactly in float32 (`layers.merge_partials`). An
+optimization barrier orders the diagonal before the hops, so that XLA cannot move it behind
+the receive; rank 0 has no prefix and attends after it has sent hop 0.
+
+Buffers. Rank 0's message is its own chunk. A forwarding rank (0 < k < p-1) keeps an
+accumulation buffer carried across layers (never zero-filled: each layer overwrites what it
+reads, [window start, S_k)), its own K,V written at its chunk's start, the received prefix
+before them. The last hop's message is attended where it arrives: the last rank forwards
+nothing, so with p = 2 there is no prompt-long buffer at all. `ppermute` gives zeros to ranks
+outside the pair, so only rank k+1 writes hop k into its buffer (`jnp.where`).
+
+Each rank outputs its own chunk's K,V ([L, 2, B*c_max, K, H], padded to the largest chunk),
+never a prompt-long stack. The parts are brought onto the last rank in prompt order after
+the program (cache="last", the paper's layout) or stay where they were computed
+(cache="sharded"; kvr_jax.inference.kv_cache).
 
 Sliding window W (Mistral): query q sees only keys (q - W, q], so hop k carries only the last
 W-1 keys of [0, S_k) and each rank attends to [start - W + 1, S_i): hop bytes and attention
@@ -55,65 +70,111 @@ from kvr_jax.strategies.probe import mark
 from models import layers, scan_blocks
 
 
-def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...], cache_len: int):
-  """Rank i, static shapes: Q of its c_i tokens, and an accumulation buffer with its own K,V.
-
-  Returns q [B, c_max, N, H] (rows past c_i are zero), kv [2, B, cache_len, K, H] holding
-  K,V at [S_{i-1}, S_i) and zeros elsewhere, and own [2, B, c_max, K, H]: this rank's part of
-  the cache (rows past c_i zero).
-  """
+def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...]):
+  """Rank i, static shapes: q [B, c_max, N, H] of its c_i tokens and its own K,V
+  [2, B, c_max, K, H] (this rank's part of the cache), rows past c_i zero."""
   c, start = chunks[i], chunk_starts(chunks)[i]
   B, c_max, _ = x_BcD.shape
   positions_Bc = jnp.broadcast_to(start + jnp.arange(c), (B, c))
   q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD[:, :c], positions_Bc)
-  K, H = k_BcKH.shape[2:]
-  # [2, B, cache_len, K, H]: K and V travel as one message
-  kv = jnp.zeros((2, B, cache_len, K, H), k_BcKH.dtype)
-  own_2BcKH = jnp.stack([k_BcKH, v_BcKH])
-  kv = jax.lax.dynamic_update_slice_in_dim(kv, own_2BcKH, start, axis=2)
+  own_2BcKH = jnp.stack([k_BcKH, v_BcKH])  # K and V travel as one message
   q_pad = jnp.pad(q_BcNH, ((0, 0), (0, c_max - c), (0, 0), (0, 0)))
   own_pad = jnp.pad(own_2BcKH, ((0, 0), (0, 0), (0, c_max - c), (0, 0), (0, 0)))
-  return q_pad, kv, own_pad
+  return q_pad, own_pad
+
+
+def attends_diagonal_first(attention: str, num_ranks: int) -> bool:
+  """Ranks i > 0 attend their own chunk before the prefix arrives: kernels whose partials
+  merge (they return the log-sum-exp), and only where some rank waits for a prefix."""
+  return attention in layers.FUSED_KERNELS and num_ranks > 1
+
+
+def attend_diagonal(block, q_BcNH, own_2BcKH, i: int, chunks: tuple[int, ...], attention: str):
+  """Rank i > 0 before its hop: its queries against its own keys (causal, offset 0), a float32
+  partial (out [B, c_max, N, H], lse [B, c_max, N]) padded to c_max. Rank 0 returns zeros: it
+  attends after it has sent, and its whole attention is this square."""
+  if i == 0:  # built from q so that they carry its type (varying over the ranks)
+    zeros_BcNH = jnp.zeros_like(q_BcNH, jnp.float32)
+    return zeros_BcNH, zeros_BcNH[..., 0]
+  c, c_max = chunks[i], q_BcNH.shape[1]
+  out_BcNH, lse_BcN = block.attend_partial(
+    q_BcNH[:, :c], own_2BcKH[0, :, :c], own_2BcKH[1, :, :c], 0, attention
+  )
+  pad = c_max - c
+  return (
+    jnp.pad(out_BcNH, ((0, 0), (0, pad), (0, 0), (0, 0))),
+    jnp.pad(lse_BcN, ((0, 0), (0, pad), (0, 0))),
+  )
+
+
+def attend_rank(block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, diagonal=None):
+  """Rank i's attention: its c_i queries against the prefix [first, start) (the keys it
+  received: from its window start, or from 0) and its own chunk.
+
+  diagonal: the partial of its own chunk computed before the hop (attend_diagonal); then only
+  the prefix is attended here and the two merge by log-sum-exp. Without it (dense, blocked:
+  the paper's c_i x S_i rectangle) prefix and own keys are attended in one call."""
+  c, start = chunks[i], chunk_starts(chunks)[i]
+  first = layers.window_start(start, block.config.sliding_window)
+  q_BcNH, own_2BcKH = q_BcNH[:, :c], own_2BcKH[:, :, :c]
+  if first == start:  # rank 0, or a window of one key: no prefix
+    return block.attend(q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, attention)
+  if diagonal is not None:
+    out_BcNH, lse_BcN = block.attend_partial(
+      q_BcNH, prefix_2BsKH[0], prefix_2BsKH[1], start - first, attention
+    )
+    merged_BcNH, _ = layers.merge_partials(
+      out_BcNH, lse_BcN, diagonal[0][:, :c], diagonal[1][:, :c]
+    )
+    return merged_BcNH.astype(q_BcNH.dtype)
+  keys_2BsKH = jnp.concatenate([prefix_2BsKH, own_2BcKH], axis=2)
+  return block.attend(q_BcNH, keys_2BsKH[0], keys_2BsKH[1], start - first, attention)
 
 
 def attend_and_finish(
   block,
   x_BcD,
   q_BcNH,
-  kv,
+  own_2BcKH,
+  prefixes,
+  diagonal,
   i: int,
   chunks: tuple[int, ...],
   attention: str = "dense",
   timeline: bool = False,
   layer=-1,
 ):
-  """Rank i, static shapes: its c_i queries against the S_i-key prefix, then the block's rest.
+  """Rank i after the hops: attention (attend_rank) over the prefix it received, then the
+  block's rest (out-proj, MLP) of its c_i rows, padded back to c_max.
 
-  attention "dense" computes the c_i x S_i rectangle (the paper's count); "blocked" and
-  "flash" also skip the masked upper triangle of the rank's own diagonal block. With a sliding
-  window the prefix starts at the chunk's window start.
-  """
-  c, start, end = chunks[i], chunk_starts(chunks)[i], prefix_ends(chunks)[i]
-  c_max = x_BcD.shape[1]
-  # With a sliding window W the chunk's first query sees nothing before start - W + 1.
+  prefixes: (accumulation buffer, last hop's message); a forwarding rank's prefix sits in
+  its buffer at [first, start), the last rank's is the last hop's message itself."""
+  c, start = chunks[i], chunk_starts(chunks)[i]
   first = layers.window_start(start, block.config.sliding_window)
-  attn_BcNH = block.attend(
-    q_BcNH[:, :c], kv[0, :, first:end], kv[1, :, first:end], start - first, attention
-  )
+  buffer_2BSKH, last_message = prefixes
+  p, c_max = len(chunks), x_BcD.shape[1]
+  if i == 0:
+    prefix_2BsKH = None
+  elif i == p - 1:
+    prefix_2BsKH = last_message
+  else:
+    prefix_2BsKH = buffer_2BSKH[:, :, first:start]
+  attn_BcNH = attend_rank(block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, diagonal)
   attn_BcNH = mark(timeline, "attention", layer, attn_BcNH)
   out_BcD = block.finish(x_BcD[:, :c], attn_BcNH)
   return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
 
 
 def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attention="dense"):
-  """Rank i's whole layer given the prefix it received: the unit of per-rank cost.
-
-  Used only to measure one rank's compiled cost in isolation (cost analysis); the SPMD program
-  runs the same two functions with the hop chain between them.
-  """
-  q, kv, _ = project_own_chunk(block, x_BcD, i, chunks, kv_prefix.shape[2])
-  kv = kv + kv_prefix
-  return attend_and_finish(block, x_BcD, q, kv, i, chunks, attention), kv
+  """Rank i's whole layer given the K,V it receives ([2, B, >= start_i, K, H], prompt order):
+  the unit of per-rank cost. Used only to measure one rank's compiled cost in isolation (cost
+  analysis); the SPMD program runs the same functions with the hop chain between them."""
+  start = chunk_starts(chunks)[i]
+  first = layers.window_start(start, block.config.sliding_window)
+  q_BcNH, own_2BcKH = project_own_chunk(block, x_BcD, i, chunks)
+  prefix = None if i == 0 else kv_prefix[:, :, first:start]
+  attn_BcNH = attend_rank(block, q_BcNH, own_2BcKH, prefix, i, chunks, attention)
+  return block.finish(x_BcD[:, : chunks[i]], attn_BcNH)
 
 
 def hop_span(k: int, chunks: tuple[int, ...], window: int | None) -> tuple[int, int]:
@@ -123,50 +184,96 @@ def hop_span(k: int, chunks: tuple[int, ...], window: int | None) -> tuple[int, 
   return layers.window_start(end, window), end
 
 
+def buffer_len(chunks: tuple[int, ...]) -> int:
+  """Rows of a forwarding rank's accumulation buffer: every rank writes its c_max padded rows
+  at its chunk's start (one SPMD write), so the last start plus c_max (never clamped)."""
+  return chunk_starts(chunks)[-1] + max(chunks) if len(chunks) > 2 else 0
+
+
 def hop_chain(
-  kv, rank, chunks: tuple[int, ...], window: int | None = None, timeline: bool = False, layer=-1
+  buffer_2BSKH,
+  own_2BcKH,
+  rank,
+  chunks: tuple[int, ...],
+  window: int | None = None,
+  timeline: bool = False,
+  layer=-1,
 ):
-  """p-1 hops: hop k sends kv[:, :, a:S_k] (hop_span) from rank k to rank k+1, one pair per
-  ppermute. A rank whose chunk is shorter than the window forwards part of what it received
-  (it sits in its buffer beside its own keys)."""
-  for k in range(len(chunks) - 1):
+  """p-1 hops: hop k sends keys [a, S_k) (hop_span) from rank k to rank k+1, one pair per
+  ppermute. Hop 0's message is rank 0's own chunk; a forwarding rank k sends from its buffer
+  (what it received, then its own chunk); the last hop's message is returned as it arrived.
+  A rank whose chunk is shorter than the window forwards part of what it received.
+
+  Returns (buffer, last message [2, B, S_{p-2} - a, K, H])."""
+  p = len(chunks)
+  message = None
+  for k in range(p - 1):
     a, end = hop_span(k, chunks, window)
-    received = jax.lax.ppermute(kv[:, :, a:end], AXIS, perm=[(k, k + 1)])
-    # ppermute gives zeros to ranks outside the pair: only rank k+1 takes the message.
-    prefix = jnp.where(rank == k + 1, received, kv[:, :, a:end])
-    kv = jax.lax.dynamic_update_slice_in_dim(kv, prefix, a, axis=2)
-    kv = mark(timeline, f"hop{k}", layer, kv)
-  return kv
+    source = own_2BcKH if k == 0 else buffer_2BSKH  # rank 0's prefix is its chunk
+    message = jax.lax.ppermute(source[:, :, a:end], AXIS, perm=[(k, k + 1)])
+    if k < p - 2:
+      # ppermute gives zeros to ranks outside the pair: only rank k+1 keeps the message.
+      prefix = jnp.where(rank == k + 1, message, buffer_2BSKH[:, :, a:end])
+      buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, prefix, a, axis=2)
+    buffer_2BSKH, message = mark(timeline, f"hop{k}", layer, (buffer_2BSKH, message))
+  return buffer_2BSKH, message
 
 
 def rank_program(
   graphdef,
   chunks: tuple[int, ...],
-  cache_len: int,
   attention: str = "dense",
   timeline: bool = False,
 ) -> Callable:
   """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs.
   timeline: probes at every phase boundary (kvr_jax.strategies.probe)."""
   p = len(chunks)
+  diagonal_first = attends_diagonal_first(attention, p)
+  starts = np.asarray(chunk_starts(chunks), np.int32)
 
   def program(state, tokens_1Bc):
     count_trace("kvr")
     model = nnx.merge(graphdef, state)
     rank = jax.lax.axis_index(AXIS)
     x_BcD = mark(timeline, "embed", -1, model.embed(tokens_1Bc[0]))
+    cfg = model.config
+    B = x_BcD.shape[0]
+    # Allocated once and carried across layers; varying over the ranks like what it holds.
+    buffer_2BSKH = jax.lax.pcast(
+      jnp.zeros((2, B, buffer_len(chunks), cfg.num_kv_heads, cfg.head_dim), x_BcD.dtype),
+      (AXIS,),
+      to="varying",
+    )
 
-    def layer(block, x_BcD, l):
-      q_BcNH, kv, own_2BcKH = jax.lax.switch(
+    def layer(block, carry, l):
+      x_BcD, buffer_2BSKH = carry
+      q_BcNH, own_2BcKH = jax.lax.switch(
         rank,
-        [
-          functools.partial(project_own_chunk, block, i=i, chunks=chunks, cache_len=cache_len)
-          for i in range(p)
-        ],
+        [functools.partial(project_own_chunk, block, i=i, chunks=chunks) for i in range(p)],
         x_BcD,
       )
-      q_BcNH, kv, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, kv, own_2BcKH))
-      kv = hop_chain(kv, rank, chunks, model.config.sliding_window, timeline, l)
+      if p > 2:  # own K,V after the received prefix: what this rank forwards
+        buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(
+          buffer_2BSKH, own_2BcKH, jnp.asarray(starts)[rank], axis=2
+        )
+      q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
+      diagonal = None
+      if diagonal_first:
+        diagonal = jax.lax.switch(
+          rank,
+          [
+            functools.partial(attend_diagonal, block, i=i, chunks=chunks, attention=attention)
+            for i in range(p)
+          ],
+          q_BcNH,
+          own_2BcKH,
+        )
+        # The hops' operands depend on the diagonal: XLA cannot put it behind a receive.
+        diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
+          (diagonal, own_2BcKH, buffer_2BSKH)
+        )
+        diagonal = mark(timeline, "diagonal", l, diagonal)
+      prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l)
       x_BcD = jax.lax.switch(
         rank,
         [
@@ -183,14 +290,18 @@ def rank_program(
         ],
         x_BcD,
         q_BcNH,
-        kv,
+        own_2BcKH,
+        prefixes,
+        diagonal,
       )
       x_BcD = mark(timeline, "rest", l, x_BcD)
-      # Only this rank's chunk leaves the layer: the prompt-long buffer lives one layer.
-      return x_BcD, fold_batch(own_2BcKH)
+      # Only this rank's chunk leaves the layer: no prompt-long output.
+      return (x_BcD, prefixes[0]), fold_batch(own_2BcKH)
 
-    layers_L = jnp.arange(model.config.num_layers)
-    x_BcD, kv_L2RKH = scan_blocks(model.blocks, layer, x_BcD, layers_L)  # R = B * c_max rows
+    layers_L = jnp.arange(cfg.num_layers)
+    (x_BcD, _), kv_L2RKH = scan_blocks(  # R = B * c_max rows
+      model.blocks, layer, (x_BcD, buffer_2BSKH), layers_L
+    )
     # Each rank's last real row; on rank p-1 that is the prompt's last position.
     last_BD = jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
     logits_BV = mark(timeline, "logits", -1, model.logits(last_BD[:, None])[:, 0])
@@ -208,7 +319,7 @@ def compile_program(
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
   K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
   """
-  return spmd(rank_program(graphdef, chunks, sum(chunks), attention, timeline), mesh)
+  return spmd(rank_program(graphdef, chunks, attention, timeline), mesh)
 
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):

@@ -17,17 +17,14 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
-from kvr_jax.core.chunks import chunk_starts, prefix_ends
 from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.runtime.loading import Model, load_hf_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
-from models.layers import attend_flash, attend_static, window_start
+from models.layers import attend_flash, attend_static
 
 
 @dataclasses.dataclass
@@ -275,70 +272,4 @@ def time_attention_kernels(
   return rows
 
 
-# --- per-phase times of a KV-Runahead partition ------------------------------------------------
-
-
-@dataclasses.dataclass
-class RankPhases:
-  """One rank's compute per prefill (all layers), measured on this process's first device."""
-
-  rank: int
-  chunk: int
-  prefix: int
-  qkv_s: float  # norm, Q/K/V projections, RoPE on the rank's c_i tokens
-  attention_s: float  # c_i queries over the S_i-key prefix, with `attention`
-  rest_s: float  # output projection, MLP, residuals
-
-  @property
-  def total_s(self) -> float:
-    return self.qkv_s + self.attention_s + self.rest_s
-
-
-def rank_phase_times(
-  model: Model, chunks, attention: str = "flash", *, repeats: int = 3
-) -> list[RankPhases]:
-  """Each rank's three compute phases of KV-Runahead with `chunks`, timed apart on one device
-  (layer 0's weights, times the number of layers): where a partition's time goes, next to the
-  measured TTFT. Communication is not included (it is what the TTFT adds on top)."""
-  cfg = model.config
-  graphdef, stacked = nnx.split(model.module.blocks)
-  layer0 = jax.tree.map(lambda a: jnp.asarray(a[0]), stacked)
-
-  def timed(fn, *args):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - start)
-    return statistics.median(times) * cfg.num_layers
-
-  rows = []
-  for i, (c, start, end) in enumerate(
-    zip(chunks, chunk_starts(chunks), prefix_ends(chunks), strict=True)
-  ):
-    x = jnp.ones((1, c, cfg.d_model), model.dtype)
-    positions = jnp.arange(start, end)[None]
-    qkv = jax.jit(lambda s, x, pos: nnx.merge(graphdef, s).project_qkv(x, pos))
-    q, k, v = qkv(layer0, x, positions)
-    # As the program does (strategies.runahead): keys from the chunk's window start.
-    first = window_start(start, cfg.sliding_window)
-    k_prefix = jnp.ones((1, end - first, cfg.num_kv_heads, cfg.head_dim), model.dtype)
-    attend = jax.jit(
-      lambda q, k, v, offset=start - first: attend_static(
-        q, k, v, offset, attention, cfg.sliding_window
-      )
-    )
-    attn = attend(q, k_prefix, k_prefix)
-    finish = jax.jit(lambda s, x, a: nnx.merge(graphdef, s).finish(x, a))
-    rows.append(
-      RankPhases(
-        i,
-        c,
-        end,
-        timed(qkv, layer0, x, positions),
-        timed(attend, q, k_prefix, k_prefix),
-        timed(finish, layer0, x, attn),
-      )
-    )
-  return rows
+# Per-phase times of a KV-Runahead partition: kvr_jax.tools.measured.rank_phase_times.

@@ -7,6 +7,7 @@ call them directly.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -18,7 +19,7 @@ from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools import timeline
-from kvr_jax.tools.measured import measured_partition
+from kvr_jax.tools.measured import fitted_hardware, measured_partition
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
 
@@ -64,6 +65,7 @@ BENCH_VARIANTS = (
   "kvr-even",
   "kvr-search",
   "kvr-measured",
+  "kvr-fitted",
 )
 # A single-process variant's attention kernel (None: the strategy's default, flash).
 _SINGLE_KERNELS = {"single": None, "single-dense": "dense", "single-blocked": "blocked"}
@@ -85,7 +87,8 @@ def bench_job(
   older blocked kernel. Every kvr and single variant runs its default kernel. kvr-search uses
   the cost model with the `local` presets measured here (this process's core, the real link
   between processes); kvr-measured runs KVR-S over measured TTFT once (its duration is
-  reported as search_s) and then times the partition it found.
+  reported as search_s) and then times the partition it found; kvr-fitted is KVR-S from the
+  cost model with phase rates fitted to this model here (`fitted_plan`; fitting in search_s).
   """
   model = load_model(model_name)
   mesh = make_mesh()
@@ -100,7 +103,7 @@ def bench_job(
         kwargs = prefill_arguments("single", attention=_SINGLE_KERNELS[variant])
       elif variant in ("tsp", "ring", "allgather"):
         kwargs = prefill_arguments(variant, mesh=mesh)
-      elif variant in ("kvr-even", "kvr-search", "kvr-measured"):
+      elif variant in ("kvr-even", "kvr-search", "kvr-measured", "kvr-fitted"):
         kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-") :])
       else:
         raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
@@ -109,6 +112,10 @@ def bench_job(
         start = time.perf_counter()
         plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)
         kwargs["partition"] = list(measured_partition(model, tokens, mesh, plan))
+        search_s = time.perf_counter() - start
+      if variant == "kvr-fitted":  # the cost model with this model's measured phase rates
+        start = time.perf_counter()
+        kwargs["partition"] = fitted_plan(model, C, int(mesh.devices.size))
         search_s = time.perf_counter() - start
       timing = time_prefill(model, tokens, repeats, **kwargs)
       seconds, result = timing.median_s, timing.result
@@ -133,6 +140,13 @@ def bench_job(
   }
 
 
+def fitted_plan(model, context_len: int, num_ranks: int) -> PartitionPlan:
+  """KVR-S from the cost model, its FLOP/s fitted to this model's phases on this device
+  (kvr_jax.tools.measured.fitted_hardware); with several processes process 0's split wins
+  (prefill broadcasts it)."""
+  return PartitionPlan("search", hardware=fitted_hardware(model, context_len, num_ranks))
+
+
 def timeline_job(
   model_name: str,
   context_len: int,
@@ -143,10 +157,15 @@ def timeline_job(
   seed: int = 0,
 ) -> dict:
   """Every process: its measured timeline of each strategy (kvr_jax.tools.timeline), with
-  the cost model's split for kvr; the launcher merges the processes' answers."""
+  `partition` for kvr (a method, lengths, or "fitted": `fitted_plan`); the launcher merges
+  the processes' answers."""
   model = load_model(model_name)
   mesh = make_mesh()
   tokens = synthetic_prompt(model.config.vocab_size, context_len, 1, seed)
+  hardware = None
+  if partition == "fitted":
+    partition = fitted_plan(model, context_len, int(mesh.devices.size))
+    hardware = dataclasses.asdict(partition.hardware)
   runs = [
     timeline.probe_run(
       model,
@@ -164,4 +183,5 @@ def timeline_job(
     "model": model_name,
     "context_len": context_len,
     "runs": runs,
+    "hardware": hardware,  # the fitted cost-model hardware (partition="fitted"), else None
   }

@@ -3,27 +3,39 @@
 It runs prefills, so it sits above kvr_jax.inference (the modelled search sits below it, in
 kvr_jax.planning). Results are kept on disk as they are measured, so an interrupted search
 resumes; `measured_partition` also keeps each answer for the rest of the process.
+
+`rank_phase_times` times a partition's per-rank compute phases apart, and `fitted_hardware`
+turns such a measurement into cost-model figures for this model on this device: the search
+then models what the layers actually cost here, not what a large matmul does.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
+import statistics
+import time
 import weakref
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from kvr_jax.core import resources
+from kvr_jax.core.chunks import chunk_starts, even_partition, prefix_ends
+from kvr_jax.planning import costmodel, presets
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.planning.search import Objective, search_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh
 from kvr_jax.tools.timing import time_prefill
+from models.layers import FUSED_KERNELS, attend_static, window_start
 
 # Answers of measured_partition, per model (weakly: a model that is gone takes its answers
 # with it, and a new model never inherits an old one's by a reused id), at most
@@ -160,3 +172,116 @@ def measured_partition(model: Model, tokens, mesh, plan: PartitionPlan | None = 
     while len(answers) > MAX_REMEMBERED:
       answers.popitem(last=False)
   return answers[key]
+
+
+# --- per-phase times of a KV-Runahead partition ------------------------------------------------
+
+
+@dataclasses.dataclass
+class RankPhases:
+  """One rank's compute per prefill (all layers), measured on this process's first device."""
+
+  rank: int
+  chunk: int
+  prefix: int
+  qkv_s: float  # norm, Q/K/V projections, RoPE on the rank's c_i tokens
+  attention_s: float  # c_i queries over the S_i-key prefix, with `attention`
+  rest_s: float  # output projection, MLP, residuals
+
+  @property
+  def total_s(self) -> float:
+    return self.qkv_s + self.attention_s + self.rest_s
+
+
+def rank_phase_times(
+  model: Model, chunks, attention: str = "flash", *, repeats: int = 3
+) -> list[RankPhases]:
+  """Each rank's three compute phases of KV-Runahead with `chunks`, timed apart on one device
+  (layer 0's weights, times the number of layers): where a partition's time goes, next to the
+  measured TTFT. Communication is not included (it is what the TTFT adds on top)."""
+  cfg = model.config
+  graphdef, stacked = nnx.split(model.module.blocks)
+  layer0 = jax.tree.map(lambda a: jnp.asarray(a[0]), stacked)
+
+  def timed(fn, *args):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - start)
+    return statistics.median(times) * cfg.num_layers
+
+  rows = []
+  for i, (c, start, end) in enumerate(
+    zip(chunks, chunk_starts(chunks), prefix_ends(chunks), strict=True)
+  ):
+    x = jnp.ones((1, c, cfg.d_model), model.dtype)
+    positions = jnp.arange(start, end)[None]
+    qkv = jax.jit(lambda s, x, pos: nnx.merge(graphdef, s).project_qkv(x, pos))
+    q, k, v = qkv(layer0, x, positions)
+    # As the program does (strategies.runahead): keys from the chunk's window start.
+    first = window_start(start, cfg.sliding_window)
+    k_prefix = jnp.ones((1, end - first, cfg.num_kv_heads, cfg.head_dim), model.dtype)
+    attend = jax.jit(
+      lambda q, k, v, offset=start - first: attend_static(
+        q, k, v, offset, attention, cfg.sliding_window
+      )
+    )
+    attn = attend(q, k_prefix, k_prefix)
+    finish = jax.jit(lambda s, x, a: nnx.merge(graphdef, s).finish(x, a))
+    rows.append(
+      RankPhases(
+        i,
+        c,
+        end,
+        timed(qkv, layer0, x, positions),
+        timed(attend, q, k_prefix, k_prefix),
+        timed(finish, layer0, x, attn),
+      )
+    )
+  return rows
+
+
+def fitted_hardware(
+  model: Model, context_len: int, num_ranks: int = 2, attention: str = "flash", repeats: int = 3
+) -> costmodel.Hardware:
+  """Cost-model hardware fitted to what this model's layers cost on this process's device.
+
+  Times the per-rank phases of an even KV-Runahead split of `context_len` over `num_ranks`
+  (`rank_phase_times`, a few seconds) and sets the FLOP/s of the linear phases (qkv, rest) and
+  of the attention kernel to the measured FLOPs per second; memory bandwidth stays the
+  `local` calibration's. Why: the `local` calibration times a 1024^3 matmul and one flash
+  shape, and a small model's projections (norms, RoPE, narrow matmuls) run several times
+  slower than that while its attention runs faster, so the modelled split gave the first
+  rank too many tokens. Pass the result as `PartitionPlan("search", hardware=...)`.
+  """
+  if attention not in FUSED_KERNELS:
+    raise ValueError(
+      f"fitted_hardware models kernels that do not write their scores, {FUSED_KERNELS}; "
+      f"got {attention!r}"
+    )
+  cfg, db = model.config, jnp.dtype(model.dtype).itemsize
+  chunks = even_partition(context_len, num_ranks)
+  rows = rank_phase_times(model, chunks, attention, repeats=repeats)
+  linear_flops = attention_flops = 0.0
+  for row in rows:
+    first = window_start(row.prefix - row.chunk, cfg.sliding_window)
+    work = costmodel.phase_work(
+      cfg, row.chunk, row.prefix - first, 1, db, scores_in_memory=False, causal_skip=True
+    )
+    linear_flops += cfg.num_layers * (work["qkv"].flops + work["rest"].flops)
+    attention_flops += cfg.num_layers * work["attention"].flops
+  linear_rate = linear_flops / sum(r.qkv_s + r.rest_s for r in rows)
+  attention_rate = attention_flops / sum(r.attention_s for r in rows)
+  local = presets.hardware_preset(presets.LOCAL)
+  return costmodel.Hardware(
+    "fitted",
+    linear_rate,
+    local.memory_bandwidth,
+    1.0,
+    1.0,
+    f"fitted to {cfg.num_layers}-layer phases at C={context_len}: linear "
+    f"{linear_rate / 1e9:.1f} GFLOP/s, attention {attention_rate / 1e9:.1f} GFLOP/s",
+    fused_attention_fraction=attention_rate / linear_rate,
+  )

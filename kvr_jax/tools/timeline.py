@@ -28,6 +28,7 @@ COLOURS = {
   "hop": "#dd8452",
   "allgather": "#dd8452",
   "step": "#dd8452",
+  "diagonal": "#8fd19e",  # KVR: a rank's own chunk, attended while it waits for the prefix
   "attention": "#55a868",
   "rest": "#8172b3",
   "logits": "#937860",
