@@ -201,7 +201,9 @@ def rank_phase_times(
   measured TTFT. Communication is not included (it is what the TTFT adds on top)."""
   cfg = model.config
   graphdef, stacked = nnx.split(model.module.blocks)
-  layer0 = jax.tree.map(lambda a: jnp.asarray(a[0]), stacked)
+  # Layer 0 on this process's first device: with several processes the weights are global
+  # (replicated) arrays, whose local copy is the first addressable shard.
+  layer0 = jax.tree.map(lambda a: jnp.asarray(a.addressable_shards[0].data[0]), stacked)
 
   def timed(fn, *args):
     jax.block_until_ready(fn(*args))
