@@ -53,7 +53,9 @@ def mark(enabled: bool, label: str, layer, value):
   if not enabled:
     return value
   (value,) = jax.lax.optimization_barrier((value,))
-  leaf = jax.tree.leaves(value)[0]
+  # One element of the value is read: of its first non-empty leaf (a buffer may be empty).
+  leaves = jax.tree.leaves(value)
+  leaf = next((x for x in leaves if x.size), leaves[0])
   done = io_callback(
     _record,
     jax.ShapeDtypeStruct((), jnp.float32),
