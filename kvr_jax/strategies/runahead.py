@@ -274,6 +274,13 @@ def rank_program(
         )
         diagonal = mark(timeline, "diagonal", l, diagonal)
       prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l)
+      # Everything after the hops waits for them, on every rank. In a multi-process run each
+      # process compiles its own rank's branch of the switches (the rank is a constant there),
+      # and rank 0's attention reads only its own keys: without this XLA may run it before
+      # the send, holding its receiver back by a whole attention.
+      (x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes = jax.lax.optimization_barrier(
+        ((x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes)
+      )
       x_BcD = jax.lax.switch(
         rank,
         [
