@@ -16,6 +16,7 @@ import kvr_jax
 from kvr_jax.planning import costmodel
 from kvr_jax.runtime.loading import build_model
 from kvr_jax.strategies import TRACE_COUNT, runahead
+from kvr_jax.tools import measured
 from models.config import FalconConfig
 
 REL_TOL = 1e-5
@@ -352,3 +353,21 @@ def test_measured_search_verifies_its_best_candidates(models, tmp_path):
   top_two = sorted(results, key=results.get)[:2]
   assert len(results) >= 2
   assert ",".join(map(str, verified)) in top_two
+
+
+def test_fitted_hardware_drives_an_exact_search(models, prompts, oracle):
+  """fitted_hardware times this model's phases here and returns cost-model figures: positive
+  rates (the attention's as a fraction of the linear phases'), a split from them that runs
+  exact, and a clear refusal for a kernel that writes its scores."""
+  model = models["tiny-llama"]
+  hardware = measured.fitted_hardware(model, CONTEXT, num_ranks=2, repeats=1)
+  assert hardware.name == "fitted" and hardware.flops > 0
+  assert hardware.fused_attention_flops > 0
+  plan = kvr_jax.PartitionPlan("search", hardware=hardware)
+  got = kvr_jax.prefill(
+    model, prompts[1], strategy="kvr", mesh=kvr_jax.make_mesh(2), partition=plan
+  )
+  assert len(got.partition) == 2 and sum(got.partition) == CONTEXT
+  assert_close(got.logits, oracle[("tiny-llama", 1)].logits, "logits")
+  with pytest.raises(ValueError, match="fitted_hardware models kernels"):
+    measured.fitted_hardware(model, CONTEXT, attention="dense")
