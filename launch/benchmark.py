@@ -398,7 +398,7 @@ def timeline_mode():
       + (f"  partition {owner['partition']}" if owner["partition"] else "")
     )
     panels.append((f"MEASURED {strategy}", measured))
-    panels.append((f"MODELLED {strategy} (local calibration)", modelled))
+    panels.append((f"MODELLED {strategy} ({setup.hardware.name} hardware)", modelled))
     dump.append({"strategy": strategy, "runs": runs, "measured": measured, "modelled": modelled})
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   written = [os.path.join(FLAGS.output_dir, f"timeline_{C}.{ext}") for ext in ("json", "png")]
