@@ -56,6 +56,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list("kernels", ["flash", "blocked", "dense"], "Attention kernels to time.")
 flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax directory.")
+flags.DEFINE_string(
+  "dtype", "auto", "Weights: auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16, float16."
+)
 flags.DEFINE_list("context_lens", ["1024", "2048", "4096"], "Prompt lengths to sweep.")
 flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Strategies (devices mode).")
 flags.DEFINE_list(
@@ -97,6 +100,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
 flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
+flags.DEFINE_list(
+  "local_device_ids", None, "Worker: this process's GPUs (set by the launcher on GPUs)."
+)
 
 
 def set_threads():
@@ -142,7 +148,7 @@ def kernels_mode():
 def long_mode():
   """Single-device prefill of long prompts: time, compile time and the process's peak RSS."""
   with common.user_errors():
-    model = kvr_jax.load_model(FLAGS.model)
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     rows = []
     for C in [int(c) for c in FLAGS.context_lens]:
       for kernel in FLAGS.kernels:
@@ -208,7 +214,7 @@ def memory_mode():
 def phases_mode():
   """Per-rank compute phases of KV-Runahead partitions (--partitions), on one device."""
   with common.user_errors():
-    model = kvr_jax.load_model(FLAGS.model)
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     if not FLAGS.partitions:
       raise ValueError("--mode=phases needs --partitions, e.g. --partitions=2048/2048,2588/1508")
     print(
@@ -235,7 +241,7 @@ def phases_mode():
 def devices_mode():
   emulated = common.setup_devices(FLAGS.num_devices)
   with common.user_errors():
-    model = kvr_jax.load_model(FLAGS.model)
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     lens = [int(c) for c in FLAGS.context_lens]
     partition = common.parse_partition(FLAGS.partition)
     rows = benchmark.sweep(
@@ -289,7 +295,12 @@ def devices_mode():
 
 
 def worker():
-  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  distributed.initialize(
+    FLAGS.coordinator_address,
+    FLAGS.num_processes,
+    FLAGS.process_id,
+    local_device_ids=FLAGS.local_device_ids,
+  )
   if FLAGS.mode == "timeline":  # every process reports its own ranks' records
     distributed.owner_output(
       jobs.timeline_job(
@@ -300,6 +311,7 @@ def worker():
           "fitted" if FLAGS.partition == "fitted" else common.parse_partition(FLAGS.partition)
         ),
         repeats=FLAGS.repeats,
+        dtype=FLAGS.dtype,
       )
     )
     return
@@ -309,6 +321,7 @@ def worker():
     FLAGS.variants,
     repeats=FLAGS.repeats,
     measured_multiple=FLAGS.measured_multiple,
+    dtype=FLAGS.dtype,
   )
   if result is not None:
     distributed.owner_output(result)
@@ -332,7 +345,8 @@ def timeline_mode():
       raise ValueError(f"--output_dir={FLAGS.output_dir} is a file; give a directory")
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     common.check_output_file(os.path.join(FLAGS.output_dir, f"timeline_{C}.json"), "--output_dir")
-    model_config = kvr_jax.load_model(FLAGS.model).config
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
+    model_config = model.config
     print(f"{FLAGS.num_processes} processes, one core each: timelines at C={C} ...", flush=True)
     try:
       outcomes = distributed.launch_local(
@@ -342,6 +356,7 @@ def timeline_mode():
           f"--model={FLAGS.model}",
           f"--context_lens={C}",
           f"--repeats={FLAGS.repeats}",
+          f"--dtype={FLAGS.dtype}",
           f"--partition={FLAGS.partition}",
           f"--timeline_strategies={','.join(FLAGS.timeline_strategies)}",
         ],
@@ -357,7 +372,7 @@ def timeline_mode():
     fitted = next((r["hardware"] for r in reports if r.get("hardware")), None)
     setup = presets.make_setup(
       costmodel.Hardware(**fitted) if fitted else presets.LOCAL,
-      dtype_bytes=4,
+      dtype_bytes=jax.numpy.dtype(model.dtype).itemsize,
       scores_in_memory=False,
       causal_skip=True,
     )
@@ -415,6 +430,7 @@ def multiprocess_mode():
     f"--context_lens={','.join(FLAGS.context_lens)}",
     f"--repeats={FLAGS.repeats}",
     f"--measured_multiple={FLAGS.measured_multiple}",
+    f"--dtype={FLAGS.dtype}",
   ]
   with common.user_errors():
     if FLAGS.num_processes < 2:

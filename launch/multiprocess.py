@@ -28,7 +28,12 @@ flags.DEFINE_integer(
   "process_id", None, "This process's id (joins a cluster; set by the launcher for its workers)."
 )
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (cluster mode).")
-flags.DEFINE_integer("devices_per_process", 1, "Emulated CPU devices per process (local mode).")
+flags.DEFINE_list(
+  "local_device_ids", None, "Worker: this process's GPUs (set by the launcher on GPUs)."
+)
+flags.DEFINE_integer(
+  "devices_per_process", 1, "Local mode: GPUs per process on a GPU node, else emulated CPU devices."
+)
 flags.DEFINE_integer("port", None, "Coordinator port for local mode (default: a free one).")
 flags.DEFINE_bool("pin_cores", False, "Pin process i to core i with single-threaded XLA.")
 flags.DEFINE_integer("timeout", 600, "Seconds before the launcher stops everything.")
@@ -36,6 +41,9 @@ flags.DEFINE_integer("init_timeout", 60, "Seconds to wait for every process to a
 flags.DEFINE_integer("heartbeat_timeout", 10, "Seconds before a silent process counts as dead.")
 flags.DEFINE_string("model", "tiny-llama", "Preset, Hugging Face or Orbax directory.")
 flags.DEFINE_integer("context_len", 2048, "Synthetic prompt length.")
+flags.DEFINE_string(
+  "dtype", "auto", "Weights: auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16, float16."
+)
 flags.DEFINE_string("partition", "even", "KVR partition: even, search, balanced or lengths.")
 flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated on the last rank.")
 flags.DEFINE_bool("json", False, "Print the full result as JSON after the summary.")
@@ -53,6 +61,7 @@ def worker():
       FLAGS.process_id,
       init_timeout=FLAGS.init_timeout,
       heartbeat_timeout=FLAGS.heartbeat_timeout,
+      local_device_ids=FLAGS.local_device_ids,
     )
   except (ValueError, RuntimeError) as e:  # bad address, busy port, id out of range, no cluster
     print(f"error: {e}", file=sys.stderr)
@@ -65,6 +74,7 @@ def worker():
       FLAGS.context_len,
       common.parse_partition(FLAGS.partition),
       max_new_tokens=FLAGS.max_new_tokens,
+      dtype=FLAGS.dtype,
     )
   if result is not None:
     distributed.owner_output(result)
@@ -76,6 +86,7 @@ def launcher():
     for name in (
       "model",
       "context_len",
+      "dtype",
       "partition",
       "max_new_tokens",
       "init_timeout",

@@ -30,8 +30,9 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string(
   "attention",
-  None,
-  "Attention kernel for single and kvr: flash, dense, blocked or fused (default: flash).",
+  "auto",
+  "Attention kernel: auto (the platform's fastest exact kernel each strategy runs: flash on "
+  "CPUs, cudnn on NVIDIA GPUs in bfloat16), flash, dense, blocked, fused or cudnn.",
 )
 flags.DEFINE_enum(
   "cache",
@@ -44,7 +45,10 @@ flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/
 flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")
 flags.DEFINE_integer("num_devices", None, "Ranks in the mesh (default: all devices).")
 flags.DEFINE_string(
-  "dtype", None, "float32, bfloat16 or float16 (default: as saved for Orbax, else float32)."
+  "dtype",
+  "auto",
+  "auto (Orbax: as saved; else bfloat16 on GPUs and TPUs, float32 on CPUs), float32, bfloat16 "
+  "or float16.",
 )
 flags.DEFINE_integer("batch", 1, "Batch size (copies of the prompt for text prompts).")
 flags.DEFINE_integer("max_new_tokens", 8, "Tokens generated after the prompt.")

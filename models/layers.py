@@ -32,21 +32,25 @@ FLASH_QUERY_BLOCK = 512
 FLASH_KEY_BLOCK = 512
 # "dense": the whole [T, S] rectangle, masked afterwards (the paper's accounting);
 # "blocked": query blocks, each over the keys up to its last query; "flash": online softmax
-# over key blocks, masked blocks skipped, O(block^2) memory; "fused":
-# jax.nn.dot_product_attention on the unmasked prefix and the causal diagonal, merged.
-ATTENTION_KINDS = ("dense", "blocked", "flash", "fused")
-# Kernels that never write a score matrix to memory (the cost model's scores_in_memory=False).
-FUSED_KERNELS = ("flash", "fused")
-# The default of strategies that skip masked work (single, kvr): the fastest exact kernel on
-# this machine's benchmark (README) from 1k tokens up.
+# over key blocks, masked blocks skipped, O(block^2) memory; "fused": the rectangle as two
+# fused-attention pieces (the unmasked prefix, the causal diagonal) merged by their float32
+# log-sum-exp, in XLA's maths; "cudnn": the same two pieces in cuDNN's fused flash kernel
+# (NVIDIA GPUs; bfloat16 or float16; measured 10x the flash kernel's speed on an H100, README).
+ATTENTION_KINDS = ("dense", "blocked", "flash", "fused", "cudnn")
+# Kernels that never write a score matrix to memory and return their log-sum-exp (the cost
+# model's scores_in_memory=False; what partials are merged from).
+FUSED_KERNELS = ("flash", "fused", "cudnn")
+# The implementation of each two-piece kernel (attend_fused): part of the kernel's name, so
+# that every compiled-program cache keyed by the kernel is keyed by its implementation.
+FUSED_IMPLEMENTATIONS = {"fused": "xla", "cudnn": "cudnn"}
+# Input dtypes cuDNN's fused attention takes.
+CUDNN_DTYPES = ("bfloat16", "float16")
+# The default of strategies that skip masked work (single, kvr) where no platform choice
+# applies: the fastest exact kernel on this machine's CPU benchmark (README) from 1k tokens up.
 DEFAULT_CAUSAL_KERNEL = "flash"
-# The implementation "fused" asks jax.nn.dot_product_attention for: None lets JAX choose
-# (XLA today); "cudnn" is the fused flash kernel on NVIDIA GPUs.
-FUSED_IMPLEMENTATION = None
 
 
-# Kernels that take a sliding window (the fused one cannot: dot_product_attention aligns its
-# local window at the top left of each piece, which the prefix piece is not).
+# Kernels that take a sliding window (the two-piece ones cannot: the prefix piece is unmasked).
 WINDOWED_KERNELS = ("dense", "blocked", "flash")
 
 
@@ -59,10 +63,10 @@ def attend_static(
     return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, ATTENTION_BLOCK, window=window)
   if attention == "flash":
     return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)[0]
-  if attention == "fused":
-    if window is not None:
-      raise ValueError(f"attention 'fused' takes no sliding window; use one of {WINDOWED_KERNELS}")
-    return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATION)[0]
+  if attention in FUSED_IMPLEMENTATIONS:
+    _check_no_window(attention, window)
+    out, _ = attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATIONS[attention])
+    return out.astype(q_BTNH.dtype)
   if attention != "dense":
     raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
   return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)
@@ -71,20 +75,25 @@ def attend_static(
 def attend_partial(
   q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str, window: int | None = None
 ) -> tuple[jax.Array, jax.Array]:
-  """Like `attend_static`, for the kernels that return their log-sum-exp ("flash", "fused"),
+  """Like `attend_static`, for the kernels that return their log-sum-exp (FUSED_KERNELS),
   so that attentions over disjoint key sets merge exactly (`merge_partials`): returns (out
   [B, T, N, H] float32, lse [B, T, N] float32). A key set wholly in the past of every query
   (query_offset >= S) is attended unmasked."""
   if attention == "flash":
     return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window, out_dtype=jnp.float32)
-  if attention == "fused":
-    if window is not None:
-      raise ValueError(f"attention 'fused' takes no sliding window; use one of {WINDOWED_KERNELS}")
-    out, lse = attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATION)
-    return out.astype(jnp.float32), lse
+  if attention in FUSED_IMPLEMENTATIONS:
+    _check_no_window(attention, window)
+    return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATIONS[attention])
   raise ValueError(
     f"attention {attention!r} returns no log-sum-exp; expected one of {FUSED_KERNELS}"
   )
+
+
+def _check_no_window(attention: str, window: int | None) -> None:
+  if window is not None:
+    raise ValueError(
+      f"attention {attention!r} takes no sliding window; use one of {WINDOWED_KERNELS}"
+    )
 
 
 def window_start(first_query: int, window: int | None) -> int:
@@ -174,7 +183,7 @@ def attend(
   window: int | None = None,
   softmax_scale: float | None = None,
 ) -> jax.Array:
-  """Causal attention of T queries to an S-key prefix; returns [B, T, N, H].
+  """Causal attention of T queries to an S-key prefix; returns [B, T, N, H] in q's dtype.
 
   The queries sit at positions query_offset + [0, T) counted from the first key; with a
   sliding `window` W each sees at most its W latest keys (itself included). Grouped-query
@@ -182,6 +191,23 @@ def attend(
   are never repeated.
   Scores and softmax are in float32 whatever the input dtype.
   """
+  out, _ = attend_with_lse(
+    q_BTNH, k_BSKH, v_BSKH, query_offset, window=window, softmax_scale=softmax_scale
+  )
+  return out.astype(q_BTNH.dtype)
+
+
+def attend_with_lse(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  query_offset,
+  *,
+  window: int | None = None,
+  softmax_scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """`attend` that also returns the log-sum-exp: (out [B, T, N, H] float32, lse [B, T, N]
+  float32), so that attentions over disjoint key sets merge exactly (`merge_partials`)."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -196,15 +222,16 @@ def attend(
   # [T, S] scores than normalising the probabilities themselves.
   max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
   unnormalised_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
-  denominator_BTKG1 = jnp.einsum("BKGTS->BTKG", unnormalised_BKGTS)[..., None]
+  denominator_BTKG = jnp.einsum("BKGTS->BTKG", unnormalised_BKGTS)
   out_BTKGH = jnp.einsum(
     "BKGTS,BSKH->BTKGH",
     unnormalised_BKGTS.astype(v_BSKH.dtype),
     v_BSKH,
     preferred_element_type=jnp.float32,
   )
-  out_BTKGH = out_BTKGH / denominator_BTKG1
-  return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+  out_BTKGH = out_BTKGH / denominator_BTKG[..., None]
+  lse_BTKG = jnp.einsum("BKGT->BTKG", max_BKGT1[..., 0]) + jnp.log(denominator_BTKG)
+  return out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
 
 
 def attend_blocked(
@@ -323,9 +350,15 @@ def attend_flash(
   )
   row_t = jnp.arange(bq * G) // G  # query index inside the block, per row
 
+  # float32 queries are scaled once (one multiply per query, not per score); lower precision
+  # ones score first and scale in float32: q * scale rounded to bfloat16 moves a score of 30 by
+  # up to 0.06, and its softmax weight by 6%.
+  prescale = jnp.dtype(q_BTNH.dtype) == jnp.float32
+
   def query_block_fn(_, inputs):
     i, q_BKRH = inputs
-    q_BKRH = q_BKRH * jnp.asarray(scale, q_BKRH.dtype)
+    if prescale:
+      q_BKRH = q_BKRH * jnp.asarray(scale, q_BKRH.dtype)
     first_q = query_offset + i * bq  # position of the block's first query
     last_q = first_q + bq - 1
     # Visited key blocks [lo, hi); of those, [full_lo, full_hi) are seen whole by every query
@@ -351,6 +384,8 @@ def attend_flash(
       k_BKbH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * bk, bk, axis=2)
       v_BKbH = jax.lax.dynamic_slice_in_dim(v_BKSH, j * bk, bk, axis=2)
       s_BKRb = jnp.einsum("BKRH,BKbH->BKRb", q_BKRH, k_BKbH, preferred_element_type=jnp.float32)
+      if not prescale:
+        s_BKRb = s_BKRb * scale
       if masked:
         k_pos = (j * bk + jnp.arange(bk))[None, :]
         q_pos = (first_q + row_t)[:, None]
@@ -386,42 +421,79 @@ def attend_flash(
   return out[:, :T].astype(out_dtype or q_BTNH.dtype), lse[:, :T]
 
 
+try:  # cuDNN's fused attention with its float32 softmax statistics (see _cudnn_piece)
+  from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
+except ImportError:  # a JAX without it: attention="cudnn" says so when it is asked for
+  _cudnn_attention = None
+
+
+def _cudnn_piece(q_BTNH, k_BSKH, v_BSKH, is_causal: bool):
+  """cuDNN's fused flash attention (causal mask aligned at the top left): (out in q's dtype,
+  lse [B, T, N] float32).
+
+  Why the private entry point: `jax.nn.dot_product_attention(return_residual=True)` casts
+  cuDNN's float32 softmax statistics to the inputs' dtype, and a bfloat16 log-sum-exp (steps
+  of 0.125 at lse in [16, 32)) weighs merged pieces up to ~6% wrong.
+  """
+  if _cudnn_attention is None:
+    raise ValueError(f"attention 'cudnn' needs JAX's cuDNN attention (jax {jax.__version__})")
+  if jnp.dtype(q_BTNH.dtype).name not in CUDNN_DTYPES:
+    raise ValueError(
+      f"attention 'cudnn' takes {CUDNN_DTYPES} inputs, not {jnp.dtype(q_BTNH.dtype).name}; "
+      "use 'flash' (or load the model in bfloat16)"
+    )
+  mask = _cudnn_attention.MaskType
+  out, stats_BNT = _cudnn_attention.dot_product_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    scale=1.0 / math.sqrt(q_BTNH.shape[-1]),
+    mask_type=mask.CAUSAL if is_causal else mask.NO_MASK,
+    return_residual=True,
+  )
+  return out, jnp.einsum("BNT->BTN", stats_BNT).astype(jnp.float32)
+
+
+def _fused_piece(q_BTNH, k_BSKH, v_BSKH, is_causal: bool, implementation: str):
+  """One piece of `attend_fused`: all keys visible, or causal with the queries and keys
+  starting at the same position. (out, lse float32)."""
+  if implementation == "cudnn":
+    return _cudnn_piece(q_BTNH, k_BSKH, v_BSKH, is_causal)
+  if implementation != "xla":
+    raise ValueError(f"unknown implementation {implementation!r}; expected 'xla' or 'cudnn'")
+  # XLA's maths (what jax.nn.dot_product_attention runs there), with a float32 lse.
+  return attend_with_lse(q_BTNH, k_BSKH, v_BSKH, 0 if is_causal else k_BSKH.shape[1])
+
+
 def attend_fused(
   q_BTNH: jax.Array,
   k_BSKH: jax.Array,
   v_BSKH: jax.Array,
   query_offset: int,
-  implementation: str | None = None,
+  implementation: str = "xla",
 ) -> tuple[jax.Array, jax.Array]:
-  """Causal attention at a static offset through `jax.nn.dot_product_attention`, whose causal
-  mask is aligned at the top left only: the rectangle splits into the unmasked prefix
-  [0, offset) and the causal diagonal square [offset, offset + T), merged by their
-  log-sum-exp. `implementation="cudnn"` makes both pieces cuDNN's fused flash kernel.
-  Returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32).
+  """Causal attention at a static offset as fused-attention pieces whose causal mask is
+  aligned at the top left: the rectangle splits into the unmasked prefix [0, offset) and the
+  causal diagonal square [offset, offset + T), merged by their float32 log-sum-exp.
+  `implementation`: "xla" or "cudnn" (cuDNN's fused flash kernel, NVIDIA GPUs).
+  Returns (out [B, T, N, H] float32, lse [B, T, N] float32).
   """
   T, S = q_BTNH.shape[1], k_BSKH.shape[1]
   if query_offset >= S:  # a prefix wholly in every query's past: one unmasked piece
-    out, lse = jax.nn.dot_product_attention(
-      q_BTNH, k_BSKH, v_BSKH, implementation=implementation, return_residual=True
-    )
-    return out, lse.astype(jnp.float32)
+    out, lse = _fused_piece(q_BTNH, k_BSKH, v_BSKH, False, implementation)
+    return out.astype(jnp.float32), lse
   if S < query_offset + T:
     raise ValueError(
       f"attend_fused needs the keys of every query: S={k_BSKH.shape[1]} < offset + T = "
       f"{query_offset + T}"
     )
-
-  def piece(k, v, is_causal):
-    out, lse = jax.nn.dot_product_attention(
-      q_BTNH, k, v, is_causal=is_causal, implementation=implementation, return_residual=True
-    )
-    return out, lse.astype(jnp.float32)  # lse: [B, T, N]
-
-  diag_out, diag_lse = piece(
-    k_BSKH[:, query_offset : query_offset + T], v_BSKH[:, query_offset : query_offset + T], True
+  diagonal = slice(query_offset, query_offset + T)
+  diag_out, diag_lse = _fused_piece(
+    q_BTNH, k_BSKH[:, diagonal], v_BSKH[:, diagonal], True, implementation
   )
   if query_offset == 0:
-    return diag_out, diag_lse
-  prefix_out, prefix_lse = piece(k_BSKH[:, :query_offset], v_BSKH[:, :query_offset], False)
-  out, lse = merge_partials(prefix_out, prefix_lse, diag_out, diag_lse)
-  return out.astype(q_BTNH.dtype), lse
+    return diag_out.astype(jnp.float32), diag_lse
+  prefix_out, prefix_lse = _fused_piece(
+    q_BTNH, k_BSKH[:, :query_offset], v_BSKH[:, :query_offset], False, implementation
+  )
+  return merge_partials(prefix_out, prefix_lse, diag_out, diag_lse)

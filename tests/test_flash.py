@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.strategies.base import TRACE_COUNT
 from models import layers
 
 REL_TOL = 1e-5
@@ -270,3 +271,112 @@ def test_flash_is_the_default_of_single_and_kvr():
   assert kvr_jax.get_strategy("single").default_attention == "flash"
   assert kvr_jax.get_strategy("kvr").default_attention == "flash"
   assert kvr_jax.get_strategy("tsp").default_attention == "dense"
+
+
+# --- bfloat16 partials: merged with a float32 log-sum-exp ---------------------------------------
+
+# Fixed up front, for bfloat16 inputs: within one bfloat16 step (2^-8) of the largest output
+# magnitude of a float64 reference computed from the same (rounded) inputs.
+BF16_REL_TOL = 2.0**-8
+
+
+def bf16_case():
+  """bfloat16 q, k, v whose scores reach ~30 (lse in [15, 38]: bfloat16 steps of 0.125 to 0.25
+  there), 64 queries at offset 128, and the float64 reference output."""
+  T, S, offset, N, K, H = 64, 192, 128, 4, 2, 32
+  rng = np.random.RandomState(0)
+  q = jnp.asarray(rng.randn(1, T, N, H) * 3, jnp.bfloat16)
+  k = jnp.asarray(rng.randn(1, S, K, H) * 3, jnp.bfloat16)
+  v = jnp.asarray(rng.randn(1, S, K, H), jnp.bfloat16)
+  q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+  scores = np.einsum("btkgh,bskh->bkgts", q64.reshape(1, T, K, N // K, H), k64) / np.sqrt(H)
+  scores = np.where(np.arange(S)[None] <= offset + np.arange(T)[:, None], scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  want = np.einsum("bkgts,bskh->btkgh", weights, v64).reshape(1, T, N, H)
+  return q, k, v, offset, want
+
+
+def relative_error(got, want) -> float:
+  return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("kernel", ["fused", "flash"])
+def test_bfloat16_partials_merge_with_a_float32_lse(kernel):
+  """The two-piece kernel (prefix + diagonal) and the flash kernel with bfloat16 inputs stay
+  within one bfloat16 step of a float64 reference: their log-sum-exp and the merge are
+  float32 (and flash scales bfloat16 scores in float32)."""
+  q, k, v, offset, want = bf16_case()
+  out, _ = jitted(layers.attend_partial)(q, k, v, offset, kernel)
+  assert out.dtype == jnp.float32
+  assert relative_error(out, want) <= BF16_REL_TOL
+
+
+def test_a_bfloat16_lse_fails_the_bfloat16_merge_bound():
+  """Control: the same two pieces merged with their lse rounded to bfloat16 (what
+  jax.nn.dot_product_attention(return_residual=True) returns for bfloat16 inputs) miss it."""
+  q, k, v, offset, want = bf16_case()
+  prefix = layers.attend_with_lse(q, k[:, :offset], v[:, :offset], offset)
+  diagonal = layers.attend_with_lse(q, k[:, offset:], v[:, offset:], 0)
+  rounded = [lse.astype(jnp.bfloat16) for lse in (prefix[1], diagonal[1])]
+  out, _ = layers.merge_partials(prefix[0], rounded[0], diagonal[0], rounded[1])
+  assert relative_error(out, want) > BF16_REL_TOL
+
+
+# --- attention="auto": the kernel per platform, and every kernel its own program ----------------
+
+
+class FakeDevice:
+  def __init__(self, platform, platform_version=""):
+    self.platform = platform
+    self.client = type("Client", (), {"platform_version": platform_version})()
+
+
+@pytest.mark.parametrize(
+  "strategy,device,dtype,window,want",
+  [
+    ("single", "cpu", "float32", None, "flash"),
+    ("kvr", "cpu", "bfloat16", None, "flash"),
+    ("single", "gpu", "bfloat16", None, "cudnn"),
+    ("kvr", "gpu", "float16", None, "cudnn"),
+    ("kvr", "gpu", "float32", None, "flash"),  # cuDNN takes no float32
+    ("kvr", "gpu", "bfloat16", 64, "flash"),  # nor a sliding window
+    ("kvr", "rocm", "bfloat16", None, "flash"),  # an AMD GPU: no cuDNN
+    ("ring", "gpu", "bfloat16", None, "flash"),
+    ("allgather", "gpu", "bfloat16", None, "flash"),
+    ("tsp", "gpu", "bfloat16", None, "dense"),
+    ("kvr", "tpu", "bfloat16", None, "flash"),
+  ],
+)
+def test_auto_attention_resolves_per_platform(strategy, device, dtype, window, want):
+  fake = FakeDevice("gpu", "rocm 6.2") if device == "rocm" else FakeDevice(device, "cuda 12.8")
+  spec = kvr_jax.get_strategy(strategy)
+  assert spec.resolve_attention("auto", fake, dtype, window) == want
+  assert spec.resolve_attention(None, fake, dtype, window) == want
+  assert (
+    spec.resolve_attention(spec.attention_kinds[-1], fake, dtype, window)
+    == (
+      spec.attention_kinds[-1]  # a kernel named is run as named
+    )
+  )
+
+
+def test_auto_is_this_machines_flash_and_each_kernel_compiles_its_own_program():
+  """On this CPU "auto" runs the flash program (no new compile after an explicit "flash"); a
+  second kernel is a second program (the kernel is part of the cache key); "cudnn" is refused
+  here before anything compiles."""
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 96)
+  mesh = kvr_jax.make_mesh(2)
+
+  def traces(attention):
+    before = TRACE_COUNT["kvr"]
+    kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition=[56, 40], attention=attention)
+    return TRACE_COUNT["kvr"] - before
+
+  assert traces("flash") == 1
+  assert traces("auto") == 0
+  assert traces(None) == 0
+  assert traces("fused") == 1
+  with pytest.raises(ValueError, match="cudnn.*NVIDIA GPUs"):
+    traces("cudnn")

@@ -1,17 +1,21 @@
 """Presets, Hugging Face import errors, and the Orbax round trip."""
 
+import collections
+import gc
 import json
 import os
 import re
 import shutil
 import struct
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 import kvr_jax
+from kvr_jax.runtime import loading
 from tests import hf_fixtures
 
 
@@ -204,8 +208,6 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path):
 
   import transformers
 
-  from kvr_jax.runtime import loading
-
   config = transformers.LlamaConfig(
     vocab_size=4096,
     hidden_size=512,
@@ -224,6 +226,46 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path):
   finally:
     tracemalloc.stop()
   assert peak < 1.3 * weights_bytes, (peak, weights_bytes)
+
+
+def device_buffers() -> set[tuple[int, int, int]]:
+  """(device id, buffer address, bytes) of every live device buffer; buffers that several
+  arrays share (a placement assembled from another's) appear once."""
+  return {
+    (shard.device.id, shard.data.unsafe_buffer_pointer(), shard.data.nbytes)
+    for array in jax.live_arrays()
+    for shard in array.addressable_shards
+  }
+
+
+def test_at_most_one_weight_copy_per_device_whatever_strategies_ran():
+  """After single, tsp, kvr and ring prefills and decodes on 8 emulated devices, every device
+  holds one copy of the weights and nothing else new (outputs dropped): the weights loaded on
+  the default device are the mesh replica's copy there, and the single-device oracle reuses
+  it."""
+  gc.collect()
+  before = device_buffers()
+  model = kvr_jax.load_model("tiny-llama")
+  weight_bytes = sum(a.nbytes for a in jax.tree.leaves(model.state))
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 64)
+  mesh = kvr_jax.make_mesh(8)
+  for strategy in ("single", "tsp", "kvr", "ring"):
+    result = kvr_jax.generate(model, tokens, 2, strategy=strategy, mesh=mesh)
+    del result
+  gc.collect()
+  per_device = collections.Counter()
+  for device, _, nbytes in device_buffers() - before:
+    per_device[device] += nbytes
+  copies = {d: round(b / weight_bytes, 2) for d, b in per_device.items()}
+  assert copies == {d.id: 1.0 for d in mesh.devices.flat}, copies
+
+
+def test_auto_dtype_is_float32_on_cpus_and_bfloat16_on_accelerators():
+  assert kvr_jax.load_model("tiny-llama").dtype == jnp.float32  # this machine: a CPU
+  assert kvr_jax.load_model("tiny-llama", dtype="auto").dtype == jnp.float32
+  assert loading.auto_dtype("gpu") == jnp.bfloat16
+  assert loading.auto_dtype("tpu") == jnp.bfloat16
+  assert loading.auto_dtype("cpu") == jnp.float32
 
 
 # --- nothing loads silently wrong -------------------------------------------------------------

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from kvr_jax.runtime import distributed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -87,8 +89,6 @@ def test_port_already_in_use():
 
 
 def test_bad_cluster_arguments():
-  from kvr_jax.runtime import distributed
-
   with pytest.raises(ValueError, match="host:port"):
     distributed.initialize("localhost", 2, 0)
   with pytest.raises(ValueError, match="process_id must be in"):
@@ -127,3 +127,51 @@ def test_a_suspended_process_is_named_not_the_abort_it_causes():
   # Without a suspended peer the failed process's own last lines are shown, frames dropped.
   text = distributed.describe_failure(1, 3, "ValueError: bad chunk\n    @ 0x2 frame")
   assert "exited with code 3" in text and "ValueError: bad chunk" in text and "@ 0x" not in text
+
+
+# --- the launcher keeps the user's platform and XLA flags ---------------------------------------
+
+
+def test_worker_env_keeps_the_users_platform_and_xla_flags():
+  user = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_gpu_autotune_level=0"}
+  env, args = distributed.worker_env(1, user, platform="gpu", devices_per_process=2, pin_cores=True)
+  assert env["JAX_PLATFORMS"] == "cuda"
+  assert env["XLA_FLAGS"].split() == [
+    "--xla_dump_to=/tmp/d",
+    "--xla_gpu_autotune_level=0",
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+  ]
+  assert args == ["--local_device_ids=2,3"]  # process 1's own two GPUs
+  # CPU: the user's flags kept, the device count the launcher was asked for replaces theirs.
+  user = {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8"}
+  env, args = distributed.worker_env(
+    0, user, platform="cpu", devices_per_process=2, pin_cores=False
+  )
+  assert env["JAX_PLATFORMS"] == "cpu" and args == []
+  assert env["XLA_FLAGS"].split() == [
+    "--xla_dump_to=/tmp/d",
+    "--xla_force_host_platform_device_count=2",
+  ]
+  env, _ = distributed.worker_env(
+    0, {"JAX_PLATFORMS": "cpu,cuda"}, platform="cpu", devices_per_process=1, pin_cores=True
+  )
+  assert env["JAX_PLATFORMS"] == "cpu,cuda"
+  assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
+
+
+def test_local_accelerators_follow_the_users_platforms():
+  assert distributed.local_accelerators({"JAX_PLATFORMS": "cpu"}) == ("cpu", 0)
+  assert distributed.local_accelerators({"CUDA_VISIBLE_DEVICES": "0,1,3"}) == ("gpu", 3)
+  assert distributed.local_accelerators({"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": "2"}) == (
+    "gpu",
+    1,
+  )
+  assert distributed.local_accelerators({"CUDA_VISIBLE_DEVICES": ""}) == ("cpu", 0)
+  with pytest.raises(ValueError, match="need 4 GPUs; 1 are visible"):
+    distributed.launch_local(
+      "launch.multiprocess",
+      [],
+      2,
+      devices_per_process=2,
+      extra_env={"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": "0"},
+    )

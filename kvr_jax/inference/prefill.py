@@ -21,8 +21,8 @@ from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, make_mesh, shard_on
 from kvr_jax.strategies import STRATEGIES, get_strategy
-from kvr_jax.strategies.base import CacheLayout
-from models.layers import ATTENTION_KINDS, FUSED_KERNELS, WINDOWED_KERNELS
+from kvr_jax.strategies.base import AUTO, CacheLayout, kernel_runs_on
+from models.layers import ATTENTION_KINDS, CUDNN_DTYPES, FUSED_KERNELS, WINDOWED_KERNELS
 
 
 @dataclasses.dataclass
@@ -51,6 +51,7 @@ class PrefillResult:
   kv_parts: jax.Array | None = None
   cache_layout: CacheLayout | None = None
   mesh: Any = None
+  attention: str | None = None  # the kernel that ran ("auto" resolved)
 
   @property
   def is_local(self) -> bool:
@@ -112,9 +113,11 @@ def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attent
   kwargs: dict[str, Any] = {"strategy": strategy, "mesh": mesh}
   if spec.partitioned:
     kwargs["partition"] = partition
-  if attention is not None:
+  if attention is not None and attention != AUTO:
     if attention not in ATTENTION_KINDS:
-      raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+      raise ValueError(
+        f"unknown attention {attention!r}; expected {AUTO!r} or one of {ATTENTION_KINDS}"
+      )
     if attention in spec.attention_kinds:  # TSP keeps its dense kernel
       kwargs["attention"] = attention
   return kwargs
@@ -149,12 +152,14 @@ def prefill(
   partition (partitioned strategies, i.e. kvr): p chunk lengths summing to T (rank 0 the
     earliest tokens), or "even", "search", "balanced", "predict", or a `PartitionPlan` (see
     kvr_jax.planning.partition).
-  attention: the kernel; default the strategy's own ("flash" for single and kvr, "dense" for
-    TSP). "flash": online softmax over key blocks, fully masked blocks skipped, no score
-    matrix in memory; "dense": each rank's whole query x key rectangle, masked (the paper's
-    accounting); "blocked": query blocks over the keys up to their last query; "fused":
-    jax.nn.dot_product_attention on the prefix and the diagonal, merged (cuDNN on GPUs with
-    models.layers.FUSED_IMPLEMENTATION = "cudnn"). TSP is dense by definition.
+  attention: the kernel; "auto" (or None, the default) is the fastest exact kernel this
+    strategy runs on the mesh's platform (strategies.base.AUTO_KERNELS: "cudnn" on NVIDIA GPUs
+    in bfloat16/float16 without a sliding window, else "flash"; TSP is dense by definition).
+    "flash": online softmax over key blocks, fully masked blocks skipped, no score matrix in
+    memory; "dense": each rank's whole query x key rectangle, masked (the paper's
+    accounting); "blocked": query blocks over the keys up to their last query; "fused": the
+    prefix and the causal diagonal as two pieces merged by their float32 log-sum-exp (XLA);
+    "cudnn": the same two pieces in cuDNN's fused flash kernel.
   cache: "last" (the paper's layout: the whole cache in prompt order on the last rank's
     device; moving the ranks' parts there is part of the call) or "sharded" (each rank keeps
     the part it computed; `generate` decodes from it where it lies). See PrefillResult.
@@ -168,11 +173,11 @@ def prefill(
       f"strategy {strategy!r} has no timeline probes; they are placed in "
       f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
     )
-  attention = spec.check_attention(attention)
+  spec.check_attention(attention)
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
   window = model.config.sliding_window
-  if window is not None and attention not in WINDOWED_KERNELS:
+  if window is not None and attention not in (None, AUTO, *WINDOWED_KERNELS):
     raise ValueError(
       f"this model attends through a sliding window of {window} tokens, which attention "
       f"{attention!r} does not take; use one of {WINDOWED_KERNELS}"
@@ -191,6 +196,13 @@ def prefill(
   else:
     mesh = make_mesh() if mesh is None else mesh
   p = check_mesh(mesh)
+  device = mesh.devices.flat[0]
+  attention = spec.resolve_attention(attention, device, model.dtype, window)
+  if attention == "cudnn" and not kernel_runs_on(attention, device, model.dtype, None):
+    raise ValueError(
+      f"attention 'cudnn' runs on NVIDIA GPUs with {CUDNN_DTYPES} weights; this mesh is on "
+      f"{device.platform} with {jnp.dtype(model.dtype).name}"
+    )
   if p > T:
     raise ValueError(
       f"{p} ranks but only {T} prompt tokens: every rank needs at least one "
@@ -226,7 +238,12 @@ def prefill(
   owner = mesh.devices.reshape(-1)[spec.cache_rank(chunks)]
   logits_BV = shard_on(logits, owner)
   common = dict(
-    prompt_len=T, strategy=strategy, partition=user_chunks, cache=cache, cache_layout=layout
+    prompt_len=T,
+    strategy=strategy,
+    partition=user_chunks,
+    cache=cache,
+    cache_layout=layout,
+    attention=attention,
   )
   if cache == "sharded":
     return PrefillResult(logits_BV, None, None, kv_parts=kv_parts, mesh=mesh, **common)

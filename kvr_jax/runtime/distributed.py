@@ -32,6 +32,59 @@ EXIT_CLUSTER_NOT_FORMED = 75
 RESULT_PREFIX = "KVR_RESULT "
 # One XLA CPU thread per process: each process is pinned to its own core.
 SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# What the launcher adds on GPUs: the latency-hiding scheduler lets a collective (KVR's hop,
+# ring's ppermute) run under independent compute instead of between it.
+GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+
+
+def local_accelerators(env) -> tuple[str, int]:
+  """("gpu", n) where the environment's JAX_PLATFORMS admits GPUs and n NVIDIA GPUs are
+  visible (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), else ("cpu", 0). Probed without
+  starting JAX: a launcher holding GPU memory would starve its own workers."""
+  platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+  if platforms and not {"cuda", "gpu"} & set(platforms):
+    return "cpu", 0
+  visible = env.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    count = len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+  else:
+    try:
+      listing = subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False
+      ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+      listing = ""
+    count = sum(line.startswith("GPU ") for line in listing.splitlines())
+  return ("gpu", count) if count else ("cpu", 0)
+
+
+def _flag_name(flag: str) -> str:
+  return flag.split("=")[0].lstrip("-")
+
+
+def worker_env(
+  process_id: int, base_env, *, platform: str, devices_per_process: int, pin_cores: bool
+) -> tuple[dict, list[str]]:
+  """One worker's environment and extra arguments. The user's JAX_PLATFORMS and XLA_FLAGS are
+  kept; the launcher appends only the flags its own options ask for (replacing the user's
+  value of those alone): on CPUs the emulated device count (and one thread when pinned), and
+  JAX_PLATFORMS=cpu where the user set none; on GPUs the latency-hiding scheduler, and
+  `--local_device_ids` giving process i its own `devices_per_process` GPUs."""
+  env = dict(base_env)
+  if platform == "gpu":
+    ours = GPU_XLA_FLAGS.split()
+    first = process_id * devices_per_process
+    ids = ",".join(str(first + j) for j in range(devices_per_process))
+    args = [f"--local_device_ids={ids}"]
+  else:
+    ours = [f"--xla_force_host_platform_device_count={devices_per_process}"]
+    ours += SINGLE_THREAD_XLA_FLAGS.split() if pin_cores else []
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    args = []
+  names = {_flag_name(f) for f in ours}
+  user = [f for f in base_env.get("XLA_FLAGS", "").split() if _flag_name(f) not in names]
+  env["XLA_FLAGS"] = " ".join(user + ours)
+  return env, args
 
 
 def _parse_address(address: str) -> tuple[str, int]:
@@ -63,8 +116,11 @@ def initialize(
   *,
   init_timeout: int = DEFAULT_INIT_TIMEOUT,
   heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT,
+  local_device_ids=None,
 ) -> None:
-  """jax.distributed.initialize with gloo CPU collectives, checked arguments, bounded waits."""
+  """jax.distributed.initialize with gloo CPU collectives, checked arguments, bounded waits.
+  local_device_ids: this process's accelerators (one GPU per process: [process_id]); None
+  lets JAX take every local device."""
   host, port = _parse_address(coordinator_address)
   if not isinstance(num_processes, int) or num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes!r}")
@@ -100,6 +156,7 @@ def initialize(
       process_id,
       initialization_timeout=init_timeout + 30,
       heartbeat_timeout_seconds=heartbeat_timeout,
+      **({} if not local_device_ids else {"local_device_ids": [int(i) for i in local_device_ids]}),
     )
   except Exception as e:  # noqa: BLE001 - jax raises XlaRuntimeError and others here
     detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -139,11 +196,16 @@ def launch_local(
   timeout: float = 600.0,
   skip_processes: tuple[int, ...] = (),
   extra_env: dict | None = None,
+  platform: str | None = None,
 ) -> list[ProcessOutcome]:
   """Starts `python -m worker_module` num_processes times on this machine and supervises them.
 
-  Each worker gets --coordinator_address, --num_processes and --process_id. pin_cores pins
-  process i to core i (mod the cores present) with single-threaded XLA. If a process exits
+  Each worker gets --coordinator_address, --num_processes and --process_id (and on GPUs
+  --local_device_ids). platform: "cpu" (emulated devices_per_process devices per process) or
+  "gpu" (devices_per_process GPUs per process); default: GPUs where the user's JAX_PLATFORMS
+  admits them and some are visible (`local_accelerators`), else the CPU. The user's
+  JAX_PLATFORMS and XLA_FLAGS are kept (`worker_env`). pin_cores pins process i to core i
+  (mod the cores present), with single-threaded XLA on CPUs. If a process exits
   with an error, the others are stopped at once and RuntimeError names it; past `timeout`
   seconds all are stopped. `skip_processes` leaves processes out (to test a missing one).
   """
@@ -161,17 +223,30 @@ def launch_local(
   port = free_port() if port is None else port
   if not port_is_free(port):
     raise ValueError(f"coordinator port {port} is already in use; choose another (--port)")
+  base_env = dict(os.environ, **(extra_env or {}))
+  if platform is None:
+    platform, gpus = local_accelerators(base_env)
+  elif platform == "gpu":
+    gpus = local_accelerators(base_env)[1]
+  elif platform != "cpu":
+    raise ValueError(f"platform must be 'cpu' or 'gpu', got {platform!r}")
+  if platform == "gpu" and num_processes * devices_per_process > gpus:
+    raise ValueError(
+      f"{num_processes} processes x {devices_per_process} GPU(s) need "
+      f"{num_processes * devices_per_process} GPUs; {gpus} are visible"
+    )
   cores = sorted(os.sched_getaffinity(0))
   procs: dict[int, subprocess.Popen] = {}
   for i in range(num_processes):
     if i in skip_processes:
       continue
-    env = dict(os.environ, **(extra_env or {}))
-    xla_flags = f"--xla_force_host_platform_device_count={devices_per_process}"
-    if pin_cores:
-      xla_flags += " " + SINGLE_THREAD_XLA_FLAGS
-    env["XLA_FLAGS"] = xla_flags
-    env.setdefault("JAX_PLATFORMS", "cpu")
+    env, platform_args = worker_env(
+      i,
+      base_env,
+      platform=platform,
+      devices_per_process=devices_per_process,
+      pin_cores=pin_cores,
+    )
     core = cores[i % len(cores)]
     cmd = [
       sys.executable,
@@ -180,6 +255,7 @@ def launch_local(
       f"--coordinator_address=localhost:{port}",
       f"--num_processes={num_processes}",
       f"--process_id={i}",
+      *platform_args,
       *worker_args,
     ]
     procs[i] = subprocess.Popen(

@@ -19,13 +19,13 @@ from flax import nnx
 import models
 from kvr_jax.core import resources
 from kvr_jax.runtime import checkpoints
-from kvr_jax.runtime.mesh import global_array
 from models.config import ModelConfig, config_from_dict, config_from_hf
 
 PRESET_SEED = 0
 # Weight copies a Model keeps, one per placement (a device or a replicated mesh sharding).
 MAX_PLACEMENTS = 4
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+AUTO_DTYPE = "auto"
 ORBAX_CONFIG = "kvr_config.json"
 ORBAX_STATE = "state"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -60,20 +60,24 @@ class Model:
   def state_on(self, sharding_or_device) -> Any:
     """The weights placed on a device or replicated with a sharding; cached per placement.
 
-    A sharding may span other processes' devices (jax.distributed): each process then fills
-    only its own devices, from its own copy of the weights.
+    At most one copy of the weights per device, whatever was placed before: every placement
+    is assembled from the buffers that already live on its devices (`self.state` on the
+    default device, other placements' replicas) and copies device to device only where a
+    device holds none. A sharding may span other processes' devices (jax.distributed): each
+    process fills only its own devices.
     """
     if sharding_or_device in self._placed:
       self._placed.move_to_end(sharding_or_device)
     else:
-      if isinstance(sharding_or_device, jax.sharding.Sharding):
-        self._placed[sharding_or_device] = jax.tree.map(
-          lambda a: global_array(np.asarray(a), sharding_or_device), self.state
-        )
-      else:
-        self._placed[sharding_or_device] = self._replica_on(sharding_or_device)
-        if self._placed[sharding_or_device] is None:
-          self._placed[sharding_or_device] = jax.device_put(self.state, sharding_or_device)
+      sharding = sharding_or_device
+      if not isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.sharding.SingleDeviceSharding(sharding_or_device)
+      if not sharding.is_fully_replicated:
+        raise ValueError(f"weights are placed replicated; got the sharding {sharding}")
+      sources = [self.state, *self._placed.values()]
+      self._placed[sharding_or_device] = jax.tree.map(
+        lambda *leaves: _replicate(leaves, sharding), *sources
+      )
       while len(self._placed) > MAX_PLACEMENTS:
         self._placed.popitem(last=False)
     return self._placed[sharding_or_device]
@@ -82,20 +86,6 @@ class Model:
   def placements(self) -> tuple[Any, ...]:
     """The placements whose weight copies are kept (least recently used first)."""
     return tuple(self._placed)
-
-  def _replica_on(self, device) -> Any:
-    """The weights on `device` taken from a replicated placement that already covers it (as
-    after a mesh prefill, where decode runs on the last rank): no second copy of the weights."""
-    for placement, state in self._placed.items():
-      if (
-        isinstance(placement, jax.sharding.Sharding)
-        and placement.is_fully_replicated
-        and device in placement.addressable_devices
-      ):
-        return jax.tree.map(
-          lambda a: next(s.data for s in a.addressable_shards if s.device == device), state
-        )
-    return None
 
   def __repr__(self):
     cfg = self.config
@@ -108,10 +98,39 @@ class Model:
     )
 
 
+def auto_dtype(platform: str | None = None) -> Any:
+  """dtype="auto": bfloat16 on GPUs and TPUs (twice the speed, half the memory of float32),
+  float32 on CPUs (where the parity tests run, and where XLA's bfloat16 matmuls are slower).
+  platform: default JAX's default backend."""
+  platform = platform or jax.default_backend()
+  return jnp.bfloat16 if platform in ("gpu", "tpu") else jnp.float32
+
+
+def _replicate(sources: tuple[jax.Array, ...], sharding: jax.sharding.Sharding) -> jax.Array:
+  """One weight replicated with `sharding`, built from the buffers `sources` (the same weight,
+  placed elsewhere) already hold on its devices; a device that holds none gets a device-to-
+  device copy of the first local buffer (no host round trip)."""
+  on_device = {}
+  for source in sources:
+    for shard in source.addressable_shards:
+      on_device.setdefault(shard.device, shard.data)
+  first = next(iter(on_device.values()))
+  buffers = [
+    on_device[d] if d in on_device else jax.device_put(first, d)
+    for d in sharding.addressable_devices
+  ]
+  return jax.make_array_from_single_device_arrays(first.shape, sharding, buffers)
+
+
 def resolve_dtype(dtype) -> Any:
+  """A dtype name ("auto", "float32", "bfloat16", "float16") or dtype -> the jnp dtype."""
   if isinstance(dtype, str):
+    if dtype == AUTO_DTYPE:
+      return auto_dtype()
     if dtype not in DTYPES:
-      raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+      raise ValueError(
+        f"unknown dtype {dtype!r}; expected {AUTO_DTYPE!r} or one of {sorted(DTYPES)}"
+      )
     return DTYPES[dtype]
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
     raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -143,23 +162,25 @@ def abstract_model(config: ModelConfig, dtype=jnp.float32) -> models.CausalLM:
   return nnx.eval_shape(lambda: build_model(config, dtype))
 
 
-def load_model(name_or_path: str, dtype=None) -> Model:
+def load_model(name_or_path: str, dtype=AUTO_DTYPE) -> Model:
   """Loads a preset (random weights, fixed seed), a Hugging Face directory or an Orbax dir.
 
-  dtype: "float32", "bfloat16" or "float16"; None keeps what an Orbax checkpoint was saved in
-  and means float32 for presets and Hugging Face directories.
+  dtype: "auto" (the default; None means the same): an Orbax checkpoint keeps the dtype it
+  was saved in, presets and Hugging Face directories load in bfloat16 on GPUs and TPUs and
+  float32 on CPUs (`auto_dtype`); or "float32", "bfloat16", "float16". Softmax statistics,
+  merges, norms and logits are float32 whatever the weights' dtype.
   """
   if not isinstance(name_or_path, (str, os.PathLike)):
     raise ValueError(
       f"`name_or_path` must be a preset name or a directory, got {type(name_or_path).__name__}"
     )
   name_or_path = os.fspath(name_or_path)
-  dtype = None if dtype is None else resolve_dtype(dtype)
+  dtype = None if dtype is None or dtype == AUTO_DTYPE else resolve_dtype(dtype)
   if os.path.isdir(name_or_path):
     if os.path.exists(os.path.join(name_or_path, ORBAX_CONFIG)):
       return restore_model(name_or_path, dtype)
     if os.path.exists(os.path.join(name_or_path, "config.json")):
-      return load_hf_model(name_or_path, jnp.float32 if dtype is None else dtype)
+      return load_hf_model(name_or_path, auto_dtype() if dtype is None else dtype)
     raise ValueError(
       f"{name_or_path}: neither a Hugging Face directory (config.json) nor a "
       f"kvr-jax Orbax checkpoint ({ORBAX_CONFIG})"
@@ -168,7 +189,7 @@ def load_model(name_or_path: str, dtype=None) -> Model:
     raise ValueError(f"{name_or_path}: no such directory")
   config = preset_config(name_or_path)
   return Model(
-    build_model(config, jnp.float32 if dtype is None else dtype), source=f"preset:{name_or_path}"
+    build_model(config, auto_dtype() if dtype is None else dtype), source=f"preset:{name_or_path}"
   )
 
 

@@ -29,12 +29,39 @@ import jax
 import numpy as np
 
 from kvr_jax.runtime.mesh import AXIS
-from models.layers import ATTENTION_KINDS, DEFAULT_CAUSAL_KERNEL
+from models.layers import (
+  ATTENTION_KINDS,
+  CUDNN_DTYPES,
+  DEFAULT_CAUSAL_KERNEL,
+  WINDOWED_KERNELS,
+)
 
 # The kernels of strategies that skip masked work (single, kvr), their default first.
 CAUSAL_KERNELS = (DEFAULT_CAUSAL_KERNEL,) + tuple(
   k for k in ATTENTION_KINDS if k != DEFAULT_CAUSAL_KERNEL
 )
+AUTO = "auto"
+# What attention="auto" (the default) runs, per platform: the first kernel the strategy runs
+# that takes the model's dtype and sliding window, else the strategy's default. Chosen by
+# measurement (README, "On a GPU"): on one H100, cuDNN's fused attention ran causal bf16
+# self-attention at 435-646 TFLOP/s from 8k to 32k tokens, the flash kernel at 45-61; on CPUs
+# the flash kernel is the fastest exact kernel from 1k tokens up (`--mode=kernels`).
+AUTO_KERNELS = {"cpu": ("flash",), "gpu": ("cudnn", "flash"), "tpu": ("flash",)}
+
+
+def kernel_runs_on(kernel: str, device, dtype, window: int | None) -> bool:
+  """Whether `kernel` runs on `device` for a model of `dtype` with sliding `window`."""
+  if window is not None and kernel not in WINDOWED_KERNELS:
+    return False
+  if kernel == "cudnn":
+    platform_version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+    return (
+      device.platform == "gpu"
+      and "rocm" not in platform_version.lower()
+      and np.dtype(dtype).name in CUDNN_DTYPES
+    )
+  return True
+
 
 # Times each strategy's program was traced (= compiled): tests use it to show that a second
 # call with the same shapes compiles nothing.
@@ -134,17 +161,32 @@ class Strategy:
     return self.attention_kinds[0]
 
   def check_attention(self, attention: str | None) -> str:
-    """`attention` or this strategy's default; refuses a kernel it does not run."""
-    if attention is None:
-      return self.default_attention
+    """`attention` ("auto" for None); refuses a kernel this strategy does not run."""
+    if attention is None or attention == AUTO:
+      return AUTO
     if attention not in ATTENTION_KINDS:
-      raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+      raise ValueError(
+        f"unknown attention {attention!r}; expected {AUTO!r} or one of {ATTENTION_KINDS}"
+      )
     if attention not in self.attention_kinds:
       raise ValueError(
         f"strategy {self.name!r} runs attention in {self.attention_kinds}, not {attention!r}"
         + (f": {self.attention_note}" if self.attention_note else "")
       )
     return attention
+
+  def resolve_attention(self, attention: str | None, device, dtype, window: int | None) -> str:
+    """The concrete kernel: `attention` checked, or for "auto" (and None) the first of
+    AUTO_KERNELS[device's platform] that this strategy runs and that takes `dtype` and
+    `window`, else the strategy's default. A compiled program is keyed by what this returns,
+    so "auto" never reaches a compile."""
+    attention = self.check_attention(attention)
+    if attention != AUTO:
+      return attention
+    for kernel in AUTO_KERNELS.get(device.platform, ()):
+      if kernel in self.attention_kinds and kernel_runs_on(kernel, device, dtype, window):
+        return kernel
+    return self.default_attention
 
 
 def fold_batch(kv_2BPKH):

@@ -25,6 +25,7 @@ __all__ = ["StrategyReport", "compare_strategies", "format_table", "synthetic_pr
 @dataclasses.dataclass
 class StrategyReport:
   strategy: str
+  attention: str  # the kernel it ran
   partition: tuple[int, ...] | None
   compile_s: float  # first call (trace + compile + run) minus a warm run
   ttft_median_s: float
@@ -52,7 +53,8 @@ def compare_strategies(
 ) -> list[StrategyReport]:
   """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs.
 
-  attention: the kernel for the strategies that run it (default: each strategy's own).
+  attention: the kernel for the strategies that run it (default "auto": each strategy's
+    fastest on this platform; the report names the kernel that ran).
   cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies."""
   check_cache(cache)
   if repeats < 1:
@@ -81,6 +83,7 @@ def compare_strategies(
     reports.append(
       StrategyReport(
         strategy=strategy,
+        attention=result.attention,
         partition=result.partition,
         compile_s=max(timing.first_s - median, 0.0),
         ttft_median_s=median,
@@ -99,14 +102,14 @@ def format_table(reports: list[StrategyReport]) -> str:
   parts = ["-" if r.partition is None else ",".join(map(str, r.partition)) for r in reports]
   width = max([len("partition"), *map(len, parts)])
   header = (
-    f"{'strategy':<9} {'partition':<{width}} {'TTFT median':>12} {'compile':>9} "
+    f"{'strategy':<9} {'kernel':<6} {'partition':<{width}} {'TTFT median':>12} {'compile':>9} "
     f"{'max |dlogit|':>13}  first tokens"
   )
   lines = [header, "-" * len(header)]
   for r, part in zip(reports, parts, strict=True):
     diff = r.max_logit_diff_vs_single
     lines.append(
-      f"{r.strategy:<9} {part:<{width}} {r.ttft_median_s * 1e3:>10.1f}ms "
+      f"{r.strategy:<9} {r.attention:<6} {part:<{width}} {r.ttft_median_s * 1e3:>10.1f}ms "
       f"{r.compile_s:>8.2f}s {'n/a' if diff is None else f'{diff:.2e}':>13}  "
       f"{' '.join(map(str, r.first_tokens))}"
     )

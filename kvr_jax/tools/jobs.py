@@ -31,10 +31,11 @@ def check_job(
   batch: int = 1,
   max_new_tokens: int = 8,
   seed: int = 0,
+  dtype: str = "auto",
 ) -> dict | None:
   """KV-Runahead over every process's devices against the single-device oracle (computed
   again on the owner's own device): logits and greedy tokens."""
-  model = load_model(model_name)
+  model = load_model(model_name, dtype=dtype)
   mesh = make_mesh()
   tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
   kvr = generate(model, tokens, max_new_tokens, strategy="kvr", mesh=mesh, partition=partition)
@@ -79,6 +80,7 @@ def bench_job(
   repeats: int = 3,
   measured_multiple: int = 64,
   seed: int = 0,
+  dtype: str = "auto",
 ) -> dict | None:
   """Median TTFT of each variant at each context length, on every process's devices.
 
@@ -90,7 +92,7 @@ def bench_job(
   reported as search_s) and then times the partition it found; kvr-fitted is KVR-S from the
   cost model with phase rates fitted to this model here (`fitted_plan`; fitting in search_s).
   """
-  model = load_model(model_name)
+  model = load_model(model_name, dtype=dtype)
   mesh = make_mesh()
   rows = []
   owner = False
@@ -155,11 +157,12 @@ def timeline_job(
   partition="search",
   repeats: int = 3,
   seed: int = 0,
+  dtype: str = "auto",
 ) -> dict:
   """Every process: its measured timeline of each strategy (kvr_jax.tools.timeline), with
   `partition` for kvr (a method, lengths, or "fitted": `fitted_plan`); the launcher merges
   the processes' answers."""
-  model = load_model(model_name)
+  model = load_model(model_name, dtype=dtype)
   mesh = make_mesh()
   tokens = synthetic_prompt(model.config.vocab_size, context_len, 1, seed)
   hardware = None

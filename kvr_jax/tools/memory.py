@@ -100,6 +100,9 @@ def compiled_memory(
 
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks)
+  attention = spec.resolve_attention(
+    attention, mesh.devices.flat[0], dtype_name, config.sliding_window
+  )
   user_chunks = None
   if spec.partitioned:
     user_chunks = resolve_partition(
