@@ -14,6 +14,11 @@ memory of each strategy's prefill program, compiled from shapes only (nothing al
 --mode=timeline runs p pinned processes with probes at every phase boundary and writes each
 rank's per-layer timeline (JSON, and a Gantt chart beside the cost model's), e.g.
   python -m launch.benchmark --mode=timeline --context_lens=8192 --timeline_strategies=kvr,allgather
+--mode=accelerator times single-device prefill on this process's first device (any backend)
+with every exact kernel there beside transformers (PyTorch SDPA, same weights and tokens, same
+device), with MFU, and models p-device TTFT from the per-rank programs timed on it, e.g.
+  python -m launch.benchmark --mode=accelerator --model=llama-3.1-8b \
+    --context_lens=4096,8192,16384,32768
 --link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
   python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=2gbit,500mbit
 Intentionally kept short: the logic is
@@ -33,16 +38,17 @@ from absl import app, flags, logging
 import kvr_jax
 from kvr_jax.core.chunks import check_chunks
 from kvr_jax.planning import costmodel, presets
-from kvr_jax.runtime import distributed, links
+from kvr_jax.runtime import distributed, links, loading
 from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
+from models.config import config_from_hf
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
   "mode",
   "devices",
-  ["devices", "multiprocess", "kernels", "long", "phases", "memory", "timeline"],
+  ["devices", "multiprocess", "kernels", "long", "phases", "memory", "timeline", "accelerator"],
   "What to measure.",
 )
 flags.DEFINE_integer(
@@ -97,6 +103,10 @@ flags.DEFINE_list(
   [UNTHROTTLED],
   "Multiprocess mode: loopback rates to run the processes over, e.g. unthrottled,2gbit,500mbit "
   "(tc tbf on lo, as root; restored after each, also on failure or interrupt).",
+)
+flags.DEFINE_list("ranks", ["2", "4", "8"], "Accelerator mode: modelled device counts.")
+flags.DEFINE_list(
+  "links", ["300GBps", "10GBps"], "Accelerator mode: link presets of the modelled devices."
 )
 flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
 flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
@@ -530,9 +540,81 @@ def multiprocess_mode():
   return 0
 
 
+def accelerator_mode():
+  """Single-device prefill on this device per kernel vs transformers, MFU, and modelled TTFT."""
+  with common.user_errors():
+    if os.path.isdir(FLAGS.model):
+      with open(os.path.join(FLAGS.model, "config.json")) as f:
+        config = config_from_hf(json.load(f))
+    else:
+      config = kvr_jax.preset_config(FLAGS.model)
+    context_lens = common.positive_ints(FLAGS.context_lens, "--context_lens")
+    ranks = common.positive_ints(FLAGS.ranks, "--ranks")
+    (repeats,) = common.positive_ints([FLAGS.repeats], "--repeats")
+    if os.path.exists(FLAGS.output_dir) and not os.path.isdir(FLAGS.output_dir):
+      raise ValueError(f"--output_dir={FLAGS.output_dir} is a file; give a directory")
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    path = os.path.join(FLAGS.output_dir, "accelerator.json")
+    common.check_output_file(path, "--output_dir")
+    rows, modelled = benchmark.accelerator_benchmark(
+      config,
+      context_lens,
+      kernels=FLAGS.kernels if FLAGS["kernels"].present else None,
+      dtype=FLAGS.dtype,
+      repeats=repeats,
+      compare_transformers=FLAGS.compare_transformers,
+      ranks=ranks,
+      links=FLAGS.links,
+    )
+  device = jax.local_devices()[0]
+  dtype = loading.resolve_dtype(FLAGS.dtype)
+  print(
+    f"\nMEASURED single-device prefill, {FLAGS.model} ({jax.numpy.dtype(dtype).name}), "
+    f"{device.device_kind} ({device.platform}), median of {FLAGS.repeats} warm runs; MFU "
+    "against the device's data-sheet peak (CPU: its measured matmul rate):"
+  )
+  print(f"{'C':>7}  {'implementation':<20}{'TTFT':>11}{'TFLOP/s':>9}{'MFU':>7}  max |dlogit|")
+  for r in rows:
+    mfu = "-" if r.mfu is None else f"{r.mfu:.0%}"
+    diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.2e}"
+    print(
+      f"{r.context_len:>7}  {r.implementation:<20}{r.ttft_s * 1e3:>9.1f}ms"
+      f"{r.achieved_tflops:>9.2f}{mfu:>7}  {diff}"
+    )
+  print(
+    "\nMODELLED p-device TTFT: per-rank compute fitted to KV-Runahead's per-rank programs timed "
+    "one at a time on this device (fitted_hardware), links from the preset named; speed-up "
+    "against the MEASURED best single-device TTFT above:"
+  )
+  print(f"{'C':>7}{'p':>4}  {'links':<9}{'strategy':<11}{'TTFT':>11}{'speed-up':>10}  partition")
+  for r in modelled:
+    print(
+      f"{r.context_len:>7}{r.num_ranks:>4}  {r.links:<9}{r.strategy:<11}{r.ttft_s * 1e3:>9.1f}ms"
+      f"{r.speedup_vs_measured_single:>9.2f}x  {r.partition}"
+    )
+  with open(path, "w") as f:
+    json.dump(
+      {
+        "model": FLAGS.model,
+        "device": device.device_kind,
+        "platform": device.platform,
+        "dtype": jax.numpy.dtype(dtype).name,
+        "measured": [dataclasses.asdict(r) for r in rows],
+        "modelled": [dataclasses.asdict(r) for r in modelled],
+      },
+      f,
+      indent=1,
+    )
+  print(f"wrote {path}")
+  return 0
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if FLAGS.mode == "accelerator":
+    # PyTorch shares the device: JAX takes memory as it needs it instead of 75% up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if FLAGS.process_id is not None:
     worker()
     return 0
@@ -551,6 +633,8 @@ def main(argv):
     return phases_mode()
   if FLAGS.mode == "memory":
     return memory_mode()
+  if FLAGS.mode == "accelerator":
+    return accelerator_mode()
   devices_mode()
   return 0
 

@@ -20,9 +20,14 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from kvr_jax.core.chunks import check_ranks
 from kvr_jax.inference.prefill import prefill_arguments
-from kvr_jax.runtime.loading import Model, load_hf_model
+from kvr_jax.planning import costmodel, presets
+from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.runtime.loading import Model, build_model, load_hf_model, resolve_dtype
 from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.strategies.base import AUTO_KERNELS, kernel_runs_on
+from kvr_jax.tools.measured import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 from models.layers import attend_flash, attend_static
 
@@ -273,3 +278,221 @@ def time_attention_kernels(
 
 
 # Per-phase times of a KV-Runahead partition: kvr_jax.tools.measured.rank_phase_times.
+
+
+# --- one accelerator: every kernel against transformers, MFU, modelled multi-device TTFT -------
+
+
+@dataclasses.dataclass
+class AcceleratorRow:
+  """MEASURED single-device prefill on this process's first device."""
+
+  context_len: int
+  implementation: str  # "kvr-jax/<kernel>" or "transformers/sdpa"
+  ttft_s: float  # median of warm runs (the whole prefill: logits and KV cache)
+  achieved_tflops: float  # the prefill's model FLOPs (causal attention) / TTFT
+  mfu: float | None  # achieved / the device's peak; None where the peak is unknown
+  max_logit_diff: float | None  # against transformers on the same weights and tokens
+
+
+@dataclasses.dataclass
+class ModelledRankRow:
+  """MODELLED p-device TTFT: per-rank compute fitted to this device's measured KVR phases
+  (`fitted_hardware`), links from a preset, each strategy with a fused kernel."""
+
+  context_len: int
+  num_ranks: int
+  links: str
+  strategy: str  # kvr (KVR-S on the fitted model), ring, allgather
+  partition: str
+  ttft_s: float
+  speedup_vs_measured_single: float
+
+
+def device_hardware(device) -> costmodel.Hardware | None:
+  """The cost-model preset of `device` (its data-sheet peak, for MFU and memory bandwidth):
+  H100 SXM and A100 by name, the `local` calibration on a CPU, None where unknown."""
+  kind = str(getattr(device, "device_kind", ""))
+  if device.platform == "gpu":
+    if "H100" in kind and "PCIe" not in kind:
+      return presets.HARDWARE["h100-sxm"]
+    if "A100" in kind:
+      return presets.HARDWARE["a100-80gb"]
+    return None
+  if device.platform == "cpu":
+    return presets.hardware_preset(presets.LOCAL)
+  return None
+
+
+def prefill_flops(config, context_len: int) -> float:
+  """Model FLOPs of one prefill (projections, causal attention counted once, MLP, the last
+  position's head): what MFU divides by the peak."""
+  work = costmodel.phase_work(
+    config, context_len, context_len, 1, 2, scores_in_memory=False, causal_skip=True
+  )
+  head = costmodel.head_work(config, 1, 2).flops
+  return config.num_layers * sum(w.flops for w in work.values()) + head
+
+
+def platform_kernels(device, dtype, window) -> tuple[str, ...]:
+  """The exact kernels worth timing on `device`: what attention="auto" chooses from there."""
+  candidates = AUTO_KERNELS.get(device.platform, ("flash",))
+  return tuple(k for k in candidates if kernel_runs_on(k, device, dtype, window))
+
+
+def _twin_models(config, dtype, torch_device: str, seed: int):
+  """A transformers Llama with random weights on `torch_device` in `dtype`, and the same
+  weights read through our loader (saved with save_pretrained, read memory-mapped)."""
+  import torch
+  import transformers
+
+  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+  default = torch.get_default_dtype()
+  torch.manual_seed(seed)
+  torch.set_default_dtype(torch_dtype[np.dtype(dtype).name])
+  try:
+    with torch.device(torch_device):
+      hf_model = transformers.LlamaForCausalLM(hf_config_for(config)).eval()
+  finally:
+    torch.set_default_dtype(default)
+  with tempfile.TemporaryDirectory() as tmp:
+    hf_model.save_pretrained(tmp)
+    ours = load_hf_model(tmp, dtype)
+    jax.block_until_ready(ours.state)  # read before the directory goes
+  return hf_model, ours
+
+
+def _time_transformers(hf_model, tokens, repeats: int, torch_device: str):
+  import torch
+
+  input_ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long, device=torch_device)
+
+  def run():
+    out = hf_model(input_ids, logits_to_keep=1, use_cache=True)
+    if torch_device != "cpu":
+      torch.cuda.synchronize()
+    return out.logits[:, -1].float().cpu().numpy()
+
+  with torch.inference_mode():
+    logits = run()  # warm-up
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      run()
+      times.append(time.perf_counter() - start)
+  return statistics.median(times), logits
+
+
+def accelerator_benchmark(
+  config,
+  context_lens,
+  *,
+  kernels=None,
+  dtype="auto",
+  repeats: int = 3,
+  compare_transformers: bool = True,
+  ranks=(2, 4, 8),
+  links=("300GBps", "10GBps"),
+  seed: int = 0,
+  progress: bool = True,
+) -> tuple[list[AcceleratorRow], list[ModelledRankRow]]:
+  """Single-device prefill on this process's first device, any backend: TTFT of every
+  kernel (`kernels`, default the platform's exact ones) beside transformers (PyTorch SDPA,
+  same weights, same tokens, same device; Llama configs), with the achieved FLOP/s as a
+  fraction of the device's peak (MFU). Then, for p in `ranks`, the per-rank programs of
+  KV-Runahead timed one at a time on this device (`fitted_hardware`) feed the cost model:
+  MODELLED p-device TTFT of KVR-S, ring and all-gather over each link preset.
+  """
+  device = jax.local_devices()[0]
+  dtype = resolve_dtype(dtype)
+  for C in context_lens:
+    if C > config.max_position_embeddings:
+      raise ValueError(f"context length {C} exceeds max_position_embeddings")
+    for p in ranks:
+      check_ranks(C, p)
+  for name in links:
+    presets.check_preset_names(presets.LOCAL, name)
+  kernels = tuple(kernels or platform_kernels(device, dtype, config.sliding_window))
+  for kernel in kernels:
+    if not kernel_runs_on(kernel, device, dtype, config.sliding_window):
+      raise ValueError(f"kernel {kernel!r} does not run on {device.platform} in {dtype}")
+  compare = compare_transformers and config.architecture == "llama"
+  torch_device = "cuda" if device.platform == "gpu" else "cpu"
+  if compare:
+    hf_model, model = _twin_models(config, dtype, torch_device, seed)
+  else:
+    hf_model, model = None, Model(build_model(config, dtype, seed), source="random")
+  hardware = device_hardware(device)
+  rows, modelled = [], []
+  for C in tqdm(context_lens, desc="accelerator", disable=not progress):
+    tokens = synthetic_prompt(config.vocab_size, C, 1, seed)
+    flops = prefill_flops(config, C)
+    hf_logits = None
+    if hf_model is not None:
+      hf_s, hf_logits = _time_transformers(hf_model, tokens, repeats, torch_device)
+      rows.append(
+        AcceleratorRow(
+          C,
+          "transformers/sdpa",
+          hf_s,
+          flops / hf_s / 1e12,
+          None if hardware is None else flops / hf_s / hardware.peak_flops,
+          None,
+        )
+      )
+    single_s = {}
+    for kernel in kernels:
+      timing = time_prefill(model, tokens, repeats, attention=kernel)
+      single_s[kernel] = timing.median_s
+      logits = np.asarray(timing.result.logits, np.float32)
+      rows.append(
+        AcceleratorRow(
+          C,
+          f"kvr-jax/{kernel}",
+          timing.median_s,
+          flops / timing.median_s / 1e12,
+          None if hardware is None else flops / timing.median_s / hardware.peak_flops,
+          None if hf_logits is None else float(np.abs(logits - hf_logits).max()),
+        )
+      )
+    best_kernel = min(single_s, key=single_s.get)
+    for p in ranks:
+      fitted = fitted_hardware(model, C, p, best_kernel, repeats=repeats, base=hardware)
+      for name in links:
+        setup = costmodel.Setup(
+          fitted,
+          presets.links_preset(name),
+          dtype_bytes=np.dtype(dtype).itemsize,
+          scores_in_memory=False,
+          causal_skip=True,
+        )
+        chunks = resolve_partition(
+          PartitionPlan("search", hardware=fitted, links=setup.links),
+          C,
+          p,
+          config=config,
+          dtype_bytes=setup.dtype_bytes,
+          scores_in_memory=False,
+          causal_skip=True,
+        )
+        for strategy in ("kvr", "ring", "allgather"):
+          sim = costmodel.simulate(
+            config,
+            strategy,
+            C,
+            setup,
+            num_ranks=p,
+            partition=chunks if strategy == "kvr" else None,
+          )
+          modelled.append(
+            ModelledRankRow(
+              C,
+              p,
+              name,
+              strategy,
+              "/".join(map(str, sim.partition)) if strategy == "kvr" else "zigzag",
+              sim.ttft,
+              single_s[best_kernel] / sim.ttft,
+            )
+          )
+  return rows, modelled

@@ -246,17 +246,22 @@ def rank_phase_times(
 
 
 def fitted_hardware(
-  model: Model, context_len: int, num_ranks: int = 2, attention: str = "flash", repeats: int = 3
+  model: Model,
+  context_len: int,
+  num_ranks: int = 2,
+  attention: str = "flash",
+  repeats: int = 3,
+  base: costmodel.Hardware | None = None,
 ) -> costmodel.Hardware:
   """Cost-model hardware fitted to what this model's layers cost on this process's device.
 
   Times the per-rank phases of an even KV-Runahead split of `context_len` over `num_ranks`
   (`rank_phase_times`, a few seconds) and sets the FLOP/s of the linear phases (qkv, rest) and
-  of the attention kernel to the measured FLOPs per second; memory bandwidth stays the
-  `local` calibration's. Why: the `local` calibration times a 1024^3 matmul and one flash
-  shape, and a small model's projections (norms, RoPE, narrow matmuls) run several times
-  slower than that while its attention runs faster, so the modelled split gave the first
-  rank too many tokens. Pass the result as `PartitionPlan("search", hardware=...)`.
+  of the attention kernel to the measured FLOPs per second; memory bandwidth stays `base`'s
+  (default: the `local` calibration's). Why: the `local` calibration times a 1024^3 matmul
+  and one flash shape, and a small model's projections (norms, RoPE, narrow matmuls) run
+  several times slower than that while its attention runs faster, so the modelled split gave
+  the first rank too many tokens. Pass the result as `PartitionPlan("search", hardware=...)`.
   """
   if attention not in FUSED_KERNELS:
     raise ValueError(
@@ -276,11 +281,11 @@ def fitted_hardware(
     attention_flops += cfg.num_layers * work["attention"].flops
   linear_rate = linear_flops / sum(r.qkv_s + r.rest_s for r in rows)
   attention_rate = attention_flops / sum(r.attention_s for r in rows)
-  local = presets.hardware_preset(presets.LOCAL)
+  base = base or presets.hardware_preset(presets.LOCAL)
   return costmodel.Hardware(
     "fitted",
     linear_rate,
-    local.memory_bandwidth,
+    base.memory_bandwidth,
     1.0,
     1.0,
     f"fitted to {cfg.num_layers}-layer phases at C={context_len}: linear "
