@@ -45,6 +45,8 @@ from launch import common
 from models.config import config_from_hf
 
 FLAGS = flags.FLAGS
+# Timeline mode's own partition: KVR-S with the cost model fitted to this model's phases.
+FITTED = ("fitted",)
 flags.DEFINE_enum(
   "mode",
   "devices",
@@ -317,9 +319,7 @@ def worker():
         FLAGS.model,
         int(FLAGS.context_lens[0]),
         FLAGS.timeline_strategies,
-        partition=(
-          "fitted" if FLAGS.partition == "fitted" else common.parse_partition(FLAGS.partition)
-        ),
+        partition=common.parse_partition(FLAGS.partition, extra=FITTED),
         repeats=FLAGS.repeats,
         dtype=FLAGS.dtype,
       )
@@ -343,9 +343,7 @@ def timeline_mode():
   with common.user_errors():
     if FLAGS.num_processes < 2:
       raise ValueError("--num_processes must be >= 2 in timeline mode")
-    partition = FLAGS.partition
-    if partition != "fitted":
-      partition = common.parse_partition(partition)
+    partition = common.parse_partition(FLAGS.partition, extra=FITTED)
     if isinstance(partition, list):  # explicit lengths: checked before any process starts
       check_chunks(partition, C, FLAGS.num_processes)
     for s in FLAGS.timeline_strategies:

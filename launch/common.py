@@ -41,8 +41,11 @@ def user_errors():
     sys.exit(2)
 
 
-def parse_partition(text: str, hardware: str = "local", links: str = "local"):
-  """--partition: a method name (with the cost-model presets) or comma-separated lengths."""
+def parse_partition(text: str, hardware: str = "local", links: str = "local", extra=()):
+  """--partition: a method name (with the cost-model presets) or comma-separated lengths;
+  a name in `extra` (a launcher's own, like the benchmark's "fitted") is returned as is."""
+  if text in extra:
+    return text
   if text in METHODS:
     try:
       check_preset_names(hardware, links)

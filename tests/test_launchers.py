@@ -53,10 +53,12 @@ def test_run_main_job(tmp_path):
   assert list(api) == rows[2]["partition"]
   printed = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[3:]}
   kvr_row = printed["kvr"]
-  assert kvr_row[1] == ",".join(map(str, api))
-  assert kvr_row[2] == f"{rows[2]['ttft_median_s'] * 1e3:.1f}ms"
-  assert float(kvr_row[4]) == pytest.approx(rows[2]["max_logit_diff_vs_single"], rel=0.01)
-  assert [int(t) for t in kvr_row[5:]] == rows[2]["first_tokens"]
+  assert kvr_row[1] == rows[2]["attention"] == "flash"  # --attention=auto on a CPU
+  assert printed["tsp"][1] == "dense"
+  assert kvr_row[2] == ",".join(map(str, api))
+  assert kvr_row[3] == f"{rows[2]['ttft_median_s'] * 1e3:.1f}ms"
+  assert float(kvr_row[5]) == pytest.approx(rows[2]["max_logit_diff_vs_single"], rel=0.01)
+  assert [int(t) for t in kvr_row[6:]] == rows[2]["first_tokens"]
 
 
 def test_run_without_single_says_n_a(tmp_path):
@@ -154,6 +156,34 @@ def test_benchmark_devices_mode(tmp_path):
   assert "MEASURED" in proc.stdout and "vs Hugging Face transformers" in proc.stdout
   assert (tmp_path / "devices.csv").exists() and (tmp_path / "devices.png").exists()
   assert (tmp_path / "vs_transformers.csv").exists()
+
+
+def test_benchmark_accelerator_mode(tmp_path):
+  """One device of this machine (a CPU here): our flash prefill beside transformers on the
+  same weights and tokens, with MFU against the `local` calibration's peak, then modelled
+  2-rank TTFT from the rank programs timed here; refuses a kernel this device cannot run."""
+  flags = ["--mode=accelerator", "--model=tiny-llama", "--context_lens=128", "--repeats=1"]
+  proc = run("launch.benchmark", *flags, "--ranks=2", f"--output_dir={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with open(tmp_path / "accelerator.json") as f:
+    report = json.load(f)
+  assert report["platform"] == "cpu" and report["dtype"] == "float32"
+  measured = {r["implementation"]: r for r in report["measured"]}
+  assert set(measured) == {"transformers/sdpa", "kvr-jax/flash"}  # "auto" on a CPU: flash
+  ours = measured["kvr-jax/flash"]
+  assert ours["max_logit_diff"] < 1e-4  # same weights and tokens as transformers (float32)
+  assert 0 < ours["mfu"] < 1 and ours["ttft_s"] > 0
+  modelled = {(r["strategy"], r["links"]) for r in report["modelled"]}
+  assert modelled == {
+    (s, links) for s in ("kvr", "ring", "allgather") for links in ("300GBps", "10GBps")
+  }
+  assert all(r["num_ranks"] == 2 and r["ttft_s"] > 0 for r in report["modelled"])
+  kvr = next(r for r in report["modelled"] if r["strategy"] == "kvr")
+  assert sum(map(int, kvr["partition"].split("/"))) == 128
+  assert "MODELLED" in proc.stdout and "MEASURED" in proc.stdout
+  proc = run("launch.benchmark", *flags, "--kernels=cudnn", f"--output_dir={tmp_path}")
+  assert proc.returncode == 2 and "kernel 'cudnn' does not run on cpu" in proc.stderr
+  assert "Traceback" not in proc.stderr
 
 
 def test_benchmark_multiprocess_mode(tmp_path):

@@ -125,11 +125,7 @@ def test_two_process_timeline_span_matches_ttft(tmp_path):
     assert sorted(r["process_index"] for r in runs) == [0, 1]
     owner = max(runs, key=lambda r: r["process_index"])
     items = [tuple(i) for i in d["measured"]]
-    if d["strategy"] != "kvr":
-      # Known defect (issue 23 note, WORKSPACE known limits): across processes KVR's marks
-      # since the diagonal-first change record out of program order; in one process the
-      # order test above holds. The span check below still applies to kvr.
-      check_order(items, d["strategy"], 4, 2)
+    check_order(items, d["strategy"], 4, 2)
     span = timeline.span_s(runs)
     assert 0.5 * owner["probed_ttft_s"] <= span <= owner["probed_ttft_s"], (span, owner)
     assert {i[0] for i in d["modelled"]} == {0, 1}

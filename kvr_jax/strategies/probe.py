@@ -64,5 +64,9 @@ def mark(enabled: bool, label: str, layer, value):
     jnp.asarray(layer, jnp.int32),
     leaf.reshape(-1)[0],
   )
-  value, _ = jax.lax.optimization_barrier((value, done))
-  return value
+  # A real dependence of what follows on the record: the value passes through a conditional
+  # on the callback's result (always 0), whose other branch differs so that XLA cannot fold
+  # it away. An optimization barrier tying the value to the result did not hold the order on
+  # XLA:CPU across processes (later phases recorded before a hop), nor a conditional whose
+  # branches are both the identity.
+  return jax.lax.cond(done == 0, lambda v: v, lambda v: jax.tree.map(jnp.zeros_like, v), value)

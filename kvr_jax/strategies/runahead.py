@@ -268,11 +268,12 @@ def rank_program(
           q_BcNH,
           own_2BcKH,
         )
-        # The hops' operands depend on the diagonal: XLA cannot put it behind a receive.
+        # The hops' operands depend on the diagonal (and on its probe, so that the probes
+        # record in program order): XLA cannot put it behind a receive.
+        diagonal = mark(timeline, "diagonal", l, diagonal)
         diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
           (diagonal, own_2BcKH, buffer_2BSKH)
         )
-        diagonal = mark(timeline, "diagonal", l, diagonal)
       prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l)
       # Everything after the hops waits for them, on every rank. In a multi-process run each
       # process compiles its own rank's branch of the switches (the rank is a constant there),

@@ -415,7 +415,9 @@ def accelerator_benchmark(
   kernels = tuple(kernels or platform_kernels(device, dtype, config.sliding_window))
   for kernel in kernels:
     if not kernel_runs_on(kernel, device, dtype, config.sliding_window):
-      raise ValueError(f"kernel {kernel!r} does not run on {device.platform} in {dtype}")
+      raise ValueError(
+        f"kernel {kernel!r} does not run on {device.platform} in {np.dtype(dtype).name}"
+      )
   compare = compare_transformers and config.architecture == "llama"
   torch_device = "cuda" if device.platform == "gpu" else "cpu"
   if compare:
