@@ -11,6 +11,7 @@ import numpy as np
 
 from kvr_jax.planning.partition import METHODS, PartitionPlan
 from kvr_jax.planning.presets import check_preset_names
+from kvr_jax.runtime import compilation
 from kvr_jax.tools.timing import synthetic_prompt
 
 DEFAULT_EMULATED_DEVICES = 8
@@ -39,6 +40,16 @@ def user_errors():
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def compilation_cache(enabled: bool, directory: str | None) -> str | None:
+  """--compilation_cache / --compilation_cache_dir: turns JAX's persistent compilation cache
+  on (kvr_jax.runtime.compilation) and returns its directory; None when turned off."""
+  if not enabled:
+    if directory is not None:
+      raise ValueError("--compilation_cache_dir was given with --nocompilation_cache")
+    return None
+  return compilation.enable(directory)
 
 
 def parse_partition(text: str, hardware: str = "local", links: str = "local", extra=()):

@@ -56,6 +56,15 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_integer("seed", 0, "Seed of the synthetic prompt and of sampling.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per strategy after the warm-up.")
 flags.DEFINE_string("output_json", None, "Write the table as JSON here.")
+flags.DEFINE_bool(
+  "compilation_cache",
+  True,
+  "JAX's persistent compilation cache: a later process with the same shapes reads its "
+  "programs from disk (--nocompilation_cache: compile everything).",
+)
+flags.DEFINE_string(
+  "compilation_cache_dir", None, "Where it lives (default: the kvr-jax cache directory's xla/)."
+)
 
 
 def main(argv):
@@ -64,6 +73,7 @@ def main(argv):
   emulated = common.setup_devices(FLAGS.num_devices)
   with common.user_errors():
     common.check_output_file(FLAGS.output_json, "--output_json")
+    cache_dir = common.compilation_cache(FLAGS.compilation_cache, FLAGS.compilation_cache_dir)
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
     partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)
@@ -90,6 +100,12 @@ def main(argv):
       "nothing about parallel speed-up (see `python -m launch.benchmark`)."
     )
   print(demo.format_table(reports))
+  print(
+    f"compile: first call minus a warm one; from: the compiled programs came from JAX's "
+    f"persistent cache ({cache_dir}) or were compiled"
+    if cache_dir
+    else "compile: first call minus a warm one (persistent compilation cache off)"
+  )
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:
       json.dump([r.as_dict() for r in reports], f, indent=2)

@@ -57,8 +57,9 @@ def test_run_main_job(tmp_path):
   assert printed["tsp"][1] == "dense"
   assert kvr_row[2] == ",".join(map(str, api))
   assert kvr_row[3] == f"{rows[2]['ttft_median_s'] * 1e3:.1f}ms"
-  assert float(kvr_row[5]) == pytest.approx(rows[2]["max_logit_diff_vs_single"], rel=0.01)
-  assert [int(t) for t in kvr_row[6:]] == rows[2]["first_tokens"]
+  assert kvr_row[5] == rows[2]["compile_cache"]
+  assert float(kvr_row[6]) == pytest.approx(rows[2]["max_logit_diff_vs_single"], rel=0.01)
+  assert [int(t) for t in kvr_row[7:]] == rows[2]["first_tokens"]
 
 
 def test_run_without_single_says_n_a(tmp_path):
@@ -79,10 +80,33 @@ def test_run_without_single_says_n_a(tmp_path):
   assert json.loads(out.read_text())[0]["max_logit_diff_vs_single"] is None
 
 
+def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path):
+  """launch.run twice with the same shapes: the first process compiles, the second reads
+  every prefill program from JAX's persistent cache and spends far less on compiling;
+  --nocompilation_cache compiles again and says the cache was not asked."""
+  flags = ["--strategy=kvr", "--context_len=512", "--partition=even", "--repeats=1"]
+  flags += ["--max_new_tokens=1", f"--compilation_cache_dir={tmp_path / 'xla'}"]
+
+  def row(*extra):
+    out = tmp_path / "run.json"
+    proc = run("launch.run", *flags, *extra, f"--output_json={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text())[0]
+
+  first, second = row(), row()
+  assert first["compile_cache"] == "compiled" and second["compile_cache"] == "cache"
+  # What is left is tracing and the small eager programs (not worth a disk entry).
+  assert second["compile_s"] < 0.7 * first["compile_s"], (first, second)
+  flags.pop()  # --compilation_cache_dir
+  assert row("--nocompilation_cache")["compile_cache"] == "-"
+
+
 @pytest.mark.parametrize(
   "flags,message",
   [
     (["--model=tiny-gpt"], "unknown preset 'tiny-gpt'"),
+    (["--nocompilation_cache", "--compilation_cache_dir=/tmp/x"], "--nocompilation_cache"),
+    (["--compilation_cache_dir=/dev/null"], "is a file"),
     (["--model=./no/such/dir"], "no such directory"),
     (["--partition=3,3", "--context_len=12", "--num_devices=4"], "2 chunks but the mesh has 4"),
     (["--partition=fast"], "--partition must be one of"),

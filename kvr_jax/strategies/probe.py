@@ -3,11 +3,11 @@
 A program compiled with `timeline=True` (part of the compile cache key of the strategies that
 take probes) calls `mark(label, layer, value)` at its phase boundaries. The mark is an
 `io_callback` that records (rank, layer, label, CLOCK_MONOTONIC ns) in this process once
-`value` has
-been computed, and returns `value` tied to the record so that nothing after the mark starts
-before it: an optimization barrier materialises `value` before the callback reads one element
-of it, and a second barrier ties the callback's result to `value`. The barriers keep XLA
-from fusing across a phase boundary, which is the perturbation (`launch.benchmark
+`value` has been computed (it reads one element of every array in `value`), and returns
+`value` through a conditional on the callback's result, so that nothing after the mark
+starts before the record. (Optimization barriers did neither on XLA:CPU across processes:
+records came out of program order.) The marks keep XLA from fusing across a phase boundary
+and copy what passes through the conditional, which is the perturbation (`launch.benchmark
 --mode=timeline` prints TTFT with and without the probes). CLOCK_MONOTONIC is one clock for
 every process on a host, so the processes' records line up.
 
@@ -52,17 +52,18 @@ def mark(enabled: bool, label: str, layer, value):
   on which later work then depends. `layer` may be traced (the scan's index) or -1."""
   if not enabled:
     return value
-  (value,) = jax.lax.optimization_barrier((value,))
-  # One element of the value is read: of its first non-empty leaf (a buffer may be empty).
-  leaves = jax.tree.leaves(value)
-  leaf = next((x for x in leaves if x.size), leaves[0])
+  # One element of every non-empty leaf is read (a buffer may be empty), so the record waits
+  # for every part of the value (an optimization barrier around it did not hold on XLA:CPU:
+  # a phase's last output was still computed after its record).
+  leaves = [x for x in jax.tree.leaves(value) if x.size]
+  elements = jnp.stack([x.reshape(-1)[0].astype(jnp.float32) for x in leaves])
   done = io_callback(
     _record,
     jax.ShapeDtypeStruct((), jnp.float32),
     jnp.int32(_label_id(label)),
     jax.lax.axis_index(AXIS),
     jnp.asarray(layer, jnp.int32),
-    leaf.reshape(-1)[0],
+    elements,
   )
   # A real dependence of what follows on the record: the value passes through a conditional
   # on the callback's result (always 0), whose other branch differs so that XLA cannot fold

@@ -14,6 +14,7 @@ from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import prefill_arguments
+from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh, make_mesh
 from kvr_jax.strategies import STRATEGIES, get_strategy
@@ -28,6 +29,9 @@ class StrategyReport:
   attention: str  # the kernel it ran
   partition: tuple[int, ...] | None
   compile_s: float  # first call (trace + compile + run) minus a warm run
+  # What the persistent compilation cache did for the prefill's programs (CacheUse.describe):
+  # "cache" (read from disk), "compiled", "k/n" (k of n read), "-" (cache off or nothing compiled).
+  compile_cache: str
   ttft_median_s: float
   ttft_runs_s: list[float]
   max_logit_diff_vs_single: float | None  # None when `single` did not run
@@ -74,7 +78,9 @@ def compare_strategies(
   reports = []
   for strategy in strategies:
     kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
+    cache_use = CacheUse.now()
     timing = time_prefill(model, tokens, repeats, cache=cache, **kwargs)
+    cache_use = CacheUse.now().since(cache_use)
     result, median = timing.result, timing.median_s
     logits = np.asarray(result.logits)
     if strategy == "single":
@@ -86,6 +92,7 @@ def compare_strategies(
         attention=result.attention,
         partition=result.partition,
         compile_s=max(timing.first_s - median, 0.0),
+        compile_cache=cache_use.describe(),
         ttft_median_s=median,
         ttft_runs_s=timing.runs_s,
         max_logit_diff_vs_single=(
@@ -103,14 +110,14 @@ def format_table(reports: list[StrategyReport]) -> str:
   width = max([len("partition"), *map(len, parts)])
   header = (
     f"{'strategy':<9} {'kernel':<6} {'partition':<{width}} {'TTFT median':>12} {'compile':>9} "
-    f"{'max |dlogit|':>13}  first tokens"
+    f"{'from':<9} {'max |dlogit|':>13}  first tokens"
   )
   lines = [header, "-" * len(header)]
   for r, part in zip(reports, parts, strict=True):
     diff = r.max_logit_diff_vs_single
     lines.append(
       f"{r.strategy:<9} {r.attention:<6} {part:<{width}} {r.ttft_median_s * 1e3:>10.1f}ms "
-      f"{r.compile_s:>8.2f}s {'n/a' if diff is None else f'{diff:.2e}':>13}  "
+      f"{r.compile_s:>8.2f}s {r.compile_cache:<9} {'n/a' if diff is None else f'{diff:.2e}':>13}  "
       f"{' '.join(map(str, r.first_tokens))}"
     )
   return "\n".join(lines)
