@@ -8,6 +8,9 @@ With --model, builds that preset's tables on this machine into the local cache, 
 kvr_jax.planning.tables.
 """
 
+import os
+import sys
+
 from absl import app, flags
 
 from kvr_jax.planning import presets, tables
@@ -23,21 +26,50 @@ flags.DEFINE_integer("dtype_bytes", None, "Bytes per value (default: 4 on local,
 flags.DEFINE_string("output_dir", None, "Where to write (default: shipped or local cache).")
 
 
+def check_output_dir(directory: str) -> str:
+  """Before any search: the directory exists or can be made, and can be written."""
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"--output_dir={directory} is a file; give a directory")
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--output_dir={directory}: cannot create it ({e.strerror})") from None
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise ValueError(f"--output_dir={directory}: not writable")
+  return directory
+
+
 def main(argv):
   del argv
-  if FLAGS.model is None:
-    tables.write_all_tables(FLAGS.output_dir or tables.PARTITION_DIR)
-    return
   with common.user_errors():
+    if FLAGS.model is None:
+      # The shipped set has its own models, presets and ranks: flags that would choose them
+      # are refused rather than ignored.
+      given = [
+        f"--{n}" for n in ("hardware", "links", "num_ranks", "dtype_bytes") if FLAGS[n].present
+      ]
+      if given:
+        raise ValueError(
+          f"{', '.join(given)} apply with --model; without it the shipped tables are "
+          "regenerated as they are defined (kvr_jax.planning.tables.write_all_tables)"
+        )
+      directory = check_output_dir(FLAGS.output_dir or str(tables.PARTITION_DIR))
+      tables.write_all_tables(directory)
+      return 0
     preset_config(FLAGS.model)
     presets.check_preset_names(FLAGS.hardware, FLAGS.links)
     ranks = common.positive_ints(FLAGS.num_ranks, "--num_ranks")
-  dtype_bytes = FLAGS.dtype_bytes or (4 if FLAGS.hardware == "local" else 2)
-  directory = FLAGS.output_dir or tables.local_partition_dir()
-  for p in ranks:
-    table = tables.build_table(FLAGS.model, FLAGS.hardware, FLAGS.links, p, dtype_bytes=dtype_bytes)
-    print(f"wrote {tables.write_table(table, directory)}")
+    if FLAGS.dtype_bytes is not None and FLAGS.dtype_bytes not in (1, 2, 4, 8):
+      raise ValueError(f"--dtype_bytes must be 1, 2, 4 or 8, got {FLAGS.dtype_bytes}")
+    dtype_bytes = FLAGS.dtype_bytes or (4 if FLAGS.hardware == "local" else 2)
+    directory = check_output_dir(FLAGS.output_dir or str(tables.local_partition_dir()))
+    for p in ranks:
+      table = tables.build_table(
+        FLAGS.model, FLAGS.hardware, FLAGS.links, p, dtype_bytes=dtype_bytes
+      )
+      print(f"wrote {tables.write_table(table, directory)}")
+  return 0
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.exit(app.run(main))

@@ -187,6 +187,19 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
   """
   params = dict(hf.get("rope_parameters") or {})
   scaling = dict(hf.get("rope_scaling") or {})
+  if params and scaling:
+    # Both layouts (e.g. `rope_scaling` added for YaRN to a transformers-5 config): which one
+    # a reader honours differs, so a disagreement is refused by name, never resolved quietly.
+    params_type = params.get("rope_type", params.get("type", "default"))
+    scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
+    shared = set(params) & set(scaling) - {"rope_type", "type"}
+    differing = sorted(k for k in shared if params[k] != scaling[k])
+    if params_type != scaling_type or differing:
+      raise ValueError(
+        f"config.json: `rope_scaling` ({scaling_type!r}) and `rope_parameters` "
+        f"({params_type!r}) disagree{' on ' + ', '.join(differing) if differing else ''}; "
+        "keep one of them"
+      )
   merged = {**scaling, **params}
   theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default"))
@@ -223,12 +236,15 @@ SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon",)
 def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
   """One window for every layer, or None. Per-layer windows are refused by name.
 
-  Mistral: `sliding_window` (null: none). Qwen2/Qwen3: a window only if `use_sliding_window`,
+  Mistral: `sliding_window` (null: none). Llama: never (transformers ignores the field there).
+  Qwen2/Qwen3: a window only if `use_sliding_window`,
   and then only on layers >= `max_window_layers`. transformers >= 4.54 also writes
   `layer_types`, which decides when present.
   """
   window = hf.get("sliding_window")
   if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    window = None
+  if model_type == "llama":  # transformers' Llama has no window and ignores the field
     window = None
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types")

@@ -203,11 +203,12 @@ MEMORY_CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def memory():
-  """(strategy, p, L) -> compiled_memory of tiny-llama at C=1024 (4 layers, and 8 on 2 ranks)."""
+  """(strategy, p, L) -> compiled_memory of tiny-llama at C=1024 (4 layers on 2 and 8 ranks, 8
+  layers on 2)."""
   cfg = kvr_jax.preset_config("tiny-llama")
   out = {}
   for strategy in ("kvr", "tsp", "ring", "allgather"):
-    for p, layers in ((2, 4), (4, 4), (8, 4), (2, 8)):
+    for p, layers in ((2, 4), (8, 4), (2, 8)):
       shaped = dataclasses.replace(cfg, num_layers=layers)
       out[strategy, p, layers] = compiled_memory(
         shaped, strategy, context_len=MEMORY_CONTEXT, num_ranks=p, partition="even", cache="sharded"
@@ -217,10 +218,11 @@ def memory():
 
 @pytest.mark.parametrize("strategy", ["kvr", "tsp", "ring", "allgather"])
 def test_outputs_shrink_with_ranks(memory, strategy):
-  """A rank's outputs are its share of the cache (about C/p tokens) plus the logits: they
-  halve as p doubles. A prompt-long cache output per rank would keep them constant."""
+  """A rank's outputs are its share of the cache (about C/p tokens) plus the logits: a
+  quarter at 8 ranks of what they are at 2. A prompt-long cache output per rank would keep
+  them constant."""
   logits_bytes = kvr_jax.preset_config("tiny-llama").vocab_size * 4
-  for p in (2, 4, 8):
+  for p in (2, 8):
     got = memory[strategy, p, 4]
     cache_share = got["kv_cache_bytes"] / p
     assert got["output_bytes"] <= 1.05 * cache_share + logits_bytes, (p, got)

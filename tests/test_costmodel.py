@@ -358,6 +358,38 @@ def test_local_calibration_measures_positive_numbers():
   assert links.bandwidth > 1e6 and links.latency > 0
 
 
+@pytest.mark.parametrize(
+  "edit",
+  [
+    lambda c: c["hardware"].update(peak_flops=0),
+    lambda c: c["hardware"].update(memory_bandwidth=float("nan")),
+    lambda c: c["links"].update(bandwidth=-1.0),
+  ],
+)
+def test_a_calibration_file_with_nonsense_figures_counts_as_absent(tmp_path, edit):
+  """Valid JSON with a zero or NaN rate is measured again, never divided by."""
+  hw, links = presets.hardware_preset("local"), presets.links_preset("local")
+  good = {"hardware": dataclasses.asdict(hw), "links": dataclasses.asdict(links)}
+  path = tmp_path / "calibration.json"
+  path.write_text(json.dumps(good))
+  assert presets._read(str(path)) == (hw, links)
+  edit(good)
+  path.write_text(json.dumps(good))
+  assert presets._read(str(path)) is None
+
+
+def test_a_cache_directory_that_cannot_be_used_is_one_clear_error(tmp_path, monkeypatch):
+  from kvr_jax.core import resources
+
+  (tmp_path / "file").write_text("x")
+  monkeypatch.setenv("KVR_JAX_CACHE_DIR", str(tmp_path / "file"))
+  with pytest.raises(ValueError, match="kvr-jax cache directory .* is a file"):
+    resources.cache_dir()
+  monkeypatch.setenv("KVR_JAX_CACHE_DIR", "/proc/self/kvr")
+  with pytest.raises(ValueError, match="cannot be created"):
+    resources.cache_dir()
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 

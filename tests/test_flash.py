@@ -380,3 +380,24 @@ def test_auto_is_this_machines_flash_and_each_kernel_compiles_its_own_program():
   assert traces("fused") == 1
   with pytest.raises(ValueError, match="cudnn.*NVIDIA GPUs"):
     traces("cudnn")
+
+
+def test_every_query_offset_against_dense_catches_an_off_by_one_block_bound():
+  """Query blocks starting at every position modulo the key block (offset traced: one
+  program): a key block counted whole one key too early (a future key leaks) or too late
+  fails here; the SHAPES above do not reach every alignment."""
+  T, S, bq, bk = 8, 48, 8, 16
+  q, k, v = qkv(T, S, 4, 2, seed=5)
+  flash = jax.jit(lambda q, k, v, o: layers.attend_flash(q, k, v, o, query_block=bq, key_block=bk))
+  dense = jax.jit(lambda q, k, v, o: layers.attend(q, k, v, o))
+  for offset in range(S - T + 1):
+    assert_close(flash(q, k, v, offset)[0], dense(q, k, v, offset), f"offset {offset}")
+
+
+def test_a_prompt_of_exactly_max_position_embeddings_tokens_runs():
+  model = kvr_jax.load_model("tiny-llama")
+  n = model.config.max_position_embeddings
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, n)
+  assert kvr_jax.prefill(model, tokens).k_cache.shape[2] == n
+  with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+    kvr_jax.prefill(model, kvr_jax.synthetic_prompt(model.config.vocab_size, n + 1))

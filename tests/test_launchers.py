@@ -84,7 +84,8 @@ def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path)
   """launch.run twice with the same shapes: the first process compiles, the second reads
   every prefill program from JAX's persistent cache and spends far less on compiling;
   --nocompilation_cache compiles again and says the cache was not asked."""
-  flags = ["--strategy=kvr", "--context_len=512", "--partition=even", "--repeats=1"]
+  flags = ["--strategy=kvr", "--context_len=256", "--num_devices=2", "--partition=even"]
+  flags += ["--repeats=1"]
   flags += ["--max_new_tokens=1", f"--compilation_cache_dir={tmp_path / 'xla'}"]
 
   def row(*extra):
@@ -106,6 +107,8 @@ def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path)
   [
     (["--model=tiny-gpt"], "unknown preset 'tiny-gpt'"),
     (["--nocompilation_cache", "--compilation_cache_dir=/tmp/x"], "--nocompilation_cache"),
+    (["--strategy=ring,allgather", "--partition=1,2,3"], "partition lengths apply to ['kvr']"),
+    (["--strategy=ring", "--attention=dense"], "strategy 'ring' runs attention in ('flash',)"),
     (["--compilation_cache_dir=/dev/null"], "is a file"),
     (["--model=./no/such/dir"], "no such directory"),
     (["--partition=3,3", "--context_len=12", "--num_devices=4"], "2 chunks but the mesh has 4"),
@@ -248,3 +251,19 @@ def test_paper_reproduction(tmp_path):
   printed = re.search(r"KVR-P within 2% .*\(worst ([+-][\d.]+)%\)", proc.stdout).group(1)
   assert float(printed) == pytest.approx(worst * 100, abs=0.006)
   assert " ms" not in proc.stdout.split("\n\n")[0] and "ms" in proc.stdout.splitlines()[3]
+
+
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--num_ranks=4"], "--num_ranks apply with --model"),
+    (["--model=tiny-llama", "--dtype_bytes=0"], "--dtype_bytes must be 1, 2, 4 or 8"),
+    (["--model=tiny-llama", "--output_dir=/dev/null"], "is a file"),
+    (["--model=tiny-llama", "--num_ranks=0"], "--num_ranks must be"),
+  ],
+)
+def test_partition_tables_user_errors_are_one_line(flags, message):
+  """Nothing written, no traceback: a flag the shipped set would ignore is refused."""
+  proc = run("launch.partition_tables", *flags, timeout=120)
+  assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+  assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -5,6 +5,7 @@ magnitude of the reference tensor (logits and every layer's K and V).
 """
 
 import dataclasses
+import json
 import re
 
 import jax
@@ -312,6 +313,24 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   other = np.random.RandomState(3).randint(0, 512, (2, 64))
   with pytest.raises(ValueError, match="another setup"):
     search.measured_search(model, other, mesh, cache_path=cache, show_progress=False, verify_top=0)
+  # Another process's result written meanwhile is kept when this one writes (merged).
+  with open(cache) as f:
+    stored = json.load(f)
+  stored["results"]["63,1"] = 9.0  # slow: never the answer
+  with open(cache, "w") as f:
+    json.dump(stored, f)
+  coarse = search.measured_search(
+    model, tokens, mesh, multiple=32, repeats=1, cache_path=cache, show_progress=False
+  )
+  assert coarse[0] % 32 == 0  # not a finer split the file holds from the multiple=16 search
+  with open(cache) as f:
+    assert json.load(f)["results"]["63,1"] == 9.0
+  # Valid JSON with bad values: one clear error naming the file.
+  for bad in ([1, 2], {"setup": stored["setup"], "results": {"40,20": 0.1}}):
+    with open(cache, "w") as f:
+      json.dump(bad, f)
+    with pytest.raises(ValueError, match=f"{cache}: (not a measured-search cache|bad entry)"):
+      search_with_cache()
 
 
 @pytest.mark.parametrize("strategy,p,partition", [("single", 1, None), ("kvr", 3, [150, 60, 90])])

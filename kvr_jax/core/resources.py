@@ -32,7 +32,15 @@ def cache_dir() -> pathlib.Path:
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     base = os.path.join(xdg, "kvr_jax")
   path = pathlib.Path(base)
-  path.mkdir(parents=True, exist_ok=True)
+  where = f"the kvr-jax cache directory {path} (KVR_JAX_CACHE_DIR or ~/.cache/kvr_jax)"
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"{where} is a file; point KVR_JAX_CACHE_DIR at a directory")
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"{where} cannot be created ({e.strerror})") from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise ValueError(f"{where} is not writable; point KVR_JAX_CACHE_DIR elsewhere")
   return path
 
 

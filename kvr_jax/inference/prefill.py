@@ -108,7 +108,9 @@ def check_tokens(model: Model, tokens) -> np.ndarray:
 
 def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attention=None):
   """The `prefill` keyword arguments for `strategy`: the mesh always, the partition only for a
-  partitioned strategy, the attention kernel only when it runs it (else its default)."""
+  partitioned strategy, the attention kernel named (None or "auto": each strategy's own
+  choice). A kernel the strategy does not run is refused, except by TSP, which is dense by
+  definition and keeps its dense kernel (shown in every report)."""
   spec = get_strategy(strategy)
   kwargs: dict[str, Any] = {"strategy": strategy, "mesh": mesh}
   if spec.partitioned:
@@ -118,8 +120,10 @@ def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attent
       raise ValueError(
         f"unknown attention {attention!r}; expected {AUTO!r} or one of {ATTENTION_KINDS}"
       )
-    if attention in spec.attention_kinds:  # TSP keeps its dense kernel
+    if attention in spec.attention_kinds:
       kwargs["attention"] = attention
+    elif strategy != "tsp":  # TSP keeps its dense kernel
+      spec.check_attention(attention)  # raises, naming what it runs and why
   return kwargs
 
 

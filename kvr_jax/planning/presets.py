@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -130,9 +131,18 @@ def _read(path: str) -> tuple[Hardware, Links] | None:
       stored = json.load(f)
     links = dict(stored["links"])
     links["slow"] = tuple(tuple(x) for x in links.get("slow", ()))
-    return Hardware(**stored["hardware"]), Links(**links)
+    hardware, links = Hardware(**stored["hardware"]), Links(**links)
   except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
     return None
+  # Figures that would model nonsense (a zero or NaN rate divides by zero, or by nothing)
+  # make the file count as absent: it is measured again and replaced.
+  rates = [hardware.peak_flops, hardware.memory_bandwidth, links.bandwidth]
+  rates += [hardware.fused_attention_fraction or 1.0, hardware.flops_fraction]
+  if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in rates):
+    return None
+  if not (isinstance(links.latency, (int, float)) and math.isfinite(links.latency)):
+    return None
+  return hardware, links
 
 
 @functools.cache

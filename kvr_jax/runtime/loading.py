@@ -176,6 +176,13 @@ def load_model(name_or_path: str, dtype=AUTO_DTYPE) -> Model:
     )
   name_or_path = os.fspath(name_or_path)
   dtype = None if dtype is None or dtype == AUTO_DTYPE else resolve_dtype(dtype)
+  bare = os.sep not in name_or_path and not name_or_path.startswith(".")
+  if bare and os.path.isdir(name_or_path) and name_or_path in preset_names():
+    # Neither silently: random weights where a checkpoint was meant, or the reverse.
+    raise ValueError(
+      f"{name_or_path!r} is both a preset and a directory here; pass ./{name_or_path} for "
+      "the directory (or run from elsewhere for the preset)"
+    )
   if os.path.isdir(name_or_path):
     if os.path.exists(os.path.join(name_or_path, ORBAX_CONFIG)):
       return restore_model(name_or_path, dtype)
@@ -201,6 +208,24 @@ def _load_tokenizer(directory: str):
   return transformers.AutoTokenizer.from_pretrained(directory)
 
 
+_EMBEDDING_NAMES = ("model.embed_tokens.weight", "transformer.word_embeddings.weight")
+
+
+def _stores_its_own_head(files: list[str]) -> bool:
+  """A checkpoint whose config ties the head to the embedding but which stores an
+  `lm_head.weight` that differs from it (read only in that case)."""
+  head = embedding = None
+  for path in files:
+    for name, array in checkpoints.iter_safetensors(path):
+      if name == "lm_head.weight":
+        head = array
+      elif name in _EMBEDDING_NAMES:
+        embedding = array
+  return head is not None and (
+    embedding is None or head.shape != embedding.shape or not np.array_equal(head, embedding)
+  )
+
+
 def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> Model:
   """Reads config.json and the safetensors weights of a Hugging Face directory.
 
@@ -218,6 +243,9 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> 
     )
   config = config_from_hf(hf_config)
   files = checkpoints.safetensors_files(directory)
+  if config.tie_embeddings and _stores_its_own_head(files):
+    # What transformers does with such a checkpoint: it does not tie (and says so).
+    config = dataclasses.replace(config, tie_embeddings=False)
   graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
   flat_abstract = dict(nnx.to_flat_state(abstract_state))
   np_dtype = np.dtype(dtype)
@@ -308,7 +336,15 @@ def save_model(model: Model, directory: str) -> None:
     raise ValueError(
       f"{directory} holds a Hugging Face checkpoint (config.json); save into another directory"
     )
-  os.makedirs(directory, exist_ok=True)
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"{directory} is a file; save into a directory")
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"{directory}: cannot create it ({e.strerror})") from None
+  # Checked before Orbax starts: its writer threads, failing, keep the interpreter alive.
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise ValueError(f"{directory} is not writable; save into another directory")
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(directory, ORBAX_STATE), nnx.to_pure_dict(model.state))
   checkpointer.wait_until_finished()

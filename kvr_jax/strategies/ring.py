@@ -53,7 +53,11 @@ def ring_attention(
   def partial(q_BcNH, query_chunk, kv, key_half, key_chunk):
     """Flash partial of one query chunk over one key chunk: (out, lse)."""
     k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
-    return layers.attend_flash(q_BcNH, k, v, (query_chunk - key_chunk) * c, window=window)
+    # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
+    # step against the other strategies.
+    return layers.attend_flash(
+      q_BcNH, k, v, (query_chunk - key_chunk) * c, window=window, out_dtype=jnp.float32
+    )
 
   # Step 0, own K,V: each query chunk causally over itself; the second also over the first,
   # which lies wholly in its past.
@@ -75,7 +79,6 @@ def ring_attention(
       *partial(q_second, second_query_chunk, kv, 0, src),
       *partial(q_second, second_query_chunk, kv, 1, 2 * p - 1 - src),
     )
-    out_b = out_b.astype(q_B2cNH.dtype)
     nothing = jnp.zeros_like(out_b), jnp.full_like(lse_b, -jnp.inf)
     return (
       jnp.concatenate([nothing[0], out_b], axis=1),

@@ -69,11 +69,17 @@ def compare_strategies(
   # "single" first, so the others are compared with it.
   strategies = sorted(strategies, key=lambda s: s != "single")
   mesh = make_mesh(num_devices)
-  if isinstance(partition, (list, tuple, np.ndarray)) and any(
-    get_strategy(s).partitioned for s in strategies
-  ):
+  if isinstance(partition, (list, tuple, np.ndarray)):
+    partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
+    if not any(s in partitioned for s in strategies):
+      raise ValueError(
+        f"partition lengths apply to {partitioned}; the strategies {list(strategies)} lay the "
+        "prompt out themselves"
+      )
     # Explicit lengths are checked before the first strategy compiles, not after it ran.
     check_chunks(partition, np.shape(tokens)[-1], check_mesh(mesh))
+  for strategy in strategies:  # a kernel named explicitly is refused, not swapped, up front
+    prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
   reference = None
   reports = []
   for strategy in strategies:

@@ -44,6 +44,37 @@ MAX_REMEMBERED = 16
 _ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _read_measured_cache(cache_path: str | None, setup: dict, context_len: int) -> dict:
+  """The results a measured-search cache holds for `setup`, checked: {} when there is none;
+  ValueError (one line, naming the file) when it is corrupt or of another setup."""
+  if not cache_path or not os.path.exists(cache_path):
+    return {}
+  try:
+    with open(cache_path) as f:
+      stored = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{cache_path}: unreadable measured-search cache ({e}); delete it") from None
+  if not isinstance(stored, dict) or not isinstance(stored.get("results"), dict):
+    raise ValueError(f"{cache_path}: not a measured-search cache (no results object); delete it")
+  if stored.get("setup") != json.loads(json.dumps(setup)):
+    raise ValueError(
+      f"{cache_path} holds measurements of another setup (model, prompt shape "
+      "or devices); use another cache path"
+    )
+  for key, seconds in stored["results"].items():
+    try:
+      chunks = [int(c) for c in key.split(",")]
+    except ValueError:
+      chunks = []
+    valid_time = isinstance(seconds, (int, float)) and np.isfinite(seconds) and seconds > 0
+    if not chunks or min(chunks) < 1 or sum(chunks) != context_len or not valid_time:
+      raise ValueError(
+        f"{cache_path}: bad entry {key!r}: {seconds!r} (chunks summing to {context_len}, "
+        "a positive time); delete the file"
+      )
+  return dict(stored["results"])
+
+
 def measured_objective(
   model, tokens, mesh, *, repeats: int = 3, cache_path: str | None = None
 ) -> Objective:
@@ -61,19 +92,7 @@ def measured_objective(
     "devices": [str(d) for d in mesh.devices.reshape(-1)],
     "device_kind": mesh.devices.reshape(-1)[0].device_kind,
   }
-  results: dict[str, float] = {}
-  if cache_path and os.path.exists(cache_path):
-    try:
-      with open(cache_path) as f:
-        stored = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{cache_path}: corrupt measured-search cache ({e}); delete it") from None
-    if stored.get("setup") != json.loads(json.dumps(setup)):
-      raise ValueError(
-        f"{cache_path} holds measurements of another setup (model, prompt shape "
-        "or devices); use another cache path"
-      )
-    results = stored["results"]
+  results: dict[str, float] = _read_measured_cache(cache_path, setup, tokens.shape[-1])
 
   def measure(chunks: tuple[int, ...], times_to_run: int) -> float:
     """Median of `times_to_run` warm runs; the same value in every process."""
@@ -93,7 +112,10 @@ def measured_objective(
       results[key] = measure(chunks, repeats)
       if cache_path and jax.process_index() == jax.process_count() - 1:
         os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-        resources.write_json_atomically(cache_path, {"setup": setup, "results": results})
+        # Another search may share the file: keep what it wrote meanwhile, then add ours.
+        merged = _read_measured_cache(cache_path, setup, tokens.shape[-1])
+        merged.update(results)
+        resources.write_json_atomically(cache_path, {"setup": setup, "results": merged})
     return results[key]
 
   objective.results = results  # for the final check in measured_search
@@ -139,8 +161,13 @@ def measured_search(
     bar.close()
   ranked = sorted(objective.results.items(), key=lambda item: (item[1], item[0]))
   candidates = [tuple(int(c) for c in key.split(",")) for key, _ in ranked]
-  # The cache file may hold partitions of another search (another cap): only those that fit.
-  candidates = [c for c in candidates if max_chunk is None or max(c) <= max_chunk][:verify_top]
+  # The cache file may hold partitions of another search (another cap, another multiple):
+  # only those this search could have chosen.
+  candidates = [
+    c
+    for c in candidates
+    if (max_chunk is None or max(c) <= max_chunk) and all(x % multiple == 0 for x in c[:-1])
+  ][:verify_top]
   if len(candidates) > 1:
     best = min(candidates, key=lambda chunks: objective.measure(chunks, 2 * repeats))
   return best
