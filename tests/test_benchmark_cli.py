@@ -1,0 +1,110 @@
+"""The benchmark, paper and partition-table command lines end to end on tiny sizes (split
+from test_launchers.py so that the two pytest workers share the subprocess-heavy tests)."""
+
+import csv
+import json
+import re
+
+import pytest
+
+from tests.test_launchers import run
+
+
+def test_benchmark_devices_mode(tmp_path):
+  proc = run(
+    "launch.benchmark",
+    "--model=tiny-llama",
+    "--context_lens=64",
+    "--kernels=flash",
+    "--repeats=1",
+    "--num_devices=2",
+    f"--output_dir={tmp_path}",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "MEASURED" in proc.stdout and "vs Hugging Face transformers" in proc.stdout
+  assert (tmp_path / "devices.csv").exists() and (tmp_path / "devices.png").exists()
+  assert (tmp_path / "vs_transformers.csv").exists()
+
+
+def test_benchmark_accelerator_mode(tmp_path):
+  """One device of this machine (a CPU here): our flash prefill beside transformers on the
+  same weights and tokens, with MFU against the `local` calibration's peak, then modelled
+  2-rank TTFT from the rank programs timed here; refuses a kernel this device cannot run."""
+  flags = ["--mode=accelerator", "--model=tiny-llama", "--context_lens=128", "--repeats=1"]
+  proc = run("launch.benchmark", *flags, "--ranks=2", f"--output_dir={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with open(tmp_path / "accelerator.json") as f:
+    report = json.load(f)
+  assert report["platform"] == "cpu" and report["dtype"] == "float32"
+  measured = {r["implementation"]: r for r in report["measured"]}
+  assert set(measured) == {"transformers/sdpa", "kvr-jax/flash"}  # "auto" on a CPU: flash
+  ours = measured["kvr-jax/flash"]
+  assert ours["max_logit_diff"] < 1e-4  # same weights and tokens as transformers (float32)
+  assert 0 < ours["mfu"] < 1 and ours["ttft_s"] > 0
+  modelled = {(r["strategy"], r["links"]) for r in report["modelled"]}
+  assert modelled == {
+    (s, links) for s in ("kvr", "ring", "allgather") for links in ("300GBps", "10GBps")
+  }
+  assert all(r["num_ranks"] == 2 and r["ttft_s"] > 0 for r in report["modelled"])
+  kvr = next(r for r in report["modelled"] if r["strategy"] == "kvr")
+  assert sum(map(int, kvr["partition"].split("/"))) == 128
+  assert "MODELLED" in proc.stdout and "MEASURED" in proc.stdout
+  proc = run("launch.benchmark", *flags, "--kernels=cudnn", f"--output_dir={tmp_path}")
+  assert proc.returncode == 2 and "kernel 'cudnn' does not run on cpu" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_benchmark_multiprocess_mode(tmp_path):
+  proc = run(
+    "launch.benchmark",
+    "--mode=multiprocess",
+    "--model=tiny-llama",
+    "--context_lens=128",
+    "--repeats=1",
+    "--single_variants=single",
+    "--variants=tsp,kvr-search",
+    f"--output_dir={tmp_path}",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  table = json.loads((tmp_path / "multiprocess.json").read_text())
+  assert {r["variant"] for r in table} == {"single", "tsp", "kvr-search"}
+  assert all(r["ttft_s"] > 0 for r in table)
+  # The printed rows are the JSON's numbers.
+  for r in table:
+    (line,) = [
+      ln for ln in proc.stdout.splitlines() if ln.split()[:3] == [r["variant"], r["link"], "128"]
+    ]
+    assert f"{r['ttft_s']:.3f}s" in line and f"{r['speedup_vs_single']:.2f}x" in line
+
+
+def test_paper_reproduction(tmp_path):
+  proc = run("launch.paper", f"--output_dir={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "MODELLED" in proc.stdout
+  assert "KVR-S faster than TSP in every cell: yes" in proc.stdout
+  assert "KVR-P within 2% of KVR-S (either way) in every cell: yes" in proc.stdout
+  for name in ("paper_ttft.csv", "paper_ttft_300GBps.png", "paper_ttft_10GBps.png"):
+    assert (tmp_path / name).exists()
+  # The printed verdict is the CSV's numbers: the gap of largest magnitude, either sign.
+  with open(tmp_path / "paper_ttft.csv") as f:
+    rows = list(csv.DictReader(line for line in f if not line.lstrip('"').startswith("#")))
+  worst = max((float(r["predict_gap"]) for r in rows), key=abs)
+  printed = re.search(r"KVR-P within 2% .*\(worst ([+-][\d.]+)%\)", proc.stdout).group(1)
+  assert float(printed) == pytest.approx(worst * 100, abs=0.006)
+  assert " ms" not in proc.stdout.split("\n\n")[0] and "ms" in proc.stdout.splitlines()[3]
+
+
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--num_ranks=4"], "--num_ranks apply with --model"),
+    (["--model=tiny-llama", "--dtype_bytes=0"], "--dtype_bytes must be 1, 2, 4 or 8"),
+    (["--model=tiny-llama", "--output_dir=/dev/null"], "is a file"),
+    (["--model=tiny-llama", "--num_ranks=0"], "--num_ranks must be"),
+  ],
+)
+def test_partition_tables_user_errors_are_one_line(flags, message):
+  """Nothing written, no traceback: a flag the shipped set would ignore is refused."""
+  proc = run("launch.partition_tables", *flags, timeout=120)
+  assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+  assert message in proc.stderr and "Traceback" not in proc.stderr
