@@ -43,6 +43,7 @@ from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
 from models.config import config_from_hf
+from models.layers import ATTENTION_KINDS
 
 FLAGS = flags.FLAGS
 # Timeline mode's own partition: KVR-S with the cost model fitted to this model's phases.
@@ -607,9 +608,39 @@ def accelerator_mode():
   return 0
 
 
+# Modes that write files into --output_dir.
+WRITING_MODES = ("devices", "multiprocess", "timeline", "accelerator")
+
+
+def check_shared_flags():
+  """The flags every mode reads, checked before anything is measured: a sweep never ends in a
+  traceback that loses its results."""
+  common.positive_ints(FLAGS.context_lens, "--context_lens")
+  common.positive_ints([FLAGS.repeats], "--repeats")
+  if FLAGS.mode in WRITING_MODES:
+    common.check_output_dir(FLAGS.output_dir)
+  if FLAGS.mode == "kernels":
+    for text in FLAGS.flash_blocks:
+      parts = text.split("x")
+      if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(f"--flash_blocks takes positive QxK pairs like 256x512, got {text!r}")
+  if FLAGS.mode in ("kernels", "phases", "long"):
+    kinds = [k for k in FLAGS.kernels if k not in ATTENTION_KINDS]
+    if not FLAGS.kernels or kinds:
+      raise ValueError(f"--kernels takes some of {ATTENTION_KINDS}, got {FLAGS.kernels!r}")
+  if FLAGS.mode == "phases":
+    for text in FLAGS.partitions:
+      parts = text.split("/")
+      if not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(f"--partitions takes positive lengths separated by '/', got {text!r}")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if FLAGS.process_id is None:
+    with common.user_errors():
+      check_shared_flags()
   if FLAGS.mode == "accelerator":
     # PyTorch shares the device: JAX takes memory as it needs it instead of 75% up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

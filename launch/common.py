@@ -102,6 +102,19 @@ def positive_ints(values, flag: str) -> list[int]:
   return out
 
 
+def check_output_dir(directory: str, flag: str = "--output_dir") -> str:
+  """Before any work: the directory exists or can be made, and can be written."""
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"{flag}={directory} is a file; give a directory")
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"{flag}={directory}: cannot create it ({e.strerror})") from None
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise ValueError(f"{flag}={directory}: not writable")
+  return directory
+
+
 def check_output_file(path: str | None, flag: str) -> None:
   """Before any work: the file can be written (its directory exists and is writable, it is
   not a directory), so that a long run never ends in a traceback that loses its results."""

@@ -14,6 +14,7 @@ import time
 from absl import app, flags
 
 from kvr_jax.tools import paper
+from launch import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "results/paper", "Where to write paper_ttft.csv and plots.")
@@ -22,7 +23,8 @@ flags.DEFINE_string("output_dir", "results/paper", "Where to write paper_ttft.cs
 def main(argv):
   del argv
   start = time.perf_counter()
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  with common.user_errors():
+    common.check_output_dir(FLAGS.output_dir)
   print("MODELLED TTFT (kvr_jax.planning.costmodel: A100 80GB, fp16, batch 1); not a measurement.")
   print(
     f"{'links':<8}{'model':<12}{'p':>2}{'C':>7} {'TSP':>10}{'KVR-E':>10}{'KVR-S':>10}"

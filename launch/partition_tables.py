@@ -8,7 +8,6 @@ With --model, builds that preset's tables on this machine into the local cache, 
 kvr_jax.planning.tables.
 """
 
-import os
 import sys
 
 from absl import app, flags
@@ -26,19 +25,6 @@ flags.DEFINE_integer("dtype_bytes", None, "Bytes per value (default: 4 on local,
 flags.DEFINE_string("output_dir", None, "Where to write (default: shipped or local cache).")
 
 
-def check_output_dir(directory: str) -> str:
-  """Before any search: the directory exists or can be made, and can be written."""
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise ValueError(f"--output_dir={directory} is a file; give a directory")
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"--output_dir={directory}: cannot create it ({e.strerror})") from None
-  if not os.access(directory, os.W_OK | os.X_OK):
-    raise ValueError(f"--output_dir={directory}: not writable")
-  return directory
-
-
 def main(argv):
   del argv
   with common.user_errors():
@@ -53,7 +39,7 @@ def main(argv):
           f"{', '.join(given)} apply with --model; without it the shipped tables are "
           "regenerated as they are defined (kvr_jax.planning.tables.write_all_tables)"
         )
-      directory = check_output_dir(FLAGS.output_dir or str(tables.PARTITION_DIR))
+      directory = common.check_output_dir(FLAGS.output_dir or str(tables.PARTITION_DIR))
       tables.write_all_tables(directory)
       return 0
     preset_config(FLAGS.model)
@@ -62,7 +48,7 @@ def main(argv):
     if FLAGS.dtype_bytes is not None and FLAGS.dtype_bytes not in (1, 2, 4, 8):
       raise ValueError(f"--dtype_bytes must be 1, 2, 4 or 8, got {FLAGS.dtype_bytes}")
     dtype_bytes = FLAGS.dtype_bytes or (4 if FLAGS.hardware == "local" else 2)
-    directory = check_output_dir(FLAGS.output_dir or str(tables.local_partition_dir()))
+    directory = common.check_output_dir(FLAGS.output_dir or str(tables.local_partition_dir()))
     for p in ranks:
       table = tables.build_table(
         FLAGS.model, FLAGS.hardware, FLAGS.links, p, dtype_bytes=dtype_bytes

@@ -108,3 +108,21 @@ def test_partition_tables_user_errors_are_one_line(flags, message):
   proc = run("launch.partition_tables", *flags, timeout=120)
   assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
   assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+  "module,flags,message",
+  [
+    ("launch.benchmark", ["--mode=kernels", "--context_lens=0"], "--context_lens must be"),
+    ("launch.benchmark", ["--mode=kernels", "--flash_blocks=0x512"], "--flash_blocks takes"),
+    ("launch.benchmark", ["--mode=phases", "--partitions=32/0"], "--partitions takes positive"),
+    ("launch.benchmark", ["--mode=phases", "--partitions=32/32", "--kernels="], "--kernels takes"),
+    ("launch.benchmark", ["--mode=devices", "--output_dir=/dev/null"], "is a file"),
+    ("launch.benchmark", ["--repeats=0"], "--repeats must be"),
+    ("launch.paper", ["--output_dir=/proc/self"], "not writable"),
+  ],
+)
+def test_benchmark_and_paper_user_errors_are_one_line_before_any_work(module, flags, message):
+  proc = run(module, *flags, timeout=120)
+  assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+  assert message in proc.stderr and "Traceback" not in proc.stderr
