@@ -415,6 +415,14 @@ def test_bad_inputs(tmp_path):
     f.write("{not json")
   with pytest.raises(ValueError, match="corrupt partition table"):
     tables.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
+  # Valid JSON, right keys, but an entry that is no partition of its length.
+  table = {**table, "model": "falcon-7b"}
+  table["entries"] = [dict(table["entries"][0])]
+  table["entries"][0]["partition"] = [c + 1 for c in table["entries"][0]["partition"]]
+  with open(wrong, "w") as f:
+    json.dump(table, f)
+  with pytest.raises(ValueError, match="chunks must be positive integers summing to"):
+    tables.load_table("falcon-7b", "a100-80gb", "300GBps", 4, str(tmp_path))
   with pytest.raises(ValueError, match="unknown partition method"):
     PartitionPlan("fastest")
   with pytest.raises(ValueError, match="needs a table"):

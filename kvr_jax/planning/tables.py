@@ -62,10 +62,24 @@ def load_table(
     with open(path) as f:
       table = json.load(f)
     entries_ok = all(len(e["partition"]) == num_ranks for e in table["entries"])
-  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    # Every entry a partition of its own length into positive integer chunks: a table that
+    # is valid JSON but not that would otherwise give nonsense fractions, silently.
+    bad = [
+      e
+      for e in table["entries"]
+      if not isinstance(e["context_len"], int)
+      or not all(isinstance(c, int) and c >= 1 for c in e["partition"])
+      or sum(e["partition"]) != e["context_len"]
+    ]
+  except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
     raise ValueError(f"{path}: corrupt partition table ({e!r})") from None
   if not entries_ok or not table["entries"]:
     raise ValueError(f"{path}: corrupt partition table (entries must have {num_ranks} chunks)")
+  if bad:
+    raise ValueError(
+      f"{path}: corrupt partition table (entry {bad[0]!r}: its chunks must be positive "
+      "integers summing to its context_len)"
+    )
   expected = {"model": model, "hardware": hardware, "links": links, "num_ranks": num_ranks}
   for key, value in expected.items():
     if table.get(key) != value:
