@@ -9,6 +9,7 @@ import sys
 import jax
 import numpy as np
 
+from kvr_jax.core import resources
 from kvr_jax.planning.partition import METHODS, PartitionPlan
 from kvr_jax.planning.presets import check_preset_names
 from kvr_jax.runtime import compilation
@@ -104,15 +105,7 @@ def positive_ints(values, flag: str) -> list[int]:
 
 def check_output_dir(directory: str, flag: str = "--output_dir") -> str:
   """Before any work: the directory exists or can be made, and can be written."""
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise ValueError(f"{flag}={directory} is a file; give a directory")
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"{flag}={directory}: cannot create it ({e.strerror})") from None
-  if not os.access(directory, os.W_OK | os.X_OK):
-    raise ValueError(f"{flag}={directory}: not writable")
-  return directory
+  return resources.writable_directory(directory, f"{flag}={directory}")
 
 
 def check_output_file(path: str | None, flag: str) -> None:

@@ -32,15 +32,24 @@ def cache_dir() -> pathlib.Path:
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     base = os.path.join(xdg, "kvr_jax")
   path = pathlib.Path(base)
-  where = f"the kvr-jax cache directory {path} (KVR_JAX_CACHE_DIR or ~/.cache/kvr_jax)"
-  if path.exists() and not path.is_dir():
-    raise ValueError(f"{where} is a file; point KVR_JAX_CACHE_DIR at a directory")
+  writable_directory(
+    path, f"the kvr-jax cache directory {path} (KVR_JAX_CACHE_DIR or ~/.cache/kvr_jax)"
+  )
+  return path
+
+
+def writable_directory(path, name: str) -> str:
+  """`path` as a directory this process can write (created if absent), or one ValueError
+  that starts with `name`: checked before work whose results would otherwise be lost."""
+  path = os.fspath(path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"{name} is a file; give a directory")
   try:
-    path.mkdir(parents=True, exist_ok=True)
+    os.makedirs(path, exist_ok=True)
   except OSError as e:
-    raise ValueError(f"{where} cannot be created ({e.strerror})") from None
+    raise ValueError(f"{name} cannot be created ({e.strerror})") from None
   if not os.access(path, os.W_OK | os.X_OK):
-    raise ValueError(f"{where} is not writable; point KVR_JAX_CACHE_DIR elsewhere")
+    raise ValueError(f"{name} is not writable")
   return path
 
 

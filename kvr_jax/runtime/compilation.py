@@ -49,14 +49,7 @@ def enable(directory: str | os.PathLike | None = None) -> str:
   `default_directory()`); returns the directory. Refuses one that cannot be written."""
   global _listening
   directory = os.fspath(directory) if directory is not None else default_directory()
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise ValueError(f"compilation cache {directory} is a file; give a directory")
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"compilation cache {directory}: cannot create it ({e.strerror})") from None
-  if not os.access(directory, os.W_OK | os.X_OK):
-    raise ValueError(f"compilation cache {directory}: not writable")
+  resources.writable_directory(directory, f"compilation cache {directory}")
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -336,15 +336,8 @@ def save_model(model: Model, directory: str) -> None:
     raise ValueError(
       f"{directory} holds a Hugging Face checkpoint (config.json); save into another directory"
     )
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise ValueError(f"{directory} is a file; save into a directory")
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"{directory}: cannot create it ({e.strerror})") from None
   # Checked before Orbax starts: its writer threads, failing, keep the interpreter alive.
-  if not os.access(directory, os.W_OK | os.X_OK):
-    raise ValueError(f"{directory} is not writable; save into another directory")
+  resources.writable_directory(directory, directory)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(directory, ORBAX_STATE), nnx.to_pure_dict(model.state))
   checkpointer.wait_until_finished()
