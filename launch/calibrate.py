@@ -27,7 +27,8 @@ def main(argv):
   hardware, links = presets.calibrate()
   print(f"hardware: {hardware.note}")
   print(f"links: {links.bandwidth / 1e9:.2f} GB/s, latency {links.latency * 1e6:.1f} us")
-  print(f"stored in {presets.calibration_path()}")
+  path = presets.calibration_path()
+  print(f"stored in {path}" if path else "not stored: the cache directory cannot be used")
   return 0
 
 

@@ -101,6 +101,8 @@ def test_paper_reproduction(tmp_path):
     (["--model=tiny-llama", "--dtype_bytes=0"], "--dtype_bytes must be 1, 2, 4 or 8"),
     (["--model=tiny-llama", "--output_dir=/dev/null"], "is a file"),
     (["--model=tiny-llama", "--num_ranks=0"], "--num_ranks must be"),
+    (["--model=tiny-llama", "--num_ranks=2,4096"], "more ranks than tokens"),
+    (["--shipped", "--output_dir=/tmp"], "--shipped rewrites the shipped set"),
   ],
 )
 def test_partition_tables_user_errors_are_one_line(flags, message):

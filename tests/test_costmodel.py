@@ -378,16 +378,46 @@ def test_a_calibration_file_with_nonsense_figures_counts_as_absent(tmp_path, edi
   assert presets._read(str(path)) is None
 
 
-def test_a_cache_directory_that_cannot_be_used_is_one_clear_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("unusable", ["file", "/proc/self/kvr"])
+def test_an_unusable_cache_directory_degrades_to_not_caching(tmp_path, monkeypatch, unusable):
+  """A file, or a directory that cannot be created: a warning saying why, then every cache
+  measures again (calibration not stored, no local tables, no compilation cache)."""
   from kvr_jax.core import resources
+  from kvr_jax.runtime import compilation
 
   (tmp_path / "file").write_text("x")
-  monkeypatch.setenv("KVR_JAX_CACHE_DIR", str(tmp_path / "file"))
-  with pytest.raises(ValueError, match="kvr-jax cache directory .* is a file"):
-    resources.cache_dir()
-  monkeypatch.setenv("KVR_JAX_CACHE_DIR", "/proc/self/kvr")
-  with pytest.raises(ValueError, match="cannot be created"):
-    resources.cache_dir()
+  path = str(tmp_path / "file") if unusable == "file" else unusable
+  monkeypatch.setenv("KVR_JAX_CACHE_DIR", path)
+  why = "is a file" if unusable == "file" else "cannot be created"
+  with pytest.warns(resources.CacheDirWarning, match=f"kvr-jax cache directory .* {why}"):
+    assert resources.cache_dir() is None
+  with pytest.warns(resources.CacheDirWarning):
+    assert tables.local_partition_dir() is None
+  with pytest.warns(resources.CacheDirWarning):
+    assert compilation.enable() is None
+  assert not compilation.enabled()
+  # The calibration is measured (here: stubbed) and returned, never written.
+  figures = (presets.hardware_preset("a100-80gb"), presets.links_preset("300GBps"))
+  monkeypatch.setattr(presets, "measure_hardware", lambda: figures[0])
+  monkeypatch.setattr(presets, "measure_links", lambda hardware: figures[1])
+  presets.local_calibration.cache_clear()
+  try:
+    with pytest.warns(resources.CacheDirWarning):
+      assert presets.local_calibration() == figures
+  finally:
+    presets.local_calibration.cache_clear()
+  assert (tmp_path / "file").read_text() == "x"
+  with pytest.raises(ValueError, match="no partition table .* the kvr-jax cache directory"):
+    with pytest.warns(resources.CacheDirWarning):
+      tables.load_table("tiny-llama", "local", "local", 2)
+
+
+def test_a_table_built_on_this_machine_answers_before_the_shipped_one(tmp_path, monkeypatch):
+  monkeypatch.setenv("KVR_JAX_CACHE_DIR", str(tmp_path))
+  shipped = tables.load_table("falcon-7b", "a100-80gb", "300GBps", 2)
+  mine = dict(shipped, entries=[{"context_len": 1024, "partition": [600, 424]}])
+  tables.write_table(mine, tables.local_partition_dir())
+  assert tables.load_table("falcon-7b", "a100-80gb", "300GBps", 2)["entries"] == mine["entries"]
 
 
 # --- bad input --------------------------------------------------------------------------------

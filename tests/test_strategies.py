@@ -313,6 +313,8 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   other = np.random.RandomState(3).randint(0, 512, (2, 64))
   with pytest.raises(ValueError, match="another setup"):
     search.measured_search(model, other, mesh, cache_path=cache, show_progress=False, verify_top=0)
+  with open(cache) as f:
+    assert {"dtype": "float32", "kernel": "flash"}.items() <= json.load(f)["setup"].items()
   # Another process's result written meanwhile is kept when this one writes (merged).
   with open(cache) as f:
     stored = json.load(f)

@@ -13,6 +13,7 @@ import importlib.resources
 import json
 import os
 import pathlib
+import warnings
 
 
 def config_dir() -> pathlib.Path:
@@ -25,16 +26,31 @@ def partition_dir() -> pathlib.Path:
   return config_dir() / "partitions"
 
 
-def cache_dir() -> pathlib.Path:
-  """This machine's cache (created on first use)."""
+def configured_cache_dir() -> pathlib.Path:
+  """Where this machine's cache is meant to be, whether or not it can be used."""
   base = os.environ.get("KVR_JAX_CACHE_DIR")
   if not base:
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     base = os.path.join(xdg, "kvr_jax")
-  path = pathlib.Path(base)
-  writable_directory(
-    path, f"the kvr-jax cache directory {path} (KVR_JAX_CACHE_DIR or ~/.cache/kvr_jax)"
-  )
+  return pathlib.Path(base)
+
+
+class CacheDirWarning(UserWarning):
+  """The kvr-jax cache directory cannot be used: nothing is cached, results are measured again."""
+
+
+def cache_dir() -> pathlib.Path | None:
+  """This machine's cache (created on first use), or None when it cannot be used (a file, not
+  creatable, not writable): then a warning says why and callers cache nothing, measuring
+  again instead. A cache is an optimisation; an unusable one never stops a run."""
+  path = configured_cache_dir()
+  try:
+    writable_directory(
+      path, f"the kvr-jax cache directory {path} (KVR_JAX_CACHE_DIR or ~/.cache/kvr_jax)"
+    )
+  except ValueError as e:
+    warnings.warn(f"{e}: nothing is cached (set KVR_JAX_CACHE_DIR)", CacheDirWarning, stacklevel=2)
+    return None
   return path
 
 

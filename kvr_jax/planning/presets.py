@@ -105,10 +105,12 @@ def make_setup(
 
 
 def machine_key() -> str:
-  """What the local figures depend on: host, devices, processes and XLA's threading flags."""
+  """What the local figures depend on: host, devices, processes, XLA's threading flags and
+  the JAX (XLA) version that compiles the measured programs."""
   devices = jax.devices()
   facts = {
     "calibration": CALIBRATION_VERSION,
+    "jax": jax.__version__,
     "host": platform.node(),
     "machine": platform.machine(),
     "cpus": os.cpu_count(),
@@ -121,11 +123,16 @@ def machine_key() -> str:
   return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def calibration_path() -> str:
-  return str(resources.cache_dir() / f"calibration-{machine_key()}.json")
+def calibration_path() -> str | None:
+  """Where this machine's figures are kept; None when the cache directory cannot be used
+  (then they are measured in every process that needs them)."""
+  directory = resources.cache_dir()
+  return None if directory is None else str(directory / f"calibration-{machine_key()}.json")
 
 
-def _read(path: str) -> tuple[Hardware, Links] | None:
+def _read(path: str | None) -> tuple[Hardware, Links] | None:
+  if path is None:
+    return None
   try:
     with open(path) as f:
       stored = json.load(f)
@@ -169,7 +176,7 @@ def calibrate() -> tuple[Hardware, Links]:
   return result
 
 
-def _measure_and_store(path: str) -> tuple[Hardware, Links]:
+def _measure_and_store(path: str | None) -> tuple[Hardware, Links]:
   hardware = measure_hardware()
   links = measure_links(hardware)
   if jax.process_count() > 1:
@@ -189,7 +196,7 @@ def _measure_and_store(path: str) -> tuple[Hardware, Links]:
       hardware, peak_flops=f, memory_bandwidth=m, fused_attention_fraction=a
     )
     links = Links(b, lat)
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and path is not None:
     payload = {"hardware": dataclasses.asdict(hardware), "links": dataclasses.asdict(links)}
     payload["links"]["slow"] = list(links.slow)
     resources.write_json_atomically(path, payload)

@@ -20,9 +20,11 @@ from kvr_jax.runtime.loading import preset_config
 PARTITION_DIR = str(resources.partition_dir())
 
 
-def local_partition_dir() -> str:
-  """KVR-P tables built on this machine (any preset, any hardware/links preset)."""
-  return str(resources.cache_dir() / "partitions")
+def local_partition_dir() -> str | None:
+  """KVR-P tables built on this machine (any preset, any hardware/links preset); None when
+  the cache directory cannot be used."""
+  directory = resources.cache_dir()
+  return None if directory is None else str(directory / "partitions")
 
 
 def table_path(
@@ -44,8 +46,12 @@ def load_table(
 ) -> dict:
   """The KVR-P table for (model, hardware, links, p); checks it is the table it claims.
 
-  directory None: the shipped tables, then those built on this machine."""
-  directories = [PARTITION_DIR, local_partition_dir()] if directory is None else [directory]
+  directory None: those built on this machine (`launch.partition_tables`), then the shipped
+  tables; a table rebuilt here answers for this machine."""
+  if directory is None:
+    directories = [d for d in (local_partition_dir(), PARTITION_DIR) if d is not None]
+  else:
+    directories = [directory]
   paths = [table_path(model, hardware, links, num_ranks, d) for d in directories]
   path = next((p for p in paths if os.path.exists(p)), None)
   if path is None:
@@ -56,7 +62,7 @@ def load_table(
       f"no partition table for model={model!r}, hardware={hardware!r}, "
       f"links={links!r}, p={num_ranks}; tables: {have}. Build it on this machine with "
       f"`{build_command(model, hardware, links, num_ranks)}` (written to "
-      f"{local_partition_dir()}, where 'predict' finds it)"
+      f"{local_partition_dir() or 'the kvr-jax cache directory'}, where 'predict' finds it)"
     )
   try:
     with open(path) as f:
@@ -148,7 +154,7 @@ def build_table(
     "num_ranks": num_ranks,
     "objective": f"modelled TTFT (kvr_jax.costmodel), {dtype_bytes}-byte values, batch 1",
     "regenerate": (
-      "python -m launch.partition_tables"
+      "python -m launch.partition_tables --shipped"
       if (model, hardware, links) in _shipped_keys()
       else build_command(model, hardware, links, num_ranks)
     ),

@@ -39,16 +39,24 @@ def _count(event: str, **_kwargs) -> None:
     _counts[event] += 1
 
 
-def default_directory() -> str:
-  """The cache under this machine's kvr-jax cache directory (KVR_JAX_CACHE_DIR)."""
-  return os.path.join(resources.cache_dir(), "xla")
+def default_directory() -> str | None:
+  """The cache under this machine's kvr-jax cache directory (KVR_JAX_CACHE_DIR); None when
+  that cannot be used."""
+  base = resources.cache_dir()
+  return None if base is None else os.path.join(base, "xla")
 
 
-def enable(directory: str | os.PathLike | None = None) -> str:
+def enable(directory: str | os.PathLike | None = None) -> str | None:
   """Turns JAX's persistent compilation cache on in `directory` (default
-  `default_directory()`); returns the directory. Refuses one that cannot be written."""
+  `default_directory()`); returns the directory. Refuses a directory given that cannot be
+  written; without one and with an unusable kvr-jax cache directory, leaves the cache off
+  (resources.cache_dir warned) and returns None."""
   global _listening
-  directory = os.fspath(directory) if directory is not None else default_directory()
+  if directory is None:
+    directory = default_directory()
+    if directory is None:
+      return None
+  directory = os.fspath(directory)
   resources.writable_directory(directory, f"compilation cache {directory}")
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)

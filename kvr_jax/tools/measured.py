@@ -34,6 +34,7 @@ from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.planning.search import Objective, search_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh
+from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.timing import time_prefill
 from models.layers import FUSED_KERNELS, attend_static, window_start
 
@@ -85,12 +86,19 @@ def measured_objective(
   and is refused if it belongs to another setup.
   """
   tokens = np.asarray(tokens)
+  first_device = mesh.devices.reshape(-1)[0]
+  # Everything that changes a measured time keys the file: what runs (model, weights' dtype,
+  # the kernel the prefills resolve to, the prompt's shape) and where (devices, their kind).
   setup = {
     "model": model.source,
     "config": model.config.to_dict(),
+    "dtype": jnp.dtype(model.dtype).name,
+    "kernel": get_strategy("kvr").resolve_attention(
+      None, first_device, model.dtype, model.config.sliding_window
+    ),
     "shape": list(tokens.shape),
     "devices": [str(d) for d in mesh.devices.reshape(-1)],
-    "device_kind": mesh.devices.reshape(-1)[0].device_kind,
+    "device_kind": first_device.device_kind,
   }
   results: dict[str, float] = _read_measured_cache(cache_path, setup, tokens.shape[-1])
 
