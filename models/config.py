@@ -218,7 +218,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
       if key not in merged:
         raise ValueError(f"config.json: rope type 'llama3' needs `{key}`")
       kwargs[key] = merged[key]
-  if merged.get("partial_rotary_factor", 1.0) != 1.0:
+  # transformers 5 moves a top-level `partial_rotary_factor` into rope_parameters (and its
+  # Llama then ignores it): a model that asks for partial rotary is refused either way.
+  if merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
     raise ValueError("config.json: `partial_rotary_factor` != 1 is not supported")
   return RopeConfig(**kwargs)
 
@@ -233,6 +235,14 @@ LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon",)
 
 
+# Defaults transformers (5.x) takes when config.json leaves a key out, where they are not the
+# generic ones: Qwen3's head_dim is a fixed 128 (not hidden_size / heads), Mistral's window is
+# 4096 (`sliding_window` absent is not `null`), and the position limits per family.
+HEAD_DIM_DEFAULTS = {"qwen3": 128}
+WINDOW_DEFAULTS = {"mistral": 4096}
+MAX_POSITION_DEFAULTS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+
+
 def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
   """One window for every layer, or None. Per-layer windows are refused by name.
 
@@ -241,7 +251,7 @@ def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
   and then only on layers >= `max_window_layers`. transformers >= 4.54 also writes
   `layer_types`, which decides when present.
   """
-  window = hf.get("sliding_window")
+  window = hf.get("sliding_window", WINDOW_DEFAULTS.get(model_type))
   if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
     window = None
   if model_type == "llama":  # transformers' Llama has no window and ignores the field
@@ -289,7 +299,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     num_heads=hf["num_attention_heads"],
     eos_token_id=eos,
     bos_token_id=hf.get("bos_token_id"),
-    max_position_embeddings=hf.get("max_position_embeddings", 2048),
+    max_position_embeddings=hf.get(
+      "max_position_embeddings", MAX_POSITION_DEFAULTS.get(model_type, 2048)
+    ),
   )
   if model_type in LLAMA_FAMILIES:
     _refuse(hf, "attention_bias", True, f"{model_type} attention without bias on o_proj only")
@@ -300,7 +312,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return LlamaConfig(
       **common,
       num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      head_dim=hf.get("head_dim")
+      or HEAD_DIM_DEFAULTS.get(model_type, hf["hidden_size"] // num_heads),
       mlp_dim=hf["intermediate_size"],
       norm_eps=hf.get("rms_norm_eps", 1e-6),
       rope=_rope_from_hf(hf),

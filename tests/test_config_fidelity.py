@@ -1,0 +1,274 @@
+"""Config fidelity as a rule: one config.json, two readers, the same model or a refusal by name.
+
+Every variant below is a tiny checkpoint written by transformers (`save_pretrained`) whose
+config.json is then edited as users and older tools write them (the other RoPE layout, keys
+left out so that defaults decide, windows per model type, tied or untied heads with and
+without a stored head, biases, head_dim). transformers reads the edited directory with
+`from_pretrained`, and so does the loader here: either its logits match transformers' within
+MODEL_TOL, or it refuses with a ValueError that names the field. Which of the two is part of
+the table: a refusal where a match is expected fails, and so does a match where the table
+says transformers does something the project does not implement.
+
+The rules follow transformers 5.x (5.23 when written; `transformers>=5` in pyproject):
+older versions read some of these fields differently (transformers 4 tied a stored head to
+the embedding under `tie_word_embeddings: true`, for one).
+"""
+
+import json
+import os
+import re
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import kvr_jax
+from tests import hf_fixtures
+
+MODEL_TOL = 1e-4  # whole models against transformers, float32
+TOKENS = np.random.RandomState(5).randint(0, 64, (1, 12))  # longer than every window below
+
+CLASSES = {
+  "llama": "Llama",
+  "mistral": "Mistral",
+  "qwen2": "Qwen2",
+  "qwen3": "Qwen3",
+  "falcon": "Falcon",
+}
+
+
+def base_kwargs(model_type: str) -> dict:
+  common = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+  )
+  if model_type == "falcon":
+    return dict(common, alibi=False, bias=False, ffn_hidden_size=48, new_decoder_architecture=True)
+  return dict(common, intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def drop(*keys: str) -> Callable[[dict], None]:
+  def edit(config: dict) -> None:
+    for key in keys:
+      config.pop(key, None)
+
+  return edit
+
+
+def put(**values) -> Callable[[dict], None]:
+  return lambda config: config.update(values)
+
+
+def both(*edits) -> Callable[[dict], None]:
+  def edit(config: dict) -> None:
+    for e in edits:
+      e(config)
+
+  return edit
+
+
+def old_rope_layout(config: dict) -> None:
+  """transformers < 5 wrote `rope_theta` and `rope_scaling` with "type"."""
+  params = dict(config.pop("rope_parameters"))
+  config["rope_theta"] = params.pop("rope_theta")
+  if params.get("rope_type", "default") != "default":
+    params["type"] = params.pop("rope_type")
+    config["rope_scaling"] = params
+
+
+def scaling_beside_parameters(**overrides) -> Callable[[dict], None]:
+  """`rope_scaling` added to a transformers-5 config (as model cards say to do for YaRN)."""
+
+  def edit(config: dict) -> None:
+    params = dict(config["rope_parameters"])
+    params.pop("rope_theta")
+    config["rope_scaling"] = {**params, **overrides}
+
+  return edit
+
+
+LLAMA3 = {
+  "rope_type": "llama3",
+  "rope_theta": 10000.0,
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 16,
+}
+LINEAR = {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}
+
+# name: (model_type, build kwargs, edit of config.json, None = same model | field refused).
+VARIANTS = {
+  # RoPE: both layouts, every supported type, their precedence, and types refused by name.
+  "llama-default-rope": ("llama", {}, None, None),
+  "llama-theta-only-old-layout": ("llama", {"rope_theta": 500.0}, old_rope_layout, None),
+  "llama-no-rope-keys": ("llama", {}, drop("rope_parameters", "rope_theta"), None),
+  "llama-linear": ("llama", {"rope_parameters": LINEAR}, None, None),
+  "llama-linear-old-layout": ("llama", {"rope_parameters": LINEAR}, old_rope_layout, None),
+  "llama-llama3": ("llama", {"rope_parameters": LLAMA3}, None, None),
+  "llama-llama3-old-layout": ("llama", {"rope_parameters": LLAMA3}, old_rope_layout, None),
+  "llama-llama3-scaling-agrees": (
+    "llama",
+    {"rope_parameters": LLAMA3},
+    scaling_beside_parameters(),
+    None,
+  ),
+  "llama-scaling-disagrees": (
+    "llama",
+    {"rope_parameters": LLAMA3},
+    scaling_beside_parameters(factor=4.0),
+    "rope_scaling",
+  ),
+  "llama-yarn": (
+    "llama",
+    {},
+    put(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+    "rope type 'yarn'",
+  ),
+  "llama-dynamic": (
+    "llama",
+    {},
+    put(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+    "rope type 'dynamic'",
+  ),
+  "llama-partial-rotary": ("llama", {}, put(partial_rotary_factor=0.5), "partial_rotary_factor"),
+  "llama-partial-rotary-in-parameters": (
+    "llama",
+    {},
+    lambda config: config["rope_parameters"].update(partial_rotary_factor=0.5),
+    "partial_rotary_factor",
+  ),
+  # Norms, head_dim, activations, biases.
+  "llama-rms-eps": ("llama", {"rms_norm_eps": 1e-2}, None, None),
+  "llama-no-rms-eps": ("llama", {"rms_norm_eps": 1e-6}, drop("rms_norm_eps"), None),
+  "llama-head-dim-16": ("llama", {"head_dim": 16}, None, None),
+  "llama-no-head-dim": ("llama", {}, drop("head_dim"), None),
+  "llama-gelu": ("llama", {}, put(hidden_act="gelu"), "hidden_act"),
+  "llama-attention-bias": ("llama", {"attention_bias": True}, None, "attention_bias"),
+  "llama-mlp-bias": ("llama", {"mlp_bias": True}, None, "mlp_bias"),
+  "llama-no-kv-heads": ("llama", {"num_key_value_heads": 4}, drop("num_key_value_heads"), None),
+  # Heads: tied, untied, tied with its own stored head, untied with none stored.
+  "llama-tied": ("llama", {"tie_word_embeddings": True}, None, None),
+  "llama-tied-but-head-stored": ("llama", {}, put(tie_word_embeddings=True), None),
+  "llama-no-tie-key": ("llama", {}, drop("tie_word_embeddings"), None),
+  "llama-untied-no-head-stored": (
+    "llama",
+    {"tie_word_embeddings": True},
+    put(tie_word_embeddings=False),
+    "lacks tensors for: ['lm_head']",
+  ),
+  # Windows per model type and their defaults.
+  "llama-sliding-window-key": ("llama", {}, put(sliding_window=4), None),
+  "mistral-window-4": ("mistral", {"sliding_window": 4}, None, None),
+  "mistral-window-null": ("mistral", {"sliding_window": None}, None, None),
+  "mistral-no-window-key": ("mistral", {"sliding_window": 4}, drop("sliding_window"), None),
+  "qwen2-window-off": ("qwen2", {"sliding_window": 4, "use_sliding_window": False}, None, None),
+  "qwen2-window-every-layer": (
+    "qwen2",
+    {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0},
+    None,
+    None,
+  ),
+  "qwen2-window-from-layer-1": (
+    "qwen2",
+    {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1},
+    None,
+    "sliding-window attention on some layers only",
+  ),
+  "qwen2-no-layer-types": (
+    "qwen2",
+    {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0},
+    drop("layer_types"),
+    None,
+  ),
+  "qwen3-head-dim-16": ("qwen3", {"head_dim": 16, "use_sliding_window": False}, None, None),
+  "qwen3-no-head-dim": ("qwen3", {"head_dim": 128}, drop("head_dim"), None),
+  "qwen3-window-every-layer": (
+    "qwen3",
+    {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0},
+    None,
+    None,
+  ),
+  # Falcon: the three block forms, defaults, and what is refused.
+  "falcon-40b-form": ("falcon", {"num_kv_heads": 2}, None, None),
+  "falcon-40b-one-norm": ("falcon", {"num_kv_heads": 2, "num_ln_in_parallel_attn": 1}, None, None),
+  "falcon-7b-form": (
+    "falcon",
+    {"new_decoder_architecture": False, "multi_query": True, "parallel_attn": True},
+    None,
+    None,
+  ),
+  "falcon-rw-form": (
+    "falcon",
+    {"new_decoder_architecture": False, "multi_query": False, "parallel_attn": True},
+    None,
+    None,
+  ),
+  "falcon-untied": ("falcon", {"tie_word_embeddings": False}, None, None),
+  "falcon-no-tie-key": ("falcon", {}, drop("tie_word_embeddings"), None),
+  "falcon-rope-theta": ("falcon", {"rope_theta": 500.0}, old_rope_layout, None),
+  "falcon-sequential": (
+    "falcon",
+    {"new_decoder_architecture": False, "parallel_attn": False},
+    None,
+    "parallel_attn",
+  ),
+  "falcon-alibi": ("falcon", {}, put(alibi=True), "alibi"),
+  "falcon-bias": ("falcon", {"bias": True}, None, "bias"),
+}
+
+
+def write_variant(name: str, directory) -> None:
+  model_type, kwargs, edit, _ = VARIANTS[name]
+  config_class = getattr(transformers, f"{CLASSES[model_type]}Config")
+  model_class = getattr(transformers, f"{CLASSES[model_type]}ForCausalLM")
+  config = config_class(**{**base_kwargs(model_type), **kwargs})
+  torch.manual_seed(0)
+  hf_fixtures.randomize(model_class(config), seed=0).save_pretrained(directory)
+  if edit is not None:
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+      stored = json.load(f)
+    edit(stored)
+    with open(path, "w") as f:
+      json.dump(stored, f)
+
+
+def effective_window(hf_config) -> int | None:
+  """The window transformers applies on every layer (mixed layers are refused here)."""
+  layer_types = getattr(hf_config, "layer_types", None)
+  if hf_config.model_type == "mistral":  # MistralAttention windows every layer by the field
+    return hf_config.sliding_window
+  if hf_config.model_type in ("llama", "falcon") or layer_types is None:
+    return None
+  assert len(set(layer_types)) == 1
+  return hf_config.sliding_window if layer_types[0] == "sliding_attention" else None
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_loader_reads_config_json_as_transformers_does_or_refuses_by_name(name, tmp_path):
+  refused_field = VARIANTS[name][3]
+  write_variant(name, tmp_path)
+  if refused_field is not None:
+    with pytest.raises(ValueError, match=re.escape(refused_field)):
+      kvr_jax.load_model(str(tmp_path), dtype="float32")
+    return
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+    tmp_path, attn_implementation="eager"
+  )
+  want = hf_fixtures.hf_logits(hf_model, TOKENS).astype(np.float64)
+  ours = kvr_jax.load_model(str(tmp_path), dtype="float32")
+  # Fields a 12-token prompt cannot show in the logits: the window and the position limit.
+  assert ours.config.sliding_window == effective_window(hf_model.config)
+  assert ours.config.max_position_embeddings == hf_model.config.max_position_embeddings
+  got = np.asarray(ours.module(TOKENS), np.float64)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err <= MODEL_TOL, f"{name}: relative error {err:.2e} > {MODEL_TOL}"
