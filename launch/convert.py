@@ -29,7 +29,9 @@ def main(argv):
       raise ValueError(f"--hf_dir {FLAGS.hf_dir}: no such directory")
     if not os.path.exists(os.path.join(FLAGS.hf_dir, "config.json")):
       raise ValueError(f"--hf_dir {FLAGS.hf_dir}: no config.json (not a Hugging Face directory)")
-    model = loading.load_hf_model(FLAGS.hf_dir, loading.resolve_dtype(FLAGS.dtype), progress=True)
+    dtype = loading.resolve_dtype(FLAGS.dtype)
+    loading.check_save_directory(FLAGS.output_dir)  # before the (long) read of the weights
+    model = loading.load_hf_model(FLAGS.hf_dir, dtype, progress=True)
     print(f"loaded {model}; saving to {FLAGS.output_dir}")
     loading.save_model(model, FLAGS.output_dir)
   print(f"wrote {FLAGS.output_dir}")

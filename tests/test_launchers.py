@@ -145,6 +145,10 @@ def test_convert_then_run_from_orbax(tmp_path):
   assert "orbax:" in proc.stdout
   proc = run("launch.convert", f"--hf_dir={tmp_path / 'missing'}", f"--output_dir={ckpt}2")
   assert proc.returncode == 2 and "no such directory" in proc.stderr
+  # An output that cannot be written is refused before the weights are read, and it ends.
+  for output, why in ((ckpt, "already holds a checkpoint"), ("/dev/null", "is a file")):
+    proc = run("launch.convert", f"--hf_dir={hf_dir}", f"--output_dir={output}", timeout=60)
+    assert proc.returncode == 2 and why in proc.stderr and "loaded" not in proc.stdout
 
 
 def test_run_with_a_text_prompt(tmp_path):

@@ -324,10 +324,9 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> 
 # Orbax
 
 
-def save_model(model: Model, directory: str) -> None:
-  """Saves weights (Orbax), config and tokenizer, so `load_model(directory)` restores them."""
-  import orbax.checkpoint as ocp
-
+def check_save_directory(directory: str) -> str:
+  """`directory` (absolute) if `save_model` can write a checkpoint there, else one ValueError:
+  called by save_model, and by launchers before they load anything."""
   directory = os.path.abspath(directory)
   if os.path.exists(os.path.join(directory, ORBAX_STATE)):
     raise ValueError(f"{directory} already holds a checkpoint; choose an empty directory")
@@ -337,7 +336,14 @@ def save_model(model: Model, directory: str) -> None:
       f"{directory} holds a Hugging Face checkpoint (config.json); save into another directory"
     )
   # Checked before Orbax starts: its writer threads, failing, keep the interpreter alive.
-  resources.writable_directory(directory, directory)
+  return resources.writable_directory(directory, directory)
+
+
+def save_model(model: Model, directory: str) -> None:
+  """Saves weights (Orbax), config and tokenizer, so `load_model(directory)` restores them."""
+  import orbax.checkpoint as ocp
+
+  directory = check_save_directory(directory)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(directory, ORBAX_STATE), nnx.to_pure_dict(model.state))
   checkpointer.wait_until_finished()
