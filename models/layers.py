@@ -158,7 +158,9 @@ def apply_rope(x_BTnH: jax.Array, positions_BT: jax.Array, rope: RopeConfig) -> 
   return (x32 * cos + rotated * sin).astype(x_BTnH.dtype)
 
 
-def causal_mask(num_queries: int, num_keys: int, query_offset, window=None) -> jax.Array:
+def causal_mask(
+  num_queries: int, num_keys: int, query_offset, window=None, num_valid_keys=None
+) -> jax.Array:
   """[T, S] bool: query t (position query_offset + t) may see key s iff s <= that position
   and, with a sliding window W, s > that position - W.
 
@@ -167,11 +169,19 @@ def causal_mask(num_queries: int, num_keys: int, query_offset, window=None) -> j
   query_offset = S - T this is the usual lower-triangular block at the end of the prefix;
   keys past the last query's position are masked, which is also what hides the unused tail of
   a preallocated decode cache.
+
+  Ragged rows (prompts of different lengths padded to one shape): `query_offset` may be [B],
+  one offset per row, and `num_valid_keys` ([B] or a scalar) masks the keys at index >= it
+  (a row's padding); the mask is then [B, T, S].
   """
-  q_pos = query_offset + jnp.arange(num_queries)[:, None]
-  k_pos = jnp.arange(num_keys)[None, :]
+  q_pos = jnp.asarray(query_offset)[..., None, None] + jnp.arange(num_queries)[:, None]
+  k_pos = jnp.arange(num_keys)
   visible = k_pos <= q_pos
-  return visible if window is None else visible & (k_pos > q_pos - window)
+  if window is not None:
+    visible &= k_pos > q_pos - window
+  if num_valid_keys is not None:
+    visible &= k_pos < jnp.asarray(num_valid_keys)[..., None, None]
+  return visible
 
 
 def attend(
@@ -205,9 +215,12 @@ def attend_with_lse(
   *,
   window: int | None = None,
   softmax_scale: float | None = None,
+  num_valid_keys=None,
 ) -> tuple[jax.Array, jax.Array]:
   """`attend` that also returns the log-sum-exp: (out [B, T, N, H] float32, lse [B, T, N]
-  float32), so that attentions over disjoint key sets merge exactly (`merge_partials`)."""
+  float32), so that attentions over disjoint key sets merge exactly (`merge_partials`).
+  `query_offset` and `num_valid_keys` may be per row ([B], see `causal_mask`); a row whose
+  keys are all masked gets a finite lse near the mask value, so it weighs 0 in a merge."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -216,8 +229,10 @@ def attend_with_lse(
   scores_BKGTS = (
     jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
   )
-  mask_TS = causal_mask(T, S, query_offset, window)
-  scores_BKGTS = jnp.where(mask_TS, scores_BKGTS, _MASK_VALUE)
+  mask = causal_mask(T, S, query_offset, window, num_valid_keys)
+  if mask.ndim == 3:  # per row: [B, T, S] -> [B, 1, 1, T, S]
+    mask = mask[:, None, None]
+  scores_BKGTS = jnp.where(mask, scores_BKGTS, _MASK_VALUE)
   # Softmax with the normalisation deferred to the [T, H] output: one pass fewer over the
   # [T, S] scores than normalising the probabilities themselves.
   max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)

@@ -183,9 +183,10 @@ def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p
   L, K, H = got.prefill.kv_parts.shape[1], *got.prefill.kv_parts.shape[4:]
   B = prompt.shape[0]
   tail = jax.numpy.zeros((L, 2, B, len(tokens), K, H), device=replicated)
+  prompt_lens = jax.device_put(np.full(B, ref.prompt_len, np.int32), replicated)
   for i, token in enumerate(tokens):
     token = jax.device_put(token, replicated)
-    logits, tail = program(state, token, ref.prompt_len + i, got.prefill.kv_parts, tail, i)
+    logits, tail = program(state, token, prompt_lens, got.prefill.kv_parts, tail, i)
     assert_close(logits, want[i], f"{name} {strategy} decode step {i}")
 
 

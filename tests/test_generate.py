@@ -84,7 +84,7 @@ def test_stops_at_eos(model, prompt):
   "tokens,message",
   [
     (np.zeros((1, 0), np.int32), "empty"),
-    ([[1, 2], [3]], "equal-length"),
+    ([[1, 2], []], "prompt row 1 is empty"),
     (np.array([[1, 2, 512]]), "outside the vocabulary"),
     (np.array([[1, -1]]), "outside the vocabulary"),
     (np.array([[1.5, 2.0]]), "integer"),

@@ -26,25 +26,30 @@ from models import layers, scan_blocks
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4, 5))
-def decode_step(graphdef, state, tokens_B, position, k_cache, v_cache):
-  """Appends one token per sequence at `position`; returns (logits [B, V], k_cache, v_cache).
+def decode_step(graphdef, state, tokens_B, positions_B, k_cache, v_cache):
+  """Appends one token per sequence, row b at `positions_B[b]` (rows of a ragged batch sit at
+  their own lengths; a scalar is every row's); returns (logits [B, V], k_cache, v_cache).
 
-  k_cache, v_cache: [L, B, S_max, K, H] with positions [0, position) filled. Keys past
-  `position` are hidden by the causal offset, so the unused tail of the cache needs no mask;
-  with a sliding window W keys before position - W + 1 are masked (they may be zeros after a
+  k_cache, v_cache: [L, B, S_max, K, H] with each row's positions [0, positions_B[b]) filled.
+  Keys past a row's position are hidden by its causal offset, so the unused tail of the cache
+  (and a shorter row's padding, which its later tokens overwrite) needs no mask; with a
+  sliding window W keys before position - W + 1 are masked (they may be zeros after a
   windowed KV-Runahead prefill).
   """
   model = nnx.merge(graphdef, state)
   B = tokens_B.shape[0]
-  positions_B1 = jnp.full((B, 1), position, jnp.int32)
+  positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
+
+  def write(cache_SKH, new_1KH, position):
+    return jax.lax.dynamic_update_slice_in_dim(cache_SKH, new_1KH, position, axis=0)
 
   def layer(block, x_B1D, cache_l):
     k_BSKH, v_BSKH = cache_l
-    q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B1)
-    # [B, S_max, K, H]: write this token's K,V at its position
-    k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_B1KH, position, axis=1)
-    v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_B1KH, position, axis=1)
-    attn_B1NH = block.attend(q_B1NH, k_BSKH, v_BSKH, position, "dense")
+    q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
+    # [B, S_max, K, H]: write this token's K,V at its row's position
+    k_BSKH = jax.vmap(write)(k_BSKH, k_B1KH, positions_B)
+    v_BSKH = jax.vmap(write)(v_BSKH, v_B1KH, positions_B)
+    attn_B1NH = block.attend(q_B1NH, k_BSKH, v_BSKH, positions_B, "dense")
     return block.finish(x_B1D, attn_B1NH), (k_BSKH, v_BSKH)
 
   x_B1D, (k_cache, v_cache) = scan_blocks(
@@ -53,16 +58,25 @@ def decode_step(graphdef, state, tokens_B, position, k_cache, v_cache):
   return model.logits(x_B1D)[:, 0], k_cache, v_cache
 
 
-def part_attention(q_B1NH, part_2BPKH, position, runs, window: int | None):
-  """One rank's partial attention of the new token (at `position`) over its part: every run
-  (prompt position, length, row) is a flash partial at its own offset, merged. A rank with no
-  run, or whose runs lie wholly before the window, returns out 0 and lse -inf (weight 0).
+def part_attention(q_B1NH, part_2BPKH, positions_B, prompt_lens_B, runs, window: int | None):
+  """One rank's partial attention of the new tokens (row b at `positions_B[b]`) over its
+  part: every run (prompt position, length, row) at its own offset, only the keys before the
+  row's `prompt_lens_B[b]` (past it, a padded row holds padding), merged. A rank with no
+  run, or whose runs lie wholly before the window, returns out 0 and an lse at the mask
+  value (weight 0). One query per row: dense scores, [B, N, run length], are small.
   Returns (out float32 [B, 1, N, H], lse float32 [B, 1, N])."""
   out = jnp.zeros_like(q_B1NH, jnp.float32)
   lse = out[..., 0] - jnp.inf
   for position_0, length, row in runs:
     keys = part_2BPKH[:, :, row : row + length]
-    partial = layers.attend_flash(q_B1NH, keys[0], keys[1], position - position_0, window=window)
+    partial = layers.attend_with_lse(
+      q_B1NH,
+      keys[0],
+      keys[1],
+      positions_B - position_0,
+      window=window,
+      num_valid_keys=prompt_lens_B - position_0,
+    )
     out, lse = layers.merge_partials(out, lse, *partial)
   return out, lse
 
@@ -80,24 +94,25 @@ def merge_across_ranks(out_B1NH, lse_B1N):
 
 @functools.lru_cache(maxsize=32)
 def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
-  """f(state, tokens_B, position, kv_parts [p, L, 2, B*P, K, H], tail [L, 2, B, M, K, H],
-  tail_index) -> (logits [B, V], tail): one token per sequence at prompt position `position`
-  (= prompt_len + tail_index) from a sharded cache; `tail` (donated) gets the token's K,V at
-  `tail_index`. Weights, tokens, tail and logits are replicated; the parts stay sharded."""
+  """f(state, tokens_B, prompt_lens_B, kv_parts [p, L, 2, B*P, K, H], tail [L, 2, B, M, K, H],
+  tail_index) -> (logits [B, V], tail): one token per sequence from a sharded cache, row b at
+  position prompt_lens_B[b] + tail_index: the parts hold each row's prompt positions
+  [0, prompt_lens_B[b]) (and padding after them in a ragged batch), `tail` (donated) the
+  decoded tokens' K,V, this one's written at `tail_index`. Weights, tokens, lengths, tail and
+  logits are replicated; the parts stay sharded."""
   p = layout.num_ranks
   P = jax.P
 
-  def step(state, tokens_B, position, kv_parts_1L2BPKH, tail_L2BMKH, tail_index):
+  def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, tail_L2BMKH, tail_index):
     model = nnx.merge(graphdef, state)
     window = model.config.sliding_window
     rank = jax.lax.axis_index(AXIS)
-    B = tokens_B.shape[0]
-    positions_B1 = jnp.full((B, 1), position, jnp.int32)
+    positions_B = prompt_lens_B + tail_index
 
     def layer(block, x_B1D, cache_l):
       part_2RKH, tail_2BMKH = cache_l
       part_2BPKH = unfold_batch(part_2RKH, layout.part_len)
-      q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B1)
+      q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
       new_2B1KH = jnp.stack([k_B1KH, v_B1KH])
       tail_2BMKH = jax.lax.dynamic_update_slice_in_dim(tail_2BMKH, new_2B1KH, tail_index, axis=2)
       out, lse = jax.lax.switch(
@@ -109,7 +124,8 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
         # The same queries on every rank, typed as varying like the parts they meet.
         jax.lax.pcast(q_B1NH, (AXIS,), to="varying"),
         part_2BPKH,
-        position,
+        positions_B,
+        prompt_lens_B,
       )
       # The decoded tokens sit at positions prompt_len + [0, M): the query at tail_index.
       tail_out, tail_lse = layers.attend_flash(

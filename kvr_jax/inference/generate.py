@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.prefill import PrefillResult, check_tokens, prefill
+from kvr_jax.inference.prefill import PrefillResult, check_prompts, prefill
 from kvr_jax.runtime.loading import Model
 
 
@@ -40,15 +40,11 @@ def _encode_prompt(model: Model, prompt) -> np.ndarray:
         "Hugging Face directory with tokenizer files, or pass token ids)"
       )
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
-    if any(not t for t in texts):
-      raise ValueError("the prompt is empty")
-    ids = [model.tokenizer(t)["input_ids"] for t in texts]
-    if len({len(i) for i in ids}) != 1:
-      raise ValueError(
-        f"text prompts tokenize to different lengths {[len(i) for i in ids]}; "
-        "batched prompts must have equal length"
-      )
-    return np.asarray(ids, np.int32)
+    for i, text in enumerate(texts):
+      if not text:
+        raise ValueError("the prompt is empty" if len(texts) == 1 else f"prompt {i} is empty")
+    # Rows of different lengths are a ragged batch (prefill pads them; see its `buckets`).
+    return [np.asarray(model.tokenizer(t)["input_ids"], np.int32) for t in texts]
   return prompt
 
 
@@ -112,11 +108,14 @@ def generate(
   partition: Any = None,
   attention: str | None = None,
   cache: str = "last",
+  buckets=None,
 ) -> GenerationResult:
   """Prefill with `strategy`, then decode token by token from the KV cache.
 
-  prompt: token ids [T] or [B, T], or text (a string or equal-length list of strings; needs a
-  tokenizer). Stops when every row has produced EOS or after `max_new_tokens`. Temperature 0
+  prompt: token ids [T] or [B, T], a list of token-id rows of different lengths, or text (a
+  string or a list of strings; needs a tokenizer). Rows of different lengths and `buckets`
+  (see `prefill`) pad the prompt; each row decodes from its own length. A row stops at its
+  own EOS (later tokens of that row are EOS) or after `max_new_tokens`. Temperature 0
   is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
   cache: "last" (decode on the last rank's device from the whole cache) or "sharded" (the
   cache stays in the ranks' parts; each step attends every part where it lies and merges the
@@ -126,16 +125,17 @@ def generate(
   check_cache(cache)
   if cache == "sharded" and jax.process_count() > 1:
     raise ValueError(_SHARDED_MULTIPROCESS)
-  tokens_BT = check_tokens(model, _encode_prompt(model, prompt))
-  _check_length(model, tokens_BT.shape[1], int(max_new_tokens))
+  rows, lengths = check_prompts(model, _encode_prompt(model, prompt))
+  _check_length(model, int(lengths.max()), int(max_new_tokens))
   result = prefill(
     model,
-    tokens_BT,
+    rows,
     strategy=strategy,
     mesh=mesh,
     partition=partition,
     attention=attention,
     cache=cache,
+    buckets=buckets,
   )
   return decode_from(model, result, max_new_tokens, temperature, top_k, top_p, seed)
 
@@ -153,12 +153,13 @@ def decode_from(
   _check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   max_new_tokens, seed = int(max_new_tokens), int(seed)
   top_k = None if top_k is None else int(top_k)
-  _check_length(model, result.prompt_len, max_new_tokens)
+  _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)
   if result.cache == "sharded" and jax.process_count() > 1:
     raise ValueError(_SHARDED_MULTIPROCESS)
   if not result.is_local:  # another process holds the cache and generates
     return GenerationResult(None, None, result)
-  B, T = result.logits.shape[0], result.prompt_len
+  B = result.logits.shape[0]
+  lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
   if result.cache == "sharded":
     # Every operand replicated over the prefill's mesh but the cache parts, which stay put.
     replicated = NamedSharding(result.mesh, jax.P())
@@ -167,9 +168,11 @@ def decode_from(
     tail = jnp.zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, device=replicated)
     program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
 
+    prompt_lens_B = jax.device_put(lengths_B, replicated)
+
     def step(token_B, index, tail):
       token_B = jax.device_put(token_B, replicated)
-      return program(state, token_B, T + index, result.kv_parts, tail, index)
+      return program(state, token_B, prompt_lens_B, result.kv_parts, tail, index)
 
     logits = jax.device_put(result.logits, replicated)
     key = jax.device_put(jax.random.key(seed), replicated)
@@ -181,8 +184,9 @@ def decode_from(
     tail = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
 
     def step(token_B, index, tail):
+      positions_B = jax.device_put(lengths_B + index, device)
       logits, k_cache, v_cache = decode.decode_step(
-        model.graphdef, state, token_B, T + index, *tail
+        model.graphdef, state, token_B, positions_B, *tail
       )
       return logits, (k_cache, v_cache)
 

@@ -16,6 +16,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from kvr_jax.inference import buckets as buckets_lib
+from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache, gather_on_last_rank
 from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime.loading import Model
@@ -29,7 +31,7 @@ from models.layers import ATTENTION_KINDS, CUDNN_DTYPES, FUSED_KERNELS, WINDOWED
 class PrefillResult:
   """What a prefill hands to decode.
 
-  logits: [B, V] float32, the last prompt position, on the last rank's device.
+  logits: [B, V] float32, each row's last prompt position, on the last rank's device.
   cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len, in
   prompt order on the last rank's device (`device`), where decode continues.
   cache="sharded": k_cache and v_cache are None; `kv_parts` [p, L, 2, B*P, K, H] (batch folded
@@ -52,6 +54,14 @@ class PrefillResult:
   cache_layout: CacheLayout | None = None
   mesh: Any = None
   attention: str | None = None  # the kernel that ran ("auto" resolved)
+  # [B] int32: each row's true length. Positions [lengths[b], prompt_len) of row b are padding
+  # (buckets, ragged batches); decode continues row b at position lengths[b].
+  lengths: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.lengths is None:
+      B = None if self.logits is None else self.logits.shape[0]
+      self.lengths = np.full((B or 0,), self.prompt_len, np.int32)
 
   @property
   def is_local(self) -> bool:
@@ -73,37 +83,41 @@ class PrefillResult:
     return k[layer], v[layer]
 
 
+def check_prompts(model: Model, tokens) -> tuple[list[np.ndarray], np.ndarray]:
+  """Prompt rows (a [B, T] or [T] array, or a list of 1-D sequences of any lengths), checked:
+  (rows as int32 arrays, lengths [B] int32). One ValueError, naming the row, for an empty
+  row, ids that are not integers or outside the vocabulary, or a row longer than
+  max_position_embeddings."""
+  rows = buckets_lib.rows_of(tokens)
+  vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
+  checked = []
+  for i, row in enumerate(rows):
+    where = f"prompt row {i}" if len(rows) > 1 else "the prompt"
+    if row.size == 0:
+      raise ValueError(f"{where} is empty")
+    if not np.issubdtype(row.dtype, np.integer):
+      raise ValueError(f"`tokens` must be integer token ids, got dtype {row.dtype} in {where}")
+    bad = (row < 0) | (row >= vocab)
+    if bad.any():
+      first = int(np.argmax(bad))
+      raise ValueError(
+        f"token id {int(row[first])} at position {first} of {where} is outside the "
+        f"vocabulary [0, {vocab})"
+      )
+    if row.size > limit:
+      raise ValueError(f"{where}: {row.size} tokens exceeds max_position_embeddings={limit}")
+    checked.append(row.astype(np.int32))
+  return checked, np.asarray([len(r) for r in checked], np.int32)
+
+
 def check_tokens(model: Model, tokens) -> np.ndarray:
-  try:
-    array = np.asarray(tokens)
-  except ValueError:  # numpy refuses ragged nested lists
+  """Equal-length prompts as one [B, T] int32 array (see `check_prompts`)."""
+  rows, lengths = check_prompts(model, tokens)
+  if len(set(lengths.tolist())) != 1:
     raise ValueError(
-      "`tokens` must be a [B, T] array of token ids with equal-length rows "
-      "(batched prompts must have the same length)"
-    ) from None
-  if array.dtype == object:
-    raise ValueError("`tokens` must be a [B, T] array of token ids with equal-length rows")
-  if array.ndim == 1:
-    array = array[None]
-  if array.ndim != 2:
-    raise ValueError(f"`tokens` must be [B, T] token ids, got shape {array.shape}")
-  if array.size == 0 or array.shape[1] == 0:
-    raise ValueError(f"the prompt is empty (tokens of shape {array.shape})")
-  if not np.issubdtype(array.dtype, np.integer):
-    raise ValueError(f"`tokens` must be integer token ids, got dtype {array.dtype}")
-  vocab = model.config.vocab_size
-  bad = (array < 0) | (array >= vocab)
-  if bad.any():
-    first = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(
-      f"token id {int(array[first])} at {first} is outside the vocabulary [0, {vocab})"
+      f"these prompts have different lengths {lengths.tolist()}; this needs equal-length rows"
     )
-  if array.shape[1] > model.config.max_position_embeddings:
-    raise ValueError(
-      f"prompt of {array.shape[1]} tokens exceeds max_position_embeddings="
-      f"{model.config.max_position_embeddings}"
-    )
-  return array.astype(np.int32)
+  return np.stack(rows)
 
 
 def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attention=None):
@@ -146,10 +160,17 @@ def prefill(
   attention: str | None = None,
   cache: str = "last",
   timeline: bool = False,
+  buckets=None,
 ) -> PrefillResult:
-  """Runs the prompt phase and returns the last position's logits and the KV cache.
+  """Runs the prompt phase and returns each row's last-position logits and the KV cache.
 
-  tokens: [B, T] (or [T]) token ids, equal-length prompts.
+  tokens: [B, T] (or [T]) token ids, or a list of rows of different lengths (a ragged
+    batch: each row is padded at its end, see `buckets`; `lengths` in the result).
+  buckets: None (exact shapes: one program per prompt length; a ragged batch is padded to
+    its longest row), "auto" (kvr_jax.inference.buckets: the prompt is padded up to the
+    default ladder's length, so that every length in a bucket shares one program) or an
+    increasing sequence of lengths. Padded rows get their last real token's logits from one
+    decode step at its position, run after the prefill program (part of the call).
   strategy: a name in kvr_jax.strategies.STRATEGIES: "single" (one device, the oracle),
     "tsp" (all-gather baseline) or "kvr" (KV-Runahead). mesh: from `make_mesh(p)`; default
     all local devices ("single" runs on its first device of this process).
@@ -186,8 +207,27 @@ def prefill(
       f"this model attends through a sliding window of {window} tokens, which attention "
       f"{attention!r} does not take; use one of {WINDOWED_KERNELS}"
     )
-  tokens_BT = check_tokens(model, tokens)
-  B, T = tokens_BT.shape
+  rows, lengths_B = check_prompts(model, tokens)
+  max_position = model.config.max_position_embeddings
+  buckets = buckets_lib.check_buckets(buckets, max_position)
+  longest = int(lengths_B.max())
+  T = buckets_lib.bucket_length(longest, buckets, max_position)
+  tokens_BT = buckets_lib.pad_rows(rows, T)
+  B = tokens_BT.shape[0]
+  padded = bool((lengths_B < T).any())
+  if padded and cache == "sharded" and jax.process_count() > 1:
+    raise ValueError(
+      "padded rows (buckets or a ragged batch) with cache='sharded' run in one process; "
+      "across processes use cache='last'"
+    )
+  if spec.partitioned and T != longest and isinstance(partition, (list, tuple)):
+    total = sum(c for c in partition if isinstance(c, int))
+    if total != T:
+      raise ValueError(
+        f"partition {list(partition)} sums to {total}, but the prompt runs padded to its "
+        f"bucket of {T} tokens (buckets={buckets!r}): give lengths summing to {T}, or "
+        "buckets=None"
+      )
   if not spec.partitioned and partition not in (None, "even"):
     raise ValueError(
       f"strategy {strategy!r} lays the prompt out itself; `partition` applies only to "
@@ -248,8 +288,50 @@ def prefill(
     cache=cache,
     cache_layout=layout,
     attention=attention,
+    lengths=lengths_B,
   )
+  # A padded row's last real token is not at position T - 1: its logits come from one decode
+  # step at its own position (its K,V, already in the cache, are written again identically).
+  last_tokens_B = tokens_BT[np.arange(B), lengths_B - 1]
   if cache == "sharded":
+    if padded:
+      logits_BV = _last_real_logits_sharded(
+        model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B, owner
+      )
     return PrefillResult(logits_BV, None, None, kv_parts=kv_parts, mesh=mesh, **common)
   k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh)
+  if padded and k_LBSKH is not None:
+    cache_device = next(iter(k_LBSKH.devices()))
+    logits_BV, k_LBSKH, v_LBSKH = decode.decode_step(
+      model.graphdef,
+      model.state_on(cache_device),
+      jax.device_put(last_tokens_B, cache_device),
+      jax.device_put(lengths_B - 1, cache_device),
+      k_LBSKH,
+      v_LBSKH,
+    )
+  elif padded:
+    logits_BV = None  # another process holds the cache and the logits
   return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common)
+
+
+def _last_real_logits_sharded(
+  model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B, owner
+):
+  """[B, V] on `owner`: each row's last real token decoded once from the sharded parts (the
+  parts' copy of its K,V hidden, a one-token tail holding it), as `generate` decodes."""
+  replicated = NamedSharding(mesh, jax.P())
+  L, K, H = kv_parts.shape[1], *kv_parts.shape[4:]
+  B = last_tokens_B.shape[0]
+  tail = jnp.zeros((L, 2, B, 1, K, H), kv_parts.dtype, device=replicated)
+  program = decode.sharded_decode_program(model.graphdef, mesh, layout)
+  logits, _ = program(
+    state,
+    jax.device_put(last_tokens_B, replicated),
+    jax.device_put(lengths_B - 1, replicated),
+    kv_parts,
+    tail,
+    0,
+  )
+  piece = next(s.data for s in logits.addressable_shards if s.device == owner)
+  return jax.device_put(piece, jax.sharding.SingleDeviceSharding(owner))
