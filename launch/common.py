@@ -72,24 +72,51 @@ def parse_partition(text: str, hardware: str = "local", links: str = "local", ex
     ) from None
 
 
-def prompt_tokens(model, prompt: str | None, context_len: int, batch: int, seed: int):
+def prompt_tokens(model, prompts, context_lens, batch: int, seed: int) -> list[np.ndarray]:
+  """The prompt rows of --prompt (texts, repeatable) or --context_len (synthetic lengths, a
+  comma list), --batch copies of a single one; rows may differ in length (a ragged batch)."""
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")
-  if prompt is not None:
+  if prompts:
     if model.tokenizer is None:
       raise ValueError("--prompt needs a model with a tokenizer; use --context_len instead")
-    ids = model.tokenizer(prompt)["input_ids"]
-    if not ids:
-      raise ValueError("--prompt is empty")
-    return np.asarray([ids] * batch, np.int32)
-  if context_len < 1:
-    raise ValueError(f"--context_len must be >= 1, got {context_len}")
-  if context_len > model.config.max_position_embeddings:
+    if len(prompts) > 1 and batch > 1:
+      raise ValueError("--batch copies one --prompt; with several --prompt flags leave it out")
+    rows = []
+    for text in prompts:
+      ids = model.tokenizer(text)["input_ids"]
+      if not ids:
+        raise ValueError(f"--prompt {text!r} is empty (no tokens)")
+      rows.append(np.asarray(ids, np.int32))
+    return rows * batch
+  lengths = positive_ints(context_lens, "--context_len")
+  if len(lengths) > 1 and batch > 1:
+    raise ValueError("--batch copies one --context_len; with a comma list leave it out")
+  limit = model.config.max_position_embeddings
+  for length in lengths:
+    if length > limit:
+      raise ValueError(
+        f"--context_len={length} exceeds the model's max_position_embeddings={limit}"
+      )
+  if len(lengths) == 1:
+    return list(synthetic_prompt(model.config.vocab_size, lengths[0], batch, seed))
+  return [
+    synthetic_prompt(model.config.vocab_size, n, 1, seed + i)[0] for i, n in enumerate(lengths)
+  ]
+
+
+def parse_buckets(text: str):
+  """--buckets: "auto", "none" or comma-separated lengths (checked against the model later)."""
+  if text == "auto":
+    return "auto"
+  if text == "none":
+    return None
+  try:
+    return tuple(int(x) for x in text.split(","))
+  except ValueError:
     raise ValueError(
-      f"--context_len={context_len} exceeds the model's max_position_embeddings="
-      f"{model.config.max_position_embeddings}"
-    )
-  return synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
+      f"--buckets must be auto, none or comma-separated lengths, got {text!r}"
+    ) from None
 
 
 def positive_ints(values, flag: str) -> list[int]:

@@ -20,8 +20,21 @@ from launch import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny-llama", "Preset name, Hugging Face directory or Orbax dir.")
-flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer); else --context_len.")
-flags.DEFINE_integer("context_len", 2048, "Length of the synthetic prompt.")
+flags.DEFINE_multi_string(
+  "prompt", None, "Prompt text (needs a tokenizer; repeat the flag for a batch of several)."
+)
+flags.DEFINE_list(
+  "context_len",
+  ["2048"],
+  "Length of the synthetic prompt; a comma list is a batch of rows of those lengths.",
+)
+flags.DEFINE_string(
+  "buckets",
+  "auto",
+  "Prompt-length buckets: auto (8 per doubling: 1024, 1152, ..., 2048, 2304, ...), none "
+  "(exact shapes) or comma-separated increasing lengths. A prompt is padded up to its "
+  "bucket, so that lengths in one bucket share compiled programs.",
+)
 flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Comma list of single, tsp, kvr.")
 flags.DEFINE_string(
   "partition",
@@ -75,6 +88,7 @@ def main(argv):
     common.check_output_file(FLAGS.output_json, "--output_json")
     cache_dir = common.compilation_cache(FLAGS.compilation_cache, FLAGS.compilation_cache_dir)
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
+    buckets = common.parse_buckets(FLAGS.buckets)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
     partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)
     reports = demo.compare_strategies(
@@ -89,9 +103,17 @@ def main(argv):
       temperature=FLAGS.temperature,
       seed=FLAGS.seed,
       cache=FLAGS.cache,
+      buckets=buckets,
     )
+  lengths = sorted({len(row) for row in tokens})
+  shape = f"prompt {lengths[0]} tokens x batch {len(tokens)}"
+  if len(lengths) > 1:
+    shape = f"{len(tokens)} prompts of {'/'.join(str(len(row)) for row in tokens)} tokens"
+  padded = kvr_jax.bucket_length(max(lengths), buckets, model.config.max_position_embeddings)
+  if padded != lengths[0] or len(lengths) > 1:
+    shape += f", padded to {padded} (--buckets={FLAGS.buckets})"
   print(
-    f"{model}; prompt {tokens.shape[1]} tokens x batch {tokens.shape[0]}; "
+    f"{model}; {shape}; "
     f"{FLAGS.num_devices or jax.device_count()} ranks on {jax.devices()[0].platform}"
   )
   if emulated:

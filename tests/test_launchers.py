@@ -168,4 +168,11 @@ def test_run_with_a_text_prompt(tmp_path):
   hf_fixtures.save_word_tokenizer(tmp_path)
   proc = run("launch.run", *flags)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "prompt 8 tokens x batch 2" in proc.stdout
+  assert "prompt 8 tokens x batch 2, padded to 16 (--buckets=auto)" in proc.stdout
+  # Two prompts of different lengths: one ragged batch, exact shapes (the longest row).
+  ragged = [*flags[:-1], "--prompt=w3 w4 w5", "--buckets=none", f"--output_json={tmp_path}/r.json"]
+  proc = run("launch.run", *ragged)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "2 prompts of 8/3 tokens, padded to 8 (--buckets=none)" in proc.stdout
+  rows = json.loads((tmp_path / "r.json").read_text())
+  assert all(r["max_logit_diff_vs_single"] < 1e-4 for r in rows)

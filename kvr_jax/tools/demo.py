@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
+from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.prefill import prefill_arguments
+from kvr_jax.inference.prefill import check_prompts, prefill_arguments
 from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh, make_mesh
@@ -54,13 +55,19 @@ def compare_strategies(
   temperature: float = 0.0,
   seed: int = 0,
   cache: str = "last",
+  buckets=None,
 ) -> list[StrategyReport]:
   """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs.
 
+  tokens: [B, T] or rows of different lengths (padded, see kvr_jax.prefill's `buckets`).
   attention: the kernel for the strategies that run it (default "auto": each strategy's
     fastest on this platform; the report names the kernel that ran).
   cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies."""
   check_cache(cache)
+  rows, lengths = check_prompts(model, tokens)
+  max_position = model.config.max_position_embeddings
+  buckets = buckets_lib.check_buckets(buckets, max_position)
+  padded_len = buckets_lib.bucket_length(int(lengths.max()), buckets, max_position)
   if repeats < 1:
     raise ValueError(f"`repeats` must be >= 1, got {repeats}")
   unknown = [s for s in strategies if s not in STRATEGIES]
@@ -77,7 +84,7 @@ def compare_strategies(
         "prompt out themselves"
       )
     # Explicit lengths are checked before the first strategy compiles, not after it ran.
-    check_chunks(partition, np.shape(tokens)[-1], check_mesh(mesh))
+    check_chunks(partition, padded_len, check_mesh(mesh))
   for strategy in strategies:  # a kernel named explicitly is refused, not swapped, up front
     prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
   reference = None
@@ -85,7 +92,7 @@ def compare_strategies(
   for strategy in strategies:
     kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
     cache_use = CacheUse.now()
-    timing = time_prefill(model, tokens, repeats, cache=cache, **kwargs)
+    timing = time_prefill(model, rows, repeats, cache=cache, buckets=buckets, **kwargs)
     cache_use = CacheUse.now().since(cache_use)
     result, median = timing.result, timing.median_s
     logits = np.asarray(result.logits)
