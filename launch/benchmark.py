@@ -19,6 +19,11 @@ with every exact kernel there beside transformers (PyTorch SDPA, same weights an
 device), with MFU, and models p-device TTFT from the per-rank programs timed on it, e.g.
   python -m launch.benchmark --mode=accelerator --model=llama-3.1-8b \
     --context_lens=4096,8192,16384,32768
+--mode=buckets sends a stream of prompts of random new lengths through each strategy, with
+exact shapes and with the default length buckets: programs compiled, the stream end to end,
+warm TTFT (the cost of padding), e.g.
+  python -m launch.benchmark --mode=buckets --model=tiny-llama --num_devices=4 \
+    --stream_lengths=1000,4096 --stream_prompts=20
 --link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
   python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=2gbit,500mbit
 Intentionally kept short: the logic is
@@ -33,6 +38,7 @@ import resource
 import sys
 
 import jax
+import numpy as np
 from absl import app, flags, logging
 
 import kvr_jax
@@ -51,7 +57,17 @@ FITTED = ("fitted",)
 flags.DEFINE_enum(
   "mode",
   "devices",
-  ["devices", "multiprocess", "kernels", "long", "phases", "memory", "timeline", "accelerator"],
+  [
+    "devices",
+    "multiprocess",
+    "kernels",
+    "long",
+    "phases",
+    "memory",
+    "timeline",
+    "accelerator",
+    "buckets",
+  ],
   "What to measure.",
 )
 flags.DEFINE_integer(
@@ -108,6 +124,11 @@ flags.DEFINE_list(
   "(tc tbf on lo, as root; restored after each, also on failure or interrupt).",
 )
 flags.DEFINE_list("ranks", ["2", "4", "8"], "Accelerator mode: modelled device counts.")
+flags.DEFINE_list(
+  "stream_lengths", ["1000", "4096"], "Buckets mode: the range [lo, hi] of prompt lengths."
+)
+flags.DEFINE_integer("stream_prompts", 20, "Buckets mode: prompts in the stream.")
+flags.DEFINE_string("buckets", "auto", "Buckets mode: auto or comma-separated lengths.")
 flags.DEFINE_list(
   "links", ["300GBps", "10GBps"], "Accelerator mode: link presets of the modelled devices."
 )
@@ -539,6 +560,49 @@ def multiprocess_mode():
   return 0
 
 
+def buckets_mode():
+  """A stream of prompts of random new lengths, exact shapes against length buckets."""
+  emulated = common.setup_devices(FLAGS.num_devices)
+  with common.user_errors():
+    low, high = common.positive_ints(FLAGS.stream_lengths, "--stream_lengths")
+    (count,) = common.positive_ints([FLAGS.stream_prompts], "--stream_prompts")
+    (repeats,) = common.positive_ints([FLAGS.repeats], "--repeats")
+    ladder = common.parse_buckets(FLAGS.buckets)
+    if ladder is None or low > high:
+      raise ValueError("--mode=buckets compares exact shapes with --buckets=auto or a ladder")
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
+    strategies = FLAGS.strategy if FLAGS["strategy"].present else ["single", "kvr", "ring"]
+    strategies += [] if FLAGS["strategy"].present else ["allgather"]
+    lengths = [int(n) for n in np.random.RandomState(0).randint(low, high + 1, count)]
+    rows = benchmark.bucket_stream(
+      model, lengths, strategies, buckets=ladder, num_devices=FLAGS.num_devices, repeats=repeats
+    )
+  print(
+    f"\nMEASURED, {FLAGS.model}, {jax.device_count()} {'emulated ' if emulated else ''}devices, "
+    f"{count} prompts of random lengths in [{low}, {high}] (seed 0), each new to the process:"
+  )
+  print("stream: every prompt's first call, compiles included (end to end, logits on the host);")
+  print("warm: the median over prompts of each prompt's warm TTFT (median of --repeats).")
+  print(
+    f"{'strategy':<10}{'shapes':<8}{'programs':>9}{'stream':>10}{'speed-up':>9}"
+    f"{'warm':>10}{'vs exact':>9}{'padding':>8}"
+  )
+  exact = {r.strategy: r for r in rows if r.buckets == "exact"}
+  for r in rows:
+    e = exact[r.strategy]
+    print(
+      f"{r.strategy:<10}{r.buckets:<8}{r.programs_traced:>9}{r.stream_s:>9.1f}s"
+      f"{e.stream_s / r.stream_s:>8.2f}x{r.warm_median_s * 1e3:>8.1f}ms"
+      f"{r.warm_median_s / e.warm_median_s:>8.2f}x{r.padding_fraction:>8.1%}"
+    )
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  path = os.path.join(FLAGS.output_dir, "buckets.json")
+  with open(path, "w") as f:
+    json.dump({"lengths": lengths, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+  print(f"wrote {path}")
+  return 0
+
+
 def accelerator_mode():
   """Single-device prefill on this device per kernel vs transformers, MFU, and modelled TTFT."""
   with common.user_errors():
@@ -609,7 +673,7 @@ def accelerator_mode():
 
 
 # Modes that write files into --output_dir.
-WRITING_MODES = ("devices", "multiprocess", "timeline", "accelerator")
+WRITING_MODES = ("devices", "multiprocess", "timeline", "accelerator", "buckets")
 
 
 def check_shared_flags():
@@ -664,6 +728,8 @@ def main(argv):
     return memory_mode()
   if FLAGS.mode == "accelerator":
     return accelerator_mode()
+  if FLAGS.mode == "buckets":
+    return buckets_mode()
   devices_mode()
   return 0
 

@@ -21,11 +21,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference.prefill import prefill_arguments
+from kvr_jax.inference.buckets import bucket_length
+from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, load_hf_model, resolve_dtype
 from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.strategies import TRACE_COUNT
 from kvr_jax.strategies.base import AUTO_KERNELS, kernel_runs_on
 from kvr_jax.tools.measured import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
@@ -498,3 +500,67 @@ def accelerator_benchmark(
             )
           )
   return rows, modelled
+
+
+# --- length buckets: a stream of prompts of new lengths ----------------------------------------
+
+
+@dataclasses.dataclass
+class BucketStreamRow:
+  """One strategy over one stream of prompts, with exact shapes or with buckets."""
+
+  strategy: str
+  buckets: str  # "exact" or the ladder used
+  prompts: int
+  programs_traced: int  # the strategy's prefill programs traced over the stream
+  stream_s: float  # the stream end to end: every prompt's first call (compiles included)
+  warm_median_s: float  # median over the prompts of each one's warm TTFT (median of repeats)
+  padding_fraction: float  # padded tokens / real tokens over the stream
+
+
+def bucket_stream(
+  model: Model,
+  lengths,
+  strategies=("single", "kvr", "ring", "allgather"),
+  *,
+  buckets="auto",
+  num_devices: int | None = None,
+  repeats: int = 3,
+  seed: int = 0,
+) -> list[BucketStreamRow]:
+  """Prompts of the given lengths, one after another, per strategy with exact shapes and
+  then with `buckets`: programs traced (strategies.TRACE_COUNT), the stream's end-to-end time
+  (each prompt's first call: what a server sees when prompts of new lengths arrive) and each
+  prompt's warm TTFT (median of `repeats`; the cost of padding). Ends at logits on the host."""
+  mesh = make_mesh(num_devices)
+  max_position = model.config.max_position_embeddings
+  prompts = [
+    synthetic_prompt(model.config.vocab_size, n, 1, seed + i)[0] for i, n in enumerate(lengths)
+  ]
+  rows = []
+  for strategy in strategies:
+    kwargs = prefill_arguments(strategy, mesh=mesh, partition="search")
+    for ladder in (None, buckets):
+      traced = TRACE_COUNT[strategy]
+
+      def call(tokens):
+        start = time.perf_counter()
+        np.asarray(prefill(model, tokens, buckets=ladder, **kwargs).logits)
+        return time.perf_counter() - start
+
+      stream_s = sum(call(t) for t in tqdm(prompts, desc=f"{strategy} {ladder or 'exact'}"))
+      traced = TRACE_COUNT[strategy] - traced
+      warm = [statistics.median(call(t) for _ in range(repeats)) for t in prompts]
+      padded = sum(bucket_length(len(t), ladder, max_position) for t in prompts)
+      rows.append(
+        BucketStreamRow(
+          strategy,
+          "exact" if ladder is None else str(ladder),
+          len(prompts),
+          traced,
+          stream_s,
+          statistics.median(warm),
+          padded / sum(lengths) - 1,
+        )
+      )
+  return rows
