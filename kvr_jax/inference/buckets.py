@@ -37,6 +37,13 @@ def auto_bucket(length: int, buckets_per_octave: int = BUCKETS_PER_OCTAVE) -> in
   return -(-length // step) * step
 
 
+def octave_ladder(per_octave: int, max_position: int) -> tuple[int, ...]:
+  """The ladder with `per_octave` buckets per doubling (as `auto_bucket` with 8), every
+  bucket up to max_position: for comparing ladders (launch.benchmark --mode=buckets)."""
+  ladder = sorted({auto_bucket(t, per_octave) for t in range(1, max_position + 1)})
+  return tuple(b for b in ladder if b <= max_position)
+
+
 def check_buckets(buckets, max_position: int):
   """None, "auto" or a tuple of increasing positive lengths <= max_position; else one
   ValueError before anything compiles."""

@@ -507,14 +507,15 @@ def accelerator_benchmark(
 
 @dataclasses.dataclass
 class BucketStreamRow:
-  """One strategy over one stream of prompts, with exact shapes or with buckets."""
+  """One strategy over one stream of prompts, with exact shapes or with one bucket ladder."""
 
   strategy: str
-  buckets: str  # "exact" or the ladder used
+  ladder: str  # "exact", "auto" or "N/octave"
   prompts: int
   programs_traced: int  # the strategy's prefill programs traced over the stream
   stream_s: float  # the stream end to end: every prompt's first call (compiles included)
-  warm_median_s: float  # median over the prompts of each one's warm TTFT (median of repeats)
+  warm_ratio: float  # median over prompts of warm TTFT with this ladder / with exact shapes
+  warm_median_s: float  # median over prompts of each prompt's warm TTFT
   padding_fraction: float  # padded tokens / real tokens over the stream
 
 
@@ -523,43 +524,55 @@ def bucket_stream(
   lengths,
   strategies=("single", "kvr", "ring", "allgather"),
   *,
-  buckets="auto",
+  ladders: dict | None = None,
   num_devices: int | None = None,
   repeats: int = 3,
   seed: int = 0,
 ) -> list[BucketStreamRow]:
-  """Prompts of the given lengths, one after another, per strategy with exact shapes and
-  then with `buckets`: programs traced (strategies.TRACE_COUNT), the stream's end-to-end time
-  (each prompt's first call: what a server sees when prompts of new lengths arrive) and each
-  prompt's warm TTFT (median of `repeats`; the cost of padding). Ends at logits on the host."""
+  """Prompts of the given lengths, one after another, per strategy with exact shapes and then
+  with each ladder of `ladders` (name -> `buckets` argument; default {"auto": "auto"}): the
+  programs traced (strategies.TRACE_COUNT), the stream's end-to-end time (each prompt's first
+  call: what a server sees when prompts of new lengths arrive) and the warm TTFT against
+  exact shapes (the cost of padding), timed interleaved (exact, then each ladder, `repeats`
+  rounds per prompt) so that drift hits all alike. Every call ends at logits on the host."""
+  ladders = {"auto": "auto"} if ladders is None else ladders
   mesh = make_mesh(num_devices)
   max_position = model.config.max_position_embeddings
   prompts = [
     synthetic_prompt(model.config.vocab_size, n, 1, seed + i)[0] for i, n in enumerate(lengths)
   ]
+  shapes = {"exact": None, **ladders}
   rows = []
   for strategy in strategies:
     kwargs = prefill_arguments(strategy, mesh=mesh, partition="search")
-    for ladder in (None, buckets):
+
+    def call(tokens, buckets):
+      start = time.perf_counter()
+      np.asarray(prefill(model, tokens, buckets=buckets, **kwargs).logits)
+      return time.perf_counter() - start
+
+    streams = {}
+    for name, buckets in shapes.items():
       traced = TRACE_COUNT[strategy]
-
-      def call(tokens):
-        start = time.perf_counter()
-        np.asarray(prefill(model, tokens, buckets=ladder, **kwargs).logits)
-        return time.perf_counter() - start
-
-      stream_s = sum(call(t) for t in tqdm(prompts, desc=f"{strategy} {ladder or 'exact'}"))
-      traced = TRACE_COUNT[strategy] - traced
-      warm = [statistics.median(call(t) for _ in range(repeats)) for t in prompts]
-      padded = sum(bucket_length(len(t), ladder, max_position) for t in prompts)
+      stream_s = sum(call(t, buckets) for t in tqdm(prompts, desc=f"{strategy} {name}"))
+      streams[name] = (TRACE_COUNT[strategy] - traced, stream_s)
+    warm = {name: [] for name in shapes}
+    for tokens in prompts:
+      rounds = [[call(tokens, b) for b in shapes.values()] for _ in range(repeats)]
+      for name, times in zip(shapes, zip(*rounds, strict=True), strict=True):
+        warm[name].append(statistics.median(times))
+    for name, buckets in shapes.items():
+      padded = sum(bucket_length(len(t), buckets, max_position) for t in prompts)
+      ratios = [w / e for w, e in zip(warm[name], warm["exact"], strict=True)]
       rows.append(
         BucketStreamRow(
           strategy,
-          "exact" if ladder is None else str(ladder),
+          name,
           len(prompts),
-          traced,
-          stream_s,
-          statistics.median(warm),
+          streams[name][0],
+          streams[name][1],
+          statistics.median(ratios),
+          statistics.median(warm[name]),
           padded / sum(lengths) - 1,
         )
       )
