@@ -598,8 +598,8 @@ def buckets_mode():
     f"{count} prompts of random lengths in [{low}, {high}] (seed 0), each new to the process:"
   )
   print("stream: every prompt's first call, compiles included (end to end, logits on the host);")
-  print("warm: median over prompts of the warm TTFT with the ladder / with exact shapes, timed")
-  print("interleaved (--repeats rounds per prompt).")
+  print("warm: median over prompts of the warm TTFT with the ladder / with exact shapes")
+  print("(--repeats rounds over the prompts after each stream; compiled programs dropped between).")
   print(
     f"{'strategy':<10}{'shapes':<10}{'programs':>9}{'stream':>9}{'speed-up':>9}"
     f"{'warm vs exact':>14}{'padding':>8}"

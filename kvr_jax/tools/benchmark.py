@@ -21,13 +21,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvr_jax.core.chunks import check_ranks
+from kvr_jax.inference import decode, kv_cache
 from kvr_jax.inference.buckets import bucket_length
 from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning import costmodel, presets
+from kvr_jax.planning import partition as partition_lib
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, load_hf_model, resolve_dtype
 from kvr_jax.runtime.mesh import make_mesh
-from kvr_jax.strategies import TRACE_COUNT
+from kvr_jax.strategies import REGISTRY, TRACE_COUNT
 from kvr_jax.strategies.base import AUTO_KERNELS, kernel_runs_on
 from kvr_jax.tools.measured import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
@@ -519,6 +521,17 @@ class BucketStreamRow:
   padding_fraction: float  # padded tokens / real tokens over the stream
 
 
+def forget_compiled_programs() -> None:
+  """Every compiled program and planned partition this process holds, dropped: the next
+  call of any shape compiles (and plans) again, as in a new process."""
+  jax.clear_caches()
+  for spec in REGISTRY.values():
+    spec.compile.cache_clear()
+  decode.sharded_decode_program.cache_clear()
+  kv_cache.collect_program.cache_clear()
+  partition_lib._plan_chunks.cache_clear()
+
+
 def bucket_stream(
   model: Model,
   lengths,
@@ -533,8 +546,9 @@ def bucket_stream(
   with each ladder of `ladders` (name -> `buckets` argument; default {"auto": "auto"}): the
   programs traced (strategies.TRACE_COUNT), the stream's end-to-end time (each prompt's first
   call: what a server sees when prompts of new lengths arrive) and the warm TTFT against
-  exact shapes (the cost of padding), timed interleaved (exact, then each ladder, `repeats`
-  rounds per prompt) so that drift hits all alike. Every call ends at logits on the host."""
+  exact shapes (the cost of padding; `repeats` rounds over the prompts right after each
+  stream). Every compiled program is dropped before each stream, so that ladders sharing
+  buckets do not share programs. Every call ends at logits on the host."""
   ladders = {"auto": "auto"} if ladders is None else ladders
   mesh = make_mesh(num_devices)
   max_position = model.config.max_position_embeddings
@@ -551,16 +565,15 @@ def bucket_stream(
       np.asarray(prefill(model, tokens, buckets=buckets, **kwargs).logits)
       return time.perf_counter() - start
 
-    streams = {}
+    streams, warm = {}, {}
     for name, buckets in shapes.items():
+      forget_compiled_programs()  # ladders share buckets (4 per octave are among 8 per octave)
       traced = TRACE_COUNT[strategy]
       stream_s = sum(call(t, buckets) for t in tqdm(prompts, desc=f"{strategy} {name}"))
       streams[name] = (TRACE_COUNT[strategy] - traced, stream_s)
-    warm = {name: [] for name in shapes}
-    for tokens in prompts:
-      rounds = [[call(tokens, b) for b in shapes.values()] for _ in range(repeats)]
-      for name, times in zip(shapes, zip(*rounds, strict=True), strict=True):
-        warm[name].append(statistics.median(times))
+      # Warm, while this ladder's programs are compiled: `repeats` rounds over the prompts.
+      rounds = [[call(t, buckets) for t in prompts] for _ in range(repeats)]
+      warm[name] = [statistics.median(times) for times in zip(*rounds, strict=True)]
     for name, buckets in shapes.items():
       padded = sum(bucket_length(len(t), buckets, max_position) for t in prompts)
       ratios = [w / e for w, e in zip(warm[name], warm["exact"], strict=True)]
