@@ -1,8 +1,5 @@
 """Parity with Hugging Face transformers (PyTorch CPU) through the project's own loader."""
 
-import json
-import os
-
 import numpy as np
 import pytest
 
@@ -69,23 +66,6 @@ def test_rope_scaling_is_actually_exercised(checkpoints, tokens):
   ours.module.blocks.config = unscaled_cfg
   diff = np.abs(np.asarray(ours.module(tokens)) - hf_fixtures.hf_logits(hf_model, tokens)).max()
   assert diff > 1e-2
-
-
-def test_older_config_layout_rope_theta_and_rope_scaling(checkpoints, tokens, tmp_path):
-  """config.json as transformers < 5 wrote it: `rope_theta` + `rope_scaling`."""
-  hf_model, directory = checkpoints["llama3-rope"]
-  with open(os.path.join(directory, "config.json")) as f:
-    config = json.load(f)
-  params = config.pop("rope_parameters")
-  config["rope_theta"] = params.pop("rope_theta")
-  config["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in params.items()}
-  for name in os.listdir(directory):
-    if name != "config.json":
-      os.symlink(os.path.join(directory, name), tmp_path / name)
-  with open(tmp_path / "config.json", "w") as f:
-    json.dump(config, f)
-  ours = kvr_jax.load_model(str(tmp_path))
-  assert_matches_transformers(ours, hf_model, tokens)
 
 
 def test_sharded_safetensors_index(checkpoints, tokens, tmp_path):

@@ -124,45 +124,6 @@ def test_saving_into_an_unwritable_or_file_path_is_refused_before_orbax(tmp_path
     locked.chmod(0o700)
 
 
-def test_a_llama_config_with_a_sliding_window_key_is_not_windowed(hf_dir, tmp_path):
-  """transformers' Llama ignores `sliding_window`; so does the loader for model_type llama."""
-  plain = kvr_jax.load_model(hf_dir)
-  edited = kvr_jax.load_model(
-    _copy_with(hf_dir, tmp_path, config=lambda c: c.update(sliding_window=4))
-  )
-  assert edited.config.sliding_window is None
-  tokens = kvr_jax.synthetic_prompt(plain.config.vocab_size, 32)
-  np.testing.assert_array_equal(
-    np.asarray(kvr_jax.prefill(edited, tokens).logits),
-    np.asarray(kvr_jax.prefill(plain, tokens).logits),
-  )
-
-
-def test_a_stored_head_under_a_tied_config_is_used_as_transformers_does(tmp_path):
-  """config.json says tie_word_embeddings, but the checkpoint stores its own lm_head.weight:
-  transformers does not tie then (it warns), and neither does the loader."""
-  import torch
-  import transformers
-
-  hf = hf_fixtures.make_hf_model("llama-gqa")
-  hf.config.tie_word_embeddings = False
-  hf.lm_head.weight = torch.nn.Parameter(torch.randn_like(hf.lm_head.weight))
-  hf.save_pretrained(tmp_path)
-  with open(tmp_path / "config.json") as f:
-    config = json.load(f)
-  config["tie_word_embeddings"] = True
-  with open(tmp_path / "config.json", "w") as f:
-    json.dump(config, f)
-  ours = kvr_jax.load_model(str(tmp_path))
-  assert not ours.config.tie_embeddings
-  reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-  tokens = kvr_jax.synthetic_prompt(ours.config.vocab_size, 24)
-  with torch.no_grad():
-    want = reference(torch.as_tensor(tokens, dtype=torch.long)).logits[:, -1].numpy()
-  got = np.asarray(kvr_jax.prefill(ours, tokens).logits)
-  assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
-
-
 def test_unknown_preset_and_dtype():
   with pytest.raises(ValueError, match="unknown preset 'tiny-gpt'"):
     kvr_jax.load_model("tiny-gpt")
