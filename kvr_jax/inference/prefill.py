@@ -110,14 +110,14 @@ def check_prompts(model: Model, tokens) -> tuple[list[np.ndarray], np.ndarray]:
   return checked, np.asarray([len(r) for r in checked], np.int32)
 
 
-def check_tokens(model: Model, tokens) -> np.ndarray:
-  """Equal-length prompts as one [B, T] int32 array (see `check_prompts`)."""
-  rows, lengths = check_prompts(model, tokens)
-  if len(set(lengths.tolist())) != 1:
-    raise ValueError(
-      f"these prompts have different lengths {lengths.tolist()}; this needs equal-length rows"
-    )
-  return np.stack(rows)
+def padded_prompts(model: Model, tokens, buckets):
+  """The prompt rows checked (`check_prompts`) and the length every row is padded to:
+  (rows, lengths [B], padded length T, the checked `buckets`)."""
+  rows, lengths_B = check_prompts(model, tokens)
+  max_position = model.config.max_position_embeddings
+  buckets = buckets_lib.check_buckets(buckets, max_position)
+  T = buckets_lib.bucket_length(int(lengths_B.max()), buckets, max_position)
+  return rows, lengths_B, T, buckets
 
 
 def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attention=None):
@@ -207,11 +207,8 @@ def prefill(
       f"this model attends through a sliding window of {window} tokens, which attention "
       f"{attention!r} does not take; use one of {WINDOWED_KERNELS}"
     )
-  rows, lengths_B = check_prompts(model, tokens)
-  max_position = model.config.max_position_embeddings
-  buckets = buckets_lib.check_buckets(buckets, max_position)
+  rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
   longest = int(lengths_B.max())
-  T = buckets_lib.bucket_length(longest, buckets, max_position)
   tokens_BT = buckets_lib.pad_rows(rows, T)
   B = tokens_BT.shape[0]
   padded = bool((lengths_B < T).any())

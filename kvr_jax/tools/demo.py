@@ -11,10 +11,9 @@ from typing import Any
 import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
-from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.prefill import check_prompts, prefill_arguments
+from kvr_jax.inference.prefill import padded_prompts, prefill_arguments
 from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh, make_mesh
@@ -64,10 +63,7 @@ def compare_strategies(
     fastest on this platform; the report names the kernel that ran).
   cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies."""
   check_cache(cache)
-  rows, lengths = check_prompts(model, tokens)
-  max_position = model.config.max_position_embeddings
-  buckets = buckets_lib.check_buckets(buckets, max_position)
-  padded_len = buckets_lib.bucket_length(int(lengths.max()), buckets, max_position)
+  rows, _, padded_len, buckets = padded_prompts(model, tokens, buckets)
   if repeats < 1:
     raise ValueError(f"`repeats` must be >= 1, got {repeats}")
   unknown = [s for s in strategies if s not in STRATEGIES]
