@@ -231,6 +231,25 @@ def test_hop_chain_one_pair_per_hop_and_exact_bytes(models, name):
     assert np.prod(shape) * 4 == costmodel.kv_message_bytes(cfg, int(ends[k]), batch, 4)
 
 
+def test_rows_before_the_hop_hand_computed():
+  """Rank i attends as many diagonal rows before its hop as fit, in FLOPs, between its own
+  qkv and its sender's readiness. tiny-llama: qkv 2*128*(4+2*2)*32 = 65536 FLOPs per token, a
+  scored key 4*4*32 = 512; the first r rows see r(r+1)/2 keys."""
+  cfg = kvr_jax.preset_config("tiny-llama")
+  # Rank 1: 300 tokens of spare qkv = 38400 keys -> r(r+1) <= 76800 -> 276. Rank 2 waits for
+  # rank 1, which holds its prefix when rank 0 sends (700 tokens): 200 spare -> 225.
+  assert runahead.rows_before_hop(cfg, (700, 400, 500)) == (0, 276, 225)
+  # A longer chunk than its sender's has nothing to fill; rank 2's sender is then ready at
+  # rank 1's 500-token qkv, later than its whole 100-row diagonal.
+  assert runahead.rows_before_hop(cfg, (300, 500, 100)) == (0, 0, 100)
+  assert runahead.rows_before_hop(cfg, (275,) * 4) == (0, 0, 0, 0)
+  # 20 spare tokens = 2560 keys: r(r+1)/2 <= 2560 -> 71; with a window of 16 a row sees at
+  # most 16 keys: 136 + 16 (r - 16) <= 2560 -> 167.
+  assert runahead.rows_before_hop(cfg, (420, 400)) == (0, 71)
+  windowed = dataclasses.replace(cfg, sliding_window=16)
+  assert runahead.rows_before_hop(windowed, (420, 400)) == (0, 167)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
 def test_each_rank_computes_only_its_share(models, name):
   """XLA's cost analysis of each rank's compiled layer follows c_i and c_i * S_i."""

@@ -20,11 +20,21 @@ that sends the static prefix [0, S_k) of rank k's keys, K and V stacked in one m
 their own K heads (never repeated to the N query heads).
 
 Better than the paper: a rank does not idle while it waits for its prefix. With a kernel that
-returns its log-sum-exp (flash, fused), rank i > 0 first attends its own chunk (the causal
-diagonal square, which needs nothing from anyone), then receives the prefix and attends its
-queries to it, and the two partials merge exactly in float32 (`layers.merge_partials`). An
-optimization barrier orders the diagonal before the hops, so that XLA cannot move it behind
-the receive; rank 0 has no prefix and attends after it has sent hop 0.
+returns its log-sum-exp (flash, fused), rank i > 0 first attends the first r_i rows of its own
+chunk (the causal diagonal square, which needs nothing from anyone), then receives the prefix
+and attends its queries to it and the rest of the diagonal, and the partials merge exactly in
+float32 (`layers.merge_partials`). An optimization barrier orders the early rows before the
+hops, so that XLA cannot move them behind the receive; rank 0 has no prefix and attends after
+it has sent hop 0.
+
+How many rows go first (`rows_before_hop`): a hop is a rendezvous, not a fire-and-forget send.
+Its sender's next work is ordered behind the hop (the barrier below), and the transfer itself
+needs both ends (gloo on CPU holds the send until the receive is posted; NCCL does for large
+messages). So rank i should reach hop i-1 when its sender does, no later: its qkv plus r_i
+diagonal rows take as many FLOPs as the sender's work before that send. Whole diagonals first
+(the previous order) held rank 0 back by rank 1's diagonal minus the qkv difference in the
+first layer, and left rank 1 idle by as much after the last (the measured timelines showed
+both); in the layers between, any r_i is as good when the split is balanced.
 
 Buffers. Rank 0's message is its own chunk. A forwarding rank (0 < k < p-1) keeps an
 accumulation buffer carried across layers (never zero-filled: each layer overwrites what it
@@ -83,37 +93,84 @@ def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...]):
   return q_pad, own_pad
 
 
+def rows_before_hop(config, chunks: tuple[int, ...]) -> tuple[int, ...]:
+  """r_i: the rows of its own causal diagonal rank i attends before its hop (r_0 = 0).
+
+  Every rank starts a layer together (the hops of the last layer synchronised them); rank 0
+  can send after its qkv, rank i > 0 holds its prefix when hop i-1 lands (it forwards after
+  that). Rank i's r_i is the most rows whose FLOPs (query j sees min(j + 1, W) keys) fit
+  between its own qkv and its sender's readiness: never later than the sender, so a held send
+  costs nothing. FLOPs, not seconds: a matmul and the attention kernel run at similar
+  FLOP/s on the CPUs this was measured on; the link time is left out (a slow link only gives
+  the receiver more time, which the rest of its diagonal then fills after the hop)."""
+  D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+  window = config.sliding_window
+  qkv_per_token = 2 * D * (N + 2 * K) * H
+  per_key = 4 * N * H  # scores and the weighted sum
+  rows, sender_ready = [0], qkv_per_token * chunks[0]
+  for c in chunks[1:]:
+    keys_seen = np.minimum(np.arange(1, c + 1), window or c)
+    diagonal_flops = per_key * np.cumsum(keys_seen)  # the first j+1 rows
+    spare = sender_ready - qkv_per_token * c
+    r = int(np.searchsorted(diagonal_flops, spare, side="right")) if spare > 0 else 0
+    rows.append(r)
+    early = qkv_per_token * c + (diagonal_flops[r - 1] if r else 0)
+    sender_ready = max(sender_ready, early)  # this rank forwards once it holds its prefix
+  return tuple(rows)
+
+
 def attends_diagonal_first(attention: str, num_ranks: int) -> bool:
   """Ranks i > 0 attend their own chunk before the prefix arrives: kernels whose partials
   merge (they return the log-sum-exp), and only where some rank waits for a prefix."""
   return attention in layers.FUSED_KERNELS and num_ranks > 1
 
 
-def attend_diagonal(block, q_BcNH, own_2BcKH, i: int, chunks: tuple[int, ...], attention: str):
-  """Rank i > 0 before its hop: its queries against its own keys (causal, offset 0), a float32
-  partial (out [B, c_max, N, H], lse [B, c_max, N]) padded to c_max. Rank 0 returns zeros: it
-  attends after it has sent, and its whole attention is this square."""
-  if i == 0:  # built from q so that they carry its type (varying over the ranks)
+def attend_diagonal(
+  block, q_BcNH, own_2BcKH, i: int, chunks: tuple[int, ...], attention: str, rows: int
+):
+  """Rank i > 0 before its hop: its first `rows` queries against its own keys (causal, offset
+  0; they see only keys [0, rows)), a float32 partial (out [B, c_max, N, H], lse [B, c_max,
+  N]) padded to c_max. Rank 0, or rows = 0, returns zeros: the rank attends after the hop."""
+  if i == 0 or rows == 0:  # built from q so that they carry its type (varying over the ranks)
     zeros_BcNH = jnp.zeros_like(q_BcNH, jnp.float32)
     return zeros_BcNH, zeros_BcNH[..., 0]
-  c, c_max = chunks[i], q_BcNH.shape[1]
-  out_BcNH, lse_BcN = block.attend_partial(
-    q_BcNH[:, :c], own_2BcKH[0, :, :c], own_2BcKH[1, :, :c], 0, attention
+  c_max = q_BcNH.shape[1]
+  out_BrNH, lse_BrN = block.attend_partial(
+    q_BcNH[:, :rows], own_2BcKH[0, :, :rows], own_2BcKH[1, :, :rows], 0, attention
   )
-  pad = c_max - c
+  pad = c_max - rows
   return (
-    jnp.pad(out_BcNH, ((0, 0), (0, pad), (0, 0), (0, 0))),
-    jnp.pad(lse_BcN, ((0, 0), (0, pad), (0, 0))),
+    jnp.pad(out_BrNH, ((0, 0), (0, pad), (0, 0), (0, 0))),
+    jnp.pad(lse_BrN, ((0, 0), (0, pad), (0, 0))),
   )
 
 
-def attend_rank(block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, diagonal=None):
+def finish_diagonal(block, q_BcNH, own_2BcKH, diagonal, rows: int, attention: str):
+  """The diagonal's rows [rows, c) after the hop (queries at offset `rows` against the chunk's
+  c keys), appended to the `rows` attended before it: (out [B, c, N, H], lse [B, c, N])."""
+  c = q_BcNH.shape[1]
+  early_out, early_lse = diagonal[0][:, :rows], diagonal[1][:, :rows]
+  if rows == c:
+    return early_out, early_lse
+  late_out, late_lse = block.attend_partial(
+    q_BcNH[:, rows:], own_2BcKH[0], own_2BcKH[1], rows, attention
+  )
+  return (
+    jnp.concatenate([early_out, late_out], axis=1),
+    jnp.concatenate([early_lse, late_lse], axis=1),
+  )
+
+
+def attend_rank(
+  block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, diagonal=None, rows=0
+):
   """Rank i's attention: its c_i queries against the prefix [first, start) (the keys it
   received: from its window start, or from 0) and its own chunk.
 
-  diagonal: the partial of its own chunk computed before the hop (attend_diagonal); then only
-  the prefix is attended here and the two merge by log-sum-exp. Without it (dense, blocked:
-  the paper's c_i x S_i rectangle) prefix and own keys are attended in one call."""
+  diagonal: the partial of the first `rows` rows of its own chunk computed before the hop
+  (attend_diagonal); the rest of the diagonal and the prefix are attended here and the
+  partials merge by log-sum-exp. Without it (dense, blocked: the paper's c_i x S_i rectangle)
+  prefix and own keys are attended in one call."""
   c, start = chunks[i], chunk_starts(chunks)[i]
   first = layers.window_start(start, block.config.sliding_window)
   q_BcNH, own_2BcKH = q_BcNH[:, :c], own_2BcKH[:, :, :c]
@@ -123,9 +180,8 @@ def attend_rank(block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, di
     out_BcNH, lse_BcN = block.attend_partial(
       q_BcNH, prefix_2BsKH[0], prefix_2BsKH[1], start - first, attention
     )
-    merged_BcNH, _ = layers.merge_partials(
-      out_BcNH, lse_BcN, diagonal[0][:, :c], diagonal[1][:, :c]
-    )
+    own_out_BcNH, own_lse_BcN = finish_diagonal(block, q_BcNH, own_2BcKH, diagonal, rows, attention)
+    merged_BcNH, _ = layers.merge_partials(out_BcNH, lse_BcN, own_out_BcNH, own_lse_BcN)
     return merged_BcNH.astype(q_BcNH.dtype)
   keys_2BsKH = jnp.concatenate([prefix_2BsKH, own_2BcKH], axis=2)
   return block.attend(q_BcNH, keys_2BsKH[0], keys_2BsKH[1], start - first, attention)
@@ -143,9 +199,11 @@ def attend_and_finish(
   attention: str = "dense",
   timeline: bool = False,
   layer=-1,
+  rows: int = 0,
 ):
-  """Rank i after the hops: attention (attend_rank) over the prefix it received, then the
-  block's rest (out-proj, MLP) of its c_i rows, padded back to c_max.
+  """Rank i after the hops: attention (attend_rank) over the prefix it received and the rest
+  of its diagonal (rows past `rows`), then the block's rest (out-proj, MLP) of its c_i rows,
+  padded back to c_max.
 
   prefixes: (accumulation buffer, last hop's message); a forwarding rank's prefix sits in
   its buffer at [first, start), the last rank's is the last hop's message itself."""
@@ -159,7 +217,9 @@ def attend_and_finish(
     prefix_2BsKH = last_message
   else:
     prefix_2BsKH = buffer_2BSKH[:, :, first:start]
-  attn_BcNH = attend_rank(block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, diagonal)
+  attn_BcNH = attend_rank(
+    block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, diagonal, rows
+  )
   attn_BcNH = mark(timeline, "attention", layer, attn_BcNH)
   out_BcD = block.finish(x_BcD[:, :c], attn_BcNH)
   return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
@@ -238,6 +298,7 @@ def rank_program(
     x_BcD = mark(timeline, "embed", -1, model.embed(tokens_1Bc[0]))
     cfg = model.config
     B = x_BcD.shape[0]
+    early_rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * p
     # Allocated once and carried across layers; varying over the ranks like what it holds.
     buffer_2BSKH = jax.lax.pcast(
       jnp.zeros((2, B, buffer_len(chunks), cfg.num_kv_heads, cfg.head_dim), x_BcD.dtype),
@@ -262,7 +323,9 @@ def rank_program(
         diagonal = jax.lax.switch(
           rank,
           [
-            functools.partial(attend_diagonal, block, i=i, chunks=chunks, attention=attention)
+            functools.partial(
+              attend_diagonal, block, i=i, chunks=chunks, attention=attention, rows=early_rows[i]
+            )
             for i in range(p)
           ],
           q_BcNH,
@@ -293,6 +356,7 @@ def rank_program(
             attention=attention,
             timeline=timeline,
             layer=l,
+            rows=early_rows[i],
           )
           for i in range(p)
         ],
