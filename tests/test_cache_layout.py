@@ -130,6 +130,40 @@ def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("partition", [[20, 9], [14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])
+def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle, partition):
+  """KV-Runahead's last hop already carried every earlier position to the last rank: its
+  cache="last" is joined there from that message and its own part, with no device-to-device
+  transfer at all (any copy between devices, explicit or not, raises under the guard). The
+  peers' parts have to move: the same guard stops their move."""
+  model, ref = models["gqa"], oracle["gqa"]
+  mesh = kvr_jax.make_mesh(len(partition))
+  deferred = kvr_jax.prefill(
+    model, prompt, strategy="kvr", mesh=mesh, partition=partition, defer_move=True
+  )
+  L, B, C, K, H = ref.k_cache.shape
+  assert deferred.last_hop.shape == (len(partition), L, 2, B * (C - partition[-1]), K, H)
+  with jax.transfer_guard_device_to_device("disallow_explicit"):
+    k, v = deferred.gather_cache()
+    ring = run(model, prompt, "ring", 2, None, "sharded")
+    with pytest.raises(Exception, match="[Dd]isallowed"):
+      jax.block_until_ready(ring.gather_cache())
+  assert_close(k, ref.k_cache, "K cache")
+  assert_close(v, ref.v_cache, "V cache")
+  assert k.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
+
+
+def test_kvr_windowed_hops_move_the_parts(models, prompt, oracle):
+  """A window shorter than the prefix cuts the last hop: the parts move as for the peers,
+  and the cache is still whole."""
+  mesh, model = kvr_jax.make_mesh(2), models["window"]
+  kwargs = dict(strategy="kvr", mesh=mesh, partition=[20, 9])
+  assert kvr_jax.prefill(model, prompt, defer_move=True, **kwargs).last_hop is None
+  assert kvr_jax.prefill(models["gqa"], prompt, defer_move=True, **kwargs).last_hop is not None
+  last = kvr_jax.prefill(model, prompt, **kwargs)
+  assert_close(last.k_cache, oracle["window"].k_cache, "K cache")
+
+
 def test_cache_layout_refused_before_compiling(models, prompt):
   with pytest.raises(ValueError, match="unknown cache layout 'rank0'"):
     kvr_jax.prefill(models["gqa"], prompt, strategy="kvr", cache="rank0")

@@ -11,6 +11,10 @@ into the rows, see strategies.base.fold_batch): rank r's part holds only the K,V
   cache="sharded"  the parts stay where they were computed; decode attends each rank's part
                    where it lives and merges the partial outputs (kvr_jax.inference.decode).
 
+KV-Runahead needs no move for "last": its last hop already brought every earlier position to
+the last rank; its program then also returns those messages (`last_hop`) and the last rank
+joins them with its own part where both lie (`join_last_hop`), no transfer at all.
+
 In one process every shard is addressable and the move is one device-to-device copy per
 run of real rows, written into the cache in place (the last device holds the cache and one
 run beside it). Across processes a shard on another process cannot be copied by the owner,
@@ -117,14 +121,43 @@ def collect_program(mesh, layout: CacheLayout):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
 
 
-def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto"):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def join_on_device(last_hop_1L2RKH, part_1L2RKH, prefix_len: int, part_len: int, own_len: int):
+  """(k, v) [L, B, C, K, H]: the last hop's rows (positions [0, prefix_len)) then the own
+  part's first own_len rows; K and V each built directly (no [L, 2, ...] temporary)."""
+  hop_L2BSKH = unfold_batch(last_hop_1L2RKH[0], prefix_len)
+  own_L2BcKH = unfold_batch(part_1L2RKH[0], part_len)
+  return tuple(
+    jnp.concatenate([hop_L2BSKH[:, i], own_L2BcKH[:, i, :, :own_len]], axis=2) for i in (0, 1)
+  )
+
+
+def join_last_hop(kv_parts, last_hop, layout: CacheLayout, mesh):
+  """(k, v) [L, B, C, K, H] on the last rank's device from what it already holds: the last
+  hop's messages (positions [0, S_{p-2})) and its own part; (None, None) in a process that
+  does not hold it."""
+  owner = mesh.devices.reshape(-1)[-1]
+  ((position, own_len, row),) = layout.segments[-1]
+  assert row == 0 and last_hop.shape[3] * layout.part_len == position * kv_parts.shape[3]
+  hop = [s.data for s in last_hop.addressable_shards if s.device == owner]
+  part = [s.data for s in kv_parts.addressable_shards if s.device == owner]
+  if not hop:
+    return None, None
+  return join_on_device(hop[0], part[0], position, layout.part_len, own_len)
+
+
+def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto", last_hop=None):
   """The parts [p, L, 2, B*P, K, H] (sharded by rank) -> (k, v) [L, B, C, K, H] on the last
   rank's device, or (None, None) in a process that does not hold it.
 
-  method "copy" copies each run's real rows onto that device and writes them into the cache
-  there (one process),
-  "collective" runs `collect_program`, "auto" the first when every shard is addressable.
+  last_hop: KV-Runahead's last-hop messages where its program kept them: the cache is joined
+  on the last rank from what it holds (`join_last_hop`), nothing moves. Otherwise method
+  "copy" copies each run's real rows onto that device and writes them into the cache there
+  (one process), "collective" runs `collect_program`, "auto" the first when every shard is
+  addressable.
   """
+  if last_hop is not None:
+    return join_last_hop(kv_parts, last_hop, layout, mesh)
   owner = mesh.devices.reshape(-1)[-1]
   if method == "auto":
     method = "copy" if kv_parts.is_fully_addressable else "collective"

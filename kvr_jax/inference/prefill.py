@@ -51,6 +51,9 @@ class PrefillResult:
   partition: tuple[int, ...] | None = None
   cache: str = "last"
   kv_parts: jax.Array | None = None
+  # KV-Runahead's last-hop messages (prefill(defer_move=True)): the last rank's cache is
+  # joined from them and its part by `gather_cache()`, without a move.
+  last_hop: jax.Array | None = None
   cache_layout: CacheLayout | None = None
   mesh: Any = None
   attention: str | None = None  # the kernel that ran ("auto" resolved)
@@ -75,7 +78,7 @@ class PrefillResult:
     """(K, V) [L, B, S, K, H] in prompt order on the last rank's device, whichever layout."""
     if self.cache == "last":
       return self.k_cache, self.v_cache
-    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
+    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
 
   def layer_cache(self, layer: int) -> tuple[jax.Array, jax.Array]:
     """(K, V) of one layer, each [B, S, K, H]."""
@@ -161,6 +164,7 @@ def prefill(
   cache: str = "last",
   timeline: bool = False,
   buckets=None,
+  defer_move: bool = False,
 ) -> PrefillResult:
   """Runs the prompt phase and returns each row's last-position logits and the KV cache.
 
@@ -190,6 +194,9 @@ def prefill(
     the part it computed; `generate` decodes from it where it lies). See PrefillResult.
   timeline: compile with probes at the phase boundaries (strategies with
     `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them.
+  defer_move: with cache="last", return as soon as the program's outputs exist, laid out as
+    cache="sharded" (plus KV-Runahead's `last_hop`); `gather_cache()` then brings the cache
+    onto the last rank. What kvr_jax.tools.timing times apart.
   """
   spec = get_strategy(strategy)
   cache = check_cache(cache)
@@ -271,10 +278,22 @@ def prefill(
         int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(user_chunks))
       )
   chunks = spec.layout(T, p, user_chunks)
-  run = spec.compile(model.graphdef, mesh, chunks, attention, timeline)
+  # cache="last" from what KV-Runahead's last rank received (no move), where it is whole.
+  keep_last_hop = (
+    cache == "last"
+    and spec.cache_from_last_hop is not None
+    and spec.cache_from_last_hop(chunks, window)
+  )
+  if keep_last_hop:
+    run = spec.compile(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop=True)
+  else:
+    run = spec.compile(model.graphdef, mesh, chunks, attention, timeline)
   state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = run(state, tokens_pBc)
+  last_hop = None
+  if keep_last_hop:
+    kv_parts, last_hop = kv_parts
   layout = spec.cache_layout(T, chunks)
   owner = mesh.devices.reshape(-1)[spec.cache_rank(chunks)]
   logits_BV = shard_on(logits, owner)
@@ -290,13 +309,16 @@ def prefill(
   # A padded row's last real token is not at position T - 1: its logits come from one decode
   # step at its own position (its K,V, already in the cache, are written again identically).
   last_tokens_B = tokens_BT[np.arange(B), lengths_B - 1]
-  if cache == "sharded":
+  if cache == "sharded" or defer_move:
     if padded:
       logits_BV = _last_real_logits_sharded(
         model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B, owner
       )
-    return PrefillResult(logits_BV, None, None, kv_parts=kv_parts, mesh=mesh, **common)
-  k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh)
+    common["cache"] = "sharded"
+    return PrefillResult(
+      logits_BV, None, None, kv_parts=kv_parts, mesh=mesh, last_hop=last_hop, **common
+    )
+  k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
   if padded and k_LBSKH is not None:
     cache_device = next(iter(k_LBSKH.devices()))
     logits_BV, k_LBSKH, v_LBSKH = decode.decode_step(

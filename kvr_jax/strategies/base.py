@@ -154,6 +154,10 @@ class Strategy:
   max_ranks: int | None = None
   # compile(..., timeline=True) places probes at its phase boundaries (strategies.probe).
   timeline_probes: bool = False
+  # (chunks, window) -> whether compile(..., keep_last_hop=True) can return what the last
+  # rank received, from which it holds the whole cache without a move (KV-Runahead's hops
+  # carry it); None: the strategy's cache="last" always moves the parts.
+  cache_from_last_hop: Callable[[tuple[int, ...], int | None], bool] | None = None
   attention_note: str = ""  # why it runs only these kernels, for the error message
 
   @property

@@ -44,9 +44,14 @@ nothing, so with p = 2 there is no prompt-long buffer at all. `ppermute` gives z
 outside the pair, so only rank k+1 writes hop k into its buffer (`jnp.where`).
 
 Each rank outputs its own chunk's K,V ([L, 2, B*c_max, K, H], padded to the largest chunk),
-never a prompt-long stack. The parts are brought onto the last rank in prompt order after
-the program (cache="last", the paper's layout) or stay where they were computed
-(cache="sharded"; kvr_jax.inference.kv_cache).
+never a prompt-long stack; they stay where they were computed (cache="sharded";
+kvr_jax.inference.kv_cache). For the paper's layout (cache="last": the whole cache on the
+last rank) nothing needs to move: the last hop of every layer already carried [0, S_{p-2})
+to the last rank, which attended it. With `keep_last_hop` the program also returns each
+layer's last-hop message ([L, 2, B*S_{p-2}, K, H]; zeros on the ranks it did not reach, the
+price of SPMD's one output shape) and the last rank's cache is that message and its own chunk,
+joined where they lie. (Moving the parts after the program instead sent rank 0's chunk to the
+last rank twice and cost KVR 0.3 s of 2.6 s at 8k on two processes.)
 
 Sliding window W (Mistral): query q sees only keys (q - W, q], so hop k carries only the last
 W-1 keys of [0, S_k) and each rank attends to [start - W + 1, S_i): hop bytes and attention
@@ -244,6 +249,12 @@ def hop_span(k: int, chunks: tuple[int, ...], window: int | None) -> tuple[int, 
   return layers.window_start(end, window), end
 
 
+def whole_prefix_hops(chunks: tuple[int, ...], window: int | None) -> bool:
+  """The last hop carries every earlier position [0, S_{p-2}) (no window cuts it): the last
+  rank can then hold the whole cache without a move (`compile_program(keep_last_hop=True)`)."""
+  return len(chunks) > 1 and hop_span(len(chunks) - 2, chunks, window)[0] == 0
+
+
 def buffer_len(chunks: tuple[int, ...]) -> int:
   """Rows of a forwarding rank's accumulation buffer: every rank writes its c_max padded rows
   at its chunk's start (one SPMD write), so the last start plus c_max (never clamped)."""
@@ -284,9 +295,11 @@ def rank_program(
   chunks: tuple[int, ...],
   attention: str = "dense",
   timeline: bool = False,
+  keep_last_hop: bool = False,
 ) -> Callable:
   """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs.
-  timeline: probes at every phase boundary (kvr_jax.strategies.probe)."""
+  timeline: probes at every phase boundary (kvr_jax.strategies.probe). keep_last_hop: also
+  output every layer's last-hop message (see the module docstring)."""
   p = len(chunks)
   diagonal_first = attends_diagonal_first(attention, p)
   starts = np.asarray(chunk_starts(chunks), np.int32)
@@ -297,6 +310,11 @@ def rank_program(
     rank = jax.lax.axis_index(AXIS)
     x_BcD = mark(timeline, "embed", -1, model.embed(tokens_1Bc[0]))
     cfg = model.config
+    if keep_last_hop and not whole_prefix_hops(chunks, cfg.sliding_window):
+      raise ValueError(
+        f"keep_last_hop: the last hop of {chunks} does not carry the whole prefix (one rank, "
+        f"or a sliding window of {cfg.sliding_window} shorter than it); move the parts instead"
+      )
     B = x_BcD.shape[0]
     early_rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * p
     # Allocated once and carried across layers; varying over the ranks like what it holds.
@@ -367,31 +385,44 @@ def rank_program(
         diagonal,
       )
       x_BcD = mark(timeline, "rest", l, x_BcD)
-      # Only this rank's chunk leaves the layer: no prompt-long output.
-      return (x_BcD, prefixes[0]), fold_batch(own_2BcKH)
+      # Only this rank's chunk leaves the layer (and, kept, what the last hop brought).
+      own_out = fold_batch(own_2BcKH)
+      kept = (own_out, fold_batch(prefixes[1])) if keep_last_hop else own_out
+      return (x_BcD, prefixes[0]), kept
 
     layers_L = jnp.arange(cfg.num_layers)
-    (x_BcD, _), kv_L2RKH = scan_blocks(  # R = B * c_max rows
+    (x_BcD, _), kv_out = scan_blocks(  # R = B * c_max rows
       model.blocks, layer, (x_BcD, buffer_2BSKH), layers_L
     )
     # Each rank's last real row; on rank p-1 that is the prompt's last position.
     last_BD = jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
     logits_BV = mark(timeline, "logits", -1, model.logits(last_BD[:, None])[:, 0])
-    return logits_BV[None], kv_L2RKH[None]
+    if keep_last_hop:
+      kv_L2RKH, last_hop_L2RKH = kv_out  # R = B * S_{p-2} rows
+      return logits_BV[None], (kv_L2RKH[None], last_hop_L2RKH[None])
+    return logits_BV[None], kv_out[None]
 
   return program
 
 
 @functools.lru_cache(maxsize=64)
 def compile_program(
-  graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense", timeline: bool = False
+  graphdef,
+  mesh,
+  chunks: tuple[int, ...],
+  attention: str = "dense",
+  timeline: bool = False,
+  keep_last_hop: bool = False,
 ):
   """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention); cached.
 
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
-  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
+  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V. keep_last_hop
+  (only where `whole_prefix_hops`): the second output is (kv parts, last-hop messages [p, L,
+  2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
+  positions.
   """
-  return spmd(rank_program(graphdef, chunks, attention, timeline), mesh)
+  return spmd(rank_program(graphdef, chunks, attention, timeline, keep_last_hop), mesh)
 
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):
@@ -418,4 +449,5 @@ STRATEGY = Strategy(
   compile=compile_program,
   cache_rank=last_rank,
   timeline_probes=True,
+  cache_from_last_hop=whole_prefix_hops,
 )

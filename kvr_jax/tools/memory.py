@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference.kv_cache import check_cache, place
+from kvr_jax.inference.kv_cache import check_cache, join_on_device, place
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import abstract_model, preset_config, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh
@@ -71,10 +71,12 @@ def compiled_memory(
   """XLA's per-device memory of `strategy`'s prefill program, compiled from shapes only.
 
   model: a preset name or a ModelConfig. Returns a dict: per device `argument_bytes`,
-  `output_bytes`, `temp_bytes` (of the prefill program; the same program serves both cache
-  layouts), `weights_bytes`, `kv_cache_bytes` (the whole prompt's cache), the chunks, and for
-  cache="last" `move_argument_bytes` and `move_temp_bytes`: the move of the parts onto the
-  last rank's device (after the program), which then holds the whole cache and one run.
+  `output_bytes`, `temp_bytes` (of the prefill program as that layout runs it: KV-Runahead's
+  cache="last" program also outputs its last hops), `weights_bytes`, `kv_cache_bytes` (the
+  whole prompt's cache), the chunks, and for cache="last" `move_argument_bytes` and
+  `move_temp_bytes`: the move of the parts onto the last rank's device (after the program),
+  which then holds the whole cache and one run; for KV-Runahead the join of its last hops and
+  its part where they lie.
   """
   config = _config(model)
   spec = get_strategy(strategy)
@@ -116,7 +118,16 @@ def compiled_memory(
       causal_skip=attention != "dense",
     )
   chunks = spec.layout(context_len, num_ranks, user_chunks)
-  program = spec.compile(graphdef, mesh, chunks, attention)
+  # cache="last" as prefill runs it: KV-Runahead keeps its last hops (no move) where whole.
+  joined = (
+    cache == "last"
+    and spec.cache_from_last_hop is not None
+    and spec.cache_from_last_hop(chunks, config.sliding_window)
+  )
+  if joined:
+    program = spec.compile(graphdef, mesh, chunks, attention, keep_last_hop=True)
+  else:
+    program = spec.compile(graphdef, mesh, chunks, attention)
   replicated = NamedSharding(mesh, jax.P())
   state_shapes = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
@@ -136,12 +147,23 @@ def compiled_memory(
   result["weights_bytes"] = int(sum(np.prod(x.shape) * itemsize for x in jax.tree.leaves(state)))
   K, H, L = config.num_kv_heads, config.head_dim, config.num_layers
   result["kv_cache_bytes"] = L * 2 * batch * context_len * K * H * itemsize
-  if cache == "last":
+  layout = spec.cache_layout(context_len, chunks)
+  on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
+  if joined:
+    # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device).
+    prefix_len = context_len - chunks[-1]
+    hop = jax.ShapeDtypeStruct((1, L, 2, batch * prefix_len, K, H), dtype_name, sharding=on_last)
+    part = jax.ShapeDtypeStruct(
+      (1, L, 2, batch * layout.part_len, K, H), dtype_name, sharding=on_last
+    )
+    join = join_on_device.lower(hop, part, prefix_len, layout.part_len, chunks[-1])
+    join = _analysis(join.compile())
+    result["move_argument_bytes"] = join["argument_bytes"]
+    result["move_temp_bytes"] = join["temp_bytes"]
+  elif cache == "last":
     # The move onto the last rank: its device holds the whole cache and, at a time, one run's
     # real rows beside it (kv_cache.copy_onto); XLA's analysis of writing the longest run.
-    layout = spec.cache_layout(context_len, chunks)
     longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
-    on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
     cache_shape = jax.ShapeDtypeStruct((L, batch, context_len, K, H), dtype_name, sharding=on_last)
     piece = jax.ShapeDtypeStruct((L, 2, batch, longest, K, H), dtype_name, sharding=on_last)
     position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)

@@ -9,7 +9,6 @@ import time
 import jax
 import numpy as np
 
-from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.inference.prefill import PrefillResult, prefill
 from kvr_jax.runtime.loading import Model
 
@@ -40,8 +39,10 @@ def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
   """One call, then `repeats` timed warm calls of `prefill(model, tokens, **kwargs)`.
 
   A call ends when the logits and KV cache are ready. With cache="last" (the default) the
-  program's parts and their move onto the last rank are timed apart (`moves_s`): the call is
-  prefill(cache="sharded") then the move, which is what prefill(cache="last") runs. With a
+  program and the move of the cache onto the last rank are timed apart (`moves_s`): the call
+  is prefill(cache="last", defer_move=True) then `gather_cache()`, which is what
+  prefill(cache="last") runs (for KV-Runahead the "move" only joins, on the last rank, what
+  its last hops brought with its own part). With a
   mesh spanning processes only the last rank's process holds the cache, so its clock is the
   TTFT; the others time their own part.
   """
@@ -49,14 +50,14 @@ def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
 
   def run():
     start = time.perf_counter()
-    result = prefill(model, tokens, cache="sharded", **kwargs)
-    jax.block_until_ready((result.logits, result.kv_parts))
+    result = prefill(model, tokens, cache=cache, defer_move=cache == "last", **kwargs)
+    jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
     moved = time.perf_counter()
     if cache == "last":
-      k, v = gather_on_last_rank(result.kv_parts, result.cache_layout, result.mesh)
+      k, v = result.gather_cache()
       jax.block_until_ready((k, v))
       result = dataclasses.replace(
-        result, cache="last", k_cache=k, v_cache=v, kv_parts=None, mesh=None
+        result, cache="last", k_cache=k, v_cache=v, kv_parts=None, last_hop=None, mesh=None
       )
     end = time.perf_counter()
     return result, end - start, end - moved
