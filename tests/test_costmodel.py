@@ -90,6 +90,17 @@ def test_kvr_timeline_diagonal_fills_the_wait():
   assert finish == [4, 10, 15]
 
 
+def test_kvr_timeline_held_send_hand_computed():
+  # A rendezvous hop (gloo): it starts when both ends reach it and holds its sender until it
+  # lands. qkv 3 each, hop 5: 3 -> 8, both resume at 8 and finish at 9 (async: rank 0 at 4).
+  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, held_send=True) == [9, 9]
+  # A diagonal longer than the sender's qkv now delays the sender: hop 7 -> 12, both 13.
+  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, [0, 4], held_send=True) == [13, 13]
+  # Two layers, rank 1's attention 2: layer 0 ends at 9 and 10; layer 1: rank 0 ready to send
+  # at 12, rank 1 at 13: hop 13 -> 18, done 19 and 20.
+  assert costmodel.kvr_timeline([3, 3], [1, 2], [5], 2, held_send=True) == [19, 20]
+
+
 @pytest.mark.parametrize("window", [None, 300])
 def test_kvr_diagonal_and_prefix_add_up_to_the_ranks_attention(window):
   """With a flash kernel rank i > 0's attention is split into its diagonal and its prefix;

@@ -13,11 +13,15 @@ Each phase takes max(FLOPs / achievable FLOP/s, bytes / achievable memory bandwi
 The timeline follows the dependencies of the real programs:
   kvr   ranks run independently; hop k couples only ranks k and k+1. It starts when rank k
         holds [0, S_k) (its own qkv done and hop k-1 arrived) and link k is free, and takes
-        bytes / bandwidth_k + latency. With a flash/fused kernel rank i > 0 attends its own
-        chunk (the diagonal) before it waits for the prefix, and the prefix after it. Sends
-        are asynchronous (XLA's collective-permute-start/-done, an NCCL send on its own
-        stream): the sender goes on to its attention while the message is in flight; the
-        receiver waits for it before its attention.
+        bytes / bandwidth_k + latency. With a flash/fused kernel rank i > 0 attends the first
+        rows of its own chunk (the diagonal; as many as the program does before its hop,
+        strategies.runahead.rows_before_hop) before it waits for the prefix, and the prefix
+        and the rest of the diagonal after it. The receiver waits for the message before its
+        attention. `Links.held_send` says whether the sender waits too: False, sends are
+        asynchronous (XLA's collective-permute-start/-done, an NCCL send on its own stream)
+        and the sender goes on while the message is in flight; True, the hop is a
+        rendezvous (gloo on CPU, measured by the timelines): it starts when both ends reach
+        it and the sender resumes when it lands. The `local` calibration sets it.
   tsp   the all-gather is a barrier over all ranks; a ring all-gather takes p-1 steps of one
         chunk each over the slowest link.
   single one device, dense masked attention (as the Hugging Face baseline computes it).
@@ -37,7 +41,7 @@ import math
 from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_ranks, prefix_ends
-from kvr_jax.strategies import zigzag
+from kvr_jax.strategies import runahead, zigzag
 from models.config import FalconConfig, ModelConfig
 from models.layers import window_start
 
@@ -77,6 +81,9 @@ class Links:
   bandwidth: float  # bytes/s
   latency: float = 10e-6  # seconds per message
   slow: tuple[tuple[int, float], ...] = ()  # (link index, bytes/s)
+  # A hop is a rendezvous: it starts when its receiver is ready too, and its sender resumes
+  # only when it has landed (see the module docstring).
+  held_send: bool = False
 
   def link_bandwidth(self, k: int) -> float:
     return dict(self.slow).get(k, self.bandwidth)
@@ -137,7 +144,8 @@ class Work:
   fused_attention: bool = False  # runs at the hardware's fused-attention FLOP/s
 
   def __add__(self, other: Work) -> Work:
-    return Work(self.flops + other.flops, self.bytes + other.bytes)
+    fused = self.fused_attention and other.fused_attention  # two fused-kernel pieces stay one
+    return Work(self.flops + other.flops, self.bytes + other.bytes, fused)
 
   def time(self, hw: Hardware) -> float:
     flops = hw.fused_attention_flops if self.fused_attention else hw.flops
@@ -325,7 +333,7 @@ def simulate(
   phases, hop_bytes, hop_time = _kvr_layer(config, chunks, setup)
   t = _kvr_phase_times(phases, hw)
   t_after = [a + r for a, r in zip(t["attention"], t["rest"], strict=True)]
-  free = kvr_timeline(t["qkv"], t_after, hop_time, L, t["diagonal"])
+  free = kvr_timeline(t["qkv"], t_after, hop_time, L, t["diagonal"], ln.held_send)
   ttft = free[-1] + head
   totals = [sum(ph.values(), Work(0, 0)) for ph in phases]
   return Simulation(
@@ -356,15 +364,19 @@ def _kvr_layer(config, chunks: tuple[int, ...], setup: Setup):
   keys = [ends[i] - window_start(ends[i] - chunks[i], window) for i in range(p)]
   phases = [phase_work(config, chunks[i], keys[i], **kw) for i in range(p)]
   if setup.diagonal_first:
+    early_rows = runahead.rows_before_hop(config, chunks)
     for i in range(1, p):
-      c, prefix = chunks[i], keys[i] - chunks[i]
+      c, prefix, r = chunks[i], keys[i] - chunks[i], early_rows[i]
       if prefix <= 0:
         continue
-      diagonal = phase_work(config, c, c, **kw)["attention"]
+      # Before the hop: rows [0, r) of the diagonal, a causal r x r square.
+      diagonal = phase_work(config, r, r, **kw)["attention"]
       # The prefix lies wholly before the queries: the keys they see there, on average.
       seen = visible_keys(prefix, c, window) - visible_keys(0, c, window)
       rest = dict(kw, causal_skip=False)
       attention = phase_work(config, c, prefix, **rest, scored_keys=seen)["attention"]
+      if r < c:  # after it: rows [r, c) at the end of the chunk's c keys
+        attention = attention + phase_work(config, c - r, c, **kw)["attention"]
       phases[i] = dict(phases[i], diagonal=diagonal, attention=attention)
   hop_tokens = [ends[k] - window_start(ends[k], window) for k in range(p - 1)]
   hop_bytes = [kv_message_bytes(config, hop_tokens[k], B, db) for k in range(p - 1)]
@@ -393,7 +405,9 @@ def schedule(
   if strategy == "kvr":
     phases, _, hop_time = _kvr_layer(config, tuple(int(c) for c in partition), setup)
     t = _kvr_phase_times(phases, hw)
-    return kvr_schedule(t["qkv"], t["attention"], t["rest"], hop_time, L, t["diagonal"])
+    return kvr_schedule(
+      t["qkv"], t["attention"], t["rest"], hop_time, L, t["diagonal"], setup.links.held_send
+    )
   if strategy not in ("ring", "allgather"):
     raise ValueError(f"no modelled timeline for {strategy!r}; expected kvr, ring or allgather")
   # Every rank alike: the layer's phases one after the other.
@@ -478,16 +492,18 @@ def kvr_timeline(
   hop_time: Sequence[float],
   num_layers: int,
   t_diagonal: Sequence[float] | None = None,
+  held_send: bool = False,
 ) -> list[float]:
   """When each rank finishes its last layer, from per-layer phase times (see module doc).
 
   t_qkv[i]: rank i's qkv phase; t_after[i]: its attention + rest; hop_time[k]: hop k's time;
-  t_diagonal[i]: attention rank i does before its prefix arrives (kvr_schedule).
+  t_diagonal[i]: attention rank i does before its prefix arrives (kvr_schedule); held_send:
+  hops are rendezvous (`Links.held_send`).
   """
   p = len(t_qkv)
   free = [0.0] * p
   for rank, _, phase, _, end in kvr_schedule(
-    t_qkv, t_after, [0.0] * p, hop_time, num_layers, t_diagonal
+    t_qkv, t_after, [0.0] * p, hop_time, num_layers, t_diagonal, held_send
   ):
     if phase == "rest":  # a hop ends on the receiver's clock, not its sender's
       free[rank] = max(free[rank], end)
@@ -501,39 +517,48 @@ def kvr_schedule(
   hop_time: Sequence[float],
   num_layers: int,
   t_diagonal: Sequence[float] | None = None,
+  held_send: bool = False,
 ) -> list[tuple[int, int, str, float, float]]:
   """The modelled KVR timeline as intervals (rank, layer, phase, start, end): per layer each
-  rank's "qkv", its "diagonal" (rank i > 0 attending its own chunk before the prefix arrives,
-  where t_diagonal[i] > 0), its "wait" for hop i-1 (when the prefix arrives later than that),
-  "attention" (over the prefix) and "rest"; "hop{k}" intervals (on the sender's row) run from
-  when rank k holds its prefix and link k is free to when rank k+1 has it. A sender does not
-  wait for its send (asynchronous sends), and forwards only after its diagonal (the program's
-  order: the diagonal comes before the hops)."""
+  rank's "qkv", its "diagonal" (rank i > 0 attending its first diagonal rows before the
+  prefix arrives, where t_diagonal[i] > 0), its "wait" for hop i-1 (when the prefix arrives
+  later than that), "attention" (over the prefix and the rest of the diagonal) and "rest";
+  "hop{k}" intervals (on the sender's row) run from when rank k holds its prefix and link k
+  is free to when rank k+1 has it. A rank forwards only after its diagonal (the program's
+  order: the diagonal comes before the hops). held_send: a hop also waits for its receiver's
+  qkv and diagonal, and its sender "wait"s until it has landed; otherwise a sender does not
+  wait for its send (asynchronous sends)."""
   p = len(t_qkv)
   t_diagonal = [0.0] * p if t_diagonal is None else list(t_diagonal)
   free = [0.0] * p  # rank i is done with the previous layer
   link_free = [0.0] * max(p - 1, 0)  # link k has delivered the previous layer's message
   out = []
   for layer in range(num_layers):
+    own = []  # when rank i's work before its hop is done: its K,V written, its diagonal rows
+    for i in range(p):
+      out.append((i, layer, "qkv", free[i], free[i] + t_qkv[i]))
+      own.append(free[i] + t_qkv[i])
+      if t_diagonal[i] > 0:
+        out.append((i, layer, "diagonal", own[i], own[i] + t_diagonal[i]))
+        own[i] += t_diagonal[i]
     arrive = 0.0
     for i in range(p):
-      own = free[i] + t_qkv[i]  # own K,V written into the buffer
-      out.append((i, layer, "qkv", free[i], own))
-      if t_diagonal[i] > 0:
-        out.append((i, layer, "diagonal", own, own + t_diagonal[i]))
-        own += t_diagonal[i]
-      ready = own
-      if i > 0 and arrive > own:  # prefix [0, S_{i-1}) received after its own work
-        out.append((i, layer, "wait", own, arrive))
+      ready = own[i]
+      if i > 0 and arrive > own[i]:  # prefix [0, S_{i-1}) received after its own work
+        out.append((i, layer, "wait", own[i], arrive))
         ready = arrive
+      resume = ready
       if i < p - 1:
-        send = max(ready, link_free[i])
+        send = max(ready, link_free[i], own[i + 1] if held_send else 0.0)
         arrive = send + hop_time[i]
         link_free[i] = arrive
         out.append((i, layer, f"hop{i}", send, arrive))
-      out.append((i, layer, "attention", ready, ready + t_attention[i]))
-      free[i] = ready + t_attention[i] + t_rest[i]
-      out.append((i, layer, "rest", ready + t_attention[i], free[i]))
+        if held_send:  # the sender is held until its message has landed
+          out.append((i, layer, "wait", ready, arrive))
+          resume = arrive
+      out.append((i, layer, "attention", resume, resume + t_attention[i]))
+      free[i] = resume + t_attention[i] + t_rest[i]
+      out.append((i, layer, "rest", resume + t_attention[i], free[i]))
   return out
 
 
