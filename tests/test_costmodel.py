@@ -14,7 +14,7 @@ import kvr_jax
 from kvr_jax.planning import costmodel, presets, search, tables
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import build_model
-from kvr_jax.strategies import single, tsp
+from kvr_jax.strategies import single, tsp, zigzag
 from models.config import LlamaConfig
 from models.layers import window_start
 
@@ -129,6 +129,30 @@ def test_kvr_diagonal_and_prefix_add_up_to_the_ranks_attention(window):
 
 def test_tsp_timeline_is_a_barrier_per_layer():
   assert costmodel.tsp_timeline(2.0, 3.0, 5.0, num_layers=4) == 40.0
+
+
+def test_peers_move_their_cache_and_held_ring_steps_take_turns():
+  """The peers' cache="last" pays the move of p-1 ranks' parts (KVR's last rank holds its
+  cache from the hops); with held sends a ring step's compute and its message add up instead
+  of overlapping: L (p-1) min(step, message) more."""
+  config, p, C = kvr_jax.preset_config("bench-llama"), 2, 8192
+  base = presets.make_setup("a100-80gb", "10GBps", dtype_bytes=2, scores_in_memory=False)
+  base = dataclasses.replace(base, causal_skip=True)
+  L, links = config.num_layers, base.links
+  head = costmodel.head_work(config, 1, 2).time(base.hardware)
+  for strategy in ("ring", "allgather"):
+    phases, _, _, _, message = costmodel._zigzag_layer(config, strategy, C, base, p)
+    move = (p - 1) * (L * message / links.bandwidth + links.latency)
+    ttft = costmodel.simulate(config, strategy, C, base, num_ranks=p).ttft
+    assert ttft == pytest.approx(L * sum(t for _, t in phases) + move + head)
+  held = dataclasses.replace(base, links=dataclasses.replace(links, held_send=True))
+  c = zigzag.chunk_len(C, p)  # a step: 2c queries against c keys, all scored
+  kw = dict(scores_in_memory=False, scored_keys=c)
+  t_step = costmodel.phase_work(config, 2 * c, c, 1, 2, **kw)["attention"].time(base.hardware)
+  t_message = message / links.bandwidth + links.latency
+  ring = [costmodel.simulate(config, "ring", C, s, num_ranks=p).ttft for s in (base, held)]
+  assert ring[1] - ring[0] == pytest.approx(L * (p - 1) * min(t_step, t_message))
+  assert min(t_step, t_message) > 0
 
 
 def test_slow_link_only_slows_its_hop():

@@ -433,6 +433,8 @@ def _zigzag_layer(config, strategy: str, context_len: int, setup: Setup, p: int)
   message = kv_message_bytes(config, 2 * c, B, db)
   t_message = message / ln.slowest(p) + ln.latency if p > 1 else 0.0
   window = config.sliding_window
+  # cache="last": every other rank's parts (2c tokens, L layers) move onto the last rank.
+  t_cache = (p - 1) * (L * message / ln.slowest(p) + ln.latency)
   # Keys each query of the busiest rank sees, causally (and within the window).
   visible = max(
     (visible_keys(r * c, c, window) + visible_keys((2 * p - 1 - r) * c, c, window)) / 2
@@ -445,15 +447,17 @@ def _zigzag_layer(config, strategy: str, context_len: int, setup: Setup, p: int)
     per_step = c if window is None else visible / p
     step = phase_work(config, 2 * c, c, **kw, scored_keys=per_step)["attention"]
     t_step = step.time(hw)
-    t_attention = (p - 1) * max(t_step, t_message) + t_step
-    t_cache = (p - 1) * (L * message / ln.slowest(p) + ln.latency)
+    # The next step's K,V travel while this step computes, unless sends hold their sender
+    # (Links.held_send: then a step's compute and its message take turns).
+    overlap = t_step + t_message if ln.held_send else max(t_step, t_message)
+    t_attention = (p - 1) * overlap + t_step
     phases = [("qkv", t_qkv), ("step", t_attention), ("rest", t_rest)]
     return phases, t_cache, Work(step.flops * p, step.bytes * p), own, message
   keys = visible if setup.causal_skip else padded
   attention = phase_work(config, 2 * c, keys, **kw, scored_keys=keys)["attention"]
   t_gather = (p - 1) * t_message
   phases = [("qkv", t_qkv), ("allgather", t_gather), ("attention", attention.time(hw))]
-  return phases + [("rest", t_rest)], 0.0, attention, own, message
+  return phases + [("rest", t_rest)], t_cache, attention, own, message
 
 
 def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: int):
@@ -463,11 +467,12 @@ def _simulate_zigzag(config, strategy: str, context_len: int, setup: Setup, p: i
   ring       per layer: qkv on 2c tokens; p attention steps of 2c^2 visible scores each (own
              chunks causally at step 0, then a c x 2c or 2c x c unmasked block); the K,V of
              2c tokens for step s+1 is sent while step s computes, so each step takes the
-             longer of the two; then the rest. After the last layer the cache moves onto
-             the last rank (p-1 messages of L layers' 2c-token K,V, cache="last").
+             longer of the two (their sum with `Links.held_send`); then the rest.
   allgather  per layer: qkv; a barrier all-gather of 2c-token K,V in p-1 ring steps; attention
              of the two chunks over every visible key ((2pc+1)/2 per query on average with a
              causally skipping kernel, all 2pc with the dense one); the rest.
+  Both: after the last layer the cache moves onto the last rank (p-1 messages of L layers'
+  2c-token K,V, cache="last"; KV-Runahead's last rank already holds it from its hops).
   """
   L = config.num_layers
   phases, after, attention, own, message = _zigzag_layer(config, strategy, context_len, setup, p)
