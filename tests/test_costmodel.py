@@ -131,6 +131,23 @@ def test_tsp_timeline_is_a_barrier_per_layer():
   assert costmodel.tsp_timeline(2.0, 3.0, 5.0, num_layers=4) == 40.0
 
 
+@pytest.mark.parametrize("held_send", [False, True])
+def test_kvr_timeline_is_the_schedules_finish(held_send):
+  """kvr_timeline (the search's fast recurrence) ends each rank where kvr_schedule's
+  intervals do, on random phase times, hops and diagonals."""
+  rng = np.random.RandomState(7)
+  for _ in range(200):
+    p, L = rng.randint(1, 6), rng.randint(1, 4)
+    qkv, attention, rest = (list(rng.rand(p)) for _ in range(3))
+    diagonal = list(rng.rand(p) * (rng.rand(p) < 0.5))
+    hops = list(rng.rand(p - 1) * 3)
+    after = [a + r for a, r in zip(attention, rest, strict=True)]
+    fast = costmodel.kvr_timeline(qkv, after, hops, L, diagonal, held_send)
+    intervals = costmodel.kvr_schedule(qkv, attention, rest, hops, L, diagonal, held_send)
+    ends = [max(e for r, _, ph, _, e in intervals if r == i and ph == "rest") for i in range(p)]
+    np.testing.assert_allclose(fast, ends, rtol=1e-12)
+
+
 def test_peers_move_their_cache_and_held_ring_steps_take_turns():
   """The peers' cache="last" pays the move of p-1 ranks' parts (KVR's last rank holds its
   cache from the hops); with held sends a ring step's compute and its message add up instead

@@ -505,13 +505,24 @@ def kvr_timeline(
   t_diagonal[i]: attention rank i does before its prefix arrives (kvr_schedule); held_send:
   hops are rendezvous (`Links.held_send`).
   """
+  # kvr_schedule's recurrence without its intervals (the search calls this ~50k times per
+  # paper grid); tests/test_costmodel.py checks that the two agree.
   p = len(t_qkv)
+  t_diagonal = [0.0] * p if t_diagonal is None else list(t_diagonal)
   free = [0.0] * p
-  for rank, _, phase, _, end in kvr_schedule(
-    t_qkv, t_after, [0.0] * p, hop_time, num_layers, t_diagonal, held_send
-  ):
-    if phase == "rest":  # a hop ends on the receiver's clock, not its sender's
-      free[rank] = max(free[rank], end)
+  link_free = [0.0] * max(p - 1, 0)
+  for _ in range(num_layers):
+    own = [free[i] + t_qkv[i] + t_diagonal[i] for i in range(p)]
+    arrive = 0.0
+    for i in range(p):
+      ready = max(own[i], arrive) if i > 0 else own[i]
+      resume = ready
+      if i < p - 1:
+        send = max(ready, link_free[i], own[i + 1] if held_send else 0.0)
+        arrive = link_free[i] = send + hop_time[i]
+        if held_send:
+          resume = arrive
+      free[i] = resume + t_after[i]
   return free
 
 
