@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -58,6 +59,9 @@ def test_probes_change_nothing_and_come_in_order(strategy, partition):
   plain = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, **kwargs)
   probe.EVENTS.clear()
   probed = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, timeline=True, **kwargs)
+  # The call returns when the last rank's outputs are ready (KVR's cache="last" needs nothing
+  # from the others): wait for every rank's probes before reading them.
+  jax.effects_barrier()
   # The barriers change XLA's fusions (rounding), not the maths: the strategies' 1e-5.
   assert_close(probed.logits, plain.logits, "probed logits")
   assert_close(probed.k_cache, plain.k_cache, "probed K cache")
