@@ -279,15 +279,8 @@ def prefill(
       )
   chunks = spec.layout(T, p, user_chunks)
   # cache="last" from what KV-Runahead's last rank received (no move), where it is whole.
-  keep_last_hop = (
-    cache == "last"
-    and spec.cache_from_last_hop is not None
-    and spec.cache_from_last_hop(chunks, window)
-  )
-  if keep_last_hop:
-    run = spec.compile(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop=True)
-  else:
-    run = spec.compile(model.graphdef, mesh, chunks, attention, timeline)
+  keep_last_hop = spec.keeps_last_hop(cache, chunks, window)
+  run = spec.program(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop)
   state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = run(state, tokens_pBc)

@@ -160,6 +160,22 @@ class Strategy:
   cache_from_last_hop: Callable[[tuple[int, ...], int | None], bool] | None = None
   attention_note: str = ""  # why it runs only these kernels, for the error message
 
+  def keeps_last_hop(self, cache: str, chunks: tuple[int, ...], window: int | None) -> bool:
+    """cache="last" comes from what the last rank received (no move): this strategy's hops
+    carry the whole prefix for these chunks (`cache_from_last_hop`)."""
+    return (
+      cache == "last"
+      and self.cache_from_last_hop is not None
+      and self.cache_from_last_hop(chunks, window)
+    )
+
+  def program(self, graphdef, mesh, chunks, attention, timeline=False, keep_last_hop=False):
+    """`compile`, passing keep_last_hop only where it is asked for (the strategies that do not
+    keep their hops take no such argument)."""
+    if keep_last_hop:
+      return self.compile(graphdef, mesh, chunks, attention, timeline, keep_last_hop=True)
+    return self.compile(graphdef, mesh, chunks, attention, timeline)
+
   @property
   def default_attention(self) -> str:
     return self.attention_kinds[0]

@@ -119,15 +119,8 @@ def compiled_memory(
     )
   chunks = spec.layout(context_len, num_ranks, user_chunks)
   # cache="last" as prefill runs it: KV-Runahead keeps its last hops (no move) where whole.
-  joined = (
-    cache == "last"
-    and spec.cache_from_last_hop is not None
-    and spec.cache_from_last_hop(chunks, config.sliding_window)
-  )
-  if joined:
-    program = spec.compile(graphdef, mesh, chunks, attention, keep_last_hop=True)
-  else:
-    program = spec.compile(graphdef, mesh, chunks, attention)
+  joined = spec.keeps_last_hop(cache, chunks, config.sliding_window)
+  program = spec.program(graphdef, mesh, chunks, attention, keep_last_hop=joined)
   replicated = NamedSharding(mesh, jax.P())
   state_shapes = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
