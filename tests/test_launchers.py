@@ -95,7 +95,11 @@ def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path)
     return json.loads(out.read_text())[0]
 
   first, second = row(), row()
-  assert first["compile_cache"] == "compiled" and second["compile_cache"] == "cache"
+  assert first["compile_cache"] == "compiled" and first["compile_cache_written"] >= 1
+  # Every program the first process wrote is read back. (A program that compiled just under
+  # the writing threshold the first time and just over it the second, on a loaded machine, is
+  # written then: "k/n" instead of "cache", which is what happened once in CI.)
+  assert second["compile_cache_hits"] == first["compile_cache_written"], (first, second)
   # What is left is tracing and the small eager programs (not worth a disk entry).
   assert second["compile_s"] < 0.7 * first["compile_s"], (first, second)
   flags.pop()  # --compilation_cache_dir

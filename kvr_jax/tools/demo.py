@@ -32,6 +32,10 @@ class StrategyReport:
   # What the persistent compilation cache did for the prefill's programs (CacheUse.describe):
   # "cache" (read from disk), "compiled", "k/n" (k of n read), "-" (cache off or nothing compiled).
   compile_cache: str
+  # The counts behind it: programs read from the cache, and programs compiled and written to it
+  # (only those that compiled in at least compilation.MIN_COMPILE_SECONDS are written).
+  compile_cache_hits: int
+  compile_cache_written: int
   ttft_median_s: float
   ttft_runs_s: list[float]
   max_logit_diff_vs_single: float | None  # None when `single` did not run
@@ -102,6 +106,8 @@ def compare_strategies(
         partition=result.partition,
         compile_s=max(timing.first_s - median, 0.0),
         compile_cache=cache_use.describe(),
+        compile_cache_hits=cache_use.hits,
+        compile_cache_written=cache_use.written,
         ttft_median_s=median,
         ttft_runs_s=timing.runs_s,
         max_logit_diff_vs_single=(
