@@ -82,8 +82,8 @@ def test_run_without_single_says_n_a(tmp_path):
 
 def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path):
   """launch.run twice with the same shapes: the first process compiles, the second reads
-  every prefill program from JAX's persistent cache and spends far less on compiling;
-  --nocompilation_cache compiles again and says the cache was not asked."""
+  every prefill program the first wrote from JAX's persistent cache; --nocompilation_cache
+  compiles again and says the cache was not asked."""
   flags = ["--strategy=kvr", "--context_len=256", "--num_devices=2", "--partition=even"]
   flags += ["--repeats=1"]
   flags += ["--max_new_tokens=1", f"--compilation_cache_dir={tmp_path / 'xla'}"]
@@ -100,8 +100,8 @@ def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path)
   # the writing threshold the first time and just over it the second, on a loaded machine, is
   # written then: "k/n" instead of "cache", which is what happened once in CI.)
   assert second["compile_cache_hits"] == first["compile_cache_written"], (first, second)
-  # What is left is tracing and the small eager programs (not worth a disk entry).
-  assert second["compile_s"] < 0.7 * first["compile_s"], (first, second)
+  # (No timing assertion: the time saved is one program's compile, which a loaded machine
+  # hides; the counts are JAX's own record of what was read.)
   flags.pop()  # --compilation_cache_dir
   assert row("--nocompilation_cache")["compile_cache"] == "-"
 
