@@ -15,7 +15,7 @@ from kvr_jax.planning import costmodel, presets, search, tables
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import build_model
 from kvr_jax.strategies import single, tsp, zigzag
-from models.config import LlamaConfig
+from models.config import FalconConfig, LlamaConfig
 from models.layers import window_start
 
 LLAMA7 = kvr_jax.preset_config("llama-2-7b")
@@ -529,3 +529,141 @@ def test_the_search_models_the_kernel_that_runs():
   chunks_dense = search.balanced_partition(LLAMA7, 8192, 4, dense_setup)
   chunks_flash = search.balanced_partition(LLAMA7, 8192, 4, flash_setup)
   assert chunks_flash[-1] > chunks_dense[-1] and sum(chunks_flash) == 8192
+
+
+# --- tensor parallelism inside a rank (a ranks x model mesh) ----------------------------------
+
+LLAMA70 = kvr_jax.preset_config("llama-3.1-70b")  # 64 heads, 8 KV heads, F 28672, V 128256
+
+
+def tp_setup(model_parallel, model_links=None, links=None, **kw):
+  """H100, bf16, flash; free links unless given (bandwidth 1e30 B/s, no latency)."""
+  free = costmodel.Links(1e30, 0.0)
+  return costmodel.Setup(
+    presets.hardware_preset("h100-sxm"),
+    links or free,
+    dtype_bytes=2,
+    scores_in_memory=False,
+    causal_skip=True,
+    model_parallel=model_parallel,
+    model_links=model_links or free,
+    **kw,
+  )
+
+
+def test_model_shard_splits_heads_columns_vocab_and_replicates_kv():
+  shard = costmodel.model_shard(LLAMA70, 4)
+  assert (shard.num_heads, shard.num_kv_heads, shard.mlp_dim, shard.vocab_size) == (
+    16,
+    2,
+    7168,
+    32064,
+  )
+  assert shard.d_model == LLAMA70.d_model and shard.num_layers == LLAMA70.num_layers
+  # 16 shards, 8 KV heads: one head on each shard (each replicated twice), V/16 rounded up.
+  shard = costmodel.model_shard(LLAMA70, 16)
+  assert (shard.num_heads, shard.num_kv_heads, shard.mlp_dim, shard.vocab_size) == (
+    4,
+    1,
+    1792,
+    8016,
+  )
+  assert costmodel.model_shard(LLAMA70, 1) is LLAMA70
+  for bad in (3, 128):  # 3 divides nothing; 128 shards of 64 heads
+    with pytest.raises(ValueError, match=f"model_parallel={bad} must divide num_heads"):
+      costmodel.model_shard(LLAMA70, bad)
+
+
+def test_model_reduce_time_hand_computed():
+  """unit_config with d_model 2, batch 3, 2-byte values, 10 tokens: [3, 10, 2] partial sums of
+  120 bytes; over 4 shards a ring all-reduce moves 2*3/4*120 = 180 bytes at 1000 B/s (0.18 s)
+  in 6 steps of 0.01 s latency (0.06 s): 0.24 s per all-reduce, two per Llama layer, one per
+  Falcon layer (its attention and MLP outputs add up before the one reduction)."""
+  config = unit_config()
+  setup = dataclasses.replace(
+    tp_setup(4, model_links=costmodel.Links(1000.0, 0.01)), batch=3, dtype_bytes=2
+  )
+  assert costmodel.model_reduce_time(config, 10, setup) == pytest.approx(0.48)
+  falcon = FalconConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+  assert costmodel.model_reduce_time(falcon, 10, setup) == pytest.approx(0.24)
+  assert costmodel.model_reduce_time(config, 10, dataclasses.replace(setup, model_parallel=1)) == 0
+
+
+@pytest.mark.parametrize("strategy", ["single", "tsp", "kvr", "ring", "allgather"])
+def test_tensor_parallel_divides_the_work_and_adds_the_reductions(strategy):
+  """70B at 8192 tokens is compute-bound in every phase (and memory-bound only in the head,
+  whose bytes split the same way): with free links, 4 shards per rank take exactly 1/4 of the
+  time. With real links between the shards, each layer adds exactly its reductions."""
+  C, p = 8192, 1 if strategy == "single" else 2
+  kw = dict(num_ranks=p, partition=(4608, 3584) if strategy == "kvr" else None)
+
+  def ttft(setup):
+    return costmodel.simulate(LLAMA70, strategy, C, setup, **kw).ttft
+
+  assert ttft(tp_setup(4)) == pytest.approx(ttft(tp_setup(1)) / 4, rel=1e-9)
+  slow = costmodel.Links(100e9, 5e-6)
+  added = ttft(tp_setup(4, model_links=slow)) - ttft(tp_setup(4))
+  tokens = {"single": C, "tsp": C // p, "kvr": 4608, "ring": C // p, "allgather": C // p}
+  # KVR: the last rank finishes last, but its layers wait on rank 0's (the hop): rank 0's
+  # longer chunk paces every layer but the last.
+  setup = tp_setup(4, model_links=slow)
+  per_layer = costmodel.model_reduce_time(LLAMA70, tokens[strategy], setup)
+  if strategy == "kvr":
+    last = costmodel.model_reduce_time(LLAMA70, 3584, setup)
+    expected = (LLAMA70.num_layers - 1) * per_layer + last
+  else:
+    expected = LLAMA70.num_layers * per_layer
+  assert added == pytest.approx(expected, rel=1e-6)
+
+
+def test_each_shard_sends_its_own_kv_heads():
+  """A hop carries each shard's KV heads (K/m of them), all shards at once: 8 KV heads over 4
+  shards, a quarter of the bytes per link; over 16, one (replicated) head each: an eighth."""
+  chunks = (4608, 3584)
+
+  def hop_bytes(m):
+    sim = costmodel.simulate(LLAMA70, "kvr", 8192, tp_setup(m), num_ranks=2, partition=chunks)
+    return sim.link_bytes[0]
+
+  assert hop_bytes(1) == costmodel.kv_message_bytes(LLAMA70, 4608, 1, 2)
+  assert hop_bytes(4) * 4 == hop_bytes(1)
+  assert hop_bytes(16) * 8 == hop_bytes(1)
+
+
+def test_cluster_links_cross_nodes_where_ranks_do():
+  """Nodes of 8 devices, rank-major: ranks of 4 devices cross a node boundary between ranks 1
+  and 2 (link 1); single devices between 7 and 8; a model group of 16 spans two nodes and
+  all-reduces over all 8 NICs of a node at once (min(400, 8 * 25) = 200 GB/s)."""
+  kw = dict(devices_per_node=8, inside=400e9, between=25e9)
+  ranks, model = presets.cluster_links(4, 4, **kw)
+  assert ranks.slow == ((1, 25e9),) and ranks.bandwidth == 400e9 and model.bandwidth == 400e9
+  ranks, _ = presets.cluster_links(16, 1, **kw)
+  assert ranks.slow == ((7, 25e9),) and ranks.link_bandwidth(6) == 400e9
+  ranks, model = presets.cluster_links(1, 16, **kw)
+  assert ranks.slow == () and model.bandwidth == 200e9
+  ranks, _ = presets.cluster_links(2, 8, **kw)  # every shard of rank 0 sends to the other node
+  assert ranks.slow == ((0, 25e9),)
+  with pytest.raises(ValueError, match="model_parallel=3 must divide devices_per_node=8"):
+    presets.cluster_links(2, 3, **kw)
+
+
+def test_device_memory_hand_computed():
+  """70B over 2 shards, bf16, 32768 tokens: half of every weight (num_params * 2 bytes / 2)
+  and 4 of the 8 KV heads of every layer's cache: 2 (K, V) * 32768 * 4 * 128 * 2 bytes * 80."""
+  setup = tp_setup(2)
+  cache = 2 * 32768 * 4 * 128 * 2 * 80
+  expected = LLAMA70.num_params() + cache
+  assert costmodel.device_memory(LLAMA70, 32768, setup) == expected
+  assert (
+    expected
+    > 0.9 * setup.hardware.memory_bytes
+    > costmodel.device_memory(LLAMA70, 32768, tp_setup(4))
+  )
+
+
+def test_setup_refuses_model_parallel_without_its_links():
+  hw, links = presets.hardware_preset("h100-sxm"), costmodel.Links(1e9)
+  with pytest.raises(ValueError, match="model_parallel=2 needs `model_links`"):
+    costmodel.Setup(hw, links, 2, model_parallel=2)
+  with pytest.raises(ValueError, match="model_parallel must be an integer >= 1"):
+    costmodel.Setup(hw, links, 2, model_parallel=0)

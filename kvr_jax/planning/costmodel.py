@@ -26,6 +26,13 @@ The timeline follows the dependencies of the real programs:
         chunk each over the slowest link.
   single one device, dense masked attention (as the Hugging Face baseline computes it).
 Bandwidth is per link, so one slow link (the paper's non-uniform case) can be modelled.
+Tensor parallelism inside a rank (`Setup.model_parallel` = m, a 2-D mesh ranks x model): a rank
+is m devices sharing every layer Megatron-style (query heads, MLP columns and the vocabulary
+split m ways; KV heads too, replicated where there are fewer than m), so each phase is one
+shard's work (`model_shard`), plus the layer's all-reduces of [B, T, D] over the group's links
+`Setup.model_links` (`model_reduce_time`) in its rest; each shard sends its own KV heads to its
+counterpart in the next rank, all shards at once, each over its own link (`links` is per
+device).
 A model's sliding window W bounds what kernels that skip masked work score (each query at
 most W keys), KV-Runahead's hops (at most W-1 keys) and its ranks' key reads; TSP's dense
 scores and the peers' messages stay as they are.
@@ -59,6 +66,7 @@ class Hardware:
   # Achievable fraction of the peak inside a fused (flash) attention kernel, whose exp and
   # rescaling make it slower than a plain matmul; None: the same as flops_fraction.
   fused_attention_fraction: float | None = None
+  memory_bytes: float | None = None  # device memory, where known (what fits: device_memory)
 
   @property
   def flops(self) -> float:
@@ -115,6 +123,10 @@ class Setup:
   batch: int = 1
   scores_in_memory: bool = True
   causal_skip: bool = False
+  # Tensor parallelism inside each rank (see the module docstring): the devices per rank, and
+  # the links between them (required when model_parallel > 1).
+  model_parallel: int = 1
+  model_links: Links | None = None
 
   @property
   def diagonal_first(self) -> bool:
@@ -132,6 +144,14 @@ class Setup:
       raise ValueError(f"`dtype_bytes` must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
     if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
       raise ValueError(f"batch must be >= 1, got {self.batch!r}")
+    m = self.model_parallel
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+      raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
+    if m > 1 and not isinstance(self.model_links, Links):
+      raise ValueError(
+        f"model_parallel={m} needs `model_links` (a Links: the links inside a rank's model "
+        "group, over which its all-reduces run)"
+      )
 
 
 # --- per-phase work ----------------------------------------------------------------------------
@@ -254,6 +274,55 @@ def kv_message_bytes(config: ModelConfig, num_tokens: int, batch: int, dtype_byt
   return 2 * batch * num_tokens * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
+def model_shard(config: ModelConfig, model_parallel: int) -> ModelConfig:
+  """What one of a rank's `model_parallel` tensor-parallel shards holds and computes: N/m query
+  heads, K/m KV heads (one, replicated, on every shard when K < m: the least each shard's
+  queries need), F/m MLP columns and V/m of the vocabulary (rounded up: the head's matmul is
+  split by rows, the last shard padded). m = 1 is the config itself."""
+  m = model_parallel
+  if m == 1:
+    return config
+  N, K, F = config.num_heads, config.num_kv_heads, config.mlp_dim
+  if N % m or F % m or (K % m and m % K):
+    raise ValueError(
+      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({F}), and divide or be a "
+      f"multiple of num_kv_heads ({K})"
+    )
+  return dataclasses.replace(
+    config,
+    num_heads=N // m,
+    num_kv_heads=max(K // m, 1),
+    mlp_dim=F // m,
+    vocab_size=-(-config.vocab_size // m),
+  )
+
+
+def model_reduce_time(config: ModelConfig, num_tokens: float, setup: Setup) -> float:
+  """Seconds of one layer's all-reduces over a rank's model group for `num_tokens` tokens:
+  the attention output projection and the MLP's down projection each end in partial sums of
+  [B, T, D] (one all-reduce for Falcon, whose parallel block adds both before reducing). A
+  ring all-reduce moves 2(m-1)/m of the bytes over the group's slowest link in 2(m-1) steps."""
+  m = setup.model_parallel
+  if m == 1:
+    return 0.0
+  ln = setup.model_links
+  reductions = 1 if isinstance(config, FalconConfig) else 2
+  nbytes = setup.batch * num_tokens * config.d_model * setup.dtype_bytes
+  one = 2 * (m - 1) / m * nbytes / ln.slowest(m) + 2 * (m - 1) * ln.latency
+  return reductions * one
+
+
+def device_memory(config: ModelConfig, context_len: int, setup: Setup) -> float:
+  """Bytes one device of the rank that decodes holds after the prefill: its shard of the
+  weights (1/m of every matrix, the norms whole) and its shard of the whole prompt's KV cache
+  (every strategy leaves the cache on the last rank, cache="last"). Activations of the
+  prefill are left out: they are per-chunk, a few percent at these sizes."""
+  m, db = setup.model_parallel, setup.dtype_bytes
+  shard = model_shard(config, m)
+  cache = kv_message_bytes(shard, context_len, setup.batch, db) * config.num_layers
+  return config.num_params() / m * db + cache
+
+
 # --- the timeline ------------------------------------------------------------------------------
 
 
@@ -279,10 +348,12 @@ def simulate(
   num_ranks: int = 1,
   partition: Sequence[int] | None = None,
 ) -> Simulation:
-  """Modelled TTFT of one prefill (see the module docstring for the dependency rules)."""
+  """Modelled TTFT of one prefill (see the module docstring for the dependency rules). With
+  `setup.model_parallel` > 1 the per-rank figures are one device's (one model shard's)."""
   if not isinstance(setup, Setup):
     raise ValueError(f"`setup` must be a costmodel.Setup, got {type(setup).__name__}")
   hw, ln = setup.hardware, setup.links
+  config = model_shard(config, setup.model_parallel)
   C, L, B, db = context_len, config.num_layers, setup.batch, setup.dtype_bytes
   check_ranks(C, num_ranks)
   head = head_work(config, B, db).time(hw)
@@ -295,7 +366,7 @@ def simulate(
 
   if strategy == "single":
     phases = phase_work(config, C, C, **kw)
-    per_layer = sum(w.time(hw) for w in phases.values())
+    per_layer = sum(w.time(hw) for w in phases.values()) + model_reduce_time(config, C, setup)
     total = sum(phases.values(), Work(0, 0))
     ttft = L * per_layer + head
     return Simulation("single", (C,), ttft, [ttft], [total.flops], [total.bytes], [])
@@ -308,6 +379,7 @@ def simulate(
     allgather = (p - 1) * (chunk_bytes / ln.slowest(p) + ln.latency) if p > 1 else 0.0
     t_qkv = phases["qkv"].time(hw)
     t_after = phases["attention"].time(hw) + phases["rest"].time(hw)
+    t_after += model_reduce_time(config, c, setup)
     # Identical ranks: each layer is qkv, the all-gather barrier, then attention and MLP.
     ttft = tsp_timeline(t_qkv, allgather, t_after, L) + head
     total = sum(phases.values(), Work(0, 0))
@@ -331,7 +403,7 @@ def simulate(
     )
   chunks = tuple(int(c) for c in partition)
   phases, hop_bytes, hop_time = _kvr_layer(config, chunks, setup)
-  t = _kvr_phase_times(phases, hw)
+  t = _kvr_phase_times(config, chunks, phases, setup)
   t_after = [a + r for a, r in zip(t["attention"], t["rest"], strict=True)]
   free = kvr_timeline(t["qkv"], t_after, hop_time, L, t["diagonal"], ln.held_send)
   ttft = free[-1] + head
@@ -384,10 +456,14 @@ def _kvr_layer(config, chunks: tuple[int, ...], setup: Setup):
   return phases, hop_bytes, hop_time
 
 
-def _kvr_phase_times(phases, hw: Hardware) -> dict[str, list[float]]:
-  """Per rank seconds of each KVR phase ("diagonal" 0 where the rank has none)."""
+def _kvr_phase_times(config, chunks, phases, setup: Setup) -> dict[str, list[float]]:
+  """Per rank seconds of each KVR phase ("diagonal" 0 where the rank has none); the rest
+  includes the layer's all-reduces over the rank's model group."""
   names = ("qkv", "diagonal", "attention", "rest")
-  return {n: [ph[n].time(hw) if n in ph else 0.0 for ph in phases] for n in names}
+  t = {n: [ph[n].time(setup.hardware) if n in ph else 0.0 for ph in phases] for n in names}
+  reduce = [model_reduce_time(config, c, setup) for c in chunks]
+  t["rest"] = [r + a for r, a in zip(t["rest"], reduce, strict=True)]
+  return t
 
 
 def schedule(
@@ -401,10 +477,11 @@ def schedule(
 ) -> list[tuple[int, int, str, float, float]]:
   """MODELLED timeline of kvr, ring or allgather: (rank, layer, phase, start, end) intervals
   from the same per-layer phases `simulate` sums (the head after them is not included)."""
-  hw, L = setup.hardware, config.num_layers
+  L, config = config.num_layers, model_shard(config, setup.model_parallel)
   if strategy == "kvr":
-    phases, _, hop_time = _kvr_layer(config, tuple(int(c) for c in partition), setup)
-    t = _kvr_phase_times(phases, hw)
+    chunks = tuple(int(c) for c in partition)
+    phases, _, hop_time = _kvr_layer(config, chunks, setup)
+    t = _kvr_phase_times(config, chunks, phases, setup)
     return kvr_schedule(
       t["qkv"], t["attention"], t["rest"], hop_time, L, t["diagonal"], setup.links.held_send
     )
@@ -429,7 +506,8 @@ def _zigzag_layer(config, strategy: str, context_len: int, setup: Setup, p: int)
   padded = zigzag.padded_len(context_len, p)
   kw = dict(batch=B, dtype_bytes=db, scores_in_memory=setup.scores_in_memory)
   own = phase_work(config, 2 * c, 2 * c, **kw)  # qkv and rest of 2c tokens
-  t_qkv, t_rest = own["qkv"].time(hw), own["rest"].time(hw)
+  t_qkv = own["qkv"].time(hw)
+  t_rest = own["rest"].time(hw) + model_reduce_time(config, 2 * c, setup)
   message = kv_message_bytes(config, 2 * c, B, db)
   t_message = message / ln.slowest(p) + ln.latency if p > 1 else 0.0
   window = config.sliding_window
@@ -585,8 +663,10 @@ def tsp_timeline(t_qkv: float, t_allgather: float, t_after: float, num_layers: i
 
 def lower_bound(config: ModelConfig, context_len: int, num_ranks: int, setup: Setup) -> float:
   """Modelled ideal: the single-device causal work (C(C+1)/2 scores, not C^2) split perfectly
-  over p ranks with free communication. No real schedule reaches it."""
+  over p ranks (of m devices each, `setup.model_parallel`) with free communication. No real
+  schedule reaches it."""
   hw, scores_in_memory = setup.hardware, setup.scores_in_memory
+  config = model_shard(config, setup.model_parallel)
   B, db, C = setup.batch, setup.dtype_bytes, context_len
   phases = phase_work(config, C, C, batch=B, dtype_bytes=db, scores_in_memory=scores_in_memory)
   causal = phase_work(

@@ -40,9 +40,16 @@ HARDWARE = {
     0.6,
     0.8,
     "A100 80GB SXM: 312 TFLOP/s dense fp16/bf16, 2.04 TB/s HBM2e",
+    memory_bytes=80e9,
   ),
   "h100-sxm": Hardware(
-    "h100-sxm", 989e12, 3.35e12, 0.6, 0.8, "H100 SXM: 989 TFLOP/s dense fp16/bf16, 3.35 TB/s HBM3"
+    "h100-sxm",
+    989e12,
+    3.35e12,
+    0.6,
+    0.8,
+    "H100 SXM: 989 TFLOP/s dense fp16/bf16, 3.35 TB/s HBM3",
+    memory_bytes=80e9,
   ),
 }
 
@@ -99,6 +106,40 @@ def make_setup(
     scores_in_memory=scores_in_memory,
     causal_skip=causal_skip,
   )
+
+
+def cluster_links(
+  num_ranks: int,
+  model_parallel: int,
+  *,
+  devices_per_node: int,
+  inside: float,
+  between: float,
+  latency: float = 10e-6,
+) -> tuple[Links, Links]:
+  """The links of a ranks x model mesh laid out rank-major over nodes of `devices_per_node`
+  devices (device d = rank * m + shard, node d // devices_per_node; bandwidths per device, in
+  bytes/s: `inside` a node, NVLink-class; `between` nodes, each device's own NIC).
+
+  Returns (links between ranks: link k at `between` where ranks k and k+1 sit on different
+  nodes, `inside` elsewhere; links inside a rank's model group). Ranks' hops run shard to
+  shard, each over its own device's link, so either every shard of link k crosses a node
+  boundary or none does. A model group that spans nodes all-reduces as NCCL does, in as many
+  rings as a node has devices, each crossing the boundary through a different device's NIC:
+  every NIC carries 1/devices_per_node of the data, so the group's links run at
+  min(inside, devices_per_node * between) (not at one NIC's rate)."""
+  m, G = model_parallel, devices_per_node
+  for name, value in (("num_ranks", num_ranks), ("model_parallel", m), ("devices_per_node", G)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+  if G % m and m % G:
+    raise ValueError(
+      f"model_parallel={m} must divide devices_per_node={G} or be a multiple of it (a model "
+      "group either fits inside a node or spans whole nodes)"
+    )
+  crossing = [k for k in range(num_ranks - 1) if ((k + 1) * m) % G == 0 or m >= G]
+  ranks = Links(inside, latency, slow=tuple((k, between) for k in crossing))
+  return ranks, Links(min(inside, G * between) if m > G else inside, latency)
 
 
 # --- the local calibration ---------------------------------------------------------------------

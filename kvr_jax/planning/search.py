@@ -182,15 +182,20 @@ def balanced_partition(
   if p == 1:
     return (C,)
   cap = float(C if max_chunk is None else max_chunk)
-  # Communication (setup.links) is not part of the balance (see docstring).
-  compute = _compute_time_fn(
-    config,
+  # Communication between ranks (setup.links) is not part of the balance (see docstring); a
+  # rank's own all-reduces over its model group are, being work on its chunk.
+  shard = costmodel.model_shard(config, setup.model_parallel)
+  shard_compute = _compute_time_fn(
+    shard,
     setup.hardware,
     batch=setup.batch,
     dtype_bytes=setup.dtype_bytes,
     scores_in_memory=setup.scores_in_memory,
     causal_skip=setup.causal_skip,
   )
+
+  def compute(c: float, s: float) -> float:
+    return shard_compute(c, s) + costmodel.model_reduce_time(shard, c, setup)
 
   def chunks_for(target: float) -> list[float] | None:
     """Greedy chunks for time `target`; None when the first p-1 ranks already take all C."""
