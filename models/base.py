@@ -12,7 +12,10 @@ two halves of its computation that the parallel strategies need separately:
   block.finish(x_BTD, attn_BTNH) -> x_BTD                            (output proj., MLP, residual)
 
 so a strategy can move K,V between devices in the middle of a layer. Models know nothing
-about devices.
+about devices. The block's maths is the same for a tensor-parallel shard of it (fewer heads,
+fewer MLP columns: every einsum takes its sizes from the weights): `finish(..., reduce=)`
+takes the function that adds up the shards' partial sums of the output projection and the
+MLP before each residual (the identity on a whole model; kvr_jax passes a psum).
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ INIT_STD = 0.02
 # [T, F] MLP intermediates whole: 42k tokens x 14336 x 4 bytes is 2.4 GB per tensor. Rows
 # are independent there, so blocks give the same result with O(ROW_BLOCK x F) memory.
 ROW_BLOCK = 8192
+
+
+def no_reduce(partial_BTD: jax.Array) -> jax.Array:
+  """The whole model's `reduce`: its partial sums are already whole."""
+  return partial_BTD
 
 
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
@@ -109,24 +117,28 @@ class Block(nnx.Module):
   def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:
     return jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo[...])
 
-  def finish_rows(self, x_BTD, attn_BTNH):  # pragma: no cover - interface
-    """Output projection, MLP and residuals of every row (the family's own maths)."""
+  def finish_rows(self, x_BTD, attn_BTNH, reduce=no_reduce):  # pragma: no cover - interface
+    """Output projection, MLP and residuals of every row (the family's own maths); `reduce`
+    adds up the tensor-parallel shards' partial sums before each residual."""
     raise NotImplementedError
 
-  def finish(self, x_BTD, attn_BTNH, row_block: int | None = ROW_BLOCK) -> jax.Array:
+  def finish(
+    self, x_BTD, attn_BTNH, row_block: int | None = ROW_BLOCK, reduce=no_reduce
+  ) -> jax.Array:
     """`finish_rows` over blocks of at most `row_block` tokens (a `lax.map`: one block's
     intermediates live at a time); None or a short input runs it whole. The blocks are equal
-    (T = 10,000 with 8192 is two blocks of 5000), so padding is at most 7 rows per block."""
+    (T = 10,000 with 8192 is two blocks of 5000), so padding is at most 7 rows per block.
+    reduce: see the module docstring."""
     B, T, D = x_BTD.shape
     if row_block is None or T <= row_block:
-      return self.finish_rows(x_BTD, attn_BTNH)
+      return self.finish_rows(x_BTD, attn_BTNH, reduce)
     n = -(-T // row_block)
     size = -(-T // n)
     pad = n * size - T
     x_nBsD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, size, D).swapaxes(0, 1)
     attn = jnp.pad(attn_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0)))
     attn_nBsNH = attn.reshape(B, n, size, *attn.shape[2:]).swapaxes(0, 1)
-    out_nBsD = jax.lax.map(lambda xa: self.finish_rows(*xa), (x_nBsD, attn_nBsNH))
+    out_nBsD = jax.lax.map(lambda xa: self.finish_rows(*xa, reduce), (x_nBsD, attn_nBsNH))
     return out_nBsD.swapaxes(0, 1).reshape(B, n * size, D)[:, :T]
 
 
@@ -170,8 +182,9 @@ class CausalLM(nnx.Module):
       )
     return jnp.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
 
-  def forward(self, tokens_BT: jax.Array, attention: str = "dense"):
-    """The whole prompt on one device: final hidden states [B, T, D] and the KV cache.
+  def forward(self, tokens_BT: jax.Array, attention: str = "dense", reduce=no_reduce):
+    """The whole prompt on one device (or one tensor-parallel shard of the model, whose
+    partial sums `reduce` adds up): final hidden states [B, T, D] and the KV cache.
 
     attention: "dense" (the T x T score matrix, masked: what the paper's single-device and
     Hugging Face eager baselines compute) or "blocked" (skips masked-out blocks).
@@ -183,7 +196,7 @@ class CausalLM(nnx.Module):
     def layer(block: Block, x_BTD, _):
       q, k, v = block.project_qkv(x_BTD, positions_BT)
       attn_BTNH = block.attend(q, k, v, 0, attention)
-      return block.finish(x_BTD, attn_BTNH), (k, v)
+      return block.finish(x_BTD, attn_BTNH, reduce=reduce), (k, v)
 
     x_BTD, (k_LBTKH, v_LBTKH) = scan_blocks(self.blocks, layer, self.embed(tokens_BT))
     return x_BTD, k_LBTKH, v_LBTKH

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
-from models.base import Block, CausalLM, normal_param, ones_param, zeros_param
+from models.base import Block, CausalLM, no_reduce, normal_param, ones_param, zeros_param
 from models.config import FalconConfig
 
 
@@ -37,7 +37,7 @@ class FalconBlock(Block):
       x_BTD, self.attn_norm_scale[...], self.attn_norm_bias[...], self.config.norm_eps
     )
 
-  def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
+  def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     # The MLP input norm is recomputed here rather than carried from project_qkv: it costs
     # O(T*D), and keeping the two halves independent lets a strategy run them apart.
     if self.config.separate_mlp_norm:
@@ -49,7 +49,8 @@ class FalconBlock(Block):
     attn_out_BTD = self.attention_output(attn_BTNH)
     hidden_BTF = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_in[...]), approximate=False)
     mlp_out_BTD = jnp.einsum("BTF,FD->BTD", hidden_BTF, self.w_out[...])
-    return x_BTD + attn_out_BTD + mlp_out_BTD
+    # The parallel block adds both branches' partial sums before one reduction.
+    return x_BTD + reduce(attn_out_BTD + mlp_out_BTD)
 
 
 class Falcon(CausalLM):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
-from models.base import Block, CausalLM, normal_param, ones_param
+from models.base import Block, CausalLM, no_reduce, normal_param, ones_param
 from models.config import LlamaConfig
 
 
@@ -31,12 +31,12 @@ class LlamaBlock(Block):
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:
     return layers.rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
-  def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
-    x_BTD = x_BTD + self.attention_output(attn_BTNH)
+  def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
+    x_BTD = x_BTD + reduce(self.attention_output(attn_BTNH))
     h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
     gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))
     up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up[...])
-    return x_BTD + jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, self.w_down[...])
+    return x_BTD + reduce(jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, self.w_down[...]))
 
 
 class Llama(CausalLM):

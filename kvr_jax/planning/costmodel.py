@@ -48,6 +48,7 @@ import math
 from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_ranks, prefix_ends
+from kvr_jax.runtime import tensor_parallel
 from kvr_jax.strategies import runahead, zigzag
 from models.config import FalconConfig, ModelConfig
 from models.layers import window_start
@@ -282,17 +283,11 @@ def model_shard(config: ModelConfig, model_parallel: int) -> ModelConfig:
   m = model_parallel
   if m == 1:
     return config
-  N, K, F = config.num_heads, config.num_kv_heads, config.mlp_dim
-  if N % m or F % m or (K % m and m % K):
-    raise ValueError(
-      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({F}), and divide or be a "
-      f"multiple of num_kv_heads ({K})"
-    )
   return dataclasses.replace(
     config,
-    num_heads=N // m,
-    num_kv_heads=max(K // m, 1),
-    mlp_dim=F // m,
+    num_heads=config.num_heads // m,
+    num_kv_heads=tensor_parallel.kv_heads_per_shard(config, m),
+    mlp_dim=config.mlp_dim // m,
     vocab_size=-(-config.vocab_size // m),
   )
 

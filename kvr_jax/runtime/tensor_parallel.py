@@ -1,0 +1,129 @@
+"""Tensor parallelism inside a rank: a model's weights split Megatron-style over a mesh axis.
+
+On a 2-D mesh ("ranks", "model") every rank is a group of m devices that share each layer:
+
+  wq, wk, wv (and their biases)   split by head        (column-parallel: local heads)
+  wo                              split by query head  (row-parallel: a partial sum)
+  w_gate, w_up / w_in             split by MLP column  (column-parallel)
+  w_down / w_out                  split by MLP column  (row-parallel: a partial sum)
+  norms, q/k norms, embedding, head    whole on every shard
+
+so each shard runs the block's own maths on its heads and columns (models/ take every size
+from the weights) and adds the partial sums with one psum over "model" before each residual
+(`Block.finish(..., reduce=)`: two per Llama layer, one per Falcon layer). A model with fewer
+KV heads than shards has them repeated (`shard_ready_state`) to m, so that shard j holds the
+KV head its query heads use: query head n reads KV head n // (N/K), and shard j's query heads
+[jN/m, (j+1)N/m) all read KV head j // (m/K), which is what repeating each head m/K times
+puts at index j. Each shard's K,V are then its own heads: what KV-Runahead's hops carry.
+
+This module only splits and describes; placing the weights and compiling the programs is the
+strategies' and loading's business.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from models.config import ModelConfig
+
+MODEL_AXIS = "model"
+
+# The axis of each block parameter's stacked array ([L, ...]) that is split over the model
+# axis; parameters not named here are whole on every shard.
+SPLIT_AXIS = {
+  "wq": 2,  # [L, D, N, H]
+  "wk": 2,  # [L, D, K, H]
+  "wv": 2,
+  "bq": 1,  # [L, N, H]
+  "bk": 1,  # [L, K, H]
+  "bv": 1,
+  "wo": 1,  # [L, N, H, D]
+  "w_gate": 2,  # [L, D, F]
+  "w_up": 2,
+  "w_in": 2,
+  "w_down": 1,  # [L, F, D]
+  "w_out": 1,
+}
+KV_PARAMS = ("wk", "wv", "bk", "bv")
+
+
+def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
+  """m must split the query heads and MLP columns evenly, and divide the KV heads or be a
+  multiple of them (then each KV head is repeated on m/K shards)."""
+  m = model_parallel
+  if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
+  N, K, F = config.num_heads, config.num_kv_heads, config.mlp_dim
+  if N % m or F % m or (K % m and m % K):
+    raise ValueError(
+      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({F}), and divide or be a "
+      f"multiple of num_kv_heads ({K})"
+    )
+
+
+def kv_heads_per_shard(config: ModelConfig, model_parallel: int) -> int:
+  """K/m, or one (repeated) head per shard when there are fewer KV heads than shards."""
+  check_model_parallel(config, model_parallel)
+  return max(config.num_kv_heads // model_parallel, 1)
+
+
+def _block_param(path) -> str | None:
+  """The block parameter a state leaf belongs to ('wq', ...), or None outside the blocks."""
+  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  return keys[1] if len(keys) > 1 and keys[0] == "blocks" else None
+
+
+def shard_ready_state(config: ModelConfig, state, model_parallel: int):
+  """The state with its KV heads repeated to m where the model has fewer (K < m); otherwise
+  the state itself. Repeating is exact: a repeated head gives the same keys and values."""
+  check_model_parallel(config, model_parallel)
+  repeats = model_parallel // config.num_kv_heads
+  if repeats <= 1:
+    return state
+
+  def repeat(path, leaf):
+    name = _block_param(path)
+    if name in KV_PARAMS:
+      return jnp.repeat(leaf, repeats, axis=SPLIT_AXIS[name])
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(repeat, state)
+
+
+def partition_specs(state, axis: str = MODEL_AXIS):
+  """A PartitionSpec per state leaf: the split axis of the block parameters over `axis`,
+  everything else whole (replicated)."""
+
+  def spec(path, leaf):
+    name = _block_param(path)
+    if name not in SPLIT_AXIS:
+      return PartitionSpec()
+    dims = [None] * leaf.ndim
+    dims[SPLIT_AXIS[name]] = axis
+    return PartitionSpec(*dims)
+
+  return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def split_state(state, model_parallel: int):
+  """The m shards' states stacked on a new leading axis (host-side slicing, for programs that
+  map over shards, such as `jax.vmap(..., axis_name=MODEL_AXIS)`); whole leaves repeated."""
+  m = model_parallel
+
+  def split(path, leaf):
+    name = _block_param(path)
+    if name not in SPLIT_AXIS:
+      return jnp.broadcast_to(leaf, (m, *leaf.shape))
+    axis = SPLIT_AXIS[name]
+    if leaf.shape[axis] % m:
+      raise ValueError(f"{name} has {leaf.shape[axis]} entries on axis {axis}, not split by {m}")
+    return jnp.stack(jnp.split(leaf, m, axis=axis))
+
+  return jax.tree_util.tree_map_with_path(split, state)
+
+
+def psum_over_model(partial_BTD: jax.Array) -> jax.Array:
+  """The `reduce` of a shard inside a program mapped or sharded over MODEL_AXIS."""
+  return jax.lax.psum(partial_BTD, MODEL_AXIS)
