@@ -19,8 +19,9 @@ from jax.sharding import AxisType, PartitionSpec
 import kvr_jax
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import build_model
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime.mesh import AXIS, check_mesh
 from kvr_jax.runtime.tensor_parallel import MODEL_AXIS
+from kvr_jax.strategies import runahead
 from tests.tolerance import assert_close
 
 LLAMA = kvr_jax.preset_config("tiny-llama")  # 4 heads, 2 KV heads, F 352
@@ -136,3 +137,136 @@ def test_model_parallel_refused_where_it_does_not_split():
   # 8 shards of 4 query heads cannot be made by repeating KV heads either.
   with pytest.raises(ValueError, match="model_parallel=8"):
     tensor_parallel.shard_ready_state(LLAMA, None, 8)
+
+
+# --- every strategy on a ("ranks", "model") mesh, through prefill ------------------------------
+
+# 8 query heads (2 KV heads) so that 8 shards fit: the 1 x 8 mesh.
+WIDE = dataclasses.replace(LLAMA, num_heads=8, head_dim=16)
+PREFILL_MODELS = {
+  "gqa": LLAMA,  # 2 KV heads: 4 shards repeat each twice
+  "mqa": CONFIGS["mqa"],
+  "window": CONFIGS["window"],
+  "qwen3": CONFIGS["qwen3"],
+  "wide": WIDE,
+}
+# (model, strategy, ranks x model, partition): KVR's partitions uneven, the windowed one with
+# chunks longer and shorter than the window of 6.
+PROMPT = np.random.RandomState(1).randint(0, LLAMA.vocab_size, (2, 37))
+PREFILL_CASES = [
+  ("gqa", "kvr", (2, 4), [23, 14]),
+  ("gqa", "kvr", (4, 2), [13, 10, 8, 6]),
+  ("gqa", "tsp", (2, 4), None),
+  ("gqa", "ring", (4, 2), None),
+  ("gqa", "allgather", (2, 4), None),
+  ("mqa", "kvr", (2, 4), [20, 17]),
+  ("mqa", "ring", (2, 4), None),
+  ("window", "kvr", (4, 2), [16, 12, 5, 4]),
+  ("window", "allgather", (2, 4), None),
+  ("qwen3", "kvr", (2, 2), [25, 12]),
+  ("wide", "single", (1, 8), None),
+]
+
+
+@pytest.fixture(scope="module")
+def prefill_models():
+  out = {}
+  for name, config in PREFILL_MODELS.items():
+    graphdef, state = perturbed(config)
+    model = kvr_jax.Model(nnx.merge(graphdef, state), source=f"perturbed-{name}")
+    out[name] = (model, kvr_jax.prefill(model, PROMPT, "single"))
+  return out
+
+
+def cache_in_prompt_order(result):
+  """The cache parts [p, L, 2, B*P, K, H] (host) laid out in prompt order: (k, v) [L, B, C,
+  K, H], from the result's CacheLayout."""
+  parts = np.asarray(result.kv_parts)
+  L, K, H, P = parts.shape[1], parts.shape[-2], parts.shape[-1], result.cache_layout.part_len
+  parts = parts.reshape(parts.shape[0], L, 2, -1, P, K, H)
+  runs = result.cache_layout.runs_in_prompt_order()
+  kv = np.concatenate([parts[r, :, :, :, row : row + n] for r, row, _, n in runs], axis=3)
+  return kv[:, 0], kv[:, 1]
+
+
+@pytest.mark.parametrize("name,strategy,shape,partition", PREFILL_CASES)
+def test_strategies_on_a_2d_mesh_match_single(prefill_models, name, strategy, shape, partition):
+  """Logits and every rank's K,V part (its heads split over its row) within 1e-5 of the
+  single-device prefill of the whole model."""
+  model, oracle = prefill_models[name]
+  ranks, m = shape
+  mesh = kvr_jax.make_mesh(ranks, model=m)
+  kw = {} if partition is None else {"partition": partition}
+  result = kvr_jax.prefill(model, PROMPT, strategy, mesh=mesh, cache="sharded", **kw)
+  assert_close(result.logits, oracle.logits, "logits")
+  assert result.kv_parts.sharding.spec == PartitionSpec(AXIS, None, None, None, MODEL_AXIS, None)
+  config = model.config
+  k, v = cache_in_prompt_order(result)
+  assert_close(k, heads_as_sharded(oracle.k_cache, config, m), "K cache")
+  assert_close(v, heads_as_sharded(oracle.v_cache, config, m), "V cache")
+
+
+def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):
+  """On 2 x 4 with 2 KV heads (repeated to 4), every collective-permute of the compiled KVR
+  program carries one head per shard: [2, B, prefix, 1, H] (the 2 x 1 program's carry 2)."""
+  model, _ = prefill_models["gqa"]
+  hops = {}
+  for ranks, m in [(2, 4), (2, 1)]:
+    mesh = kvr_jax.make_mesh(ranks, model=m)
+    program = runahead.compile_program(model.graphdef, mesh, (23, 14), "flash")
+    replicated = jax.NamedSharding(mesh, PartitionSpec())
+    state = model.state_split_over(mesh) if m > 1 else model.state_on(replicated)
+    by_rank = jax.NamedSharding(mesh, PartitionSpec(AXIS))
+    tokens = jax.ShapeDtypeStruct((ranks, 2, 23), jnp.int32, sharding=by_rank)  # [p, B, c_max]
+    hlo = program.lower(state, tokens).compile().as_text()
+    # The K,V heads axis of every [2, B, keys, K, H] operand a collective-permute moves.
+    permutes = [line for line in hlo.splitlines() if "collective-permute" in line]
+    shapes = [dims.split(",") for line in permutes for dims in re.findall(r"f32\[([\d,]+)\]", line)]
+    hops[m] = [dims[3] for dims in shapes if len(dims) == 5]
+  assert hops[4] and set(hops[4]) == {"1"}, hops
+  assert hops[1] and set(hops[1]) == {"2"}, hops
+
+
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
+    (dict(), "runs prefill(..., cache='sharded') only so far"),
+    (dict(cache="sharded", buckets="auto"), "without buckets"),
+    (dict(cache="sharded", timeline=True, strategy="kvr"), "no timeline probes yet"),
+  ],
+)
+def test_a_2d_mesh_refuses_what_it_does_not_run_yet(prefill_models, kwargs, message):
+  model, _ = prefill_models["gqa"]
+  kwargs = {"strategy": "tsp", **kwargs}
+  with pytest.raises(ValueError, match=re.escape(message)):
+    kvr_jax.prefill(model, TOKENS, mesh=kvr_jax.make_mesh(2, model=2), **kwargs)
+
+
+def test_2d_mesh_inputs_are_checked_before_compiling(prefill_models):
+  model, _ = prefill_models["gqa"]  # 4 query heads
+  with pytest.raises(ValueError, match=re.escape("model_parallel=8 must divide num_heads (4)")):
+    kvr_jax.prefill(model, TOKENS, "tsp", mesh=kvr_jax.make_mesh(1, model=8), cache="sharded")
+  with pytest.raises(ValueError, match="4 ranks x model=4 needs 16 devices but only 8"):
+    kvr_jax.make_mesh(4, model=4)
+  result = kvr_jax.prefill(
+    model, TOKENS, "tsp", mesh=kvr_jax.make_mesh(2, model=2), cache="sharded"
+  )
+  with pytest.raises(ValueError, match="decoding from a prefill on a .* mesh is not built yet"):
+    kvr_jax.decode_from(model, result, 2)
+  with pytest.raises(ValueError, match="runs on a 1-D mesh"):
+    check_mesh(kvr_jax.make_mesh(2, model=2))  # what every other consumer of a mesh asks
+
+
+def test_a_2d_program_compiles_once_per_shape(prefill_models):
+  """A second prefill with the same shapes on an equal (new) 2-D mesh traces nothing."""
+  from kvr_jax.strategies.base import TRACE_COUNT
+
+  model, _ = prefill_models["gqa"]
+
+  def run():
+    mesh = kvr_jax.make_mesh(2, model=4)
+    kvr_jax.prefill(model, PROMPT, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
+    return TRACE_COUNT["kvr"]
+
+  first = run()
+  assert run() == first and first >= 1

@@ -17,6 +17,7 @@ from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import PrefillResult, check_prompts, prefill
 from kvr_jax.runtime.loading import Model
+from kvr_jax.runtime.mesh import model_parallel
 
 
 @dataclasses.dataclass
@@ -156,6 +157,11 @@ def decode_from(
   _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)
   if result.cache == "sharded" and jax.process_count() > 1:
     raise ValueError(_SHARDED_MULTIPROCESS)
+  if result.mesh is not None and model_parallel(result.mesh) > 1:
+    raise ValueError(
+      "decoding from a prefill on a ('ranks', 'model') mesh is not built yet (a decode step "
+      "over each rank's model group); the prefill's logits and cache parts are in the result"
+    )
   if not result.is_local:  # another process holds the cache and generates
     return GenerationResult(None, None, result)
   B = result.logits.shape[0]

@@ -21,7 +21,16 @@ from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache, gather_on_last_rank
 from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, make_mesh, shard_on
+from kvr_jax.runtime.mesh import (
+  AXIS,
+  check_mesh,
+  global_array,
+  make_mesh,
+  model_parallel,
+  rank_device,
+  shard_on,
+)
+from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO, CacheLayout, kernel_runs_on
 from models.layers import ATTENTION_KINDS, CUDNN_DTYPES, FUSED_KERNELS, WINDOWED_KERNELS
@@ -146,7 +155,11 @@ def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attent
 
 def _single_device_mesh(mesh):
   """This process's first device (of the mesh, if one is given), as a mesh of one: with
-  jax.distributed every process can run the single-device oracle on its own device."""
+  jax.distributed every process can run the single-device oracle on its own device. On a
+  ("ranks", "model") mesh: its first rank's row, a mesh of one rank (tensor parallelism
+  alone)."""
+  if mesh is not None and model_parallel(mesh) > 1:
+    return make_mesh(1, devices=list(mesh.devices[0]), model=model_parallel(mesh))
   devices = jax.local_devices() if mesh is None else mesh.devices.reshape(-1)
   local = [d for d in devices if d.process_index == jax.process_index()]
   if not local:
@@ -239,11 +252,14 @@ def prefill(
     )
   if spec.max_ranks == 1:
     if mesh is not None:
-      check_mesh(mesh)
+      check_mesh(mesh, allow_model=True)
     mesh = _single_device_mesh(mesh)
   else:
     mesh = make_mesh() if mesh is None else mesh
-  p = check_mesh(mesh)
+  p = check_mesh(mesh, allow_model=True)
+  m = model_parallel(mesh)
+  if m > 1:
+    _check_tensor_parallel(model, m, cache, padded, timeline, defer_move)
   device = mesh.devices.flat[0]
   attention = spec.resolve_attention(attention, device, model.dtype, window)
   if attention == "cudnn" and not kernel_runs_on(attention, device, model.dtype, None):
@@ -281,14 +297,17 @@ def prefill(
   # cache="last" from what KV-Runahead's last rank received (no move), where it is whole.
   keep_last_hop = spec.keeps_last_hop(cache, chunks, window)
   run = spec.program(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop)
-  state = model.state_on(NamedSharding(mesh, jax.P()))
+  if m > 1:
+    state = model.state_split_over(mesh)
+  else:
+    state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = run(state, tokens_pBc)
   last_hop = None
   if keep_last_hop:
     kv_parts, last_hop = kv_parts
   layout = spec.cache_layout(T, chunks)
-  owner = mesh.devices.reshape(-1)[spec.cache_rank(chunks)]
+  owner = rank_device(mesh, spec.cache_rank(chunks))
   logits_BV = shard_on(logits, owner)
   common = dict(
     prompt_len=T,
@@ -325,6 +344,27 @@ def prefill(
   elif padded:
     logits_BV = None  # another process holds the cache and the logits
   return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common)
+
+
+def _check_tensor_parallel(model, m, cache, padded, timeline, defer_move) -> None:
+  """What a ("ranks", "model") mesh runs so far: the prefill itself, each rank's K,V part left
+  where it was computed (its heads split over the rank's row). Refused by name before
+  anything compiles: what needs a move or a decode step over a model group."""
+  check_model_parallel(model.config, m)
+  if cache != "sharded" or defer_move:
+    raise ValueError(
+      f"a mesh with model={m} (tensor parallelism) runs prefill(..., cache='sharded') only so "
+      "far: moving the cache onto the last rank's model group is not built yet"
+    )
+  if padded:
+    raise ValueError(
+      f"a mesh with model={m} runs prompts of one length without buckets (a padded row's "
+      "logits need a decode step over the model group, not built yet)"
+    )
+  if timeline:
+    raise ValueError(f"a mesh with model={m} has no timeline probes yet")
+  if jax.process_count() > 1:
+    raise ValueError(f"a mesh with model={m} runs in one process so far")
 
 
 def _last_real_logits_sharded(

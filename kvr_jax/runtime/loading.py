@@ -18,7 +18,8 @@ from flax import nnx
 
 import models
 from kvr_jax.core import resources
-from kvr_jax.runtime import checkpoints
+from kvr_jax.runtime import checkpoints, tensor_parallel
+from kvr_jax.runtime.mesh import model_parallel
 from models.config import ModelConfig, config_from_dict, config_from_hf
 
 PRESET_SEED = 0
@@ -74,13 +75,34 @@ class Model:
         sharding = jax.sharding.SingleDeviceSharding(sharding_or_device)
       if not sharding.is_fully_replicated:
         raise ValueError(f"weights are placed replicated; got the sharding {sharding}")
-      sources = [self.state, *self._placed.values()]
+      # Whole copies only (a split placement, keyed by its mesh, holds pieces per device).
+      whole = [v for k, v in self._placed.items() if not isinstance(k, jax.sharding.Mesh)]
+      sources = [self.state, *whole]
       self._placed[sharding_or_device] = jax.tree.map(
         lambda *leaves: _replicate(leaves, sharding), *sources
       )
       while len(self._placed) > MAX_PLACEMENTS:
         self._placed.popitem(last=False)
     return self._placed[sharding_or_device]
+
+  def state_split_over(self, mesh) -> Any:
+    """The weights split over a ("ranks", "model") mesh Megatron-style (every rank's row
+    holds the same split: kvr_jax.runtime.tensor_parallel), cached per mesh like `state_on`.
+    Placed from the whole state on the default device (a model that fits it): loading each
+    tensor straight into its shards is not done yet."""
+    if mesh not in self._placed:
+      m = model_parallel(mesh)
+      ready = tensor_parallel.shard_ready_state(self.config, self.state, m)
+      specs = tensor_parallel.partition_specs(ready)
+      self._placed[mesh] = jax.tree.map(
+        lambda leaf, spec: jax.device_put(leaf, jax.sharding.NamedSharding(mesh, spec)),
+        ready,
+        specs,
+      )
+      while len(self._placed) > MAX_PLACEMENTS:
+        self._placed.popitem(last=False)
+    self._placed.move_to_end(mesh)
+    return self._placed[mesh]
 
   @property
   def placements(self) -> tuple[Any, ...]:

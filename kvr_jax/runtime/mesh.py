@@ -1,4 +1,7 @@
-"""Layer 2: the 1-D device mesh every strategy runs on, and placing arrays on it.
+"""Layer 2: the device mesh every strategy runs on, and placing arrays on it.
+
+The mesh is 1-D ("ranks") or, with tensor parallelism inside each rank, 2-D ("ranks",
+"model"): rank i is then the group of devices in row i (kvr_jax.runtime.tensor_parallel).
 
 All device logic lives in kvr_jax/; models/ knows nothing of this.
 """
@@ -11,17 +14,27 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-# The one mesh axis: prompt chunks (KV-Runahead ranks, TSP sequence shards) live along it.
+# The mesh axis of the prompt: chunks (KV-Runahead ranks, TSP sequence shards) live along it.
 AXIS = "ranks"
+# The axis of a 2-D mesh along which each rank's model is split (tensor parallelism).
+MODEL_AXIS = "model"
 
 
-def make_mesh(num_devices: int | None = None, devices=None) -> Mesh:
+def make_mesh(num_devices: int | None = None, devices=None, *, model: int = 1) -> Mesh:
   """A 1-D mesh with axis `ranks` over the first `num_devices` devices (default: all).
 
   Rank i is the i-th device; rank 0 gets the earliest tokens. With `jax.distributed`
   initialised, `jax.devices()` spans all processes, so the mesh does too.
+
+  model > 1: a 2-D mesh ("ranks", "model") of `num_devices` ranks (default: as many as the
+  devices allow) of `model` devices each, rank-major (rank i holds devices [i*m, (i+1)*m)):
+  every rank's model is split over its row (tensor parallelism).
   """
   devices = list(jax.devices() if devices is None else devices)
+  if isinstance(model, bool) or not isinstance(model, numbers.Integral) or model < 1:
+    raise ValueError(f"`model` must be a positive integer, got {model!r}")
+  if model > 1:
+    return _make_2d_mesh(num_devices, devices, int(model))
   if num_devices is None:
     num_devices = len(devices)
   if not isinstance(num_devices, numbers.Integral) or isinstance(num_devices, bool):
@@ -41,12 +54,52 @@ def make_mesh(num_devices: int | None = None, devices=None) -> Mesh:
   )
 
 
-def check_mesh(mesh) -> int:
-  """Validates a user-supplied mesh; returns its size p."""
+def _make_2d_mesh(num_ranks: int | None, devices: list, model: int) -> Mesh:
+  if num_ranks is None:
+    num_ranks = len(devices) // model
+  if isinstance(num_ranks, bool) or not isinstance(num_ranks, numbers.Integral) or num_ranks < 1:
+    raise ValueError(
+      f"`num_devices` (the ranks of a model={model} mesh) must be a positive integer, got "
+      f"{num_ranks!r} ({len(devices)} devices present)"
+    )
+  needed = int(num_ranks) * model
+  if needed > len(devices):
+    raise ValueError(
+      f"{num_ranks} ranks x model={model} needs {needed} devices but only {len(devices)} are "
+      "present"
+    )
+  _check_distinct(devices[:needed])
+  grid = np.asarray(devices[:needed], dtype=object).reshape(int(num_ranks), model)
+  return Mesh(grid, (AXIS, MODEL_AXIS), axis_types=(AxisType.Explicit,) * 2)
+
+
+def model_parallel(mesh: Mesh) -> int:
+  """Devices per rank: the size of the mesh's "model" axis, 1 on a 1-D mesh."""
+  return mesh.shape[MODEL_AXIS] if MODEL_AXIS in mesh.axis_names else 1
+
+
+def rank_device(mesh: Mesh, rank: int):
+  """The first device of rank `rank` (where its logits are read; the rank's only device on a
+  1-D mesh)."""
+  return mesh.devices.reshape(mesh.shape[AXIS], -1)[rank, 0]
+
+
+def check_mesh(mesh, allow_model: bool = False) -> int:
+  """Validates a user-supplied mesh; returns its number of ranks p. allow_model: a 2-D
+  ("ranks", "model") mesh is accepted too (only where the caller runs tensor-parallel
+  programs; everything else refuses it by name)."""
   if not isinstance(mesh, Mesh):
     raise ValueError(
       f"`mesh` must be a jax.sharding.Mesh (see kvr_jax.make_mesh), got {type(mesh).__name__}"
     )
+  if tuple(mesh.axis_names) == (AXIS, MODEL_AXIS):
+    if not allow_model:
+      raise ValueError(
+        f"this runs on a 1-D mesh (axis {AXIS!r}); a ({AXIS!r}, {MODEL_AXIS!r}) mesh runs "
+        "only in prefill(..., cache='sharded') so far"
+      )
+    _check_distinct(list(mesh.devices.reshape(-1)))
+    return mesh.shape[AXIS]
   if tuple(mesh.axis_names) != (AXIS,):
     raise ValueError(
       f"`mesh` must be 1-D with the axis {AXIS!r}, got axes "

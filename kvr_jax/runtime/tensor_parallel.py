@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from kvr_jax.runtime.mesh import MODEL_AXIS
 from models.config import ModelConfig
-
-MODEL_AXIS = "model"
 
 # The axis of each block parameter's stacked array ([L, ...]) that is split over the model
 # axis; parameters not named here are whole on every shard.

@@ -18,12 +18,25 @@ from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, count_trace, fold_batch, last_rank, spmd
+from kvr_jax.strategies.base import (
+  Strategy,
+  count_trace,
+  fold_batch,
+  last_rank,
+  model_reduce,
+  spmd,
+)
 from kvr_jax.strategies.probe import mark
+from models.base import no_reduce
 
 
 def rank_program(
-  graphdef, context_len: int, num_ranks: int, attention: str, timeline: bool = False
+  graphdef,
+  context_len: int,
+  num_ranks: int,
+  attention: str,
+  timeline: bool = False,
+  reduce=no_reduce,
 ):
   c = zigzag.chunk_len(context_len, num_ranks)
   p = num_ranks
@@ -52,7 +65,7 @@ def rank_program(
         # skipped on every rank.
         outs.append(block.attend(q_BcNH, kv[0], kv[1], chunk * c, attention))
       attn_B2cNH = mark(timeline, "attention", l, jnp.concatenate(outs, axis=1))
-      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH))
+      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
       return x_B2cD, fold_batch(own_2B2cKH)
 
     return zigzag.run_layers(model, layer, tokens_B2c, context_len, p, timeline)
@@ -65,7 +78,10 @@ def compile_program(
   graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash", timeline: bool = False
 ):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
-  return spmd(rank_program(graphdef, sum(chunks), len(chunks), attention, timeline), mesh)
+  program = rank_program(
+    graphdef, sum(chunks), len(chunks), attention, timeline, model_reduce(mesh)
+  )
+  return spmd(program, mesh)
 
 
 STRATEGY = Strategy(

@@ -28,7 +28,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from models.base import no_reduce
 from models.layers import (
   ATTENTION_KINDS,
   CUDNN_DTYPES,
@@ -232,13 +234,43 @@ def last_rank(chunks: tuple[int, ...]) -> int:
   return len(chunks) - 1
 
 
+def model_reduce(mesh):
+  """What a rank program passes to `Block.finish(..., reduce=)` / `CausalLM.forward`: the psum
+  of its tensor-parallel shards' partial sums on a ("ranks", "model") mesh, else nothing."""
+  return tensor_parallel.psum_over_model if model_parallel(mesh) > 1 else no_reduce
+
+
 def spmd(rank_program, mesh):
-  """The common program shape: weights replicated, tokens and both outputs sharded by rank."""
+  """The common program shape: tokens and both outputs sharded by rank; the weights whole on
+  every rank (1-D mesh) or split over each rank's "model" row (2-D: `tensor_parallel`'s
+  specs, from the state's own structure at trace time), where the K,V outputs' heads are
+  split over "model" too."""
   P = jax.P
-  body = jax.shard_map(
-    rank_program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
-  )
-  return jax.jit(body)
+  if model_parallel(mesh) == 1:
+    body = jax.shard_map(
+      rank_program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
+    )
+    return jax.jit(body)
+
+  # Every K,V output (the parts, KV-Runahead's last hops) is [p, L, 2, rows, K, H].
+  kv_spec = P(AXIS, None, None, None, MODEL_AXIS, None)
+
+  @jax.jit
+  def body_2d(state, tokens_pBc):
+    state_specs = tensor_parallel.partition_specs(state)
+    # check_vma=False: the hidden states and logits are whole on every shard of a rank (the
+    # psums make them so), but KV-Runahead's per-rank lax.switch joins its operands' types
+    # and marks them varying over "model", which the type check would then refuse as a
+    # carry and as the logits output. tests/test_tensor_parallel.py checks the values.
+    return jax.shard_map(
+      rank_program,
+      mesh=mesh,
+      in_specs=(state_specs, P(AXIS)),
+      out_specs=(P(AXIS), kv_spec),
+      check_vma=False,
+    )(state, tokens_pBc)
+
+  return body_2d
 
 
 def logits_to_last_rank(logits_BV, owner: int, num_ranks: int):

@@ -32,9 +32,17 @@ from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, count_trace, fold_batch, last_rank, spmd
+from kvr_jax.strategies.base import (
+  Strategy,
+  count_trace,
+  fold_batch,
+  last_rank,
+  model_reduce,
+  spmd,
+)
 from kvr_jax.strategies.probe import mark
 from models import layers
+from models.base import no_reduce
 
 
 def ring_attention(
@@ -98,7 +106,9 @@ def ring_attention(
   return out.astype(q_B2cNH.dtype)
 
 
-def rank_program(graphdef, context_len: int, num_ranks: int, timeline: bool = False):
+def rank_program(
+  graphdef, context_len: int, num_ranks: int, timeline: bool = False, reduce=no_reduce
+):
   c = zigzag.chunk_len(context_len, num_ranks)
   p = num_ranks
 
@@ -118,7 +128,7 @@ def rank_program(graphdef, context_len: int, num_ranks: int, timeline: bool = Fa
       window = model.config.sliding_window
       attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, window, timeline, l)
       attn_B2cNH = mark(timeline, "attention", l, attn_B2cNH)
-      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH))
+      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
       return x_B2cD, fold_batch(kv_own)
 
     return zigzag.run_layers(model, layer, tokens_B2c, context_len, p, timeline)
@@ -132,7 +142,8 @@ def compile_program(
 ):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
   del attention  # flash partials are what the ring merges
-  return spmd(rank_program(graphdef, sum(chunks), len(chunks), timeline), mesh)
+  program = rank_program(graphdef, sum(chunks), len(chunks), timeline, model_reduce(mesh))
+  return spmd(program, mesh)
 
 
 STRATEGY = Strategy(

@@ -72,7 +72,8 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies.base import (
   CAUSAL_KERNELS,
   Strategy,
@@ -83,6 +84,7 @@ from kvr_jax.strategies.base import (
 )
 from kvr_jax.strategies.probe import mark
 from models import layers, scan_blocks
+from models.base import no_reduce
 
 
 def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...]):
@@ -205,10 +207,11 @@ def attend_and_finish(
   timeline: bool = False,
   layer=-1,
   rows: int = 0,
+  reduce=no_reduce,
 ):
   """Rank i after the hops: attention (attend_rank) over the prefix it received and the rest
   of its diagonal (rows past `rows`), then the block's rest (out-proj, MLP) of its c_i rows,
-  padded back to c_max.
+  padded back to c_max; `reduce` adds the tensor-parallel shards' partial sums.
 
   prefixes: (accumulation buffer, last hop's message); a forwarding rank's prefix sits in
   its buffer at [first, start), the last rank's is the last hop's message itself."""
@@ -226,7 +229,7 @@ def attend_and_finish(
     block, q_BcNH, own_2BcKH, prefix_2BsKH, i, chunks, attention, diagonal, rows
   )
   attn_BcNH = mark(timeline, "attention", layer, attn_BcNH)
-  out_BcD = block.finish(x_BcD[:, :c], attn_BcNH)
+  out_BcD = block.finish(x_BcD[:, :c], attn_BcNH, reduce=reduce)
   return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
 
 
@@ -296,10 +299,15 @@ def rank_program(
   attention: str = "dense",
   timeline: bool = False,
   keep_last_hop: bool = False,
+  model_axis: bool = False,
 ) -> Callable:
   """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs.
   timeline: probes at every phase boundary (kvr_jax.strategies.probe). keep_last_hop: also
-  output every layer's last-hop message (see the module docstring)."""
+  output every layer's last-hop message (see the module docstring). model_axis: each rank
+  is a tensor-parallel group over the mesh's "model" axis (its state a shard: K,V and the
+  hops are the shard's own heads, the partial sums are psummed)."""
+  reduce = tensor_parallel.psum_over_model if model_axis else no_reduce
+  varying = (AXIS, MODEL_AXIS) if model_axis else (AXIS,)
   p = len(chunks)
   diagonal_first = attends_diagonal_first(attention, p)
   starts = np.asarray(chunk_starts(chunks), np.int32)
@@ -318,9 +326,10 @@ def rank_program(
     B = x_BcD.shape[0]
     early_rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * p
     # Allocated once and carried across layers; varying over the ranks like what it holds.
+    kv_heads = model.blocks.wk[...].shape[2]  # [L, D, K, H]: this shard's K
     buffer_2BSKH = jax.lax.pcast(
-      jnp.zeros((2, B, buffer_len(chunks), cfg.num_kv_heads, cfg.head_dim), x_BcD.dtype),
-      (AXIS,),
+      jnp.zeros((2, B, buffer_len(chunks), kv_heads, cfg.head_dim), x_BcD.dtype),
+      varying,
       to="varying",
     )
 
@@ -375,6 +384,7 @@ def rank_program(
             timeline=timeline,
             layer=l,
             rows=early_rows[i],
+            reduce=reduce,
           )
           for i in range(p)
         ],
@@ -422,7 +432,9 @@ def compile_program(
   2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
   positions.
   """
-  return spmd(rank_program(graphdef, chunks, attention, timeline, keep_last_hop), mesh)
+  model_axis = model_parallel(mesh) > 1
+  program = rank_program(graphdef, chunks, attention, timeline, keep_last_hop, model_axis)
+  return spmd(program, mesh)
 
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):

@@ -12,7 +12,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kvr_jax.strategies.base import CAUSAL_KERNELS, Strategy, count_trace, last_rank, spmd
+from kvr_jax.strategies.base import (
+  CAUSAL_KERNELS,
+  Strategy,
+  count_trace,
+  last_rank,
+  model_reduce,
+  spmd,
+)
+from models.base import no_reduce
 from models.layers import DEFAULT_CAUSAL_KERNEL
 
 
@@ -25,11 +33,11 @@ def arrange(tokens_BC, chunks) -> np.ndarray:
   return np.asarray(tokens_BC)[None]
 
 
-def program(graphdef, attention: str):
+def program(graphdef, attention: str, reduce=no_reduce):
   def run(state, tokens_1BC):
     count_trace("single")
     model = nnx.merge(graphdef, state)
-    x_BCD, k_LBCKH, v_LBCKH = model.forward(tokens_1BC[0], attention)
+    x_BCD, k_LBCKH, v_LBCKH = model.forward(tokens_1BC[0], attention, reduce=reduce)
     logits_BV = model.logits(x_BCD[:, -1:])[:, 0]
     # [L, 2, B*C, K, H]: K and V stacked, batch folded into the rows, as every strategy
     L, B, C, K, H = k_LBCKH.shape
@@ -46,7 +54,7 @@ def compile_program(
   """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B*C, K, H])."""
   if timeline:
     raise ValueError("strategy 'single' has no timeline probes")
-  return spmd(program(graphdef, attention), mesh)
+  return spmd(program(graphdef, attention, model_reduce(mesh)), mesh)
 
 
 STRATEGY = Strategy(

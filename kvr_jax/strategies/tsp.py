@@ -24,16 +24,18 @@ from kvr_jax.strategies.base import (
   fold_batch,
   last_rank,
   logits_to_last_rank,
+  model_reduce,
   spmd,
 )
 from models import scan_blocks
+from models.base import no_reduce
 
 
 def shard_len(context_len: int, num_ranks: int) -> int:
   return math.ceil(context_len / num_ranks)
 
 
-def rank_program(graphdef, context_len: int, num_ranks: int):
+def rank_program(graphdef, context_len: int, num_ranks: int, reduce=no_reduce):
   c = shard_len(context_len, num_ranks)
   last_rank, last_row = divmod(context_len - 1, c)
 
@@ -53,7 +55,8 @@ def rank_program(graphdef, context_len: int, num_ranks: int):
       # Dense masked scores over all p*c keys (with a sliding window too: TSP skips nothing).
       attn_BcNH = block.attend(q_BcNH, kv[0], kv[1], offset, "dense")
       # The rank keeps its own shard of the cache; the gathered K,V live one layer.
-      return block.finish(x_BcD, attn_BcNH), fold_batch(jnp.stack([k_BcKH, v_BcKH]))
+      out_BcD = block.finish(x_BcD, attn_BcNH, reduce=reduce)
+      return out_BcD, fold_batch(jnp.stack([k_BcKH, v_BcKH]))
 
     x_BcD, kv_L2RKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
     # Row `last_row` of rank `last_rank` is the prompt's last position.
@@ -84,7 +87,7 @@ def compile_program(
   del attention  # dense masked scores by definition
   if timeline:
     raise ValueError("strategy 'tsp' has no timeline probes")
-  program, _ = rank_program(graphdef, sum(chunks), len(chunks))
+  program, _ = rank_program(graphdef, sum(chunks), len(chunks), model_reduce(mesh))
   return spmd(program, mesh)
 
 
