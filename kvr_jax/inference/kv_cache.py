@@ -22,6 +22,11 @@ so a small
 SPMD program sends each rank's part to the last rank with `ppermute` instead; as SPMD gives
 every rank the output's shape, that program allocates a prompt-long (unused) output on the
 other ranks too, for the duration of the move.
+
+On a ("ranks", "model") mesh a rank's part is split over its row by KV heads; the same
+program moves every shard's heads to the same shard of the last rank (a ppermute over
+"ranks" per model shard), and the cache is [L, B, C, K, H] over the last rank's row, heads
+split over "model" (`gather_on_model_group`). KV-Runahead's no-move join is not built there.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
 
 CACHE_LAYOUTS = ("last", "sharded")
@@ -108,6 +113,8 @@ def collect_program(mesh, layout: CacheLayout):
   holding a run sends its part to rank p-1 (one pair per ppermute), which assembles them."""
   p = layout.num_ranks
   P = jax.P
+  # [p, L, 2, B*P, K, H] in, [p, L, B, C, K, H] out: by rank, and on a 2-D mesh heads by shard.
+  spec = P(AXIS) if model_parallel(mesh) == 1 else P(AXIS, None, None, None, MODEL_AXIS, None)
 
   def body(parts_1L2BPKH):
     own = parts_1L2BPKH[0]
@@ -118,7 +125,27 @@ def collect_program(mesh, layout: CacheLayout):
     k, v = _in_prompt_order(received, layout)
     return k[None], v[None]
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+
+
+def gather_on_model_group(kv_parts, layout: CacheLayout, mesh):
+  """2-D mesh: (k, v) [L, B, C, K, H] on the last rank's row of devices, heads split over
+  "model" (`collect_program` moves every shard's heads to its counterpart); (None, None) in a
+  process that does not hold that row."""
+  k, v = collect_program(mesh, layout)(kv_parts)
+  row = list(mesh.devices[-1])
+  group = jax.sharding.Mesh(row, (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  heads_split = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
+
+  def last_row(x):
+    pieces = {s.device: s.data[0] for s in x.addressable_shards}
+    if not all(d in pieces for d in row):
+      return None
+    return jax.make_array_from_single_device_arrays(
+      x.shape[1:], heads_split, [pieces[d] for d in row]
+    )
+
+  return last_row(k), last_row(v)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -148,7 +175,8 @@ def join_last_hop(kv_parts, last_hop, layout: CacheLayout, mesh):
 
 def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto", last_hop=None):
   """The parts [p, L, 2, B*P, K, H] (sharded by rank) -> (k, v) [L, B, C, K, H] on the last
-  rank's device, or (None, None) in a process that does not hold it.
+  rank's device, or (None, None) in a process that does not hold it. On a 2-D mesh: on the
+  last rank's row, heads split over "model" (`gather_on_model_group`; `method` unused).
 
   last_hop: KV-Runahead's last-hop messages where its program kept them: the cache is joined
   on the last rank from what it holds (`join_last_hop`), nothing moves. Otherwise method
@@ -156,6 +184,8 @@ def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto
   (one process), "collective" runs `collect_program`, "auto" the first when every shard is
   addressable.
   """
+  if model_parallel(mesh) > 1:
+    return gather_on_model_group(kv_parts, layout, mesh)
   if last_hop is not None:
     return join_last_hop(kv_parts, last_hop, layout, mesh)
   owner = mesh.devices.reshape(-1)[-1]

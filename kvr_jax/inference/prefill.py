@@ -295,7 +295,7 @@ def prefill(
       )
   chunks = spec.layout(T, p, user_chunks)
   # cache="last" from what KV-Runahead's last rank received (no move), where it is whole.
-  keep_last_hop = spec.keeps_last_hop(cache, chunks, window)
+  keep_last_hop = spec.keeps_last_hop(cache, chunks, window) and m == 1
   run = spec.program(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop)
   if m > 1:
     state = model.state_split_over(mesh)
@@ -343,19 +343,17 @@ def prefill(
     )
   elif padded:
     logits_BV = None  # another process holds the cache and the logits
-  return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common)
+  # On a 2-D mesh the mesh stays with the result (what decode refuses by).
+  extra = {"mesh": mesh} if m > 1 else {}
+  return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common, **extra)
 
 
 def _check_tensor_parallel(model, m, cache, padded, timeline, defer_move) -> None:
-  """What a ("ranks", "model") mesh runs so far: the prefill itself, each rank's K,V part left
-  where it was computed (its heads split over the rank's row). Refused by name before
-  anything compiles: what needs a move or a decode step over a model group."""
+  """What a ("ranks", "model") mesh runs so far: the prefill, with the cache left where it was
+  computed or moved onto the last rank's row (heads split over "model" either way). Refused
+  by name before anything compiles: what needs a decode step over a model group."""
   check_model_parallel(model.config, m)
-  if cache != "sharded" or defer_move:
-    raise ValueError(
-      f"a mesh with model={m} (tensor parallelism) runs prefill(..., cache='sharded') only so "
-      "far: moving the cache onto the last rank's model group is not built yet"
-    )
+  del cache, defer_move  # both layouts run (the cache moves onto the last rank's row)
   if padded:
     raise ValueError(
       f"a mesh with model={m} runs prompts of one length without buckets (a padded row's "

@@ -96,7 +96,7 @@ def check_mesh(mesh, allow_model: bool = False) -> int:
     if not allow_model:
       raise ValueError(
         f"this runs on a 1-D mesh (axis {AXIS!r}); a ({AXIS!r}, {MODEL_AXIS!r}) mesh runs "
-        "only in prefill(..., cache='sharded') so far"
+        "only in prefill so far"
       )
     _check_distinct(list(mesh.devices.reshape(-1)))
     return mesh.shape[AXIS]
