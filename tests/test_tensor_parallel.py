@@ -253,10 +253,6 @@ def test_2d_mesh_inputs_are_checked_before_compiling(prefill_models):
     kvr_jax.prefill(model, TOKENS, "tsp", mesh=kvr_jax.make_mesh(1, model=8), cache="sharded")
   with pytest.raises(ValueError, match="4 ranks x model=4 needs 16 devices but only 8"):
     kvr_jax.make_mesh(4, model=4)
-  for cache in ("sharded", "last"):
-    result = kvr_jax.prefill(model, TOKENS, "kvr", mesh=kvr_jax.make_mesh(2, model=2), cache=cache)
-    with pytest.raises(ValueError, match="decoding from a prefill on a .* mesh is not built yet"):
-      kvr_jax.decode_from(model, result, 2)
   with pytest.raises(ValueError, match="runs on a 1-D mesh"):
     check_mesh(kvr_jax.make_mesh(2, model=2))  # what every other consumer of a mesh asks
 
@@ -274,3 +270,17 @@ def test_a_2d_program_compiles_once_per_shape(prefill_models):
 
   first = run()
   assert run() == first and first >= 1
+
+
+@pytest.mark.parametrize(
+  "name,strategy,shape,cache",
+  [("gqa", "kvr", (2, 4), "last"), ("mqa", "allgather", (4, 2), "sharded")],
+)
+def test_greedy_decode_on_a_2d_mesh_is_single_devices(prefill_models, name, strategy, shape, cache):
+  """generate on a ("ranks", "model") mesh: the last rank's row decodes as model shards and
+  the greedy tokens are the single-device ones."""
+  model, _ = prefill_models[name]
+  want = kvr_jax.generate(model, PROMPT, max_new_tokens=6, strategy="single")
+  mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
+  got = kvr_jax.generate(model, PROMPT, max_new_tokens=6, strategy=strategy, mesh=mesh, cache=cache)
+  np.testing.assert_array_equal(got.tokens, want.tokens)

@@ -2,7 +2,9 @@
 
 Two steps, one per cache layout (kvr_jax.inference.kv_cache):
 * `decode_step`: the whole cache on one device (cache="last": the last rank's device), where
-  the step runs without moving the cache.
+  the step runs without moving the cache. On a ("ranks", "model") mesh the last rank is a
+  row of devices holding the cache with its heads split: `model_group_decode_step` runs the
+  same step there as tensor-parallel shards (a psum after each partial sum).
 * `sharded_decode_program`: the cache left in the ranks' parts (cache="sharded"). Every rank
   runs the new token's projections and MLP (the weights are replicated, so no hidden state
   is sent), attends the token's queries to its own part only, and the partial outputs are
@@ -20,22 +22,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
+from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
 from models import layers, scan_blocks
+from models.base import no_reduce
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4, 5))
-def decode_step(graphdef, state, tokens_B, positions_B, k_cache, v_cache):
-  """Appends one token per sequence, row b at `positions_B[b]` (rows of a ragged batch sit at
-  their own lengths; a scalar is every row's); returns (logits [B, V], k_cache, v_cache).
-
-  k_cache, v_cache: [L, B, S_max, K, H] with each row's positions [0, positions_B[b]) filled.
-  Keys past a row's position are hidden by its causal offset, so the unused tail of the cache
-  (and a shorter row's padding, which its later tokens overwrite) needs no mask; with a
-  sliding window W keys before position - W + 1 are masked (they may be zeros after a
-  windowed KV-Runahead prefill).
-  """
+def _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache, reduce=no_reduce):
+  """`decode_step`'s body; `reduce` adds tensor-parallel shards' partial sums."""
   model = nnx.merge(graphdef, state)
   B = tokens_B.shape[0]
   positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
@@ -50,12 +45,52 @@ def decode_step(graphdef, state, tokens_B, positions_B, k_cache, v_cache):
     k_BSKH = jax.vmap(write)(k_BSKH, k_B1KH, positions_B)
     v_BSKH = jax.vmap(write)(v_BSKH, v_B1KH, positions_B)
     attn_B1NH = block.attend(q_B1NH, k_BSKH, v_BSKH, positions_B, "dense")
-    return block.finish(x_B1D, attn_B1NH), (k_BSKH, v_BSKH)
+    return block.finish(x_B1D, attn_B1NH, reduce=reduce), (k_BSKH, v_BSKH)
 
   x_B1D, (k_cache, v_cache) = scan_blocks(
     model.blocks, layer, model.embed(tokens_B[:, None]), (k_cache, v_cache)
   )
   return model.logits(x_B1D)[:, 0], k_cache, v_cache
+
+
+@functools.lru_cache(maxsize=32)
+def model_group_decode_step(graphdef, group_mesh):
+  """`decode_step` on one rank's row of devices (a ("ranks", "model") mesh of one rank): the
+  weights split as the prefill split them (`Model.state_split_over(group_mesh)`), the cache
+  [L, B, S_max, K, H] with its heads split over "model", tokens and positions replicated;
+  returns (logits [B, V] replicated, k_cache, v_cache)."""
+  P = jax.P
+  heads = P(None, None, None, MODEL_AXIS, None)
+
+  def shard_step(state, tokens_B, positions_B, k_cache, v_cache):
+    return _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache, psum_over_model)
+
+  @functools.partial(jax.jit, donate_argnums=(3, 4))
+  def step(state, tokens_B, positions_B, k_cache, v_cache):
+    # check_vma=False as in strategies.base.spmd: the psummed logits are whole on every shard.
+    return jax.shard_map(
+      shard_step,
+      mesh=group_mesh,
+      in_specs=(partition_specs(state), P(), P(), heads, heads),
+      out_specs=(P(), heads, heads),
+      check_vma=False,
+    )(state, tokens_B, positions_B, k_cache, v_cache)
+
+  return step
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4, 5))
+def decode_step(graphdef, state, tokens_B, positions_B, k_cache, v_cache):
+  """Appends one token per sequence, row b at `positions_B[b]` (rows of a ragged batch sit at
+  their own lengths; a scalar is every row's); returns (logits [B, V], k_cache, v_cache).
+
+  k_cache, v_cache: [L, B, S_max, K, H] with each row's positions [0, positions_B[b]) filled.
+  Keys past a row's position are hidden by its causal offset, so the unused tail of the cache
+  (and a shorter row's padding, which its later tokens overwrite) needs no mask; with a
+  sliding window W keys before position - W + 1 are masked (they may be zeros after a
+  windowed KV-Runahead prefill).
+  """
+  return _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache)
 
 
 def part_attention(q_B1NH, part_2BPKH, positions_B, prompt_lens_B, runs, window: int | None):

@@ -157,16 +157,31 @@ def decode_from(
   _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)
   if result.cache == "sharded" and jax.process_count() > 1:
     raise ValueError(_SHARDED_MULTIPROCESS)
-  if result.mesh is not None and model_parallel(result.mesh) > 1:
-    raise ValueError(
-      "decoding from a prefill on a ('ranks', 'model') mesh is not built yet (a decode step "
-      "over each rank's model group); the prefill's logits and cache parts are in the result"
-    )
   if not result.is_local:  # another process holds the cache and generates
     return GenerationResult(None, None, result)
   B = result.logits.shape[0]
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
-  if result.cache == "sharded":
+  if result.mesh is not None and model_parallel(result.mesh) > 1:
+    # Tensor parallelism: the last rank's row of devices decodes as shards of the model, from
+    # the cache in prompt order there, heads split (a "sharded" prefill's parts move there
+    # first: decoding from the parts where they lie is 1-D only).
+    k_cache, v_cache = result.gather_cache()
+    group = k_cache.sharding.mesh
+    replicated = NamedSharding(group, jax.P())
+    state = model.state_split_over(group)
+    program = decode.model_group_decode_step(model.graphdef, group)
+    grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
+    tail = jnp.pad(k_cache, grow), jnp.pad(v_cache, grow)
+
+    def step(token_B, index, tail):
+      token_B = jax.device_put(token_B, replicated)
+      positions_B = jax.device_put(lengths_B + index, replicated)
+      logits, k_cache, v_cache = program(state, token_B, positions_B, *tail)
+      return logits, (k_cache, v_cache)
+
+    logits = jax.device_put(result.logits, replicated)
+    key = jax.device_put(jax.random.key(seed), replicated)
+  elif result.cache == "sharded":
     # Every operand replicated over the prefill's mesh but the cache parts, which stay put.
     replicated = NamedSharding(result.mesh, jax.P())
     state = model.state_on(replicated)

@@ -36,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
 
 CACHE_LAYOUTS = ("last", "sharded")
@@ -134,7 +134,7 @@ def gather_on_model_group(kv_parts, layout: CacheLayout, mesh):
   process that does not hold that row."""
   k, v = collect_program(mesh, layout)(kv_parts)
   row = list(mesh.devices[-1])
-  group = jax.sharding.Mesh(row, (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  group = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)  # where decode runs its step
   heads_split = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
 
   def last_row(x):

@@ -28,6 +28,7 @@ from kvr_jax.runtime.mesh import (
   make_mesh,
   model_parallel,
   rank_device,
+  rank_row_mesh,
   shard_on,
 )
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
@@ -159,7 +160,7 @@ def _single_device_mesh(mesh):
   ("ranks", "model") mesh: its first rank's row, a mesh of one rank (tensor parallelism
   alone)."""
   if mesh is not None and model_parallel(mesh) > 1:
-    return make_mesh(1, devices=list(mesh.devices[0]), model=model_parallel(mesh))
+    return rank_row_mesh(mesh, 0)
   devices = jax.local_devices() if mesh is None else mesh.devices.reshape(-1)
   local = [d for d in devices if d.process_index == jax.process_index()]
   if not local:
@@ -190,7 +191,11 @@ def prefill(
     decode step at its position, run after the prefill program (part of the call).
   strategy: a name in kvr_jax.strategies.STRATEGIES: "single" (one device, the oracle),
     "tsp" (all-gather baseline) or "kvr" (KV-Runahead). mesh: from `make_mesh(p)`; default
-    all local devices ("single" runs on its first device of this process).
+    all local devices ("single" runs on its first device of this process). A mesh from
+    `make_mesh(p, model=m)` makes every rank m devices sharing each layer (tensor
+    parallelism, kvr_jax.runtime.tensor_parallel; "single" runs on the first rank's row): the
+    prefill runs in either cache layout, heads split over "model" (`generate` decodes on the
+    last rank's row); buckets and timelines are refused there so far.
   partition (partitioned strategies, i.e. kvr): p chunk lengths summing to T (rank 0 the
     earliest tokens), or "even", "search", "balanced", "predict", or a `PartitionPlan` (see
     kvr_jax.planning.partition).
@@ -259,7 +264,7 @@ def prefill(
   p = check_mesh(mesh, allow_model=True)
   m = model_parallel(mesh)
   if m > 1:
-    _check_tensor_parallel(model, m, cache, padded, timeline, defer_move)
+    _check_tensor_parallel(model, m, padded, timeline)
   device = mesh.devices.flat[0]
   attention = spec.resolve_attention(attention, device, model.dtype, window)
   if attention == "cudnn" and not kernel_runs_on(attention, device, model.dtype, None):
@@ -348,12 +353,11 @@ def prefill(
   return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common, **extra)
 
 
-def _check_tensor_parallel(model, m, cache, padded, timeline, defer_move) -> None:
+def _check_tensor_parallel(model, m, padded, timeline) -> None:
   """What a ("ranks", "model") mesh runs so far: the prefill, with the cache left where it was
   computed or moved onto the last rank's row (heads split over "model" either way). Refused
   by name before anything compiles: what needs a decode step over a model group."""
   check_model_parallel(model.config, m)
-  del cache, defer_move  # both layouts run (the cache moves onto the last rank's row)
   if padded:
     raise ValueError(
       f"a mesh with model={m} runs prompts of one length without buckets (a padded row's "

@@ -78,6 +78,13 @@ def model_parallel(mesh: Mesh) -> int:
   return mesh.shape[MODEL_AXIS] if MODEL_AXIS in mesh.axis_names else 1
 
 
+def rank_row_mesh(mesh: Mesh, rank: int) -> Mesh:
+  """Rank `rank`'s devices as a mesh of one rank (its "model" row on a 2-D mesh)."""
+  m = model_parallel(mesh)
+  row = list(mesh.devices.reshape(mesh.shape[AXIS], -1)[rank])
+  return make_mesh(1, devices=row, model=m) if m > 1 else make_mesh(1, devices=row)
+
+
 def rank_device(mesh: Mesh, rank: int):
   """The first device of rank `rank` (where its logits are read; the rank's only device on a
   1-D mesh)."""
@@ -96,7 +103,7 @@ def check_mesh(mesh, allow_model: bool = False) -> int:
     if not allow_model:
       raise ValueError(
         f"this runs on a 1-D mesh (axis {AXIS!r}); a ({AXIS!r}, {MODEL_AXIS!r}) mesh runs "
-        "only in prefill so far"
+        "only in prefill and generate so far"
       )
     _check_distinct(list(mesh.devices.reshape(-1)))
     return mesh.shape[AXIS]
