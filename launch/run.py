@@ -56,7 +56,13 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/balanced/predict.")
 flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")
-flags.DEFINE_integer("num_devices", None, "Ranks in the mesh (default: all devices).")
+flags.DEFINE_integer("num_devices", None, "Devices in the mesh (default: all devices).")
+flags.DEFINE_integer(
+  "model_parallel",
+  1,
+  "Devices per rank: each rank's model split over them (tensor parallelism, a 2-D mesh of "
+  "num_devices / model_parallel ranks).",
+)
 flags.DEFINE_string(
   "dtype",
   "auto",
@@ -104,6 +110,7 @@ def main(argv):
       seed=FLAGS.seed,
       cache=FLAGS.cache,
       buckets=buckets,
+      model_parallel=FLAGS.model_parallel,
     )
   lengths = sorted({len(row) for row in tokens})
   shape = f"prompt {lengths[0]} tokens x batch {len(tokens)}"
@@ -112,10 +119,9 @@ def main(argv):
   padded = kvr_jax.bucket_length(max(lengths), buckets, model.config.max_position_embeddings)
   if padded != lengths[0] or len(lengths) > 1:
     shape += f", padded to {padded} (--buckets={FLAGS.buckets})"
-  print(
-    f"{model}; {shape}; "
-    f"{FLAGS.num_devices or jax.device_count()} ranks on {jax.devices()[0].platform}"
-  )
+  devices, m = FLAGS.num_devices or jax.device_count(), FLAGS.model_parallel
+  ranks = f"{devices} ranks" if m == 1 else f"{devices // m} ranks x {m} devices (model)"
+  print(f"{model}; {shape}; {ranks} on {jax.devices()[0].platform}")
   if emulated:
     print(
       "NOTE: these are emulated CPU devices sharing this machine's cores: the times prove "

@@ -106,10 +106,26 @@ def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path)
   assert row("--nocompilation_cache")["compile_cache"] == "-"
 
 
+def test_run_with_tensor_parallel_ranks(tmp_path):
+  """--model_parallel=2 on 8 devices: 4 ranks of 2 devices, every strategy's logits and
+  greedy tokens those of single on one rank's 2 devices (itself whole-model exact)."""
+  out = tmp_path / "run.json"
+  flags = ["--model_parallel=2", "--num_devices=8", "--context_len=96", "--repeats=1"]
+  flags += ["--strategy=single,kvr,ring,allgather", "--partition=40,24,20,12"]
+  proc = run("launch.run", *flags, "--max_new_tokens=3", f"--output_json={out}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "4 ranks x 2 devices (model)" in proc.stdout
+  rows = json.loads(out.read_text())
+  assert [r["strategy"] for r in rows] == ["single", "kvr", "ring", "allgather"]
+  assert all(r["max_logit_diff_vs_single"] < 1e-4 for r in rows)
+  assert all(r["first_tokens"] == rows[0]["first_tokens"] for r in rows)
+
+
 @pytest.mark.parametrize(
   "flags,message",
   [
     (["--model=tiny-gpt"], "unknown preset 'tiny-gpt'"),
+    (["--model_parallel=3"], "8 devices do not split into ranks of model_parallel=3"),
     (["--nocompilation_cache", "--compilation_cache_dir=/tmp/x"], "--nocompilation_cache"),
     (["--strategy=ring,allgather", "--partition=1,2,3"], "partition lengths apply to ['kvr']"),
     (["--strategy=ring", "--attention=dense"], "strategy 'ring' runs attention in ('flash',)"),

@@ -17,7 +17,7 @@ from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import PrefillResult, check_prompts, prefill
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import model_parallel
+from kvr_jax.runtime.mesh import MODEL_AXIS, model_parallel
 
 
 @dataclasses.dataclass
@@ -141,6 +141,15 @@ def generate(
   return decode_from(model, result, max_new_tokens, temperature, top_k, top_p, seed)
 
 
+def _on_model_groups(result: PrefillResult) -> bool:
+  """The prefill ran on a ("ranks", "model") mesh: its mesh says so, or its cache's heads are
+  split over "model" (a result rebuilt around a gathered cache, as timing does)."""
+  if result.mesh is not None and model_parallel(result.mesh) > 1:
+    return True
+  spec = getattr(getattr(result.k_cache, "sharding", None), "spec", ())
+  return MODEL_AXIS in tuple(spec)
+
+
 def decode_from(
   model: Model,
   result: PrefillResult,
@@ -161,7 +170,7 @@ def decode_from(
     return GenerationResult(None, None, result)
   B = result.logits.shape[0]
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
-  if result.mesh is not None and model_parallel(result.mesh) > 1:
+  if _on_model_groups(result):
     # Tensor parallelism: the last rank's row of devices decodes as shards of the model, from
     # the cache in prompt order there, heads split (a "sharded" prefill's parts move there
     # first: decoding from the parts where they lie is 1-D only).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
@@ -45,6 +46,20 @@ class StrategyReport:
     return dataclasses.asdict(self)
 
 
+def _mesh(num_devices: int | None, model_parallel: int):
+  """num_devices (default: all) as ranks of `model_parallel` devices each."""
+  if model_parallel == 1:
+    return make_mesh(num_devices)
+  if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
+    raise ValueError(f"model_parallel must be a positive integer, got {model_parallel!r}")
+  total = jax.device_count() if num_devices is None else num_devices
+  if total % model_parallel:
+    raise ValueError(
+      f"{total} devices do not split into ranks of model_parallel={model_parallel} devices"
+    )
+  return make_mesh(total // model_parallel, model=model_parallel)
+
+
 def compare_strategies(
   model: Model,
   tokens,
@@ -59,13 +74,16 @@ def compare_strategies(
   seed: int = 0,
   cache: str = "last",
   buckets=None,
+  model_parallel: int = 1,
 ) -> list[StrategyReport]:
   """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs.
 
   tokens: [B, T] or rows of different lengths (padded, see kvr_jax.prefill's `buckets`).
   attention: the kernel for the strategies that run it (default "auto": each strategy's
     fastest on this platform; the report names the kernel that ran).
-  cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies."""
+  cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies.
+  model_parallel: devices per rank (tensor parallelism inside each rank, a ("ranks",
+    "model") mesh); num_devices counts all of them and must be a multiple of it."""
   check_cache(cache)
   rows, _, padded_len, buckets = padded_prompts(model, tokens, buckets)
   if repeats < 1:
@@ -75,7 +93,7 @@ def compare_strategies(
     raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
   # "single" first, so the others are compared with it.
   strategies = sorted(strategies, key=lambda s: s != "single")
-  mesh = make_mesh(num_devices)
+  mesh = _mesh(num_devices, model_parallel)
   if isinstance(partition, (list, tuple, np.ndarray)):
     partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
     if not any(s in partitioned for s in strategies):
@@ -84,7 +102,7 @@ def compare_strategies(
         "prompt out themselves"
       )
     # Explicit lengths are checked before the first strategy compiles, not after it ran.
-    check_chunks(partition, padded_len, check_mesh(mesh))
+    check_chunks(partition, padded_len, check_mesh(mesh, allow_model=True))
   for strategy in strategies:  # a kernel named explicitly is refused, not swapped, up front
     prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
   reference = None
