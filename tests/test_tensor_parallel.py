@@ -284,3 +284,23 @@ def test_greedy_decode_on_a_2d_mesh_is_single_devices(prefill_models, name, stra
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
   got = kvr_jax.generate(model, PROMPT, max_new_tokens=6, strategy=strategy, mesh=mesh, cache=cache)
   np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_compiled_memory_on_a_2d_mesh_is_one_devices_share():
+  """XLA's analysis of the 2-D program sees one device's shard: tiny-llama over 2 shards holds
+  the whole embedding, head and norms but half of every block matrix (by hand: per layer
+  2*D*N*H + 2*D*K*H + 3*D*F = 184,320 parameters, 4 bytes each, 4 layers), its arguments are
+  those weights plus the same tokens, and each K,V part holds one of the two KV heads."""
+  kw = dict(context_len=512, num_ranks=2, cache="sharded")
+  whole = kvr_jax.compiled_memory("tiny-llama", "kvr", **kw)
+  split = kvr_jax.compiled_memory("tiny-llama", "kvr", model_parallel=2, **kw)
+  D, N, K, H, F, L = 128, 4, 2, 32, 352, 4
+  block_matrices = L * (2 * D * N * H + 2 * D * K * H + 3 * D * F) * 4
+  assert split["weights_bytes"] == whole["weights_bytes"] - block_matrices // 2
+  tokens = whole["argument_bytes"] - whole["weights_bytes"]
+  assert split["argument_bytes"] == split["weights_bytes"] + tokens
+  assert split["kv_cache_bytes"] * 2 == whole["kv_cache_bytes"]
+  # The outputs differ by one of the two heads of every part [L, 2, B*P, K, H] (P the
+  # longest chunk); the logits and the rest are the same.
+  P = max(whole["chunks"])
+  assert whole["output_bytes"] - split["output_bytes"] == L * 2 * P * 1 * H * 4

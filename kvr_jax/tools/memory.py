@@ -26,10 +26,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference.kv_cache import check_cache, join_on_device, place
+from kvr_jax.inference.kv_cache import check_cache, collect_program, join_on_device, place
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import abstract_model, preset_config, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh
+from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
 from models.config import ModelConfig, config_from_dict
 from models.layers import FUSED_KERNELS
@@ -67,6 +69,7 @@ def compiled_memory(
   batch: int = 1,
   attention: str | None = None,
   partition=MEMORY_PARTITION,
+  model_parallel: int = 1,
 ) -> dict:
   """XLA's per-device memory of `strategy`'s prefill program, compiled from shapes only.
 
@@ -77,6 +80,11 @@ def compiled_memory(
   `move_temp_bytes`: the move of the parts onto the last rank's device (after the program),
   which then holds the whole cache and one run; for KV-Runahead the join of its last hops and
   its part where they lie.
+
+  model_parallel: devices per rank (a ("ranks", "model") mesh of num_ranks x m devices, the
+  weights split as prefill splits them): every figure is then one device's, `weights_bytes`
+  its shard of the weights, `kv_cache_bytes` its shard of the whole prompt's cache, and the
+  move that of `kv_cache.collect_program` (every rank's part onto the last rank's row).
   """
   config = _config(model)
   spec = get_strategy(strategy)
@@ -85,6 +93,8 @@ def compiled_memory(
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
   context_len, num_ranks, batch = int(context_len), int(num_ranks), int(batch)
+  m = model_parallel
+  check_model_parallel(config, m)
   if spec.max_ranks is not None and num_ranks > spec.max_ranks:
     raise ValueError(f"strategy {strategy!r} runs on at most {spec.max_ranks} rank(s)")
   check_ranks(context_len, num_ranks)
@@ -95,13 +105,13 @@ def compiled_memory(
     )
   attention = spec.check_attention(attention)
   dtype_name = np.dtype(resolve_dtype(dtype)).name
-  if len(jax.devices()) < num_ranks:
+  if len(jax.devices()) < num_ranks * m:
     return _in_subprocess(
-      config, strategy, context_len, num_ranks, dtype_name, cache, batch, attention, partition
+      config, strategy, context_len, num_ranks, dtype_name, cache, batch, attention, partition, m
     )
 
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
-  mesh = make_mesh(num_ranks)
+  mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
   attention = spec.resolve_attention(
     attention, mesh.devices.flat[0], dtype_name, config.sliding_window
   )
@@ -119,11 +129,18 @@ def compiled_memory(
     )
   chunks = spec.layout(context_len, num_ranks, user_chunks)
   # cache="last" as prefill runs it: KV-Runahead keeps its last hops (no move) where whole.
-  joined = spec.keeps_last_hop(cache, chunks, config.sliding_window)
+  joined = spec.keeps_last_hop(cache, chunks, config.sliding_window) and m == 1
   program = spec.program(graphdef, mesh, chunks, attention, keep_last_hop=joined)
-  replicated = NamedSharding(mesh, jax.P())
+  # The weights as prefill places them: whole on every device, or split over "model" (KV
+  # heads repeated to m first where fewer).
+  state = jax.eval_shape(lambda s: tensor_parallel.shard_ready_state(config, s, m), state)
+  specs = (
+    tensor_parallel.partition_specs(state) if m > 1 else jax.tree.map(lambda _: jax.P(), state)
+  )
   state_shapes = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
+    lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+    state,
+    specs,
   )
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
@@ -133,14 +150,32 @@ def compiled_memory(
     "num_ranks": num_ranks,
     "dtype": dtype_name,
     "cache": cache,
+    "model_parallel": m,
     "chunks": list(chunks),
     **_analysis(program.lower(state_shapes, tokens).compile()),
   }
   itemsize = np.dtype(dtype_name).itemsize
-  result["weights_bytes"] = int(sum(np.prod(x.shape) * itemsize for x in jax.tree.leaves(state)))
-  K, H, L = config.num_kv_heads, config.head_dim, config.num_layers
+  # One device's share of each weight: split leaves (a "model" entry in their spec) by m.
+  result["weights_bytes"] = int(
+    sum(
+      np.prod(x.shape) * itemsize // (m if tensor_parallel.MODEL_AXIS in tuple(spec) else 1)
+      for x, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs), strict=True)
+    )
+  )
+  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
   result["kv_cache_bytes"] = L * 2 * batch * context_len * K * H * itemsize
   layout = spec.cache_layout(context_len, chunks)
+  if m > 1 and cache == "last":
+    # Every rank's part onto the last rank's row, heads split (kv_cache.gather_on_model_group).
+    parts = jax.ShapeDtypeStruct(
+      (num_ranks, L, 2, batch * layout.part_len, K * m, H),
+      dtype_name,
+      sharding=NamedSharding(mesh, jax.P(AXIS, None, None, None, tensor_parallel.MODEL_AXIS)),
+    )
+    move = _analysis(collect_program(mesh, layout).lower(parts).compile())
+    result["move_argument_bytes"] = move["argument_bytes"]
+    result["move_temp_bytes"] = move["temp_bytes"]
+    return result
   on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
   if joined:
     # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device).
@@ -166,8 +201,11 @@ def compiled_memory(
   return result
 
 
-def _in_subprocess(config, strategy, context_len, num_ranks, dtype, cache, batch, attention, plan):
-  """The same call in a fresh interpreter with `num_ranks` emulated CPU devices."""
+def _in_subprocess(
+  config, strategy, context_len, num_ranks, dtype, cache, batch, attention, plan, model_parallel
+):
+  """The same call in a fresh interpreter with num_ranks x model_parallel emulated CPU
+  devices."""
   arguments = {
     "config": config.to_dict(),
     "strategy": strategy,
@@ -177,6 +215,7 @@ def _in_subprocess(config, strategy, context_len, num_ranks, dtype, cache, batch
     "cache": cache,
     "batch": batch,
     "attention": attention,
+    "model_parallel": model_parallel,
     # A plan travels as its name, its lengths or its fields.
     "plan": dataclasses.asdict(plan) if isinstance(plan, PartitionPlan) else plan,
   }
@@ -185,7 +224,8 @@ def _in_subprocess(config, strategy, context_len, num_ranks, dtype, cache, batch
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] = (
-    env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_ranks}"
+    env.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={num_ranks * model_parallel}"
   ).strip()
   done = subprocess.run(
     [sys.executable, "-m", "kvr_jax.tools.memory", json.dumps(arguments)],
