@@ -19,7 +19,7 @@ from jax.sharding import AxisType, PartitionSpec
 import kvr_jax
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import build_model
-from kvr_jax.runtime.mesh import AXIS, check_mesh
+from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import MODEL_AXIS
 from kvr_jax.strategies import runahead
 from tests.tolerance import assert_close
@@ -284,6 +284,14 @@ def test_greedy_decode_on_a_2d_mesh_is_single_devices(prefill_models, name, stra
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
   got = kvr_jax.generate(model, PROMPT, max_new_tokens=6, strategy=strategy, mesh=mesh, cache=cache)
   np.testing.assert_array_equal(got.tokens, want.tokens)
+  # The decoding row's weights are the prefill's own shards on those devices (no second copy).
+  prefill_state = model.state_split_over(mesh)
+  decode_state = model.state_split_over(rank_row_mesh(mesh, shape[0] - 1))
+  for held, used in zip(jax.tree.leaves(prefill_state), jax.tree.leaves(decode_state), strict=True):
+    pointers = {s.device: s.data.unsafe_buffer_pointer() for s in held.addressable_shards}
+    assert all(
+      pointers[s.device] == s.data.unsafe_buffer_pointer() for s in used.addressable_shards
+    )
 
 
 def test_compiled_memory_on_a_2d_mesh_is_one_devices_share():

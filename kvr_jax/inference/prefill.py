@@ -348,9 +348,7 @@ def prefill(
     )
   elif padded:
     logits_BV = None  # another process holds the cache and the logits
-  # On a 2-D mesh the mesh stays with the result (what decode refuses by).
-  extra = {"mesh": mesh} if m > 1 else {}
-  return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common, **extra)
+  return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common)
 
 
 def _check_tensor_parallel(model, m, padded, timeline) -> None:

@@ -67,9 +67,7 @@ class Model:
     device holds none. A sharding may span other processes' devices (jax.distributed): each
     process fills only its own devices.
     """
-    if sharding_or_device in self._placed:
-      self._placed.move_to_end(sharding_or_device)
-    else:
+    if sharding_or_device not in self._placed:
       sharding = sharding_or_device
       if not isinstance(sharding, jax.sharding.Sharding):
         sharding = jax.sharding.SingleDeviceSharding(sharding_or_device)
@@ -81,28 +79,50 @@ class Model:
       self._placed[sharding_or_device] = jax.tree.map(
         lambda *leaves: _replicate(leaves, sharding), *sources
       )
-      while len(self._placed) > MAX_PLACEMENTS:
-        self._placed.popitem(last=False)
-    return self._placed[sharding_or_device]
+    return self._remember(sharding_or_device)
 
   def state_split_over(self, mesh) -> Any:
     """The weights split over a ("ranks", "model") mesh Megatron-style (every rank's row
     holds the same split: kvr_jax.runtime.tensor_parallel), cached per mesh like `state_on`.
     Placed from the whole state on the default device (a model that fits it): loading each
-    tensor straight into its shards is not done yet."""
+    tensor straight into its shards is not done yet. A mesh whose devices another split
+    placement already holds at the same model index (decode's last-rank row after the
+    prefill's mesh) is assembled from those shards: one weight copy per device."""
     if mesh not in self._placed:
       m = model_parallel(mesh)
       ready = tensor_parallel.shard_ready_state(self.config, self.state, m)
       specs = tensor_parallel.partition_specs(ready)
-      self._placed[mesh] = jax.tree.map(
-        lambda leaf, spec: jax.device_put(leaf, jax.sharding.NamedSharding(mesh, spec)),
-        ready,
-        specs,
-      )
-      while len(self._placed) > MAX_PLACEMENTS:
-        self._placed.popitem(last=False)
-    self._placed.move_to_end(mesh)
-    return self._placed[mesh]
+      held = self._split_holding(mesh)
+
+      def place(leaf, spec, held_leaf=None):
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        if held_leaf is None:
+          return jax.device_put(leaf, sharding)
+        pieces = {s.device: s.data for s in held_leaf.addressable_shards}
+        buffers = [pieces[d] for d in sharding.addressable_devices]
+        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, buffers)
+
+      args = (ready, specs) if held is None else (ready, specs, held)
+      self._placed[mesh] = jax.tree.map(place, *args)
+    return self._remember(mesh)
+
+  def _split_holding(self, mesh):
+    """A kept split placement that holds every device of `mesh` at the same model index."""
+    wanted = {d: j for row in mesh.devices for j, d in enumerate(row)}
+    for key, state in self._placed.items():
+      if isinstance(key, jax.sharding.Mesh) and model_parallel(key) == model_parallel(mesh):
+        index = {d: j for row in key.devices for j, d in enumerate(row)}
+        if all(index.get(d) == j for d, j in wanted.items()):
+          return state
+    return None
+
+  def _remember(self, key) -> Any:
+    """The placement under `key`, now the most recently used; the oldest beyond
+    MAX_PLACEMENTS are dropped."""
+    self._placed.move_to_end(key)
+    while len(self._placed) > MAX_PLACEMENTS:
+      self._placed.popitem(last=False)
+    return self._placed[key]
 
   @property
   def placements(self) -> tuple[Any, ...]:
