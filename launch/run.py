@@ -93,7 +93,11 @@ def main(argv):
   with common.user_errors():
     common.check_output_file(FLAGS.output_json, "--output_json")
     cache_dir = common.compilation_cache(FLAGS.compilation_cache, FLAGS.compilation_cache_dir)
-    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
+    # With tensor parallelism the weights are read straight into the ranks' shards.
+    split_over = None
+    if FLAGS.model_parallel > 1:
+      split_over = demo.rank_mesh(FLAGS.num_devices, FLAGS.model_parallel)
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype, mesh=split_over)
     buckets = common.parse_buckets(FLAGS.buckets)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
     partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)

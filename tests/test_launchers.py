@@ -107,14 +107,16 @@ def test_a_second_process_reads_its_programs_from_the_persistent_cache(tmp_path)
 
 
 def test_run_with_tensor_parallel_ranks(tmp_path):
-  """--model_parallel=2 on 8 devices: 4 ranks of 2 devices, every strategy's logits and
-  greedy tokens those of single on one rank's 2 devices (itself whole-model exact)."""
+  """--model_parallel=2 on 8 devices: 4 ranks of 2 devices, the weights loaded straight into
+  their shards, every strategy's logits and greedy tokens those of single (on one device,
+  the weights gathered whole)."""
   out = tmp_path / "run.json"
   flags = ["--model_parallel=2", "--num_devices=8", "--context_len=96", "--repeats=1"]
   flags += ["--strategy=single,kvr,ring,allgather", "--partition=40,24,20,12"]
   proc = run("launch.run", *flags, "--max_new_tokens=3", f"--output_json={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "4 ranks x 2 devices (model)" in proc.stdout
+  assert "split over 4 ranks x 2 model shards" in proc.stdout
   rows = json.loads(out.read_text())
   assert [r["strategy"] for r in rows] == ["single", "kvr", "ring", "allgather"]
   assert all(r["max_logit_diff_vs_single"] < 1e-4 for r in rows)

@@ -312,3 +312,30 @@ def test_compiled_memory_on_a_2d_mesh_is_one_devices_share():
   # longest chunk); the logits and the rest are the same.
   P = max(whole["chunks"])
   assert whole["output_bytes"] - split["output_bytes"] == L * 2 * P * 1 * H * 4
+
+
+def test_a_model_loaded_split_prefills_like_the_whole_one():
+  """tiny-llama loaded straight into 2 x 4 shards (load_model(mesh=); its 2 KV heads whole on
+  every shard until the prefill repeats them): KV-Runahead's logits equal the whole preset's
+  single-device ones; the prefill runs on the loaded arrays themselves but for the KV weights
+  it repeats; single gathers the weights whole. On 4 x 2 (K = m) nothing is placed again."""
+  mesh = kvr_jax.make_mesh(2, model=4)
+  whole = kvr_jax.load_model("tiny-llama", "float32")
+  split = kvr_jax.load_model("tiny-llama", "float32", mesh=mesh)
+  want = kvr_jax.prefill(whole, PROMPT, "single")
+  got = kvr_jax.prefill(split, PROMPT, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
+  assert_close(got.logits, want.logits, "logits")
+  placed = split.state_split_over(mesh)
+  loaded_leaves = jax.tree_util.tree_leaves_with_path(split.state)
+  moved = {
+    tensor_parallel.path_names(path)[1]
+    for (path, loaded), used in zip(loaded_leaves, jax.tree.leaves(placed), strict=True)
+    if loaded is not used
+  }
+  assert moved == {"wk", "wv"}, moved
+  assert_close(kvr_jax.prefill(split, PROMPT, "single").logits, want.logits, "single, gathered")
+  mesh_4x2 = kvr_jax.make_mesh(4, model=2)
+  split_4x2 = kvr_jax.load_model("tiny-llama", "float32", mesh=mesh_4x2)
+  placed = split_4x2.state_split_over(mesh_4x2)
+  pairs = zip(jax.tree.leaves(split_4x2.state), jax.tree.leaves(placed), strict=True)
+  assert all(loaded is used for loaded, used in pairs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -19,7 +20,8 @@ from flax import nnx
 import models
 from kvr_jax.core import resources
 from kvr_jax.runtime import checkpoints, tensor_parallel
-from kvr_jax.runtime.mesh import model_parallel
+from kvr_jax.runtime.mesh import MODEL_AXIS, check_mesh, model_parallel
+from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from models.config import ModelConfig, config_from_dict, config_from_hf
 
 PRESET_SEED = 0
@@ -46,6 +48,18 @@ class Model:
 
   def __post_init__(self):
     self.graphdef, self.state = nnx.split(self.module)
+    # The ("ranks", "model") mesh the weights were loaded split over (load_model(mesh=)), or
+    # None when they are whole on one device.
+    self.split_mesh = next(
+      (
+        leaf.sharding.mesh
+        for leaf in jax.tree.leaves(self.state)
+        if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+        and MODEL_AXIS in leaf.sharding.mesh.axis_names
+        and not leaf.sharding.is_fully_replicated
+      ),
+      None,
+    )
     # Weight copies per placement, least recently used first; bounded so that a notebook
     # trying many meshes does not keep every copy of the weights alive.
     self._placed: collections.OrderedDict[Any, Any] = collections.OrderedDict()
@@ -65,7 +79,8 @@ class Model:
     is assembled from the buffers that already live on its devices (`self.state` on the
     default device, other placements' replicas) and copies device to device only where a
     device holds none. A sharding may span other processes' devices (jax.distributed): each
-    process fills only its own devices.
+    process fills only its own devices. Weights loaded split over a mesh are gathered whole
+    onto the placement's devices (what a one-device baseline of a model that fits needs).
     """
     if sharding_or_device not in self._placed:
       sharding = sharding_or_device
@@ -84,10 +99,11 @@ class Model:
   def state_split_over(self, mesh) -> Any:
     """The weights split over a ("ranks", "model") mesh Megatron-style (every rank's row
     holds the same split: kvr_jax.runtime.tensor_parallel), cached per mesh like `state_on`.
-    Placed from the whole state on the default device (a model that fits it): loading each
-    tensor straight into its shards is not done yet. A mesh whose devices another split
-    placement already holds at the same model index (decode's last-rank row after the
-    prefill's mesh) is assembled from those shards: one weight copy per device."""
+    Weights loaded split over this mesh (`load_model(mesh=)`) are used where they lie (KV
+    heads repeated on the shards first where K < m); otherwise placed from `self.state`. A
+    mesh whose devices another split placement already holds at the same model index
+    (decode's last-rank row after the prefill's mesh) is assembled from those shards: one
+    weight copy per device."""
     if mesh not in self._placed:
       m = model_parallel(mesh)
       ready = tensor_parallel.shard_ready_state(self.config, self.state, m)
@@ -134,6 +150,9 @@ class Model:
     switches = [name for name in ("qkv_bias", "qk_norm") if getattr(cfg, name)]
     if cfg.sliding_window is not None:
       switches.append(f"sliding_window={cfg.sliding_window}")
+    if self.split_mesh is not None:
+      ranks, m = self.split_mesh.devices.shape
+      switches.append(f"split over {ranks} ranks x {m} model shards")
     return (
       f"Model({', '.join([cfg.architecture, *switches])}, {cfg.num_params() / 1e6:.2f}M params, "
       f"dtype={jnp.dtype(self.dtype).name}, source={self.source!r})"
@@ -151,11 +170,16 @@ def auto_dtype(platform: str | None = None) -> Any:
 def _replicate(sources: tuple[jax.Array, ...], sharding: jax.sharding.Sharding) -> jax.Array:
   """One weight replicated with `sharding`, built from the buffers `sources` (the same weight,
   placed elsewhere) already hold on its devices; a device that holds none gets a device-to-
-  device copy of the first local buffer (no host round trip)."""
+  device copy of the first local buffer (no host round trip). Sources that hold only pieces
+  (split over a mesh) are gathered by JAX when no whole copy exists."""
   on_device = {}
   for source in sources:
+    if not source.sharding.is_fully_replicated:
+      continue
     for shard in source.addressable_shards:
       on_device.setdefault(shard.device, shard.data)
+  if not on_device:
+    return jax.device_put(sources[0], sharding)
   first = next(iter(on_device.values()))
   buffers = [
     on_device[d] if d in on_device else jax.device_put(first, d)
@@ -204,13 +228,19 @@ def abstract_model(config: ModelConfig, dtype=jnp.float32) -> models.CausalLM:
   return nnx.eval_shape(lambda: build_model(config, dtype))
 
 
-def load_model(name_or_path: str, dtype=AUTO_DTYPE) -> Model:
+def load_model(name_or_path: str, dtype=AUTO_DTYPE, *, mesh=None) -> Model:
   """Loads a preset (random weights, fixed seed), a Hugging Face directory or an Orbax dir.
 
   dtype: "auto" (the default; None means the same): an Orbax checkpoint keeps the dtype it
   was saved in, presets and Hugging Face directories load in bfloat16 on GPUs and TPUs and
   float32 on CPUs (`auto_dtype`); or "float32", "bfloat16", "float16". Softmax statistics,
   merges, norms and logits are float32 whatever the weights' dtype.
+  mesh: a ("ranks", "model") mesh (`make_mesh(p, model=m)`): every weight is read straight
+  into its tensor-parallel shards (runtime.tensor_parallel; replicated over the ranks), so a
+  model larger than one device never lives whole on one device, nor on the host beyond one
+  tensor at a time (Hugging Face: each tensor memory-mapped, cut and sent to its devices;
+  Orbax: each device's slices read; presets: initialised inside a program that outputs the
+  shards). Default: whole on the default device.
   """
   if not isinstance(name_or_path, (str, os.PathLike)):
     raise ValueError(
@@ -218,6 +248,8 @@ def load_model(name_or_path: str, dtype=AUTO_DTYPE) -> Model:
     )
   name_or_path = os.fspath(name_or_path)
   dtype = None if dtype is None or dtype == AUTO_DTYPE else resolve_dtype(dtype)
+  if mesh is not None:
+    _check_split_mesh(mesh)
   bare = os.sep not in name_or_path and not name_or_path.startswith(".")
   if bare and os.path.isdir(name_or_path) and name_or_path in preset_names():
     # Neither silently: random weights where a checkpoint was meant, or the reverse.
@@ -227,9 +259,9 @@ def load_model(name_or_path: str, dtype=AUTO_DTYPE) -> Model:
     )
   if os.path.isdir(name_or_path):
     if os.path.exists(os.path.join(name_or_path, ORBAX_CONFIG)):
-      return restore_model(name_or_path, dtype)
+      return restore_model(name_or_path, dtype, mesh=mesh)
     if os.path.exists(os.path.join(name_or_path, "config.json")):
-      return load_hf_model(name_or_path, auto_dtype() if dtype is None else dtype)
+      return load_hf_model(name_or_path, auto_dtype() if dtype is None else dtype, mesh=mesh)
     raise ValueError(
       f"{name_or_path}: neither a Hugging Face directory (config.json) nor a "
       f"kvr-jax Orbax checkpoint ({ORBAX_CONFIG})"
@@ -237,9 +269,46 @@ def load_model(name_or_path: str, dtype=AUTO_DTYPE) -> Model:
   if os.sep in name_or_path or name_or_path.startswith("."):
     raise ValueError(f"{name_or_path}: no such directory")
   config = preset_config(name_or_path)
-  return Model(
-    build_model(config, auto_dtype() if dtype is None else dtype), source=f"preset:{name_or_path}"
+  dtype = auto_dtype() if dtype is None else dtype
+  if mesh is None:
+    return Model(build_model(config, dtype), source=f"preset:{name_or_path}")
+  return Model(_build_split(config, dtype, mesh), source=f"preset:{name_or_path}")
+
+
+def _check_split_mesh(mesh, config: ModelConfig | None = None) -> None:
+  """A mesh weights can be loaded split over: 2-D ("ranks", "model"), and (with the config)
+  its model axis splitting the model's heads and MLP columns."""
+  check_mesh(mesh, allow_model=True)
+  m = model_parallel(mesh)
+  if MODEL_AXIS not in mesh.axis_names:
+    raise ValueError(
+      "load_model(mesh=) splits the weights over a ('ranks', 'model') mesh "
+      "(kvr_jax.make_mesh(p, model=m)); on a 1-D mesh every rank holds the whole weights, "
+      "which prefill places itself: load without a mesh"
+    )
+  if config is not None:
+    check_model_parallel(config, m)
+
+
+def split_shardings(config: ModelConfig, state, mesh) -> Any:
+  """A NamedSharding per leaf of the model's own state (or its abstract shapes) split over
+  `mesh`'s "model" axis and replicated over its ranks (tensor_parallel.own_state_specs)."""
+  specs = tensor_parallel.own_state_specs(config, state, model_parallel(mesh))
+  return jax.tree.map(
+    lambda spec: jax.sharding.NamedSharding(mesh, spec),
+    specs,
+    is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
   )
+
+
+def _build_split(config: ModelConfig, dtype, mesh) -> models.CausalLM:
+  """A preset initialised inside one program whose outputs are the shards: the same numbers
+  as `build_model` (JAX's partitionable random bits do not depend on the sharding)."""
+  _check_split_mesh(mesh, config)
+  graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
+  shardings = split_shardings(config, abstract_state, mesh)
+  state = jax.jit(lambda: nnx.split(build_model(config, dtype))[1], out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
 
 
 def _load_tokenizer(directory: str):
@@ -268,10 +337,11 @@ def _stores_its_own_head(files: list[str]) -> bool:
   )
 
 
-def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> Model:
+def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False, *, mesh=None) -> Model:
   """Reads config.json and the safetensors weights of a Hugging Face directory.
 
   progress: show a progress bar over the tensors read (for large checkpoints).
+  mesh: a ("ranks", "model") mesh to read every tensor straight into its shards (load_model).
   """
   with open(os.path.join(directory, "config.json")) as f:
     try:
@@ -288,11 +358,16 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> 
   if config.tie_embeddings and _stores_its_own_head(files):
     # What transformers does with such a checkpoint: it does not tie (and says so).
     config = dataclasses.replace(config, tie_embeddings=False)
+  if mesh is not None:
+    _check_split_mesh(mesh, config)
   graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
   flat_abstract = dict(nnx.to_flat_state(abstract_state))
   np_dtype = np.dtype(dtype)
-
-  buffers: dict[tuple[str, ...], np.ndarray] = {}
+  params = (
+    _WholeParams(flat_abstract, np_dtype)
+    if mesh is None
+    else _SplitParams(flat_abstract, np_dtype, config, mesh)
+  )
   filled: dict[tuple[str, ...], np.ndarray] = {}  # one flag per layer (or one for unstacked)
   origin: dict[tuple[str, ...], str] = {}
   from tqdm.auto import tqdm
@@ -327,16 +402,11 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> 
             f"does not fit parameter {'.'.join(param_path)} of shape "
             f"{tuple(shape)} (per layer) for this config.json"
           )
-        if param_path not in buffers:
-          buffers[param_path] = np.empty(spec.shape, np_dtype)
+        if param_path not in filled:
           filled[param_path] = np.zeros(spec.shape[0] if layer is not None else 1, bool)
         origin[param_path] = name
-        if layer is None:
-          buffers[param_path][...] = value
-          filled[param_path][0] = True
-        else:
-          buffers[param_path][layer] = value
-          filled[param_path][layer] = True
+        params.put(param_path, layer, value)
+        filled[param_path][0 if layer is None else layer] = True
 
   bar.close()
   missing = []
@@ -352,14 +422,72 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False) -> 
   if missing:
     raise ValueError(f"{directory}: the checkpoint lacks tensors for: {missing}")
 
-  # One parameter at a time to device, freeing its host buffer: peak memory stays about one
-  # copy of the weights plus the largest parameter.
-  flat_state = []
-  for param_path in list(flat_abstract):
-    flat_state.append((param_path, jnp.asarray(buffers.pop(param_path))))
-  state = nnx.from_flat_state(flat_state)
+  state = nnx.from_flat_state([(path, params.finish(path)) for path in flat_abstract])
   module = nnx.merge(graphdef, state)
   return Model(module, tokenizer=_load_tokenizer(directory), source=f"hf:{directory}")
+
+
+class _WholeParams:
+  """Each parameter assembled in one host buffer, then sent to the default device one
+  parameter at a time (freeing its buffer): peak host memory about one copy of the weights
+  plus the largest parameter."""
+
+  def __init__(self, flat_abstract, np_dtype):
+    self.flat_abstract, self.np_dtype = flat_abstract, np_dtype
+    self.buffers: dict[tuple[str, ...], np.ndarray] = {}
+
+  def put(self, param_path, layer, value) -> None:
+    if param_path not in self.buffers:
+      self.buffers[param_path] = np.empty(self.flat_abstract[param_path].shape, self.np_dtype)
+    self.buffers[param_path][... if layer is None else layer] = value
+
+  def finish(self, param_path) -> jax.Array:
+    return jnp.asarray(self.buffers.pop(param_path))
+
+
+class _SplitParams:
+  """Each tensor sent straight to its shards (its tensor-parallel pieces, one per device of
+  the mesh: `jax.device_put` of a host array with a sharding cuts it on the host and sends
+  each device only its piece), so the host holds about one tensor at a time and no device
+  more than its shard. A stacked parameter's layers are joined on the devices at the end."""
+
+  def __init__(self, flat_abstract, np_dtype, config, mesh):
+    self.np_dtype = np_dtype
+    self.shardings = {
+      path: jax.sharding.NamedSharding(
+        mesh,
+        tensor_parallel.param_spec(
+          path,
+          len(spec.shape),
+          whole_kv=tensor_parallel.stores_kv_whole(config, model_parallel(mesh)),
+        ),
+      )
+      for path, spec in flat_abstract.items()
+    }
+    self.layers: dict[tuple[str, ...], dict[int, jax.Array]] = collections.defaultdict(dict)
+    self.unstacked: dict[tuple[str, ...], jax.Array] = {}
+
+  def put(self, param_path, layer, value) -> None:
+    sharding = self.shardings[param_path]
+    value = np.asarray(value, self.np_dtype)
+    if layer is None:
+      self.unstacked[param_path] = jax.device_put(value, sharding)
+    else:  # one layer of a stacked [L, ...] parameter: its spec without the layer axis
+      one_layer = jax.sharding.NamedSharding(sharding.mesh, jax.P(*sharding.spec[1:]))
+      self.layers[param_path][layer] = jax.device_put(value, one_layer)
+
+  def finish(self, param_path) -> jax.Array:
+    if param_path in self.unstacked:
+      return self.unstacked.pop(param_path)
+    layers = self.layers.pop(param_path)
+    return _layer_stacker(self.shardings[param_path])(*(layers[i] for i in range(len(layers))))
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_stacker(sharding: jax.sharding.NamedSharding):
+  """A program joining one parameter's per-layer shards into its stacked [L, ...] array on
+  each device (no communication: every layer is split the same way)."""
+  return jax.jit(lambda *layers: jnp.stack(layers), out_shardings=sharding)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,8 +529,10 @@ def save_model(model: Model, directory: str) -> None:
     json.dump(meta, f, indent=2)
 
 
-def restore_model(directory: str, dtype=None) -> Model:
-  """Restores a checkpoint written by `save_model` (optionally casting to `dtype`)."""
+def restore_model(directory: str, dtype=None, *, mesh=None) -> Model:
+  """Restores a checkpoint written by `save_model` (optionally casting to `dtype`).
+
+  mesh: a ("ranks", "model") mesh: each device reads only its shard's slices (load_model)."""
   import orbax.checkpoint as ocp
 
   directory = os.path.abspath(directory)
@@ -415,8 +545,18 @@ def restore_model(directory: str, dtype=None) -> Model:
     raise ValueError(
       f"{directory}: corrupt kvr-jax checkpoint metadata ({ORBAX_CONFIG}): {e!r}"
     ) from None
+  if mesh is not None:
+    _check_split_mesh(mesh, config)
   graphdef, abstract_state = nnx.split(abstract_model(config, saved_dtype))
   target = nnx.to_pure_dict(abstract_state)
+  if mesh is not None:
+    # Orbax reads each device's slices of the arrays (and casts them): nothing whole anywhere.
+    restored_dtype = saved_dtype if dtype is None else dtype
+    target = jax.tree.map(
+      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, restored_dtype, sharding=sharding),
+      target,
+      split_shardings(config, target, mesh),
+    )
   state_dir = os.path.join(directory, ORBAX_STATE)
   if not os.path.isdir(state_dir):
     raise ValueError(f"{directory}: checkpoint is incomplete: no {ORBAX_STATE}/ directory")
@@ -430,7 +570,7 @@ def restore_model(directory: str, dtype=None) -> Model:
   nnx.replace_by_pure_dict(abstract_state, restored)
   module = nnx.merge(graphdef, abstract_state)
   if dtype is not None and jnp.dtype(dtype) != jnp.dtype(saved_dtype):
-    module = _cast(module, dtype)
+    module = _cast(module, dtype)  # on a mesh, Orbax has cast the arrays; the module learns it
   tok_dir = os.path.join(directory, "tokenizer")
   tokenizer = _load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
   return Model(module, tokenizer=tokenizer, source=f"orbax:{directory}")

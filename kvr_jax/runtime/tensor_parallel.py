@@ -70,7 +70,7 @@ def kv_heads_per_shard(config: ModelConfig, model_parallel: int) -> int:
 
 def _block_param(path) -> str | None:
   """The block parameter a state leaf belongs to ('wq', ...), or None outside the blocks."""
-  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  keys = path_names(path)
   return keys[1] if len(keys) > 1 and keys[0] == "blocks" else None
 
 
@@ -91,19 +91,47 @@ def shard_ready_state(config: ModelConfig, state, model_parallel: int):
   return jax.tree_util.tree_map_with_path(repeat, state)
 
 
+def param_spec(names: tuple[str, ...], ndim: int, axis: str = MODEL_AXIS, *, whole_kv=False):
+  """The PartitionSpec of the parameter at `names` (its path in the state, such as
+  ("blocks", "wq")) of `ndim` dimensions: its split axis over `axis`, or whole (replicated)
+  outside the blocks' split parameters. whole_kv: the KV parameters whole too."""
+  name = names[1] if len(names) > 1 and names[0] == "blocks" else None
+  if name not in SPLIT_AXIS or (whole_kv and name in KV_PARAMS):
+    return PartitionSpec()
+  dims = [None] * ndim
+  dims[SPLIT_AXIS[name]] = axis
+  return PartitionSpec(*dims)
+
+
+def path_names(path) -> tuple[str, ...]:
+  """A pytree key path in the state (("blocks", "wq", "value")) as its names."""
+  return tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+
+
 def partition_specs(state, axis: str = MODEL_AXIS):
-  """A PartitionSpec per state leaf: the split axis of the block parameters over `axis`,
-  everything else whole (replicated)."""
+  """A PartitionSpec per leaf of a shard-ready state (`shard_ready_state`): the split axis of
+  the block parameters over `axis`, everything else whole (replicated)."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, leaf: param_spec(path_names(path), leaf.ndim, axis), state
+  )
 
-  def spec(path, leaf):
-    name = _block_param(path)
-    if name not in SPLIT_AXIS:
-      return PartitionSpec()
-    dims = [None] * leaf.ndim
-    dims[SPLIT_AXIS[name]] = axis
-    return PartitionSpec(*dims)
 
-  return jax.tree_util.tree_map_with_path(spec, state)
+def stores_kv_whole(config: ModelConfig, model_parallel: int) -> bool:
+  """Whether the model's own KV weights (K heads) cannot be split over m shards (K < m):
+  a placement of its own state then holds them whole on every shard, and each shard repeats
+  the head it needs (`shard_ready_state`) when the weights are made ready for a program."""
+  check_model_parallel(config, model_parallel)
+  return config.num_kv_heads % model_parallel != 0
+
+
+def own_state_specs(config: ModelConfig, state, model_parallel: int, axis: str = MODEL_AXIS):
+  """A PartitionSpec per leaf of the model's own state (K KV heads, as loaded): as
+  `partition_specs`, with the KV weights whole where K < m (`stores_kv_whole`). The layout
+  weights are loaded into over a mesh; every leaf keeps its logical shape."""
+  whole_kv = stores_kv_whole(config, model_parallel)
+  return jax.tree_util.tree_map_with_path(
+    lambda path, leaf: param_spec(path_names(path), leaf.ndim, axis, whole_kv=whole_kv), state
+  )
 
 
 def split_state(state, model_parallel: int):

@@ -21,7 +21,13 @@ from kvr_jax.runtime.mesh import check_mesh, make_mesh
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
-__all__ = ["StrategyReport", "compare_strategies", "format_table", "synthetic_prompt"]
+__all__ = [
+  "StrategyReport",
+  "compare_strategies",
+  "format_table",
+  "rank_mesh",
+  "synthetic_prompt",
+]
 
 
 @dataclasses.dataclass
@@ -46,8 +52,10 @@ class StrategyReport:
     return dataclasses.asdict(self)
 
 
-def _mesh(num_devices: int | None, model_parallel: int):
-  """num_devices (default: all) as ranks of `model_parallel` devices each."""
+def rank_mesh(num_devices: int | None = None, model_parallel: int = 1):
+  """num_devices (default: all) as ranks of `model_parallel` devices each: the mesh
+  `compare_strategies` runs on (and the one to load the weights split over, load_model(mesh=),
+  so that they are read straight into its shards)."""
   if model_parallel == 1:
     return make_mesh(num_devices)
   if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
@@ -93,7 +101,7 @@ def compare_strategies(
     raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
   # "single" first, so the others are compared with it.
   strategies = sorted(strategies, key=lambda s: s != "single")
-  mesh = _mesh(num_devices, model_parallel)
+  mesh = rank_mesh(num_devices, model_parallel)
   if isinstance(partition, (list, tuple, np.ndarray)):
     partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
     if not any(s in partitioned for s in strategies):

@@ -1,0 +1,171 @@
+"""Weights read straight into their tensor-parallel shards (`load_model(..., mesh=)`): every
+Hugging Face tensor and Orbax slice lands on its ("ranks", "model") devices as the piece
+kvr_jax.runtime.tensor_parallel gives it, equal to the weights loaded whole; no device holds a
+whole split parameter, and the host never holds more than a few tensors (what makes a 70B
+checkpoint loadable over devices that cannot hold it). The prefill on such a model is in
+test_tensor_parallel (test_a_model_loaded_split_prefills_like_the_whole_one).
+"""
+
+import collections
+import os
+import re
+import tracemalloc
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+import kvr_jax
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import MODEL_AXIS
+from tests import hf_fixtures
+
+
+def _llama_dir(directory):
+  """A Llama checkpoint large enough that one tensor (the 2048 x 256 embedding, 2 MiB) is a
+  small part of the whole (19 MiB): 8 query heads, 2 KV heads (fewer than 4 shards)."""
+  config = transformers.LlamaConfig(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+  )
+  torch.manual_seed(0)
+  hf_fixtures.randomize(transformers.LlamaForCausalLM(config), 0).save_pretrained(directory)
+  return str(directory)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+  return _llama_dir(tmp_path_factory.mktemp("llama-split"))
+
+
+def _load_traced(*args, **kwargs):
+  """load_model's result and the peak of the host memory numpy and Python allocated during
+  it (tracemalloc sees numpy's buffers; memory-mapped file pages and device buffers are not
+  allocations)."""
+  tracemalloc.start()
+  try:
+    model = kvr_jax.load_model(*args, **kwargs)
+    return model, tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+
+
+def assert_split_like(split, whole, mesh):
+  """Every leaf of the split model equals the whole one's, and each device holds exactly
+  its tensor-parallel piece of it: the split axis cut m ways, KV weights whole where K < m."""
+  m = mesh.shape[MODEL_AXIS]
+  specs = tensor_parallel.own_state_specs(whole.config, whole.state, m)
+  leaves = jax.tree_util.tree_leaves_with_path(whole.state)
+  for (path, want), got, spec in zip(
+    leaves, jax.tree.leaves(split.state), jax.tree.leaves(specs), strict=True
+  ):
+    name = ".".join(tensor_parallel.path_names(path)[:2])
+    assert got.sharding.mesh == mesh and got.sharding.spec == spec, (name, got.sharding)
+    piece = list(want.shape)
+    if MODEL_AXIS in spec:
+      piece[list(spec).index(MODEL_AXIS)] //= m
+    assert {s.data.shape for s in got.addressable_shards} == {tuple(piece)}, name
+    assert got.dtype == want.dtype, name
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+def _bytes_sent_per_device(monkeypatch):
+  """Counts, per device, the bytes of every array `jax.device_put` places on it."""
+  sent = collections.Counter()
+  device_put = jax.device_put
+
+  def counting(*args, **kwargs):
+    out = device_put(*args, **kwargs)
+    for array in jax.tree.leaves(out):
+      for shard in array.addressable_shards:
+        sent[shard.device] += shard.data.nbytes
+    return out
+
+  monkeypatch.setattr(jax, "device_put", counting)
+  return sent
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_hugging_face_tensors_go_straight_to_their_shards(llama_dir, shape, monkeypatch):
+  """2 x 4 (2 KV heads whole on every shard) and 4 x 2 (one KV head per shard): the split
+  weights equal the whole ones; every device is sent its pieces only; and the host's peak
+  while loading split stays under two of the largest tensor (one read and its transposed
+  copy), where loading whole holds every weight."""
+  mesh = kvr_jax.make_mesh(*shape[:1], model=shape[1])
+  kvr_jax.load_model(llama_dir, "float32", mesh=mesh)  # imports and the stacking programs
+  whole, whole_peak = _load_traced(llama_dir, "float32")
+  sent = _bytes_sent_per_device(monkeypatch)
+  split, split_peak = _load_traced(llama_dir, "float32", mesh=mesh)
+  monkeypatch.undo()
+  # Each device was sent exactly its own pieces, never a whole tensor to cut there.
+  held = collections.Counter()
+  for leaf in jax.tree.leaves(split.state):
+    for shard in leaf.addressable_shards:
+      held[shard.device] += shard.data.nbytes
+  assert sent == held, (sent, held)
+  assert split.split_mesh == mesh and whole.split_mesh is None
+  assert "split over" in repr(split)
+  assert_split_like(split, whole, mesh)
+  weights = sum(x.nbytes for x in jax.tree.leaves(whole.state))
+  largest = max(x.nbytes for x in load_file(os.path.join(llama_dir, "model.safetensors")).values())
+  assert whole_peak >= weights  # the probe sees host copies
+  assert split_peak < 2 * largest < weights / 4, (split_peak, largest, weights)
+
+
+def test_falcon_fused_qkv_and_bfloat16_split(tmp_path):
+  """Falcon-40B form (one fused query_key_value tensor feeding wq, wk, wv; 2 KV heads) read
+  into 1 x 2 shards in bfloat16: equal to the whole bfloat16 load."""
+  directory = tmp_path / "falcon"
+  hf_fixtures.make_hf_model("falcon-40b-form").save_pretrained(directory)
+  mesh = kvr_jax.make_mesh(1, model=2)
+  whole = kvr_jax.load_model(str(directory), "bfloat16")
+  assert_split_like(kvr_jax.load_model(str(directory), "bfloat16", mesh=mesh), whole, mesh)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_orbax_restores_each_devices_slices(llama_dir, tmp_path, dtype):
+  """An Orbax checkpoint (saved float32) restored onto 2 x 4: each device reads its slices,
+  cast on the way (bfloat16) or not; equal to the whole restore."""
+  saved = str(tmp_path / "orbax")
+  kvr_jax.save_model(kvr_jax.load_model(llama_dir, "float32"), saved)
+  mesh = kvr_jax.make_mesh(2, model=4)
+  whole = kvr_jax.load_model(saved, dtype)
+  split = kvr_jax.load_model(saved, dtype, mesh=mesh)
+  assert split.source == whole.source and split.dtype == whole.dtype
+  assert_split_like(split, whole, mesh)
+
+
+def test_a_split_model_saves_and_restores_whole(tmp_path):
+  """A model loaded split saves like any other: restored whole, it is the preset."""
+  mesh = kvr_jax.make_mesh(2, model=2)
+  split = kvr_jax.load_model("tiny-llama", "float32", mesh=mesh)
+  kvr_jax.save_model(split, str(tmp_path / "saved"))
+  restored = kvr_jax.load_model(str(tmp_path / "saved"))
+  for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(split.state), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_split_loading_refuses_meshes_it_cannot_use(llama_dir):
+  """Before any tensor is read: a 1-D mesh, a non-mesh, and a model axis that does not split
+  the heads (8 query heads, 2 KV heads: model=3 on 6 devices)."""
+  with pytest.raises(ValueError, match=re.escape("over a ('ranks', 'model') mesh")):
+    kvr_jax.load_model("tiny-llama", mesh=kvr_jax.make_mesh(4))
+  with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
+    kvr_jax.load_model("tiny-llama", mesh="2x4")
+  with pytest.raises(ValueError, match=re.escape("model_parallel=3 must divide num_heads (8)")):
+    kvr_jax.load_model(llama_dir, mesh=kvr_jax.make_mesh(2, model=3))
+  with pytest.raises(ValueError, match=re.escape("model_parallel=8 must divide num_heads (4)")):
+    kvr_jax.load_model("tiny-llama", mesh=kvr_jax.make_mesh(1, model=8))
+  assert os.path.isdir(llama_dir)
