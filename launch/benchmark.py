@@ -46,6 +46,7 @@ from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime import distributed, links, loading
+from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
@@ -103,7 +104,18 @@ flags.DEFINE_string(
   "KVR partition in devices and timeline modes; timeline mode also takes 'fitted' (KVR-S with "
   "the cost model's FLOP/s fitted to this model's measured phases).",
 )
-flags.DEFINE_integer("num_devices", None, "Ranks in devices mode (default: all).")
+flags.DEFINE_integer(
+  "num_devices",
+  None,
+  "Devices in devices, buckets and memory modes (default: all; memory mode: 8), as ranks of "
+  "--model_parallel devices each.",
+)
+flags.DEFINE_integer(
+  "model_parallel",
+  1,
+  "Devices and memory modes: devices per rank, each rank's model split over them (tensor "
+  "parallelism on a ('ranks', 'model') mesh; devices mode loads the weights split).",
+)
 flags.DEFINE_integer("num_processes", 2, "Processes in multiprocess mode.")
 flags.DEFINE_integer("repeats", 3, "Timed runs after a warm-up; the median is reported.")
 flags.DEFINE_bool("compare_transformers", True, "Devices mode: also time transformers.")
@@ -208,7 +220,10 @@ def memory_mode():
   gib = 2**30
   with common.user_errors():
     config = kvr_jax.preset_config(FLAGS.model)
-    num_ranks = FLAGS.num_devices or 8
+    num_devices, m = FLAGS.num_devices or 8, FLAGS.model_parallel
+    if num_devices % m:
+      raise ValueError(f"{num_devices} devices do not split into ranks of model_parallel={m}")
+    num_ranks = num_devices // m
     rows = []
     for C in [int(c) for c in FLAGS.context_lens]:
       shaped = config
@@ -223,7 +238,13 @@ def memory_mode():
         plan = dataclasses.replace(memory.MEMORY_PARTITION, max_chunk=FLAGS.max_chunk)
         rows.append(
           memory.compiled_memory(
-            shaped, strategy, context_len=C, num_ranks=p, cache=FLAGS.cache, partition=plan
+            shaped,
+            strategy,
+            context_len=C,
+            num_ranks=p,
+            cache=FLAGS.cache,
+            partition=plan,
+            model_parallel=1 if strategy == "single" else FLAGS.model_parallel,
           )
         )
   print(
@@ -231,15 +252,18 @@ def memory_mode():
     f"shapes, per device, GiB; cache={FLAGS.cache}; bfloat16 would halve every column but "
     "the softmax statistics (not shown apart)"
   )
-  header = f"{'strategy':<10}{'C':>9}{'p':>3}  {'weights':>8}{'outputs':>9}{'temps':>8}"
+  header = f"{'strategy':<10}{'C':>9}{'ranks':>7}  {'weights':>8}{'outputs':>9}{'temps':>8}"
   header += f"{'out+tmp':>9}{'cache':>8}  {'(out+tmp)/cache':>15}"
   if FLAGS.cache == "last":
     header += f"  {'move on last':>12}"
   print(header)
   for r in rows:
     total = r["output_bytes"] + r["temp_bytes"]
+    ranks = str(r["num_ranks"])
+    if r["model_parallel"] > 1:
+      ranks += f"x{r['model_parallel']}"
     line = (
-      f"{r['strategy']:<10}{r['context_len']:>9}{r['num_ranks']:>3}  "
+      f"{r['strategy']:<10}{r['context_len']:>9}{ranks:>7}  "
       f"{r['weights_bytes'] / gib:>8.2f}{r['output_bytes'] / gib:>9.2f}"
       f"{r['temp_bytes'] / gib:>8.2f}{total / gib:>9.2f}{r['kv_cache_bytes'] / gib:>8.2f}  "
       f"{total / r['kv_cache_bytes']:>15.2f}"
@@ -280,7 +304,10 @@ def phases_mode():
 def devices_mode():
   emulated = common.setup_devices(FLAGS.num_devices)
   with common.user_errors():
-    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
+    split_over = None
+    if FLAGS.model_parallel > 1:
+      split_over = mesh_of_ranks(FLAGS.num_devices, FLAGS.model_parallel)
+    model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype, mesh=split_over)
     lens = [int(c) for c in FLAGS.context_lens]
     partition = common.parse_partition(FLAGS.partition)
     rows = benchmark.sweep(
@@ -290,6 +317,7 @@ def devices_mode():
       num_devices=FLAGS.num_devices,
       partition=partition,
       repeats=FLAGS.repeats,
+      model_parallel=FLAGS.model_parallel,
     )
   note = "MEASURED; " + (
     "emulated CPU devices sharing the cores: not a parallel speed-up"
@@ -299,10 +327,11 @@ def devices_mode():
   print(note)
   if not benchmark.reports_device_memory(jax.devices()):
     print("peak memory: the backend reports no per-device memory; the process peak RSS instead")
-  print(f"{'strategy':<8}{'C':>7}{'ranks':>6}  {'TTFT':>10}  {'tokens/s':>10}  peak memory")
+  print(f"{'strategy':<10}{'C':>7}{'ranks':>8}  {'TTFT':>10}  {'tokens/s':>10}  peak memory")
   for r in rows:
+    ranks = f"{r.num_ranks}" if r.model_parallel == 1 else f"{r.num_ranks}x{r.model_parallel}"
     print(
-      f"{r.strategy:<8}{r.context_len:>7}{r.num_ranks:>6}  {r.ttft_median_s * 1e3:>8.1f}ms"
+      f"{r.strategy:<10}{r.context_len:>7}{ranks:>8}  {r.ttft_median_s * 1e3:>8.1f}ms"
       f"  {r.prompt_tokens_per_s:>10.0f}  {r.peak_memory}"
     )
   os.makedirs(FLAGS.output_dir, exist_ok=True)
@@ -688,6 +717,8 @@ def accelerator_mode():
   return 0
 
 
+# Modes that run ranks of several devices (tensor parallelism inside each rank).
+MODEL_PARALLEL_MODES = ("devices", "memory")
 # Modes that write files into --output_dir.
 WRITING_MODES = ("devices", "multiprocess", "timeline", "accelerator", "buckets")
 
@@ -697,6 +728,12 @@ def check_shared_flags():
   traceback that loses its results."""
   common.positive_ints(FLAGS.context_lens, "--context_lens")
   common.positive_ints([FLAGS.repeats], "--repeats")
+  common.positive_ints([FLAGS.model_parallel], "--model_parallel")
+  if FLAGS.model_parallel > 1 and FLAGS.mode not in MODEL_PARALLEL_MODES:
+    raise ValueError(
+      f"--model_parallel applies to --mode={' and '.join(MODEL_PARALLEL_MODES)}; "
+      f"--mode={FLAGS.mode} runs one device per rank"
+    )
   if FLAGS.mode in WRITING_MODES:
     common.check_output_dir(FLAGS.output_dir)
   if FLAGS.mode == "kernels":

@@ -15,6 +15,7 @@ import jax
 from absl import app, flags, logging
 
 import kvr_jax
+from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.tools import demo
 from launch import common
 
@@ -96,7 +97,7 @@ def main(argv):
     # With tensor parallelism the weights are read straight into the ranks' shards.
     split_over = None
     if FLAGS.model_parallel > 1:
-      split_over = demo.rank_mesh(FLAGS.num_devices, FLAGS.model_parallel)
+      split_over = mesh_of_ranks(FLAGS.num_devices, FLAGS.model_parallel)
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype, mesh=split_over)
     buckets = common.parse_buckets(FLAGS.buckets)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)

@@ -26,6 +26,22 @@ def test_benchmark_devices_mode(tmp_path):
   assert (tmp_path / "vs_transformers.csv").exists()
 
 
+def test_benchmark_memory_mode_with_tensor_parallel_ranks():
+  """--mode=memory --model_parallel=2 on 8 devices: KV-Runahead's program compiled for 4 ranks
+  of 2 devices beside single on one device, one row each."""
+  proc = run(
+    "launch.benchmark",
+    "--mode=memory",
+    "--model=tiny-llama",
+    "--context_lens=256",
+    "--strategy=kvr,single",
+    "--model_parallel=2",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("kvr", "single"))]
+  assert [row[:3] for row in rows] == [["kvr", "256", "4x2"], ["single", "256", "1"]], rows
+
+
 def test_benchmark_accelerator_mode(tmp_path):
   """One device of this machine (a CPU here): our flash prefill beside transformers on the
   same weights and tokens, with MFU against the `local` calibration's peak, then modelled
@@ -148,6 +164,8 @@ def test_partition_tables_user_errors_are_one_line(flags, message):
     ("launch.benchmark", ["--mode=phases", "--partitions=32/32", "--kernels="], "--kernels takes"),
     ("launch.benchmark", ["--mode=devices", "--output_dir=/dev/null"], "is a file"),
     ("launch.benchmark", ["--repeats=0"], "--repeats must be"),
+    ("launch.benchmark", ["--mode=timeline", "--model_parallel=2"], "--mode=devices and memory"),
+    ("launch.benchmark", ["--mode=memory", "--model_parallel=3"], "8 devices do not split"),
     ("launch.paper", ["--output_dir=/proc/self"], "not writable"),
     ("launch.paper", ["--grids=paper,2d"], "--grids takes paper and/or tp"),
     ("launch.paper", ["--tp_context_lens=32k"], "--tp_context_lens"),

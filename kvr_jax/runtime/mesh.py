@@ -54,6 +54,23 @@ def make_mesh(num_devices: int | None = None, devices=None, *, model: int = 1) -
   )
 
 
+def mesh_of_ranks(num_devices: int | None = None, model_parallel: int = 1) -> Mesh:
+  """`num_devices` devices (default: all) as ranks of `model_parallel` devices each: a 1-D
+  mesh when model_parallel is 1, else num_devices / model_parallel ranks of a ("ranks",
+  "model") mesh. What the launchers' --num_devices and --model_parallel mean (and the mesh to
+  load weights split over: load_model(mesh=))."""
+  if model_parallel == 1:
+    return make_mesh(num_devices)
+  if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
+    raise ValueError(f"model_parallel must be a positive integer, got {model_parallel!r}")
+  total = jax.device_count() if num_devices is None else num_devices
+  if total % model_parallel:
+    raise ValueError(
+      f"{total} devices do not split into ranks of model_parallel={model_parallel} devices"
+    )
+  return make_mesh(total // model_parallel, model=model_parallel)
+
+
 def _make_2d_mesh(num_ranks: int | None, devices: list, model: int) -> Mesh:
   if num_ranks is None:
     num_ranks = len(devices) // model

@@ -28,7 +28,7 @@ from kvr_jax.planning import costmodel, presets
 from kvr_jax.planning import partition as partition_lib
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, load_hf_model, resolve_dtype
-from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.runtime.mesh import AXIS, make_mesh, mesh_of_ranks
 from kvr_jax.strategies import REGISTRY, TRACE_COUNT
 from kvr_jax.strategies.base import AUTO_KERNELS, kernel_runs_on
 from kvr_jax.tools.measured import fitted_hardware
@@ -45,6 +45,7 @@ class SweepRow:
   ttft_median_s: float
   prompt_tokens_per_s: float
   peak_memory: str  # per device when the backend reports it, else the process peak RSS
+  model_parallel: int = 1  # devices per rank (tensor parallelism inside each rank)
 
 
 def peak_memory(devices) -> str:
@@ -70,9 +71,13 @@ def sweep(
   repeats: int = 3,
   batch: int = 1,
   progress: bool = True,
+  model_parallel: int = 1,
 ) -> list[SweepRow]:
-  mesh = make_mesh(num_devices)
-  p = mesh.devices.size
+  """Each strategy's TTFT at each context length on `num_devices` devices (default: all) as
+  ranks of `model_parallel` devices (a ("ranks", "model") mesh when > 1; load the model split
+  over the same mesh, load_model(mesh=), so that its weights are not placed twice)."""
+  mesh = mesh_of_ranks(num_devices, model_parallel)
+  p = mesh.shape[AXIS]
   rows = []
   with tqdm(total=len(context_lens) * len(strategies), desc="sweep", disable=not progress) as bar:
     for C in context_lens:
@@ -92,6 +97,7 @@ def sweep(
             median,
             batch * C / median,
             peak_memory(devices),
+            1 if strategy == "single" else model_parallel,
           )
         )
         bar.update()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
@@ -17,7 +16,7 @@ from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import padded_prompts, prefill_arguments
 from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import check_mesh, make_mesh
+from kvr_jax.runtime.mesh import check_mesh, mesh_of_ranks
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
@@ -25,7 +24,6 @@ __all__ = [
   "StrategyReport",
   "compare_strategies",
   "format_table",
-  "rank_mesh",
   "synthetic_prompt",
 ]
 
@@ -50,22 +48,6 @@ class StrategyReport:
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
-
-
-def rank_mesh(num_devices: int | None = None, model_parallel: int = 1):
-  """num_devices (default: all) as ranks of `model_parallel` devices each: the mesh
-  `compare_strategies` runs on (and the one to load the weights split over, load_model(mesh=),
-  so that they are read straight into its shards)."""
-  if model_parallel == 1:
-    return make_mesh(num_devices)
-  if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
-    raise ValueError(f"model_parallel must be a positive integer, got {model_parallel!r}")
-  total = jax.device_count() if num_devices is None else num_devices
-  if total % model_parallel:
-    raise ValueError(
-      f"{total} devices do not split into ranks of model_parallel={model_parallel} devices"
-    )
-  return make_mesh(total // model_parallel, model=model_parallel)
 
 
 def compare_strategies(
@@ -101,7 +83,7 @@ def compare_strategies(
     raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
   # "single" first, so the others are compared with it.
   strategies = sorted(strategies, key=lambda s: s != "single")
-  mesh = rank_mesh(num_devices, model_parallel)
+  mesh = mesh_of_ranks(num_devices, model_parallel)
   if isinstance(partition, (list, tuple, np.ndarray)):
     partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
     if not any(s in partitioned for s in strategies):
