@@ -3,6 +3,10 @@
 Start N processes on this machine (the launcher supervises them):
   python -m launch.multiprocess --num_processes=2 --devices_per_process=2 \
       --partition=700,500,500,348
+Two ranks of two devices each, the model split over each process's devices (tensor
+parallelism inside a rank, KV-Runahead's hops between the processes):
+  python -m launch.multiprocess --num_processes=2 --devices_per_process=2 --model_parallel=2 \
+      --partition=1200,848
 Join a cluster (run once per process, e.g. on each host):
   python -m launch.multiprocess --coordinator_address=host0:1234 --num_processes=4 --process_id=0
 
@@ -33,6 +37,12 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer(
   "devices_per_process", 1, "Local mode: GPUs per process on a GPU node, else emulated CPU devices."
+)
+flags.DEFINE_integer(
+  "model_parallel",
+  1,
+  "Devices per rank: each rank's model split over them (tensor parallelism; with "
+  "--devices_per_process=m each process is one rank).",
 )
 flags.DEFINE_integer("port", None, "Coordinator port for local mode (default: a free one).")
 flags.DEFINE_bool("pin_cores", False, "Pin process i to core i with single-threaded XLA.")
@@ -75,12 +85,21 @@ def worker():
       common.parse_partition(FLAGS.partition),
       max_new_tokens=FLAGS.max_new_tokens,
       dtype=FLAGS.dtype,
+      model_parallel=FLAGS.model_parallel,
     )
   if result is not None:
     distributed.owner_output(result)
 
 
 def launcher():
+  if FLAGS.model_parallel < 1 or FLAGS.devices_per_process % FLAGS.model_parallel:
+    # Checked again by prefill in every worker (a cluster joined by hand has no launcher).
+    print(
+      f"error: --model_parallel={FLAGS.model_parallel} must be >= 1 and divide "
+      f"--devices_per_process={FLAGS.devices_per_process}: a rank's devices live in one process",
+      file=sys.stderr,
+    )
+    return 2
   passthrough = [
     f"--{name}={getattr(FLAGS, name)}"
     for name in (
@@ -89,6 +108,7 @@ def launcher():
       "dtype",
       "partition",
       "max_new_tokens",
+      "model_parallel",
       "init_timeout",
       "heartbeat_timeout",
       "debug_crash_process",
@@ -117,6 +137,7 @@ def launcher():
   same = r["kvr_tokens"] == r["single_tokens"]
   rows = [
     ("processes x ranks", f"{r['process_count']} x {r['num_ranks']}"),
+    ("devices per rank (model)", str(r["model_parallel"])),
     ("partition", ",".join(map(str, r["partition"]))),
     ("relative logit error vs single", f"{r['relative_logit_error']:.1e}"),
     ("greedy tokens (KV-Runahead, row 0)", " ".join(map(str, r["kvr_tokens"][0]))),

@@ -58,6 +58,58 @@ def test_two_processes_four_ranks_match_single_device():
   assert len(result["kvr_tokens"][0]) >= 1
 
 
+def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
+  """--model_parallel=2 with two devices per process: each process is one rank whose model is
+  split over its two devices (loaded straight into the shards), KV-Runahead hops between the
+  processes, the last rank's process decodes as model shards: single's greedy tokens."""
+  proc, _ = run_launcher(
+    "--num_processes=2",
+    "--devices_per_process=2",
+    "--model_parallel=2",
+    "--context_len=64",
+    "--partition=40,24",
+    "--max_new_tokens=4",
+    "--json",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+  assert result["process_count"] == 2 and result["num_ranks"] == 2
+  assert result["model_parallel"] == 2 and result["process_index"] == 1
+  assert result["relative_logit_error"] <= 1e-5
+  assert result["kvr_tokens"] == result["single_tokens"]
+
+
+def test_a_rank_split_across_processes_is_refused_by_name():
+  """A cluster of one-device processes with model_parallel=2 would put a rank's model shards
+  in two processes: every worker's prefill refuses it with the rule (not a JAX resharding
+  error mid-decode). The launcher refuses it before starting anything
+  (test_bad_launcher_flags_are_one_line); the workers are started here by hand."""
+  port = distributed.free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "launch.multiprocess",
+        f"--process_id={i}",
+        "--num_processes=2",
+        f"--coordinator_address=localhost:{port}",
+        "--model_parallel=2",
+        "--context_len=64",
+        "--partition=64",
+      ],
+      cwd=ROOT,
+      env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  errors = [p.communicate(timeout=120)[1] for p in procs]
+  assert [p.returncode for p in procs] == [2, 2], errors
+  assert all("rank 0's 2 devices live in processes [0, 1]" in e for e in errors), errors
+
+
 def test_a_process_that_dies_stops_the_others_with_a_clear_error():
   proc, seconds = run_launcher(
     "--num_processes=2", "--context_len=64", "--debug_crash_process=1", "--heartbeat_timeout=5"
@@ -106,6 +158,7 @@ def test_bad_cluster_arguments():
     (["--port=70000"], r"port must be in \[1, 65535\], got 70000"),
     (["--port=0"], "leave --port out to pick a free one"),
     (["--devices_per_process=0"], "devices_per_process must be >= 1"),
+    (["--model_parallel=2"], "--model_parallel=2 must be >= 1 and divide --devices_per_process=1"),
   ],
 )
 def test_bad_launcher_flags_are_one_line(flags, message):

@@ -264,7 +264,7 @@ def prefill(
   p = check_mesh(mesh, allow_model=True)
   m = model_parallel(mesh)
   if m > 1:
-    _check_tensor_parallel(model, m, padded, timeline)
+    _check_tensor_parallel(model, mesh, padded, timeline)
   device = mesh.devices.flat[0]
   attention = spec.resolve_attention(attention, device, model.dtype, window)
   if attention == "cudnn" and not kernel_runs_on(attention, device, model.dtype, None):
@@ -351,10 +351,11 @@ def prefill(
   return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common)
 
 
-def _check_tensor_parallel(model, m, padded, timeline) -> None:
+def _check_tensor_parallel(model, mesh, padded, timeline) -> None:
   """What a ("ranks", "model") mesh runs so far: the prefill, with the cache left where it was
   computed or moved onto the last rank's row (heads split over "model" either way). Refused
   by name before anything compiles: what needs a decode step over a model group."""
+  m = model_parallel(mesh)
   check_model_parallel(model.config, m)
   if padded:
     raise ValueError(
@@ -363,8 +364,16 @@ def _check_tensor_parallel(model, m, padded, timeline) -> None:
     )
   if timeline:
     raise ValueError(f"a mesh with model={m} has no timeline probes yet")
-  if jax.process_count() > 1:
-    raise ValueError(f"a mesh with model={m} runs in one process so far")
+  split_rows = [
+    rank for rank, row in enumerate(mesh.devices) if len({d.process_index for d in row}) > 1
+  ]
+  if split_rows:
+    raise ValueError(
+      f"rank {split_rows[0]}'s {m} devices live in processes "
+      f"{sorted({d.process_index for d in mesh.devices[split_rows[0]]})}: on a ('ranks', "
+      "'model') mesh across processes every rank's devices must be one process's (JAX's one "
+      "process per host; locally: devices per process a multiple of model_parallel)"
+    )
 
 
 def _last_real_logits_sharded(

@@ -17,7 +17,7 @@ from kvr_jax.inference.generate import generate
 from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import load_model
-from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
 from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import fitted_hardware, measured_partition
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
@@ -32,22 +32,29 @@ def check_job(
   max_new_tokens: int = 8,
   seed: int = 0,
   dtype: str = "auto",
+  model_parallel: int = 1,
 ) -> dict | None:
   """KV-Runahead over every process's devices against the single-device oracle (computed
-  again on the owner's own device): logits and greedy tokens."""
-  model = load_model(model_name, dtype=dtype)
-  mesh = make_mesh()
+  again on the owner's own device): logits and greedy tokens.
+
+  model_parallel: devices per rank (a ("ranks", "model") mesh over all processes' devices,
+  rank-major; the weights loaded straight into their shards), so a process with m devices is
+  one rank. The oracle then loads its own whole copy on the owner."""
+  mesh = mesh_of_ranks(None, model_parallel)
+  model = load_model(model_name, dtype=dtype, mesh=mesh if model_parallel > 1 else None)
   tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
   kvr = generate(model, tokens, max_new_tokens, strategy="kvr", mesh=mesh, partition=partition)
   if kvr.tokens is None:
     return None
-  single = generate(model, tokens, max_new_tokens)
+  whole = model if model_parallel == 1 else load_model(model_name, dtype=dtype)
+  single = generate(whole, tokens, max_new_tokens)
   ref = np.asarray(single.prefill.logits)
   err = float(np.abs(np.asarray(kvr.prefill.logits) - ref).max() / np.abs(ref).max())
   return {
     "process_index": jax.process_index(),
     "process_count": jax.process_count(),
-    "num_ranks": int(mesh.devices.size),
+    "num_ranks": int(mesh.shape["ranks"]),
+    "model_parallel": model_parallel,
     "partition": list(kvr.prefill.partition),
     "cache_device": str(kvr.prefill.device),
     "relative_logit_error": err,
