@@ -302,8 +302,9 @@ def split_shardings(config: ModelConfig, state, mesh) -> Any:
 
 
 def _build_split(config: ModelConfig, dtype, mesh) -> models.CausalLM:
-  """A preset initialised inside one program whose outputs are the shards: the same numbers
-  as `build_model` (JAX's partitionable random bits do not depend on the sharding)."""
+  """A preset initialised inside one program whose outputs are the shards: the same random
+  bits as `build_model` (JAX's partitionable random bits do not depend on the sharding), its
+  weights equal within float rounding (one compiled program against op-by-op scaling)."""
   _check_split_mesh(mesh, config)
   graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
   shardings = split_shardings(config, abstract_state, mesh)
