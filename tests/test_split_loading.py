@@ -169,3 +169,31 @@ def test_split_loading_refuses_meshes_it_cannot_use(llama_dir):
   with pytest.raises(ValueError, match=re.escape("model_parallel=8 must divide num_heads (4)")):
     kvr_jax.load_model("tiny-llama", mesh=kvr_jax.make_mesh(1, model=8))
   assert os.path.isdir(llama_dir)
+
+
+def test_kv_heads_are_repeated_into_their_shards_without_a_whole_copy(monkeypatch):
+  """K = 2 < m = 4: the prefill's placement repeats the loaded (whole per shard) wk and wv
+  inside one program per weight whose per-device output is only the device's head and whose
+  temporaries are nothing: never the m/K-times-larger repeated weight on a device."""
+  from kvr_jax.runtime import loading
+
+  mesh = kvr_jax.make_mesh(2, model=4)
+  split = kvr_jax.load_model("tiny-llama", "float32", mesh=mesh)
+  programs = []
+  repeater = loading._head_repeater
+
+  def recording(sharding, repeats, axis):
+    program = repeater(sharding, repeats, axis)
+    programs.append(program)
+    return program
+
+  monkeypatch.setattr(loading, "_head_repeater", recording)
+  placed = split.state_split_over(mesh)
+  assert len(programs) == 2  # wk and wv
+  for name, program in zip(("wk", "wv"), programs, strict=True):  # placed in state order
+    loaded, used = split.state["blocks"][name][...], placed["blocks"][name][...]
+    analysis = program.lower(loaded).compile().memory_analysis()
+    shard_bytes = used.addressable_shards[0].data.nbytes
+    assert used.shape[2] == 4 and shard_bytes == loaded.nbytes // 2, name
+    assert analysis.output_size_in_bytes == shard_bytes, name
+    assert analysis.temp_size_in_bytes < shard_bytes, name

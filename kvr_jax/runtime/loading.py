@@ -106,19 +106,29 @@ class Model:
     weight copy per device."""
     if mesh not in self._placed:
       m = model_parallel(mesh)
-      ready = tensor_parallel.shard_ready_state(self.config, self.state, m)
+      ready = jax.eval_shape(
+        lambda state: tensor_parallel.shard_ready_state(self.config, state, m), self.state
+      )
       specs = tensor_parallel.partition_specs(ready)
       held = self._split_holding(mesh)
 
-      def place(leaf, spec, held_leaf=None):
+      def place(leaf, ready_leaf, spec, held_leaf=None):
         sharding = jax.sharding.NamedSharding(mesh, spec)
-        if held_leaf is None:
-          return jax.device_put(leaf, sharding)
-        pieces = {s.device: s.data for s in held_leaf.addressable_shards}
-        buffers = [pieces[d] for d in sharding.addressable_devices]
-        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, buffers)
+        if held_leaf is not None:
+          pieces = {s.device: s.data for s in held_leaf.addressable_shards}
+          buffers = [pieces[d] for d in sharding.addressable_devices]
+          return jax.make_array_from_single_device_arrays(ready_leaf.shape, sharding, buffers)
+        if leaf.shape == ready_leaf.shape:
+          return jax.device_put(leaf, sharding)  # the leaf itself if already placed so
+        # KV heads repeated to m (K < m): from a copy on this mesh (loaded split) inside one
+        # program that outputs only each device's head; else repeated, then placed.
+        axis = list(spec).index(MODEL_AXIS)
+        repeats = ready_leaf.shape[axis] // leaf.shape[axis]
+        if getattr(leaf.sharding, "mesh", None) == mesh:
+          return _head_repeater(sharding, repeats, axis)(leaf)
+        return jax.device_put(jnp.repeat(leaf, repeats, axis=axis), sharding)
 
-      args = (ready, specs) if held is None else (ready, specs, held)
+      args = (self.state, ready, specs) if held is None else (self.state, ready, specs, held)
       self._placed[mesh] = jax.tree.map(place, *args)
     return self._remember(mesh)
 
@@ -482,6 +492,13 @@ class _SplitParams:
       return self.unstacked.pop(param_path)
     layers = self.layers.pop(param_path)
     return _layer_stacker(self.shardings[param_path])(*(layers[i] for i in range(len(layers))))
+
+
+@functools.lru_cache(maxsize=32)
+def _head_repeater(sharding: jax.sharding.NamedSharding, repeats: int, axis: int):
+  """A program repeating each KV head `repeats` times along `axis` whose output is split by
+  `sharding`: each device computes only its own head (no whole repeated copy anywhere)."""
+  return jax.jit(lambda kv: jnp.repeat(kv, repeats, axis=axis), out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=32)
