@@ -364,15 +364,13 @@ def _check_tensor_parallel(model, mesh, padded, timeline) -> None:
     )
   if timeline:
     raise ValueError(f"a mesh with model={m} has no timeline probes yet")
-  split_rows = [
-    rank for rank, row in enumerate(mesh.devices) if len({d.process_index for d in row}) > 1
-  ]
-  if split_rows:
+  processes = [sorted({d.process_index for d in row}) for row in mesh.devices]
+  split = next(((rank, procs) for rank, procs in enumerate(processes) if len(procs) > 1), None)
+  if split is not None:
     raise ValueError(
-      f"rank {split_rows[0]}'s {m} devices live in processes "
-      f"{sorted({d.process_index for d in mesh.devices[split_rows[0]]})}: on a ('ranks', "
-      "'model') mesh across processes every rank's devices must be one process's (JAX's one "
-      "process per host; locally: devices per process a multiple of model_parallel)"
+      f"rank {split[0]}'s {m} devices live in processes {split[1]}: on a ('ranks', 'model') "
+      "mesh across processes every rank's devices must be one process's (JAX's one process "
+      "per host; locally: devices per process a multiple of model_parallel)"
     )
 
 

@@ -464,14 +464,10 @@ class _SplitParams:
 
   def __init__(self, flat_abstract, np_dtype, config, mesh):
     self.np_dtype = np_dtype
+    whole_kv = tensor_parallel.stores_kv_whole(config, model_parallel(mesh))
     self.shardings = {
       path: jax.sharding.NamedSharding(
-        mesh,
-        tensor_parallel.param_spec(
-          path,
-          len(spec.shape),
-          whole_kv=tensor_parallel.stores_kv_whole(config, model_parallel(mesh)),
-        ),
+        mesh, tensor_parallel.param_spec(path, len(spec.shape), whole_kv=whole_kv)
       )
       for path, spec in flat_abstract.items()
     }

@@ -20,12 +20,7 @@ from kvr_jax.runtime.mesh import check_mesh, mesh_of_ranks
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
-__all__ = [
-  "StrategyReport",
-  "compare_strategies",
-  "format_table",
-  "synthetic_prompt",
-]
+__all__ = ["StrategyReport", "compare_strategies", "format_table", "synthetic_prompt"]
 
 
 @dataclasses.dataclass
