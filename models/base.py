@@ -107,11 +107,21 @@ class Block(nnx.Module):
       q_BTNH, k_BSKH, v_BSKH, query_offset, attention, self.config.sliding_window
     )
 
-  def attend_partial(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention: str):
+  def attend_partial(
+    self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention: str, query_rows=None, key_end=None
+  ):
     """`attend` for the kernels that return their log-sum-exp (flash, fused): (out float32,
-    lse float32), to be merged with an attention of the same queries over other keys."""
+    lse float32), to be merged with an attention of the same queries over other keys.
+    query_rows, key_end: lengths as data for inputs padded to one shape (`attend_flash`)."""
     return layers.attend_partial(
-      q_BTNH, k_BSKH, v_BSKH, query_offset, attention, self.config.sliding_window
+      q_BTNH,
+      k_BSKH,
+      v_BSKH,
+      query_offset,
+      attention,
+      self.config.sliding_window,
+      query_rows=query_rows,
+      key_end=key_end,
     )
 
   def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:

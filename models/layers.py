@@ -73,14 +73,33 @@ def attend_static(
 
 
 def attend_partial(
-  q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str, window: int | None = None
+  q_BTNH,
+  k_BSKH,
+  v_BSKH,
+  query_offset: int,
+  attention: str,
+  window: int | None = None,
+  query_rows=None,
+  key_end=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Like `attend_static`, for the kernels that return their log-sum-exp (FUSED_KERNELS),
   so that attentions over disjoint key sets merge exactly (`merge_partials`): returns (out
   [B, T, N, H] float32, lse [B, T, N] float32). A key set wholly in the past of every query
-  (query_offset >= S) is attended unmasked."""
+  (query_offset >= S) is attended unmasked. query_rows, key_end: lengths as data, flash only
+  (see `attend_flash`)."""
   if attention == "flash":
-    return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window, out_dtype=jnp.float32)
+    return attend_flash(
+      q_BTNH,
+      k_BSKH,
+      v_BSKH,
+      query_offset,
+      window=window,
+      out_dtype=jnp.float32,
+      query_rows=query_rows,
+      key_end=key_end,
+    )
+  if query_rows is not None or key_end is not None:
+    raise ValueError(f"attention {attention!r} takes static lengths only; use 'flash'")
   if attention in FUSED_IMPLEMENTATIONS:
     _check_no_window(attention, window)
     return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATIONS[attention])
@@ -329,6 +348,8 @@ def attend_flash(
   key_block: int = FLASH_KEY_BLOCK,
   softmax_scale: float | None = None,
   out_dtype=None,
+  query_rows=None,
+  key_end=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Flash-style attention: returns (out [B, T, N, H] in `out_dtype`, default q's dtype; lse
   [B, T, N] float32). A partial that will be merged keeps float32 (out_dtype=jnp.float32):
@@ -347,6 +368,13 @@ def attend_flash(
   window) are never visited; blocks every query sees whole run unmasked; only the blocks that
   straddle an edge (the diagonal, the window's start, the padded end) are masked. A prefix
   that lies wholly in the past (offset >= S) is attended whole.
+
+  Lengths as data (one program for inputs padded to one shape, KV-Runahead's one body):
+  `key_end` (may be traced) hides the keys at index >= it, as if S were key_end; `query_rows`
+  = (lo, hi) (may be traced) computes only the query blocks that hold rows [lo, hi): a
+  `fori_loop` whose trip count is data, so padded blocks cost nothing. Rows of blocks outside
+  it come back as out 0, lse -inf (a partial that weighs nothing in a merge); rows inside a
+  visited block but outside [lo, hi) are computed and are the caller's to ignore.
   """
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -364,6 +392,8 @@ def attend_flash(
     nq, B, K, bq * G, H
   )
   row_t = jnp.arange(bq * G) // G  # query index inside the block, per row
+  # The keys that exist: S, or fewer where the caller's are padded (key_end, maybe traced).
+  num_keys = S if key_end is None else jnp.minimum(key_end, S)
 
   # float32 queries are scaled once (one multiply per query, not per score); lower precision
   # ones score first and scale in float32: q * scale rounded to bfloat16 moves a score of 30 by
@@ -378,8 +408,8 @@ def attend_flash(
     last_q = first_q + bq - 1
     # Visited key blocks [lo, hi); of those, [full_lo, full_hi) are seen whole by every query
     # of the block (real keys, none in its future, none before its window), the rest masked.
-    hi = jnp.clip(last_q // bk + 1, 0, nk)
-    full_hi = jnp.clip(jnp.minimum((first_q + 1) // bk, S // bk), 0, hi)
+    hi = jnp.clip(jnp.minimum(last_q // bk + 1, -(-num_keys // bk)), 0, nk)
+    full_hi = jnp.clip(jnp.minimum((first_q + 1) // bk, num_keys // bk), 0, hi)
     if window is None:
       lo = full_lo = jnp.zeros_like(hi)
     else:
@@ -404,7 +434,7 @@ def attend_flash(
       if masked:
         k_pos = (j * bk + jnp.arange(bk))[None, :]
         q_pos = (first_q + row_t)[:, None]
-        visible = (k_pos <= q_pos) & (k_pos < S)  # [R, b]
+        visible = (k_pos <= q_pos) & (k_pos < num_keys)  # [R, b]
         if window is not None:
           visible &= k_pos > q_pos - window
         s_BKRb = jnp.where(visible, s_BKRb, _MASK_VALUE)
@@ -429,7 +459,22 @@ def attend_flash(
     l_safe = jnp.where(l > 0, l, 1.0)
     return None, (o / l_safe[..., None], jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf))
 
-  _, (o_blocks, lse_blocks) = jax.lax.scan(query_block_fn, None, (jnp.arange(nq), q_blocks))
+  if query_rows is None:
+    _, (o_blocks, lse_blocks) = jax.lax.scan(query_block_fn, None, (jnp.arange(nq), q_blocks))
+  else:  # only the blocks that hold rows [lo, hi): a trip count that is data
+    lo, hi = query_rows
+    first_block = jnp.clip(lo // bq, 0, nq)
+    last_block = jnp.clip(-(-hi // bq), first_block, nq)
+    zero_blocks = jnp.zeros_like(q_blocks, jnp.float32)  # q's type (see query_block_fn)
+
+    def visit(i, outputs):
+      o_blocks, lse_blocks = outputs
+      _, (o, lse) = query_block_fn(None, (i, q_blocks[i]))
+      return o_blocks.at[i].set(o), lse_blocks.at[i].set(lse)
+
+    o_blocks, lse_blocks = jax.lax.fori_loop(
+      first_block, last_block, visit, (zero_blocks, zero_blocks[..., 0] - jnp.inf)
+    )
   # [nq, B, K, bq*G, H] -> [B, T, N, H]
   out = o_blocks.reshape(nq, B, K, bq, G, H).transpose(1, 0, 3, 2, 4, 5).reshape(B, nq * bq, N, H)
   lse = lse_blocks.reshape(nq, B, K, bq, G).transpose(1, 0, 3, 2, 4).reshape(B, nq * bq, N)

@@ -293,7 +293,7 @@ def hop_chain(
   return buffer_2BSKH, message
 
 
-def rank_program(
+def per_rank_program(
   graphdef,
   chunks: tuple[int, ...],
   attention: str = "dense",
@@ -301,7 +301,12 @@ def rank_program(
   keep_last_hop: bool = False,
   model_axis: bool = False,
 ) -> Callable:
-  """The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs.
+  """The program of one `lax.switch` branch per rank, each with rank i's own static shapes
+  (c_i rows, S_i keys), for the kernels whose bounds must be static (dense, blocked, fused,
+  cudnn) and as the reference the one-body program is measured against (`body="per-rank"`).
+  Compiles every branch: the program grows with p, and every split is a new program.
+
+  The per-rank body that shard_map runs: (state, tokens [1, B, c_max]) -> outputs.
   timeline: probes at every phase boundary (kvr_jax.strategies.probe). keep_last_hop: also
   output every layer's last-hop message (see the module docstring). model_axis: each rank
   is a tensor-parallel group over the mesh's "model" axis (its state a shard: K,V and the
@@ -415,25 +420,266 @@ def rank_program(
   return program
 
 
+# --- one body for every rank: the chunk lengths as data -------------------------------------
+
+# Kernels whose bounds may be data (`layers.attend_flash`'s query_rows and key_end): the
+# one-body program runs them; the others need the per-rank program's static shapes.
+ONE_BODY_KERNELS = ("flash",)
+BODIES = ("one", "per-rank")
+# Rows of the projections and the MLP per step of a loop whose trip count is the rank's real
+# length: a rank computes at most ROW_BLOCK - 1 padded rows, whatever the longest chunk.
+ROW_BLOCK = 256
+
+
+def default_body(attention: str) -> str:
+  return "one" if attention in ONE_BODY_KERNELS else "per-rank"
+
+
+def check_body(body: str | None, attention: str) -> str:
+  """The program body for `attention` ("one" where the kernel takes lengths as data)."""
+  if body is None:
+    return default_body(attention)
+  if body not in BODIES:
+    raise ValueError(f"unknown KV-Runahead body {body!r}; expected one of {BODIES}")
+  if body == "one" and attention not in ONE_BODY_KERNELS:
+    raise ValueError(
+      f"the one-body KV-Runahead program runs attention in {ONE_BODY_KERNELS}, not "
+      f"{attention!r} (its bounds must be static: body='per-rank')"
+    )
+  return body
+
+
+def row_block(chunks: tuple[int, ...]) -> int:
+  """Rows per step of the one body's row loops: ROW_BLOCK, or the longest chunk rounded up to
+  8 where that is shorter."""
+  return min(ROW_BLOCK, -(-max(chunks) // 8) * 8)
+
+
+def padded_chunk_len(chunks: tuple[int, ...]) -> int:
+  """The one body's static chunk length: the longest chunk rounded up to whole row blocks (a
+  block's slice never runs past the end, where `dynamic_slice` would clamp it)."""
+  R = row_block(chunks)
+  return -(-max(chunks) // R) * R
+
+
+def one_body_buffer_len(chunks: tuple[int, ...]) -> int:
+  """Rows of every rank's K,V buffer in the one body, indexed by prompt position: the received
+  prefix, then the rank's own padded chunk written at its start (never clamped)."""
+  return chunk_starts(chunks)[-1] + padded_chunk_len(chunks)
+
+
+def map_row_blocks(fn, num_rows, block: int, inputs, outputs):
+  """For the blocks [j*block, (j+1)*block) that hold rows [0, num_rows) (num_rows may be
+  traced: a data-dependent trip count), writes fn(first_row, *input blocks) into `outputs` at
+  the same rows; rows of later blocks keep what `outputs` held. Every array has its rows on
+  axis 1, a whole number of blocks long."""
+
+  def step(j, outputs):
+    first_row = j * block
+    blocks = [jax.lax.dynamic_slice_in_dim(x, first_row, block, axis=1) for x in inputs]
+    results = fn(first_row, *blocks)
+    return tuple(
+      jax.lax.dynamic_update_slice_in_dim(out, result.astype(out.dtype), first_row, axis=1)
+      for out, result in zip(outputs, results, strict=True)
+    )
+
+  return jax.lax.fori_loop(0, -(-num_rows // block), step, tuple(outputs))
+
+
+def one_body_program(
+  graphdef,
+  chunks: tuple[int, ...],
+  attention: str = "flash",
+  timeline: bool = False,
+  keep_last_hop: bool = False,
+  model_axis: bool = False,
+) -> Callable:
+  """Every rank runs this one body; what differs between ranks is data: its real length c,
+  its start (prefix length) and its early diagonal rows, read from constant tables at its
+  rank index. Shapes are the split's padded chunk (`padded_chunk_len`) and buffer, so the
+  compiled program does not grow with p; only the hops' static sizes follow the split.
+
+  Per layer, rank i:
+    qkv       its c rows in blocks of `row_block` rows (a loop of ceil(c / R) steps)
+    diagonal  its first r_i rows against its own keys (before the hop, as data)
+    hops      the same chain as the per-rank program; rank k+1 writes hop k into its buffer
+              at the prefix's positions, so every rank's buffer holds [first, start) then its
+              own chunk
+    attend    its rows against the buffer's keys [first, start) (flash, key_end = start),
+              the rest of its diagonal (rows [r_i, c), key_end = c), merged by lse
+    finish    out-proj and MLP of its c rows in row blocks (a loop of ceil(c / R) steps)
+  Padding costs at most one row block of projections and MLP and one query block of
+  attention per rank. Rows past c of its part are zero; the parts have c_max rows, as the
+  per-rank program's (one cache layout)."""
+  reduce = tensor_parallel.psum_over_model if model_axis else no_reduce
+  varying = (AXIS, MODEL_AXIS) if model_axis else (AXIS,)
+  p = len(chunks)
+  c_pad, R = padded_chunk_len(chunks), row_block(chunks)
+
+  def program(state, tokens_1Bc):
+    count_trace("kvr")
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
+    if keep_last_hop and not whole_prefix_hops(chunks, cfg.sliding_window):
+      raise ValueError(
+        f"keep_last_hop: the last hop of {chunks} does not carry the whole prefix (one rank, "
+        f"or a sliding window of {cfg.sliding_window} shorter than it); move the parts instead"
+      )
+    rank = jax.lax.axis_index(AXIS)
+    # What differs between ranks, as data.
+    c = jnp.asarray(chunks, jnp.int32)[rank]
+    start = jnp.asarray(chunk_starts(chunks), jnp.int32)[rank]
+    early_rows = jnp.asarray(rows_before_hop(cfg, chunks) if p > 1 else (0,), jnp.int32)[rank]
+    tokens_Bc = tokens_1Bc[0]
+    tokens_Bc = jnp.pad(tokens_Bc, ((0, 0), (0, c_pad - tokens_Bc.shape[1])))
+    x_BcD = mark(timeline, "embed", -1, model.embed(tokens_Bc))
+    B = x_BcD.shape[0]
+    kv_heads = model.blocks.wk[...].shape[2]  # [L, D, K, H]: this shard's K
+    q_heads = model.blocks.wq[...].shape[2]
+
+    def zeros(shape, dtype):  # varying over the ranks, like what it will hold
+      return jax.lax.pcast(jnp.zeros(shape, dtype), varying, to="varying")
+
+    buffer_2BSKH = zeros((2, B, one_body_buffer_len(chunks), kv_heads, cfg.head_dim), x_BcD.dtype)
+    real_rows_c = jnp.arange(c_pad) < c
+
+    def layer(block, carry, l):
+      x_BcD, buffer_2BSKH = carry
+
+      def project(first_row, x_BRD):
+        positions_BR = jnp.broadcast_to(start + first_row + jnp.arange(R), (B, R))
+        return block.project_qkv(x_BRD, positions_BR)
+
+      q_BcNH, k_BcKH, v_BcKH = map_row_blocks(
+        project,
+        c,
+        R,
+        (x_BcD,),
+        (
+          zeros((B, c_pad, q_heads, cfg.head_dim), x_BcD.dtype),
+          zeros((B, c_pad, kv_heads, cfg.head_dim), x_BcD.dtype),
+          zeros((B, c_pad, kv_heads, cfg.head_dim), x_BcD.dtype),
+        ),
+      )
+      # Rows past c (the last block's padding) are zeroed: the part and the buffer hold only
+      # real keys.
+      own_2BcKH = jnp.where(real_rows_c[:, None, None], jnp.stack([k_BcKH, v_BcKH]), 0)
+      if p > 1:  # own K,V after the received prefix: what this rank forwards and attends
+        buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, own_2BcKH, start, axis=2)
+      q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
+      early_BcNH, early_lse_BcN = block.attend_partial(
+        q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, attention, query_rows=(0, early_rows), key_end=c
+      )
+      diagonal = mark(timeline, "diagonal", l, (early_BcNH, early_lse_BcN))
+      if p > 1:
+        # The hops' operands depend on the early rows: XLA cannot put them behind a receive.
+        diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
+          (diagonal, own_2BcKH, buffer_2BSKH)
+        )
+        buffer_2BSKH, last_message = one_body_hops(
+          buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l
+        )
+        # Everything after the hops waits for them (see per_rank_program).
+        (x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message) = (
+          jax.lax.optimization_barrier(
+            ((x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message))
+          )
+        )
+      prefix_keys_2BSKH = buffer_2BSKH if p > 1 else own_2BcKH
+      # The prefix [first, start): every real row, keys before the rank's own (key_end).
+      prefix_BcNH, prefix_lse_BcN = block.attend_partial(
+        q_BcNH,
+        prefix_keys_2BSKH[0],
+        prefix_keys_2BSKH[1],
+        start,
+        attention,
+        query_rows=(0, c),
+        key_end=start,
+      )
+      # The rest of the diagonal: rows [r_i, c) against the rank's own keys.
+      late_BcNH, late_lse_BcN = block.attend_partial(
+        q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, attention, query_rows=(early_rows, c), key_end=c
+      )
+      early = jnp.arange(c_pad) < early_rows
+      diagonal_BcNH = jnp.where(early[:, None, None], diagonal[0], late_BcNH)
+      diagonal_lse_BcN = jnp.where(early[:, None], diagonal[1], late_lse_BcN)
+      attn_BcNH, _ = layers.merge_partials(
+        prefix_BcNH, prefix_lse_BcN, diagonal_BcNH, diagonal_lse_BcN
+      )
+      attn_BcNH = mark(timeline, "attention", l, attn_BcNH.astype(x_BcD.dtype))
+      (x_BcD,) = map_row_blocks(
+        lambda _, x_BRD, attn_BRNH: (block.finish(x_BRD, attn_BRNH, None, reduce=reduce),),
+        c,
+        R,
+        (x_BcD, attn_BcNH),
+        (x_BcD,),
+      )
+      x_BcD = mark(timeline, "rest", l, x_BcD)
+      # Only this rank's chunk leaves the layer (and, kept, what the last hop brought), in
+      # parts of c_max rows as from the per-rank program (one cache layout for both bodies).
+      own_out = fold_batch(own_2BcKH[:, :, : max(chunks)])
+      kept = (own_out, fold_batch(last_message)) if keep_last_hop else own_out
+      return (x_BcD, buffer_2BSKH), kept
+
+    layers_L = jnp.arange(cfg.num_layers)
+    (x_BcD, _), kv_out = scan_blocks(  # R = B * c_max rows
+      model.blocks, layer, (x_BcD, buffer_2BSKH), layers_L
+    )
+    # Each rank's last real row; on rank p-1 that is the prompt's last position.
+    last_BD = jax.lax.dynamic_index_in_dim(x_BcD, c - 1, axis=1, keepdims=False)
+    logits_BV = mark(timeline, "logits", -1, model.logits(last_BD[:, None])[:, 0])
+    if keep_last_hop:
+      kv_L2RKH, last_hop_L2RKH = kv_out  # R = B * S_{p-2} rows
+      return logits_BV[None], (kv_L2RKH[None], last_hop_L2RKH[None])
+    return logits_BV[None], kv_out[None]
+
+  return program
+
+
+def one_body_hops(
+  buffer_2BSKH, own_2BcKH, rank, chunks: tuple[int, ...], window, timeline=False, layer=-1
+):
+  """The hop chain of the one body: hop k sends keys [a, S_k) (hop_span) from rank k's buffer
+  (rank 0: its own chunk) to rank k+1, one pair per ppermute, and rank k+1 writes them into
+  its buffer at their positions (the last rank too: it attends its prefix from there).
+  Returns (buffer, last hop's message [2, B, S_{p-2} - a, K, H])."""
+  message = None
+  for k in range(len(chunks) - 1):
+    a, end = hop_span(k, chunks, window)
+    source = own_2BcKH if k == 0 else buffer_2BSKH
+    message = jax.lax.ppermute(source[:, :, a:end], AXIS, perm=[(k, k + 1)])
+    # ppermute gives zeros to ranks outside the pair: only rank k+1 keeps the message.
+    prefix = jnp.where(rank == k + 1, message, buffer_2BSKH[:, :, a:end])
+    buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, prefix, a, axis=2)
+    buffer_2BSKH, message = mark(timeline, f"hop{k}", layer, (buffer_2BSKH, message))
+  return buffer_2BSKH, message
+
+
 @functools.lru_cache(maxsize=64)
 def compile_program(
   graphdef,
   mesh,
   chunks: tuple[int, ...],
-  attention: str = "dense",
+  attention: str = "flash",
   timeline: bool = False,
   keep_last_hop: bool = False,
+  body: str | None = None,
 ):
-  """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention); cached.
+  """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention, body);
+  cached. body: "one" (every rank runs one program body, lengths as data; the default for
+  the kernels in ONE_BODY_KERNELS) or "per-rank" (a switch branch per rank, the default for
+  the others).
 
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
-  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V. keep_last_hop
-  (only where `whole_prefix_hops`): the second output is (kv parts, last-hop messages [p, L,
-  2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
+  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V. keep_last_hop (only where
+  `whole_prefix_hops`): the second output is (kv parts, last-hop messages [p, L, 2,
+  B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
   positions.
   """
+  body = check_body(body, attention)
   model_axis = model_parallel(mesh) > 1
-  program = rank_program(graphdef, chunks, attention, timeline, keep_last_hop, model_axis)
+  make = one_body_program if body == "one" else per_rank_program
+  program = make(graphdef, chunks, attention, timeline, keep_last_hop, model_axis)
   return spmd(program, mesh)
 
 
