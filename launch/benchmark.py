@@ -547,9 +547,10 @@ def multiprocess_mode():
   print("single: one process with the flash kernel (the best single process); single-dense:")
   print("dense masked scores (the paper's baseline). Speed-ups are against `single`.")
   print("move: of TTFT, the time to bring the ranks' cache parts onto the last rank.")
+  print("min-max: of the warm runs, interleaved with the other variants' (round-robin).")
   print(
-    f"{'variant':<14}{'link':>12}{'C':>7}  {'TTFT':>9}  {'move':>7}  {'vs single':>9}  "
-    f"{'vs tsp':>7}  partition"
+    f"{'variant':<20}{'link':>12}{'C':>7}  {'TTFT':>9}  {'min-max':>13}  {'move':>7}  "
+    f"{'vs single':>9}  {'vs tsp':>7}  partition"
   )
   table = []
   for r in rows:
@@ -558,9 +559,10 @@ def multiprocess_mode():
     vs_tsp = tsp[C, r["link"]] / r["ttft_s"] if (C, r["link"]) in tsp else None  # n/a: no TSP
     table.append(dict(r, speedup_vs_single=speedup, speedup_vs_tsp=vs_tsp))
     vs_tsp_text = "n/a" if vs_tsp is None else f"{vs_tsp:.2f}x"
+    samples = r.get("samples_s") or [r["ttft_s"]]
     print(
-      f"{r['variant']:<14}{r['link']:>12}{C:>7}  {r['ttft_s']:>8.3f}s  "
-      f"{r.get('move_s', 0.0):>6.3f}s  "
+      f"{r['variant']:<20}{r['link']:>12}{C:>7}  {r['ttft_s']:>8.3f}s  "
+      f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
       f"{speedup:>8.2f}x  {vs_tsp_text:>7}  "
       f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")

@@ -130,12 +130,13 @@ def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("partition", [[20, 9], [14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])
+@pytest.mark.parametrize("partition", [[20, 9], [5, 4, 20]])
 def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle, partition):
   """KV-Runahead's last hop already carried every earlier position to the last rank: its
   cache="last" is joined there from that message and its own part, with no device-to-device
   transfer at all (any copy between devices, explicit or not, raises under the guard). The
-  peers' parts have to move: the same guard stops their move."""
+  peers' parts have to move: the same guard stops their move. (In one process the join is
+  kept where the last hop is no longer than a part: S_{p-2} <= c_max.)"""
   model, ref = models["gqa"], oracle["gqa"]
   mesh = kvr_jax.make_mesh(len(partition))
   deferred = kvr_jax.prefill(
@@ -151,6 +152,38 @@ def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle,
   assert_close(k, ref.k_cache, "K cache")
   assert_close(v, ref.v_cache, "V cache")
   assert k.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
+
+
+@pytest.mark.parametrize("partition", [[14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])
+def test_kvr_last_moves_where_the_join_would_cost_more(models, prompt, oracle, partition):
+  """In one process, where the last hop is longer than a part (S_{p-2} > c_max), every other
+  rank would hold that many rows of zeros per layer for the join: the parts move instead
+  (real rows only), and the cache is the same."""
+  model, ref = models["gqa"], oracle["gqa"]
+  mesh = kvr_jax.make_mesh(len(partition))
+  kwargs = dict(strategy="kvr", mesh=mesh, partition=partition)
+  assert kvr_jax.prefill(model, prompt, defer_move=True, **kwargs).last_hop is None
+  last = kvr_jax.prefill(model, prompt, **kwargs)
+  assert_close(last.k_cache, ref.k_cache, "K cache")
+  assert_close(last.v_cache, ref.v_cache, "V cache")
+  assert last.k_cache.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
+
+
+def test_kvr_last_outputs_no_prompt_long_zeros_at_many_ranks():
+  """XLA's analysis (shapes only): at 8 ranks KV-Runahead's cache="last" program outputs a
+  rank's part and nothing prompt-long (it moves the parts); at 2 ranks it keeps the join,
+  whose last hop is rank 0's own chunk (outputs about twice the part)."""
+  cfg = kvr_jax.preset_config("tiny-llama")
+  logits_bytes = cfg.vocab_size * 4
+  eight = compiled_memory(cfg, "kvr", context_len=MEMORY_CONTEXT, num_ranks=8, cache="last")
+  assert not eight["joins_last_hop"]
+  share = eight["kv_cache_bytes"] / 8
+  assert eight["output_bytes"] <= 1.05 * share + logits_bytes, eight
+  two = compiled_memory(
+    cfg, "kvr", context_len=MEMORY_CONTEXT, num_ranks=2, cache="last", partition="even"
+  )
+  assert two["joins_last_hop"]
+  assert two["output_bytes"] >= two["kv_cache_bytes"], two  # part + last hop: the whole cache
 
 
 def test_kvr_windowed_hops_move_the_parts(models, prompt, oracle):

@@ -190,7 +190,8 @@ def prefill(
     increasing sequence of lengths. Padded rows get their last real token's logits from one
     decode step at its position, run after the prefill program (part of the call).
   strategy: a name in kvr_jax.strategies.STRATEGIES: "single" (one device, the oracle),
-    "tsp" (all-gather baseline) or "kvr" (KV-Runahead). mesh: from `make_mesh(p)`; default
+    "tsp" (all-gather baseline) or "kvr" (KV-Runahead), or a `Strategy` (a variant outside
+    the registry, e.g. runahead.PER_RANK_STRATEGY). mesh: from `make_mesh(p)`; default
     all local devices ("single" runs on its first device of this process). A mesh from
     `make_mesh(p, model=m)` makes every rank m devices sharing each layer (tensor
     parallelism, kvr_jax.runtime.tensor_parallel; "single" runs on the first rank's row): the
@@ -217,6 +218,7 @@ def prefill(
     onto the last rank. What kvr_jax.tools.timing times apart.
   """
   spec = get_strategy(strategy)
+  strategy = spec.name
   cache = check_cache(cache)
   if timeline and not spec.timeline_probes:
     raise ValueError(
@@ -300,7 +302,9 @@ def prefill(
       )
   chunks = spec.layout(T, p, user_chunks)
   # cache="last" from what KV-Runahead's last rank received (no move), where it is whole.
-  keep_last_hop = spec.keeps_last_hop(cache, chunks, window) and m == 1
+  keep_last_hop = (
+    spec.keeps_last_hop(cache, chunks, window, one_process=jax.process_count() == 1) and m == 1
+  )
   run = spec.program(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop)
   if m > 1:
     state = model.state_split_over(mesh)

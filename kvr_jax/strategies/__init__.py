@@ -20,8 +20,11 @@ REGISTRY: dict[str, Strategy] = {
 STRATEGIES = tuple(REGISTRY)
 
 
-def get_strategy(name: str) -> Strategy:
-  """The registered strategy called `name`; a clear error for anything else."""
+def get_strategy(name: str | Strategy) -> Strategy:
+  """The registered strategy called `name` (a `Strategy` itself passes through: a variant
+  outside the registry, such as runahead.PER_RANK_STRATEGY); a clear error for anything else."""
+  if isinstance(name, Strategy):
+    return name
   if not isinstance(name, str) or name not in REGISTRY:
     raise ValueError(f"unknown strategy {name!r}; expected one of {STRATEGIES}")
   return REGISTRY[name]

@@ -63,6 +63,7 @@ decode masks by the window, so it never reads them. The cache parts hold every p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -564,14 +565,16 @@ def one_body_program(
       # Rows past c (the last block's padding) are zeroed: the part and the buffer hold only
       # real keys.
       own_2BcKH = jnp.where(real_rows_c[:, None, None], jnp.stack([k_BcKH, v_BcKH]), 0)
-      if p > 1:  # own K,V after the received prefix: what this rank forwards and attends
-        buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, own_2BcKH, start, axis=2)
       q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
       early_BcNH, early_lse_BcN = block.attend_partial(
         q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, attention, query_rows=(0, early_rows), key_end=c
       )
-      diagonal = mark(timeline, "diagonal", l, (early_BcNH, early_lse_BcN))
+      # own K,V passes through the probe too: every hop's message is built from it, so no hop
+      # is recorded before the diagonal (an optimization barrier alone did not order them).
+      diagonal, own_2BcKH = mark(timeline, "diagonal", l, ((early_BcNH, early_lse_BcN), own_2BcKH))
       if p > 1:
+        # Own K,V after the received prefix: what this rank forwards and attends.
+        buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, own_2BcKH, start, axis=2)
         # The hops' operands depend on the early rows: XLA cannot put them behind a receive.
         diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
           (diagonal, own_2BcKH, buffer_2BSKH)
@@ -671,9 +674,9 @@ def compile_program(
   the others).
 
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
-  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V. keep_last_hop (only where
-  `whole_prefix_hops`): the second output is (kv parts, last-hop messages [p, L, 2,
-  B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
+  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V. keep_last_hop
+  (only where `whole_prefix_hops`): the second output is (kv parts, last-hop messages [p, L,
+  2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
   positions.
   """
   body = check_body(body, attention)
@@ -708,4 +711,12 @@ STRATEGY = Strategy(
   cache_rank=last_rank,
   timeline_probes=True,
   cache_from_last_hop=whole_prefix_hops,
+)
+# The per-rank program with every kernel, flash included: the reference the one body was
+# measured against (launch.benchmark's kvr-per-rank-* variants); not in the registry.
+PER_RANK_STRATEGY = dataclasses.replace(
+  STRATEGY,
+  name="kvr-per-rank",
+  description="KV-Runahead's per-rank switch program (every kernel), for comparisons",
+  compile=functools.partial(compile_program, body="per-rank"),
 )

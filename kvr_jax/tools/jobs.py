@@ -18,9 +18,10 @@ from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
+from kvr_jax.strategies import runahead
 from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import fitted_hardware, measured_partition
-from kvr_jax.tools.timing import synthetic_prompt, time_prefill
+from kvr_jax.tools.timing import synthetic_prompt, time_interleaved
 
 
 def check_job(
@@ -74,6 +75,10 @@ BENCH_VARIANTS = (
   "kvr-search",
   "kvr-measured",
   "kvr-fitted",
+  # KV-Runahead's per-rank switch program (runahead.PER_RANK_STRATEGY) on the same splits:
+  # what the one-body program replaced, timed beside it.
+  "kvr-per-rank-even",
+  "kvr-per-rank-search",
 )
 # A single-process variant's attention kernel (None: the strategy's default, flash).
 _SINGLE_KERNELS = {"single": None, "single-dense": "dense", "single-blocked": "blocked"}
@@ -105,37 +110,24 @@ def bench_job(
   owner = False
   for C in context_lens:
     tokens = synthetic_prompt(model.config.vocab_size, C, 1, seed)
+    arguments, searches = {}, {}
     for variant in variants:
-      if variant in _SINGLE_KERNELS:
-        if jax.process_count() > 1:
-          raise ValueError(f"variant {variant!r} runs in a one-process launch")
-        kwargs = prefill_arguments("single", attention=_SINGLE_KERNELS[variant])
-      elif variant in ("tsp", "ring", "allgather"):
-        kwargs = prefill_arguments(variant, mesh=mesh)
-      elif variant in ("kvr-even", "kvr-search", "kvr-measured", "kvr-fitted"):
-        kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-") :])
-      else:
-        raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
-      search_s = 0.0
-      if variant == "kvr-measured":  # search once, timed apart from TTFT
-        start = time.perf_counter()
-        plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)
-        kwargs["partition"] = list(measured_partition(model, tokens, mesh, plan))
-        search_s = time.perf_counter() - start
-      if variant == "kvr-fitted":  # the cost model with this model's measured phase rates
-        start = time.perf_counter()
-        kwargs["partition"] = fitted_plan(model, C, int(mesh.devices.size))
-        search_s = time.perf_counter() - start
-      timing = time_prefill(model, tokens, repeats, **kwargs)
-      seconds, result = timing.median_s, timing.result
+      arguments[variant], searches[variant] = _variant_arguments(
+        variant, model, tokens, mesh, measured_multiple
+      )
+    # Interleaved: every variant compiled, then `repeats` rounds of one call each (ABCABC).
+    timings = time_interleaved(model, tokens, arguments, repeats)
+    for variant, timing in timings.items():
+      result = timing.result
       owner = result.is_local
       rows.append(
         {
           "variant": variant,
           "context_len": C,
-          "ttft_s": seconds,
+          "ttft_s": timing.median_s,
+          "samples_s": timing.runs_s,  # every warm run, in round order
           "move_s": timing.move_median_s,  # the cache's move onto the last rank (in ttft_s)
-          "search_s": search_s,
+          "search_s": searches[variant],
           "partition": None if result.partition is None else list(result.partition),
         }
       )
@@ -147,6 +139,31 @@ def bench_job(
     "model": model_name,
     "rows": rows,
   }
+
+
+def _variant_arguments(variant: str, model, tokens, mesh, measured_multiple: int):
+  """(prefill keyword arguments, seconds spent choosing its split) of one bench variant."""
+  if variant in _SINGLE_KERNELS:
+    if jax.process_count() > 1:
+      raise ValueError(f"variant {variant!r} runs in a one-process launch")
+    return prefill_arguments("single", attention=_SINGLE_KERNELS[variant]), 0.0
+  if variant in ("tsp", "ring", "allgather"):
+    return prefill_arguments(variant, mesh=mesh), 0.0
+  if variant in ("kvr-per-rank-even", "kvr-per-rank-search"):
+    kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-per-rank-") :])
+    return {**kwargs, "strategy": runahead.PER_RANK_STRATEGY}, 0.0
+  if variant not in ("kvr-even", "kvr-search", "kvr-measured", "kvr-fitted"):
+    raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
+  kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-") :])
+  start = time.perf_counter()
+  if variant == "kvr-measured":  # search once, timed apart from TTFT
+    plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)
+    kwargs["partition"] = list(measured_partition(model, tokens, mesh, plan))
+  elif variant == "kvr-fitted":  # the cost model with this model's measured phase rates
+    kwargs["partition"] = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
+  else:
+    return kwargs, 0.0
+  return kwargs, time.perf_counter() - start
 
 
 def fitted_plan(model, context_len: int, num_ranks: int) -> PartitionPlan:

@@ -128,7 +128,8 @@ def compiled_memory(
       causal_skip=attention != "dense",
     )
   chunks = spec.layout(context_len, num_ranks, user_chunks)
-  # cache="last" as prefill runs it: KV-Runahead keeps its last hops (no move) where whole.
+  # cache="last" as prefill runs it in one process: KV-Runahead keeps its last hops (no move)
+  # where whole and no longer than a part (Strategy.keeps_last_hop), else its parts move.
   joined = spec.keeps_last_hop(cache, chunks, config.sliding_window) and m == 1
   program = spec.program(graphdef, mesh, chunks, attention, keep_last_hop=joined)
   # The weights as prefill places them: whole on every device, or split over "model" (KV
@@ -152,6 +153,7 @@ def compiled_memory(
     "cache": cache,
     "model_parallel": m,
     "chunks": list(chunks),
+    "joins_last_hop": joined,
     **_analysis(program.lower(state_shapes, tokens).compile()),
   }
   itemsize = np.dtype(dtype_name).itemsize

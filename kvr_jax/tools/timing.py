@@ -35,6 +35,22 @@ class PrefillTiming:
     return statistics.median(self.moves_s) if self.moves_s else 0.0
 
 
+def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
+  """One prefill call, timed: (result, seconds, seconds of the move onto the last rank)."""
+  start = time.perf_counter()
+  result = prefill(model, tokens, cache=cache, defer_move=cache == "last", **kwargs)
+  jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
+  moved = time.perf_counter()
+  if cache == "last":
+    k, v = result.gather_cache()
+    jax.block_until_ready((k, v))
+    result = dataclasses.replace(
+      result, cache="last", k_cache=k, v_cache=v, kv_parts=None, last_hop=None, mesh=None
+    )
+  end = time.perf_counter()
+  return result, end - start, end - moved
+
+
 def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
   """One call, then `repeats` timed warm calls of `prefill(model, tokens, **kwargs)`.
 
@@ -46,27 +62,31 @@ def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
   mesh spanning processes only the last rank's process holds the cache, so its clock is the
   TTFT; the others time their own part.
   """
-  cache = kwargs.pop("cache", "last")
+  return time_interleaved(model, tokens, {"_": kwargs}, repeats)["_"]
 
-  def run():
-    start = time.perf_counter()
-    result = prefill(model, tokens, cache=cache, defer_move=cache == "last", **kwargs)
-    jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
-    moved = time.perf_counter()
-    if cache == "last":
-      k, v = result.gather_cache()
-      jax.block_until_ready((k, v))
-      result = dataclasses.replace(
-        result, cache="last", k_cache=k, v_cache=v, kv_parts=None, last_hop=None, mesh=None
-      )
-    end = time.perf_counter()
-    return result, end - start, end - moved
 
-  result, first, _ = run()
-  runs = [run() for _ in range(repeats)]
-  return PrefillTiming(
-    first,
-    [r[1] for r in runs],
-    result,
-    [r[2] for r in runs] if cache == "last" else [],
-  )
+def time_interleaved(
+  model: Model, tokens, variants: dict[str, dict], rounds: int
+) -> dict[str, PrefillTiming]:
+  """Every variant (name -> prefill keyword arguments) called once (its compile), then
+  `rounds` rounds that time one warm call of each variant in turn (ABCABC...), so that a
+  drift of the machine's speed hits every variant alike. Every sample is kept (`runs_s`)."""
+  first = {}
+  for name, kwargs in variants.items():
+    kwargs = dict(kwargs)
+    cache = kwargs.pop("cache", "last")
+    first[name] = (cache, kwargs, _timed_call(model, tokens, cache, kwargs))
+  samples: dict[str, list] = {name: [] for name in variants}
+  for _ in range(rounds):
+    for name, (cache, kwargs, _) in first.items():
+      samples[name].append(_timed_call(model, tokens, cache, kwargs))
+  timings = {}
+  for name, (cache, _, (result, first_s, _)) in first.items():
+    runs = samples[name]
+    timings[name] = PrefillTiming(
+      first_s,
+      [r[1] for r in runs],
+      runs[-1][0] if runs else result,
+      [r[2] for r in runs] if cache == "last" else [],
+    )
+  return timings
