@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.strategies import runahead
 from kvr_jax.strategies.base import TRACE_COUNT
 from models import layers
 
@@ -214,6 +215,9 @@ FLASH_CASES = [
   (3, [500, 333, 267]),
   (4, "even"),
   (8, [250, 200, 150, 140, 120, 100, 90, 50]),
+  # The first rank longer than all the others together, a last rank of one token: the one
+  # body's row loops run 4, 1 and 1 blocks of its padded 1000 rows.
+  (3, [1000, 99, 1]),
 ]
 
 
@@ -254,6 +258,23 @@ def test_kvr_flash_matches_dense_single(long_setup, name, p, partition):
   assert_close(got.logits, dense[name].logits, "logits")
   assert_close(got.k_cache, dense[name].k_cache, "K cache")
   assert_close(got.v_cache, dense[name].v_cache, "V cache")
+
+
+def test_kvr_per_rank_program_matches_dense_single(long_setup):
+  """The per-rank switch program (kept as the one body's reference, and for the kernels with
+  static bounds) with the flash kernel: early diagonal rows on every rank > 0."""
+  models, tokens, dense = long_setup
+  got = kvr_jax.prefill(
+    models["gqa"],
+    tokens,
+    strategy=runahead.PER_RANK_STRATEGY,
+    mesh=kvr_jax.make_mesh(3),
+    partition=[500, 333, 267],
+    attention="flash",
+  )
+  assert got.strategy == "kvr-per-rank"
+  assert_close(got.logits, dense["gqa"].logits, "logits")
+  assert_close(got.k_cache, dense["gqa"].k_cache, "K cache")
 
 
 def test_kvr_flash_bfloat16_close_to_float32(long_setup):
@@ -401,3 +422,55 @@ def test_a_prompt_of_exactly_max_position_embeddings_tokens_runs():
   assert kvr_jax.prefill(model, tokens).k_cache.shape[2] == n
   with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
     kvr_jax.prefill(model, kvr_jax.synthetic_prompt(model.config.vocab_size, n + 1))
+
+
+# --- lengths as data: the one-body KV-Runahead program's kernel ----------------------------
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_traced_query_rows_and_key_end_match_dense(window):
+  """One compiled kernel for every (offset, key_end, query rows): the rows asked for equal the
+  dense kernel over keys [0, key_end); the query blocks holding none of them are not visited
+  (out 0, lse -inf); keys at or past key_end are never seen (garbage there changes nothing)."""
+  T, S, bq, bk = 37, 90, 8, 16
+  q, k, v = qkv(T, S, 4, 2, seed=7)
+  garbage = jnp.full_like(k, 1e3)
+
+  @jax.jit
+  def flash(q, k, v, offset, key_end, lo, hi):
+    return layers.attend_flash(
+      q,
+      k,
+      v,
+      offset,
+      window=window,
+      query_block=bq,
+      key_block=bk,
+      query_rows=(lo, hi),
+      key_end=key_end,
+      out_dtype=jnp.float32,
+    )
+
+  for offset, key_end, lo, hi in [
+    (50, 50, 0, 37),
+    (50, 60, 5, 30),
+    (0, 37, 0, 37),
+    (20, 45, 13, 25),
+  ]:
+    tail = jnp.arange(S)[None, :, None, None] >= key_end
+    k_dirty, v_dirty = jnp.where(tail, garbage, k), jnp.where(tail, garbage, v)
+    out, lse = flash(q, k_dirty, v_dirty, offset, key_end, lo, hi)
+    want = layers.attend(q, k[:, :key_end], v[:, :key_end], offset, window=window)
+    # Rows that see some key (with a window, rows far past key_end see none: flash gives
+    # them weight 0, the dense kernel a uniform average of masked scores).
+    position = offset + np.arange(lo, hi)
+    seen = np.minimum(position, key_end - 1) >= np.maximum(position - (window or S) + 1, 0)
+    rows = np.arange(lo, hi)[seen]
+    assert_close(out[:, rows], want[:, rows], f"rows [{lo}, {hi}) at key_end {key_end}")
+    skipped = np.ones(T, bool)
+    skipped[lo // bq * bq : -(-hi // bq) * bq] = False
+    assert np.all(np.isneginf(np.asarray(lse)[:, skipped])), (lo, hi)
+    assert not np.any(np.asarray(out)[:, skipped])
+  # No key at all (rank 0's prefix): every row weighs nothing in a merge.
+  out, lse = flash(q, k, v, 0, 0, 0, T)
+  assert np.all(np.isneginf(np.asarray(lse))) and not np.any(np.asarray(out))

@@ -9,6 +9,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -411,3 +412,48 @@ def test_fitted_hardware_drives_an_exact_search(models, prompts, oracle):
   assert_close(got.logits, oracle[("tiny-llama", 1)].logits, "logits")
   with pytest.raises(ValueError, match="fitted_hardware models kernels"):
     measured.fitted_hardware(model, CONTEXT, attention="dense")
+
+
+# --- the one-body program: one body for every rank, lengths as data --------------------------
+
+
+def test_row_blocks_visit_only_the_real_rows():
+  """map_row_blocks runs ceil(n / R) blocks for a traced n (one program for every n): the
+  rows of later blocks keep what the output held, so a rank computes at most R - 1 padded
+  rows of projections and MLP."""
+  R, rows = 8, 40
+
+  @jax.jit
+  def visited(n):
+    ones = lambda first_row, x: (jnp.ones_like(x),)
+    return runahead.map_row_blocks(ones, n, R, (jnp.zeros((1, rows)),), (jnp.zeros((1, rows)),))[0]
+
+  for n in (1, 7, 8, 9, 33, 40):
+    assert int(visited(n).sum()) == -(-n // R) * R, n
+
+
+def _compiled_size(model, chunks, body):
+  mesh = kvr_jax.make_mesh(len(chunks))
+  fn = runahead.compile_program(model.graphdef, mesh, tuple(chunks), "flash", body=body)
+  tokens = runahead.pad_chunks(np.zeros((1, sum(chunks)), np.int32), tuple(chunks))
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  lowered = fn.lower(model.state_on(replicated), jax.device_put(tokens, by_rank))
+  return len(lowered.as_text().splitlines())
+
+
+def test_one_body_program_does_not_grow_with_ranks(models):
+  """The one body is the same program text whatever p; only the p-1 hops are added (a few
+  lines each). The per-rank program compiles a branch per rank: it grows with p."""
+  model = models["tiny-llama"]
+  one = {p: _compiled_size(model, tuple([64] * p), "one") for p in (2, 8)}
+  per_rank = {p: _compiled_size(model, tuple([64] * p), "per-rank") for p in (2, 8)}
+  assert one[8] < 1.2 * one[2], one
+  assert per_rank[8] > 2 * per_rank[2], per_rank
+
+
+def test_one_body_refuses_static_kernels(models):
+  with pytest.raises(ValueError, match="one-body KV-Runahead program runs attention in"):
+    runahead.compile_program(
+      models["tiny-llama"].graphdef, kvr_jax.make_mesh(2), (7, 6), "fused", body="one"
+    )
