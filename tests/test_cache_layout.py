@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 
 import kvr_jax
-from kvr_jax.inference import decode
+from kvr_jax.inference import decode, kv_cache
+from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.runtime.loading import build_model
 from kvr_jax.tools.memory import compiled_memory
@@ -130,13 +131,12 @@ def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("partition", [[20, 9], [5, 4, 20]])
+@pytest.mark.parametrize("partition", [[20, 9], [14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])
 def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle, partition):
   """KV-Runahead's last hop already carried every earlier position to the last rank: its
   cache="last" is joined there from that message and its own part, with no device-to-device
   transfer at all (any copy between devices, explicit or not, raises under the guard). The
-  peers' parts have to move: the same guard stops their move. (In one process the join is
-  kept where the last hop is no longer than a part: S_{p-2} <= c_max.)"""
+  peers' parts have to move: the same guard stops their move."""
   model, ref = models["gqa"], oracle["gqa"]
   mesh = kvr_jax.make_mesh(len(partition))
   deferred = kvr_jax.prefill(
@@ -154,11 +154,11 @@ def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle,
   assert k.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
 
 
-@pytest.mark.parametrize("partition", [[14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])
-def test_kvr_last_moves_where_the_join_would_cost_more(models, prompt, oracle, partition):
-  """In one process, where the last hop is longer than a part (S_{p-2} > c_max), every other
-  rank would hold that many rows of zeros per layer for the join: the parts move instead
-  (real rows only), and the cache is the same."""
+@pytest.mark.parametrize("partition", [[20, 9], [8, 5, 4, 3, 3, 2, 2, 2]])
+def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, partition, monkeypatch):
+  """On a device too small for the join's zeros on the other ranks (here: pretended, 64 KiB),
+  one process moves the parts instead (real rows only), and the cache is the same."""
+  monkeypatch.setattr(prefill_module, "device_memory_bytes", lambda device: 64 * 1024)
   model, ref = models["gqa"], oracle["gqa"]
   mesh = kvr_jax.make_mesh(len(partition))
   kwargs = dict(strategy="kvr", mesh=mesh, partition=partition)
@@ -169,13 +169,30 @@ def test_kvr_last_moves_where_the_join_would_cost_more(models, prompt, oracle, p
   assert last.k_cache.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
 
 
-def test_kvr_last_outputs_no_prompt_long_zeros_at_many_ranks():
-  """XLA's analysis (shapes only): at 8 ranks KV-Runahead's cache="last" program outputs a
-  rank's part and nothing prompt-long (it moves the parts); at 2 ranks it keeps the join,
-  whose last hop is rank 0's own chunk (outputs about twice the part)."""
+def test_join_affordable_hand_worked():
+  """Llama-3.1-8B (32 layers, 8 KV heads x 128) at 131,072 tokens on 8 even ranks in float32:
+  the last hop is 7/8 of the prompt, 32 * 2 * 114,688 * 8 * 128 * 4 bytes = 28 GiB on every
+  rank, over a sixteenth of an 80 GB GPU: the parts move. Across processes the move would
+  allocate the whole cache on every rank: join. A hop 10,000 times smaller joins."""
+  config = kvr_jax.preset_config("llama-3.1-8b")
+  chunks = (16384,) * 8
+  hop = kv_cache.last_hop_bytes(config, chunks, 1, 4, config.num_kv_heads)
+  assert hop == 32 * 2 * 114688 * 8 * 128 * 4
+  assert not kv_cache.join_affordable(hop, one_process=True, device_memory=80 * 10**9)
+  assert kv_cache.join_affordable(hop, one_process=False, device_memory=80 * 10**9)
+  assert kv_cache.join_affordable(hop // 10**4, one_process=True, device_memory=80 * 10**9)
+
+
+def test_kvr_last_outputs_no_prompt_long_zeros_where_the_join_does_not_fit():
+  """XLA's analysis (shapes only): planned for a small device (1 MiB), KV-Runahead's
+  cache="last" program at 8 ranks outputs a rank's part and nothing prompt-long (its parts
+  move); where the join fits, its outputs hold the last hop too (part + hop >= the cache)."""
   cfg = kvr_jax.preset_config("tiny-llama")
   logits_bytes = cfg.vocab_size * 4
-  eight = compiled_memory(cfg, "kvr", context_len=MEMORY_CONTEXT, num_ranks=8, cache="last")
+  small = 2**20
+  eight = compiled_memory(
+    cfg, "kvr", context_len=MEMORY_CONTEXT, num_ranks=8, cache="last", device_memory=small
+  )
   assert not eight["joins_last_hop"]
   part = eight["kv_cache_bytes"] * max(eight["chunks"]) / MEMORY_CONTEXT  # the longest chunk's
   assert eight["output_bytes"] <= 1.05 * part + logits_bytes, eight

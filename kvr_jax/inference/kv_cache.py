@@ -32,6 +32,7 @@ split over "model" (`gather_on_model_group`). KV-Runahead's no-move join is not 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,34 @@ from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
 
 CACHE_LAYOUTS = ("last", "sharded")
+# KV-Runahead's join may cost a rank that does not keep the cache at most this share of its
+# device's memory in zeros (SPMD gives every rank the last-hop output's shape); beyond it, in
+# one process, the parts move instead (real rows only).
+JOIN_MEMORY_SHARE = 1 / 16
+
+
+def device_memory_bytes(device) -> int:
+  """What `device` can hold: its allocator's limit where it reports one (GPUs), else the
+  host's physical memory shared by this process's devices (emulated CPU devices)."""
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return host // max(1, len(jax.local_devices()))
+
+
+def last_hop_bytes(config, chunks, batch: int, itemsize: int, kv_heads: int) -> int:
+  """The join's output on every rank: each layer's last hop, S_{p-2} positions of K and V."""
+  return config.num_layers * 2 * batch * sum(chunks[:-1]) * kv_heads * config.head_dim * itemsize
+
+
+def join_affordable(hop_bytes: int, one_process: bool, device_memory: int) -> bool:
+  """Whether KV-Runahead's cache="last" joins its last hops (no move) rather than moving its
+  parts. Across processes always: the move's program allocates a prompt-long output on
+  every rank anyway. In one process only while the join's zeros on the other ranks stay
+  within JOIN_MEMORY_SHARE of a device: a Qwen2.5-14B shape at 131k tokens on 8 ranks would
+  cost every rank 42 GiB of them (float32), and its parts move; a tiny model joins."""
+  return not one_process or hop_bytes <= JOIN_MEMORY_SHARE * device_memory
 
 
 def check_cache(cache) -> str:

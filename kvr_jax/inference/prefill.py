@@ -18,7 +18,13 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode
-from kvr_jax.inference.kv_cache import check_cache, gather_on_last_rank
+from kvr_jax.inference.kv_cache import (
+  check_cache,
+  device_memory_bytes,
+  gather_on_last_rank,
+  join_affordable,
+  last_hop_bytes,
+)
 from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
@@ -301,9 +307,18 @@ def prefill(
         int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(user_chunks))
       )
   chunks = spec.layout(T, p, user_chunks)
-  # cache="last" from what KV-Runahead's last rank received (no move), where it is whole.
+  # cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
+  # where memory allows it (kv_cache.join_affordable).
   keep_last_hop = (
-    spec.keeps_last_hop(cache, chunks, window, one_process=jax.process_count() == 1) and m == 1
+    m == 1
+    and spec.keeps_last_hop(cache, chunks, window)
+    and join_affordable(
+      last_hop_bytes(
+        model.config, chunks, B, jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
+      ),
+      one_process=jax.process_count() == 1,
+      device_memory=device_memory_bytes(device),
+    )
   )
   run = spec.program(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop)
   if m > 1:

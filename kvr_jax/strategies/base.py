@@ -162,23 +162,15 @@ class Strategy:
   cache_from_last_hop: Callable[[tuple[int, ...], int | None], bool] | None = None
   attention_note: str = ""  # why it runs only these kernels, for the error message
 
-  def keeps_last_hop(
-    self, cache: str, chunks: tuple[int, ...], window: int | None, one_process: bool = True
-  ) -> bool:
-    """cache="last" comes from what the last rank received (no move): where this strategy's
-    hops carry the whole prefix for these chunks (`cache_from_last_hop`) and the join costs
-    the other ranks no more memory than the move would. SPMD gives every rank the last-hop
-    output's shape, S_{p-2} rows per layer, zeros on all but the last rank. Across processes
-    the move's program allocates a prompt-long output on every rank, so the join is never
-    worse there; in one process the move copies only real rows, so the join is kept only
-    while its zeros are no longer than a rank's own part (S_{p-2} <= c_max: always at p = 2,
-    where the last hop is rank 0's chunk). At 8 ranks of 131k tokens the join would cost
-    every rank 7/8 of the cache (issue 32)."""
-    if cache != "last" or self.cache_from_last_hop is None:
-      return False
-    if not self.cache_from_last_hop(chunks, window):
-      return False
-    return not one_process or sum(chunks[:-1]) <= max(chunks)
+  def keeps_last_hop(self, cache: str, chunks: tuple[int, ...], window: int | None) -> bool:
+    """cache="last" can come from what the last rank received (no move): this strategy's hops
+    carry the whole prefix for these chunks (`cache_from_last_hop`). Whether it should is
+    memory's question (kvr_jax.inference.kv_cache.join_affordable)."""
+    return (
+      cache == "last"
+      and self.cache_from_last_hop is not None
+      and self.cache_from_last_hop(chunks, window)
+    )
 
   def program(self, graphdef, mesh, chunks, attention, timeline=False, keep_last_hop=False):
     """`compile`, passing keep_last_hop only where it is asked for (the strategies that do not

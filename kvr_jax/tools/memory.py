@@ -26,7 +26,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference.kv_cache import check_cache, collect_program, join_on_device, place
+from kvr_jax.inference.kv_cache import (
+  check_cache,
+  collect_program,
+  device_memory_bytes,
+  join_affordable,
+  join_on_device,
+  last_hop_bytes,
+  place,
+)
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import abstract_model, preset_config, resolve_dtype
@@ -70,6 +78,7 @@ def compiled_memory(
   attention: str | None = None,
   partition=MEMORY_PARTITION,
   model_parallel: int = 1,
+  device_memory: int | None = None,
 ) -> dict:
   """XLA's per-device memory of `strategy`'s prefill program, compiled from shapes only.
 
@@ -80,6 +89,11 @@ def compiled_memory(
   `move_temp_bytes`: the move of the parts onto the last rank's device (after the program),
   which then holds the whole cache and one run; for KV-Runahead the join of its last hops and
   its part where they lie.
+
+  device_memory: the bytes of the device the prefill is planned for (e.g. 80e9 for an H100),
+  default this machine's: KV-Runahead's cache="last" joins its last hops only where their
+  zeros on the other ranks fit a share of it (kv_cache.join_affordable; `joins_last_hop`),
+  as prefill decides in one process; otherwise its parts move.
 
   model_parallel: devices per rank (a ("ranks", "model") mesh of num_ranks x m devices, the
   weights split as prefill splits them): every figure is then one device's, `weights_bytes`
@@ -107,7 +121,17 @@ def compiled_memory(
   dtype_name = np.dtype(resolve_dtype(dtype)).name
   if len(jax.devices()) < num_ranks * m:
     return _in_subprocess(
-      config, strategy, context_len, num_ranks, dtype_name, cache, batch, attention, partition, m
+      config,
+      strategy,
+      context_len,
+      num_ranks,
+      dtype_name,
+      cache,
+      batch,
+      attention,
+      partition,
+      m,
+      device_memory,
     )
 
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
@@ -129,8 +153,17 @@ def compiled_memory(
     )
   chunks = spec.layout(context_len, num_ranks, user_chunks)
   # cache="last" as prefill runs it in one process: KV-Runahead keeps its last hops (no move)
-  # where whole and no longer than a part (Strategy.keeps_last_hop), else its parts move.
-  joined = spec.keeps_last_hop(cache, chunks, config.sliding_window) and m == 1
+  # where whole and where memory allows (kv_cache.join_affordable), else its parts move.
+  hop_bytes = last_hop_bytes(
+    config, chunks, batch, np.dtype(dtype_name).itemsize, config.num_kv_heads
+  )
+  if device_memory is None:
+    device_memory = device_memory_bytes(mesh.devices.flat[0])
+  joined = (
+    m == 1
+    and spec.keeps_last_hop(cache, chunks, config.sliding_window)
+    and join_affordable(hop_bytes, one_process=True, device_memory=device_memory)
+  )
   program = spec.program(graphdef, mesh, chunks, attention, keep_last_hop=joined)
   # The weights as prefill places them: whole on every device, or split over "model" (KV
   # heads repeated to m first where fewer).
@@ -204,7 +237,17 @@ def compiled_memory(
 
 
 def _in_subprocess(
-  config, strategy, context_len, num_ranks, dtype, cache, batch, attention, plan, model_parallel
+  config,
+  strategy,
+  context_len,
+  num_ranks,
+  dtype,
+  cache,
+  batch,
+  attention,
+  plan,
+  model_parallel,
+  device_memory,
 ):
   """The same call in a fresh interpreter with num_ranks x model_parallel emulated CPU
   devices."""
@@ -218,6 +261,7 @@ def _in_subprocess(
     "batch": batch,
     "attention": attention,
     "model_parallel": model_parallel,
+    "device_memory": None if device_memory is None else int(device_memory),
     # A plan travels as its name, its lengths or its fields.
     "plan": dataclasses.asdict(plan) if isinstance(plan, PartitionPlan) else plan,
   }
