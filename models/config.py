@@ -241,6 +241,48 @@ SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon",)
 HEAD_DIM_DEFAULTS = {"qwen3": 128}
 WINDOW_DEFAULTS = {"mistral": 4096}
 MAX_POSITION_DEFAULTS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+QWEN_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config's default
+
+# What config.json must hold, per family, and the types of the fields read from it: a missing
+# or mistyped field is refused by name at load (not a KeyError, nor a TypeError inside a
+# traced program).
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+LLAMA_REQUIRED_FIELDS = ("intermediate_size",)
+POSITIVE_INT_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "num_hidden_layers",
+  "num_attention_heads",
+  "intermediate_size",
+  "num_key_value_heads",
+  "num_kv_heads",
+  "head_dim",
+  "max_position_embeddings",
+  "ffn_hidden_size",
+)
+NON_NEGATIVE_INT_FIELDS = ("max_window_layers",)
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+
+
+def _check_fields(hf: dict[str, Any], model_type: str) -> None:
+  """Required fields present, every field read of the right type (null = absent)."""
+  required = REQUIRED_FIELDS + (LLAMA_REQUIRED_FIELDS if model_type in LLAMA_FAMILIES else ())
+  missing = [name for name in required if hf.get(name) is None]
+  if missing:
+    raise ValueError(f"config.json lacks the required field(s) {missing} ({model_type})")
+  for name in POSITIVE_INT_FIELDS + NON_NEGATIVE_INT_FIELDS:
+    value = hf.get(name)
+    smallest = 0 if name in NON_NEGATIVE_INT_FIELDS else 1
+    if value is not None and (
+      isinstance(value, bool) or not isinstance(value, int) or value < smallest
+    ):
+      raise ValueError(f"config.json: `{name}` must be an integer >= {smallest}, got {value!r}")
+  for name in POSITIVE_FLOAT_FIELDS:
+    value = hf.get(name)
+    if value is not None and (
+      isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+    ):
+      raise ValueError(f"config.json: `{name}` must be a positive number, got {value!r}")
 
 
 def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
@@ -259,7 +301,10 @@ def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types")
   if layer_types is None:
-    first_windowed = hf.get("max_window_layers", 0) if model_type in ("qwen2", "qwen3") else 0
+    # transformers' Qwen2/Qwen3 config classes default max_window_layers to 28 when absent.
+    first_windowed = (
+      hf.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS) if model_type in ("qwen2", "qwen3") else 0
+    )
     layer_types = [
       "sliding_attention" if window is not None and i >= first_windowed else "full_attention"
       for i in range(num_layers)
@@ -289,6 +334,8 @@ def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
   """Builds a config from the dict of a Hugging Face `config.json`."""
   model_type = hf.get("model_type")
+  if model_type in SUPPORTED_MODEL_TYPES:
+    _check_fields(hf, model_type)
   eos = hf.get("eos_token_id")
   if isinstance(eos, list):
     eos = tuple(eos)

@@ -189,6 +189,19 @@ VARIANTS = {
     drop("layer_types"),
     None,
   ),
+  # Absent, transformers' class default decides (28): with 2 layers no layer is windowed.
+  "qwen2-no-max-window-layers": (
+    "qwen2",
+    {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0},
+    drop("max_window_layers", "layer_types"),
+    None,
+  ),
+  "qwen3-no-max-window-layers": (
+    "qwen3",
+    {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0},
+    drop("max_window_layers", "layer_types"),
+    None,
+  ),
   "qwen3-head-dim-16": ("qwen3", {"head_dim": 16, "use_sliding_window": False}, None, None),
   "qwen3-no-head-dim": ("qwen3", {"head_dim": 128}, drop("head_dim"), None),
   "qwen3-window-every-layer": (
@@ -223,6 +236,14 @@ VARIANTS = {
   ),
   "falcon-alibi": ("falcon", {}, put(alibi=True), "alibi"),
   "falcon-bias": ("falcon", {"bias": True}, None, "bias"),
+  # Malformed files: a required field missing, a field of the wrong type or range.
+  "llama-no-vocab-size": ("llama", {}, drop("vocab_size"), "vocab_size"),
+  "llama-no-intermediate-size": ("llama", {}, drop("intermediate_size"), "intermediate_size"),
+  "qwen2-no-layers": ("qwen2", {}, drop("num_hidden_layers"), "num_hidden_layers"),
+  "falcon-no-hidden-size": ("falcon", {}, drop("hidden_size"), "hidden_size"),
+  "llama-eps-as-text": ("llama", {}, put(rms_norm_eps="1e-5"), "rms_norm_eps"),
+  "llama-heads-as-float": ("llama", {}, put(num_attention_heads=4.0), "num_attention_heads"),
+  "mistral-negative-positions": ("mistral", {}, put(max_position_embeddings=-1), "max_position"),
 }
 
 

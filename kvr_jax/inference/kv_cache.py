@@ -50,7 +50,10 @@ JOIN_MEMORY_SHARE = 1 / 16
 def device_memory_bytes(device) -> int:
   """What `device` can hold: its allocator's limit where it reports one (GPUs), else the
   host's physical memory shared by this process's devices (emulated CPU devices)."""
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  try:  # another process's device reports nothing here
+    stats = device.memory_stats() if device.process_index == jax.process_index() else None
+  except jax.errors.JaxRuntimeError:  # a backend without allocator statistics
+    stats = None
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"])
   host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -317,7 +317,7 @@ def prefill(
         model.config, chunks, B, jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
       ),
       one_process=jax.process_count() == 1,
-      device_memory=device_memory_bytes(device),
+      device_memory=device_memory_bytes(mesh.devices.flat[-1]),
     )
   )
   run = spec.program(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop)

@@ -13,11 +13,20 @@ One jitted SPMD program; every rank runs the layer loop below on its own chunk. 
                          + merge           + merge              + merge      lse merge)
   finish     MLP c0      MLP c1            MLP c2               MLP c3
 
-Every rank holds a [B, c_max] padded chunk because SPMD needs one static shape, but the
-per-rank work is a `lax.switch` on the rank index whose branch i slices exactly c_i rows and
-S_i keys: no FLOP is spent on padding. Hop k is a `ppermute` with the single pair (k, k+1)
-that sends the static prefix [0, S_k) of rank k's keys, K and V stacked in one message, with
-their own K heads (never repeated to the N query heads).
+Every rank holds a [B, c_max] padded chunk because SPMD needs one static shape. Two bodies
+(`compile_program(body=)`):
+  "one" (`one_body_program`; the flash kernel): every rank runs one body, its real length,
+    start and early rows are data; the projections and the MLP run over row blocks in loops
+    whose trip count is the rank's length, and the flash kernel visits only the query and
+    key blocks inside the real lengths: at most one block of padding per rank, and a program
+    that does not grow with p.
+  "per-rank" (`per_rank_program`; dense, blocked, fused, cudnn, whose bounds are static): a
+    `lax.switch` on the rank index whose branch i slices exactly c_i rows and S_i keys: no
+    FLOP on padding, but every branch is compiled (the program grows with p).
+Hop k is a `ppermute` with the single pair (k, k+1) that sends the static prefix [0, S_k) of
+rank k's keys, K and V stacked in one message, with their own K heads (never repeated to the
+N query heads): the hops' sizes follow the split in both bodies (SPMD collectives need static
+shapes), so a new split is a new program.
 
 Better than the paper: a rank does not idle while it waits for its prefix. With a kernel that
 returns its log-sum-exp (flash, fused), rank i > 0 first attends the first r_i rows of its own
@@ -51,7 +60,8 @@ to the last rank, which attended it. With `keep_last_hop` the program also retur
 layer's last-hop message ([L, 2, B*S_{p-2}, K, H]; zeros on the ranks it did not reach, the
 price of SPMD's one output shape) and the last rank's cache is that message and its own chunk,
 joined where they lie. (Moving the parts after the program instead sent rank 0's chunk to the
-last rank twice and cost KVR 0.3 s of 2.6 s at 8k on two processes.)
+last rank twice and cost KVR 0.3 s of 2.6 s at 8k on two processes.) Prefill asks for it only
+where memory allows (kvr_jax.inference.kv_cache.join_affordable).
 
 Sliding window W (Mistral): query q sees only keys (q - W, q], so hop k carries only the last
 W-1 keys of [0, S_k) and each rank attends to [start - W + 1, S_i): hop bytes and attention
