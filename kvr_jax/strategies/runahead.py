@@ -598,7 +598,9 @@ def one_body_program(
             ((x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message))
           )
         )
-      prefix_keys_2BSKH = buffer_2BSKH if p > 1 else own_2BcKH
+      # Only the positions some rank's prefix holds ([0, S_{p-2})): the kernel lays out
+      # every key it is given, so the rest of the buffer would cost a copy per layer.
+      prefix_keys_2BSKH = buffer_2BSKH[:, :, : chunk_starts(chunks)[-1]] if p > 1 else own_2BcKH
       # The prefix [first, start): every real row, keys before the rank's own (key_end).
       prefix_BcNH, prefix_lse_BcN = block.attend_partial(
         q_BcNH,
