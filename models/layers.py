@@ -328,7 +328,7 @@ def merge_partials(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN):
   return out, m + jnp.log(total)
 
 
-def _even_block(length: int, largest: int) -> int:
+def even_block(length: int, largest: int) -> int:
   """The block size that cuts `length` into as many blocks as `largest` would, but of equal
   size (a multiple of 8): 2588 queries in blocks of at most 512 are 6 blocks of 432 (4 padded
   rows) rather than 5 of 512 and a sixth of 28 padded to 512 (484 wasted rows)."""
@@ -380,7 +380,7 @@ def attend_flash(
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
   scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(H)
-  bq, bk = _even_block(T, query_block), _even_block(S, key_block)
+  bq, bk = even_block(T, query_block), even_block(S, key_block)
   nq, nk = -(-T // bq), -(-S // bk)
   # Padded queries are dropped at the end; padded keys (at positions >= S) are masked.
   q_pad = jnp.pad(q_BTNH, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0)))
@@ -464,7 +464,8 @@ def attend_flash(
   else:  # only the blocks that hold rows [lo, hi): a trip count that is data
     lo, hi = query_rows
     first_block = jnp.clip(lo // bq, 0, nq)
-    last_block = jnp.clip(-(-hi // bq), first_block, nq)
+    # No rows asked for (hi <= lo): no block, not the one that holds lo.
+    last_block = jnp.where(hi > lo, jnp.clip(-(-hi // bq), first_block, nq), first_block)
     zero_blocks = jnp.zeros_like(q_blocks, jnp.float32)  # q's type (see query_block_fn)
 
     def visit(i, outputs):

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from kvr_jax.tools.timing import interval_verdict
 from tests.test_launchers import run
 
 
@@ -76,15 +77,20 @@ def test_benchmark_multiprocess_mode(tmp_path):
     "--mode=multiprocess",
     "--model=tiny-llama",
     "--context_lens=128",
-    "--repeats=1",
+    "--repeats=2",
     "--single_variants=single",
-    "--variants=tsp,kvr-search",
+    "--variants=tsp,ring,kvr-search",
     f"--output_dir={tmp_path}",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   table = json.loads((tmp_path / "multiprocess.json").read_text())
-  assert {r["variant"] for r in table} == {"single", "tsp", "kvr-search"}
+  assert {r["variant"] for r in table} == {"single", "tsp", "ring", "kvr-search"}
   assert all(r["ttft_s"] > 0 for r in table)
+  # Every interleaved sample is kept; the median is theirs; KVR gets a verdict on the peer.
+  assert all(len(r["samples_s"]) == 2 for r in table)
+  assert all(r["ttft_s"] == pytest.approx(sum(r["samples_s"]) / 2) for r in table)
+  (kvr,) = [r for r in table if r["variant"] == "kvr-search"]
+  assert kvr["vs_peer"] in ("ahead ring", "tie ring", "behind ring"), kvr
   # The printed rows are the JSON's numbers.
   for r in table:
     (line,) = [
@@ -176,3 +182,13 @@ def test_benchmark_and_paper_user_errors_are_one_line_before_any_work(module, fl
   proc = run(module, *flags, timeout=120)
   assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
   assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_interval_verdict_on_synthetic_samples():
+  """Ahead or behind only where the min-max intervals separate; overlapping ones tie."""
+  assert interval_verdict([1.0, 1.1, 1.2], [1.3, 1.4]) == "ahead"
+  assert interval_verdict([1.3, 1.4], [1.0, 1.1, 1.2]) == "behind"
+  assert interval_verdict([1.0, 1.25], [1.2, 1.4]) == "tie"  # medians 10% apart, overlap
+  assert interval_verdict([1.0], [1.0]) == "tie"
+  with pytest.raises(ValueError, match="samples on both sides"):
+    interval_verdict([], [1.0])

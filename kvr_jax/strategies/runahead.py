@@ -479,6 +479,19 @@ def one_body_buffer_len(chunks: tuple[int, ...]) -> int:
   return chunk_starts(chunks)[-1] + padded_chunk_len(chunks)
 
 
+def early_rows_in_blocks(config, chunks: tuple[int, ...]) -> tuple[int, ...]:
+  """The one body's early rows: each rank's r_i (`rows_before_hop`) moved to the nearest
+  edge of the flash kernel's query blocks (at most its c_i). The early and the late pieces
+  then visit disjoint query blocks; an r_i inside a block would have both compute it."""
+  if len(chunks) == 1:
+    return (0,)
+  block = layers.even_block(padded_chunk_len(chunks), layers.FLASH_QUERY_BLOCK)
+  return tuple(
+    min(int(round(r / block)) * block, c)
+    for r, c in zip(rows_before_hop(config, chunks), chunks, strict=True)
+  )
+
+
 def map_row_blocks(fn, num_rows, block: int, inputs, outputs):
   """For the blocks [j*block, (j+1)*block) that hold rows [0, num_rows) (num_rows may be
   traced: a data-dependent trip count), writes fn(first_row, *input blocks) into `outputs` at
@@ -540,7 +553,7 @@ def one_body_program(
     # What differs between ranks, as data.
     c = jnp.asarray(chunks, jnp.int32)[rank]
     start = jnp.asarray(chunk_starts(chunks), jnp.int32)[rank]
-    early_rows = jnp.asarray(rows_before_hop(cfg, chunks) if p > 1 else (0,), jnp.int32)[rank]
+    early_rows = jnp.asarray(early_rows_in_blocks(cfg, chunks), jnp.int32)[rank]
     tokens_Bc = tokens_1Bc[0]
     tokens_Bc = jnp.pad(tokens_Bc, ((0, 0), (0, c_pad - tokens_Bc.shape[1])))
     x_BcD = mark(timeline, "embed", -1, model.embed(tokens_Bc))

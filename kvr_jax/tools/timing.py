@@ -90,3 +90,16 @@ def time_interleaved(
       [r[2] for r in runs] if cache == "last" else [],
     )
   return timings
+
+
+def interval_verdict(samples_s, other_samples_s) -> str:
+  """ "ahead" (faster) or "behind" where the two sets of samples' min-max intervals do not
+  overlap, else "tie": a verdict that survives the noise of this machine's runs (10-30%
+  between runs), as far as the samples show it. Both need at least one sample."""
+  if not len(samples_s) or not len(other_samples_s):
+    raise ValueError("interval_verdict needs samples on both sides")
+  if max(samples_s) < min(other_samples_s):
+    return "ahead"
+  if min(samples_s) > max(other_samples_s):
+    return "behind"
+  return "tie"
