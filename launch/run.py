@@ -15,6 +15,7 @@ import jax
 from absl import app, flags, logging
 
 import kvr_jax
+from kvr_jax.inference import generate
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.tools import demo
 from launch import common
@@ -93,12 +94,19 @@ def main(argv):
   emulated = common.setup_devices(FLAGS.num_devices)
   with common.user_errors():
     common.check_output_file(FLAGS.output_json, "--output_json")
+    if FLAGS.prompt and FLAGS["context_len"].present:
+      raise ValueError(
+        "--prompt and --context_len contradict each other: a text prompt has its own length "
+        "(drop --context_len, or --prompt for a synthetic prompt)"
+      )
     cache_dir = common.compilation_cache(FLAGS.compilation_cache, FLAGS.compilation_cache_dir)
     # With tensor parallelism the weights are read straight into the ranks' shards.
     split_over = None
     if FLAGS.model_parallel > 1:
       split_over = mesh_of_ranks(FLAGS.num_devices, FLAGS.model_parallel)
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype, mesh=split_over)
+    # Decoding's arguments before any strategy compiles (not after the first has run).
+    generate.check_sampling(model, FLAGS.max_new_tokens, FLAGS.temperature, None, None, FLAGS.seed)
     buckets = common.parse_buckets(FLAGS.buckets)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
     partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)

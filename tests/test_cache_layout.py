@@ -343,3 +343,32 @@ def test_finish_in_row_blocks_equals_whole(models, name):
 
   _, (blocked, whole) = jax.jit(lambda: scan_blocks(model.blocks, both, 0))()
   assert_close(blocked, whole, "finish in row blocks")
+
+
+def test_memory_report_refuses_what_prefill_refuses_with_the_same_error():
+  """compiled_memory: a partition for a strategy that lays the prompt out itself is refused
+  (not ignored); numpy integers are integers; a user's mistake is the same ValueError
+  whether the report runs here or re-runs itself on 16 emulated devices."""
+  with pytest.raises(ValueError, match="lays the prompt out itself"):
+    compiled_memory("tiny-llama", "ring", context_len=256, num_ranks=2, partition=[128, 128])
+  got = compiled_memory(
+    "tiny-llama", "kvr", context_len=64, num_ranks=16, partition=np.full(16, 4, np.int64)
+  )
+  assert got["chunks"] == [4] * 16
+  for ranks in (2, 16):  # in this process, and in a subprocess
+    with pytest.raises(ValueError, match="sums to"):
+      compiled_memory("tiny-llama", "kvr", context_len=64, num_ranks=ranks, partition=[1] * ranks)
+
+
+def test_numpy_partition_with_buckets_names_the_bucket(models):
+  """A partition of numpy integers is summed like one of ints: the error names the bucket."""
+  tokens = np.arange(100)[None] % 64
+  with pytest.raises(ValueError, match="sums to 100, but the prompt runs padded to its bucket"):
+    kvr_jax.prefill(
+      models["gqa"],
+      tokens,
+      "kvr",
+      mesh=kvr_jax.make_mesh(2),
+      partition=np.array([60, 40]),
+      buckets="auto",
+    )

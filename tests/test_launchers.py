@@ -139,6 +139,8 @@ def test_run_with_tensor_parallel_ranks(tmp_path):
     (["--strategy=single,ulysses"], "unknown strategy"),
     (["--num_devices=64"], "only 8 devices"),
     (["--output_json=/nonexistent-dir/x.json"], "/nonexistent-dir does not exist"),
+    (["--temperature=-1"], "`temperature` must be a finite number >= 0"),
+    (["--prompt=hello", "--context_len=500"], "--prompt and --context_len contradict"),
   ],
 )
 def test_run_user_errors_are_one_line(flags, message):
@@ -199,3 +201,20 @@ def test_run_with_a_text_prompt(tmp_path):
   assert all(r["max_logit_diff_vs_single"] < 1e-4 for r in rows)
   proc = run("launch.run", *flags[:-1], "--prompt=w3", "--batch=2", timeout=60)
   assert proc.returncode == 2 and "--batch copies one --prompt" in proc.stderr
+
+
+def test_run_refuses_a_negative_temperature_before_any_strategy_compiles():
+  """Decoding's arguments are checked before the first strategy's prefill compiles (the
+  error used to come after it had compiled and run)."""
+  env = dict(os.environ, JAX_LOG_COMPILES="1")
+  proc = subprocess.run(
+    [sys.executable, "-m", "launch.run", "--temperature=-1", "--strategy=kvr", "--repeats=1"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "`temperature` must be a finite number >= 0" in proc.stderr
+  assert "jit(program)" not in proc.stderr  # no prefill program was compiled

@@ -68,7 +68,9 @@ _SHARDED_MULTIPROCESS = (
 MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 
 
-def _check_sampling(model: Model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
+def check_sampling(model: Model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
+  """The decoding arguments `generate` takes, refused by name (also called by the command
+  lines before anything compiles)."""
   if not _is_integer(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
   if not _is_real(temperature) or not temperature >= 0 or not np.isfinite(temperature):
@@ -122,7 +124,7 @@ def generate(
   cache stays in the ranks' parts; each step attends every part where it lies and merges the
   partial outputs, see kvr_jax.inference.decode; one process only).
   """
-  _check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
+  check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   check_cache(cache)
   if cache == "sharded" and jax.process_count() > 1:
     raise ValueError(_SHARDED_MULTIPROCESS)
@@ -160,7 +162,7 @@ def decode_from(
   seed: int = 0,
 ) -> GenerationResult:
   """Decodes from a prefill's KV cache, on the device that holds it (see `generate`)."""
-  _check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
+  check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   max_new_tokens, seed = int(max_new_tokens), int(seed)
   top_k = None if top_k is None else int(top_k)
   _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)

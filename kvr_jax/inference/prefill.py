@@ -250,8 +250,10 @@ def prefill(
       "padded rows (buckets or a ragged batch) with cache='sharded' run in one process; "
       "across processes use cache='last'"
     )
-  if spec.partitioned and T != longest and isinstance(partition, (list, tuple)):
-    total = sum(c for c in partition if isinstance(c, int))
+  if spec.partitioned and T != longest and isinstance(partition, (list, tuple, np.ndarray)):
+    total = sum(
+      int(c) for c in partition if isinstance(c, (int, np.integer)) and not isinstance(c, bool)
+    )
     if total != T:
       raise ValueError(
         f"partition {list(partition)} sums to {total}, but the prompt runs padded to its "

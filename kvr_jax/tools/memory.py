@@ -103,6 +103,21 @@ def compiled_memory(
   config = _config(model)
   spec = get_strategy(strategy)
   check_cache(cache)
+  if isinstance(partition, (list, tuple, np.ndarray)):
+    # numpy integers are integers (and travel to a subprocess as JSON ints).
+    partition = [
+      int(c) if isinstance(c, np.integer) and not isinstance(c, np.bool_) else c for c in partition
+    ]
+  explicit = not (
+    partition is None
+    or partition is MEMORY_PARTITION
+    or (isinstance(partition, str) and partition == "even")
+  )
+  if not spec.partitioned and explicit:
+    raise ValueError(
+      f"strategy {strategy!r} lays the prompt out itself; `partition` applies only to "
+      "partitioned strategies (kvr)"
+    )
   for name, value in (("context_len", context_len), ("num_ranks", num_ranks), ("batch", batch)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
@@ -282,6 +297,8 @@ def _in_subprocess(
   )
   if done.returncode != 0:
     last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    if last.startswith("ValueError: "):  # the user's mistake: the same error as in process
+      raise ValueError(last[len("ValueError: ") :])
     raise RuntimeError(f"compiled_memory on {num_ranks} emulated devices failed: {last}")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
