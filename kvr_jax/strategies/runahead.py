@@ -269,6 +269,15 @@ def whole_prefix_hops(chunks: tuple[int, ...], window: int | None) -> bool:
   return len(chunks) > 1 and hop_span(len(chunks) - 2, chunks, window)[0] == 0
 
 
+def check_keep_last_hop(keep_last_hop: bool, chunks: tuple[int, ...], window) -> None:
+  """keep_last_hop only where the last hop carries the whole prefix (`whole_prefix_hops`)."""
+  if keep_last_hop and not whole_prefix_hops(chunks, window):
+    raise ValueError(
+      f"keep_last_hop: the last hop of {chunks} does not carry the whole prefix (one rank, "
+      f"or a sliding window of {window} shorter than it); move the parts instead"
+    )
+
+
 def buffer_len(chunks: tuple[int, ...]) -> int:
   """Rows of a forwarding rank's accumulation buffer: every rank writes its c_max padded rows
   at its chunk's start (one SPMD write), so the last start plus c_max (never clamped)."""
@@ -283,11 +292,14 @@ def hop_chain(
   window: int | None = None,
   timeline: bool = False,
   layer=-1,
+  last_into_buffer: bool = False,
 ):
   """p-1 hops: hop k sends keys [a, S_k) (hop_span) from rank k to rank k+1, one pair per
   ppermute. Hop 0's message is rank 0's own chunk; a forwarding rank k sends from its buffer
-  (what it received, then its own chunk); the last hop's message is returned as it arrived.
-  A rank whose chunk is shorter than the window forwards part of what it received.
+  (what it received, then its own chunk); the last hop's message is returned as it arrived,
+  and written into the last rank's buffer too with `last_into_buffer` (the one body attends
+  every prefix from its buffer). A rank whose chunk is shorter than the window forwards part
+  of what it received.
 
   Returns (buffer, last message [2, B, S_{p-2} - a, K, H])."""
   p = len(chunks)
@@ -296,7 +308,7 @@ def hop_chain(
     a, end = hop_span(k, chunks, window)
     source = own_2BcKH if k == 0 else buffer_2BSKH  # rank 0's prefix is its chunk
     message = jax.lax.ppermute(source[:, :, a:end], AXIS, perm=[(k, k + 1)])
-    if k < p - 2:
+    if k < p - 2 or last_into_buffer:
       # ppermute gives zeros to ranks outside the pair: only rank k+1 keeps the message.
       prefix = jnp.where(rank == k + 1, message, buffer_2BSKH[:, :, a:end])
       buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, prefix, a, axis=2)
@@ -334,11 +346,7 @@ def per_rank_program(
     rank = jax.lax.axis_index(AXIS)
     x_BcD = mark(timeline, "embed", -1, model.embed(tokens_1Bc[0]))
     cfg = model.config
-    if keep_last_hop and not whole_prefix_hops(chunks, cfg.sliding_window):
-      raise ValueError(
-        f"keep_last_hop: the last hop of {chunks} does not carry the whole prefix (one rank, "
-        f"or a sliding window of {cfg.sliding_window} shorter than it); move the parts instead"
-      )
+    check_keep_last_hop(keep_last_hop, chunks, cfg.sliding_window)
     B = x_BcD.shape[0]
     early_rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * p
     # Allocated once and carried across layers; varying over the ranks like what it holds.
@@ -544,11 +552,7 @@ def one_body_program(
     count_trace("kvr")
     model = nnx.merge(graphdef, state)
     cfg = model.config
-    if keep_last_hop and not whole_prefix_hops(chunks, cfg.sliding_window):
-      raise ValueError(
-        f"keep_last_hop: the last hop of {chunks} does not carry the whole prefix (one rank, "
-        f"or a sliding window of {cfg.sliding_window} shorter than it); move the parts instead"
-      )
+    check_keep_last_hop(keep_last_hop, chunks, cfg.sliding_window)
     rank = jax.lax.axis_index(AXIS)
     # What differs between ranks, as data.
     c = jnp.asarray(chunks, jnp.int32)[rank]
@@ -602,8 +606,8 @@ def one_body_program(
         diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
           (diagonal, own_2BcKH, buffer_2BSKH)
         )
-        buffer_2BSKH, last_message = one_body_hops(
-          buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l
+        buffer_2BSKH, last_message = hop_chain(
+          buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l, True
         )
         # Everything after the hops waits for them (see per_rank_program).
         (x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message) = (
@@ -662,25 +666,6 @@ def one_body_program(
     return logits_BV[None], kv_out[None]
 
   return program
-
-
-def one_body_hops(
-  buffer_2BSKH, own_2BcKH, rank, chunks: tuple[int, ...], window, timeline=False, layer=-1
-):
-  """The hop chain of the one body: hop k sends keys [a, S_k) (hop_span) from rank k's buffer
-  (rank 0: its own chunk) to rank k+1, one pair per ppermute, and rank k+1 writes them into
-  its buffer at their positions (the last rank too: it attends its prefix from there).
-  Returns (buffer, last hop's message [2, B, S_{p-2} - a, K, H])."""
-  message = None
-  for k in range(len(chunks) - 1):
-    a, end = hop_span(k, chunks, window)
-    source = own_2BcKH if k == 0 else buffer_2BSKH
-    message = jax.lax.ppermute(source[:, :, a:end], AXIS, perm=[(k, k + 1)])
-    # ppermute gives zeros to ranks outside the pair: only rank k+1 keeps the message.
-    prefix = jnp.where(rank == k + 1, message, buffer_2BSKH[:, :, a:end])
-    buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, prefix, a, axis=2)
-    buffer_2BSKH, message = mark(timeline, f"hop{k}", layer, (buffer_2BSKH, message))
-  return buffer_2BSKH, message
 
 
 @functools.lru_cache(maxsize=64)
