@@ -243,7 +243,7 @@ def memory_mode():
             context_len=C,
             num_ranks=p,
             cache=FLAGS.cache,
-            partition=plan,
+            partition=plan if kvr_jax.get_strategy(strategy).partitioned else None,
             model_parallel=1 if strategy == "single" else FLAGS.model_parallel,
           )
         )

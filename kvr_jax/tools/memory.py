@@ -108,9 +108,11 @@ def compiled_memory(
     partition = [
       int(c) if isinstance(c, np.integer) and not isinstance(c, np.bool_) else c for c in partition
     ]
+  # The default plan (also as it comes back from a subprocess's JSON) is no choice of the
+  # user's; lengths, another plan or method are, and a non-partitioned strategy refuses them.
   explicit = not (
     partition is None
-    or partition is MEMORY_PARTITION
+    or (isinstance(partition, PartitionPlan) and partition == MEMORY_PARTITION)
     or (isinstance(partition, str) and partition == "even")
   )
   if not spec.partitioned and explicit:
