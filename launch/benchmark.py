@@ -51,7 +51,7 @@ from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
 from models.config import config_from_hf
-from models.layers import ATTENTION_KINDS
+from models.kernels import KERNEL_NAMES
 
 FLAGS = flags.FLAGS
 # Timeline mode's own partition: KVR-S with the cost model fitted to this model's phases.
@@ -437,8 +437,7 @@ def timeline_mode():
     setup = presets.make_setup(
       costmodel.Hardware(**fitted) if fitted else presets.LOCAL,
       dtype_bytes=jax.numpy.dtype(model.dtype).itemsize,
-      scores_in_memory=False,
-      causal_skip=True,
+      **costmodel.kernel_flags("flash"),
     )
   print(
     f"\nMEASURED timelines, {FLAGS.model}, C={C}, {FLAGS.num_processes} processes x 1 core "
@@ -758,9 +757,9 @@ def check_shared_flags():
       if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
         raise ValueError(f"--flash_blocks takes positive QxK pairs like 256x512, got {text!r}")
   if FLAGS.mode in ("kernels", "phases", "long"):
-    kinds = [k for k in FLAGS.kernels if k not in ATTENTION_KINDS]
+    kinds = [k for k in FLAGS.kernels if k not in KERNEL_NAMES]
     if not FLAGS.kernels or kinds:
-      raise ValueError(f"--kernels takes some of {ATTENTION_KINDS}, got {FLAGS.kernels!r}")
+      raise ValueError(f"--kernels takes some of {KERNEL_NAMES}, got {FLAGS.kernels!r}")
   if FLAGS.mode == "phases":
     for text in FLAGS.partitions:
       parts = text.split("/")

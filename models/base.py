@@ -100,7 +100,7 @@ class Block(nnx.Module):
     k_BTKH = layers.apply_rope(k_BTKH, positions_BT, self.config.rope)
     return q_BTNH, k_BTKH, v_BTKH
 
-  def attend(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention: str) -> jax.Array:
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention) -> jax.Array:
     """This model's attention (causal, with its sliding window if any) at `query_offset`
     counted from the first key given; `attention` names the kernel (models.layers)."""
     return layers.attend_static(
@@ -108,7 +108,7 @@ class Block(nnx.Module):
     )
 
   def attend_partial(
-    self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention: str, query_rows=None, key_end=None
+    self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention, query_rows=None, key_end=None
   ):
     """`attend` for the kernels that return their log-sum-exp (flash, fused): (out float32,
     lse float32), to be merged with an attention of the same queries over other keys.
@@ -192,7 +192,7 @@ class CausalLM(nnx.Module):
       )
     return jnp.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
 
-  def forward(self, tokens_BT: jax.Array, attention: str = "dense", reduce=no_reduce):
+  def forward(self, tokens_BT: jax.Array, attention="dense", reduce=no_reduce):
     """The whole prompt on one device (or one tensor-parallel shard of the model, whose
     partial sums `reduce` adds up): final hidden states [B, T, D] and the KV cache.
 

@@ -18,57 +18,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import RopeConfig
+from models.kernels import KERNELS, AttentionKernel, get_kernel, kernels_where
 
 # A large finite negative rather than -inf: a fully masked row (a padded query) then gives a
 # uniform softmax instead of NaNs that would poison reductions downstream.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
-# Query block of the "blocked" attention (see attend_blocked): measured fastest of 64/128/256/512
-# on this 2-core CPU for T = 2048 and 4096.
-ATTENTION_BLOCK = 128
-# Query and key blocks of the "flash" attention (see attend_flash), chosen by measurement
-# (README: `python -m launch.benchmark --mode=kernels`).
-FLASH_QUERY_BLOCK = 512
-FLASH_KEY_BLOCK = 512
-# "dense": the whole [T, S] rectangle, masked afterwards (the paper's accounting);
-# "blocked": query blocks, each over the keys up to its last query; "flash": online softmax
-# over key blocks, masked blocks skipped, O(block^2) memory; "fused": the rectangle as two
-# fused-attention pieces (the unmasked prefix, the causal diagonal) merged by their float32
-# log-sum-exp, in XLA's maths; "cudnn": the same two pieces in cuDNN's fused flash kernel
-# (NVIDIA GPUs; bfloat16 or float16; measured 10x the flash kernel's speed on an H100, README).
-ATTENTION_KINDS = ("dense", "blocked", "flash", "fused", "cudnn")
-# Kernels that never write a score matrix to memory and return their log-sum-exp (the cost
-# model's scores_in_memory=False; what partials are merged from).
-FUSED_KERNELS = ("flash", "fused", "cudnn")
-# The implementation of each two-piece kernel (attend_fused): part of the kernel's name, so
-# that every compiled-program cache keyed by the kernel is keyed by its implementation.
-FUSED_IMPLEMENTATIONS = {"fused": "xla", "cudnn": "cudnn"}
-# Input dtypes cuDNN's fused attention takes.
-CUDNN_DTYPES = ("bfloat16", "float16")
-# The default of strategies that skip masked work (single, kvr) where no platform choice
-# applies: the fastest exact kernel on this machine's CPU benchmark (README) from 1k tokens up.
-DEFAULT_CAUSAL_KERNEL = "flash"
-
-
-# Kernels that take a sliding window (the two-piece ones cannot: the prefix piece is unmasked).
-WINDOWED_KERNELS = ("dense", "blocked", "flash")
-
 
 def attend_static(
-  q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention: str, window: int | None = None
+  q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention, window: int | None = None
 ) -> jax.Array:
-  """Causal (optionally sliding-window) attention at a static offset with the kernel named by
-  `attention`. window=W: query q sees keys s with q - W < s <= q (Mistral's convention)."""
-  if attention == "blocked":
-    return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, ATTENTION_BLOCK, window=window)
-  if attention == "flash":
-    return attend_flash(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)[0]
-  if attention in FUSED_IMPLEMENTATIONS:
-    _check_no_window(attention, window)
-    out, _ = attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATIONS[attention])
+  """Causal (optionally sliding-window) attention at a static offset with the kernel
+  `attention` (a models.kernels record or its name). window=W: query q sees keys s with
+  q - W < s <= q (Mistral's convention)."""
+  kernel = get_kernel(attention)
+  _check_window(kernel, window)
+  if kernel.computes == "blocked":
+    return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.query_block, window=window)
+  if kernel.computes == "flash":
+    return attend_flash(
+      q_BTNH,
+      k_BSKH,
+      v_BSKH,
+      query_offset,
+      window=window,
+      query_block=kernel.query_block,
+      key_block=kernel.key_block,
+    )[0]
+  if kernel.computes == "two-piece":
+    out, _ = attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.implementation)
     return out.astype(q_BTNH.dtype)
-  if attention != "dense":
-    raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
   return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)
 
 
@@ -77,41 +56,49 @@ def attend_partial(
   k_BSKH,
   v_BSKH,
   query_offset: int,
-  attention: str,
+  attention,
   window: int | None = None,
   query_rows=None,
   key_end=None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Like `attend_static`, for the kernels that return their log-sum-exp (FUSED_KERNELS),
+  """Like `attend_static`, for the kernels that return their log-sum-exp (`returns_lse`),
   so that attentions over disjoint key sets merge exactly (`merge_partials`): returns (out
   [B, T, N, H] float32, lse [B, T, N] float32). A key set wholly in the past of every query
-  (query_offset >= S) is attended unmasked. query_rows, key_end: lengths as data, flash only
-  (see `attend_flash`)."""
-  if attention == "flash":
+  (query_offset >= S) is attended unmasked. query_rows, key_end: lengths as data, for the
+  kernels with `lengths_as_data` (see `attend_flash`)."""
+  kernel = get_kernel(attention)
+  if not kernel.returns_lse:
+    raise ValueError(
+      f"attention {kernel.name!r} returns no log-sum-exp; expected one of "
+      f"{kernels_where(returns_lse=True)}"
+    )
+  if (query_rows is not None or key_end is not None) and not kernel.lengths_as_data:
+    raise ValueError(
+      f"attention {kernel.name!r} takes static lengths only; use one of "
+      f"{kernels_where(lengths_as_data=True)}"
+    )
+  _check_window(kernel, window)
+  if kernel.computes == "flash":
     return attend_flash(
       q_BTNH,
       k_BSKH,
       v_BSKH,
       query_offset,
       window=window,
+      query_block=kernel.query_block,
+      key_block=kernel.key_block,
       out_dtype=jnp.float32,
       query_rows=query_rows,
       key_end=key_end,
     )
-  if query_rows is not None or key_end is not None:
-    raise ValueError(f"attention {attention!r} takes static lengths only; use 'flash'")
-  if attention in FUSED_IMPLEMENTATIONS:
-    _check_no_window(attention, window)
-    return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, FUSED_IMPLEMENTATIONS[attention])
-  raise ValueError(
-    f"attention {attention!r} returns no log-sum-exp; expected one of {FUSED_KERNELS}"
-  )
+  return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.implementation)
 
 
-def _check_no_window(attention: str, window: int | None) -> None:
-  if window is not None:
+def _check_window(kernel: AttentionKernel, window: int | None) -> None:
+  if window is not None and not kernel.takes_window:
     raise ValueError(
-      f"attention {attention!r} takes no sliding window; use one of {WINDOWED_KERNELS}"
+      f"attention {kernel.name!r} takes no sliding window; use one of "
+      f"{kernels_where(takes_window=True)}"
     )
 
 
@@ -344,8 +331,8 @@ def attend_flash(
   query_offset,
   *,
   window: int | None = None,
-  query_block: int = FLASH_QUERY_BLOCK,
-  key_block: int = FLASH_KEY_BLOCK,
+  query_block: int = KERNELS["flash"].query_block,
+  key_block: int = KERNELS["flash"].key_block,
   softmax_scale: float | None = None,
   out_dtype=None,
   query_rows=None,
@@ -498,9 +485,10 @@ def _cudnn_piece(q_BTNH, k_BSKH, v_BSKH, is_causal: bool):
   """
   if _cudnn_attention is None:
     raise ValueError(f"attention 'cudnn' needs JAX's cuDNN attention (jax {jax.__version__})")
-  if jnp.dtype(q_BTNH.dtype).name not in CUDNN_DTYPES:
+  dtypes = KERNELS["cudnn"].dtypes
+  if jnp.dtype(q_BTNH.dtype).name not in dtypes:
     raise ValueError(
-      f"attention 'cudnn' takes {CUDNN_DTYPES} inputs, not {jnp.dtype(q_BTNH.dtype).name}; "
+      f"attention 'cudnn' takes {dtypes} inputs, not {jnp.dtype(q_BTNH.dtype).name}; "
       "use 'flash' (or load the model in bfloat16)"
     )
   mask = _cudnn_attention.MaskType

@@ -4,6 +4,8 @@ Tolerance (fixed): float32 kernels agree within 1e-5 relative to the largest mag
 reference (the dense kernel); whole strategies likewise against the dense single oracle.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import kvr_jax
 from kvr_jax.strategies import runahead
 from kvr_jax.strategies.base import TRACE_COUNT
 from models import layers
+from models.kernels import KERNELS
 
 REL_TOL = 1e-5
 
@@ -372,14 +375,10 @@ class FakeDevice:
 def test_auto_attention_resolves_per_platform(strategy, device, dtype, window, want):
   fake = FakeDevice("gpu", "rocm 6.2") if device == "rocm" else FakeDevice(device, "cuda 12.8")
   spec = kvr_jax.get_strategy(strategy)
-  assert spec.resolve_attention("auto", fake, dtype, window) == want
-  assert spec.resolve_attention(None, fake, dtype, window) == want
-  assert (
-    spec.resolve_attention(spec.attention_kinds[-1], fake, dtype, window)
-    == (
-      spec.attention_kinds[-1]  # a kernel named is run as named
-    )
-  )
+  assert spec.resolve_attention("auto", fake, dtype, window).name == want
+  assert spec.resolve_attention(None, fake, dtype, window).name == want
+  named = spec.attention_kinds[-1]  # a kernel named is run as named
+  assert spec.resolve_attention(named, fake, dtype, window).name == named
 
 
 def test_auto_is_this_machines_flash_and_each_kernel_compiles_its_own_program():
@@ -399,8 +398,54 @@ def test_auto_is_this_machines_flash_and_each_kernel_compiles_its_own_program():
   assert traces("auto") == 0
   assert traces(None) == 0
   assert traces("fused") == 1
-  with pytest.raises(ValueError, match="cudnn.*NVIDIA GPUs"):
+  with pytest.raises(ValueError, match="cudnn.*gpu"):
     traces("cudnn")
+
+
+def test_block_sizes_are_part_of_the_kernel_and_of_its_program():
+  """A flash record with other block sizes is another compiled program (no module global
+  changes a cached one), with the same logits and cache within 1e-5; a record comes back
+  from prefill as its name."""
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 96)
+  mesh = kvr_jax.make_mesh(2)
+  small = dataclasses.replace(KERNELS["flash"], query_block=16, key_block=32)
+  results, traces = [], []
+  for attention in ("flash", small, small):
+    before = TRACE_COUNT["kvr"]
+    results.append(
+      kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition=[56, 40], attention=attention)
+    )
+    traces.append(TRACE_COUNT["kvr"] - before)
+  assert traces[1:] == [1, 0]
+  assert results[1].attention == "flash"
+  assert_close(results[1].logits, results[0].logits, "logits")
+  assert_close(results[1].k_cache, results[0].k_cache, "k cache")
+
+
+def test_attention_questions_are_answered_by_kernel_fields_only():
+  """No module outside models/kernels.py and the dispatch in models/layers.py compares an
+  attention kernel's name: a new kernel is one record, not a hunt through the tree."""
+  import ast
+  import pathlib
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  allowed = {root / "models" / "kernels.py", root / "models" / "layers.py"}
+  names = set(KERNELS)
+  found = []
+  for path in sorted(
+    p for pkg in ("kvr_jax", "models", "launch") for p in (root / pkg).rglob("*.py")
+  ):
+    if path in allowed:
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not isinstance(node, ast.Compare):
+        continue
+      for side in (node.left, *node.comparators):
+        values = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+        if any(isinstance(v, ast.Constant) and v.value in names for v in values):
+          found.append(f"{path.relative_to(root)}:{node.lineno}")
+  assert not found, f"kernel names compared outside models/kernels.py: {found}"
 
 
 def test_every_query_offset_against_dense_catches_an_off_by_one_block_bound():

@@ -25,6 +25,7 @@ from kvr_jax.inference.kv_cache import (
   join_affordable,
   last_hop_bytes,
 )
+from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
@@ -39,8 +40,8 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import STRATEGIES, get_strategy
-from kvr_jax.strategies.base import AUTO, CacheLayout, kernel_runs_on
-from models.layers import ATTENTION_KINDS, CUDNN_DTYPES, FUSED_KERNELS, WINDOWED_KERNELS
+from kvr_jax.strategies.base import AUTO, CacheLayout
+from models.kernels import get_kernel, kernels_where
 
 
 @dataclasses.dataclass
@@ -149,11 +150,8 @@ def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attent
   if spec.partitioned:
     kwargs["partition"] = partition
   if attention is not None and attention != AUTO:
-    if attention not in ATTENTION_KINDS:
-      raise ValueError(
-        f"unknown attention {attention!r}; expected {AUTO!r} or one of {ATTENTION_KINDS}"
-      )
-    if attention in spec.attention_kinds:
+    kernel = get_kernel(attention)  # refuses an unknown kernel
+    if kernel.name in spec.attention_kinds:
       kwargs["attention"] = attention
     elif strategy != "tsp":  # TSP keeps its dense kernel
       spec.check_attention(attention)  # raises, naming what it runs and why
@@ -231,14 +229,14 @@ def prefill(
       f"strategy {strategy!r} has no timeline probes; they are placed in "
       f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
     )
-  spec.check_attention(attention)
+  kernel = spec.check_attention(attention)
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
   window = model.config.sliding_window
-  if window is not None and attention not in (None, AUTO, *WINDOWED_KERNELS):
+  if window is not None and kernel != AUTO and not kernel.takes_window:
     raise ValueError(
       f"this model attends through a sliding window of {window} tokens, which attention "
-      f"{attention!r} does not take; use one of {WINDOWED_KERNELS}"
+      f"{kernel.name!r} does not take; use one of {kernels_where(takes_window=True)}"
     )
   rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
   longest = int(lengths_B.max())
@@ -276,11 +274,12 @@ def prefill(
   if m > 1:
     _check_tensor_parallel(model, mesh, padded, timeline)
   device = mesh.devices.flat[0]
-  attention = spec.resolve_attention(attention, device, model.dtype, window)
-  if attention == "cudnn" and not kernel_runs_on(attention, device, model.dtype, None):
+  kernel = spec.resolve_attention(attention, device, model.dtype, window)
+  if not kernel.runs_on(device, model.dtype, None):
     raise ValueError(
-      f"attention 'cudnn' runs on NVIDIA GPUs with {CUDNN_DTYPES} weights; this mesh is on "
-      f"{device.platform} with {jnp.dtype(model.dtype).name}"
+      f"attention {kernel.name!r} runs on {kernel.platforms} ({kernel.implementation}) with "
+      f"{kernel.dtypes or 'any'} weights; this mesh is on {device.platform} with "
+      f"{jnp.dtype(model.dtype).name}"
     )
   if p > T:
     raise ValueError(
@@ -299,8 +298,7 @@ def prefill(
       batch=B,
       dtype_bytes=jnp.dtype(model.dtype).itemsize,
       model_name=preset,
-      scores_in_memory=attention not in FUSED_KERNELS,
-      causal_skip=attention != "dense",
+      **kernel_flags(kernel),
     )
     if jax.process_count() > 1:
       # Cost-model partitions use per-process measurements; every process must compile the
@@ -322,7 +320,7 @@ def prefill(
       device_memory=device_memory_bytes(mesh.devices.flat[-1]),
     )
   )
-  run = spec.program(model.graphdef, mesh, chunks, attention, timeline, keep_last_hop)
+  run = spec.program(model.graphdef, mesh, chunks, kernel, timeline, keep_last_hop)
   if m > 1:
     state = model.state_split_over(mesh)
   else:
@@ -341,7 +339,7 @@ def prefill(
     partition=user_chunks,
     cache=cache,
     cache_layout=layout,
-    attention=attention,
+    attention=kernel.name,
     lengths=lengths_B,
   )
   # A padded row's last real token is not at position T - 1: its logits come from one decode

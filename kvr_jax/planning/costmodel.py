@@ -51,6 +51,7 @@ from kvr_jax.core.chunks import check_ranks, prefix_ends
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.strategies import runahead, zigzag
 from models.config import FalconConfig, ModelConfig
+from models.kernels import AttentionKernel, get_kernel
 from models.layers import window_start
 
 
@@ -104,6 +105,16 @@ class Links:
     slow = dict(self.slow)
     slow[k] = bandwidth
     return dataclasses.replace(self, slow=tuple(sorted(slow.items())))
+
+
+def kernel_flags(kernel: str | AttentionKernel) -> dict[str, bool]:
+  """What the cost model needs of an attention kernel (its record's fields), as the keyword
+  arguments `Setup`, `phase_work`, `make_setup` and `resolve_partition` take."""
+  kernel = get_kernel(kernel)
+  return {
+    "scores_in_memory": kernel.scores_in_memory,
+    "causal_skip": kernel.skips_causal_blocks,
+  }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ def rank_program(
   graphdef,
   context_len: int,
   num_ranks: int,
-  attention: str,
+  attention,
   timeline: bool = False,
   reduce=no_reduce,
 ):
@@ -75,7 +75,7 @@ def rank_program(
 
 @functools.lru_cache(maxsize=64)
 def compile_program(
-  graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash", timeline: bool = False
+  graphdef, mesh, chunks: tuple[int, ...], attention="flash", timeline: bool = False
 ):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
   program = rank_program(

@@ -31,38 +31,20 @@ import numpy as np
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from models.base import no_reduce
-from models.layers import (
-  ATTENTION_KINDS,
-  CUDNN_DTYPES,
-  DEFAULT_CAUSAL_KERNEL,
-  WINDOWED_KERNELS,
-)
+from models.kernels import DEFAULT_CAUSAL_KERNEL, KERNEL_NAMES, KERNELS, AttentionKernel, get_kernel
 
 # The kernels of strategies that skip masked work (single, kvr), their default first.
-CAUSAL_KERNELS = (DEFAULT_CAUSAL_KERNEL,) + tuple(
-  k for k in ATTENTION_KINDS if k != DEFAULT_CAUSAL_KERNEL
+CAUSAL_KERNELS = (DEFAULT_CAUSAL_KERNEL.name,) + tuple(
+  k for k in KERNEL_NAMES if k != DEFAULT_CAUSAL_KERNEL.name
 )
 AUTO = "auto"
 # What attention="auto" (the default) runs, per platform: the first kernel the strategy runs
-# that takes the model's dtype and sliding window, else the strategy's default. Chosen by
-# measurement (README, "On a GPU"): on one H100, cuDNN's fused attention ran causal bf16
-# self-attention at 435-646 TFLOP/s from 8k to 32k tokens, the flash kernel at 45-61; on CPUs
-# the flash kernel is the fastest exact kernel from 1k tokens up (`--mode=kernels`).
+# that runs there for the model's dtype and sliding window (`AttentionKernel.runs_on`), else
+# the strategy's default. Chosen by measurement (docs/gpu.md): on one H100, cuDNN's fused
+# attention ran causal bf16 self-attention at 435-646 TFLOP/s from 8k to 32k tokens, the
+# flash kernel at 45-61; on CPUs the flash kernel is the fastest exact kernel from 1k tokens
+# up (`--mode=kernels`).
 AUTO_KERNELS = {"cpu": ("flash",), "gpu": ("cudnn", "flash"), "tpu": ("flash",)}
-
-
-def kernel_runs_on(kernel: str, device, dtype, window: int | None) -> bool:
-  """Whether `kernel` runs on `device` for a model of `dtype` with sliding `window`."""
-  if window is not None and kernel not in WINDOWED_KERNELS:
-    return False
-  if kernel == "cudnn":
-    platform_version = str(getattr(getattr(device, "client", None), "platform_version", ""))
-    return (
-      device.platform == "gpu"
-      and "rocm" not in platform_version.lower()
-      and np.dtype(dtype).name in CUDNN_DTYPES
-    )
-  return True
 
 
 # Times each strategy's program was traced (= compiled): tests use it to show that a second
@@ -173,8 +155,10 @@ class Strategy:
     )
 
   def program(self, graphdef, mesh, chunks, attention, timeline=False, keep_last_hop=False):
-    """`compile`, passing keep_last_hop only where it is asked for (the strategies that do not
-    keep their hops take no such argument)."""
+    """`compile` with the kernel's record (a name is looked up: the program is keyed by the
+    record, block sizes included), passing keep_last_hop only where it is asked for (the
+    strategies that do not keep their hops take no such argument)."""
+    attention = get_kernel(attention)
     if keep_last_hop:
       return self.compile(graphdef, mesh, chunks, attention, timeline, keep_last_hop=True)
     return self.compile(graphdef, mesh, chunks, attention, timeline)
@@ -183,33 +167,35 @@ class Strategy:
   def default_attention(self) -> str:
     return self.attention_kinds[0]
 
-  def check_attention(self, attention: str | None) -> str:
-    """`attention` ("auto" for None); refuses a kernel this strategy does not run."""
+  def check_attention(self, attention) -> AttentionKernel | str:
+    """`attention` as its record ("auto" for None and "auto"); refuses an unknown kernel and a
+    kernel this strategy does not run."""
     if attention is None or attention == AUTO:
       return AUTO
-    if attention not in ATTENTION_KINDS:
+    if not isinstance(attention, AttentionKernel) and attention not in KERNELS:
       raise ValueError(
-        f"unknown attention {attention!r}; expected {AUTO!r} or one of {ATTENTION_KINDS}"
+        f"unknown attention {attention!r}; expected {AUTO!r} or one of {KERNEL_NAMES}"
       )
-    if attention not in self.attention_kinds:
+    kernel = get_kernel(attention)
+    if kernel.name not in self.attention_kinds:
       raise ValueError(
-        f"strategy {self.name!r} runs attention in {self.attention_kinds}, not {attention!r}"
+        f"strategy {self.name!r} runs attention in {self.attention_kinds}, not {kernel.name!r}"
         + (f": {self.attention_note}" if self.attention_note else "")
       )
-    return attention
+    return kernel
 
-  def resolve_attention(self, attention: str | None, device, dtype, window: int | None) -> str:
-    """The concrete kernel: `attention` checked, or for "auto" (and None) the first of
-    AUTO_KERNELS[device's platform] that this strategy runs and that takes `dtype` and
-    `window`, else the strategy's default. A compiled program is keyed by what this returns,
-    so "auto" never reaches a compile."""
-    attention = self.check_attention(attention)
-    if attention != AUTO:
-      return attention
-    for kernel in AUTO_KERNELS.get(device.platform, ()):
-      if kernel in self.attention_kinds and kernel_runs_on(kernel, device, dtype, window):
-        return kernel
-    return self.default_attention
+  def resolve_attention(self, attention, device, dtype, window: int | None) -> AttentionKernel:
+    """The concrete kernel record: `attention` checked, or for "auto" (and None) the first of
+    AUTO_KERNELS[device's platform] that this strategy runs and that runs there for `dtype`
+    and `window`, else the strategy's default. A compiled program is keyed by what this
+    returns, so "auto" never reaches a compile."""
+    kernel = self.check_attention(attention)
+    if kernel != AUTO:
+      return kernel
+    for name in AUTO_KERNELS.get(device.platform, ()):
+      if name in self.attention_kinds and KERNELS[name].runs_on(device, dtype, window):
+        return KERNELS[name]
+    return KERNELS[self.default_attention]
 
 
 def fold_batch(kv_2BPKH):

@@ -46,7 +46,15 @@ from models.base import no_reduce
 
 
 def ring_attention(
-  q_B2cNH, kv_own, rank, c: int, p: int, window: int | None, timeline: bool = False, layer=-1
+  q_B2cNH,
+  kv_own,
+  rank,
+  c: int,
+  p: int,
+  window: int | None,
+  timeline: bool = False,
+  layer=-1,
+  attention="flash",
 ):
   """Rank's two query chunks against every rank's K,V, passed around the ring.
 
@@ -63,9 +71,7 @@ def ring_attention(
     k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
     # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
     # step against the other strategies.
-    return layers.attend_flash(
-      q_BcNH, k, v, (query_chunk - key_chunk) * c, window=window, out_dtype=jnp.float32
-    )
+    return layers.attend_partial(q_BcNH, k, v, (query_chunk - key_chunk) * c, attention, window)
 
   # Step 0, own K,V: each query chunk causally over itself; the second also over the first,
   # which lies wholly in its past.
@@ -107,7 +113,12 @@ def ring_attention(
 
 
 def rank_program(
-  graphdef, context_len: int, num_ranks: int, timeline: bool = False, reduce=no_reduce
+  graphdef,
+  context_len: int,
+  num_ranks: int,
+  attention="flash",
+  timeline: bool = False,
+  reduce=no_reduce,
 ):
   c = zigzag.chunk_len(context_len, num_ranks)
   p = num_ranks
@@ -126,7 +137,7 @@ def rank_program(
       kv_own = jnp.stack([k_B2cKH, v_B2cKH])
       q_B2cNH, kv_own = mark(timeline, "qkv", l, (q_B2cNH, kv_own))
       window = model.config.sliding_window
-      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, window, timeline, l)
+      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, window, timeline, l, attention)
       attn_B2cNH = mark(timeline, "attention", l, attn_B2cNH)
       x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
       return x_B2cD, fold_batch(kv_own)
@@ -138,11 +149,12 @@ def rank_program(
 
 @functools.lru_cache(maxsize=64)
 def compile_program(
-  graphdef, mesh, chunks: tuple[int, ...], attention: str = "flash", timeline: bool = False
+  graphdef, mesh, chunks: tuple[int, ...], attention="flash", timeline: bool = False
 ):
   """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
-  del attention  # flash partials are what the ring merges
-  program = rank_program(graphdef, sum(chunks), len(chunks), timeline, model_reduce(mesh))
+  program = rank_program(
+    graphdef, sum(chunks), len(chunks), attention, timeline, model_reduce(mesh)
+  )
   return spmd(program, mesh)
 
 

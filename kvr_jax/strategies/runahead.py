@@ -96,6 +96,7 @@ from kvr_jax.strategies.base import (
 from kvr_jax.strategies.probe import mark
 from models import layers, scan_blocks
 from models.base import no_reduce
+from models.kernels import get_kernel, kernels_where
 
 
 def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...]):
@@ -137,14 +138,14 @@ def rows_before_hop(config, chunks: tuple[int, ...]) -> tuple[int, ...]:
   return tuple(rows)
 
 
-def attends_diagonal_first(attention: str, num_ranks: int) -> bool:
+def attends_diagonal_first(attention, num_ranks: int) -> bool:
   """Ranks i > 0 attend their own chunk before the prefix arrives: kernels whose partials
   merge (they return the log-sum-exp), and only where some rank waits for a prefix."""
-  return attention in layers.FUSED_KERNELS and num_ranks > 1
+  return get_kernel(attention).returns_lse and num_ranks > 1
 
 
 def attend_diagonal(
-  block, q_BcNH, own_2BcKH, i: int, chunks: tuple[int, ...], attention: str, rows: int
+  block, q_BcNH, own_2BcKH, i: int, chunks: tuple[int, ...], attention, rows: int
 ):
   """Rank i > 0 before its hop: its first `rows` queries against its own keys (causal, offset
   0; they see only keys [0, rows)), a float32 partial (out [B, c_max, N, H], lse [B, c_max,
@@ -163,7 +164,7 @@ def attend_diagonal(
   )
 
 
-def finish_diagonal(block, q_BcNH, own_2BcKH, diagonal, rows: int, attention: str):
+def finish_diagonal(block, q_BcNH, own_2BcKH, diagonal, rows: int, attention):
   """The diagonal's rows [rows, c) after the hop (queries at offset `rows` against the chunk's
   c keys), appended to the `rows` attended before it: (out [B, c, N, H], lse [B, c, N])."""
   c = q_BcNH.shape[1]
@@ -214,7 +215,7 @@ def attend_and_finish(
   diagonal,
   i: int,
   chunks: tuple[int, ...],
-  attention: str = "dense",
+  attention="dense",
   timeline: bool = False,
   layer=-1,
   rows: int = 0,
@@ -319,7 +320,7 @@ def hop_chain(
 def per_rank_program(
   graphdef,
   chunks: tuple[int, ...],
-  attention: str = "dense",
+  attention="dense",
   timeline: bool = False,
   keep_last_hop: bool = False,
   model_axis: bool = False,
@@ -441,29 +442,28 @@ def per_rank_program(
 
 # --- one body for every rank: the chunk lengths as data -------------------------------------
 
-# Kernels whose bounds may be data (`layers.attend_flash`'s query_rows and key_end): the
-# one-body program runs them; the others need the per-rank program's static shapes.
-ONE_BODY_KERNELS = ("flash",)
+# The one-body program runs the kernels whose bounds may be data (`lengths_as_data`:
+# `layers.attend_flash`'s query_rows and key_end); the others need the per-rank program's
+# static shapes.
 BODIES = ("one", "per-rank")
 # Rows of the projections and the MLP per step of a loop whose trip count is the rank's real
 # length: a rank computes at most ROW_BLOCK - 1 padded rows, whatever the longest chunk.
 ROW_BLOCK = 256
 
 
-def default_body(attention: str) -> str:
-  return "one" if attention in ONE_BODY_KERNELS else "per-rank"
-
-
-def check_body(body: str | None, attention: str) -> str:
-  """The program body for `attention` ("one" where the kernel takes lengths as data)."""
+def check_body(body: str | None, attention) -> str:
+  """The program body for `attention` (default "one" where the kernel takes lengths as
+  data, else "per-rank")."""
+  kernel = get_kernel(attention)
   if body is None:
-    return default_body(attention)
+    return "one" if kernel.lengths_as_data else "per-rank"
   if body not in BODIES:
     raise ValueError(f"unknown KV-Runahead body {body!r}; expected one of {BODIES}")
-  if body == "one" and attention not in ONE_BODY_KERNELS:
+  if body == "one" and not kernel.lengths_as_data:
     raise ValueError(
-      f"the one-body KV-Runahead program runs attention in {ONE_BODY_KERNELS}, not "
-      f"{attention!r} (its bounds must be static: body='per-rank')"
+      f"the one-body KV-Runahead program runs attention in "
+      f"{kernels_where(lengths_as_data=True)}, not {kernel.name!r} (its bounds must be "
+      "static: body='per-rank')"
     )
   return body
 
@@ -487,13 +487,13 @@ def one_body_buffer_len(chunks: tuple[int, ...]) -> int:
   return chunk_starts(chunks)[-1] + padded_chunk_len(chunks)
 
 
-def early_rows_in_blocks(config, chunks: tuple[int, ...]) -> tuple[int, ...]:
+def early_rows_in_blocks(config, chunks: tuple[int, ...], query_block: int) -> tuple[int, ...]:
   """The one body's early rows: each rank's r_i (`rows_before_hop`) moved to the nearest
   edge of the flash kernel's query blocks (at most its c_i). The early and the late pieces
   then visit disjoint query blocks; an r_i inside a block would have both compute it."""
   if len(chunks) == 1:
     return (0,)
-  block = layers.even_block(padded_chunk_len(chunks), layers.FLASH_QUERY_BLOCK)
+  block = layers.even_block(padded_chunk_len(chunks), query_block)
   return tuple(
     min(int(round(r / block)) * block, c)
     for r, c in zip(rows_before_hop(config, chunks), chunks, strict=True)
@@ -521,7 +521,7 @@ def map_row_blocks(fn, num_rows, block: int, inputs, outputs):
 def one_body_program(
   graphdef,
   chunks: tuple[int, ...],
-  attention: str = "flash",
+  attention="flash",
   timeline: bool = False,
   keep_last_hop: bool = False,
   model_axis: bool = False,
@@ -557,7 +557,8 @@ def one_body_program(
     # What differs between ranks, as data.
     c = jnp.asarray(chunks, jnp.int32)[rank]
     start = jnp.asarray(chunk_starts(chunks), jnp.int32)[rank]
-    early_rows = jnp.asarray(early_rows_in_blocks(cfg, chunks), jnp.int32)[rank]
+    query_block = get_kernel(attention).query_block
+    early_rows = jnp.asarray(early_rows_in_blocks(cfg, chunks, query_block), jnp.int32)[rank]
     tokens_Bc = tokens_1Bc[0]
     tokens_Bc = jnp.pad(tokens_Bc, ((0, 0), (0, c_pad - tokens_Bc.shape[1])))
     x_BcD = mark(timeline, "embed", -1, model.embed(tokens_Bc))
@@ -673,14 +674,14 @@ def compile_program(
   graphdef,
   mesh,
   chunks: tuple[int, ...],
-  attention: str = "flash",
+  attention="flash",
   timeline: bool = False,
   keep_last_hop: bool = False,
   body: str | None = None,
 ):
   """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention, body);
   cached. body: "one" (every rank runs one program body, lengths as data; the default for
-  the kernels in ONE_BODY_KERNELS) or "per-rank" (a switch branch per rank, the default for
+  the kernels with `lengths_as_data`) or "per-rank" (a switch branch per rank, the default for
   the others).
 
   Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
@@ -689,6 +690,7 @@ def compile_program(
   2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
   positions.
   """
+  attention = get_kernel(attention)
   body = check_body(body, attention)
   model_axis = model_parallel(mesh) > 1
   make = one_body_program if body == "one" else per_rank_program

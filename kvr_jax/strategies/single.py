@@ -21,7 +21,6 @@ from kvr_jax.strategies.base import (
   spmd,
 )
 from models.base import no_reduce
-from models.layers import DEFAULT_CAUSAL_KERNEL
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
@@ -33,7 +32,7 @@ def arrange(tokens_BC, chunks) -> np.ndarray:
   return np.asarray(tokens_BC)[None]
 
 
-def program(graphdef, attention: str, reduce=no_reduce):
+def program(graphdef, attention, reduce=no_reduce):
   def run(state, tokens_1BC):
     count_trace("single")
     model = nnx.merge(graphdef, state)
@@ -48,9 +47,7 @@ def program(graphdef, attention: str, reduce=no_reduce):
 
 
 @functools.lru_cache(maxsize=32)
-def compile_program(
-  graphdef, mesh, chunks, attention: str = DEFAULT_CAUSAL_KERNEL, timeline: bool = False
-):
+def compile_program(graphdef, mesh, chunks, attention="flash", timeline: bool = False):
   """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B*C, K, H])."""
   if timeline:
     raise ValueError("strategy 'single' has no timeline probes")

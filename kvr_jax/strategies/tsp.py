@@ -78,7 +78,7 @@ def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=64)
 def compile_program(
-  graphdef, mesh, chunks: tuple[int, ...], attention: str = "dense", timeline: bool = False
+  graphdef, mesh, chunks: tuple[int, ...], attention="dense", timeline: bool = False
 ):
   """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B*c,K,H]).
 

@@ -30,10 +30,11 @@ from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, load_hf_model, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, mesh_of_ranks
 from kvr_jax.strategies import REGISTRY, TRACE_COUNT
-from kvr_jax.strategies.base import AUTO_KERNELS, kernel_runs_on
+from kvr_jax.strategies.base import AUTO_KERNELS
 from kvr_jax.tools.measured import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
-from models.layers import attend_flash, attend_static
+from models.kernels import KERNELS, get_kernel
+from models.layers import attend_static
 
 
 @dataclasses.dataclass
@@ -260,7 +261,8 @@ def time_attention_kernels(
     (C, kernel, blocks)
     for C in context_lens
     for kernel in kernels
-    for blocks in (flash_blocks if kernel == "flash" else [(None, None)])
+    # the kernels with query and key blocks are timed at every block pair asked for
+    for blocks in (flash_blocks if get_kernel(kernel).key_block else [(None, None)])
   ]
   for C, kernel, (bq, bk) in tqdm(cases, desc="kernels", disable=not progress):
     rng = np.random.RandomState(0)
@@ -268,12 +270,10 @@ def time_attention_kernels(
     k, v = (
       jax.device_put(rng.randn(1, C, num_kv_heads, head_dim).astype(np.float32)) for _ in range(2)
     )
-    if kernel == "flash":
-      fn = jax.jit(
-        lambda q, k, v, bq=bq, bk=bk: attend_flash(q, k, v, 0, query_block=bq, key_block=bk)[0]
-      )
-    else:
-      fn = jax.jit(lambda q, k, v, kernel=kernel: attend_static(q, k, v, 0, kernel))
+    record = get_kernel(kernel)
+    if bq is not None:
+      record = dataclasses.replace(record, query_block=bq, key_block=bk)
+    fn = jax.jit(lambda q, k, v, record=record: attend_static(q, k, v, 0, record))
     start = time.perf_counter()
     jax.block_until_ready(fn(q, k, v))
     first = time.perf_counter() - start
@@ -338,7 +338,7 @@ def prefill_flops(config, context_len: int) -> float:
   """Model FLOPs of one prefill (projections, causal attention counted once, MLP, the last
   position's head): what MFU divides by the peak."""
   work = costmodel.phase_work(
-    config, context_len, context_len, 1, 2, scores_in_memory=False, causal_skip=True
+    config, context_len, context_len, 1, 2, **costmodel.kernel_flags("flash")
   )
   head = costmodel.head_work(config, 1, 2).flops
   return config.num_layers * sum(w.flops for w in work.values()) + head
@@ -347,7 +347,7 @@ def prefill_flops(config, context_len: int) -> float:
 def platform_kernels(device, dtype, window) -> tuple[str, ...]:
   """The exact kernels worth timing on `device`: what attention="auto" chooses from there."""
   candidates = AUTO_KERNELS.get(device.platform, ("flash",))
-  return tuple(k for k in candidates if kernel_runs_on(k, device, dtype, window))
+  return tuple(k for k in candidates if KERNELS[k].runs_on(device, dtype, window))
 
 
 def _twin_models(config, dtype, torch_device: str, seed: int):
@@ -424,7 +424,7 @@ def accelerator_benchmark(
     presets.check_preset_names(presets.LOCAL, name)
   kernels = tuple(kernels or platform_kernels(device, dtype, config.sliding_window))
   for kernel in kernels:
-    if not kernel_runs_on(kernel, device, dtype, config.sliding_window):
+    if not get_kernel(kernel).runs_on(device, dtype, config.sliding_window):
       raise ValueError(
         f"kernel {kernel!r} does not run on {device.platform} in {np.dtype(dtype).name}"
       )
@@ -475,8 +475,7 @@ def accelerator_benchmark(
           fitted,
           presets.links_preset(name),
           dtype_bytes=np.dtype(dtype).itemsize,
-          scores_in_memory=False,
-          causal_skip=True,
+          **costmodel.kernel_flags(best_kernel),
         )
         chunks = resolve_partition(
           PartitionPlan("search", hardware=fitted, links=setup.links),
@@ -484,8 +483,7 @@ def accelerator_benchmark(
           p,
           config=config,
           dtype_bytes=setup.dtype_bytes,
-          scores_in_memory=False,
-          causal_skip=True,
+          **costmodel.kernel_flags(best_kernel),
         )
         for strategy in ("kvr", "ring", "allgather"):
           sim = costmodel.simulate(

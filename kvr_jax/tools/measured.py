@@ -36,7 +36,8 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.timing import time_prefill
-from models.layers import FUSED_KERNELS, attend_static, window_start
+from models.kernels import get_kernel, kernels_where
+from models.layers import attend_static, window_start
 
 # Answers of measured_partition, per model (weakly: a model that is gone takes its answers
 # with it, and a new model never inherits an old one's by a reused id), at most
@@ -93,8 +94,10 @@ def measured_objective(
     "model": model.source,
     "config": model.config.to_dict(),
     "dtype": jnp.dtype(model.dtype).name,
-    "kernel": get_strategy("kvr").resolve_attention(
-      None, first_device, model.dtype, model.config.sliding_window
+    "kernel": dataclasses.asdict(
+      get_strategy("kvr").resolve_attention(
+        None, first_device, model.dtype, model.config.sliding_window
+      )
     ),
     "shape": list(tokens.shape),
     "devices": [str(d) for d in mesh.devices.reshape(-1)],
@@ -298,10 +301,11 @@ def fitted_hardware(
   several times slower than that while its attention runs faster, so the modelled split gave
   the first rank too many tokens. Pass the result as `PartitionPlan("search", hardware=...)`.
   """
-  if attention not in FUSED_KERNELS:
+  kernel = get_kernel(attention)
+  if kernel.scores_in_memory:
     raise ValueError(
-      f"fitted_hardware models kernels that do not write their scores, {FUSED_KERNELS}; "
-      f"got {attention!r}"
+      "fitted_hardware models kernels that do not write their scores, "
+      f"{kernels_where(scores_in_memory=False)}; got {kernel.name!r}"
     )
   cfg, db = model.config, jnp.dtype(model.dtype).itemsize
   chunks = even_partition(context_len, num_ranks)
@@ -310,7 +314,7 @@ def fitted_hardware(
   for row in rows:
     first = window_start(row.prefix - row.chunk, cfg.sliding_window)
     work = costmodel.phase_work(
-      cfg, row.chunk, row.prefix - first, 1, db, scores_in_memory=False, causal_skip=True
+      cfg, row.chunk, row.prefix - first, 1, db, **costmodel.kernel_flags(kernel)
     )
     linear_flops += cfg.num_layers * (work["qkv"].flops + work["rest"].flops)
     attention_flops += cfg.num_layers * work["attention"].flops

@@ -35,6 +35,7 @@ from kvr_jax.inference.kv_cache import (
   last_hop_bytes,
   place,
 )
+from kvr_jax.planning import costmodel
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import abstract_model, preset_config, resolve_dtype
@@ -42,7 +43,7 @@ from kvr_jax.runtime.mesh import AXIS, make_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
 from models.config import ModelConfig, config_from_dict
-from models.layers import FUSED_KERNELS
+from models.kernels import AttentionKernel
 
 # KVR's split for the memory report: equal modelled compute on a GPU node (the issue's
 # "balanced" partition), not this machine's calibration (which would measure the CPU).
@@ -165,8 +166,7 @@ def compiled_memory(
       config=config,
       batch=batch,
       dtype_bytes=np.dtype(dtype_name).itemsize,
-      scores_in_memory=attention not in FUSED_KERNELS,
-      causal_skip=attention != "dense",
+      **costmodel.kernel_flags(attention),
     )
   chunks = spec.layout(context_len, num_ranks, user_chunks)
   # cache="last" as prefill runs it in one process: KV-Runahead keeps its last hops (no move)
@@ -203,6 +203,7 @@ def compiled_memory(
     "cache": cache,
     "model_parallel": m,
     "chunks": list(chunks),
+    "attention": attention.name,
     "joins_last_hop": joined,
     **_analysis(program.lower(state_shapes, tokens).compile()),
   }
@@ -276,7 +277,8 @@ def _in_subprocess(
     "dtype": dtype,
     "cache": cache,
     "batch": batch,
-    "attention": attention,
+    # A kernel travels as its name, or as its fields where it is a record (its block sizes).
+    "attention": attention if isinstance(attention, str) else dataclasses.asdict(attention),
     "model_parallel": model_parallel,
     "device_memory": None if device_memory is None else int(device_memory),
     # A plan travels as its name, its lengths or its fields.
@@ -310,6 +312,9 @@ def _main(argument: str) -> None:
   plan = arguments.pop("plan")
   if isinstance(plan, dict):
     plan = PartitionPlan(**plan)
+  if isinstance(arguments["attention"], dict):
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in arguments["attention"].items()}
+    arguments["attention"] = AttentionKernel(**fields)
   config = config_from_dict(arguments.pop("config"))
   print(json.dumps(compiled_memory(config, partition=plan, **arguments)))
 

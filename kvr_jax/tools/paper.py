@@ -79,9 +79,7 @@ def model_cell(
   table = tables.load_table(model, hardware, links, num_ranks)
   predicted = tables.predict_partition(table, context_len)
   in_table = any(e["context_len"] == context_len for e in table["entries"])
-  flash = presets.make_setup(
-    hardware, links, dtype_bytes=2, scores_in_memory=False, causal_skip=True
-  )
+  flash = presets.make_setup(hardware, links, dtype_bytes=2, **costmodel.kernel_flags("flash"))
   kvr_flash = search.modelled_search(config, context_len, num_ranks, flash)
 
   def peer(strategy):
@@ -160,9 +158,7 @@ def slow_link_case(
 
   def peer_loss(strategy):
     def ttft(links):
-      flash = presets.make_setup(
-        hardware, links, dtype_bytes=2, scores_in_memory=False, causal_skip=True
-      )
+      flash = presets.make_setup(hardware, links, dtype_bytes=2, **costmodel.kernel_flags("flash"))
       return costmodel.simulate(config, strategy, context_len, flash, num_ranks=num_ranks).ttft
 
     return ttft(slow) / ttft(fast) - 1
@@ -311,8 +307,7 @@ def tp_setup(gpus: int, num_ranks: int, between: float) -> costmodel.Setup:
     presets.hardware_preset(TP_HARDWARE),
     ranks,
     dtype_bytes=2,
-    scores_in_memory=False,
-    causal_skip=True,
+    **costmodel.kernel_flags("flash"),
     model_parallel=model_parallel,
     model_links=model,
   )
