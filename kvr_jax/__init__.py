@@ -1,50 +1,35 @@
-"""kvr-jax: KV-Runahead parallel prefill for Llama and Falcon in JAX.
+"""kvr-jax: KV-Runahead parallel prefill in JAX.
 
-model = kvr_jax.load_model("tiny-llama")
-mesh = kvr_jax.make_mesh(4)
-result = kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=[400, 250, 200, 174])
-out = kvr_jax.generate(model, tokens, max_new_tokens=32, strategy="kvr", mesh=mesh)
-out = kvr_jax.generate(model, [row_a, row_b], 32, strategy="kvr", mesh=mesh, buckets="auto")
+What a notebook needs (the rest stays importable from its submodule, see WORKSPACE.md):
+
+  model = kvr_jax.load_model("tiny-llama")        # preset, Hugging Face or Orbax directory
+  mesh = kvr_jax.make_mesh(4)                     # 1-D mesh; make_mesh(2, model=4) for 2-D
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 1024)
+  result = kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition="search")
+  out = kvr_jax.generate(model, tokens, max_new_tokens=32, strategy="kvr", mesh=mesh)
+  kvr_jax.compiled_memory("tiny-llama", "kvr", context_len=4096, num_ranks=4)
 
 Layers, each importing only from those above it in this list's reverse (see WORKSPACE.md):
-core (chunks) -> runtime (mesh, loading) -> strategies -> planning -> inference -> tools.
+models -> core -> runtime -> strategies -> planning -> inference -> tools.
 """
 
-from kvr_jax.core.chunks import even_partition
-from kvr_jax.inference.buckets import bucket_length
-from kvr_jax.inference.generate import GenerationResult, decode_from, generate
-from kvr_jax.inference.prefill import PrefillResult, prefill, prefill_arguments
-from kvr_jax.planning.partition import PartitionPlan, resolve_partition
-from kvr_jax.runtime.loading import Model, load_model, preset_config, preset_names, save_model
-from kvr_jax.runtime.mesh import AXIS, make_mesh
-from kvr_jax.strategies import REGISTRY, STRATEGIES, Strategy, get_strategy
-from kvr_jax.tools.measured import measured_partition
+from kvr_jax.inference.generate import GenerationResult, generate
+from kvr_jax.inference.prefill import PrefillResult, prefill
+from kvr_jax.planning.partition import PartitionPlan
+from kvr_jax.runtime.loading import load_model, save_model
+from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.memory import compiled_memory
 from kvr_jax.tools.timing import synthetic_prompt
 
 __all__ = [
-  "AXIS",
-  "bucket_length",
-  "compiled_memory",
-  "REGISTRY",
   "GenerationResult",
-  "Model",
   "PartitionPlan",
   "PrefillResult",
-  "STRATEGIES",
-  "Strategy",
-  "decode_from",
-  "even_partition",
+  "compiled_memory",
   "generate",
-  "get_strategy",
   "load_model",
   "make_mesh",
-  "measured_partition",
   "prefill",
-  "prefill_arguments",
-  "preset_config",
-  "preset_names",
-  "resolve_partition",
   "save_model",
   "synthetic_prompt",
 ]

@@ -46,7 +46,9 @@ from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime import distributed, links, loading
+from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.mesh import mesh_of_ranks
+from kvr_jax.strategies import get_strategy
 from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
@@ -219,7 +221,7 @@ def memory_mode():
   """XLA's memory analysis of each strategy's compiled prefill, per device, float32 shapes."""
   gib = 2**30
   with common.user_errors():
-    config = kvr_jax.preset_config(FLAGS.model)
+    config = preset_config(FLAGS.model)
     num_devices, m = FLAGS.num_devices or 8, FLAGS.model_parallel
     if num_devices % m:
       raise ValueError(f"{num_devices} devices do not split into ranks of model_parallel={m}")
@@ -243,7 +245,7 @@ def memory_mode():
             context_len=C,
             num_ranks=p,
             cache=FLAGS.cache,
-            partition=plan if kvr_jax.get_strategy(strategy).partitioned else None,
+            partition=plan if get_strategy(strategy).partitioned else None,
             model_parallel=1 if strategy == "single" else FLAGS.model_parallel,
           )
         )
@@ -403,7 +405,7 @@ def timeline_mode():
     if isinstance(partition, list):  # explicit lengths: checked before any process starts
       check_chunks(partition, C, FLAGS.num_processes)
     for s in FLAGS.timeline_strategies:
-      if not kvr_jax.get_strategy(s).timeline_probes:
+      if not get_strategy(s).timeline_probes:
         raise ValueError(f"--timeline_strategies: {s!r} has no probes; use kvr, ring, allgather")
     if os.path.exists(FLAGS.output_dir) and not os.path.isdir(FLAGS.output_dir):
       raise ValueError(f"--output_dir={FLAGS.output_dir} is a file; give a directory")
@@ -670,7 +672,7 @@ def accelerator_mode():
       with open(os.path.join(FLAGS.model, "config.json")) as f:
         config = config_from_hf(json.load(f))
     else:
-      config = kvr_jax.preset_config(FLAGS.model)
+      config = preset_config(FLAGS.model)
     context_lens = common.positive_ints(FLAGS.context_lens, "--context_lens")
     ranks = common.positive_ints(FLAGS.ranks, "--ranks")
     (repeats,) = common.positive_ints([FLAGS.repeats], "--repeats")

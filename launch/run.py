@@ -16,6 +16,7 @@ from absl import app, flags, logging
 
 import kvr_jax
 from kvr_jax.inference import generate
+from kvr_jax.inference.buckets import bucket_length
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.tools import demo
 from launch import common
@@ -129,7 +130,7 @@ def main(argv):
   shape = f"prompt {lengths[0]} tokens x batch {len(tokens)}"
   if len(lengths) > 1:
     shape = f"{len(tokens)} prompts of {'/'.join(str(len(row)) for row in tokens)} tokens"
-  padded = kvr_jax.bucket_length(max(lengths), buckets, model.config.max_position_embeddings)
+  padded = bucket_length(max(lengths), buckets, model.config.max_position_embeddings)
   if padded != lengths[0] or len(lengths) > 1:
     shape += f", padded to {padded} (--buckets={FLAGS.buckets})"
   devices, m = FLAGS.num_devices or jax.device_count(), FLAGS.model_parallel

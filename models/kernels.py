@@ -72,7 +72,7 @@ KERNELS: dict[str, AttentionKernel] = {
     AttentionKernel("dense", "dense"),
     # Query block measured fastest of 64/128/256/512 on this 2-core CPU for T = 2048, 4096.
     AttentionKernel("blocked", "blocked", skips_causal_blocks=True, query_block=128),
-    # Blocks chosen by measurement (README: `python -m launch.benchmark --mode=kernels`).
+    # Blocks chosen by measurement (`python -m launch.benchmark --mode=kernels`).
     AttentionKernel(
       "flash",
       "flash",

@@ -20,7 +20,7 @@ import kvr_jax
 from kvr_jax.inference import decode, kv_cache
 from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
-from kvr_jax.runtime.loading import build_model
+from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.tools.memory import compiled_memory
 from models import scan_blocks
 from tests.tolerance import assert_close
@@ -30,7 +30,7 @@ WINDOW = 6
 
 
 def windowed_model():
-  config = dataclasses.replace(kvr_jax.preset_config("tiny-mistral"), sliding_window=WINDOW)
+  config = dataclasses.replace(preset_config("tiny-mistral"), sliding_window=WINDOW)
   return kvr_jax.Model(build_model(config), source="tiny-mistral-window-6")
 
 
@@ -174,7 +174,7 @@ def test_join_affordable_hand_worked():
   the last hop is 7/8 of the prompt, 32 * 2 * 114,688 * 8 * 128 * 4 bytes = 28 GiB on every
   rank, over a sixteenth of an 80 GB GPU: the parts move. Across processes the move would
   allocate the whole cache on every rank: join. A hop 10,000 times smaller joins."""
-  config = kvr_jax.preset_config("llama-3.1-8b")
+  config = preset_config("llama-3.1-8b")
   chunks = (16384,) * 8
   hop = kv_cache.last_hop_bytes(config, chunks, 1, 4, config.num_kv_heads)
   assert hop == 32 * 2 * 114688 * 8 * 128 * 4
@@ -187,7 +187,7 @@ def test_kvr_last_outputs_no_prompt_long_zeros_where_the_join_does_not_fit():
   """XLA's analysis (shapes only): planned for a small device (1 MiB), KV-Runahead's
   cache="last" program at 8 ranks outputs a rank's part and nothing prompt-long (its parts
   move); where the join fits, its outputs hold the last hop too (part + hop >= the cache)."""
-  cfg = kvr_jax.preset_config("tiny-llama")
+  cfg = preset_config("tiny-llama")
   logits_bytes = cfg.vocab_size * 4
   small = 2**20
   eight = compiled_memory(
@@ -290,7 +290,7 @@ MEMORY_CONTEXT = 1024
 def memory():
   """(strategy, p, L) -> compiled_memory of tiny-llama at C=1024 (4 layers on 2 and 8 ranks, 8
   layers on 2)."""
-  cfg = kvr_jax.preset_config("tiny-llama")
+  cfg = preset_config("tiny-llama")
   out = {}
   for strategy in ("kvr", "tsp", "ring", "allgather"):
     for p, layers in ((2, 4), (8, 4), (2, 8)):
@@ -306,7 +306,7 @@ def test_outputs_shrink_with_ranks(memory, strategy):
   """A rank's outputs are its share of the cache (about C/p tokens) plus the logits: a
   quarter at 8 ranks of what they are at 2. A prompt-long cache output per rank would keep
   them constant."""
-  logits_bytes = kvr_jax.preset_config("tiny-llama").vocab_size * 4
+  logits_bytes = preset_config("tiny-llama").vocab_size * 4
   for p in (2, 8):
     got = memory[strategy, p, 4]
     cache_share = got["kv_cache_bytes"] / p

@@ -13,12 +13,13 @@ import pytest
 import kvr_jax
 from kvr_jax.planning import costmodel, presets, search, tables
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
-from kvr_jax.runtime.loading import build_model
+from kvr_jax.runtime.loading import build_model, preset_config
+from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import single, tsp, zigzag
 from models.config import FalconConfig, LlamaConfig
 from models.layers import window_start
 
-LLAMA7 = kvr_jax.preset_config("llama-2-7b")
+LLAMA7 = preset_config("llama-2-7b")
 
 
 def a100(links="300GBps", dtype_bytes=2, hardware="a100-80gb"):
@@ -106,7 +107,7 @@ def test_kvr_diagonal_and_prefix_add_up_to_the_ranks_attention(window):
   """With a flash kernel rank i > 0's attention is split into its diagonal and its prefix;
   their FLOPs add up to the whole rank's (no work lost or counted twice), and the first
   rank keeps its whole attention."""
-  config = dataclasses.replace(kvr_jax.preset_config("llama-2-7b"), sliding_window=window)
+  config = dataclasses.replace(preset_config("llama-2-7b"), sliding_window=window)
   chunks = (1000, 700, 500)
   flash = presets.make_setup("a100-80gb", "300GBps", dtype_bytes=2, scores_in_memory=False)
   flash = dataclasses.replace(flash, causal_skip=True)
@@ -152,7 +153,7 @@ def test_peers_move_their_cache_and_held_ring_steps_take_turns():
   """The peers' cache="last" pays the move of p-1 ranks' parts (KVR's last rank holds its
   cache from the hops); with held sends a ring step's compute and its message add up instead
   of overlapping: L (p-1) min(step, message) more."""
-  config, p, C = kvr_jax.preset_config("bench-llama"), 2, 8192
+  config, p, C = preset_config("bench-llama"), 2, 8192
   base = presets.make_setup("a100-80gb", "10GBps", dtype_bytes=2, scores_in_memory=False)
   base = dataclasses.replace(base, causal_skip=True)
   L, links = config.num_layers, base.links
@@ -177,7 +178,7 @@ def test_slow_link_only_slows_its_hop():
   slow = fast.with_slow_link(1, 10.0)
   assert [slow.link_bandwidth(k) for k in range(3)] == [100.0, 10.0, 100.0]
   assert slow.slowest(4) == 10.0
-  cfg = kvr_jax.preset_config("tiny-llama")
+  cfg = preset_config("tiny-llama")
   hw = costmodel.Hardware("unit", 1e12, 1e12, 1.0, 1.0)
   base = costmodel.simulate(cfg, "tsp", 64, costmodel.Setup(hw, fast, 2), num_ranks=4)
   slower = costmodel.simulate(cfg, "tsp", 64, costmodel.Setup(hw, slow, 2), num_ranks=4)
@@ -188,7 +189,7 @@ def test_slow_link_only_slows_its_hop():
 
 
 def _one_layer(name):
-  config = dataclasses.replace(kvr_jax.preset_config(name), num_layers=1)
+  config = dataclasses.replace(preset_config(name), num_layers=1)
   return kvr_jax.Model(build_model(config)), config
 
 
@@ -198,7 +199,7 @@ def test_single_program_flops_match_xla(name):
   C = 512
   mesh = kvr_jax.make_mesh(1)
   fn = single.compile_program(model.graphdef, mesh, (C,), "dense")
-  by_rank = jax.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  by_rank = jax.NamedSharding(mesh, jax.P(AXIS))
   tokens = jax.ShapeDtypeStruct((1, 1, C), np.int32, sharding=by_rank)
   state = model.state_on(jax.NamedSharding(mesh, jax.P()))
   compiled = fn.lower(state, tokens).compile()
@@ -215,7 +216,7 @@ def test_tsp_program_flops_match_xla(name):
   mesh = kvr_jax.make_mesh(p)
   fn = tsp.compile_program(model.graphdef, mesh, tsp.layout(C, p))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   tokens = jax.device_put(tsp.pad_shards(np.zeros((1, C), np.int32), p), by_rank)
   measured = fn.lower(model.state_on(replicated), tokens).compile().cost_analysis()["flops"]
   sim = costmodel.simulate(config, "tsp", C, a100(dtype_bytes=4), num_ranks=p)
@@ -235,7 +236,7 @@ def test_kvr_rank_flops_follow_the_partition():
 
 # --- sliding windows ---------------------------------------------------------------------------
 
-MISTRAL7 = kvr_jax.preset_config("mistral-7b")  # W = 4096
+MISTRAL7 = preset_config("mistral-7b")  # W = 4096
 
 
 @pytest.mark.parametrize("first,T,W", [(0, 10, 4), (3, 5, 100), (50, 7, 20), (2, 30, 9), (0, 1, 1)])
@@ -300,7 +301,7 @@ def _brute_force(objective, C, p):
   ],
 )
 def test_search_finds_the_brute_force_optimum(model, C, p, links):
-  config = kvr_jax.preset_config(model)
+  config = preset_config(model)
   objective = search.modelled_objective(config, C, p, a100(links))
   found = search.search_partition(objective, C, p)
   best_value, best_chunks = _brute_force(objective, C, p)
@@ -533,7 +534,7 @@ def test_the_search_models_the_kernel_that_runs():
 
 # --- tensor parallelism inside a rank (a ranks x model mesh) ----------------------------------
 
-LLAMA70 = kvr_jax.preset_config("llama-3.1-70b")  # 64 heads, 8 KV heads, F 28672, V 128256
+LLAMA70 = preset_config("llama-3.1-70b")  # 64 heads, 8 KV heads, F 28672, V 128256
 
 
 def tp_setup(model_parallel, model_links=None, links=None, **kw):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import runahead
 from models import config_from_dict, config_from_hf, layers
 from tests import hf_fixtures
@@ -126,7 +127,7 @@ def _kv_permutes(model, chunks, B=2):
   fn = runahead.compile_program(model.graphdef, mesh, chunks, "flash")
   tokens = runahead.pad_chunks(np.zeros((B, sum(chunks)), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   hlo = fn.lower(model.state_on(replicated), jax.device_put(tokens, by_rank)).compile().as_text()
   pattern = r"= \w+\[([\d,]+)\]\{[\d,]*\} collective-permute(?:-start)?\("
   shapes = [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(pattern, hlo)]

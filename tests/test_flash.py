@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax.strategies import runahead
+from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.strategies.base import TRACE_COUNT
 from models import layers
 from models.kernels import KERNELS
@@ -292,9 +292,9 @@ def test_kvr_flash_bfloat16_close_to_float32(long_setup):
 
 
 def test_flash_is_the_default_of_single_and_kvr():
-  assert kvr_jax.get_strategy("single").default_attention == "flash"
-  assert kvr_jax.get_strategy("kvr").default_attention == "flash"
-  assert kvr_jax.get_strategy("tsp").default_attention == "dense"
+  assert get_strategy("single").default_attention == "flash"
+  assert get_strategy("kvr").default_attention == "flash"
+  assert get_strategy("tsp").default_attention == "dense"
 
 
 # --- bfloat16 partials: merged with a float32 log-sum-exp ---------------------------------------
@@ -374,7 +374,7 @@ class FakeDevice:
 )
 def test_auto_attention_resolves_per_platform(strategy, device, dtype, window, want):
   fake = FakeDevice("gpu", "rocm 6.2") if device == "rocm" else FakeDevice(device, "cuda 12.8")
-  spec = kvr_jax.get_strategy(strategy)
+  spec = get_strategy(strategy)
   assert spec.resolve_attention("auto", fake, dtype, window).name == want
   assert spec.resolve_attention(None, fake, dtype, window).name == want
   named = spec.attention_kinds[-1]  # a kernel named is run as named

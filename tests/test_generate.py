@@ -9,6 +9,7 @@ import pytest
 
 import kvr_jax
 from kvr_jax.inference import decode
+from kvr_jax.inference.generate import decode_from
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,8 @@ def test_the_last_vocabulary_id_can_be_decoded(model, prompt):
   V = model.config.vocab_size
   logits = jnp.zeros((2, V)).at[:, V - 1].set(5.0).at[:, 0].set(4.0)
   fixed = _with_first_logits(result, logits)
-  assert list(kvr_jax.decode_from(model, fixed, 1).tokens[:, 0]) == [V - 1, V - 1]
-  sampled = kvr_jax.decode_from(model, fixed, 1, temperature=1e-3, seed=3).tokens
+  assert list(decode_from(model, fixed, 1).tokens[:, 0]) == [V - 1, V - 1]
+  sampled = decode_from(model, fixed, 1, temperature=1e-3, seed=3).tokens
   assert list(sampled[:, 0]) == [V - 1, V - 1]
 
 

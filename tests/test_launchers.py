@@ -36,8 +36,9 @@ def test_run_main_job(tmp_path):
   # and the JSON's numbers.
   import kvr_jax
   from kvr_jax.planning.partition import resolve_partition
+  from kvr_jax.runtime.loading import preset_config
 
-  config = kvr_jax.preset_config("tiny-llama")
+  config = preset_config("tiny-llama")
   api = resolve_partition(
     kvr_jax.PartitionPlan("search"),
     2048,

@@ -141,7 +141,6 @@ def test_the_checks_can_fail():
 
 
 def test_every_strategy_is_registered_and_has_a_module():
-  import kvr_jax
   from kvr_jax import strategies
 
   modules = {
@@ -151,7 +150,7 @@ def test_every_strategy_is_registered_and_has_a_module():
   }
   registered = {s.compile.__module__.rsplit(".", 1)[1] for s in strategies.REGISTRY.values()}
   assert registered == modules
-  assert kvr_jax.STRATEGIES == tuple(strategies.REGISTRY)
+  assert strategies.STRATEGIES == tuple(strategies.REGISTRY)
 
 
 @pytest.mark.skipif(os.environ.get("KVR_SKIP_WHEEL") == "1", reason="KVR_SKIP_WHEEL=1")
@@ -208,8 +207,9 @@ def test_the_wheel_carries_presets_and_tables(tmp_path):
     "from kvr_jax.planning import tables\n"
     f"assert kvr_jax.__file__.startswith({str(target)!r}), kvr_jax.__file__\n"
     f"assert str(resources.config_dir()).startswith({str(target)!r})\n"
-    "cfg = kvr_jax.preset_config('llama-2-7b')\n"
-    "print(cfg.num_layers, len(kvr_jax.preset_names()))\n"
+    "from kvr_jax.runtime.loading import preset_config, preset_names\n"
+    "cfg = preset_config('llama-2-7b')\n"
+    "print(cfg.num_layers, len(preset_names()))\n"
     "t = tables.load_table('llama-2-7b', 'a100-80gb', '300GBps', 4)\n"
     "print(tables.predict_partition(t, 4096))\n"
   )
@@ -228,20 +228,21 @@ def test_the_wheel_carries_presets_and_tables(tmp_path):
 def test_local_calibration_is_kept_on_disk_and_reused(tmp_path, monkeypatch):
   """The same command gives the same searched chunks run after run: the first calibration of
   a machine is stored and read back; `calibrate()` measures again and replaces it."""
-  import kvr_jax
   from kvr_jax.planning import presets
+  from kvr_jax.planning.partition import resolve_partition
+  from kvr_jax.runtime.loading import preset_config
 
   monkeypatch.setenv("KVR_JAX_CACHE_DIR", str(tmp_path))
   presets.local_calibration.cache_clear()
   try:
-    config = kvr_jax.preset_config("llama-2-7b")
+    config = preset_config("llama-2-7b")
     first = presets.local_calibration()
     (stored,) = tmp_path.glob("calibration-*.json")
-    chunks = kvr_jax.resolve_partition("search", 4096, 4, config=config)
+    chunks = resolve_partition("search", 4096, 4, config=config)
     presets.local_calibration.cache_clear()  # a new process: reads the file, measures nothing
     monkeypatch.setattr(presets, "measure_hardware", lambda: pytest.fail("measured again"))
     assert presets.local_calibration() == first
-    assert kvr_jax.resolve_partition("search", 4096, 4, config=config) == chunks
+    assert resolve_partition("search", 4096, 4, config=config) == chunks
     monkeypatch.undo()
     monkeypatch.setenv("KVR_JAX_CACHE_DIR", str(tmp_path))
     before = stored.stat().st_mtime_ns
@@ -274,13 +275,13 @@ def test_measured_plans_are_resolved_above_prefill(monkeypatch):
   plan = kvr_jax.PartitionPlan("search", objective="measured", multiple=16)
   model, mesh = kvr_jax.load_model("tiny-llama"), kvr_jax.make_mesh(2)
   tokens = np.zeros((1, 64), np.int32)
-  with pytest.raises(ValueError, match="kvr_jax.measured_partition"):
+  with pytest.raises(ValueError, match="kvr_jax.tools.measured.measured_partition"):
     kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=plan)
   calls = []
   monkeypatch.setattr(measured, "measured_search", lambda *a, **k: calls.append(a[0]) or (48, 16))
-  assert kvr_jax.measured_partition(model, tokens, mesh, plan) == (48, 16)
-  assert kvr_jax.measured_partition(model, tokens, mesh, plan) == (48, 16)
+  assert measured.measured_partition(model, tokens, mesh, plan) == (48, 16)
+  assert measured.measured_partition(model, tokens, mesh, plan) == (48, 16)
   assert len(calls) == 1
   other = kvr_jax.load_model("tiny-llama")
-  kvr_jax.measured_partition(other, tokens, mesh, plan)
+  measured.measured_partition(other, tokens, mesh, plan)
   assert len(calls) == 2 and calls[1] is other

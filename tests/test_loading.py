@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import kvr_jax
 from kvr_jax.runtime import loading
+from kvr_jax.runtime.loading import preset_config
 from tests import hf_fixtures
 
 
@@ -62,7 +63,7 @@ def test_presets_are_deterministic():
   "name,params", [("llama-2-7b", 6.74e9), ("llama-3-8b", 8.03e9), ("falcon-7b", 6.92e9)]
 )
 def test_real_shape_presets(name, params):
-  assert kvr_jax.preset_config(name).num_params() == pytest.approx(params, rel=2e-3)
+  assert preset_config(name).num_params() == pytest.approx(params, rel=2e-3)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +72,7 @@ def test_real_shape_presets(name, params):
   [("mistral-7b", 7_241_732_096), ("qwen2.5-7b", 7_615_616_512), ("qwen3-8b", 8_190_735_360)],
 )
 def test_family_presets_have_the_published_parameter_counts(name, params):
-  config = kvr_jax.preset_config(name)
+  config = preset_config(name)
   assert config.num_params() == params
   switches = (config.sliding_window, config.qkv_bias, config.qk_norm)
   assert (
@@ -90,7 +91,7 @@ def test_family_presets_have_the_published_parameter_counts(name, params):
   [("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496)],
 )
 def test_long_context_presets(name, params):
-  config = kvr_jax.preset_config(name)
+  config = preset_config(name)
   assert config.num_params() == params
   assert config.max_position_embeddings == 131_072
   assert (config.rope.type, config.rope.factor, config.rope.theta) == ("llama3", 8.0, 500_000.0)

@@ -2,6 +2,7 @@
 written, in fresh processes; and the API's first mistakes, each one clear error."""
 
 import ast
+import glob
 import os
 import re
 import shlex
@@ -13,14 +14,20 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.runtime.mesh import AXIS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch")
 
 
 def readme():
-  with open(os.path.join(ROOT, "README.md")) as f:
-    return f.read()
+  """README.md and the docs/ pages it links to: what a newcomer reads and copies."""
+  pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+  text = []
+  for page in pages:
+    with open(page) as f:
+      text.append(f.read())
+  return "\n".join(text)
 
 
 def fresh_env():
@@ -128,7 +135,7 @@ def test_first_api_mistakes_are_one_clear_error():
   model = kvr_jax.load_model("tiny-llama")
   tokens = np.ones((1, 64), np.int32)
   mesh = kvr_jax.make_mesh(np.int64(4))  # numpy integers are integers
-  assert mesh.shape[kvr_jax.AXIS] == 4
+  assert mesh.shape[AXIS] == 4
   with pytest.raises(ValueError, match="list of 4 chunk lengths or a method name, got 16"):
     kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=16)
   got = kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=np.full(4, 16))

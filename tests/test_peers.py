@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import allgather, ring, zigzag
 
 REL_TOL = 1e-5
@@ -113,7 +114,7 @@ def _hlo(strategy_module, model, p, C, B=1):
   fn = strategy_module.compile_program(model.graphdef, mesh, chunks)
   tokens = zigzag.arrange(np.zeros((B, C), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   lowered = fn.lower(model.state_on(replicated), jax.device_put(tokens, by_rank))
   return lowered.compile().as_text()
 

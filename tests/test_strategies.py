@@ -16,7 +16,8 @@ from flax import nnx
 
 import kvr_jax
 from kvr_jax.planning import costmodel
-from kvr_jax.runtime.loading import build_model
+from kvr_jax.runtime.loading import build_model, preset_config
+from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import TRACE_COUNT, runahead
 from kvr_jax.tools import measured
 from models.config import FalconConfig
@@ -34,7 +35,7 @@ def assert_close(got, want, what):
 
 def falcon_40b_form():
   config = dataclasses.replace(
-    kvr_jax.preset_config("tiny-falcon"),
+    preset_config("tiny-falcon"),
     num_kv_heads=2,
     separate_mlp_norm=True,
     qkv_layout="grouped",
@@ -203,7 +204,7 @@ def _compiled_kvr_hlo(model, chunks, batch=1):
   fn = runahead.compile_program(model.graphdef, mesh, tuple(chunks))
   tokens = runahead.pad_chunks(np.zeros((batch, sum(chunks)), np.int32), tuple(chunks))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   lowered = fn.lower(model.state_on(replicated), jax.device_put(tokens, by_rank))
   return lowered.compile().as_text()
 
@@ -236,7 +237,7 @@ def test_rows_before_the_hop_hand_computed():
   """Rank i attends as many diagonal rows before its hop as fit, in FLOPs, between its own
   qkv and its sender's readiness. tiny-llama: qkv 2*128*(4+2*2)*32 = 65536 FLOPs per token, a
   scored key 4*4*32 = 512; the first r rows see r(r+1)/2 keys."""
-  cfg = kvr_jax.preset_config("tiny-llama")
+  cfg = preset_config("tiny-llama")
   # Rank 1: 300 tokens of spare qkv = 38400 keys -> r(r+1) <= 76800 -> 276. Rank 2 waits for
   # rank 1, which holds its prefix when rank 0 sends (700 tokens): 200 spare -> 225.
   assert runahead.rows_before_hop(cfg, (700, 400, 500)) == (0, 276, 225)
@@ -437,7 +438,7 @@ def _compiled_size(model, chunks, body):
   fn = runahead.compile_program(model.graphdef, mesh, tuple(chunks), "flash", body=body)
   tokens = runahead.pad_chunks(np.zeros((1, sum(chunks)), np.int32), tuple(chunks))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  by_rank = jax.sharding.NamedSharding(mesh, jax.P(kvr_jax.AXIS))
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   lowered = fn.lower(model.state_on(replicated), jax.device_put(tokens, by_rank))
   return len(lowered.as_text().splitlines())
 

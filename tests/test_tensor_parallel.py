@@ -18,17 +18,17 @@ from jax.sharding import AxisType, PartitionSpec
 
 import kvr_jax
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.loading import build_model
+from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import MODEL_AXIS
 from kvr_jax.strategies import runahead
 from tests.tolerance import assert_close
 
-LLAMA = kvr_jax.preset_config("tiny-llama")  # 4 heads, 2 KV heads, F 352
+LLAMA = preset_config("tiny-llama")  # 4 heads, 2 KV heads, F 352
 CONFIGS = {
   "gqa": LLAMA,
-  "mqa": kvr_jax.preset_config("tiny-falcon"),  # one KV head, parallel block
-  "window": dataclasses.replace(kvr_jax.preset_config("tiny-mistral"), sliding_window=6),
+  "mqa": preset_config("tiny-falcon"),  # one KV head, parallel block
+  "window": dataclasses.replace(preset_config("tiny-mistral"), sliding_window=6),
   "qwen2": dataclasses.replace(LLAMA, qkv_bias=True),
   "qwen3": dataclasses.replace(LLAMA, qk_norm=True),
 }

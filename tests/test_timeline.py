@@ -20,6 +20,7 @@ import pytest
 
 import kvr_jax
 from kvr_jax.planning import costmodel, presets
+from kvr_jax.runtime.loading import preset_config
 from kvr_jax.strategies import probe
 from kvr_jax.tools import timeline
 from tests.tolerance import assert_close
@@ -90,7 +91,7 @@ def test_modelled_kvr_schedule_matches_the_timeline():
   waits = [(s, e) for r, ly, ph, s, e in schedule if (r, ly, ph) == (1, 0, "wait")]
   assert waits == [(0.5, pytest.approx(1.2))]
   setup = presets.make_setup("a100-80gb", "300GBps", dtype_bytes=2)
-  config = kvr_jax.preset_config("llama-2-7b")
+  config = preset_config("llama-2-7b")
   items = costmodel.schedule(config, "kvr", 4096, setup, num_ranks=2, partition=(2500, 1596))
   sim = costmodel.simulate(config, "kvr", 4096, setup, num_ranks=2, partition=(2500, 1596))
   last = max(e for r, *_, e in items if r == 1)

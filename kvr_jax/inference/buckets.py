@@ -9,7 +9,7 @@ each row's last real token come from one decode step at that token's position
 
 The default ladder ("auto"): round up to a multiple of max(16, 2^(floor(log2 T) - 3)), i.e.
 8 buckets per octave (1024, 1152, ..., 1920, 2048, 2304, ...): at most 12.5% padding, about
-4.5% on average, and 8 programs per doubling of the prompt length (README: measured by
+4.5% on average, and 8 programs per doubling of the prompt length (docs/buckets.md: measured by
 `python -m launch.benchmark --mode=buckets`). `buckets` may also be an increasing sequence of
 lengths (a prompt longer than the largest runs at its exact length) or None: exact shapes,
 no padding unless rows of a batch differ in length (then the longest row is the shape).

@@ -89,7 +89,7 @@ def resolve_partition(
     if partition.objective == "measured":
       raise ValueError(
         "a measured search times prefills, so it runs above them: "
-        "chunks = kvr_jax.measured_partition(model, tokens, mesh, plan), then "
+        "chunks = kvr_jax.tools.measured.measured_partition(model, tokens, mesh, plan), then "
         "prefill(..., partition=chunks)"
       )
     if partition.method != "even" and config is None:

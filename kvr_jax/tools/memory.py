@@ -9,7 +9,7 @@ devices than ranks it runs itself again in a subprocess with emulated CPU device
 
 CPU caveat: XLA:CPU turns bfloat16 matmul operands into float32 temporaries (a CPU-only
 artifact that would double the weights), so measure float32 shapes and halve them for a
-bfloat16 estimate, and say so (README does).
+bfloat16 estimate, and say so (docs/cache.md does).
 """
 
 from __future__ import annotations
