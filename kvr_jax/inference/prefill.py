@@ -320,7 +320,7 @@ def prefill(
       device_memory=device_memory_bytes(mesh.devices.flat[-1]),
     )
   )
-  run = spec.program(model.graphdef, mesh, chunks, kernel, timeline, keep_last_hop)
+  run = spec.compile(model.graphdef, mesh, chunks, kernel, timeline, keep_last_hop)
   if m > 1:
     state = model.state_split_over(mesh)
   else:

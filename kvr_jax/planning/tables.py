@@ -152,7 +152,7 @@ def build_table(
     "hardware": hardware,
     "links": links,
     "num_ranks": num_ranks,
-    "objective": f"modelled TTFT (kvr_jax.costmodel), {dtype_bytes}-byte values, batch 1",
+    "objective": f"modelled TTFT (kvr_jax.planning.costmodel), {dtype_bytes}-byte values, batch 1",
     "regenerate": (
       "python -m launch.partition_tables --shipped"
       if (model, hardware, links) in _shipped_keys()

@@ -10,46 +10,32 @@ layer; each rank outputs only its own two chunks' K,V (see kvr_jax.inference.kv_
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import (
   Strategy,
-  count_trace,
   fold_batch,
   last_rank,
-  model_reduce,
-  spmd,
+  refuse,
+  strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
-from models.base import no_reduce
 
 
-def rank_program(
-  graphdef,
-  context_len: int,
-  num_ranks: int,
-  attention,
-  timeline: bool = False,
-  reduce=no_reduce,
-):
-  c = zigzag.chunk_len(context_len, num_ranks)
-  p = num_ranks
+def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
+  """All-gather CP's rank: its two zigzag chunks against the gathered, reordered K,V."""
+  del graphdef
+  refuse("allgather", keep_last_hop=keep_last_hop)
+  context_len, p = sum(chunks), len(chunks)
+  c = zigzag.chunk_len(context_len, p)
 
-  def program(state, tokens_1B2c):
-    count_trace("allgather")
-    model = nnx.merge(graphdef, state)
-    rank = jax.lax.axis_index(AXIS)
-    tokens_B2c = tokens_1B2c[0]
-    B = tokens_B2c.shape[0]
-    positions_B2c = zigzag.positions(rank, c, p, B)
+  def make_body(model, rank, tokens_B2c, reduce):
+    positions_B2c = zigzag.positions(rank, c, p, tokens_B2c.shape[0])
 
-    def layer(block, x_B2cD, l):
+    def layer(block, x_B2cD, carry, l):
       q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
       own_2B2cKH = jnp.stack([k_B2cKH, v_B2cKH])
       q_B2cNH, own_2B2cKH = mark(timeline, "qkv", l, (q_B2cNH, own_2B2cKH))
@@ -66,22 +52,15 @@ def rank_program(
         outs.append(block.attend(q_BcNH, kv[0], kv[1], chunk * c, attention))
       attn_B2cNH = mark(timeline, "attention", l, jnp.concatenate(outs, axis=1))
       x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
-      return x_B2cD, fold_batch(own_2B2cKH)
+      return x_B2cD, carry, fold_batch(own_2B2cKH)
 
-    return zigzag.run_layers(model, layer, tokens_B2c, context_len, p, timeline)
+    return zigzag.rank_body(tokens_B2c, layer, context_len, p)
 
-  return program
+  return make_body
 
 
-@functools.lru_cache(maxsize=64)
-def compile_program(
-  graphdef, mesh, chunks: tuple[int, ...], attention="flash", timeline: bool = False
-):
-  """f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H])."""
-  program = rank_program(
-    graphdef, sum(chunks), len(chunks), attention, timeline, model_reduce(mesh)
-  )
-  return spmd(program, mesh)
+# f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H]).
+compile_program = strategy_compiler("allgather", allgather_body, "flash")
 
 
 STRATEGY = Strategy(

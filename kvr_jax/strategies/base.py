@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from kvr_jax.strategies.probe import mark
+from models import scan_blocks
 from models.base import no_reduce
 from models.kernels import DEFAULT_CAUSAL_KERNEL, KERNEL_NAMES, KERNELS, AttentionKernel, get_kernel
 
@@ -118,8 +123,10 @@ class Strategy:
   layout(context_len, num_ranks, chunks) -> chunks: each rank's token count as the program
     sees it (chunks is the validated partition for a partitioned strategy, else None).
   arrange(tokens_BC, chunks) -> [p, B, c_max] host tokens, each rank's slice padded.
-  compile(graphdef, mesh, chunks, attention, timeline) -> the jitted program (cached by the
-    strategy; timeline=True only where `timeline_probes`).
+  compile(graphdef, mesh, chunks, attention, timeline=False, keep_last_hop=False) -> the
+    jitted program, one signature for every strategy (`strategy_compiler`: cached by every
+    argument, the kernel as its record; timeline=True only where `timeline_probes`,
+    keep_last_hop=True only where `cache_from_last_hop`).
   cache_rank(chunks) -> the rank whose output shard holds the logits (decode continues there).
   cache_layout(context_len, chunks) -> the CacheLayout of the program's kv_parts output.
   """
@@ -153,15 +160,6 @@ class Strategy:
       and self.cache_from_last_hop is not None
       and self.cache_from_last_hop(chunks, window)
     )
-
-  def program(self, graphdef, mesh, chunks, attention, timeline=False, keep_last_hop=False):
-    """`compile` with the kernel's record (a name is looked up: the program is keyed by the
-    record, block sizes included), passing keep_last_hop only where it is asked for (the
-    strategies that do not keep their hops take no such argument)."""
-    attention = get_kernel(attention)
-    if keep_last_hop:
-      return self.compile(graphdef, mesh, chunks, attention, timeline, keep_last_hop=True)
-    return self.compile(graphdef, mesh, chunks, attention, timeline)
 
   @property
   def default_attention(self) -> str:
@@ -266,3 +264,95 @@ def logits_to_last_rank(logits_BV, owner: int, num_ranks: int):
   if owner == num_ranks - 1:
     return logits_BV
   return jax.lax.ppermute(logits_BV, AXIS, perm=[(owner, num_ranks - 1)])
+
+
+# --- the one strategy runner ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankBody:
+  """What a strategy's rank runs, built inside the trace by its `make_body(model, rank,
+  tokens_BT, reduce)` (rank traced: `lax.axis_index`). The runner does the rest.
+
+  tokens_BT: the tokens its layers run on (padded where the strategy pads them).
+  layer(block, x_BTD, carry, l) -> (x_BTD, carry, kv_out): one layer, from the same
+    `project_qkv` / `attend` / `finish` calls as every strategy; kv_out is what the layer
+    outputs (the rank's own K,V, batch folded: `fold_batch`; a tuple where it keeps more).
+  carry: what the layers carry beside the hidden states (KV-Runahead's buffer), or None.
+  last_row(x_BTD) -> [B, D]: the row of this rank holding the prompt's last position when
+    this rank is `owner`.
+  owner: the rank computing the prompt's last position; its logits move to rank p-1.
+  """
+
+  tokens_BT: Any
+  layer: Callable
+  last_row: Callable
+  owner: int
+  carry: Any = None
+
+
+def rank_program(name: str, graphdef, make_body: Callable, num_ranks: int, timeline: bool, reduce):
+  """The program every strategy runs per rank, (state, tokens [1, B, T]) -> (logits [1, B, V],
+  kv outputs [1, L, ...]): count the trace, merge the model, build the strategy's `RankBody`,
+  embed, scan its layer over the stacked blocks, and the last position's logits on rank p-1
+  (probed at both ends when `timeline`)."""
+
+  def program(state, tokens_1BT):
+    count_trace(name)
+    model = nnx.merge(graphdef, state)
+    body = make_body(model, jax.lax.axis_index(AXIS), tokens_1BT[0], reduce)
+    x_BTD = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
+
+    def layer(block, x_and_carry, l):
+      x_BTD, carry, kv_out = body.layer(block, *x_and_carry, l)
+      return (x_BTD, carry), kv_out
+
+    layers_L = jax.numpy.arange(model.config.num_layers)
+    (x_BTD, _), kv_out = scan_blocks(model.blocks, layer, (x_BTD, body.carry), layers_L)
+    logits_BV = model.logits(body.last_row(x_BTD)[:, None])[:, 0]
+    logits_BV = logits_to_last_rank(logits_BV, body.owner, num_ranks)
+    logits_BV = mark(timeline, "logits", -1, logits_BV)
+    return logits_BV[None], jax.tree.map(lambda kv: kv[None], kv_out)
+
+  return program
+
+
+def strategy_compiler(name: str, body_of: Callable, default_attention: str, **options):
+  """A strategy's `compile(graphdef, mesh, chunks, attention, timeline=False,
+  keep_last_hop=False, **options)`: the jitted SPMD program of `rank_program` over the mesh,
+  cached by every argument (the kernel as its record, so block sizes too).
+
+  body_of(graphdef, chunks, kernel, timeline, keep_last_hop, **options) -> make_body (see
+  `RankBody`); it refuses what the strategy does not run (timeline probes, keep_last_hop)."""
+
+  @functools.lru_cache(maxsize=64)
+  def cached(graphdef, mesh, chunks, kernel, timeline, keep_last_hop, options):
+    make_body = body_of(graphdef, chunks, kernel, timeline, keep_last_hop, **dict(options))
+    program = rank_program(name, graphdef, make_body, len(chunks), timeline, model_reduce(mesh))
+    return spmd(program, mesh)
+
+  def compile_program(
+    graphdef,
+    mesh,
+    chunks,
+    attention=default_attention,
+    timeline=False,
+    keep_last_hop=False,
+    **kwargs,
+  ):
+    given = {**options, **kwargs}
+    kernel = get_kernel(attention)
+    return cached(
+      graphdef, mesh, tuple(chunks), kernel, timeline, keep_last_hop, tuple(sorted(given.items()))
+    )
+
+  compile_program.cache_clear = cached.cache_clear
+  return compile_program
+
+
+def refuse(name: str, timeline: bool = False, keep_last_hop: bool = False) -> None:
+  """A strategy's refusal of what it does not run, by name."""
+  if timeline:
+    raise ValueError(f"strategy {name!r} has no timeline probes")
+  if keep_last_hop:
+    raise ValueError(f"strategy {name!r} does not keep its last hop (cache='last' moves parts)")

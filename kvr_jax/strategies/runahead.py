@@ -80,21 +80,20 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
 from kvr_jax.strategies.base import (
   CAUSAL_KERNELS,
+  RankBody,
   Strategy,
-  count_trace,
   fold_batch,
   last_rank,
-  spmd,
+  strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
-from models import layers, scan_blocks
+from models import layers
 from models.base import no_reduce
 from models.kernels import get_kernel, kernels_where
 
@@ -317,13 +316,12 @@ def hop_chain(
   return buffer_2BSKH, message
 
 
-def per_rank_program(
+def per_rank_body(
   graphdef,
   chunks: tuple[int, ...],
   attention="dense",
   timeline: bool = False,
   keep_last_hop: bool = False,
-  model_axis: bool = False,
 ) -> Callable:
   """The program of one `lax.switch` branch per rank, each with rank i's own static shapes
   (c_i rows, S_i keys), for the kernels whose bounds must be static (dense, blocked, fused,
@@ -335,31 +333,25 @@ def per_rank_program(
   output every layer's last-hop message (see the module docstring). model_axis: each rank
   is a tensor-parallel group over the mesh's "model" axis (its state a shard: K,V and the
   hops are the shard's own heads, the partial sums are psummed)."""
-  reduce = tensor_parallel.psum_over_model if model_axis else no_reduce
-  varying = (AXIS, MODEL_AXIS) if model_axis else (AXIS,)
+  del graphdef
   p = len(chunks)
   diagonal_first = attends_diagonal_first(attention, p)
   starts = np.asarray(chunk_starts(chunks), np.int32)
 
-  def program(state, tokens_1Bc):
-    count_trace("kvr")
-    model = nnx.merge(graphdef, state)
-    rank = jax.lax.axis_index(AXIS)
-    x_BcD = mark(timeline, "embed", -1, model.embed(tokens_1Bc[0]))
+  def make_body(model, rank, tokens_Bc, reduce):
     cfg = model.config
     check_keep_last_hop(keep_last_hop, chunks, cfg.sliding_window)
-    B = x_BcD.shape[0]
+    B = tokens_Bc.shape[0]
     early_rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * p
     # Allocated once and carried across layers; varying over the ranks like what it holds.
     kv_heads = model.blocks.wk[...].shape[2]  # [L, D, K, H]: this shard's K
     buffer_2BSKH = jax.lax.pcast(
-      jnp.zeros((2, B, buffer_len(chunks), kv_heads, cfg.head_dim), x_BcD.dtype),
-      varying,
+      jnp.zeros((2, B, buffer_len(chunks), kv_heads, cfg.head_dim), model.blocks.wk[...].dtype),
+      varying_axes(reduce),
       to="varying",
     )
 
-    def layer(block, carry, l):
-      x_BcD, buffer_2BSKH = carry
+    def layer(block, x_BcD, buffer_2BSKH, l):
       q_BcNH, own_2BcKH = jax.lax.switch(
         rank,
         [functools.partial(project_own_chunk, block, i=i, chunks=chunks) for i in range(p)],
@@ -421,23 +413,17 @@ def per_rank_program(
       )
       x_BcD = mark(timeline, "rest", l, x_BcD)
       # Only this rank's chunk leaves the layer (and, kept, what the last hop brought).
-      own_out = fold_batch(own_2BcKH)
-      kept = (own_out, fold_batch(prefixes[1])) if keep_last_hop else own_out
-      return (x_BcD, prefixes[0]), kept
+      own_out = fold_batch(own_2BcKH)  # R = B * c_max rows
+      kept = (own_out, fold_batch(prefixes[1])) if keep_last_hop else own_out  # B * S_{p-2}
+      return x_BcD, prefixes[0], kept
 
-    layers_L = jnp.arange(cfg.num_layers)
-    (x_BcD, _), kv_out = scan_blocks(  # R = B * c_max rows
-      model.blocks, layer, (x_BcD, buffer_2BSKH), layers_L
-    )
     # Each rank's last real row; on rank p-1 that is the prompt's last position.
-    last_BD = jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
-    logits_BV = mark(timeline, "logits", -1, model.logits(last_BD[:, None])[:, 0])
-    if keep_last_hop:
-      kv_L2RKH, last_hop_L2RKH = kv_out  # R = B * S_{p-2} rows
-      return logits_BV[None], (kv_L2RKH[None], last_hop_L2RKH[None])
-    return logits_BV[None], kv_out[None]
+    def last_row(x_BcD):
+      return jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
 
-  return program
+    return RankBody(tokens_Bc, layer, last_row, owner=p - 1, carry=buffer_2BSKH)
+
+  return make_body
 
 
 # --- one body for every rank: the chunk lengths as data -------------------------------------
@@ -518,13 +504,12 @@ def map_row_blocks(fn, num_rows, block: int, inputs, outputs):
   return jax.lax.fori_loop(0, -(-num_rows // block), step, tuple(outputs))
 
 
-def one_body_program(
+def one_body(
   graphdef,
   chunks: tuple[int, ...],
   attention="flash",
   timeline: bool = False,
   keep_last_hop: bool = False,
-  model_axis: bool = False,
 ) -> Callable:
   """Every rank runs this one body; what differs between ranks is data: its real length c,
   its start (prefix length) and its early diagonal rows, read from constant tables at its
@@ -543,37 +528,31 @@ def one_body_program(
   Padding costs at most one row block of projections and MLP and one query block of
   attention per rank. Rows past c of its part are zero; the parts have c_max rows, as the
   per-rank program's (one cache layout)."""
-  reduce = tensor_parallel.psum_over_model if model_axis else no_reduce
-  varying = (AXIS, MODEL_AXIS) if model_axis else (AXIS,)
+  del graphdef
   p = len(chunks)
   c_pad, R = padded_chunk_len(chunks), row_block(chunks)
 
-  def program(state, tokens_1Bc):
-    count_trace("kvr")
-    model = nnx.merge(graphdef, state)
+  def make_body(model, rank, tokens_Bc, reduce):
     cfg = model.config
     check_keep_last_hop(keep_last_hop, chunks, cfg.sliding_window)
-    rank = jax.lax.axis_index(AXIS)
     # What differs between ranks, as data.
     c = jnp.asarray(chunks, jnp.int32)[rank]
     start = jnp.asarray(chunk_starts(chunks), jnp.int32)[rank]
     query_block = get_kernel(attention).query_block
     early_rows = jnp.asarray(early_rows_in_blocks(cfg, chunks, query_block), jnp.int32)[rank]
-    tokens_Bc = tokens_1Bc[0]
     tokens_Bc = jnp.pad(tokens_Bc, ((0, 0), (0, c_pad - tokens_Bc.shape[1])))
-    x_BcD = mark(timeline, "embed", -1, model.embed(tokens_Bc))
-    B = x_BcD.shape[0]
+    B = tokens_Bc.shape[0]
+    dtype = model.blocks.wk[...].dtype
     kv_heads = model.blocks.wk[...].shape[2]  # [L, D, K, H]: this shard's K
     q_heads = model.blocks.wq[...].shape[2]
 
     def zeros(shape, dtype):  # varying over the ranks, like what it will hold
-      return jax.lax.pcast(jnp.zeros(shape, dtype), varying, to="varying")
+      return jax.lax.pcast(jnp.zeros(shape, dtype), varying_axes(reduce), to="varying")
 
-    buffer_2BSKH = zeros((2, B, one_body_buffer_len(chunks), kv_heads, cfg.head_dim), x_BcD.dtype)
+    buffer_2BSKH = zeros((2, B, one_body_buffer_len(chunks), kv_heads, cfg.head_dim), dtype)
     real_rows_c = jnp.arange(c_pad) < c
 
-    def layer(block, carry, l):
-      x_BcD, buffer_2BSKH = carry
+    def layer(block, x_BcD, buffer_2BSKH, l):
 
       def project(first_row, x_BRD):
         positions_BR = jnp.broadcast_to(start + first_row + jnp.arange(R), (B, R))
@@ -585,9 +564,9 @@ def one_body_program(
         R,
         (x_BcD,),
         (
-          zeros((B, c_pad, q_heads, cfg.head_dim), x_BcD.dtype),
-          zeros((B, c_pad, kv_heads, cfg.head_dim), x_BcD.dtype),
-          zeros((B, c_pad, kv_heads, cfg.head_dim), x_BcD.dtype),
+          zeros((B, c_pad, q_heads, cfg.head_dim), dtype),
+          zeros((B, c_pad, kv_heads, cfg.head_dim), dtype),
+          zeros((B, c_pad, kv_heads, cfg.head_dim), dtype),
         ),
       )
       # Rows past c (the last block's padding) are zeroed: the part and the buffer hold only
@@ -652,50 +631,39 @@ def one_body_program(
       # parts of c_max rows as from the per-rank program (one cache layout for both bodies).
       own_out = fold_batch(own_2BcKH[:, :, : max(chunks)])
       kept = (own_out, fold_batch(last_message)) if keep_last_hop else own_out
-      return (x_BcD, buffer_2BSKH), kept
+      return x_BcD, buffer_2BSKH, kept
 
-    layers_L = jnp.arange(cfg.num_layers)
-    (x_BcD, _), kv_out = scan_blocks(  # R = B * c_max rows
-      model.blocks, layer, (x_BcD, buffer_2BSKH), layers_L
-    )
     # Each rank's last real row; on rank p-1 that is the prompt's last position.
-    last_BD = jax.lax.dynamic_index_in_dim(x_BcD, c - 1, axis=1, keepdims=False)
-    logits_BV = mark(timeline, "logits", -1, model.logits(last_BD[:, None])[:, 0])
-    if keep_last_hop:
-      kv_L2RKH, last_hop_L2RKH = kv_out  # R = B * S_{p-2} rows
-      return logits_BV[None], (kv_L2RKH[None], last_hop_L2RKH[None])
-    return logits_BV[None], kv_out[None]
+    def last_row(x_BcD):
+      return jax.lax.dynamic_index_in_dim(x_BcD, c - 1, axis=1, keepdims=False)
 
-  return program
+    return RankBody(tokens_Bc, layer, last_row, owner=p - 1, carry=buffer_2BSKH)
+
+  return make_body
 
 
-@functools.lru_cache(maxsize=64)
-def compile_program(
-  graphdef,
-  mesh,
-  chunks: tuple[int, ...],
-  attention="flash",
-  timeline: bool = False,
-  keep_last_hop: bool = False,
-  body: str | None = None,
-):
-  """The jitted KV-Runahead prefill for one (model graph, mesh, partition, attention, body);
-  cached. body: "one" (every rank runs one program body, lengths as data; the default for
-  the kernels with `lengths_as_data`) or "per-rank" (a switch branch per rank, the default for
-  the others).
+def kvr_body(graphdef, chunks, attention, timeline, keep_last_hop, body=None):
+  """KV-Runahead's rank (`strategy_compiler`'s body_of). body: "one" (every rank runs one
+  program body, lengths as data; the default for the kernels with `lengths_as_data`) or
+  "per-rank" (a switch branch per rank, the default for the others); part of the cache key.
 
-  Returns f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L, 2, B*c_max,
-  K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V. keep_last_hop
-  (only where `whole_prefix_hops`): the second output is (kv parts, last-hop messages [p, L,
-  2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first S_{p-2}
-  positions.
-  """
-  attention = get_kernel(attention)
+  The compiled program: f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L,
+  2, B*c_max, K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
+  keep_last_hop (only where `whole_prefix_hops`): the second output is (kv parts, last-hop
+  messages [p, L, 2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's
+  first S_{p-2} positions."""
   body = check_body(body, attention)
-  model_axis = model_parallel(mesh) > 1
-  make = one_body_program if body == "one" else per_rank_program
-  program = make(graphdef, chunks, attention, timeline, keep_last_hop, model_axis)
-  return spmd(program, mesh)
+  make = one_body if body == "one" else per_rank_body
+  return make(graphdef, chunks, attention, timeline, keep_last_hop)
+
+
+def varying_axes(reduce) -> tuple[str, ...]:
+  """The mesh axes a rank's zero-initialised buffers vary over: ("ranks",), and "model" where
+  the rank is a tensor-parallel group (its `reduce` psums over "model")."""
+  return (AXIS, MODEL_AXIS) if reduce is tensor_parallel.psum_over_model else (AXIS,)
+
+
+compile_program = strategy_compiler("kvr", kvr_body, "flash")
 
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):
@@ -730,5 +698,5 @@ PER_RANK_STRATEGY = dataclasses.replace(
   STRATEGY,
   name="kvr-per-rank",
   description="KV-Runahead's per-rank switch program (every kernel), for comparisons",
-  compile=functools.partial(compile_program, body="per-rank"),
+  compile=strategy_compiler("kvr", kvr_body, "flash", body="per-rank"),
 )

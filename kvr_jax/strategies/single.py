@@ -6,21 +6,18 @@ It runs under the same interface as the parallel strategies (a mesh of one devic
 
 from __future__ import annotations
 
-import functools
-
-import jax
+import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from kvr_jax.strategies.base import (
   CAUSAL_KERNELS,
+  RankBody,
   Strategy,
-  count_trace,
+  fold_batch,
   last_rank,
-  model_reduce,
-  spmd,
+  refuse,
+  strategy_compiler,
 )
-from models.base import no_reduce
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
@@ -32,26 +29,28 @@ def arrange(tokens_BC, chunks) -> np.ndarray:
   return np.asarray(tokens_BC)[None]
 
 
-def program(graphdef, attention, reduce=no_reduce):
-  def run(state, tokens_1BC):
-    count_trace("single")
-    model = nnx.merge(graphdef, state)
-    x_BCD, k_LBCKH, v_LBCKH = model.forward(tokens_1BC[0], attention, reduce=reduce)
-    logits_BV = model.logits(x_BCD[:, -1:])[:, 0]
-    # [L, 2, B*C, K, H]: K and V stacked, batch folded into the rows, as every strategy
-    L, B, C, K, H = k_LBCKH.shape
-    kv_L2RKH = jax.numpy.stack([k_LBCKH, v_LBCKH], axis=1).reshape(L, 2, B * C, K, H)
-    return logits_BV[None], kv_L2RKH[None]
+def single_body(graphdef, chunks, attention, timeline, keep_last_hop):
+  """The whole prompt on one device: every layer attends causally from position 0."""
+  del graphdef, chunks
+  refuse("single", timeline, keep_last_hop)
 
-  return run
+  def make_body(model, rank, tokens_BC, reduce):
+    B, C = tokens_BC.shape
+    positions_BC = jnp.broadcast_to(jnp.arange(C), (B, C))
+
+    def layer(block, x_BCD, carry, _):
+      q_BCNH, k_BCKH, v_BCKH = block.project_qkv(x_BCD, positions_BC)
+      attn_BCNH = block.attend(q_BCNH, k_BCKH, v_BCKH, 0, attention)
+      x_BCD = block.finish(x_BCD, attn_BCNH, reduce=reduce)
+      return x_BCD, carry, fold_batch(jnp.stack([k_BCKH, v_BCKH]))
+
+    return RankBody(tokens_BC, layer, lambda x_BCD: x_BCD[:, -1], owner=0)
+
+  return make_body
 
 
-@functools.lru_cache(maxsize=32)
-def compile_program(graphdef, mesh, chunks, attention="flash", timeline: bool = False):
-  """f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B*C, K, H])."""
-  if timeline:
-    raise ValueError("strategy 'single' has no timeline probes")
-  return spmd(program(graphdef, attention, model_reduce(mesh)), mesh)
+# f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B*C, K, H]).
+compile_program = strategy_compiler("single", single_body, "flash")
 
 
 STRATEGY = Strategy(

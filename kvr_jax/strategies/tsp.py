@@ -8,64 +8,54 @@ p * ceil(C/p); padded keys sit after every real query, so the causal mask hides 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies.base import (
+  RankBody,
   Strategy,
   contiguous_layout,
-  count_trace,
   fold_batch,
   last_rank,
-  logits_to_last_rank,
-  model_reduce,
-  spmd,
+  refuse,
+  strategy_compiler,
 )
-from models import scan_blocks
-from models.base import no_reduce
 
 
 def shard_len(context_len: int, num_ranks: int) -> int:
   return math.ceil(context_len / num_ranks)
 
 
-def rank_program(graphdef, context_len: int, num_ranks: int, reduce=no_reduce):
-  c = shard_len(context_len, num_ranks)
-  last_rank, last_row = divmod(context_len - 1, c)
+def tsp_body(graphdef, chunks, attention, timeline, keep_last_hop):
+  """TSP's rank: ceil(C/p) tokens from rank * c, all-gathered K,V, dense masked scores."""
+  del graphdef, attention  # dense masked scores by definition
+  refuse("tsp", timeline, keep_last_hop)
+  context_len, p = sum(chunks), len(chunks)
+  c = shard_len(context_len, p)
+  owner, last_row = divmod(context_len - 1, c)  # position C-1: on `owner` when p does not divide C
 
-  def program(state, tokens_1Bc):
-    count_trace("tsp")
-    model = nnx.merge(graphdef, state)
-    rank = jax.lax.axis_index(AXIS)
-    tokens_Bc = tokens_1Bc[0]
+  def make_body(model, rank, tokens_Bc, reduce):
     B = tokens_Bc.shape[0]
     offset = rank * c
     positions_Bc = jnp.broadcast_to(offset + jnp.arange(c), (B, c))
 
-    def layer(block, x_BcD, _):
+    def layer(block, x_BcD, carry, _):
       q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD, positions_Bc)
       # [2, B, p*c, K, H]: every rank gets every rank's K,V
       kv = jax.lax.all_gather(jnp.stack([k_BcKH, v_BcKH]), AXIS, axis=2, tiled=True)
       # Dense masked scores over all p*c keys (with a sliding window too: TSP skips nothing).
       attn_BcNH = block.attend(q_BcNH, kv[0], kv[1], offset, "dense")
       # The rank keeps its own shard of the cache; the gathered K,V live one layer.
-      out_BcD = block.finish(x_BcD, attn_BcNH, reduce=reduce)
-      return out_BcD, fold_batch(jnp.stack([k_BcKH, v_BcKH]))
+      x_BcD = block.finish(x_BcD, attn_BcNH, reduce=reduce)
+      return x_BcD, carry, fold_batch(jnp.stack([k_BcKH, v_BcKH]))
 
-    x_BcD, kv_L2RKH = scan_blocks(model.blocks, layer, model.embed(tokens_Bc))
-    # Row `last_row` of rank `last_rank` is the prompt's last position.
-    logits_BV = model.logits(x_BcD[:, last_row : last_row + 1])[:, 0]
-    # Position C-1 lives on `last_rank` when C is not a multiple of p.
-    logits_BV = logits_to_last_rank(logits_BV, last_rank, num_ranks)
-    return logits_BV[None], kv_L2RKH[None]
+    return RankBody(tokens_Bc, layer, lambda x_BcD: x_BcD[:, last_row], owner)
 
-  return program, last_rank
+  return make_body
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
@@ -76,19 +66,8 @@ def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
   return tuple(max(0, min(c, context_len - r * c)) for r in range(num_ranks))
 
 
-@functools.lru_cache(maxsize=64)
-def compile_program(
-  graphdef, mesh, chunks: tuple[int, ...], attention="dense", timeline: bool = False
-):
-  """Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p,B,V], kv [p,L,2,B*c,K,H]).
-
-  The logits of the prompt's last position are moved to rank p-1 (see rank_program).
-  """
-  del attention  # dense masked scores by definition
-  if timeline:
-    raise ValueError("strategy 'tsp' has no timeline probes")
-  program, _ = rank_program(graphdef, sum(chunks), len(chunks), model_reduce(mesh))
-  return spmd(program, mesh)
+# Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p, B, V], kv [p, L, 2, B*c, K, H]).
+compile_program = strategy_compiler("tsp", tsp_body, "dense")
 
 
 def pad_shards(tokens_BC, num_ranks: int):

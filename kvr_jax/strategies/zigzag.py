@@ -13,9 +13,7 @@ import math
 import jax
 import numpy as np
 
-from kvr_jax.strategies.base import CacheLayout, logits_to_last_rank
-from kvr_jax.strategies.probe import mark
-from models import scan_blocks
+from kvr_jax.strategies.base import CacheLayout, RankBody
 
 
 def chunk_len(context_len: int, num_ranks: int) -> int:
@@ -97,21 +95,11 @@ def last_position_owner(context_len: int, num_ranks: int) -> tuple[int, int]:
   return 2 * num_ranks - 1 - chunk, c + offset
 
 
-def last_logits(model, x_B2cD, context_len: int, num_ranks: int):
-  """The last prompt position's logits [B, V], on rank p-1 (decode continues there)."""
+def rank_body(tokens_B2c, layer, context_len: int, num_ranks: int) -> RankBody:
+  """Both peers' `RankBody`: their layer over the rank's two chunks, the prompt's last
+  position on the rank and row `last_position_owner` says."""
   owner, row = last_position_owner(context_len, num_ranks)
-  return logits_to_last_rank(model.logits(x_B2cD[:, row : row + 1])[:, 0], owner, num_ranks)
-
-
-def run_layers(model, layer, tokens_B2c, context_len: int, num_ranks: int, timeline: bool):
-  """What both peers do around their layer: embed, scan `layer(block, x, layer_index)` over
-  the stacked layers, and the last position's logits on rank p-1 (probed at both ends when
-  `timeline`). Returns the program's outputs: (logits [1, B, V], kv parts [1, L, ...])."""
-  x_B2cD = mark(timeline, "embed", -1, model.embed(tokens_B2c))
-  layers_L = jax.numpy.arange(model.config.num_layers)
-  x_B2cD, kv_parts = scan_blocks(model.blocks, layer, x_B2cD, layers_L)
-  logits_BV = mark(timeline, "logits", -1, last_logits(model, x_B2cD, context_len, num_ranks))
-  return logits_BV[None], kv_parts[None]
+  return RankBody(tokens_B2c, layer, lambda x_B2cD: x_B2cD[:, row], owner)
 
 
 def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):

@@ -90,15 +90,15 @@ def measured_objective(
   first_device = mesh.devices.reshape(-1)[0]
   # Everything that changes a measured time keys the file: what runs (model, weights' dtype,
   # the kernel the prefills resolve to, the prompt's shape) and where (devices, their kind).
+  kernel = get_strategy("kvr").resolve_attention(
+    None, first_device, model.dtype, model.config.sliding_window
+  )
   setup = {
     "model": model.source,
     "config": model.config.to_dict(),
     "dtype": jnp.dtype(model.dtype).name,
-    "kernel": dataclasses.asdict(
-      get_strategy("kvr").resolve_attention(
-        None, first_device, model.dtype, model.config.sliding_window
-      )
-    ),
+    "kernel": kernel.name,
+    "kernel_blocks": [kernel.query_block, kernel.key_block],
     "shape": list(tokens.shape),
     "devices": [str(d) for d in mesh.devices.reshape(-1)],
     "device_kind": first_device.device_kind,

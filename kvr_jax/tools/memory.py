@@ -181,7 +181,7 @@ def compiled_memory(
     and spec.keeps_last_hop(cache, chunks, config.sliding_window)
     and join_affordable(hop_bytes, one_process=True, device_memory=device_memory)
   )
-  program = spec.program(graphdef, mesh, chunks, attention, keep_last_hop=joined)
+  program = spec.compile(graphdef, mesh, chunks, attention, keep_last_hop=joined)
   # The weights as prefill places them: whole on every device, or split over "model" (KV
   # heads repeated to m first where fewer).
   state = jax.eval_shape(lambda s: tensor_parallel.shard_ready_state(config, s, m), state)

@@ -1,4 +1,4 @@
-"""The paper's TTFT figures, MODELLED with kvr_jax.costmodel (8x A100, fp16, batch 1).
+"""The paper's TTFT figures, MODELLED with kvr_jax.planning.costmodel (8x A100, fp16, batch 1).
 
 Nothing here is measured: every number is the cost model's simulated TTFT, and every output
 says so. `launch.paper` prints the table and writes CSV and PNG plots.
@@ -186,7 +186,7 @@ def write_csv(cells: list[Cell], path: str) -> None:
   fields = [f.name for f in dataclasses.fields(Cell)] + ["speedup_search_over_tsp", "predict_gap"]
   with open(path, "w", newline="") as f:
     writer = csv.writer(f)
-    writer.writerow(["# MODELLED with kvr_jax.costmodel, not measured"])
+    writer.writerow(["# MODELLED with kvr_jax.planning.costmodel, not measured"])
     writer.writerow(fields)
     for c in cells:
       row = [getattr(c, n) for n in fields[:-2]]
@@ -369,7 +369,7 @@ def write_tp_csv(cells: list[TPCell], path: str) -> None:
   """One row per cell and strategy."""
   with open(path, "w", newline="") as f:
     writer = csv.writer(f)
-    writer.writerow(["# MODELLED with kvr_jax.costmodel, not measured"])
+    writer.writerow(["# MODELLED with kvr_jax.planning.costmodel, not measured"])
     writer.writerow(
       ["gpus", "between_Bps", "context_len", "num_ranks", "model_parallel", "strategy"]
       + ["ttft_s", "kvr_partition", "device_memory_bytes", "fits"]
