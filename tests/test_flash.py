@@ -423,6 +423,22 @@ def test_block_sizes_are_part_of_the_kernel_and_of_its_program():
   assert_close(results[1].k_cache, results[0].k_cache, "k cache")
 
 
+def test_clear_caches_makes_the_next_prefill_compile_again():
+  from kvr_jax.core.caches import clear_caches
+
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 64)
+  mesh = kvr_jax.make_mesh(2)
+  counts = []
+  for clear in (False, False, True):
+    if clear:
+      clear_caches()
+    before = TRACE_COUNT["kvr"]
+    kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition=[40, 24])
+    counts.append(TRACE_COUNT["kvr"] - before)
+  assert counts[1:] == [0, 1]
+
+
 def test_attention_questions_are_answered_by_kernel_fields_only():
   """No module outside models/kernels.py and the dispatch in models/layers.py compares an
   attention kernel's name: a new kernel is one record, not a hunt through the tree."""

@@ -2,6 +2,7 @@
 installed wheel carries its presets and KVR-P tables."""
 
 import ast
+import importlib
 import os
 import pathlib
 import shutil
@@ -148,8 +149,9 @@ def test_every_strategy_is_registered_and_has_a_module():
     for p in (ROOT / "kvr_jax" / "strategies").glob("*.py")
     if "\nSTRATEGY = Strategy(" in p.read_text()
   }
-  registered = {s.compile.__module__.rsplit(".", 1)[1] for s in strategies.REGISTRY.values()}
-  assert registered == modules
+  defined = [importlib.import_module(f"kvr_jax.strategies.{m}").STRATEGY for m in sorted(modules)]
+  assert sorted(s.name for s in defined) == sorted(strategies.REGISTRY)
+  assert all(strategies.REGISTRY[s.name] is s for s in defined)
   assert strategies.STRATEGIES == tuple(strategies.REGISTRY)
 
 
@@ -285,3 +287,16 @@ def test_measured_plans_are_resolved_above_prefill(monkeypatch):
   other = kvr_jax.load_model("tiny-llama")
   measured.measured_partition(other, tokens, mesh, plan)
   assert len(calls) == 2 and calls[1] is other
+
+
+def test_every_cache_of_programs_is_registered():
+  """No bare functools.lru_cache in the library: every kept program or plan is made with
+  `core.caches.kept_cache`, so that `clear_caches()` drops it (a cold-start benchmark would
+  otherwise time a warm program). `functools.cache` stays for what is kept on purpose."""
+  bare = []
+  for path in sorted((ROOT / "kvr_jax").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Attribute) and node.attr == "lru_cache":
+        if path.name != "caches.py":
+          bare.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+  assert not bare, f"use core.caches.kept_cache: {bare}"

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
@@ -53,7 +54,7 @@ def _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache, reduce=no_re
   return model.logits(x_B1D)[:, 0], k_cache, v_cache
 
 
-@functools.lru_cache(maxsize=32)
+@kept_cache(32)
 def model_group_decode_step(graphdef, group_mesh):
   """`decode_step` on one rank's row of devices (a ("ranks", "model") mesh of one rank): the
   weights split as the prefill split them (`Model.state_split_over(group_mesh)`), the cache
@@ -127,7 +128,7 @@ def merge_across_ranks(out_B1NH, lse_B1N):
   return numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
-@functools.lru_cache(maxsize=32)
+@kept_cache(32)
 def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
   """f(state, tokens_B, prompt_lens_B, kv_parts [p, L, 2, B*P, K, H], tail [L, 2, B, M, K, H],
   tail_index) -> (logits [B, V], tail): one token per sequence from a sharded cache, row b at

@@ -37,6 +37,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
 
@@ -139,7 +140,7 @@ def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
   return k, v
 
 
-@functools.lru_cache(maxsize=32)
+@kept_cache(32)
 def collect_program(mesh, layout: CacheLayout):
   """The move as one SPMD program (for parts that live in several processes): every rank
   holding a run sends its part to rank p-1 (one pair per ppermute), which assembles them."""

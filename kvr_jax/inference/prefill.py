@@ -289,7 +289,6 @@ def prefill(
 
   user_chunks = None
   if spec.partitioned:
-    preset = model.source[len("preset:") :] if model.source.startswith("preset:") else None
     user_chunks = resolve_partition(
       partition,
       T,
@@ -297,7 +296,7 @@ def prefill(
       config=model.config,
       batch=B,
       dtype_bytes=jnp.dtype(model.dtype).itemsize,
-      model_name=preset,
+      model_name=model.preset,
       **kernel_flags(kernel),
     )
     if jax.process_count() > 1:

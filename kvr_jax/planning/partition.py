@@ -8,8 +8,8 @@ so it lives above them: kvr_jax.tools.measured.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks, even_partition, round_to_multiple
 from kvr_jax.planning import presets, search, tables
 
@@ -121,7 +121,7 @@ def resolve_partition(
   return check_chunks(partition, context_len, num_ranks)
 
 
-@functools.lru_cache(maxsize=256)
+@kept_cache(256)
 def _plan_chunks(
   plan: PartitionPlan, context_len, num_ranks, config, setup, model_name
 ) -> tuple[int, ...]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import json
 import os
 from typing import Any
@@ -19,6 +18,7 @@ from flax import nnx
 
 import models
 from kvr_jax.core import resources
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import checkpoints, tensor_parallel
 from kvr_jax.runtime.mesh import MODEL_AXIS, check_mesh, model_parallel
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
@@ -45,6 +45,9 @@ class Model:
   module: models.CausalLM
   tokenizer: Any = None
   source: str = ""
+  # The preset's name where the weights are a preset's (random) ones: its shipped KVR-P
+  # tables and partition defaults apply; None for a checkpoint.
+  preset: str | None = None
 
   def __post_init__(self):
     self.graphdef, self.state = nnx.split(self.module)
@@ -281,8 +284,10 @@ def load_model(name_or_path: str, dtype=AUTO_DTYPE, *, mesh=None) -> Model:
   config = preset_config(name_or_path)
   dtype = auto_dtype() if dtype is None else dtype
   if mesh is None:
-    return Model(build_model(config, dtype), source=f"preset:{name_or_path}")
-  return Model(_build_split(config, dtype, mesh), source=f"preset:{name_or_path}")
+    return Model(build_model(config, dtype), source=f"preset:{name_or_path}", preset=name_or_path)
+  return Model(
+    _build_split(config, dtype, mesh), source=f"preset:{name_or_path}", preset=name_or_path
+  )
 
 
 def _check_split_mesh(mesh, config: ModelConfig | None = None) -> None:
@@ -490,14 +495,14 @@ class _SplitParams:
     return _layer_stacker(self.shardings[param_path])(*(layers[i] for i in range(len(layers))))
 
 
-@functools.lru_cache(maxsize=32)
+@kept_cache(32)
 def _head_repeater(sharding: jax.sharding.NamedSharding, repeats: int, axis: int):
   """A program repeating each KV head `repeats` times along `axis` whose output is split by
   `sharding`: each device computes only its own head (no whole repeated copy anywhere)."""
   return jax.jit(lambda kv: jnp.repeat(kv, repeats, axis=axis), out_shardings=sharding)
 
 
-@functools.lru_cache(maxsize=32)
+@kept_cache(32)
 def _layer_stacker(sharding: jax.sharding.NamedSharding):
   """A program joining one parameter's per-layer shards into its stacked [L, ...] array on
   each device (no communication: every layer is split the same way)."""

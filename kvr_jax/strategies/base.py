@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies.probe import mark
@@ -325,7 +325,7 @@ def strategy_compiler(name: str, body_of: Callable, default_attention: str, **op
   body_of(graphdef, chunks, kernel, timeline, keep_last_hop, **options) -> make_body (see
   `RankBody`); it refuses what the strategy does not run (timeline probes, keep_last_hop)."""
 
-  @functools.lru_cache(maxsize=64)
+  @kept_cache(64)
   def cached(graphdef, mesh, chunks, kernel, timeline, keep_last_hop, options):
     make_body = body_of(graphdef, chunks, kernel, timeline, keep_last_hop, **dict(options))
     program = rank_program(name, graphdef, make_body, len(chunks), timeline, model_reduce(mesh))
@@ -346,7 +346,6 @@ def strategy_compiler(name: str, body_of: Callable, default_attention: str, **op
       graphdef, mesh, tuple(chunks), kernel, timeline, keep_last_hop, tuple(sorted(given.items()))
     )
 
-  compile_program.cache_clear = cached.cache_clear
   return compile_program
 
 

@@ -20,16 +20,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from kvr_jax.core.caches import clear_caches
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference import decode, kv_cache
 from kvr_jax.inference.buckets import bucket_length
 from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning import costmodel, presets
-from kvr_jax.planning import partition as partition_lib
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, load_hf_model, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, mesh_of_ranks
-from kvr_jax.strategies import REGISTRY, TRACE_COUNT
+from kvr_jax.strategies import TRACE_COUNT
 from kvr_jax.strategies.base import AUTO_KERNELS
 from kvr_jax.tools.measured import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
@@ -529,11 +528,7 @@ def forget_compiled_programs() -> None:
   """Every compiled program and planned partition this process holds, dropped: the next
   call of any shape compiles (and plans) again, as in a new process."""
   jax.clear_caches()
-  for spec in REGISTRY.values():
-    spec.compile.cache_clear()
-  decode.sharded_decode_program.cache_clear()
-  kv_cache.collect_program.cache_clear()
-  partition_lib._plan_chunks.cache_clear()
+  clear_caches()
 
 
 def bucket_stream(
