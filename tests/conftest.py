@@ -4,9 +4,9 @@ import os
 import tempfile
 
 # --xla_backend_optimization_level=0: the tests prove correctness, not speed, and LLVM's
-# optimisation of their tiny programs costs more than running them (the suite's CPU time -20%).
-# The same HLO runs (collectives, fusion and buffer assignment are XLA's, not LLVM's), so the
-# HLO, FLOP and memory-analysis tests read what users get.
+# optimisation of their tiny programs costs more than running them (639 tests: 627 s against
+# 793 s). It changes how XLA's LLVM backend optimises the emitted code, not the HLO programs:
+# every HLO, FLOP-count and memory-analysis test passes unchanged under it.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
