@@ -35,18 +35,8 @@ def attend_static(
   _check_window(kernel, window)
   if kernel.computes == "blocked":
     return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.query_block, window=window)
-  if kernel.computes == "flash":
-    return attend_flash(
-      q_BTNH,
-      k_BSKH,
-      v_BSKH,
-      query_offset,
-      window=window,
-      query_block=kernel.query_block,
-      key_block=kernel.key_block,
-    )[0]
-  if kernel.computes == "two-piece":
-    out, _ = attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.implementation)
+  if kernel.returns_lse:  # flash, two-piece: their float32 partial, cast as the queries
+    out, _ = attend_partial(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel, window)
     return out.astype(q_BTNH.dtype)
   return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)
 

@@ -31,7 +31,6 @@ from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import (
   Strategy,
-  fold_batch,
   last_rank,
   refuse,
   strategy_compiler,
@@ -111,26 +110,14 @@ def ring_body(graphdef, chunks, attention, timeline, keep_last_hop):
   """Ring attention's rank: its two zigzag chunks, K,V passed around the ring."""
   del graphdef
   refuse("ring", keep_last_hop=keep_last_hop)
-  context_len, p = sum(chunks), len(chunks)
-  c = zigzag.chunk_len(context_len, p)
+  p = len(chunks)
+  c = zigzag.chunk_len(sum(chunks), p)
 
-  def make_body(model, rank, tokens_B2c, reduce):
-    positions_B2c = zigzag.positions(rank, c, p, tokens_B2c.shape[0])
-    window = model.config.sliding_window
+  def attend_chunks(block, q_B2cNH, own_2B2cKH, rank, l):
+    window = block.config.sliding_window
+    return ring_attention(q_B2cNH, own_2B2cKH, rank, c, p, window, timeline, l, attention)
 
-    def layer(block, x_B2cD, carry, l):
-      q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
-      # [2, B, 2c, K, H]: K and V travel as one message, with their own K heads
-      kv_own = jnp.stack([k_B2cKH, v_B2cKH])
-      q_B2cNH, kv_own = mark(timeline, "qkv", l, (q_B2cNH, kv_own))
-      attn_B2cNH = ring_attention(q_B2cNH, kv_own, rank, c, p, window, timeline, l, attention)
-      attn_B2cNH = mark(timeline, "attention", l, attn_B2cNH)
-      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
-      return x_B2cD, carry, fold_batch(kv_own)
-
-    return zigzag.rank_body(tokens_B2c, layer, context_len, p)
-
-  return make_body
+  return zigzag.peer_body(chunks, timeline, attend_chunks)
 
 
 # f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H]).

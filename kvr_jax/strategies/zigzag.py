@@ -9,11 +9,14 @@ causal mask hides their keys from every real query, and their own outputs are dr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from kvr_jax.strategies.base import CacheLayout, RankBody
+from kvr_jax.strategies.base import CacheLayout, RankBody, fold_batch
+from kvr_jax.strategies.probe import mark
 
 
 def chunk_len(context_len: int, num_ranks: int) -> int:
@@ -95,11 +98,32 @@ def last_position_owner(context_len: int, num_ranks: int) -> tuple[int, int]:
   return 2 * num_ranks - 1 - chunk, c + offset
 
 
-def rank_body(tokens_B2c, layer, context_len: int, num_ranks: int) -> RankBody:
-  """Both peers' `RankBody`: their layer over the rank's two chunks, the prompt's last
-  position on the rank and row `last_position_owner` says."""
-  owner, row = last_position_owner(context_len, num_ranks)
-  return RankBody(tokens_B2c, layer, lambda x_B2cD: x_B2cD[:, row], owner)
+def peer_body(chunks: tuple[int, ...], timeline: bool, attend_chunks) -> Callable:
+  """Both peers' `make_body` (strategies.base.RankBody): each layer projects the rank's two
+  chunks, attends them with the peer's own `attend_chunks(block, q_B2cNH, own_2B2cKH, rank,
+  layer) -> attn_B2cNH` (own_2B2cKH: [2, B, 2c, K, H], K and V as one array, with their own
+  K heads) and finishes them; the rank outputs its own two chunks' K,V. The prompt's last
+  position is on the rank and row `last_position_owner` says."""
+  context_len, p = sum(chunks), len(chunks)
+  c = chunk_len(context_len, p)
+  owner, row = last_position_owner(context_len, p)
+
+  def make_body(model, rank, tokens_B2c, reduce):
+    positions_B2c = positions(rank, c, p, tokens_B2c.shape[0])
+
+    def layer(block, x_B2cD, carry, l):
+      q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
+      own_2B2cKH = jnp.stack([k_B2cKH, v_B2cKH])
+      q_B2cNH, own_2B2cKH = mark(timeline, "qkv", l, (q_B2cNH, own_2B2cKH))
+      attn_B2cNH = mark(
+        timeline, "attention", l, attend_chunks(block, q_B2cNH, own_2B2cKH, rank, l)
+      )
+      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
+      return x_B2cD, carry, fold_batch(own_2B2cKH)
+
+    return RankBody(tokens_B2c, layer, lambda x_B2cD: x_B2cD[:, row], owner)
+
+  return make_body
 
 
 def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):
