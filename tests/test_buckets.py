@@ -143,3 +143,25 @@ def test_bad_ragged_and_bucketed_input_is_one_clear_error(model, mesh, tokens, k
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
     kvr_jax.prefill(model, tokens, **kwargs)
   assert sum(TRACE_COUNT.values()) == before  # refused before anything was traced
+
+
+def test_one_plan_runs_every_prompt_of_its_bucket(model, mesh):
+  """plan_prefill decides everything once (no compile); run_prefill runs any prompt of the
+  plan's bucket and batch through one program, each row as prefill gives it, and refuses a
+  prompt of another shape by name before running."""
+  from kvr_jax.inference.prefill import plan_prefill, run_prefill
+
+  rng = np.random.RandomState(7)
+  short, longer = (rng.randint(0, model.config.vocab_size, (1, n)) for n in (40, 58))
+  before = TRACE_COUNT["kvr"]
+  plan = plan_prefill(model, short, "kvr", mesh=mesh, partition="even", buckets=[64])
+  assert TRACE_COUNT["kvr"] == before  # planning compiles nothing
+  assert (plan.prompt_len, plan.batch, plan.chunks) == (64, 1, (16, 16, 16, 16))
+  for tokens in (short, longer):
+    got = run_prefill(model, plan, tokens)
+    want = kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition="even", buckets=[64])
+    assert_close(got.logits, want.logits, "logits")
+    assert_close(got.k_cache, want.k_cache, "K cache")
+  assert TRACE_COUNT["kvr"] == before + 1
+  with pytest.raises(ValueError, match="plan runs 1 row.* padded to 64 tokens"):
+    run_prefill(model, plan, rng.randint(0, model.config.vocab_size, (2, 40)))

@@ -20,6 +20,7 @@ import kvr_jax
 from kvr_jax.inference import decode, kv_cache
 from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
+from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.tools.memory import compiled_memory
 from models import scan_blocks
@@ -139,9 +140,8 @@ def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle,
   peers' parts have to move: the same guard stops their move."""
   model, ref = models["gqa"], oracle["gqa"]
   mesh = kvr_jax.make_mesh(len(partition))
-  deferred = kvr_jax.prefill(
-    model, prompt, strategy="kvr", mesh=mesh, partition=partition, defer_move=True
-  )
+  plan = plan_prefill(model, prompt, strategy="kvr", mesh=mesh, partition=partition)
+  deferred = run_prefill(model, plan, prompt, move_cache=False)
   L, B, C, K, H = ref.k_cache.shape
   assert deferred.last_hop.shape == (len(partition), L, 2, B * (C - partition[-1]), K, H)
   with jax.transfer_guard_device_to_device("disallow_explicit"):
@@ -162,7 +162,7 @@ def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, part
   model, ref = models["gqa"], oracle["gqa"]
   mesh = kvr_jax.make_mesh(len(partition))
   kwargs = dict(strategy="kvr", mesh=mesh, partition=partition)
-  assert kvr_jax.prefill(model, prompt, defer_move=True, **kwargs).last_hop is None
+  assert not plan_prefill(model, prompt, **kwargs).keep_last_hop
   last = kvr_jax.prefill(model, prompt, **kwargs)
   assert_close(last.k_cache, ref.k_cache, "K cache")
   assert_close(last.v_cache, ref.v_cache, "V cache")
@@ -208,8 +208,8 @@ def test_kvr_windowed_hops_move_the_parts(models, prompt, oracle):
   and the cache is still whole."""
   mesh, model = kvr_jax.make_mesh(2), models["window"]
   kwargs = dict(strategy="kvr", mesh=mesh, partition=[20, 9])
-  assert kvr_jax.prefill(model, prompt, defer_move=True, **kwargs).last_hop is None
-  assert kvr_jax.prefill(models["gqa"], prompt, defer_move=True, **kwargs).last_hop is not None
+  assert not plan_prefill(model, prompt, **kwargs).keep_last_hop
+  assert plan_prefill(models["gqa"], prompt, **kwargs).keep_last_hop
   last = kvr_jax.prefill(model, prompt, **kwargs)
   assert_close(last.k_cache, oracle["window"].k_cache, "K cache")
 

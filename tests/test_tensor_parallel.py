@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 import kvr_jax
+from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh
@@ -244,7 +245,7 @@ def test_a_2d_mesh_refuses_what_it_does_not_run_yet(prefill_models, kwargs, mess
   model, _ = prefill_models["gqa"]
   kwargs = {"strategy": "tsp", **kwargs}
   with pytest.raises(ValueError, match=re.escape(message)):
-    kvr_jax.prefill(model, TOKENS, mesh=kvr_jax.make_mesh(2, model=2), **kwargs)
+    plan_prefill(model, TOKENS, mesh=kvr_jax.make_mesh(2, model=2), **kwargs)
 
 
 def test_2d_mesh_inputs_are_checked_before_compiling(prefill_models):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime.loading import preset_config
 from kvr_jax.strategies import probe
@@ -59,7 +60,8 @@ def test_probes_change_nothing_and_come_in_order(strategy, partition):
   kwargs = {"partition": partition} if partition else {}
   plain = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, **kwargs)
   probe.EVENTS.clear()
-  probed = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, timeline=True, **kwargs)
+  plan = plan_prefill(model, tokens, strategy=strategy, mesh=mesh, timeline=True, **kwargs)
+  probed = run_prefill(model, plan, tokens)
   # The call returns when the last rank's outputs are ready (KVR's cache="last" needs nothing
   # from the others): wait for every rank's probes before reading them.
   jax.effects_barrier()
@@ -77,7 +79,7 @@ def test_probes_change_nothing_and_come_in_order(strategy, partition):
 def test_timeline_refused_for_strategies_without_probes():
   model = kvr_jax.load_model("tiny-llama")
   with pytest.raises(ValueError, match="strategy 'tsp' has no timeline probes"):
-    kvr_jax.prefill(model, np.ones((1, 16), np.int32), strategy="tsp", timeline=True)
+    plan_prefill(model, np.ones((1, 16), np.int32), strategy="tsp", timeline=True)
 
 
 def test_modelled_kvr_schedule_matches_the_timeline():

@@ -40,8 +40,8 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import STRATEGIES, get_strategy
-from kvr_jax.strategies.base import AUTO, CacheLayout
-from models.kernels import get_kernel, kernels_where
+from kvr_jax.strategies.base import AUTO, CacheLayout, Strategy
+from models.kernels import AttentionKernel, get_kernel, kernels_where
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ class PrefillResult:
   partition: tuple[int, ...] | None = None
   cache: str = "last"
   kv_parts: jax.Array | None = None
-  # KV-Runahead's last-hop messages (prefill(defer_move=True)): the last rank's cache is
+  # KV-Runahead's last-hop messages (run_prefill(move_cache=False)): the last rank's cache is
   # joined from them and its part by `gather_cache()`, without a move.
   last_hop: jax.Array | None = None
   cache_layout: CacheLayout | None = None
@@ -172,6 +172,42 @@ def _single_device_mesh(mesh):
   return make_mesh(1, devices=local[:1])
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+  """What a prefill of one padded shape runs, decided and checked before anything compiles
+  (`plan_prefill`); `run_prefill` runs it on any prompt of that shape (same bucket, batch).
+
+  prompt_len: T, the rows' padded length (their bucket). batch: B. partition: the chunk
+  lengths the user's partition resolved to (partitioned strategies), else None. chunks: each
+  rank's token count as the program sees them (`Strategy.layout`). keep_last_hop: KV-Runahead's
+  last rank keeps what its hops brought, so cache="last" needs no move (where memory allows).
+  timeline: the program carries phase probes (kvr_jax.tools.timeline).
+  """
+
+  strategy: Strategy
+  mesh: Any
+  kernel: AttentionKernel
+  prompt_len: int
+  batch: int
+  partition: tuple[int, ...] | None
+  chunks: tuple[int, ...]
+  cache: str
+  keep_last_hop: bool
+  timeline: bool
+  buckets: Any
+  padded: bool  # planned for rows padded past their length (what a 2-D mesh refuses so far)
+
+  @property
+  def cache_layout(self) -> CacheLayout:
+    return self.strategy.cache_layout(self.prompt_len, self.chunks)
+
+  def program(self, model: Model):
+    """The compiled program (cached by the strategy)."""
+    return self.strategy.compile(
+      model.graphdef, self.mesh, self.chunks, self.kernel, self.timeline, self.keep_last_hop
+    )
+
+
 def prefill(
   model: Model,
   tokens,
@@ -180,11 +216,10 @@ def prefill(
   partition: Any = None,
   attention: str | None = None,
   cache: str = "last",
-  timeline: bool = False,
   buckets=None,
-  defer_move: bool = False,
 ) -> PrefillResult:
-  """Runs the prompt phase and returns each row's last-position logits and the KV cache.
+  """Runs the prompt phase and returns each row's last-position logits and the KV cache:
+  `run_prefill(model, plan_prefill(model, tokens, ...), tokens)`.
 
   tokens: [B, T] (or [T]) token ids, or a list of rows of different lengths (a ragged
     batch: each row is padded at its end, see `buckets`; `lengths` in the result).
@@ -215,12 +250,26 @@ def prefill(
   cache: "last" (the paper's layout: the whole cache in prompt order on the last rank's
     device; moving the ranks' parts there is part of the call) or "sharded" (each rank keeps
     the part it computed; `generate` decodes from it where it lies). See PrefillResult.
-  timeline: compile with probes at the phase boundaries (strategies with
-    `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them.
-  defer_move: with cache="last", return as soon as the program's outputs exist, laid out as
-    cache="sharded" (plus KV-Runahead's `last_hop`); `gather_cache()` then brings the cache
-    onto the last rank. What kvr_jax.tools.timing times apart.
   """
+  plan = plan_prefill(model, tokens, strategy, mesh, partition, attention, cache, buckets)
+  return run_prefill(model, plan, tokens)
+
+
+def plan_prefill(
+  model: Model,
+  tokens,
+  strategy: str = "single",
+  mesh=None,
+  partition: Any = None,
+  attention: str | None = None,
+  cache: str = "last",
+  buckets=None,
+  timeline: bool = False,
+) -> PrefillPlan:
+  """The `PrefillPlan` of `prefill(model, tokens, ...)` (the same arguments), every argument
+  checked; nothing compiles or runs. tokens may be the prompt or any prompt of its shape.
+  timeline: the program places probes at its phase boundaries (strategies with
+  `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them."""
   spec = get_strategy(strategy)
   strategy = spec.name
   cache = check_cache(cache)
@@ -240,8 +289,7 @@ def prefill(
     )
   rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
   longest = int(lengths_B.max())
-  tokens_BT = buckets_lib.pad_rows(rows, T)
-  B = tokens_BT.shape[0]
+  B = len(rows)
   padded = bool((lengths_B < T).any())
   if padded and cache == "sharded" and jax.process_count() > 1:
     raise ValueError(
@@ -319,32 +367,53 @@ def prefill(
       device_memory=device_memory_bytes(mesh.devices.flat[-1]),
     )
   )
-  run = spec.compile(model.graphdef, mesh, chunks, kernel, timeline, keep_last_hop)
-  if m > 1:
+  return PrefillPlan(
+    spec, mesh, kernel, T, B, user_chunks, chunks, cache, keep_last_hop, timeline, buckets, padded
+  )
+
+
+def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True):
+  """Runs `plan` on `tokens` (a prompt of the plan's padded length and batch) and returns
+  its `PrefillResult`. move_cache=False: with cache="last", return as soon as the program's
+  outputs exist, laid out as cache="sharded" (plus KV-Runahead's `last_hop`);
+  `gather_cache()` then brings the cache onto the last rank (what kvr_jax.tools.timing times
+  apart)."""
+  rows, lengths_B, T, _ = padded_prompts(model, tokens, plan.buckets)
+  if (T, len(rows)) != (plan.prompt_len, plan.batch):
+    raise ValueError(
+      f"this plan runs {plan.batch} row(s) padded to {plan.prompt_len} tokens; these prompts "
+      f"are {len(rows)} row(s) padded to {T}: plan them with plan_prefill"
+    )
+  tokens_BT = buckets_lib.pad_rows(rows, T)
+  B, padded = plan.batch, bool((lengths_B < T).any())
+  if padded and not plan.padded:
+    raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")
+  spec, mesh, chunks, cache = plan.strategy, plan.mesh, plan.chunks, plan.cache
+  if model_parallel(mesh) > 1:
     state = model.state_split_over(mesh)
   else:
     state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
-  logits, kv_parts = run(state, tokens_pBc)
+  logits, kv_parts = plan.program(model)(state, tokens_pBc)
   last_hop = None
-  if keep_last_hop:
+  if plan.keep_last_hop:
     kv_parts, last_hop = kv_parts
-  layout = spec.cache_layout(T, chunks)
+  layout = plan.cache_layout
   owner = rank_device(mesh, spec.cache_rank(chunks))
   logits_BV = shard_on(logits, owner)
   common = dict(
     prompt_len=T,
-    strategy=strategy,
-    partition=user_chunks,
+    strategy=spec.name,
+    partition=plan.partition,
     cache=cache,
     cache_layout=layout,
-    attention=kernel.name,
+    attention=plan.kernel.name,
     lengths=lengths_B,
   )
   # A padded row's last real token is not at position T - 1: its logits come from one decode
   # step at its own position (its K,V, already in the cache, are written again identically).
   last_tokens_B = tokens_BT[np.arange(B), lengths_B - 1]
-  if cache == "sharded" or defer_move:
+  if cache == "sharded" or not move_cache:
     if padded:
       logits_BV = _last_real_logits_sharded(
         model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B, owner

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from kvr_jax.inference.prefill import prefill, prefill_arguments
+from kvr_jax.inference.prefill import plan_prefill, prefill_arguments, run_prefill
 from kvr_jax.runtime.loading import Model
 from kvr_jax.strategies import probe
 from kvr_jax.tools.timing import time_prefill
@@ -49,7 +49,8 @@ def probe_run(
   def probed():
     probe.EVENTS.clear()
     start = probe.now_ns()
-    result = prefill(model, tokens, cache="sharded", timeline=True, **kwargs)
+    plan = plan_prefill(model, tokens, cache="sharded", timeline=True, **kwargs)
+    result = run_prefill(model, plan, tokens)
     jax.block_until_ready((result.logits, result.kv_parts))
     return probe.now_ns() - start, start, list(probe.EVENTS)
 

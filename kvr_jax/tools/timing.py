@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from kvr_jax.inference.prefill import PrefillResult, prefill
+from kvr_jax.inference.prefill import PrefillResult, plan_prefill, run_prefill
 from kvr_jax.runtime.loading import Model
 
 
@@ -38,7 +38,9 @@ class PrefillTiming:
 def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   """One prefill call, timed: (result, seconds, seconds of the move onto the last rank)."""
   start = time.perf_counter()
-  result = prefill(model, tokens, cache=cache, defer_move=cache == "last", **kwargs)
+  # prefill's plan and its run, the cache left where it was computed until it is timed apart
+  plan = plan_prefill(model, tokens, cache=cache, **kwargs)
+  result = run_prefill(model, plan, tokens, move_cache=cache != "last")
   jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
   moved = time.perf_counter()
   if cache == "last":
@@ -56,7 +58,7 @@ def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
 
   A call ends when the logits and KV cache are ready. With cache="last" (the default) the
   program and the move of the cache onto the last rank are timed apart (`moves_s`): the call
-  is prefill(cache="last", defer_move=True) then `gather_cache()`, which is what
+  is `run_prefill(..., move_cache=False)` then `gather_cache()`, which is what
   prefill(cache="last") runs (for KV-Runahead the "move" only joins, on the last rank, what
   its last hops brought with its own part). With a
   mesh spanning processes only the last rank's process holds the cache, so its clock is the
