@@ -165,3 +165,8 @@ def test_one_plan_runs_every_prompt_of_its_bucket(model, mesh):
   assert TRACE_COUNT["kvr"] == before + 1
   with pytest.raises(ValueError, match="plan runs 1 row.* padded to 64 tokens"):
     run_prefill(model, plan, rng.randint(0, model.config.vocab_size, (2, 40)))
+  # A prompt exactly a bucket long is not padded to the next bucket (explicit or auto).
+  exact = rng.randint(0, model.config.vocab_size, (1, 128))
+  for ladder in ([64, 128, 256], "auto"):
+    planned = plan_prefill(model, exact, "kvr", mesh=mesh, partition="even", buckets=ladder)
+    assert (planned.prompt_len, planned.padded) == (128, False), ladder

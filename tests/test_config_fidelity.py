@@ -236,6 +236,11 @@ VARIANTS = {
   ),
   "falcon-alibi": ("falcon", {}, put(alibi=True), "alibi"),
   "falcon-bias": ("falcon", {"bias": True}, None, "bias"),
+  # The position limit a family takes when config.json has none (transformers' default).
+  **{
+    f"{family}-no-max-positions": (family, {}, drop("max_position_embeddings"), None)
+    for family in ("llama", "mistral", "qwen2", "qwen3", "falcon")
+  },
   # Malformed files: a required field missing, a field of the wrong type or range.
   "llama-no-vocab-size": ("llama", {}, drop("vocab_size"), "vocab_size"),
   "llama-no-intermediate-size": ("llama", {}, drop("intermediate_size"), "intermediate_size"),

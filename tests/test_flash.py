@@ -535,3 +535,27 @@ def test_traced_query_rows_and_key_end_match_dense(window):
   # No key at all (rank 0's prefix): every row weighs nothing in a merge.
   out, lse = flash(q, k, v, 0, 0, 0, T)
   assert np.all(np.isneginf(np.asarray(lse))) and not np.any(np.asarray(out))
+
+
+@pytest.mark.parametrize("form", ["window", "qwen3", "2d-mesh"])
+def test_early_diagonal_rows_under_a_window_qwen3_and_a_2d_mesh(form):
+  """The one body's early diagonal rows (0 < r_i < c_i: rank 1 attends 384 of its 400 rows
+  to its own keys before its prefix arrives) with a sliding window, Qwen3's q/k norms and
+  tensor-parallel ranks, against the dense single device."""
+  from kvr_jax.runtime.loading import build_model, preset_config
+
+  if form == "qwen3":
+    config = dataclasses.replace(preset_config("tiny-llama"), qk_norm=True)
+    model = kvr_jax.Model(build_model(config), source="tiny-qwen3-form")
+  else:
+    model = kvr_jax.load_model("tiny-mistral" if form == "window" else "tiny-llama")
+  mesh = kvr_jax.make_mesh(2, model=2) if form == "2d-mesh" else kvr_jax.make_mesh(2)
+  chunks = (700, 400)
+  early = runahead.early_rows_in_blocks(model.config, chunks, KERNELS["flash"].query_block)
+  assert 0 < early[1] < chunks[1], early
+  tokens = np.random.RandomState(9).randint(0, model.config.vocab_size, (1, sum(chunks)))
+  want = kvr_jax.prefill(model, tokens, attention="dense")
+  got = kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition=list(chunks), attention="flash")
+  assert_close(got.logits, want.logits, "logits")
+  assert_close(got.k_cache, want.k_cache, "K cache")
+  assert_close(got.v_cache, want.v_cache, "V cache")

@@ -295,7 +295,7 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
   tokens = np.random.RandomState(3).randint(0, 512, (1, 64))
   cache = str(tmp_path / "measured.json")
-  real_prefill = inference.prefill
+  real_prefill = inference.run_prefill
   calls = {"n": 0, "limit": None}
 
   def counting_prefill(*args, **kwargs):
@@ -316,7 +316,7 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
       verify_top=0,
     )
 
-  monkeypatch.setattr(inference, "prefill", counting_prefill)
+  monkeypatch.setattr(inference, "run_prefill", counting_prefill)
   calls["limit"] = 5  # two partitions measured (warm-up + 1 run each), then "Ctrl-C"
   with pytest.raises(KeyboardInterrupt):
     search_with_cache()

@@ -23,6 +23,7 @@ from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import MODEL_AXIS
 from kvr_jax.strategies import runahead
+from models import scan_blocks
 from tests.tolerance import assert_close
 
 LLAMA = preset_config("tiny-llama")  # 4 heads, 2 KV heads, F 352
@@ -84,6 +85,35 @@ def test_shards_add_up_to_the_whole_model(whole, name, m):
     assert_close(logits_m[j], logits, f"shard {j} logits")
   assert_close(np.concatenate(list(k_m), axis=3), heads_as_sharded(k, config, m), "K heads")
   assert_close(np.concatenate(list(v_m), axis=3), heads_as_sharded(v, config, m), "V heads")
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_a_shards_row_blocked_finish_reduces_every_block(whole, name):
+  """Block.finish over row blocks (the lax.map a prompt longer than models.base.ROW_BLOCK
+  takes; here blocks of 5 rows) on tensor-parallel shards: every block's partial sums are
+  reduced, so the logits are the whole model's."""
+  config = CONFIGS[name]
+  graphdef, state, logits, _, _ = whole[name]
+  shards = tensor_parallel.split_state(tensor_parallel.shard_ready_state(config, state, 2), 2)
+  tokens_BT = jnp.asarray(TOKENS)
+  assert tokens_BT.shape[1] > 5  # at least two row blocks
+  positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+
+  def one_shard(shard_state):
+    model = nnx.merge(graphdef, shard_state)
+
+    def layer(block, x_BTD, _):
+      q_BTNH, k_BTKH, v_BTKH = block.project_qkv(x_BTD, positions_BT)
+      attn_BTNH = block.attend(q_BTNH, k_BTKH, v_BTKH, 0, "flash")
+      x_BTD = block.finish(x_BTD, attn_BTNH, 5, reduce=tensor_parallel.psum_over_model)
+      return x_BTD, None
+
+    x_BTD, _ = scan_blocks(model.blocks, layer, model.embed(tokens_BT))
+    return model.logits(x_BTD)
+
+  logits_m = jax.jit(jax.vmap(one_shard, axis_name=MODEL_AXIS))(shards)
+  for j in range(2):
+    assert_close(logits_m[j], logits, f"shard {j} logits")
 
 
 def mesh_2d(ranks, model):
