@@ -669,7 +669,13 @@ def accelerator_mode():
   """Single-device prefill on this device per kernel vs transformers, MFU, and modelled TTFT."""
   with common.user_errors():
     if os.path.isdir(FLAGS.model):
-      with open(os.path.join(FLAGS.model, "config.json")) as f:
+      config_path = os.path.join(FLAGS.model, "config.json")
+      if not os.path.isfile(config_path):
+        raise ValueError(
+          f"--model={FLAGS.model} has no config.json: give a Hugging Face model directory "
+          "or a preset name"
+        )
+      with open(config_path) as f:
         config = config_from_hf(json.load(f))
     else:
       config = preset_config(FLAGS.model)

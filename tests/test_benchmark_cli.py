@@ -172,6 +172,12 @@ def test_partition_tables_user_errors_are_one_line(flags, message):
     ("launch.benchmark", ["--repeats=0"], "--repeats must be"),
     ("launch.benchmark", ["--mode=timeline", "--model_parallel=2"], "--mode=devices and memory"),
     ("launch.benchmark", ["--mode=memory", "--model_parallel=3"], "8 devices do not split"),
+    ("launch.benchmark", ["--mode=accelerator", "--model=launch"], "has no config.json"),
+    (
+      "launch.benchmark",
+      ["--mode=accelerator", "--model=tiny-mistral", "--kernels=fused", "--context_lens=64"],
+      "takes no sliding window",
+    ),
     ("launch.paper", ["--output_dir=/proc/self"], "not writable"),
     ("launch.paper", ["--grids=paper,2d"], "--grids takes paper and/or tp"),
     ("launch.paper", ["--tp_context_lens=32k"], "--tp_context_lens"),
