@@ -218,11 +218,19 @@ def long_mode():
 
 
 def memory_mode():
-  """XLA's memory analysis of each strategy's compiled prefill, per device, float32 shapes."""
+  """XLA's memory analysis of each strategy's compiled prefill, per device (float32 shapes
+  unless --dtype names another: "auto" is this machine's, which the shapes do not need)."""
   gib = 2**30
   with common.user_errors():
     config = preset_config(FLAGS.model)
-    num_devices, m = FLAGS.num_devices or 8, FLAGS.model_parallel
+    dtype = FLAGS.dtype if FLAGS["dtype"].present else "float32"
+    if FLAGS.num_devices is not None and FLAGS.num_devices < 1:
+      raise ValueError(
+        f"--num_devices={FLAGS.num_devices}: memory mode compiles for that many emulated "
+        "devices; give at least 1 (default 8)"
+      )
+    num_devices = 8 if FLAGS.num_devices is None else FLAGS.num_devices
+    m = FLAGS.model_parallel
     if num_devices % m:
       raise ValueError(f"{num_devices} devices do not split into ranks of model_parallel={m}")
     num_ranks = num_devices // m
@@ -245,14 +253,20 @@ def memory_mode():
             context_len=C,
             num_ranks=p,
             cache=FLAGS.cache,
+            dtype=dtype,
             partition=plan if get_strategy(strategy).partitioned else None,
             model_parallel=1 if strategy == "single" else FLAGS.model_parallel,
           )
         )
+  dtype_name = rows[0]["dtype"] if rows else dtype
   print(
-    f"XLA memory analysis (compiled from shapes, nothing allocated), {FLAGS.model}, float32 "
-    f"shapes, per device, GiB; cache={FLAGS.cache}; bfloat16 would halve every column but "
-    "the softmax statistics (not shown apart)"
+    f"XLA memory analysis (compiled from shapes, nothing allocated), {FLAGS.model}, "
+    f"{dtype_name} shapes, per device, GiB; cache={FLAGS.cache}"
+    + (
+      "; bfloat16 would halve every column but the softmax statistics (not shown apart)"
+      if dtype_name == "float32"
+      else ""
+    )
   )
   header = f"{'strategy':<10}{'C':>9}{'ranks':>7}  {'weights':>8}{'outputs':>9}{'temps':>8}"
   header += f"{'out+tmp':>9}{'cache':>8}  {'(out+tmp)/cache':>15}"
@@ -615,7 +629,10 @@ def buckets_mode():
   """A stream of prompts of random new lengths, exact shapes against bucket ladders."""
   emulated = common.setup_devices(FLAGS.num_devices)
   with common.user_errors():
-    low, high = common.positive_ints(FLAGS.stream_lengths, "--stream_lengths")
+    lengths = common.positive_ints(FLAGS.stream_lengths, "--stream_lengths")
+    if len(lengths) != 2:
+      raise ValueError(f"--stream_lengths takes lo,hi (two lengths), got {FLAGS.stream_lengths}")
+    low, high = lengths
     if low > high:
       raise ValueError(f"--stream_lengths takes lo,hi with lo <= hi, got {low},{high}")
     (count,) = common.positive_ints([FLAGS.stream_prompts], "--stream_prompts")

@@ -37,8 +37,10 @@ def test_benchmark_memory_mode_with_tensor_parallel_ranks():
     "--context_lens=256",
     "--strategy=kvr,single",
     "--model_parallel=2",
+    "--dtype=bfloat16",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "bfloat16 shapes" in proc.stdout  # --dtype is compiled, not ignored
   rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("kvr", "single"))]
   assert [row[:3] for row in rows] == [["kvr", "256", "4x2"], ["single", "256", "1"]], rows
 
@@ -173,6 +175,8 @@ def test_partition_tables_user_errors_are_one_line(flags, message):
     ("launch.benchmark", ["--mode=timeline", "--model_parallel=2"], "--mode=devices and memory"),
     ("launch.benchmark", ["--mode=memory", "--model_parallel=3"], "8 devices do not split"),
     ("launch.benchmark", ["--mode=accelerator", "--model=launch"], "has no config.json"),
+    ("launch.benchmark", ["--mode=memory", "--num_devices=0"], "give at least 1"),
+    ("launch.benchmark", ["--mode=buckets", "--stream_lengths=5"], "takes lo,hi"),
     (
       "launch.benchmark",
       ["--mode=accelerator", "--model=tiny-mistral", "--kernels=fused", "--context_lens=64"],
