@@ -301,19 +301,17 @@ def phases_mode():
       f"{FLAGS.threads or os.cpu_count()} thread(s); communication not included:"
     )
     print(
-      f"{'partition':<16}{'rank':>5}{'c_i':>7}{'S_i':>7}  {'qkv':>8}{'attention':>11}"
-      f"{'rest':>8}{'total':>9}"
+      f"{'partition':<16}{'kernel':<8}{'rank':>5}{'c_i':>7}{'S_i':>7}  {'qkv':>8}"
+      f"{'attention':>11}{'rest':>8}{'total':>9}"
     )
     for text in FLAGS.partitions:
-      try:
-        chunks = tuple(int(x) for x in text.split("/"))
-      except ValueError:
-        raise ValueError(f"--partitions takes lengths separated by '/', got {text!r}") from None
-      for r in measured.rank_phase_times(model, chunks, FLAGS.kernels[0], repeats=FLAGS.repeats):
-        print(
-          f"{text:<16}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s{r.attention_s:>10.3f}s"
-          f"{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
-        )
+      chunks = tuple(int(x) for x in text.split("/"))  # checked in check_shared_flags
+      for kernel in FLAGS.kernels:  # every kernel asked for, each row naming its own
+        for r in measured.rank_phase_times(model, chunks, kernel, repeats=FLAGS.repeats):
+          print(
+            f"{text:<16}{kernel:<8}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s"
+            f"{r.attention_s:>10.3f}s{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
+          )
   return 0
 
 

@@ -45,6 +45,20 @@ def test_benchmark_memory_mode_with_tensor_parallel_ranks():
   assert [row[:3] for row in rows] == [["kvr", "256", "4x2"], ["single", "256", "1"]], rows
 
 
+def test_benchmark_phases_mode_times_every_kernel_asked_for():
+  proc = run(
+    "launch.benchmark",
+    "--mode=phases",
+    "--model=tiny-llama",
+    "--partitions=40/24",
+    "--kernels=dense,flash",
+    "--repeats=1",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [line.split()[:3] for line in proc.stdout.splitlines() if line.startswith("40/24")]
+  assert rows == [["40/24", k, str(r)] for k in ("dense", "flash") for r in (0, 1)], rows
+
+
 def test_benchmark_accelerator_mode(tmp_path):
   """One device of this machine (a CPU here): our flash prefill beside transformers on the
   same weights and tokens, with MFU against the `local` calibration's peak, then modelled
