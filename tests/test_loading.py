@@ -407,3 +407,20 @@ def test_a_failed_orbax_restore_prints_no_tracebacks(tmp_path, capfd):
     kvr_jax.load_model(str(tmp_path / "ckpt"))
   captured = capfd.readouterr()
   assert "Traceback" not in captured.err and len(captured.err.splitlines()) < 5, captured.err
+
+
+def test_a_directory_with_a_single_file_and_a_sharded_index_loads_as_transformers_does(tmp_path):
+  """Both model.safetensors and an index with its shards, holding different weights:
+  transformers reads the single file, and so does the loader (logits within 1e-4)."""
+  import transformers
+
+  hf_fixtures.make_hf_model("llama-gqa", seed=0).save_pretrained(tmp_path, max_shard_size="20KB")
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  other = tmp_path / "other"
+  hf_fixtures.make_hf_model("llama-gqa", seed=1).save_pretrained(other)
+  shutil.copy(other / "model.safetensors", tmp_path / "model.safetensors")
+  tokens = np.random.RandomState(2).randint(0, hf_fixtures.VOCAB, (1, 10))
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+  want = hf_fixtures.hf_logits(hf_model, tokens)
+  got = np.asarray(kvr_jax.load_model(str(tmp_path), "float32").module(tokens))
+  assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4

@@ -191,9 +191,13 @@ def ignored_hf_tensor(cfg: ModelConfig, name: str) -> bool:
 
 
 def safetensors_files(directory: str) -> list[str]:
-  """The weight files of a Hugging Face directory (single file or sharded index)."""
+  """The weight files of a Hugging Face directory: model.safetensors where it exists (as
+  transformers reads a directory holding both it and a sharded index), else the index's
+  shards."""
   index = os.path.join(directory, "model.safetensors.index.json")
   single = os.path.join(directory, "model.safetensors")
+  if os.path.exists(single):
+    return [single]
   if os.path.exists(index):
     with open(index) as f:
       weight_map = json.load(f).get("weight_map")
@@ -204,8 +208,6 @@ def safetensors_files(directory: str) -> list[str]:
     if missing:
       raise ValueError(f"{index} lists shard file(s) that do not exist: {missing}")
     return [os.path.join(directory, f) for f in files]
-  if os.path.exists(single):
-    return [single]
   raise ValueError(
     f"{directory}: no model.safetensors or model.safetensors.index.json "
     "(PyTorch .bin checkpoints are not read; re-save with safe_serialization)"
