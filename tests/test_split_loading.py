@@ -9,6 +9,8 @@ test_tensor_parallel (test_a_model_loaded_split_prefills_like_the_whole_one).
 import collections
 import os
 import re
+import subprocess
+import sys
 import tracemalloc
 
 import jax
@@ -153,8 +155,22 @@ def test_a_split_model_saves_and_restores_whole(tmp_path):
   split = kvr_jax.load_model("tiny-llama", "float32", mesh=mesh)
   kvr_jax.save_model(split, str(tmp_path / "saved"))
   restored = kvr_jax.load_model(str(tmp_path / "saved"))
+  assert restored.split_mesh is None
   for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(split.state), strict=True):
+    assert len(got.sharding.device_set) == 1  # whole, not split as it was saved
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # On a machine with fewer devices than the mesh it was saved from: restored whole too.
+  script = (
+    "import kvr_jax, jax, numpy as np\n"
+    f"m = kvr_jax.load_model({str(tmp_path / 'saved')!r})\n"
+    "print(len(jax.devices()), m.split_mesh, float(np.asarray(m.state.embedding[...]).sum()))\n"
+  )
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  devices, split_mesh, total = proc.stdout.split()[-3:]
+  want = float(np.asarray(restored.state.embedding[...]).sum())
+  assert (devices, split_mesh) == ("1", "None") and float(total) == pytest.approx(want)
 
 
 def test_split_loading_refuses_meshes_it_cannot_use(llama_dir):

@@ -576,6 +576,13 @@ def restore_model(directory: str, dtype=None, *, mesh=None) -> Model:
       target,
       split_shardings(config, target, mesh),
     )
+  else:
+    # Whole on this process's first device, whatever sharding it was saved with (a model
+    # loaded split saves its shards' layout, which another device count cannot honour).
+    whole = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=whole), target
+    )
   state_dir = os.path.join(directory, ORBAX_STATE)
   if not os.path.isdir(state_dir):
     raise ValueError(f"{directory}: checkpoint is incomplete: no {ORBAX_STATE}/ directory")
