@@ -46,13 +46,11 @@ from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime import distributed, links, loading
-from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
 from kvr_jax.tools import timing as timing_lib
 from launch import common
-from models.config import config_from_hf
 from models.kernels import KERNEL_NAMES
 
 FLAGS = flags.FLAGS
@@ -222,7 +220,7 @@ def memory_mode():
   unless --dtype names another: "auto" is this machine's, which the shapes do not need)."""
   gib = 2**30
   with common.user_errors():
-    config = preset_config(FLAGS.model)
+    config = loading.config_of(FLAGS.model)
     dtype = FLAGS.dtype if FLAGS["dtype"].present else "float32"
     if FLAGS.num_devices is not None and FLAGS.num_devices < 1:
       raise ValueError(
@@ -683,17 +681,7 @@ def buckets_mode():
 def accelerator_mode():
   """Single-device prefill on this device per kernel vs transformers, MFU, and modelled TTFT."""
   with common.user_errors():
-    if os.path.isdir(FLAGS.model):
-      config_path = os.path.join(FLAGS.model, "config.json")
-      if not os.path.isfile(config_path):
-        raise ValueError(
-          f"--model={FLAGS.model} has no config.json: give a Hugging Face model directory "
-          "or a preset name"
-        )
-      with open(config_path) as f:
-        config = config_from_hf(json.load(f))
-    else:
-      config = preset_config(FLAGS.model)
+    config = loading.config_of(FLAGS.model)
     context_lens = common.positive_ints(FLAGS.context_lens, "--context_lens")
     ranks = common.positive_ints(FLAGS.ranks, "--ranks")
     (repeats,) = common.positive_ints([FLAGS.repeats], "--repeats")

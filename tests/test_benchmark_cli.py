@@ -188,7 +188,7 @@ def test_partition_tables_user_errors_are_one_line(flags, message):
     ("launch.benchmark", ["--repeats=0"], "--repeats must be"),
     ("launch.benchmark", ["--mode=timeline", "--model_parallel=2"], "--mode=devices and memory"),
     ("launch.benchmark", ["--mode=memory", "--model_parallel=3"], "8 devices do not split"),
-    ("launch.benchmark", ["--mode=accelerator", "--model=launch"], "has no config.json"),
+    ("launch.benchmark", ["--mode=accelerator", "--model=launch"], "holds neither a Hugging"),
     ("launch.benchmark", ["--mode=memory", "--num_devices=0"], "give at least 1"),
     ("launch.benchmark", ["--mode=buckets", "--stream_lengths=5"], "takes lo,hi"),
     (

@@ -424,3 +424,20 @@ def test_a_directory_with_a_single_file_and_a_sharded_index_loads_as_transformer
   want = hf_fixtures.hf_logits(hf_model, tokens)
   got = np.asarray(kvr_jax.load_model(str(tmp_path), "float32").module(tokens))
   assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
+
+
+def test_the_memory_report_takes_a_model_directory(hf_dir, tmp_path):
+  """compiled_memory reads a Hugging Face or kvr-jax directory's architecture (no weights) as
+  load_model would; a directory holding neither is refused by name."""
+  from kvr_jax.runtime.loading import config_of
+
+  model = kvr_jax.load_model(hf_dir, "float32")
+  kvr_jax.save_model(model, str(tmp_path / "orbax"))
+  assert config_of(hf_dir) == model.config == config_of(str(tmp_path / "orbax"))
+  kwargs = dict(context_len=64, num_ranks=2, dtype="float32")
+  assert kvr_jax.compiled_memory(hf_dir, "kvr", **kwargs) == kvr_jax.compiled_memory(
+    model.config, "kvr", **kwargs
+  )
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match="holds neither a Hugging Face config.json"):
+    kvr_jax.compiled_memory(str(tmp_path / "empty"), "kvr", **kwargs)

@@ -231,6 +231,25 @@ def preset_config(name: str) -> ModelConfig:
     return config_from_dict(json.load(f))
 
 
+def config_of(model: str) -> ModelConfig:
+  """The architecture of what `load_model(model)` would load, without its weights: a preset
+  name, a Hugging Face directory (its config.json) or a kvr-jax Orbax directory."""
+  if not (isinstance(model, str) and os.path.isdir(model)):
+    return preset_config(model)
+  for name, read in (
+    (ORBAX_CONFIG, lambda d: config_from_dict(d["config"])),
+    ("config.json", config_from_hf),
+  ):
+    path = os.path.join(model, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        return read(json.load(f))
+  raise ValueError(
+    f"{model} holds neither a Hugging Face config.json nor a kvr-jax checkpoint "
+    f"({ORBAX_CONFIG}); give a model directory or a preset name"
+  )
+
+
 def build_model(config: ModelConfig, dtype=jnp.float32, seed: int = PRESET_SEED) -> models.CausalLM:
   """A model with random weights from a fixed seed (the presets)."""
   return models.model_class(config)(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed))

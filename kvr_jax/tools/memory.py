@@ -38,7 +38,7 @@ from kvr_jax.inference.kv_cache import (
 from kvr_jax.planning import costmodel
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.loading import abstract_model, preset_config, resolve_dtype
+from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
@@ -54,8 +54,10 @@ def _config(model) -> ModelConfig:
   if isinstance(model, ModelConfig):
     return model
   if isinstance(model, str):
-    return preset_config(model)
-  raise ValueError(f"`model` must be a preset name or a ModelConfig, got {type(model).__name__}")
+    return config_of(model)
+  raise ValueError(
+    f"`model` must be a preset name, a model directory or a ModelConfig, got {type(model).__name__}"
+  )
 
 
 def _analysis(compiled) -> dict[str, int]:
