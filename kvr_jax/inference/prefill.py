@@ -320,7 +320,7 @@ def plan_prefill(
   p = check_mesh(mesh, allow_model=True)
   m = model_parallel(mesh)
   if m > 1:
-    _check_tensor_parallel(model, mesh, padded, timeline)
+    _check_tensor_parallel(model, mesh, T if padded else 0, timeline)
   device = mesh.devices.flat[0]
   kernel = spec.resolve_attention(attention, device, model.dtype, window)
   if not kernel.runs_on(device, model.dtype, None):
@@ -447,7 +447,9 @@ def _check_tensor_parallel(model, mesh, padded, timeline) -> None:
   if padded:
     raise ValueError(
       f"a mesh with model={m} runs prompts of one length without buckets (a padded row's "
-      "logits need a decode step over the model group, not built yet)"
+      f"logits need a decode step over the model group, not built yet); these rows were "
+      f"padded to {padded} tokens (a bucket, or the longest row of a ragged batch): pass "
+      "buckets=None (launch.run: --buckets=none) with rows of one length"
     )
   if timeline:
     raise ValueError(f"a mesh with model={m} has no timeline probes yet")
