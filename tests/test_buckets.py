@@ -157,12 +157,16 @@ def test_one_plan_runs_every_prompt_of_its_bucket(model, mesh):
   plan = plan_prefill(model, short, "kvr", mesh=mesh, partition="even", buckets=[64])
   assert TRACE_COUNT["kvr"] == before  # planning compiles nothing
   assert (plan.prompt_len, plan.batch, plan.chunks) == (64, 1, (16, 16, 16, 16))
+  traces = []
   for tokens in (short, longer):
     got = run_prefill(model, plan, tokens)
+    traces.append(TRACE_COUNT["kvr"])
     want = kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition="even", buckets=[64])
     assert_close(got.logits, want.logits, "logits")
     assert_close(got.k_cache, want.k_cache, "K cache")
-  assert TRACE_COUNT["kvr"] == before + 1
+  # One program for the bucket (compiled by the first run, unless an earlier test had):
+  # the second prompt compiles nothing.
+  assert traces[0] <= before + 1 and traces[1] == traces[0] == TRACE_COUNT["kvr"]
   with pytest.raises(ValueError, match="plan runs 1 row.* padded to 64 tokens"):
     run_prefill(model, plan, rng.randint(0, model.config.vocab_size, (2, 40)))
   # A prompt exactly a bucket long is not padded to the next bucket (explicit or auto).
