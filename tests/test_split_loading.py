@@ -191,7 +191,7 @@ def test_kv_heads_are_repeated_into_their_shards_without_a_whole_copy(monkeypatc
   """K = 2 < m = 4: the prefill's placement repeats the loaded (whole per shard) wk and wv
   inside one program per weight whose per-device output is only the device's head and whose
   temporaries are nothing: never the m/K-times-larger repeated weight on a device."""
-  from kvr_jax.runtime import loading
+  from kvr_jax.runtime import model as loading  # where the Model handle places its weights
 
   mesh = kvr_jax.make_mesh(2, model=4)
   split = kvr_jax.load_model("tiny-llama", "float32", mesh=mesh)
