@@ -793,24 +793,21 @@ def main(argv):
   if FLAGS.mode not in ("multiprocess", "timeline"):
     with common.user_errors():
       set_threads()  # before XLA's backend starts
-  if FLAGS.mode == "multiprocess":
-    return multiprocess_mode()
-  if FLAGS.mode == "timeline":
-    return timeline_mode()
-  if FLAGS.mode == "kernels":
-    return kernels_mode()
-  if FLAGS.mode == "long":
-    return long_mode()
-  if FLAGS.mode == "phases":
-    return phases_mode()
-  if FLAGS.mode == "memory":
-    return memory_mode()
-  if FLAGS.mode == "accelerator":
-    return accelerator_mode()
-  if FLAGS.mode == "buckets":
-    return buckets_mode()
-  devices_mode()
-  return 0
+  return MODES[FLAGS.mode]() or 0
+
+
+# --mode -> what it runs (each prints its report; a nonzero return is the exit status).
+MODES = {
+  "devices": devices_mode,
+  "multiprocess": multiprocess_mode,
+  "kernels": kernels_mode,
+  "long": long_mode,
+  "phases": phases_mode,
+  "memory": memory_mode,
+  "timeline": timeline_mode,
+  "accelerator": accelerator_mode,
+  "buckets": buckets_mode,
+}
 
 
 if __name__ == "__main__":
