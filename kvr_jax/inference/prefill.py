@@ -271,11 +271,31 @@ def plan_prefill(
   timeline: the program places probes at its phase boundaries (strategies with
   `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them."""
   spec = get_strategy(strategy)
-  strategy = spec.name
   cache = check_cache(cache)
+  kernel = _check_model_and_kernel(model, spec, attention, timeline)
+  rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
+  B, padded = len(rows), bool((lengths_B < T).any())
+  _check_layout(spec, partition, cache, T, int(lengths_B.max()), padded, buckets)
+  mesh = _plan_mesh(spec, mesh, T)
+  if model_parallel(mesh) > 1:
+    _check_tensor_parallel(model, mesh, T if padded else 0, timeline)
+  kernel = _plan_kernel(model, spec, kernel, mesh.devices.flat[0])
+  user_chunks = None
+  if spec.partitioned:
+    user_chunks = _plan_partition(model, partition, T, mesh, B, kernel)
+  chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
+  keep_last_hop = _keeps_last_hop(model, spec, cache, chunks, B, mesh)
+  return PrefillPlan(
+    spec, mesh, kernel, T, B, user_chunks, chunks, cache, keep_last_hop, timeline, buckets, padded
+  )
+
+
+def _check_model_and_kernel(model, spec, attention, timeline):
+  """The model handle, the probes and the kernel named (or "auto") against the strategy and
+  the model's window."""
   if timeline and not spec.timeline_probes:
     raise ValueError(
-      f"strategy {strategy!r} has no timeline probes; they are placed in "
+      f"strategy {spec.name!r} has no timeline probes; they are placed in "
       f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
     )
   kernel = spec.check_attention(attention)
@@ -287,10 +307,12 @@ def plan_prefill(
       f"this model attends through a sliding window of {window} tokens, which attention "
       f"{kernel.name!r} does not take; use one of {kernels_where(takes_window=True)}"
     )
-  rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
-  longest = int(lengths_B.max())
-  B = len(rows)
-  padded = bool((lengths_B < T).any())
+  return kernel
+
+
+def _check_layout(spec, partition, cache, T, longest, padded, buckets) -> None:
+  """What the padded prompt allows: a sharded cache of padded rows in one process, a user's
+  lengths summing to the bucket, a partition only for a partitioned strategy."""
   if padded and cache == "sharded" and jax.process_count() > 1:
     raise ValueError(
       "padded rows (buckets or a ragged batch) with cache='sharded' run in one process; "
@@ -308,9 +330,14 @@ def plan_prefill(
       )
   if not spec.partitioned and partition not in (None, "even"):
     raise ValueError(
-      f"strategy {strategy!r} lays the prompt out itself; `partition` applies only to "
+      f"strategy {spec.name!r} lays the prompt out itself; `partition` applies only to "
       f"{[s for s in STRATEGIES if get_strategy(s).partitioned]}"
     )
+
+
+def _plan_mesh(spec, mesh, T: int):
+  """The mesh the strategy runs on (the single device's of this process for the oracle; all
+  local devices by default), checked, with at least one token per rank."""
   if spec.max_ranks == 1:
     if mesh is not None:
       check_mesh(mesh, allow_model=True)
@@ -318,47 +345,52 @@ def plan_prefill(
   else:
     mesh = make_mesh() if mesh is None else mesh
   p = check_mesh(mesh, allow_model=True)
-  m = model_parallel(mesh)
-  if m > 1:
-    _check_tensor_parallel(model, mesh, T if padded else 0, timeline)
-  device = mesh.devices.flat[0]
-  kernel = spec.resolve_attention(attention, device, model.dtype, window)
+  if p > T:
+    raise ValueError(
+      f"{p} ranks but only {T} prompt tokens: every rank needs at least one "
+      "token; use a smaller mesh"
+    )
+  return mesh
+
+
+def _plan_kernel(model, spec, kernel, device):
+  """The kernel record that runs ("auto" resolved for the mesh's platform), refused where it
+  cannot run on this device and dtype."""
+  kernel = spec.resolve_attention(kernel, device, model.dtype, model.config.sliding_window)
   if not kernel.runs_on(device, model.dtype, None):
     raise ValueError(
       f"attention {kernel.name!r} runs on {kernel.platforms} ({kernel.implementation}) with "
       f"{kernel.dtypes or 'any'} weights; this mesh is on {device.platform} with "
       f"{jnp.dtype(model.dtype).name}"
     )
-  if p > T:
-    raise ValueError(
-      f"{p} ranks but only {T} prompt tokens: every rank needs at least one "
-      "token; use a smaller mesh"
-    )
+  return kernel
 
-  user_chunks = None
-  if spec.partitioned:
-    user_chunks = resolve_partition(
-      partition,
-      T,
-      p,
-      config=model.config,
-      batch=B,
-      dtype_bytes=jnp.dtype(model.dtype).itemsize,
-      model_name=model.preset,
-      **kernel_flags(kernel),
-    )
-    if jax.process_count() > 1:
-      # Cost-model partitions use per-process measurements; every process must compile the
-      # same program, so all take process 0's choice.
-      user_chunks = tuple(
-        int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(user_chunks))
-      )
-  chunks = spec.layout(T, p, user_chunks)
-  # cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
-  # where memory allows it (kv_cache.join_affordable).
-  keep_last_hop = (
-    m == 1
-    and spec.keeps_last_hop(cache, chunks, window)
+
+def _plan_partition(model, partition, T: int, mesh, B: int, kernel) -> tuple[int, ...]:
+  """The user's partition resolved to chunk lengths (the same on every process)."""
+  chunks = resolve_partition(
+    partition,
+    T,
+    mesh.shape[AXIS],
+    config=model.config,
+    batch=B,
+    dtype_bytes=jnp.dtype(model.dtype).itemsize,
+    model_name=model.preset,
+    **kernel_flags(kernel),
+  )
+  if jax.process_count() > 1:
+    # Cost-model partitions use per-process measurements; every process must compile the
+    # same program, so all take process 0's choice.
+    chunks = tuple(int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(chunks)))
+  return chunks
+
+
+def _keeps_last_hop(model, spec, cache, chunks, B: int, mesh) -> bool:
+  """cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
+  where memory allows it (kv_cache.join_affordable); 1-D meshes only."""
+  return (
+    model_parallel(mesh) == 1
+    and spec.keeps_last_hop(cache, chunks, model.config.sliding_window)
     and join_affordable(
       last_hop_bytes(
         model.config, chunks, B, jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
@@ -366,9 +398,6 @@ def plan_prefill(
       one_process=jax.process_count() == 1,
       device_memory=device_memory_bytes(mesh.devices.flat[-1]),
     )
-  )
-  return PrefillPlan(
-    spec, mesh, kernel, T, B, user_chunks, chunks, cache, keep_last_hop, timeline, buckets, padded
   )
 
 
