@@ -14,7 +14,7 @@ models -> core -> runtime -> strategies -> planning -> inference -> tools.
 """
 
 from kvr_jax.inference.generate import GenerationResult, generate
-from kvr_jax.inference.prefill import PrefillResult, prefill
+from kvr_jax.inference.prefill import CacheParts, PrefillResult, WholeCache, prefill
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import Model, load_model, save_model
 from kvr_jax.runtime.mesh import make_mesh
@@ -22,10 +22,12 @@ from kvr_jax.tools.memory import compiled_memory
 from kvr_jax.tools.timing import synthetic_prompt
 
 __all__ = [
+  "CacheParts",
   "GenerationResult",
   "Model",
   "PartitionPlan",
   "PrefillResult",
+  "WholeCache",
   "compiled_memory",
   "generate",
   "load_model",

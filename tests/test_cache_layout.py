@@ -20,7 +20,7 @@ import kvr_jax
 from kvr_jax.inference import decode, kv_cache
 from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
-from kvr_jax.inference.prefill import plan_prefill, run_prefill
+from kvr_jax.inference.prefill import CacheParts, plan_prefill, run_prefill
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.tools.memory import compiled_memory
 from models import scan_blocks
@@ -92,7 +92,7 @@ def test_both_layouts_match_single(models, prompt, oracle, strategy, p, partitio
   assert_close(last.v_cache, ref.v_cache, "V cache")
   assert last.k_cache.sharding.device_set == {mesh_devices[-1]}
   # cache="sharded": no whole cache anywhere; each rank's part holds its own positions.
-  assert sharded.k_cache is None and sharded.v_cache is None
+  assert isinstance(sharded, CacheParts) and not hasattr(sharded, "k_cache")
   layout = sharded.cache_layout
   L, B, C, K, H = ref.k_cache.shape
   assert sharded.kv_parts.shape == (p, L, 2, B * layout.part_len, K, H)
@@ -259,7 +259,7 @@ def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p
   got = kvr_jax.generate(
     model, prompt, new_tokens, strategy=strategy, mesh=mesh, cache="sharded", **kwargs
   )
-  assert got.prefill.cache == "sharded" and got.prefill.k_cache is None
+  assert got.prefill.cache == "sharded" and isinstance(got.prefill, CacheParts)
   np.testing.assert_array_equal(got.tokens, single.tokens)
   # Step by step, the same tokens fed to both: every step's logits within tolerance.
   tokens = [np.asarray(t, np.int32) for t in single.tokens.T[:-1]]

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.prefill import PrefillResult, check_prompts, prefill
+from kvr_jax.inference.prefill import CacheParts, PrefillResult, check_prompts, prefill
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import MODEL_AXIS, model_parallel
 
@@ -146,8 +146,8 @@ def generate(
 def _on_model_groups(result: PrefillResult) -> bool:
   """The prefill ran on a ("ranks", "model") mesh: its mesh says so, or its cache's heads are
   split over "model" (a result rebuilt around a gathered cache, as timing does)."""
-  if result.mesh is not None and model_parallel(result.mesh) > 1:
-    return True
+  if isinstance(result, CacheParts):
+    return model_parallel(result.mesh) > 1
   spec = getattr(getattr(result.k_cache, "sharding", None), "spec", ())
   return MODEL_AXIS in tuple(spec)
 

@@ -8,7 +8,7 @@ hands the result over on its own device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,44 +44,29 @@ from kvr_jax.strategies.base import AUTO, CacheLayout, Strategy
 from models.kernels import AttentionKernel, get_kernel, kernels_where
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class PrefillResult:
-  """What a prefill hands to decode.
+  """What a prefill hands to decode: one of two layouts, `WholeCache` (cache="last") or
+  `CacheParts` (cache="sharded"), with these fields in common.
 
-  logits: [B, V] float32, each row's last prompt position, on the last rank's device.
-  cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len, in
-  prompt order on the last rank's device (`device`), where decode continues.
-  cache="sharded": k_cache and v_cache are None; `kv_parts` [p, L, 2, B*P, K, H] (batch folded
-  into the rows: `strategies.base.unfold_batch(part, cache_layout.part_len)` gives [..., B, P,
-  K, H]) stays sharded over `mesh`, rank r's part holding the positions
-  `cache_layout.segments[r]` says;
-  `gather_cache()` brings them into prompt order on the last rank when wanted.
-  With a mesh spanning processes, only the process of the last rank holds the logits and a
-  "last" cache; elsewhere they are None (`is_local` is False).
+  logits: [B, V] float32, each row's last prompt position, on the last rank's device (None in
+  a process of a multi-process run that does not hold it: `is_local` is False).
+  prompt_len: T, the rows' padded length. strategy: the strategy's name. partition: the
+  chunk lengths a partitioned strategy ran, else None. cache_layout: which prompt positions
+  each rank's part held. attention: the kernel that ran ("auto" resolved). lengths: [B]
+  int32, each row's true length: positions [lengths[b], prompt_len) of row b are padding
+  (buckets, ragged batches); decode continues row b at position lengths[b].
   """
 
-  logits: jax.Array
-  k_cache: jax.Array | None
-  v_cache: jax.Array | None
+  logits: jax.Array | None
   prompt_len: int
   strategy: str
-  partition: tuple[int, ...] | None = None
-  cache: str = "last"
-  kv_parts: jax.Array | None = None
-  # KV-Runahead's last-hop messages (run_prefill(move_cache=False)): the last rank's cache is
-  # joined from them and its part by `gather_cache()`, without a move.
-  last_hop: jax.Array | None = None
-  cache_layout: CacheLayout | None = None
-  mesh: Any = None
-  attention: str | None = None  # the kernel that ran ("auto" resolved)
-  # [B] int32: each row's true length. Positions [lengths[b], prompt_len) of row b are padding
-  # (buckets, ragged batches); decode continues row b at position lengths[b].
-  lengths: np.ndarray | None = None
+  partition: tuple[int, ...] | None
+  cache_layout: CacheLayout
+  attention: str
+  lengths: np.ndarray
 
-  def __post_init__(self):
-    if self.lengths is None:
-      B = None if self.logits is None else self.logits.shape[0]
-      self.lengths = np.full((B or 0,), self.prompt_len, np.int32)
+  cache: ClassVar[str]
 
   @property
   def is_local(self) -> bool:
@@ -91,16 +76,54 @@ class PrefillResult:
   def device(self):
     return next(iter(self.logits.devices()))
 
-  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
+  def gather_cache(self) -> tuple[jax.Array, jax.Array]:  # pragma: no cover - interface
     """(K, V) [L, B, S, K, H] in prompt order on the last rank's device, whichever layout."""
-    if self.cache == "last":
-      return self.k_cache, self.v_cache
-    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
+    raise NotImplementedError
 
   def layer_cache(self, layer: int) -> tuple[jax.Array, jax.Array]:
     """(K, V) of one layer, each [B, S, K, H]."""
     k, v = self.gather_cache()
     return k[layer], v[layer]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WholeCache(PrefillResult):
+  """cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len,
+  in prompt order on the last rank's device (`device`), where decode continues; None in a
+  process that does not hold them."""
+
+  k_cache: jax.Array | None
+  v_cache: jax.Array | None
+
+  cache: ClassVar[str] = "last"
+
+  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
+    return self.k_cache, self.v_cache
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CacheParts(PrefillResult):
+  """cache="sharded": the parts where they were computed. kv_parts [p, L, 2, B*P, K, H]
+  (batch folded into the rows: `strategies.base.unfold_batch(part, cache_layout.part_len)`
+  gives [..., B, P, K, H]) sharded over `mesh`, rank r's part holding the positions
+  `cache_layout.segments[r]` says. last_hop: KV-Runahead's last-hop messages where the plan
+  kept them (`run_prefill(move_cache=False)`): the last rank's cache is joined from them and
+  its part, without a move. `gather_cache()` brings the cache into prompt order on the last
+  rank; `whole(k, v)` is the same result with that cache."""
+
+  kv_parts: jax.Array
+  mesh: Any
+  last_hop: jax.Array | None = None
+
+  cache: ClassVar[str] = "sharded"
+
+  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
+    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
+
+  def whole(self, k_cache, v_cache) -> WholeCache:
+    """This prefill with its cache gathered (`gather_cache()`'s output) as cache="last"."""
+    common = {f.name: getattr(self, f.name) for f in dataclasses.fields(PrefillResult)}
+    return WholeCache(**common, k_cache=k_cache, v_cache=v_cache)
 
 
 def check_prompts(model: Model, tokens) -> tuple[list[np.ndarray], np.ndarray]:
@@ -434,7 +457,6 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     prompt_len=T,
     strategy=spec.name,
     partition=plan.partition,
-    cache=cache,
     cache_layout=layout,
     attention=plan.kernel.name,
     lengths=lengths_B,
@@ -447,10 +469,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
       logits_BV = _last_real_logits_sharded(
         model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B, owner
       )
-    common["cache"] = "sharded"
-    return PrefillResult(
-      logits_BV, None, None, kv_parts=kv_parts, mesh=mesh, last_hop=last_hop, **common
-    )
+    return CacheParts(logits_BV, **common, kv_parts=kv_parts, mesh=mesh, last_hop=last_hop)
   k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
   if padded and k_LBSKH is not None:
     cache_device = next(iter(k_LBSKH.devices()))
@@ -464,7 +483,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     )
   elif padded:
     logits_BV = None  # another process holds the cache and the logits
-  return PrefillResult(logits_BV, k_LBSKH, v_LBSKH, **common)
+  return WholeCache(logits_BV, **common, k_cache=k_LBSKH, v_cache=v_LBSKH)
 
 
 def _check_tensor_parallel(model, mesh, padded, timeline) -> None:

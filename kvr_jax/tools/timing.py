@@ -46,9 +46,7 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   if cache == "last":
     k, v = result.gather_cache()
     jax.block_until_ready((k, v))
-    result = dataclasses.replace(
-      result, cache="last", k_cache=k, v_cache=v, kv_parts=None, last_hop=None, mesh=None
-    )
+    result = result.whole(k, v)
   end = time.perf_counter()
   return result, end - start, end - moved
 
