@@ -240,7 +240,45 @@ SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon",)
 # 4096 (`sliding_window` absent is not `null`), and the position limits per family.
 HEAD_DIM_DEFAULTS = {"qwen3": 128}
 WINDOW_DEFAULTS = {"mistral": 4096}
-MAX_POSITION_DEFAULTS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+# What transformers' config classes fill in for a key a config.json does not have, per family
+# (tests/test_config_fidelity.py removes every key in turn and compares with the classes).
+# num_key_value_heads absent: Llama repeats num_attention_heads, the others have a number.
+FAMILY_DEFAULTS = {
+  "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+  "mistral": {
+    "max_position_embeddings": 131072,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "num_key_value_heads": 8,
+  },
+  "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+  "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+  "falcon": {"max_position_embeddings": 2048, "bos_token_id": 11, "eos_token_id": 11},
+}
+MAX_POSITION_DEFAULTS = {k: v["max_position_embeddings"] for k, v in FAMILY_DEFAULTS.items()}
+
+
+def _kv_heads(hf: dict[str, Any], model_type: str, num_heads: int) -> int:
+  """num_key_value_heads, or the family's default where absent (Llama: num_heads); an absent
+  key whose default does not divide num_attention_heads is refused naming it (transformers
+  would build a model that cannot run)."""
+  kv_heads = _or_default(hf, "num_key_value_heads", model_type) or num_heads
+  if "num_key_value_heads" not in hf and isinstance(num_heads, int) and num_heads % kv_heads:
+    raise ValueError(
+      f"config.json has no `num_key_value_heads`: {model_type}'s default is {kv_heads}, which "
+      f"does not divide num_attention_heads={num_heads}; give num_key_value_heads"
+    )
+  return kv_heads
+
+
+def _or_default(hf: dict[str, Any], key: str, model_type: str, fallback=None):
+  """`hf[key]`, or where config.json has no such key what the family's transformers class
+  fills in (FAMILY_DEFAULTS), else `fallback`."""
+  if key in hf:
+    return hf[key]
+  return FAMILY_DEFAULTS.get(model_type, {}).get(key, fallback)
+
+
 QWEN_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config's default
 
 # What config.json must hold, per family, and the types of the fields read from it: a missing
@@ -336,7 +374,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
   model_type = hf.get("model_type")
   if model_type in SUPPORTED_MODEL_TYPES:
     _check_fields(hf, model_type)
-  eos = hf.get("eos_token_id")
+  eos = _or_default(hf, "eos_token_id", model_type)
   if isinstance(eos, list):
     eos = tuple(eos)
   common = dict(
@@ -345,10 +383,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     num_layers=hf["num_hidden_layers"],
     num_heads=hf["num_attention_heads"],
     eos_token_id=eos,
-    bos_token_id=hf.get("bos_token_id"),
-    max_position_embeddings=hf.get(
-      "max_position_embeddings", MAX_POSITION_DEFAULTS.get(model_type, 2048)
-    ),
+    bos_token_id=_or_default(hf, "bos_token_id", model_type),
+    max_position_embeddings=_or_default(hf, "max_position_embeddings", model_type, 2048),
   )
   if model_type in LLAMA_FAMILIES:
     _refuse(hf, "attention_bias", True, f"{model_type} attention without bias on o_proj only")
@@ -358,7 +394,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     num_heads = hf["num_attention_heads"]
     return LlamaConfig(
       **common,
-      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      num_kv_heads=_kv_heads(hf, model_type, num_heads),
       head_dim=hf.get("head_dim")
       or HEAD_DIM_DEFAULTS.get(model_type, hf["hidden_size"] // num_heads),
       mlp_dim=hf["intermediate_size"],

@@ -298,3 +298,36 @@ def test_the_loader_reads_config_json_as_transformers_does_or_refuses_by_name(na
   got = np.asarray(ours.module(TOKENS), np.float64)
   err = np.abs(got - want).max() / np.abs(want).max()
   assert err <= MODEL_TOL, f"{name}: relative error {err:.2e} > {MODEL_TOL}"
+
+
+def _saved_config(model_type: str) -> dict:
+  """What save_pretrained writes for the family's test config: every key its class has."""
+  config_class = getattr(transformers, f"{CLASSES[model_type]}Config")
+  return json.loads(config_class(**base_kwargs(model_type)).to_json_string())
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSES))
+def test_every_absent_key_reads_as_transformers_default_or_is_refused_by_name(model_type):
+  """Each key of a saved config.json removed in turn: the loader's config equals the one it
+  reads from transformers' own filling-in of that key (its config class's default and what
+  the class derives from it), or the loader refuses the file naming the key."""
+  from models.config import config_from_hf
+
+  config_class = getattr(transformers, f"{CLASSES[model_type]}Config")
+  saved = _saved_config(model_type)
+  wrong = []
+  for key in sorted(saved):
+    absent = {k: v for k, v in saved.items() if k != key}
+    try:
+      ours = config_from_hf(absent)
+    except ValueError as e:
+      if key not in str(e):
+        wrong.append(f"{key}: refused without naming it ({e})")
+      continue
+    filled = json.loads(config_class.from_dict(absent).to_json_string())
+    theirs = config_from_hf(filled)
+    if ours != theirs:
+      diff = {f: (getattr(ours, f), getattr(theirs, f)) for f in ours.__dataclass_fields__}
+      diff = {f: v for f, v in diff.items() if v[0] != v[1]}
+      wrong.append(f"{key}: ours != transformers' default {diff}")
+  assert not wrong, "\n".join(wrong)
