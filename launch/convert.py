@@ -3,7 +3,7 @@
   python -m launch.convert --hf_dir=/models/Llama-2-7b-hf --output_dir=/ckpt/llama-2-7b
 
 `load_model(output_dir)` and `python -m launch.run --model=output_dir` read the result, without
-the safetensors. Intentionally kept short: the logic is kvr_jax.runtime.loading.
+the safetensors. Intentionally kept short: the logic is kvr_jax.runtime (hf_reader, orbax_io).
 """
 
 import os
@@ -11,7 +11,7 @@ import sys
 
 from absl import app, flags, logging
 
-from kvr_jax.runtime import loading
+from kvr_jax.runtime import loading, orbax_io
 from launch import common
 
 FLAGS = flags.FLAGS
@@ -30,7 +30,7 @@ def main(argv):
     if not os.path.exists(os.path.join(FLAGS.hf_dir, "config.json")):
       raise ValueError(f"--hf_dir {FLAGS.hf_dir}: no config.json (not a Hugging Face directory)")
     dtype = loading.resolve_dtype(FLAGS.dtype)
-    loading.check_save_directory(FLAGS.output_dir)  # before the (long) read of the weights
+    orbax_io.check_save_directory(FLAGS.output_dir)  # before the (long) read of the weights
     model = loading.load_hf_model(FLAGS.hf_dir, dtype, progress=True)
     print(f"loaded {model}; saving to {FLAGS.output_dir}")
     loading.save_model(model, FLAGS.output_dir)
