@@ -40,6 +40,10 @@ class ModelConfig:
   """
 
   architecture: ClassVar[str] = "base"
+  # Set by each architecture: its MLP's [D, F] matrices and the tensor-parallel reductions
+  # of one layer (what the cost model counts instead of testing the config's class).
+  mlp_matrices: ClassVar[int]
+  reductions_per_layer: ClassVar[int]
   vocab_size: int
   d_model: int
   num_layers: int
@@ -121,10 +125,14 @@ class LlamaConfig(ModelConfig):
   """
 
   architecture: ClassVar[str] = "llama"
+  # The block's shape as the cost model counts it: SwiGLU's gate, up and down matrices; two
+  # partial sums reduced per layer under tensor parallelism (after attention, after the MLP).
+  mlp_matrices: ClassVar[int] = 3
+  reductions_per_layer: ClassVar[int] = 2
 
   def num_params(self) -> int:
     D, F = self.d_model, self.mlp_dim
-    per_layer = self.attention_params() + 3 * D * F + 2 * D
+    per_layer = self.attention_params() + self.mlp_matrices * D * F + 2 * D
     head = 0 if self.tie_embeddings else self.vocab_size * D
     return self.vocab_size * D + self.num_layers * per_layer + D + head
 
@@ -138,6 +146,9 @@ class FalconConfig(ModelConfig):
   """
 
   architecture: ClassVar[str] = "falcon"
+  # Up and down matrices; attention and MLP run in parallel, so one reduction per layer.
+  mlp_matrices: ClassVar[int] = 2
+  reductions_per_layer: ClassVar[int] = 1
   separate_mlp_norm: bool = False
   # How the fused query_key_value weight is laid out in Hugging Face checkpoints:
   # "grouped" (new_decoder_architecture), "multi_query" (Falcon-7B) or "interleaved" (MHA).
@@ -147,7 +158,7 @@ class FalconConfig(ModelConfig):
   def num_params(self) -> int:
     D, F = self.d_model, self.mlp_dim
     norms = (4 if self.separate_mlp_norm else 2) * D
-    per_layer = self.attention_params() + 2 * D * F + norms
+    per_layer = self.attention_params() + self.mlp_matrices * D * F + norms
     head = 0 if self.tie_embeddings else self.vocab_size * D
     return self.vocab_size * D + self.num_layers * per_layer + 2 * D + head
 

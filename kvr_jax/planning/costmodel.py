@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from kvr_jax.core.chunks import check_ranks, prefix_ends
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.strategies import runahead, zigzag
-from models.config import FalconConfig, ModelConfig
+from models.config import ModelConfig
 from models.kernels import AttentionKernel, get_kernel
 from models.layers import window_start
 
@@ -224,7 +224,7 @@ def phase_work(
     config.mlp_dim,
   )
   T, S, B, db = num_queries, num_keys, batch, dtype_bytes
-  mlp_matrices = 2 if isinstance(config, FalconConfig) else 3
+  mlp_matrices = config.mlp_matrices
   qkv = Work(
     2 * B * T * D * (N + 2 * K) * H, db * (D * (N + 2 * K) * H + B * T * (D + (N + 2 * K) * H))
   )
@@ -312,7 +312,7 @@ def model_reduce_time(config: ModelConfig, num_tokens: float, setup: Setup) -> f
   if m == 1:
     return 0.0
   ln = setup.model_links
-  reductions = 1 if isinstance(config, FalconConfig) else 2
+  reductions = config.reductions_per_layer
   nbytes = setup.batch * num_tokens * config.d_model * setup.dtype_bytes
   one = 2 * (m - 1) / m * nbytes / ln.slowest(m) + 2 * (m - 1) * ln.latency
   return reductions * one
