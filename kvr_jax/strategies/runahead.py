@@ -15,12 +15,12 @@ One jitted SPMD program; every rank runs the layer loop below on its own chunk. 
 
 Every rank holds a [B, c_max] padded chunk because SPMD needs one static shape. Two bodies
 (`compile_program(body=)`):
-  "one" (`one_body_program`; the flash kernel): every rank runs one body, its real length,
+  "one" (`one_body`; the flash kernel): every rank runs one body, its real length,
     start and early rows are data; the projections and the MLP run over row blocks in loops
     whose trip count is the rank's length, and the flash kernel visits only the query and
     key blocks inside the real lengths: at most one block of padding per rank, and a program
     that does not grow with p.
-  "per-rank" (`per_rank_program`; dense, blocked, fused, cudnn, whose bounds are static): a
+  "per-rank" (`per_rank_body`; dense, blocked, fused, cudnn, whose bounds are static): a
     `lax.switch` on the rank index whose branch i slices exactly c_i rows and S_i keys: no
     FLOP on padding, but every branch is compiled (the program grows with p).
 Hop k is a `ppermute` with the single pair (k, k+1) that sends the static prefix [0, S_k) of
@@ -589,7 +589,7 @@ def one_body(
         buffer_2BSKH, last_message = hop_chain(
           buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l, True
         )
-        # Everything after the hops waits for them (see per_rank_program).
+        # Everything after the hops waits for them (see per_rank_body).
         (x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message) = (
           jax.lax.optimization_barrier(
             ((x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message))
