@@ -55,15 +55,24 @@ class AttentionKernel:
 
   def runs_on(self, device, dtype, window: int | None) -> bool:
     """Whether this kernel runs on `device` for a model of `dtype` with sliding `window`."""
+    return self.why_not(device, dtype, window) is None
+
+  def why_not(self, device, dtype, window: int | None) -> str | None:
+    """Why this kernel cannot run on `device` for a model of `dtype` with sliding `window`
+    (the end of a sentence that starts with the kernel's name), or None where it can."""
     if window is not None and not self.takes_window:
-      return False
+      return f"takes no sliding window (this model's is {window} tokens)"
     if device.platform not in self.platforms:
-      return False
+      return f"runs on {self.platforms}, not {device.platform}"
+    if self.dtypes is not None and np.dtype(dtype).name not in self.dtypes:
+      return f"takes {self.dtypes} weights, not {np.dtype(dtype).name}"
     if self.implementation == "cudnn":
       version = str(getattr(getattr(device, "client", None), "platform_version", ""))
       if "rocm" in version.lower():  # cuDNN is NVIDIA's; ROCm GPUs report platform "gpu"
-        return False
-    return self.dtypes is None or np.dtype(dtype).name in self.dtypes
+        return f"is NVIDIA's cuDNN; this GPU runs {version}"
+      if not cudnn_available():
+        return "needs cuDNN, which JAX does not find on this machine (install it, or use flash)"
+    return None
 
 
 KERNELS: dict[str, AttentionKernel] = {
@@ -109,6 +118,19 @@ KERNEL_NAMES = tuple(KERNELS)
 # The default of strategies that skip masked work (single, kvr) where no platform choice
 # applies: the fastest exact kernel on this machine's CPU benchmark from 1k tokens up.
 DEFAULT_CAUSAL_KERNEL = KERNELS["flash"]
+
+
+def cudnn_available() -> bool:
+  """Whether JAX finds the cuDNN library (what its fused attention checks before it runs): a
+  GPU machine without it gets the flash kernel from "auto" and a one-line refusal of
+  "cudnn", not cuDNN's own error from inside a compile."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    cudnn.check_cudnn_version()
+  except Exception:  # no such module in this JAX, or no cuDNN: either way not available
+    return False
+  return True
 
 
 def get_kernel(kernel: str | AttentionKernel) -> AttentionKernel:

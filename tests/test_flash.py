@@ -14,7 +14,7 @@ import pytest
 import kvr_jax
 from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.strategies.base import TRACE_COUNT
-from models import layers
+from models import kernels, layers
 from models.kernels import KERNELS
 
 REL_TOL = 1e-5
@@ -370,10 +370,17 @@ class FakeDevice:
     ("allgather", "gpu", "bfloat16", None, "flash"),
     ("tsp", "gpu", "bfloat16", None, "dense"),
     ("kvr", "tpu", "bfloat16", None, "flash"),
+    ("kvr", "gpu-without-cudnn", "bfloat16", None, "flash"),  # a GPU without the library
   ],
 )
-def test_auto_attention_resolves_per_platform(strategy, device, dtype, window, want):
+def test_auto_attention_resolves_per_platform(strategy, device, dtype, window, want, monkeypatch):
+  # This machine has no cuDNN: the fake NVIDIA GPUs have it unless the case says otherwise.
+  monkeypatch.setattr(kernels, "cudnn_available", lambda: device != "gpu-without-cudnn")
   fake = FakeDevice("gpu", "rocm 6.2") if device == "rocm" else FakeDevice(device, "cuda 12.8")
+  if device == "gpu-without-cudnn":
+    fake = FakeDevice("gpu", "cuda 12.8")
+    why = KERNELS["cudnn"].why_not(fake, dtype, window)
+    assert why is not None and "needs cuDNN" in why
   spec = get_strategy(strategy)
   assert spec.resolve_attention("auto", fake, dtype, window).name == want
   assert spec.resolve_attention(None, fake, dtype, window).name == want

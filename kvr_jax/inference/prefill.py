@@ -349,7 +349,7 @@ def _check_layout(spec, partition, cache, T, longest, padded, buckets) -> None:
       raise ValueError(
         f"partition {list(partition)} sums to {total}, but the prompt runs padded to its "
         f"bucket of {T} tokens (buckets={buckets!r}): give lengths summing to {T}, or "
-        "buckets=None"
+        "buckets=None (launch.run: --buckets=none)"
       )
   if not spec.partitioned and partition not in (None, "even"):
     raise ValueError(
@@ -380,12 +380,9 @@ def _plan_kernel(model, spec, kernel, device):
   """The kernel record that runs ("auto" resolved for the mesh's platform), refused where it
   cannot run on this device and dtype."""
   kernel = spec.resolve_attention(kernel, device, model.dtype, model.config.sliding_window)
-  if not kernel.runs_on(device, model.dtype, None):
-    raise ValueError(
-      f"attention {kernel.name!r} runs on {kernel.platforms} ({kernel.implementation}) with "
-      f"{kernel.dtypes or 'any'} weights; this mesh is on {device.platform} with "
-      f"{jnp.dtype(model.dtype).name}"
-    )
+  reason = kernel.why_not(device, model.dtype, None)  # the window was checked by name
+  if reason is not None:
+    raise ValueError(f"attention {kernel.name!r} {reason}")
   return kernel
 
 
