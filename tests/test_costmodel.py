@@ -668,3 +668,54 @@ def test_setup_refuses_model_parallel_without_its_links():
     costmodel.Setup(hw, links, 2, model_parallel=2)
   with pytest.raises(ValueError, match="model_parallel must be an integer >= 1"):
     costmodel.Setup(hw, links, 2, model_parallel=0)
+
+
+@pytest.mark.parametrize(
+  "model,links,context_len,ranks,want",
+  [
+    ("bench-llama", "300GBps", 8, 2, "single"),  # a short prompt: one device wins
+    ("llama-2-7b", "10GBps", 2048, 8, "kvr"),  # slow links: KVR's hops hide behind compute
+    ("falcon-7b", "300GBps", 1024, 2, "ring"),  # one KV head, fast links: ring by a hair
+  ],
+)
+def test_auto_picks_what_the_model_predicts(model, links, context_len, ranks, want):
+  """strategy="auto" is the lowest MODELLED TTFT of the four candidates, KV-Runahead with its
+  searched split (hand-worked cases on A100 presets)."""
+  from kvr_jax.planning.choice import AUTO_CANDIDATES, choose_strategy
+
+  setup = presets.make_setup("a100-80gb", links, dtype_bytes=2, **costmodel.kernel_flags("flash"))
+  choice = choose_strategy(preset_config(model), context_len, ranks, setup)
+  assert set(choice.predicted_s) == set(AUTO_CANDIDATES)
+  assert choice.strategy == want == min(choice.predicted_s, key=choice.predicted_s.get)
+  if want == "kvr":
+    assert len(choice.chunks) == ranks and sum(choice.chunks) == context_len
+  else:
+    assert choice.chunks is None
+  assert f"auto picked {want}" in str(choice)
+
+
+def test_prefill_auto_runs_and_reports_its_choice(monkeypatch):
+  """prefill(strategy="auto") runs what the model picked (here single: a tiny model on A100
+  presets; then a KV-Runahead pick with its split, forced), says what it picked and refuses
+  what it cannot honour, before anything compiles."""
+  from kvr_jax.inference import prefill as prefill_module
+  from kvr_jax.planning.choice import StrategyChoice
+
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 64)
+  mesh = kvr_jax.make_mesh(2)
+  plan = kvr_jax.PartitionPlan("search", hardware="a100-80gb", links="300GBps")
+  single = kvr_jax.prefill(model, tokens)
+  got = kvr_jax.prefill(model, tokens, "auto", mesh=mesh, partition=plan)
+  assert got.strategy == got.choice.strategy == "single"
+  np.testing.assert_allclose(np.asarray(got.logits), np.asarray(single.logits), atol=1e-5)
+  forced = StrategyChoice("kvr", (40, 24), {"single": 2.0, "kvr": 1.0, "ring": 1.5})
+  monkeypatch.setattr(prefill_module, "choose_strategy", lambda *a, **k: forced)
+  got = kvr_jax.prefill(model, tokens, "auto", mesh=mesh, partition=plan)
+  assert (got.strategy, got.partition, got.choice) == ("kvr", (40, 24), forced)
+  for kwargs, message in (
+    (dict(attention="dense"), "runs each strategy's own kernel"),
+    (dict(partition=[40, 24]), "chooses KV-Runahead's split itself"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      kvr_jax.prefill(model, tokens, "auto", mesh=mesh, **kwargs)

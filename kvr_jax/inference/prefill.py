@@ -25,8 +25,10 @@ from kvr_jax.inference.kv_cache import (
   join_affordable,
   last_hop_bytes,
 )
+from kvr_jax.planning import presets
+from kvr_jax.planning.choice import StrategyChoice, choose_strategy
 from kvr_jax.planning.costmodel import kernel_flags
-from kvr_jax.planning.partition import resolve_partition
+from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -65,6 +67,8 @@ class PrefillResult:
   cache_layout: CacheLayout
   attention: str
   lengths: np.ndarray
+  # strategy="auto": the strategy it picked and every candidate's MODELLED TTFT; else None.
+  choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
 
   cache: ClassVar[str]
 
@@ -219,6 +223,7 @@ class PrefillPlan:
   timeline: bool
   buckets: Any
   padded: bool  # planned for rows padded past their length (what a 2-D mesh refuses so far)
+  choice: StrategyChoice | None = None  # strategy="auto": what it picked and why (modelled)
 
   @property
   def cache_layout(self) -> CacheLayout:
@@ -293,6 +298,11 @@ def plan_prefill(
   checked; nothing compiles or runs. tokens may be the prompt or any prompt of its shape.
   timeline: the program places probes at its phase boundaries (strategies with
   `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them."""
+  choice = None
+  if isinstance(strategy, str) and strategy == AUTO:
+    strategy, partition, choice = _choose_strategy(
+      model, tokens, mesh, partition, attention, buckets
+    )
   spec = get_strategy(strategy)
   cache = check_cache(cache)
   kernel = _check_model_and_kernel(model, spec, attention, timeline)
@@ -309,8 +319,55 @@ def plan_prefill(
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
   keep_last_hop = _keeps_last_hop(model, spec, cache, chunks, B, mesh)
   return PrefillPlan(
-    spec, mesh, kernel, T, B, user_chunks, chunks, cache, keep_last_hop, timeline, buckets, padded
+    spec,
+    mesh,
+    kernel,
+    T,
+    B,
+    user_chunks,
+    chunks,
+    cache,
+    keep_last_hop,
+    timeline,
+    buckets,
+    padded,
+    choice,
   )
+
+
+def _choose_strategy(model, tokens, mesh, partition, attention, buckets):
+  """strategy="auto": the cost model's pick for the prompt's bucket on this mesh, with the
+  hardware and links of `partition` (a PartitionPlan; default the `local` calibration) and
+  each strategy's own kernel. Returns (strategy, partition, StrategyChoice)."""
+  if not isinstance(model, Model):
+    raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
+  if attention not in (None, AUTO):
+    raise ValueError(
+      "strategy='auto' runs each strategy's own kernel (attention='auto'); name a strategy "
+      "to choose its kernel"
+    )
+  if partition is not None and not isinstance(partition, PartitionPlan):
+    raise ValueError(
+      "strategy='auto' chooses KV-Runahead's split itself: pass partition=None or a "
+      f"PartitionPlan naming the hardware and links to plan for, got {partition!r}"
+    )
+  plan = partition or PartitionPlan("search")
+  rows, _, T, _ = padded_prompts(model, tokens, buckets)
+  mesh = make_mesh() if mesh is None else mesh
+  p = check_mesh(mesh)  # 1-D: the choice among 2-D layouts is not modelled here yet
+  device = mesh.devices.flat[0]
+  kernel = get_strategy("kvr").resolve_attention(
+    None, device, model.dtype, model.config.sliding_window
+  )
+  setup = presets.make_setup(
+    plan.hardware,
+    plan.links,
+    dtype_bytes=jnp.dtype(model.dtype).itemsize,
+    batch=len(rows),
+    **kernel_flags(kernel),
+  )
+  choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
+  return choice.strategy, (list(choice.chunks) if choice.chunks else None), choice
 
 
 def _check_model_and_kernel(model, spec, attention, timeline):
@@ -457,6 +514,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     cache_layout=layout,
     attention=plan.kernel.name,
     lengths=lengths_B,
+    choice=plan.choice,
   )
   # A padded row's last real token is not at position T - 1: its logits come from one decode
   # step at its own position (its K,V, already in the cache, are written again identically).

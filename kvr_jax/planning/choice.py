@@ -1,0 +1,50 @@
+"""strategy="auto": the calibrated cost model picks the strategy (and KV-Runahead's split) for
+a prompt length, a mesh size, a model and the links, and says what it predicted for each.
+
+Every figure here is MODELLED (kvr_jax.planning.costmodel), never measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvr_jax.planning import costmodel, search
+from kvr_jax.planning.costmodel import Setup
+from models.config import ModelConfig
+
+# What "auto" chooses from: the oracle on one device and the three parallel strategies.
+AUTO_CANDIDATES = ("single", "kvr", "ring", "allgather")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyChoice:
+  """What strategy="auto" picked: `strategy`, KV-Runahead's `chunks` where it picked it, and
+  the MODELLED TTFT of every candidate (`predicted_s`, seconds)."""
+
+  strategy: str
+  chunks: tuple[int, ...] | None
+  predicted_s: dict[str, float]
+
+  def __str__(self) -> str:
+    others = ", ".join(f"{s} {t * 1e3:.3g} ms" for s, t in sorted(self.predicted_s.items()))
+    return f"auto picked {self.strategy} (modelled TTFT: {others})"
+
+
+def choose_strategy(
+  config: ModelConfig, context_len: int, num_ranks: int, setup: Setup, *, multiple: int = 1
+) -> StrategyChoice:
+  """The candidate with the lowest modelled TTFT for `context_len` tokens on `num_ranks`
+  ranks (single runs on one of them); KV-Runahead with its modelled search split."""
+  predicted = {"single": costmodel.simulate(config, "single", context_len, setup).ttft}
+  chunks = None
+  if num_ranks > 1 and context_len >= num_ranks:
+    chunks = search.modelled_search(config, context_len, num_ranks, setup, multiple=multiple)
+    predicted["kvr"] = costmodel.simulate(
+      config, "kvr", context_len, setup, num_ranks=num_ranks, partition=chunks
+    ).ttft
+    for peer in ("ring", "allgather"):
+      predicted[peer] = costmodel.simulate(
+        config, peer, context_len, setup, num_ranks=num_ranks
+      ).ttft
+  best = min(predicted, key=predicted.get)
+  return StrategyChoice(best, chunks if best == "kvr" else None, predicted)
