@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.planning import costmodel, search
 from kvr_jax.planning.costmodel import Setup
 from models.config import ModelConfig
@@ -30,11 +31,13 @@ class StrategyChoice:
     return f"auto picked {self.strategy} (modelled TTFT: {others})"
 
 
+@kept_cache(256)
 def choose_strategy(
   config: ModelConfig, context_len: int, num_ranks: int, setup: Setup, *, multiple: int = 1
 ) -> StrategyChoice:
   """The candidate with the lowest modelled TTFT for `context_len` tokens on `num_ranks`
-  ranks (single runs on one of them); KV-Runahead with its modelled search split."""
+  ranks (single runs on one of them); KV-Runahead with its modelled search split. Kept per
+  arguments (all frozen): a prefill that asks again, e.g. every timed call, searches once."""
   predicted = {"single": costmodel.simulate(config, "single", context_len, setup).ttft}
   chunks = None
   if num_ranks > 1 and context_len >= num_ranks:
