@@ -26,10 +26,11 @@ from kvr_jax.runtime.mesh import MODEL_AXIS
 from tests import hf_fixtures
 
 
-def _llama_dir(directory):
-  """A Llama checkpoint large enough that one tensor (the 2048 x 256 embedding, 2 MiB) is a
-  small part of the whole (19 MiB): 8 query heads, 2 KV heads (fewer than 4 shards)."""
-  config = transformers.LlamaConfig(
+def _llama(**sizes):
+  """A random transformers Llama (seed 0): by default large enough that one tensor (the
+  2048 x 256 embedding, 2 MiB) is a small part of the whole (19 MiB), with 8 query heads and
+  2 KV heads (fewer than 4 shards); `sizes` override the config's fields."""
+  fields = dict(
     vocab_size=2048,
     hidden_size=256,
     intermediate_size=1024,
@@ -42,8 +43,14 @@ def _llama_dir(directory):
     pad_token_id=None,
     tie_word_embeddings=False,
   )
+  config = transformers.LlamaConfig(**{**fields, **sizes})
+  config._attn_implementation = "eager"
   torch.manual_seed(0)
-  hf_fixtures.randomize(transformers.LlamaForCausalLM(config), 0).save_pretrained(directory)
+  return hf_fixtures.randomize(transformers.LlamaForCausalLM(config), 0)
+
+
+def _llama_dir(directory):
+  _llama().save_pretrained(directory)
   return str(directory)
 
 
@@ -219,21 +226,8 @@ def test_eleven_layers_load_in_layer_order_whole_and_split(tmp_path):
   """A checkpoint of 11 layers: `layers.10` sorts before `layers.2` as text, so stacking the
   per-layer tensors in file order would put layer 10 third. Whole and split over a 2 x 2
   mesh, the logits match transformers' within 1e-4."""
-  config = transformers.LlamaConfig(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=11,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-  )
-  config._attn_implementation = "eager"
-  torch.manual_seed(0)
-  hf_model = hf_fixtures.randomize(transformers.LlamaForCausalLM(config), 0)
+  sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_attention_heads=4)
+  hf_model = _llama(**sizes, num_hidden_layers=11, max_position_embeddings=64)
   hf_model.save_pretrained(tmp_path)
   tokens = np.random.RandomState(3).randint(0, 128, (1, 12))
   want = hf_fixtures.hf_logits(hf_model, tokens)
