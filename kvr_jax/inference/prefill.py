@@ -298,16 +298,16 @@ def plan_prefill(
   checked; nothing compiles or runs. tokens may be the prompt or any prompt of its shape.
   timeline: the program places probes at its phase boundaries (strategies with
   `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them."""
+  if not isinstance(model, Model):
+    raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
+  rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
+  B, padded = len(rows), bool((lengths_B < T).any())
   choice = None
   if isinstance(strategy, str) and strategy == AUTO:
-    strategy, partition, choice = _choose_strategy(
-      model, tokens, mesh, partition, attention, buckets
-    )
+    strategy, partition, choice = _choose_strategy(model, T, B, mesh, partition, attention)
   spec = get_strategy(strategy)
   cache = check_cache(cache)
   kernel = _check_model_and_kernel(model, spec, attention, timeline)
-  rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
-  B, padded = len(rows), bool((lengths_B < T).any())
   _check_layout(spec, partition, cache, T, int(lengths_B.max()), padded, buckets)
   mesh = _plan_mesh(spec, mesh, T)
   if model_parallel(mesh) > 1:
@@ -335,12 +335,10 @@ def plan_prefill(
   )
 
 
-def _choose_strategy(model, tokens, mesh, partition, attention, buckets):
-  """strategy="auto": the cost model's pick for the prompt's bucket on this mesh, with the
-  hardware and links of `partition` (a PartitionPlan; default the `local` calibration) and
-  each strategy's own kernel. Returns (strategy, partition, StrategyChoice)."""
-  if not isinstance(model, Model):
-    raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
+def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
+  """strategy="auto": the cost model's pick for T tokens (the prompt's bucket) of B rows on
+  this mesh, with the hardware and links of `partition` (a PartitionPlan; default the `local`
+  calibration) and each strategy's own kernel. Returns (strategy, partition, choice)."""
   if attention not in (None, AUTO):
     raise ValueError(
       "strategy='auto' runs each strategy's own kernel (attention='auto'); name a strategy "
@@ -352,7 +350,6 @@ def _choose_strategy(model, tokens, mesh, partition, attention, buckets):
       f"PartitionPlan naming the hardware and links to plan for, got {partition!r}"
     )
   plan = partition or PartitionPlan("search")
-  rows, _, T, _ = padded_prompts(model, tokens, buckets)
   mesh = make_mesh() if mesh is None else mesh
   p = check_mesh(mesh)  # 1-D: the choice among 2-D layouts is not modelled here yet
   device = mesh.devices.flat[0]
@@ -363,7 +360,7 @@ def _choose_strategy(model, tokens, mesh, partition, attention, buckets):
     plan.hardware,
     plan.links,
     dtype_bytes=jnp.dtype(model.dtype).itemsize,
-    batch=len(rows),
+    batch=B,
     **kernel_flags(kernel),
   )
   choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
@@ -371,16 +368,14 @@ def _choose_strategy(model, tokens, mesh, partition, attention, buckets):
 
 
 def _check_model_and_kernel(model, spec, attention, timeline):
-  """The model handle, the probes and the kernel named (or "auto") against the strategy and
-  the model's window."""
+  """The probes and the kernel named (or "auto") against the strategy and the model's
+  window."""
   if timeline and not spec.timeline_probes:
     raise ValueError(
       f"strategy {spec.name!r} has no timeline probes; they are placed in "
       f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
     )
   kernel = spec.check_attention(attention)
-  if not isinstance(model, Model):
-    raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
   window = model.config.sliding_window
   if window is not None and kernel != AUTO and not kernel.takes_window:
     raise ValueError(

@@ -7,6 +7,8 @@ Every figure here is MODELLED (kvr_jax.planning.costmodel), never measured.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.planning import costmodel, search
@@ -24,7 +26,7 @@ class StrategyChoice:
 
   strategy: str
   chunks: tuple[int, ...] | None
-  predicted_s: dict[str, float]
+  predicted_s: Mapping[str, float]
 
   def __str__(self) -> str:
     others = ", ".join(f"{s} {t * 1e3:.3g} ms" for s, t in sorted(self.predicted_s.items()))
@@ -50,4 +52,5 @@ def choose_strategy(
         config, peer, context_len, setup, num_ranks=num_ranks
       ).ttft
   best = min(predicted, key=predicted.get)
-  return StrategyChoice(best, chunks if best == "kvr" else None, predicted)
+  # Read-only: the choice is kept and handed to every prefill that asks again.
+  return StrategyChoice(best, chunks if best == "kvr" else None, MappingProxyType(predicted))

@@ -32,7 +32,7 @@ from kvr_jax.strategies import TRACE_COUNT
 from kvr_jax.strategies.base import AUTO_KERNELS
 from kvr_jax.tools.measured import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
-from models.kernels import KERNELS, get_kernel, kernels_where
+from models.kernels import KERNELS, get_kernel
 from models.layers import attend_static
 
 
@@ -423,15 +423,11 @@ def accelerator_benchmark(
     presets.check_preset_names(presets.LOCAL, name)
   kernels = tuple(kernels or platform_kernels(device, dtype, config.sliding_window))
   for kernel in kernels:
-    record = get_kernel(kernel)
-    if config.sliding_window is not None and not record.takes_window:
+    reason = get_kernel(kernel).why_not(device, dtype, config.sliding_window)
+    if reason is not None:
       raise ValueError(
-        f"kernel {kernel!r} takes no sliding window, and this model attends through one of "
-        f"{config.sliding_window} tokens; use one of {kernels_where(takes_window=True)}"
-      )
-    if not record.runs_on(device, dtype, config.sliding_window):
-      raise ValueError(
-        f"kernel {kernel!r} does not run on {device.platform} in {np.dtype(dtype).name}"
+        f"kernel {kernel!r} does not run on {device.platform} in {np.dtype(dtype).name}: it "
+        f"{reason}"
       )
   compare = compare_transformers and config.architecture == "llama"
   torch_device = "cuda" if device.platform == "gpu" else "cpu"
