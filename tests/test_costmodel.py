@@ -15,7 +15,7 @@ from kvr_jax.planning import costmodel, presets, search, tables
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies import single, tsp, zigzag
+from kvr_jax.strategies import REGISTRY, runahead, single, tsp, zigzag
 from models.config import FalconConfig, LlamaConfig
 from models.layers import window_start
 
@@ -58,48 +58,78 @@ def test_paper_example_c9_p3_score_entries_and_traffic():
   assert sum(tsp_sim.link_bytes) == 4 * 18  # 2 x 18 = 36 K/V entries exchanged
 
 
+def kvr_timeline(qkv, after, hops, num_layers, diagonal=None, held_send=False, intervals=None):
+  """KV-Runahead's hop chain (its own steps, runahead.hop_chain_steps) through the one
+  generic timeline, from per-rank phase times in arbitrary units."""
+  p = len(qkv)
+  diagonal = [0.0] * p if diagonal is None else diagonal
+  steps = runahead.hop_chain_steps(qkv, diagonal, after, [0.0] * p, hops)
+  layer = costmodel.ModelledLayer(steps, (1,) * p, (0.0,) * p, (0.0,) * p)
+  return costmodel.layer_timeline(layer, num_layers, held_send, intervals)
+
+
+def reference_hop_chain(qkv, after, hops, num_layers, diagonal, held_send):
+  """An independent oracle: KV-Runahead's recurrence written out by hand (rank i is ready
+  after its qkv and diagonal and, for i > 0, once hop i-1 lands; hop i starts when rank i is
+  ready and link i is free, and held, when rank i+1 has done its own work too)."""
+  p = len(qkv)
+  free, link_free = [0.0] * p, [0.0] * max(p - 1, 0)
+  for _ in range(num_layers):
+    own = [free[i] + qkv[i] + diagonal[i] for i in range(p)]
+    arrive = 0.0
+    for i in range(p):
+      ready = max(own[i], arrive) if i > 0 else own[i]
+      resume = ready
+      if i < p - 1:
+        send = max(ready, link_free[i], own[i + 1] if held_send else 0.0)
+        arrive = link_free[i] = send + hops[i]
+        resume = arrive if held_send else ready
+      free[i] = resume + after[i]
+  return free
+
+
 def test_kvr_timeline_hand_computed():
   # C=9, p=3, (4,3,2): attention c_i*S_i = 16, 21, 18 time units; hop k carries S_k units.
   # Layer 1: r0 sends [0,4) 0->4, done 16; r1 ready 4, sends [0,7) 4->11, done 25;
   #          r2 ready 11, done 29.
   # Layer 2: r0 sends 16->20, done 32; r1 ready max(25,20)=25, sends 25->32, done 46;
   #          r2 ready max(29,32)=32, done 50.
-  finish = costmodel.kvr_timeline([0, 0, 0], [16, 21, 18], [4, 7], num_layers=2)
+  finish = kvr_timeline([0, 0, 0], [16, 21, 18], [4, 7], num_layers=2)
   assert finish == [32, 46, 50]
 
 
 def test_kvr_timeline_one_slow_link_hand_computed():
   # As above with link 1 three times slower (hop 1 takes 20): layer 1 r2 ready 24, done 42;
   # layer 2 r1 sends at max(25, link free 24) = 25 -> 45; r2 ready 45, done 63.
-  finish = costmodel.kvr_timeline([0, 0, 0], [16, 21, 18], [4, 20], num_layers=2)
+  finish = kvr_timeline([0, 0, 0], [16, 21, 18], [4, 20], num_layers=2)
   assert finish == [32, 46, 63]
 
 
 def test_kvr_timeline_qkv_overlaps_waiting():
   # A receiver computes its own qkv while the prefix is in flight: waiting costs max, not sum.
-  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], num_layers=1) == [4, 9]
+  assert kvr_timeline([3, 3], [1, 1], [5], num_layers=1) == [4, 9]
 
 
 def test_kvr_timeline_diagonal_fills_the_wait():
   # Rank 1 attends its own chunk (4 units) while hop 0 (qkv 3 + 5 -> arrives at 8) is in
   # flight: done at 8 + 1, as if the diagonal were free; a diagonal of 6 ends at 9 > 8.
-  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, t_diagonal=[0, 4]) == [4, 9]
-  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, t_diagonal=[0, 6]) == [4, 10]
+  assert kvr_timeline([3, 3], [1, 1], [5], 1, diagonal=[0, 4]) == [4, 9]
+  assert kvr_timeline([3, 3], [1, 1], [5], 1, diagonal=[0, 6]) == [4, 10]
   # A forwarding rank sends only after its diagonal (the program's order): rank 1's
   # diagonal ends at 3 + 6 = 9 > hop 0's arrival at 8, so hop 1 runs 9 -> 14.
-  finish = costmodel.kvr_timeline([3, 3, 3], [1, 1, 1], [5, 5], 1, t_diagonal=[0, 6, 0])
+  finish = kvr_timeline([3, 3, 3], [1, 1, 1], [5, 5], 1, diagonal=[0, 6, 0])
   assert finish == [4, 10, 15]
 
 
 def test_kvr_timeline_held_send_hand_computed():
   # A rendezvous hop (gloo): it starts when both ends reach it and holds its sender until it
   # lands. qkv 3 each, hop 5: 3 -> 8, both resume at 8 and finish at 9 (async: rank 0 at 4).
-  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, held_send=True) == [9, 9]
+  assert kvr_timeline([3, 3], [1, 1], [5], 1, held_send=True) == [9, 9]
   # A diagonal longer than the sender's qkv now delays the sender: hop 7 -> 12, both 13.
-  assert costmodel.kvr_timeline([3, 3], [1, 1], [5], 1, [0, 4], held_send=True) == [13, 13]
+  assert kvr_timeline([3, 3], [1, 1], [5], 1, [0, 4], held_send=True) == [13, 13]
   # Two layers, rank 1's attention 2: layer 0 ends at 9 and 10; layer 1: rank 0 ready to send
   # at 12, rank 1 at 13: hop 13 -> 18, done 19 and 20.
-  assert costmodel.kvr_timeline([3, 3], [1, 2], [5], 2, held_send=True) == [19, 20]
+  assert kvr_timeline([3, 3], [1, 2], [5], 2, held_send=True) == [19, 20]
 
 
 @pytest.mark.parametrize("window", [None, 300])
@@ -113,8 +143,8 @@ def test_kvr_diagonal_and_prefix_add_up_to_the_ranks_attention(window):
   flash = dataclasses.replace(flash, causal_skip=True)
   dense = dataclasses.replace(flash, scores_in_memory=True)
   assert flash.diagonal_first and not dense.diagonal_first
-  split, _, _ = costmodel._kvr_layer(config, chunks, flash)
-  whole, _, _ = costmodel._kvr_layer(config, chunks, dataclasses.replace(flash, causal_skip=False))
+  split, _, _ = runahead.layer_work(config, chunks, flash)
+  whole, _, _ = runahead.layer_work(config, chunks, dataclasses.replace(flash, causal_skip=False))
   assert "diagonal" not in split[0]
   starts, ends = (0, 1000, 1700), (1000, 1700, 2200)
   keys = [e - window_start(s, window) for s, e in zip(starts, ends, strict=True)]
@@ -128,25 +158,49 @@ def test_kvr_diagonal_and_prefix_add_up_to_the_ranks_attention(window):
     assert split[i]["attention"].flops < whole[i]["attention"].flops
 
 
-def test_tsp_timeline_is_a_barrier_per_layer():
-  assert costmodel.tsp_timeline(2.0, 3.0, 5.0, num_layers=4) == 40.0
+def test_a_collective_waits_for_the_last_rank_every_layer():
+  # Rank 0's qkv takes 2, rank 1's 5: the all-gather (3) starts at 5 on both, then 1 and 4 of
+  # work: layer 0 ends at 9 and 12; layer 1's barrier waits for rank 1 again: 12 + 5 = 17,
+  # 20, then 21 and 24.
+  def rank(qkv, after):
+    return (
+      costmodel.Compute("qkv", qkv),
+      costmodel.Collective("allgather", 3.0),
+      costmodel.Compute("rest", after),
+    )
+
+  layer = costmodel.ModelledLayer((rank(2.0, 1.0), rank(5.0, 4.0)), (1, 1), (0, 0), (0, 0))
+  intervals = []
+  assert costmodel.layer_timeline(layer, 2, intervals=intervals) == [21.0, 24.0]
+  gathers = sorted((r, ly, s, e) for r, ly, ph, s, e in intervals if ph == "allgather")
+  assert gathers == [(0, 0, 5, 8), (0, 1, 17, 20), (1, 0, 5, 8), (1, 1, 17, 20)]
+
+
+def test_a_layer_whose_ranks_wait_on_each_other_is_refused():
+  waits_forever = (costmodel.Receive(1), costmodel.Send(1, 1.0, "hop0"))
+  also = (costmodel.Receive(0), costmodel.Send(0, 1.0, "hop1"))
+  layer = costmodel.ModelledLayer((waits_forever, also), (1, 1), (0, 0), (0, 0))
+  with pytest.raises(ValueError, match=r"deadlocks: ranks \[0, 1\]"):
+    costmodel.layer_timeline(layer, 1)
 
 
 @pytest.mark.parametrize("held_send", [False, True])
-def test_kvr_timeline_is_the_schedules_finish(held_send):
-  """kvr_timeline (the search's fast recurrence) ends each rank where kvr_schedule's
-  intervals do, on random phase times, hops and diagonals."""
+def test_the_generic_timeline_runs_the_hop_chain_as_its_recurrence(held_send):
+  """KV-Runahead's steps through the generic timeline end each rank where the hand-written
+  recurrence does, on random phase times, hops and diagonals; the intervals' last "rest"
+  ends there too."""
   rng = np.random.RandomState(7)
   for _ in range(200):
     p, L = rng.randint(1, 6), rng.randint(1, 4)
-    qkv, attention, rest = (list(rng.rand(p)) for _ in range(3))
+    qkv, after = list(rng.rand(p)), list(rng.rand(p))
     diagonal = list(rng.rand(p) * (rng.rand(p) < 0.5))
     hops = list(rng.rand(p - 1) * 3)
-    after = [a + r for a, r in zip(attention, rest, strict=True)]
-    fast = costmodel.kvr_timeline(qkv, after, hops, L, diagonal, held_send)
-    intervals = costmodel.kvr_schedule(qkv, attention, rest, hops, L, diagonal, held_send)
+    intervals = []
+    generic = kvr_timeline(qkv, after, hops, L, diagonal, held_send, intervals)
+    oracle = reference_hop_chain(qkv, after, hops, L, diagonal, held_send)
+    np.testing.assert_allclose(generic, oracle, rtol=1e-12)
     ends = [max(e for r, _, ph, _, e in intervals if r == i and ph == "rest") for i in range(p)]
-    np.testing.assert_allclose(fast, ends, rtol=1e-12)
+    np.testing.assert_allclose(ends, oracle, rtol=1e-12)
 
 
 def test_peers_move_their_cache_and_held_ring_steps_take_turns():
@@ -158,11 +212,14 @@ def test_peers_move_their_cache_and_held_ring_steps_take_turns():
   base = dataclasses.replace(base, causal_skip=True)
   L, links = config.num_layers, base.links
   head = costmodel.head_work(config, 1, 2).time(base.hardware)
+  message = costmodel.kv_message_bytes(config, 2 * zigzag.chunk_len(C, p), 1, 2)
   for strategy in ("ring", "allgather"):
-    phases, _, _, _, message = costmodel._zigzag_layer(config, strategy, C, base, p)
+    steps = costmodel.modelled_layer(config, strategy, C, base, p).steps
+    assert steps[0] == steps[1]  # every rank alike
+    per_layer = sum(step.seconds for step in steps[0])
     move = (p - 1) * (L * message / links.bandwidth + links.latency)
     ttft = costmodel.simulate(config, strategy, C, base, num_ranks=p).ttft
-    assert ttft == pytest.approx(L * sum(t for _, t in phases) + move + head)
+    assert ttft == pytest.approx(L * per_layer + move + head)
   held = dataclasses.replace(base, links=dataclasses.replace(links, held_send=True))
   c = zigzag.chunk_len(C, p)  # a step: 2c queries against c keys, all scored
   kw = dict(scores_in_memory=False, scored_keys=c)
@@ -719,3 +776,23 @@ def test_prefill_auto_runs_and_reports_its_choice(monkeypatch):
   ):
     with pytest.raises(ValueError, match=message):
       kvr_jax.prefill(model, tokens, "auto", mesh=mesh, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", sorted(REGISTRY))
+def test_every_registered_strategy_is_modelled_by_its_own_layer(strategy):
+  """simulate and schedule read nothing but the strategy's own `modelled_layer`: its
+  intervals end where simulate's TTFT says, less the cache move and the head."""
+  config, C = preset_config("llama-2-7b"), 4096
+  flash = costmodel.kernel_flags("flash")
+  setup = presets.make_setup("a100-80gb", "10GBps", dtype_bytes=2, **flash)
+  p = 1 if strategy == "single" else 3
+  partition = (1800, 1300, 996) if REGISTRY[strategy].partitioned else None
+  kw = dict(num_ranks=p, partition=partition)
+  sim = costmodel.simulate(config, strategy, C, setup, **kw)
+  intervals = costmodel.schedule(config, strategy, C, setup, **kw)
+  layer = costmodel.modelled_layer(config, strategy, C, setup, p, partition)
+  assert len(layer.steps) == p and sum(layer.partition) >= C
+  last_rank_end = max(e for r, *_, e in intervals if r == p - 1)
+  head = costmodel.head_work(config, 1, 2).time(setup.hardware)
+  assert sim.ttft == pytest.approx(last_rank_end + layer.after_layers + head)
+  assert {ly for _, ly, *_ in intervals} == set(range(config.num_layers))

@@ -22,7 +22,7 @@ import kvr_jax
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime.loading import preset_config
-from kvr_jax.strategies import probe
+from kvr_jax.strategies import probe, runahead
 from kvr_jax.tools import timeline
 from tests.tolerance import assert_close
 
@@ -83,12 +83,13 @@ def test_timeline_refused_for_strategies_without_probes():
 
 
 def test_modelled_kvr_schedule_matches_the_timeline():
-  """The schedule's last 'rest' end per rank is exactly kvr_timeline's finish time."""
+  """The schedule's last 'rest' end per rank is exactly the timeline's finish time."""
   t_qkv, t_att, t_rest, hops = [1.0, 0.5, 0.25], [1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [0.2, 0.7]
-  schedule = costmodel.kvr_schedule(t_qkv, t_att, t_rest, hops, 3)
-  finish = [max(e for r, _, _, _, e in schedule if r == rank) for rank in range(3)]
-  after = [a + r for a, r in zip(t_att, t_rest, strict=True)]
-  assert finish == pytest.approx(costmodel.kvr_timeline(t_qkv, after, hops, 3))
+  steps = runahead.hop_chain_steps(t_qkv, [0.0] * 3, t_att, t_rest, hops)
+  layer = costmodel.ModelledLayer(steps, (1, 1, 1), (0, 0, 0), (0, 0, 0))
+  schedule = []
+  finish = costmodel.layer_timeline(layer, 3, intervals=schedule)
+  assert finish == [max(e for r, _, _, _, e in schedule if r == rank) for rank in range(3)]
   # Rank 1 waits for hop 0 in layer 0 (own K,V at 0.5, prefix at 1.0 + 0.2).
   waits = [(s, e) for r, ly, ph, s, e in schedule if (r, ly, ph) == (1, 0, "wait")]
   assert waits == [(0.5, pytest.approx(1.2))]

@@ -22,6 +22,7 @@ from kvr_jax.strategies.base import (
   strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
+from kvr_jax.strategies.roofline import Collective, Compute, ModelledLayer, phase_work, work_kwargs
 
 
 def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
@@ -52,6 +53,22 @@ def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
 compile_program = strategy_compiler("allgather", allgather_body, "flash")
 
 
+def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """qkv; a barrier all-gather of 2c-token K,V in p-1 ring steps over the slowest link;
+  attention of the two chunks over every visible key ((2pc+1)/2 per query on average with a
+  causally skipping kernel, all 2pc with the dense one); the rest."""
+  p = len(chunks)
+  costs = zigzag.peer_costs(config, context_len, setup, p)
+  keys = costs.visible if setup.causal_skip else zigzag.padded_len(context_len, p)
+  kw = work_kwargs(setup)
+  attention = phase_work(config, 2 * costs.chunk, keys, **kw, scored_keys=keys)["attention"]
+  middle = (
+    Collective("allgather", (p - 1) * costs.message_seconds),
+    Compute("attention", attention.time(setup.hardware)),
+  )
+  return zigzag.peer_layer(config, context_len, setup, p, middle, attention)
+
+
 STRATEGY = Strategy(
   name="allgather",
   description="all-gather context parallelism: zigzag chunks, one all_gather of K,V per layer",
@@ -62,6 +79,7 @@ STRATEGY = Strategy(
   compile=compile_program,
   cache_rank=last_rank,
   cache_layout=zigzag.cache_layout,
+  modelled_layer=modelled_layer,
   timeline_probes=True,
   attention_note="its chunks attend at a rank-dependent offset (flash or dense)",
 )

@@ -129,6 +129,10 @@ class Strategy:
     keep_last_hop=True only where `cache_from_last_hop`).
   cache_rank(chunks) -> the rank whose output shard holds the logits (decode continues there).
   cache_layout(context_len, chunks) -> the CacheLayout of the program's kv_parts output.
+  modelled_layer(config, context_len, setup, chunks) -> its program's layer as the cost model
+    sees it (strategies.roofline.ModelledLayer: per rank, the phases, messages and waits in
+    program order; config is one tensor-parallel shard's), which kvr_jax.planning.costmodel
+    times; a new strategy is modelled with nothing added there.
   """
 
   name: str
@@ -139,6 +143,7 @@ class Strategy:
   arrange: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
   compile: Callable[..., Callable]
   cache_rank: Callable[[tuple[int, ...]], int]
+  modelled_layer: Callable[..., Any]
   cache_layout: Callable[[int, tuple[int, ...]], CacheLayout] = lambda C, chunks: contiguous_layout(
     chunks
   )

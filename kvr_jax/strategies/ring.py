@@ -36,6 +36,7 @@ from kvr_jax.strategies.base import (
   strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
+from kvr_jax.strategies.roofline import Compute, ModelledLayer, Work, phase_work, work_kwargs
 from models import layers
 
 
@@ -124,6 +125,31 @@ def ring_body(graphdef, chunks, attention, timeline, keep_last_hop):
 compile_program = strategy_compiler("ring", ring_body, "flash")
 
 
+def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """qkv on 2c tokens; p attention steps of 2c^2 visible scores each (own chunks causally at
+  step 0, then a c x 2c or 2c x c unmasked block), the K,V of 2c tokens for step s+1 sent
+  while step s computes, so each step takes the longer of the two (their sum when sends hold
+  their sender, `Links.held_send`); the rest. With a window most blocks are skipped; the
+  visible work is spread over the p steps (an approximation: the real steps are uneven),
+  and every message still travels."""
+  p = len(chunks)
+  costs = zigzag.peer_costs(config, context_len, setup, p)
+  per_step = costs.chunk if config.sliding_window is None else costs.visible / p
+  c, kw = costs.chunk, work_kwargs(setup)
+  step = phase_work(config, 2 * c, c, **kw, scored_keys=per_step)
+  step_seconds = step["attention"].time(setup.hardware)
+  message = costs.message_seconds
+  if setup.links.held_send:
+    overlapped = step_seconds + message
+  else:
+    overlapped = max(step_seconds, message)
+  middle = (Compute("step", (p - 1) * overlapped + step_seconds),)
+  attention = step["attention"]
+  return zigzag.peer_layer(
+    config, context_len, setup, p, middle, Work(attention.flops * p, attention.bytes * p)
+  )
+
+
 STRATEGY = Strategy(
   name="ring",
   description="zigzag ring attention: 2p chunks, K,V passed around the ring, flash partials",
@@ -134,6 +160,7 @@ STRATEGY = Strategy(
   compile=compile_program,
   cache_rank=last_rank,
   cache_layout=zigzag.cache_layout,
+  modelled_layer=modelled_layer,
   timeline_probes=True,
   attention_note="ring attention merges flash partials (output and log-sum-exp)",
 )

@@ -93,6 +93,18 @@ from kvr_jax.strategies.base import (
   strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
+from kvr_jax.strategies.roofline import (
+  Compute,
+  ModelledLayer,
+  Receive,
+  Send,
+  kv_message_bytes,
+  phase_seconds,
+  phase_work,
+  total_work,
+  visible_keys,
+  work_kwargs,
+)
 from models import layers
 from models.base import no_reduce
 from models.kernels import get_kernel, kernels_where
@@ -680,6 +692,78 @@ def layout(context_len: int, num_ranks: int, chunks: tuple[int, ...]) -> tuple[i
   return chunks  # the user's (validated) partition, rank 0 the earliest tokens
 
 
+# --- the modelled layer (kvr_jax.planning.costmodel) -------------------------------------------
+
+
+def layer_work(config, chunks: tuple[int, ...], setup):
+  """One layer of KV-Runahead: each rank's phase Work, and each hop's bytes and seconds.
+  With a sliding window rank i attends from its window start and hop k carries the last W-1
+  keys of [0, S_k): both bounded by W. With a kernel whose partials merge
+  (`Setup.diagonal_first`) rank i > 0 has a "diagonal" phase (its first `rows_before_hop`
+  rows, before the hop) and its "attention" is the prefix and the rest of its diagonal."""
+  links, kw = setup.links, work_kwargs(setup)
+  p, ends, window = len(chunks), prefix_ends(chunks), config.sliding_window
+  keys = [ends[i] - layers.window_start(ends[i] - chunks[i], window) for i in range(p)]
+  phases = [phase_work(config, chunks[i], keys[i], **kw) for i in range(p)]
+  if setup.diagonal_first:
+    early_rows = rows_before_hop(config, chunks)
+    for i in range(1, p):
+      c, prefix, r = chunks[i], keys[i] - chunks[i], early_rows[i]
+      if prefix <= 0:
+        continue
+      # Before the hop: rows [0, r) of the diagonal, a causal r x r square.
+      diagonal = phase_work(config, r, r, **kw)["attention"]
+      # The prefix lies wholly before the queries: the keys they see there, on average.
+      seen = visible_keys(prefix, c, window) - visible_keys(0, c, window)
+      unmasked = dict(kw, causal_skip=False)
+      attention = phase_work(config, c, prefix, **unmasked, scored_keys=seen)["attention"]
+      if r < c:  # after it: rows [r, c) at the end of the chunk's c keys
+        attention = attention + phase_work(config, c - r, c, **kw)["attention"]
+      phases[i] = dict(phases[i], diagonal=diagonal, attention=attention)
+  hop_tokens = [ends[k] - layers.window_start(ends[k], window) for k in range(p - 1)]
+  hop_bytes = [kv_message_bytes(config, n, setup.batch, setup.dtype_bytes) for n in hop_tokens]
+  hop_seconds = [hop_bytes[k] / links.link_bandwidth(k) + links.latency for k in range(p - 1)]
+  return phases, hop_bytes, hop_seconds
+
+
+def hop_chain_steps(qkv, diagonal, attention, rest, hop_seconds) -> tuple[tuple, ...]:
+  """Each rank's steps in the program's order, from per-rank seconds: its qkv, its early
+  diagonal rows (where it has any), the prefix from rank i-1, the longer prefix on to rank
+  i+1 (hop i), then attention and the rest."""
+  p = len(qkv)
+  ranks = []
+  for i in range(p):
+    steps = [Compute("qkv", qkv[i])]
+    if diagonal[i] > 0:
+      steps.append(Compute("diagonal", diagonal[i]))
+    if i > 0:
+      steps.append(Receive(i - 1))
+    if i < p - 1:
+      steps.append(Send(i + 1, hop_seconds[i], f"hop{i}"))
+    steps += [Compute("attention", attention[i]), Compute("rest", rest[i])]
+    ranks.append(tuple(steps))
+  return tuple(ranks)
+
+
+def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """Ranks run independently; hop k couples only ranks k and k+1 (`hop_chain_steps`)."""
+  del context_len  # sum(chunks)
+  phases, hop_bytes, hop_seconds = layer_work(config, chunks, setup)
+  seconds = [phase_seconds(config, ph, c, setup) for ph, c in zip(phases, chunks, strict=True)]
+  steps = hop_chain_steps(
+    *([s.get(name, 0.0) for s in seconds] for name in ("qkv", "diagonal", "attention", "rest")),
+    hop_seconds,
+  )
+  totals = [total_work(ph) for ph in phases]
+  return ModelledLayer(
+    steps,
+    tuple(chunks),
+    tuple(w.flops for w in totals),
+    tuple(w.bytes for w in totals),
+    tuple(float(b) for b in hop_bytes),
+  )
+
+
 STRATEGY = Strategy(
   name="kvr",
   description="KV-Runahead: uneven chunks, point-to-point K,V hop chain, causal skipping",
@@ -689,6 +773,7 @@ STRATEGY = Strategy(
   arrange=pad_chunks,
   compile=compile_program,
   cache_rank=last_rank,
+  modelled_layer=modelled_layer,
   timeline_probes=True,
   cache_from_last_hop=whole_prefix_hops,
 )

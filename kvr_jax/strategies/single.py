@@ -18,6 +18,14 @@ from kvr_jax.strategies.base import (
   refuse,
   strategy_compiler,
 )
+from kvr_jax.strategies.roofline import (
+  Compute,
+  ModelledLayer,
+  phase_seconds,
+  phase_work,
+  total_work,
+  work_kwargs,
+)
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
@@ -53,6 +61,16 @@ def single_body(graphdef, chunks, attention, timeline, keep_last_hop):
 compile_program = strategy_compiler("single", single_body, "flash")
 
 
+def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """One layer on one device: qkv, causal attention over the whole prompt, the rest."""
+  del chunks  # (context_len,)
+  phases = phase_work(config, context_len, context_len, **work_kwargs(setup))
+  seconds = phase_seconds(config, phases, context_len, setup)
+  total = total_work(phases)
+  steps = tuple(Compute(name, seconds[name]) for name in ("qkv", "attention", "rest"))
+  return ModelledLayer((steps,), (context_len,), (total.flops,), (total.bytes,))
+
+
 STRATEGY = Strategy(
   name="single",
   description="one device, the oracle (whole prompt, causal attention)",
@@ -62,5 +80,6 @@ STRATEGY = Strategy(
   arrange=arrange,
   compile=compile_program,
   cache_rank=last_rank,
+  modelled_layer=modelled_layer,
   max_ranks=1,
 )

@@ -24,6 +24,16 @@ from kvr_jax.strategies.base import (
   refuse,
   strategy_compiler,
 )
+from kvr_jax.strategies.roofline import (
+  Collective,
+  Compute,
+  ModelledLayer,
+  kv_message_bytes,
+  phase_seconds,
+  phase_work,
+  total_work,
+  work_kwargs,
+)
 
 
 def shard_len(context_len: int, num_ranks: int) -> int:
@@ -80,6 +90,28 @@ def pad_shards(tokens_BC, num_ranks: int):
   return padded.reshape(B, num_ranks, c).transpose(1, 0, 2)
 
 
+def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """Identical ranks of c = ceil(C/p) tokens: qkv, the all-gather of every rank's chunk (a
+  barrier; a ring all-gather, p-1 steps over the slowest link), dense attention over all pc
+  keys, the rest."""
+  p, links = len(chunks), setup.links
+  c = shard_len(context_len, p)
+  phases = phase_work(config, c, c * p, **work_kwargs(setup))
+  seconds = phase_seconds(config, phases, c, setup)
+  chunk_bytes = kv_message_bytes(config, c, setup.batch, setup.dtype_bytes)
+  allgather = (p - 1) * (chunk_bytes / links.slowest(p) + links.latency) if p > 1 else 0.0
+  steps = (
+    Compute("qkv", seconds["qkv"]),
+    Collective("allgather", allgather),
+    Compute("attention", seconds["attention"]),
+    Compute("rest", seconds["rest"]),
+  )
+  total = total_work(phases)
+  return ModelledLayer(
+    (steps,) * p, (c,) * p, (total.flops,) * p, (total.bytes,) * p, ((p - 1) * chunk_bytes,) * p
+  )
+
+
 STRATEGY = Strategy(
   name="tsp",
   description="the paper's baseline: even split, all-gather K,V, dense masked scores",
@@ -92,5 +124,6 @@ STRATEGY = Strategy(
   cache_layout=lambda context_len, chunks: contiguous_layout(
     layout(context_len, len(chunks)), part_len=shard_len(context_len, len(chunks))
   ),
+  modelled_layer=modelled_layer,
   attention_note="TSP computes dense masked scores by definition",
 )

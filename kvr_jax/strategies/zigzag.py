@@ -8,6 +8,7 @@ causal mask hides their keys from every real query, and their own outputs are dr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -17,6 +18,16 @@ import numpy as np
 
 from kvr_jax.strategies.base import CacheLayout, RankBody, fold_batch
 from kvr_jax.strategies.probe import mark
+from kvr_jax.strategies.roofline import (
+  Compute,
+  ModelledLayer,
+  Work,
+  kv_message_bytes,
+  phase_seconds,
+  phase_work,
+  visible_keys,
+  work_kwargs,
+)
 
 
 def chunk_len(context_len: int, num_ranks: int) -> int:
@@ -130,3 +141,59 @@ def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):
   """K,V laid out in rank order along `axis` -> prompt order, padding dropped."""
   index = prompt_order(context_len, num_ranks)[:context_len]
   return jax.numpy.take(kv_rank_order, index, axis=axis)
+
+
+# --- the peers' modelled layer (kvr_jax.planning.costmodel) ------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerCosts:
+  """What both peers' modelled layers share: every rank has the same work, 2c tokens.
+
+  own: the qkv and rest Work of 2c tokens; seconds: their times (the rest with its model
+  all-reduces); message: bytes of one rank's 2c-token K,V per layer; message_seconds: one
+  message over the slowest link; visible: keys each query of the busiest rank sees, on
+  average (causally, within the window)."""
+
+  chunk: int
+  own: dict
+  seconds: dict
+  message: int
+  message_seconds: float
+  visible: float
+
+
+def peer_costs(config, context_len: int, setup, num_ranks: int) -> PeerCosts:
+  p, links, window = num_ranks, setup.links, config.sliding_window
+  c = chunk_len(context_len, p)
+  own = phase_work(config, 2 * c, 2 * c, **work_kwargs(setup))
+  message = kv_message_bytes(config, 2 * c, setup.batch, setup.dtype_bytes)
+  message_seconds = message / links.slowest(p) + links.latency if p > 1 else 0.0
+  visible = max(
+    (visible_keys(r * c, c, window) + visible_keys((2 * p - 1 - r) * c, c, window)) / 2
+    for r in range(p)
+  )
+  seconds = phase_seconds(config, own, 2 * c, setup)
+  return PeerCosts(c, own, seconds, message, message_seconds, visible)
+
+
+def peer_layer(
+  config, context_len: int, setup, num_ranks: int, middle: tuple, attention: Work
+) -> ModelledLayer:
+  """A peer's modelled layer: qkv, its own `middle` steps (how its K,V travel and how it
+  attends), the rest; the same on every rank. After the last layer, cache="last" moves every
+  other rank's parts (2c tokens, L layers) onto the last rank (p-1 messages over the slowest
+  link); KV-Runahead's last rank already holds them from its hops."""
+  p, links = num_ranks, setup.links
+  costs = peer_costs(config, context_len, setup, p)
+  steps = (Compute("qkv", costs.seconds["qkv"]), *middle, Compute("rest", costs.seconds["rest"]))
+  move = (p - 1) * (config.num_layers * costs.message / links.slowest(p) + links.latency)
+  total = costs.own["qkv"] + attention + costs.own["rest"]
+  return ModelledLayer(
+    (steps,) * p,
+    layout(context_len, p),
+    (total.flops,) * p,
+    (total.bytes,) * p,
+    (float(costs.message * (p - 1)),) * p,
+    after_layers=move,
+  )
