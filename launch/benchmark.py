@@ -26,8 +26,9 @@ warm TTFT (the cost of padding), e.g.
     --stream_lengths=1000,4096 --stream_prompts=20
 --link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
   python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=2gbit,500mbit
-Intentionally kept short: the logic is
-kvr_jax.tools.benchmark, kvr_jax.tools.jobs and kvr_jax.runtime.distributed.
+The logic is in kvr_jax.tools (a module per job: sweep, transformers_baseline, kernel_timing,
+accelerator, bucket_stream, multiprocess_report, timeline, memory), kvr_jax.tools.jobs and
+kvr_jax.runtime.distributed.
 """
 
 import contextlib
@@ -44,11 +45,21 @@ from absl import app, flags, logging
 import kvr_jax
 from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference import buckets as buckets_lib
-from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime import distributed, links, loading
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.strategies import get_strategy
-from kvr_jax.tools import benchmark, jobs, measured, memory, timeline
+from kvr_jax.tools import (
+  accelerator,
+  bucket_stream,
+  jobs,
+  kernel_timing,
+  measured,
+  memory,
+  multiprocess_report,
+  sweep,
+  timeline,
+  transformers_baseline,
+)
 from kvr_jax.tools import timing as timing_lib
 from launch import common
 from models.kernels import KERNEL_NAMES
@@ -129,7 +140,7 @@ flags.DEFINE_integer(
 flags.DEFINE_list(
   "timeline_strategies", ["kvr", "allgather"], "Timeline mode: strategies (kvr, ring, allgather)."
 )
-UNTHROTTLED = "unthrottled"
+UNTHROTTLED = multiprocess_report.UNTHROTTLED
 flags.DEFINE_list(
   "link_rates",
   [UNTHROTTLED],
@@ -179,7 +190,7 @@ def kernels_mode():
       except ValueError:
         raise ValueError(f"--flash_blocks takes QxK pairs like 256x512, got {text!r}") from None
       blocks.append((bq, bk))
-    rows = benchmark.time_attention_kernels(
+    rows = kernel_timing.time_attention_kernels(
       [int(c) for c in FLAGS.context_lens], FLAGS.kernels, blocks, repeats=FLAGS.repeats
     )
   print(
@@ -218,73 +229,23 @@ def long_mode():
 def memory_mode():
   """XLA's memory analysis of each strategy's compiled prefill, per device (float32 shapes
   unless --dtype names another: "auto" is this machine's, which the shapes do not need)."""
-  gib = 2**30
   with common.user_errors():
-    config = loading.config_of(FLAGS.model)
-    dtype = FLAGS.dtype if FLAGS["dtype"].present else "float32"
     if FLAGS.num_devices is not None and FLAGS.num_devices < 1:
       raise ValueError(
         f"--num_devices={FLAGS.num_devices}: memory mode compiles for that many emulated "
         "devices; give at least 1 (default 8)"
       )
-    num_devices = 8 if FLAGS.num_devices is None else FLAGS.num_devices
-    m = FLAGS.model_parallel
-    if num_devices % m:
-      raise ValueError(f"{num_devices} devices do not split into ranks of model_parallel={m}")
-    num_ranks = num_devices // m
-    rows = []
-    for C in [int(c) for c in FLAGS.context_lens]:
-      shaped = config
-      if C > config.max_position_embeddings:
-        print(
-          f"NOTE: {FLAGS.model} has {config.max_position_embeddings} positions; its shapes "
-          f"are compiled at C={C} with the positions extended (as long-context variants do)"
-        )
-        shaped = dataclasses.replace(config, max_position_embeddings=C)
-      for strategy in FLAGS.strategy:
-        p = 1 if strategy == "single" else num_ranks
-        plan = dataclasses.replace(memory.MEMORY_PARTITION, max_chunk=FLAGS.max_chunk)
-        rows.append(
-          memory.compiled_memory(
-            shaped,
-            strategy,
-            context_len=C,
-            num_ranks=p,
-            cache=FLAGS.cache,
-            dtype=dtype,
-            partition=plan if get_strategy(strategy).partitioned else None,
-            model_parallel=1 if strategy == "single" else FLAGS.model_parallel,
-          )
-        )
-  dtype_name = rows[0]["dtype"] if rows else dtype
-  print(
-    f"XLA memory analysis (compiled from shapes, nothing allocated), {FLAGS.model}, "
-    f"{dtype_name} shapes, per device, GiB; cache={FLAGS.cache}"
-    + (
-      "; bfloat16 would halve every column but the softmax statistics (not shown apart)"
-      if dtype_name == "float32"
-      else ""
+    rows = memory.memory_grid(
+      loading.config_of(FLAGS.model),
+      FLAGS.strategy,
+      [int(c) for c in FLAGS.context_lens],
+      num_devices=8 if FLAGS.num_devices is None else FLAGS.num_devices,
+      model_parallel=FLAGS.model_parallel,
+      cache=FLAGS.cache,
+      dtype=FLAGS.dtype if FLAGS["dtype"].present else "float32",
+      max_chunk=FLAGS.max_chunk,
     )
-  )
-  header = f"{'strategy':<10}{'C':>9}{'ranks':>7}  {'weights':>8}{'outputs':>9}{'temps':>8}"
-  header += f"{'out+tmp':>9}{'cache':>8}  {'(out+tmp)/cache':>15}"
-  if FLAGS.cache == "last":
-    header += f"  {'move on last':>12}"
-  print(header)
-  for r in rows:
-    total = r["output_bytes"] + r["temp_bytes"]
-    ranks = str(r["num_ranks"])
-    if r["model_parallel"] > 1:
-      ranks += f"x{r['model_parallel']}"
-    line = (
-      f"{r['strategy']:<10}{r['context_len']:>9}{ranks:>7}  "
-      f"{r['weights_bytes'] / gib:>8.2f}{r['output_bytes'] / gib:>9.2f}"
-      f"{r['temp_bytes'] / gib:>8.2f}{total / gib:>9.2f}{r['kv_cache_bytes'] / gib:>8.2f}  "
-      f"{total / r['kv_cache_bytes']:>15.2f}"
-    )
-    if FLAGS.cache == "last":
-      line += f"  {(r['move_argument_bytes'] + r['move_temp_bytes']) / gib:>12.2f}"
-    print(line)
+  memory.print_memory_table(rows, FLAGS.model, FLAGS.cache)
   return 0
 
 
@@ -322,7 +283,7 @@ def devices_mode():
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype, mesh=split_over)
     lens = [int(c) for c in FLAGS.context_lens]
     partition = common.parse_partition(FLAGS.partition)
-    rows = benchmark.sweep(
+    rows = sweep.sweep(
       model,
       lens,
       FLAGS.strategy,
@@ -337,7 +298,7 @@ def devices_mode():
     else "devices present"
   )
   print(note)
-  if not benchmark.reports_device_memory(jax.devices()):
+  if not sweep.reports_device_memory(jax.devices()):
     print("peak memory: the backend reports no per-device memory; the process peak RSS instead")
   print(f"{'strategy':<10}{'C':>7}{'ranks':>8}  {'TTFT':>10}  {'tokens/s':>10}  peak memory")
   for r in rows:
@@ -348,11 +309,11 @@ def devices_mode():
     )
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   written = [os.path.join(FLAGS.output_dir, name) for name in ("devices.csv", "devices.png")]
-  benchmark.write_csv(rows, written[0], note)
-  benchmark.plot_sweep(rows, written[1], f"{FLAGS.model}: {note}")
+  sweep.write_csv(rows, written[0], note)
+  sweep.plot_sweep(rows, written[1], f"{FLAGS.model}: {note}")
   if FLAGS.compare_transformers:
     with common.user_errors():
-      comparison = benchmark.compare_with_transformers(
+      comparison = transformers_baseline.compare_with_transformers(
         model.config,
         lens,
         kernels=FLAGS.kernels,
@@ -370,7 +331,7 @@ def devices_mode():
         f"{c.transformers_tokens_per_s:>11.0f}/s {c.ratio:>7.2f}x"
       )
     written.append(os.path.join(FLAGS.output_dir, "vs_transformers.csv"))
-    benchmark.write_csv(comparison, written[-1], "MEASURED prefill tokens/s")
+    sweep.write_csv(comparison, written[-1], "MEASURED prefill tokens/s")
   print(f"wrote {', '.join(written)}")
 
 
@@ -417,12 +378,8 @@ def timeline_mode():
     for s in FLAGS.timeline_strategies:
       if not get_strategy(s).timeline_probes:
         raise ValueError(f"--timeline_strategies: {s!r} has no probes; use kvr, ring, allgather")
-    if os.path.exists(FLAGS.output_dir) and not os.path.isdir(FLAGS.output_dir):
-      raise ValueError(f"--output_dir={FLAGS.output_dir} is a file; give a directory")
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    common.check_output_file(os.path.join(FLAGS.output_dir, f"timeline_{C}.json"), "--output_dir")
+    common.output_file_in(FLAGS.output_dir, f"timeline_{C}.json")
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
-    model_config = model.config
     print(f"{FLAGS.num_processes} processes, one core each: timelines at C={C} ...", flush=True)
     try:
       outcomes = distributed.launch_local(
@@ -444,13 +401,7 @@ def timeline_mode():
       print(f"error: {e}", file=sys.stderr)
       return 1
     reports = [r for o in outcomes for r in o.results()]
-    # The modelled panels use the hardware the split was chosen with (fitted or `local`).
-    fitted = next((r["hardware"] for r in reports if r.get("hardware")), None)
-    setup = presets.make_setup(
-      costmodel.Hardware(**fitted) if fitted else presets.LOCAL,
-      dtype_bytes=jax.numpy.dtype(model.dtype).itemsize,
-      **costmodel.kernel_flags("flash"),
-    )
+    setup = timeline.modelled_setup(reports, model.dtype)
   print(
     f"\nMEASURED timelines, {FLAGS.model}, C={C}, {FLAGS.num_processes} processes x 1 core "
     "(probes at every phase boundary; the cache stays sharded, its move is not in the span)"
@@ -459,42 +410,11 @@ def timeline_mode():
     f"{'strategy':<10}{'TTFT':>9}{'probed':>9}{'span':>9}  per rank: qkv / hops+waits / "
     "attention / rest (ms, all layers)"
   )
-  written, panels, dump = [], [], []
-  for strategy in FLAGS.timeline_strategies:
-    runs = [run for r in reports for run in r["runs"] if run["strategy"] == strategy]
-    owner = max(runs, key=lambda run: run["process_index"])
-    measured = timeline.intervals(runs)
-    modelled = costmodel.schedule(
-      model_config, strategy, C, setup, num_ranks=len(runs), partition=owner["partition"]
-    )
-    totals = timeline.phase_totals(measured)
-    per_rank = []
-    for rank in sorted({i[0] for i in measured}):
-      # A ring step is its partial attention (the send to the next rank overlaps it), and
-      # KVR's diagonal the part of its attention done before the prefix arrives.
-      totals[rank, "attention"] = (
-        totals.get((rank, "attention"), 0.0)
-        + totals.pop((rank, "step"), 0.0)
-        + totals.pop((rank, "diagonal"), 0.0)
-      )
-      exchange = sum(
-        v for (r, k), v in totals.items() if r == rank and k in ("hop", "step", "allgather", "wait")
-      )
-      ms = [totals.get((rank, k), 0.0) * 1e3 for k in ("qkv", "attention", "rest")]
-      per_rank.append(f"r{rank}: {ms[0]:.0f} / {exchange * 1e3:.0f} / {ms[1]:.0f} / {ms[2]:.0f}")
-    print(
-      f"{strategy:<10}{owner['ttft_s']:>8.3f}s{owner['probed_ttft_s']:>8.3f}s"
-      f"{timeline.span_s(runs):>8.3f}s  {'; '.join(per_rank)}"
-      + (f"  partition {owner['partition']}" if owner["partition"] else "")
-    )
-    panels.append((f"MEASURED {strategy}", measured))
-    panels.append((f"MODELLED {strategy} ({setup.hardware.name} hardware)", modelled))
-    dump.append({"strategy": strategy, "runs": runs, "measured": measured, "modelled": modelled})
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  written = [os.path.join(FLAGS.output_dir, f"timeline_{C}.{ext}") for ext in ("json", "png")]
-  with open(written[0], "w") as f:
-    json.dump(dump, f)
-  timeline.plot(panels, written[1], f"{FLAGS.model}, C={C}, {FLAGS.num_processes} processes")
+  report = timeline.timeline_report(reports, FLAGS.timeline_strategies, model.config, C, setup)
+  for item in report:
+    print(item["line"])
+  title = f"{FLAGS.model}, C={C}, {FLAGS.num_processes} processes"
+  written = timeline.write_timeline_report(report, setup, FLAGS.output_dir, title, f"timeline_{C}")
   print(f"wrote {', '.join(written)}")
   return 0
 
@@ -541,81 +461,16 @@ def multiprocess_mode():
             pin_cores=True,
             timeout=3600,
           )
-        multi_rows += [
-          dict(r, link=rate) for o in multi for res in o.results() for r in res["rows"]
-        ]
+        multi_rows += multiprocess_report.process_rows(multi, rate)
     except RuntimeError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
-  single_rows = [dict(r, link="-") for o in single for res in o.results() for r in res["rows"]]
-  rows = single_rows + multi_rows
-  base = {r["context_len"]: r["ttft_s"] for r in rows if r["variant"] == "single"}
-  tsp = {(r["context_len"], r["link"]): r["ttft_s"] for r in rows if r["variant"] == "tsp"}
-  print(
-    f"\nMEASURED TTFT, {FLAGS.model}, {FLAGS.num_processes} processes x 1 core vs 1 process "
-    "x 1 core (median of warm runs):"
+  table = multiprocess_report.multiprocess_table(
+    multiprocess_report.process_rows(single, "-") + multi_rows
   )
-  print("single: one process with the flash kernel (the best single process); single-dense:")
-  print("dense masked scores (the paper's baseline). Speed-ups are against `single`.")
-  print("move: of TTFT, the time to bring the ranks' cache parts onto the last rank.")
-  print("min-max: of the warm runs, interleaved with the other variants' (round-robin).")
-  print("vs peer: KV-Runahead against the faster of ring and all-gather (by median): ahead or")
-  print("behind only where the min-max intervals do not overlap, else tie.")
-  print(
-    f"{'variant':<20}{'link':>12}{'C':>7}  {'TTFT':>9}  {'min-max':>13}  {'move':>7}  "
-    f"{'vs single':>9}  {'vs tsp':>7}  {'vs peer':<18}partition"
-  )
-  peers = {}
-  for r in rows:
-    if r["variant"] in ("ring", "allgather"):
-      best = peers.get((r["context_len"], r["link"]))
-      if best is None or r["ttft_s"] < best["ttft_s"]:
-        peers[r["context_len"], r["link"]] = r
-  table = []
-  for r in rows:
-    C = r["context_len"]
-    speedup = base[C] / r["ttft_s"]
-    vs_tsp = tsp[C, r["link"]] / r["ttft_s"] if (C, r["link"]) in tsp else None  # n/a: no TSP
-    table.append(dict(r, speedup_vs_single=speedup, speedup_vs_tsp=vs_tsp))
-    vs_tsp_text = "n/a" if vs_tsp is None else f"{vs_tsp:.2f}x"
-    samples = r.get("samples_s") or [r["ttft_s"]]
-    peer = peers.get((C, r["link"]))
-    vs_peer = "-"
-    if peer is not None and r["variant"].startswith("kvr"):
-      verdict = timing_lib.interval_verdict(samples, peer.get("samples_s") or [peer["ttft_s"]])
-      vs_peer = f"{verdict} {peer['variant']}"
-    table[-1]["vs_peer"] = vs_peer
-    print(
-      f"{r['variant']:<20}{r['link']:>12}{C:>7}  {r['ttft_s']:>8.3f}s  "
-      f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
-      f"{speedup:>8.2f}x  {vs_tsp_text:>7}  {vs_peer:<18}"
-      f"{r['partition'] or '-'}"
-      + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
-    )
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  written = [
-    os.path.join(FLAGS.output_dir, name)
-    for name in ("multiprocess.json", "multiprocess.csv", "multiprocess.png")
-  ]
-  with open(written[0], "w") as f:
-    json.dump(table, f, indent=1)
-  rows_for_plot = [
-    benchmark.SweepRow(
-      r["variant"] + ("" if r["link"] in ("-", UNTHROTTLED) else f"@{r['link']}"),
-      r["context_len"],
-      FLAGS.num_processes,
-      str(r["partition"]),
-      r["ttft_s"],
-      r["context_len"] / r["ttft_s"],
-      "",
-    )
-    for r in rows
-  ]
-  benchmark.write_csv(
-    rows_for_plot, written[1], "MEASURED, processes pinned to cores, single-threaded XLA"
-  )
-  benchmark.plot_sweep(
-    rows_for_plot, written[2], f"{FLAGS.model}: MEASURED, {FLAGS.num_processes} pinned processes"
+  multiprocess_report.print_table(table, FLAGS.model, FLAGS.num_processes)
+  written = multiprocess_report.write_files(
+    table, FLAGS.output_dir, FLAGS.model, FLAGS.num_processes
   )
   print(f"wrote {', '.join(written)}")
   return 0
@@ -649,7 +504,7 @@ def buckets_mode():
     strategies = FLAGS.strategy if FLAGS["strategy"].present else ["single", "kvr", "ring"]
     strategies += [] if FLAGS["strategy"].present else ["allgather"]
     lengths = [int(n) for n in np.random.RandomState(0).randint(low, high + 1, count)]
-    rows = benchmark.bucket_stream(
+    rows = bucket_stream.bucket_stream(
       model, lengths, strategies, ladders=ladders, num_devices=FLAGS.num_devices, repeats=repeats
     )
   print(
@@ -685,12 +540,8 @@ def accelerator_mode():
     context_lens = common.positive_ints(FLAGS.context_lens, "--context_lens")
     ranks = common.positive_ints(FLAGS.ranks, "--ranks")
     (repeats,) = common.positive_ints([FLAGS.repeats], "--repeats")
-    if os.path.exists(FLAGS.output_dir) and not os.path.isdir(FLAGS.output_dir):
-      raise ValueError(f"--output_dir={FLAGS.output_dir} is a file; give a directory")
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    path = os.path.join(FLAGS.output_dir, "accelerator.json")
-    common.check_output_file(path, "--output_dir")
-    rows, modelled = benchmark.accelerator_benchmark(
+    path = common.output_file_in(FLAGS.output_dir, "accelerator.json")
+    rows, modelled = accelerator.accelerator_benchmark(
       config,
       context_lens,
       kernels=FLAGS.kernels if FLAGS["kernels"].present else None,
@@ -700,45 +551,8 @@ def accelerator_mode():
       ranks=ranks,
       links=FLAGS.links,
     )
-  device = jax.local_devices()[0]
-  dtype = loading.resolve_dtype(FLAGS.dtype)
-  print(
-    f"\nMEASURED single-device prefill, {FLAGS.model} ({jax.numpy.dtype(dtype).name}), "
-    f"{device.device_kind} ({device.platform}), median of {FLAGS.repeats} warm runs; MFU "
-    "against the device's data-sheet peak (CPU: its measured matmul rate):"
-  )
-  print(f"{'C':>7}  {'implementation':<20}{'TTFT':>11}{'TFLOP/s':>9}{'MFU':>7}  max |dlogit|")
-  for r in rows:
-    mfu = "-" if r.mfu is None else f"{r.mfu:.0%}"
-    diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.2e}"
-    print(
-      f"{r.context_len:>7}  {r.implementation:<20}{r.ttft_s * 1e3:>9.1f}ms"
-      f"{r.achieved_tflops:>9.2f}{mfu:>7}  {diff}"
-    )
-  print(
-    "\nMODELLED p-device TTFT: per-rank compute fitted to KV-Runahead's per-rank programs timed "
-    "one at a time on this device (fitted_hardware), links from the preset named; speed-up "
-    "against the MEASURED best single-device TTFT above:"
-  )
-  print(f"{'C':>7}{'p':>4}  {'links':<9}{'strategy':<11}{'TTFT':>11}{'speed-up':>10}  partition")
-  for r in modelled:
-    print(
-      f"{r.context_len:>7}{r.num_ranks:>4}  {r.links:<9}{r.strategy:<11}{r.ttft_s * 1e3:>9.1f}ms"
-      f"{r.speedup_vs_measured_single:>9.2f}x  {r.partition}"
-    )
-  with open(path, "w") as f:
-    json.dump(
-      {
-        "model": FLAGS.model,
-        "device": device.device_kind,
-        "platform": device.platform,
-        "dtype": jax.numpy.dtype(dtype).name,
-        "measured": [dataclasses.asdict(r) for r in rows],
-        "modelled": [dataclasses.asdict(r) for r in modelled],
-      },
-      f,
-      indent=1,
-    )
+  accelerator.print_report(rows, modelled, FLAGS.model, FLAGS.dtype, FLAGS.repeats)
+  accelerator.write_report(rows, modelled, FLAGS.model, FLAGS.dtype, path)
   print(f"wrote {path}")
   return 0
 

@@ -135,6 +135,17 @@ def check_output_dir(directory: str, flag: str = "--output_dir") -> str:
   return resources.writable_directory(directory, f"{flag}={directory}")
 
 
+def output_file_in(directory: str, name: str, flag: str = "--output_dir") -> str:
+  """Before any work: `directory` made (it must not be a file) and `name` in it writable;
+  returns the file's path."""
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"{flag}={directory} is a file; give a directory")
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, name)
+  check_output_file(path, flag)
+  return path
+
+
 def check_output_file(path: str | None, flag: str) -> None:
   """Before any work: the file can be written (its directory exists and is writable, it is
   not a directory), so that a long run never ends in a traceback that loses its results."""

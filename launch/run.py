@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-import jax
 from absl import app, flags, logging
 
 import kvr_jax
 from kvr_jax.inference import generate
-from kvr_jax.inference.buckets import bucket_length
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.tools import demo
 from launch import common
@@ -126,16 +124,7 @@ def main(argv):
       buckets=buckets,
       model_parallel=FLAGS.model_parallel,
     )
-  lengths = sorted({len(row) for row in tokens})
-  shape = f"prompt {lengths[0]} tokens x batch {len(tokens)}"
-  if len(lengths) > 1:
-    shape = f"{len(tokens)} prompts of {'/'.join(str(len(row)) for row in tokens)} tokens"
-  padded = bucket_length(max(lengths), buckets, model.config.max_position_embeddings)
-  if padded != lengths[0] or len(lengths) > 1:
-    shape += f", padded to {padded} (--buckets={FLAGS.buckets})"
-  devices, m = FLAGS.num_devices or jax.device_count(), FLAGS.model_parallel
-  ranks = f"{devices} ranks" if m == 1 else f"{devices // m} ranks x {m} devices (model)"
-  print(f"{model}; {shape}; {ranks} on {jax.devices()[0].platform}")
+  print(demo.describe_run(model, tokens, buckets, FLAGS.num_devices, FLAGS.model_parallel))
   if emulated:
     print(
       "NOTE: these are emulated CPU devices sharing this machine's cores: the times prove "

@@ -76,7 +76,7 @@ def test_run_without_single_says_n_a(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   (row,) = [line for line in proc.stdout.splitlines() if line.startswith("kvr ")]
   # 40 tokens run in their bucket of 48 (--buckets=auto), split evenly over the 8 ranks.
-  assert "padded to 48 (--buckets=auto)" in proc.stdout
+  assert "padded to 48 (buckets=auto)" in proc.stdout
   assert "6,6,6,6,6,6,6,6" in row and " n/a " in row and "nan" not in proc.stdout
   assert json.loads(out.read_text())[0]["max_logit_diff_vs_single"] is None
 
@@ -197,7 +197,7 @@ def test_run_with_a_text_prompt(tmp_path):
   ragged = [*flags[:-1], "--prompt=w3 w4 w5", f"--output_json={tmp_path}/r.json"]
   proc = run("launch.run", *ragged)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "2 prompts of 8/3 tokens, padded to 16 (--buckets=auto)" in proc.stdout
+  assert "2 prompts of 8/3 tokens, padded to 16 (buckets=auto)" in proc.stdout
   rows = json.loads((tmp_path / "r.json").read_text())
   assert all(r["max_logit_diff_vs_single"] < 1e-4 for r in rows)
   proc = run("launch.run", *flags[:-1], "--prompt=w3", "--batch=2", timeout=60)

@@ -95,8 +95,9 @@ def test_modelled_kvr_schedule_matches_the_timeline():
   assert waits == [(0.5, pytest.approx(1.2))]
   setup = presets.make_setup("a100-80gb", "300GBps", dtype_bytes=2)
   config = preset_config("llama-2-7b")
-  items = costmodel.schedule(config, "kvr", 4096, setup, num_ranks=2, partition=(2500, 1596))
-  sim = costmodel.simulate(config, "kvr", 4096, setup, num_ranks=2, partition=(2500, 1596))
+  items = []
+  kw = dict(num_ranks=2, partition=(2500, 1596))
+  sim = costmodel.simulate(config, "kvr", 4096, setup, **kw, intervals=items)
   last = max(e for r, *_, e in items if r == 1)
   assert last + costmodel.head_work(config, 1, 2).time(setup.hardware) == pytest.approx(sim.ttft)
 

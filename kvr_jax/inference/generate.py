@@ -130,16 +130,7 @@ def generate(
     raise ValueError(_SHARDED_MULTIPROCESS)
   rows, lengths = check_prompts(model, _encode_prompt(model, prompt))
   _check_length(model, int(lengths.max()), int(max_new_tokens))
-  result = prefill(
-    model,
-    rows,
-    strategy=strategy,
-    mesh=mesh,
-    partition=partition,
-    attention=attention,
-    cache=cache,
-    buckets=buckets,
-  )
+  result = prefill(model, rows, strategy, mesh, partition, attention, cache, buckets)
   return decode_from(model, result, max_new_tokens, temperature, top_k, top_p, seed)
 
 

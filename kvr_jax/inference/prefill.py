@@ -42,7 +42,7 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import STRATEGIES, get_strategy
-from kvr_jax.strategies.base import AUTO, CacheLayout, Strategy
+from kvr_jax.strategies.base import AUTO, CacheLayout, Strategy, last_rank
 from models.kernels import AttentionKernel, get_kernel, kernels_where
 
 
@@ -500,7 +500,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   if plan.keep_last_hop:
     kv_parts, last_hop = kv_parts
   layout = plan.cache_layout
-  owner = rank_device(mesh, spec.cache_rank(chunks))
+  owner = rank_device(mesh, last_rank(chunks))
   logits_BV = shard_on(logits, owner)
   common = dict(
     prompt_len=T,

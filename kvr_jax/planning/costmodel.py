@@ -14,7 +14,8 @@ Each phase takes max(FLOPs / achievable FLOP/s, bytes / achievable memory bandwi
 Each strategy describes its own layer next to its program (`Strategy.modelled_layer`): per
 rank, in program order, its phases (`Compute`), its messages (`Send`, `Receive`) and its
 barriers (`Collective`). `layer_timeline` runs any such description layer after layer, and
-`simulate` and `schedule` are that one timeline for every registered strategy:
+`simulate` (with its `intervals`, the Gantt chart) is that one timeline for every registered
+strategy:
   a Send starts when its sender reaches it and its link has delivered the previous layer's
     message, and lands `seconds` later; the receiver waits at its Receive until it has.
     `Links.held_send` says whether the sender waits too: False, sends are asynchronous
@@ -91,7 +92,6 @@ __all__ = [
   "model_reduce_time",
   "model_shard",
   "phase_work",
-  "schedule",
   "simulate",
   "visible_keys",
 ]
@@ -278,13 +278,16 @@ def simulate(
   *,
   num_ranks: int = 1,
   partition: Sequence[int] | None = None,
+  intervals: list | None = None,
 ) -> Simulation:
   """Modelled TTFT of one prefill: the strategy's modelled layer through `layer_timeline`,
   then what follows the last layer (a cache move) and the head on the last rank. With
-  `setup.model_parallel` > 1 the per-rank figures are one device's (one model shard's)."""
+  `setup.model_parallel` > 1 the per-rank figures are one device's (one model shard's).
+  intervals: a list to append the modelled timeline to, (rank, layer, phase, start, end)
+  (the Gantt chart beside a measured one; the cache move and the head not included)."""
   layer = modelled_layer(config, strategy, context_len, setup, num_ranks, partition)
   shard = model_shard(config, setup.model_parallel)
-  finish = layer_timeline(layer, config.num_layers, setup.links.held_send)
+  finish = layer_timeline(layer, config.num_layers, setup.links.held_send, intervals)
   head = head_work(shard, setup.batch, setup.dtype_bytes).time(setup.hardware)
   return Simulation(
     get_strategy(strategy).name,
@@ -295,23 +298,6 @@ def simulate(
     list(layer.bytes),
     list(layer.link_bytes),
   )
-
-
-def schedule(
-  config: ModelConfig,
-  strategy: str,
-  context_len: int,
-  setup: Setup,
-  *,
-  num_ranks: int,
-  partition: Sequence[int] | None = None,
-) -> list[tuple[int, int, str, float, float]]:
-  """MODELLED timeline of any strategy: (rank, layer, phase, start, end) intervals from the
-  same layer `simulate` runs (the cache move and the head after it are not included)."""
-  layer = modelled_layer(config, strategy, context_len, setup, num_ranks, partition)
-  intervals: list = []
-  layer_timeline(layer, config.num_layers, setup.links.held_send, intervals)
-  return intervals
 
 
 def lower_bound(config: ModelConfig, context_len: int, num_ranks: int, setup: Setup) -> float:

@@ -1,6 +1,6 @@
 """Layer 3: prefill strategies, one module each, one interface (base.Strategy), one registry.
 
-Adding a strategy: write its module (layout, arrange, compile, cache_rank, its modelled
+Adding a strategy: write its module (layout, arrange, compile, its modelled
 layer for the cost model and a STRATEGY),
 add it to REGISTRY below, and add its row to the parity matrix in tests/test_strategies.py.
 """

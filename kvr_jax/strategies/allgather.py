@@ -17,7 +17,6 @@ from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import (
   Strategy,
-  last_rank,
   refuse,
   strategy_compiler,
 )
@@ -72,14 +71,9 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 STRATEGY = Strategy(
   name="allgather",
   description="all-gather context parallelism: zigzag chunks, one all_gather of K,V per layer",
-  partitioned=False,
   attention_kinds=("flash", "dense"),
-  layout=zigzag.layout,
-  arrange=zigzag.arrange,
   compile=compile_program,
-  cache_rank=last_rank,
-  cache_layout=zigzag.cache_layout,
   modelled_layer=modelled_layer,
-  timeline_probes=True,
+  **zigzag.PEER_FIELDS,
   attention_note="its chunks attend at a rank-dependent offset (flash or dense)",
 )

@@ -2,14 +2,15 @@
 
 A strategy is a frozen `Strategy`: how it lays the prompt out over the ranks of a 1-D mesh
 (`layout`, `arrange`), how it compiles one SPMD program for (graphdef, mesh, chunks,
-attention) (`compile`), which rank ends with the logits (`cache_rank`) and which prompt
-positions each rank's part of the KV cache holds (`cache_layout`). Every program has the same
-signature:
+attention) (`compile`), which prompt positions each rank's part of the KV cache holds
+(`cache_layout`) and its layer as the cost model sees it (`modelled_layer`). Every program
+has the same signature:
 
   program(state, tokens_pBc) -> (logits_pBV, kv_parts [p, L, 2, B*P, K, H])
 
 state replicated over the mesh, tokens_pBc each rank's tokens (from `arrange`), outputs
-sharded by rank. Only rank `cache_rank(chunks)`'s logits are the answer. kv_parts holds, on
+sharded by rank. Only the last rank's logits are the answer (the runner moves them there,
+where decode continues). kv_parts holds, on
 every rank, only the K,V that rank computed (its chunk, or its two zigzag chunks), padded to
 the longest part P, batch folded into the rows (`fold_batch` says why): never a prompt-long
 copy per rank. `CacheLayout` says which rows of each
@@ -127,7 +128,6 @@ class Strategy:
     jitted program, one signature for every strategy (`strategy_compiler`: cached by every
     argument, the kernel as its record; timeline=True only where `timeline_probes`,
     keep_last_hop=True only where `cache_from_last_hop`).
-  cache_rank(chunks) -> the rank whose output shard holds the logits (decode continues there).
   cache_layout(context_len, chunks) -> the CacheLayout of the program's kv_parts output.
   modelled_layer(config, context_len, setup, chunks) -> its program's layer as the cost model
     sees it (strategies.roofline.ModelledLayer: per rank, the phases, messages and waits in
@@ -142,7 +142,6 @@ class Strategy:
   layout: Callable[[int, int, tuple[int, ...] | None], tuple[int, ...]]
   arrange: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
   compile: Callable[..., Callable]
-  cache_rank: Callable[[tuple[int, ...]], int]
   modelled_layer: Callable[..., Any]
   cache_layout: Callable[[int, tuple[int, ...]], CacheLayout] = lambda C, chunks: contiguous_layout(
     chunks

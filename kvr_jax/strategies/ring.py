@@ -31,7 +31,6 @@ from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.base import (
   Strategy,
-  last_rank,
   refuse,
   strategy_compiler,
 )
@@ -153,14 +152,9 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 STRATEGY = Strategy(
   name="ring",
   description="zigzag ring attention: 2p chunks, K,V passed around the ring, flash partials",
-  partitioned=False,
   attention_kinds=("flash",),
-  layout=zigzag.layout,
-  arrange=zigzag.arrange,
   compile=compile_program,
-  cache_rank=last_rank,
-  cache_layout=zigzag.cache_layout,
   modelled_layer=modelled_layer,
-  timeline_probes=True,
+  **zigzag.PEER_FIELDS,
   attention_note="ring attention merges flash partials (output and log-sum-exp)",
 )

@@ -89,7 +89,6 @@ from kvr_jax.strategies.base import (
   RankBody,
   Strategy,
   fold_batch,
-  last_rank,
   strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
@@ -772,7 +771,6 @@ STRATEGY = Strategy(
   layout=layout,
   arrange=pad_chunks,
   compile=compile_program,
-  cache_rank=last_rank,
   modelled_layer=modelled_layer,
   timeline_probes=True,
   cache_from_last_hop=whole_prefix_hops,

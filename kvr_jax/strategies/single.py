@@ -14,7 +14,6 @@ from kvr_jax.strategies.base import (
   RankBody,
   Strategy,
   fold_batch,
-  last_rank,
   refuse,
   strategy_compiler,
 )
@@ -79,7 +78,6 @@ STRATEGY = Strategy(
   layout=layout,
   arrange=arrange,
   compile=compile_program,
-  cache_rank=last_rank,
   modelled_layer=modelled_layer,
   max_ranks=1,
 )

@@ -20,7 +20,6 @@ from kvr_jax.strategies.base import (
   Strategy,
   contiguous_layout,
   fold_batch,
-  last_rank,
   refuse,
   strategy_compiler,
 )
@@ -120,7 +119,6 @@ STRATEGY = Strategy(
   layout=layout,
   arrange=lambda tokens_BC, chunks: pad_shards(tokens_BC, len(chunks)),
   compile=compile_program,
-  cache_rank=last_rank,
   cache_layout=lambda context_len, chunks: contiguous_layout(
     layout(context_len, len(chunks)), part_len=shard_len(context_len, len(chunks))
   ),

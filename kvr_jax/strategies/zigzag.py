@@ -143,6 +143,17 @@ def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):
   return jax.numpy.take(kv_rank_order, index, axis=axis)
 
 
+# What both peers' Strategy records share: the zigzag layout of the prompt and of the cache
+# parts, no user partition, probes at their phase boundaries.
+PEER_FIELDS = dict(
+  partitioned=False,
+  layout=layout,
+  arrange=arrange,
+  cache_layout=cache_layout,
+  timeline_probes=True,
+)
+
+
 # --- the peers' modelled layer (kvr_jax.planning.costmodel) ------------------------------------
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
+from kvr_jax.inference.buckets import bucket_length
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import padded_prompts, prefill_arguments
@@ -139,3 +141,17 @@ def format_table(reports: list[StrategyReport]) -> str:
       f"{' '.join(map(str, r.first_tokens))}"
     )
   return "\n".join(lines)
+
+
+def describe_run(model, tokens, buckets, num_devices: int | None, model_parallel: int = 1) -> str:
+  """One line: the model, the prompt's shape (and its padding under `buckets`), the ranks."""
+  lengths = sorted({len(row) for row in tokens})
+  shape = f"prompt {lengths[0]} tokens x batch {len(tokens)}"
+  if len(lengths) > 1:
+    shape = f"{len(tokens)} prompts of {'/'.join(str(len(row)) for row in tokens)} tokens"
+  padded = bucket_length(max(lengths), buckets, model.config.max_position_embeddings)
+  if padded != lengths[0] or len(lengths) > 1:
+    shape += f", padded to {padded} (buckets={buckets})"
+  devices, m = num_devices or jax.device_count(), model_parallel
+  ranks = f"{devices} ranks" if m == 1 else f"{devices // m} ranks x {m} devices (model)"
+  return f"{model}; {shape}; {ranks} on {jax.devices()[0].platform}"

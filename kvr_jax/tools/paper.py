@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import os
 
 from kvr_jax.core.chunks import even_partition
@@ -381,3 +382,81 @@ def write_tp_csv(cells: list[TPCell], path: str) -> None:
           [c.gpus, c.between, c.context_len, c.num_ranks, c.model_parallel, strategy]
           + [seconds, chunks, c.device_memory_bytes, c.fits]
         )
+
+
+# --- what launch.paper prints ---------------------------------------------------------------
+
+
+def print_summary(cells) -> bool:
+  """KVR-S against TSP and KVR-P against KVR-S over the grid, beside the paper's figures;
+  True when KVR-S is faster than TSP in every cell. MODELLED."""
+  ok_faster = all(c.kvr_search_s < c.tsp_s for c in cells)
+  # Two-sided: a KVR-P much *faster* than KVR-S would mean the search missed its optimum.
+  worst = max(cells, key=lambda c: abs(c.predict_gap))
+  worst_gap = worst.predict_gap
+  print(f"KVR-S faster than TSP in every cell: {'yes' if ok_faster else 'NO'}")
+  print(
+    f"KVR-P within 2% of KVR-S (either way) in every cell: "
+    f"{'yes' if abs(worst_gap) <= 0.02 else 'NO'} (worst {worst_gap * 100:+.2f}%)"
+  )
+  worst_bal = max(c.kvr_balanced_s / c.kvr_search_s - 1 for c in cells if c.links == "300GBps")
+  print(
+    f"balanced vs KVR-S at 300 GB/s: worst {worst_bal * 100:.2f}% slower; at 10 GB/s: worst "
+    f"{max(c.kvr_balanced_s / c.kvr_search_s - 1 for c in cells if c.links == '10GBps') * 100:.1f}%"
+  )
+  for links in LINK_PRESETS:
+    for model in MODELS:
+      group = [c for c in cells if (c.model, c.links) == (model, links)]
+      best = max(group, key=lambda c: c.speedup)
+      print(
+        f"modelled KVR-S over TSP, {model}, {links}: {min(c.speedup for c in group):.2f}x to "
+        f"{best.speedup:.2f}x (best {best.num_ranks} GPUs, {best.context_len // 1024}k)  | "
+        f"paper: {PAPER[model] if links == '300GBps' else PAPER['10GBps']}"
+      )
+  return ok_faster
+
+
+def print_against_peers(cells) -> None:
+  """KVR-S against ring and all-gather CP in every cell, each with the flash kernel."""
+  print(
+    "Against the peers, MODELLED, every strategy with a flash kernel (no score matrix in "
+    "memory, masked blocks skipped):"
+  )
+  print(
+    f"{'links':<8}{'model':<12}{'p':>2}{'C':>7} {'KVR-S':>9}{'ring':>9}{'allgath.':>9}  vs best"
+  )
+  for c in cells:
+    print(
+      f"{c.links:<8}{c.model:<12}{c.num_ranks:>2}{c.context_len:>7} "
+      f"{c.kvr_flash_s * 1e3:>7.1f}ms{c.ring_s * 1e3:>7.1f}ms{c.allgather_s * 1e3:>7.1f}ms"
+      f"  {c.speedup_vs_peers:>5.2f}x"
+    )
+  beats_peers = [c for c in cells if c.speedup_vs_peers > 1]
+  print(
+    f"KVR-S faster than both peers in {len(beats_peers)} of {len(cells)} cells; "
+    f"KVR-S over the faster peer: {min(c.speedup_vs_peers for c in cells):.2f}x to "
+    f"{max(c.speedup_vs_peers for c in cells):.2f}x"
+  )
+  for c in cells:
+    if c.speedup_vs_peers <= 1:
+      print(
+        f"  KVR-S loses: {c.model} p={c.num_ranks} C={c.context_len} {c.links} "
+        f"({c.speedup_vs_peers:.3f}x)"
+      )
+
+
+def print_slow_links() -> None:
+  """One slow link among fast ones: what it costs each strategy (and KVR with the split
+  chosen for uniform links)."""
+  print("One slow link among 300 GB/s links, MODELLED (TTFT increase over all links fast):")
+  for model in MODELS:
+    for (p, C, k), slow in itertools.product(((8, 8192, 3), (4, 8192, 1)), (100e9, 10e9)):
+      s = slow_link_case(model, p, C, k, slow)
+      print(
+        f"  {model} p={p} C={C} link {k}<->{k + 1} at {slow / 1e9:.0f} GB/s: "
+        f"TSP +{s.tsp_loss * 100:.1f}%, KVR-S "
+        f"(re-searched) +{s.kvr_loss * 100:.1f}%, KVR with the uniform-link partition "
+        f"+{s.kvr_unaware_loss * 100:.1f}%; ring +{s.ring_loss * 100:.1f}%, all-gather CP "
+        f"+{s.allgather_loss * 100:.1f}% (flash)"
+      )
+  print(f"  paper: {PAPER['slow link']}")

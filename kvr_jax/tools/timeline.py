@@ -5,17 +5,21 @@
 ranks finished each phase of each layer, on the host's CLOCK_MONOTONIC, and the TTFT of the
 same prefill without probes (the perturbation is the difference). `intervals` turns the
 records of every process into (rank, layer, phase, start, end) intervals: a phase starts
-where the rank's previous mark was; `kvr_jax.planning.costmodel.schedule` gives the cost
-model's intervals of the same strategy and partition, and `plot` draws both, ranks by
+where the rank's previous mark was; `kvr_jax.planning.costmodel.simulate(..., intervals=)`
+gives the cost model's intervals of the same strategy and partition, and `plot` draws both, ranks by
 time, the paper's kind of figure. The cache stays sharded in the probed run: the move onto
 the last rank is timed apart (`PrefillTiming.moves_s`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 
 from kvr_jax.inference.prefill import plan_prefill, prefill_arguments, run_prefill
+from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime.loading import Model
 from kvr_jax.strategies import probe
 from kvr_jax.tools.timing import time_prefill
@@ -148,3 +152,80 @@ def phase_totals(items) -> dict[tuple[int, str], float]:
     kind = phase.rstrip("0123456789")
     out[rank, kind] = out.get((rank, kind), 0.0) + end - start
   return out
+
+
+# --- the timeline report (launch.benchmark --mode=timeline) ----------------------------------
+
+
+def rank_summary(measured) -> str:
+  """Per rank, ms over all layers: qkv / hops + waits / attention / rest. A ring step is its
+  partial attention (the send to the next rank overlaps it), and KVR's diagonal the part of
+  its attention done before the prefix arrives."""
+  totals = phase_totals(measured)
+  out = []
+  for rank in sorted({item[0] for item in measured}):
+    attention = sum(totals.get((rank, k), 0.0) for k in ("attention", "step", "diagonal"))
+    exchange = sum(totals.get((rank, k), 0.0) for k in ("hop", "allgather", "wait"))
+    qkv, rest = totals.get((rank, "qkv"), 0.0), totals.get((rank, "rest"), 0.0)
+    out.append(
+      f"r{rank}: {qkv * 1e3:.0f} / {exchange * 1e3:.0f} / {attention * 1e3:.0f} / {rest * 1e3:.0f}"
+    )
+  return "; ".join(out)
+
+
+def modelled_setup(reports: list[dict], dtype) -> costmodel.Setup:
+  """The cost model's setup for the modelled panels: the hardware the split was chosen with
+  (fitted to the model's phases, where a process reports it, else this machine's `local`),
+  the flash kernel, `dtype`'s bytes."""
+  fitted = next((r["hardware"] for r in reports if r.get("hardware")), None)
+  return presets.make_setup(
+    costmodel.Hardware(**fitted) if fitted else presets.LOCAL,
+    dtype_bytes=jax.numpy.dtype(dtype).itemsize,
+    **costmodel.kernel_flags("flash"),
+  )
+
+
+def timeline_report(reports: list[dict], strategies, config, context_len: int, setup) -> list:
+  """Every process's probed runs (`jobs.timeline_job`) -> per strategy {strategy, runs,
+  measured, modelled, summary}: the measured intervals of every rank, and the cost model's
+  intervals of the same split on `setup` (MODELLED)."""
+  out = []
+  for strategy in strategies:
+    runs = [run for r in reports for run in r["runs"] if run["strategy"] == strategy]
+    owner = max(runs, key=lambda run: run["process_index"])
+    measured = intervals(runs)
+    modelled: list = []
+    costmodel.simulate(
+      config,
+      strategy,
+      context_len,
+      setup,
+      num_ranks=len(runs),
+      partition=owner["partition"],
+      intervals=modelled,
+    )
+    line = (
+      f"{strategy:<10}{owner['ttft_s']:>8.3f}s{owner['probed_ttft_s']:>8.3f}s"
+      f"{span_s(runs):>8.3f}s  {rank_summary(measured)}"
+      + (f"  partition {owner['partition']}" if owner["partition"] else "")
+    )
+    out.append(
+      {"strategy": strategy, "runs": runs, "measured": measured, "modelled": modelled, "line": line}
+    )
+  return out
+
+
+def write_timeline_report(report: list, setup, output_dir: str, title: str, stem: str):
+  """`stem`.json (runs, measured and modelled intervals) and `stem`.png (each strategy's
+  measured Gantt chart above its modelled one) in `output_dir`; returns the paths."""
+  os.makedirs(output_dir, exist_ok=True)
+  written = [os.path.join(output_dir, f"{stem}.{ext}") for ext in ("json", "png")]
+  with open(written[0], "w") as f:
+    json.dump([{k: v for k, v in item.items() if k != "line"} for item in report], f)
+  panels = []
+  for item in report:
+    panels.append((f"MEASURED {item['strategy']}", item["measured"]))
+    name = f"MODELLED {item['strategy']} ({setup.hardware.name} hardware)"
+    panels.append((name, item["modelled"]))
+  plot(panels, written[1], title)
+  return written

@@ -1,0 +1,74 @@
+"""Every attention kernel timed on its own, on the same queries and keys. MEASURED."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.kernels import get_kernel
+from models.layers import attend_static
+
+
+@dataclasses.dataclass
+class KernelTiming:
+  kernel: str
+  context_len: int
+  query_block: int | None
+  key_block: int | None
+  seconds: float  # median of warm runs
+  compile_s: float
+
+
+def time_attention_kernels(
+  context_lens,
+  kernels=("dense", "blocked", "flash"),
+  flash_blocks=((256, 512),),
+  *,
+  num_heads: int = 4,
+  num_kv_heads: int = 4,
+  head_dim: int = 64,
+  repeats: int = 5,
+  progress: bool = True,
+) -> list[KernelTiming]:
+  """Causal self-attention alone on one device (batch 1, float32), per kernel and, for
+  flash, per (query_block, key_block): what the block sizes are chosen from."""
+  rows = []
+  cases = [
+    (C, kernel, blocks)
+    for C in context_lens
+    for kernel in kernels
+    # the kernels with query and key blocks are timed at every block pair asked for
+    for blocks in (flash_blocks if get_kernel(kernel).key_block else [(None, None)])
+  ]
+  for C, kernel, (bq, bk) in tqdm(cases, desc="kernels", disable=not progress):
+    rng = np.random.RandomState(0)
+    q = jax.device_put(rng.randn(1, C, num_heads, head_dim).astype(np.float32))
+    k, v = (
+      jax.device_put(rng.randn(1, C, num_kv_heads, head_dim).astype(np.float32)) for _ in range(2)
+    )
+    record = get_kernel(kernel)
+    if bq is not None:
+      record = dataclasses.replace(record, query_block=bq, key_block=bk)
+    fn = jax.jit(lambda q, k, v, record=record: attend_static(q, k, v, 0, record))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(q, k, v))
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(q, k, v))
+      times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    rows.append(KernelTiming(kernel, C, bq, bk, median, max(first - median, 0.0)))
+  return rows
+
+
+# Per-phase times of a KV-Runahead partition: kvr_jax.tools.measured.rank_phase_times.
+
+
+# --- one accelerator: every kernel against transformers, MFU, modelled multi-device TTFT -------

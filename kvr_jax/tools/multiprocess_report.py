@@ -1,0 +1,108 @@
+"""The multi-process benchmark's table: what every process returned (kvr_jax.tools.jobs), as
+speed-ups against one process, against TSP, and a verdict against the faster zigzag peer that
+survives the noise (`timing.interval_verdict`); printed, and written as JSON, CSV and a plot.
+Every figure is MEASURED (processes pinned to cores, single-threaded XLA)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvr_jax.tools import sweep
+from kvr_jax.tools.timing import interval_verdict
+
+UNTHROTTLED = "unthrottled"
+NOTES = (
+  "single: one process with the flash kernel (the best single process); single-dense:",
+  "dense masked scores (the paper's baseline). Speed-ups are against `single`.",
+  "move: of TTFT, the time to bring the ranks' cache parts onto the last rank.",
+  "min-max: of the warm runs, interleaved with the other variants' (round-robin).",
+  "vs peer: KV-Runahead against the faster of ring and all-gather (by median): ahead or",
+  "behind only where the min-max intervals do not overlap, else tie.",
+)
+
+
+def process_rows(outcomes, link: str) -> list[dict]:
+  """Every row the processes of one launch returned, tagged with the link they ran over."""
+  return [dict(r, link=link) for o in outcomes for res in o.results() for r in res["rows"]]
+
+
+def _samples(row: dict) -> list[float]:
+  return row.get("samples_s") or [row["ttft_s"]]
+
+
+def multiprocess_table(rows: list[dict]) -> list[dict]:
+  """Each row with its speed-up against `single` (the one-process run of the same length),
+  against TSP on the same link (None where TSP did not run) and, for KV-Runahead's variants,
+  its verdict against the faster peer on the same link ("-" for the others)."""
+  single = {r["context_len"]: r["ttft_s"] for r in rows if r["variant"] == "single"}
+  tsp = {(r["context_len"], r["link"]): r["ttft_s"] for r in rows if r["variant"] == "tsp"}
+  peers: dict = {}
+  for r in rows:
+    if r["variant"] in ("ring", "allgather"):
+      best = peers.get((r["context_len"], r["link"]))
+      if best is None or r["ttft_s"] < best["ttft_s"]:
+        peers[r["context_len"], r["link"]] = r
+  table = []
+  for r in rows:
+    key = (r["context_len"], r["link"])
+    peer = peers.get(key)
+    vs_peer = "-"
+    if peer is not None and r["variant"].startswith("kvr"):
+      vs_peer = f"{interval_verdict(_samples(r), _samples(peer))} {peer['variant']}"
+    table.append(
+      dict(
+        r,
+        speedup_vs_single=single[r["context_len"]] / r["ttft_s"],
+        speedup_vs_tsp=tsp[key] / r["ttft_s"] if key in tsp else None,
+        vs_peer=vs_peer,
+      )
+    )
+  return table
+
+
+def print_table(table: list[dict], model: str, num_processes: int) -> None:
+  print(
+    f"\nMEASURED TTFT, {model}, {num_processes} processes x 1 core vs 1 process "
+    "x 1 core (median of warm runs):"
+  )
+  print("\n".join(NOTES))
+  print(
+    f"{'variant':<20}{'link':>12}{'C':>7}  {'TTFT':>9}  {'min-max':>13}  {'move':>7}  "
+    f"{'vs single':>9}  {'vs tsp':>7}  {'vs peer':<18}partition"
+  )
+  for r in table:
+    samples, vs_tsp = _samples(r), r["speedup_vs_tsp"]
+    print(
+      f"{r['variant']:<20}{r['link']:>12}{r['context_len']:>7}  {r['ttft_s']:>8.3f}s  "
+      f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
+      f"{r['speedup_vs_single']:>8.2f}x  {'n/a' if vs_tsp is None else f'{vs_tsp:.2f}x':>7}  "
+      f"{r['vs_peer']:<18}{r['partition'] or '-'}"
+      + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
+    )
+
+
+def write_files(table: list[dict], output_dir: str, model: str, num_processes: int) -> list[str]:
+  """multiprocess.json (every row, samples included), .csv and .png in `output_dir`."""
+  os.makedirs(output_dir, exist_ok=True)
+  names = ("multiprocess.json", "multiprocess.csv", "multiprocess.png")
+  written = [os.path.join(output_dir, name) for name in names]
+  with open(written[0], "w") as f:
+    json.dump(table, f, indent=1)
+  rows_for_plot = [
+    sweep.SweepRow(
+      r["variant"] + ("" if r["link"] in ("-", UNTHROTTLED) else f"@{r['link']}"),
+      r["context_len"],
+      num_processes,
+      str(r["partition"]),
+      r["ttft_s"],
+      r["context_len"] / r["ttft_s"],
+      "",
+    )
+    for r in table
+  ]
+  note = "MEASURED, processes pinned to cores, single-threaded XLA"
+  sweep.write_csv(rows_for_plot, written[1], note)
+  title = f"{model}: MEASURED, {num_processes} pinned processes"
+  sweep.plot_sweep(rows_for_plot, written[2], title)
+  return written
