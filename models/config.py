@@ -8,9 +8,10 @@ A config is plain data. It is built from a preset in `configs/` or from a Huggin
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, Literal
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,18 +19,50 @@ class RopeConfig:
   """Rotary position embedding: base `theta` and an optional frequency scaling."""
 
   theta: float = 10000.0
-  type: Literal["default", "linear", "llama3"] = "default"
+  type: Literal["default", "linear", "llama3", "yarn"] = "default"
   factor: float = 1.0
   # llama3 only: the band of wavelengths that is smoothly interpolated.
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
+  # llama3 and yarn: the context the model was pretrained on.
   original_max_position_embeddings: int = 8192
+  # yarn only (YaRN, Peng et al. 2023, as transformers computes it): frequencies that turn
+  # more than beta_fast times over the original context are kept, fewer than beta_slow
+  # times interpolated by `factor`, a linear ramp between (its ends rounded outwards when
+  # `truncate`); cos and sin are multiplied by `attention_factor` (None: 0.1 ln(factor) + 1,
+  # or the ratio of the two with `mscale` and `mscale_all_dim`).
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
 
   def __post_init__(self):
     if self.type not in ROPE_TYPES:
       raise ValueError(f"rope type {self.type!r} is not supported; expected one of {ROPE_TYPES}")
     if self.factor <= 0:
       raise ValueError(f"rope `factor` must be positive, got {self.factor}")
+    if self.original_max_position_embeddings < 1:
+      raise ValueError(
+        "rope `original_max_position_embeddings` must be positive, got "
+        f"{self.original_max_position_embeddings}"
+      )
+
+  @property
+  def attention_scaling(self) -> float:
+    """What cos and sin are multiplied by (so every score by its square): 1 but for yarn."""
+    if self.type != "yarn":
+      return 1.0
+    if self.attention_factor is not None:
+      return float(self.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+      return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if self.mscale and self.mscale_all_dim:
+      return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+    return mscale(self.factor)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,18 +223,42 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
 # Hugging Face config.json
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def _yarn_from_hf(hf: dict[str, Any], merged: dict[str, Any], max_positions: int) -> dict:
+  """YaRN's fields as transformers reads them: the pretraining context from a top-level
+  `original_max_position_embeddings` first (Phi-3's layout, which transformers lets win), then
+  the rope parameters', else the model's `max_position_embeddings`; beta_fast / beta_slow
+  given as null take their defaults (transformers' `or 32`, `or 1`)."""
+  original = hf.get("original_max_position_embeddings")
+  if original is None:
+    original = merged.get("original_max_position_embeddings", max_positions)
+  out = {"original_max_position_embeddings": int(original)}
+  out["beta_fast"] = float(merged.get("beta_fast") or 32.0)
+  out["beta_slow"] = float(merged.get("beta_slow") or 1.0)
+  out["truncate"] = bool(merged.get("truncate", True))
+  for key in ("attention_factor", "mscale", "mscale_all_dim"):
+    if merged.get(key) is not None:
+      out[key] = float(merged[key])
+  return out
+
+
+def _rope_from_hf(hf: dict[str, Any], max_positions: int) -> RopeConfig:
   """Reads RoPE settings from either config layout.
 
   transformers < 5 wrote `rope_theta` and `rope_scaling` ({"type" or "rope_type": ...});
   transformers >= 5 writes `rope_parameters` = {"rope_type", "rope_theta", ...}.
+  max_positions: the model's position limit (YaRN's pretraining context when none is given).
   """
   params = dict(hf.get("rope_parameters") or {})
   scaling = dict(hf.get("rope_scaling") or {})
-  if params and scaling:
-    # Both layouts (e.g. `rope_scaling` added for YaRN to a transformers-5 config): which one
-    # a reader honours differs, so a disagreement is refused by name, never resolved quietly.
-    params_type = params.get("rope_type", params.get("type", "default"))
+  params_type = params.get("rope_type", params.get("type", "default"))
+  if scaling and params_type == "default" and set(params) <= {"rope_type", "type", "rope_theta"}:
+    # A transformers-5 config without scaling (`rope_parameters` holds the default type and
+    # the base) and a `rope_scaling` added as Qwen's model cards say, for YaRN: transformers
+    # honours the scaling, and so does this reader (on the base the parameters give).
+    params = {k: v for k, v in params.items() if k == "rope_theta"}
+  elif params and scaling:
+    # Both layouts naming a scaling: which one a reader honours differs, so a disagreement
+    # is refused by name, never resolved quietly.
     scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
     shared = set(params) & set(scaling) - {"rope_type", "type"}
     differing = sorted(k for k in shared if params[k] != scaling[k])
@@ -220,10 +277,12 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
       f" is not supported; supported: {ROPE_TYPES}"
     )
   kwargs: dict[str, Any] = {"theta": float(theta), "type": rope_type}
-  if rope_type in ("linear", "llama3"):
-    if "factor" not in merged:
+  if rope_type in ("linear", "llama3", "yarn"):
+    if merged.get("factor") is None:
       raise ValueError(f"config.json: rope type {rope_type!r} needs a `factor`")
     kwargs["factor"] = float(merged["factor"])
+  if rope_type == "yarn":
+    kwargs.update(_yarn_from_hf(hf, merged, max_positions))
   if rope_type == "llama3":
     for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
       if key not in merged:
@@ -410,7 +469,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       or HEAD_DIM_DEFAULTS.get(model_type, hf["hidden_size"] // num_heads),
       mlp_dim=hf["intermediate_size"],
       norm_eps=hf.get("rms_norm_eps", 1e-6),
-      rope=_rope_from_hf(hf),
+      rope=_rope_from_hf(hf, common["max_position_embeddings"]),
       tie_embeddings=hf.get("tie_word_embeddings", False),
       qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always carry a bias
       qk_norm=model_type == "qwen3",
@@ -442,7 +501,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       head_dim=hf["hidden_size"] // num_heads,
       mlp_dim=hf.get("ffn_hidden_size") or 4 * hf["hidden_size"],
       norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-      rope=_rope_from_hf(hf),
+      rope=_rope_from_hf(hf, common["max_position_embeddings"]),
       tie_embeddings=hf.get("tie_word_embeddings", True),
       separate_mlp_norm=separate,
       qkv_layout=layout,

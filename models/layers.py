@@ -114,7 +114,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
-  """Inverse frequencies [H/2] of rotary embeddings, with linear or llama3 scaling.
+  """Inverse frequencies [H/2] of rotary embeddings, with linear, llama3 or yarn scaling.
 
   Computed in numpy at trace time: they are constants of the model.
   """
@@ -134,7 +134,32 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     inv_freq = np.where(is_medium, smoothed, scaled)
+  elif rope.type == "yarn":
+    inv_freq = _yarn_inv_freq(head_dim, rope)
   return inv_freq.astype(np.float32)
+
+
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
+  """YaRN's frequencies (transformers' `_compute_yarn_parameters`, in float32 as it computes
+  them): dimension pairs that turn more than beta_fast times over the original context keep
+  their frequency, fewer than beta_slow times are divided by `factor`, a linear ramp between."""
+  base, dim, original = rope.theta, head_dim, rope.original_max_position_embeddings
+
+  def correction_dim(rotations: float) -> float:  # the pair that turns `rotations` times
+    return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+  if rope.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # no division by zero (as transformers does)
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  keep = (1 - ramp).astype(np.float32)  # 1: the pair's own frequency, 0: interpolated
+  pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+  extrapolated = np.float32(1.0) / pos_freqs
+  interpolated = np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)
+  return interpolated * (1 - keep) + extrapolated * keep
 
 
 def apply_rope(x_BTnH: jax.Array, positions_BT: jax.Array, rope: RopeConfig) -> jax.Array:
@@ -146,8 +171,10 @@ def apply_rope(x_BTnH: jax.Array, positions_BT: jax.Array, rope: RopeConfig) -> 
   inv_freq = jnp.asarray(rope_inv_freq(head_dim, rope))
   angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
   angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
-  cos = jnp.cos(angles_BTH)[:, :, None, :]
-  sin = jnp.sin(angles_BTH)[:, :, None, :]
+  # YaRN scales cos and sin (so every score by its square); 1 for every other type.
+  scaling = rope.attention_scaling
+  cos = jnp.cos(angles_BTH)[:, :, None, :] * scaling
+  sin = jnp.sin(angles_BTH)[:, :, None, :] * scaling
   x32 = x_BTnH.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)

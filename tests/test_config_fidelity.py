@@ -26,6 +26,7 @@ import transformers
 
 import kvr_jax
 from tests import hf_fixtures
+from tests.tolerance import assert_close
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
 TOKENS = np.random.RandomState(5).randint(0, 64, (1, 12))  # longer than every window below
@@ -104,6 +105,13 @@ LLAMA3 = {
   "original_max_position_embeddings": 16,
 }
 LINEAR = {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}
+# Short original contexts, so that the 12-token prompt's positions pass them.
+YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=4)
+YARN_CARD = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+YARN_EVERY_KEY = dict(
+  YARN, attention_factor=1.3, beta_fast=16.0, beta_slow=2.0, truncate=False, rope_theta=500.0
+)
+YARN_MSCALE = dict(YARN, mscale=0.8, mscale_all_dim=0.5)
 
 # name: (model_type, build kwargs, edit of config.json, None = same model | field refused).
 VARIANTS = {
@@ -127,11 +135,36 @@ VARIANTS = {
     scaling_beside_parameters(factor=4.0),
     "rope_scaling",
   ),
-  "llama-yarn": (
+  # YaRN: as Qwen's model cards tell users to add it (the old layout beside a transformers-5
+  # config), every optional key, and the pretraining context from each place it can come.
+  "llama-yarn": ("llama", {"rope_parameters": YARN}, None, None),
+  "qwen2-yarn-model-card": ("qwen2", {}, put(rope_scaling=YARN_CARD), None),
+  "qwen3-yarn-old-layout": ("qwen3", {"rope_parameters": YARN}, old_rope_layout, None),
+  "mistral-yarn-every-key": ("mistral", {"rope_parameters": YARN_EVERY_KEY}, None, None),
+  "llama-yarn-mscale": ("llama", {"rope_parameters": YARN_MSCALE}, None, None),
+  "llama-yarn-no-original": (
+    "llama",
+    {"rope_parameters": YARN},
+    lambda config: config["rope_parameters"].pop("original_max_position_embeddings"),
+    None,
+  ),
+  "llama-yarn-original-top-level": (
+    "llama",
+    {"rope_parameters": YARN},
+    put(original_max_position_embeddings=8),
+    None,
+  ),
+  "llama-yarn-no-factor": (
+    "llama",
+    {"rope_parameters": YARN},
+    lambda config: config["rope_parameters"].pop("factor"),
+    "needs a `factor`",
+  ),
+  "llama-longrope": (
     "llama",
     {},
-    put(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-    "rope type 'yarn'",
+    put(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}),
+    "rope type 'longrope'",
   ),
   "llama-dynamic": (
     "llama",
@@ -331,3 +364,16 @@ def test_every_absent_key_reads_as_transformers_default_or_is_refused_by_name(mo
       diff = {f: v for f, v in diff.items() if v[0] != v[1]}
       wrong.append(f"{key}: ours != transformers' default {diff}")
   assert not wrong, "\n".join(wrong)
+
+
+def test_yarn_positions_are_absolute_on_every_rank(tmp_path):
+  """KV-Runahead's ranks rotate their chunks at their own offsets: with YaRN (its ramp and its
+  attention factor) every strategy's logits and cache stay within 1e-5 of single's."""
+  write_variant("llama-yarn", tmp_path)
+  model = kvr_jax.load_model(str(tmp_path), dtype="float32")
+  tokens = np.random.RandomState(9).randint(0, 64, (1, 24))
+  want = kvr_jax.prefill(model, tokens, "single")
+  mesh = kvr_jax.make_mesh(3)
+  got = kvr_jax.prefill(model, tokens, "kvr", mesh, partition=[10, 8, 6])
+  assert_close(got.logits, want.logits, "kvr logits, yarn")
+  assert_close(got.k_cache, want.k_cache, "kvr K cache, yarn")
