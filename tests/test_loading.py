@@ -163,15 +163,16 @@ def test_shape_mismatch_is_named(hf_dir, tmp_path):
   [
     (lambda c: c.update(model_type="gpt2"), "model_type"),
     (lambda c: c.update(attention_bias=True), "attention_bias"),
-    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "yarn"),
-    # transformers-5 layout plus a `rope_scaling` added for YaRN (Qwen's instructions): the
-    # two disagree, and a reader may honour either.
+    (lambda c: c.update(rope_parameters={"rope_type": "longrope", "factor": 4.0}), "longrope"),
+    # Both layouts naming two different scalings: a reader may honour either, so it is
+    # refused (a default `rope_parameters` beside YaRN's `rope_scaling` reads as YaRN, as
+    # transformers reads it: tests/test_config_fidelity.py).
     (
       lambda c: c.update(
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
         rope_scaling={"rope_type": "yarn", "factor": 4.0},
       ),
-      r"`rope_scaling` \('yarn'\) and `rope_parameters` \('default'\) disagree",
+      r"`rope_scaling` \('yarn'\) and `rope_parameters` \('linear'\) disagree",
     ),
   ],
 )

@@ -161,61 +161,88 @@ def decode_from(
     raise ValueError(_SHARDED_MULTIPROCESS)
   if not result.is_local:  # another process holds the cache and generates
     return GenerationResult(None, None, result)
-  B = result.logits.shape[0]
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
   if _on_model_groups(result):
-    # Tensor parallelism: the last rank's row of devices decodes as shards of the model, from
-    # the cache in prompt order there, heads split (a "sharded" prefill's parts move there
-    # first: decoding from the parts where they lie is 1-D only).
-    k_cache, v_cache = result.gather_cache()
-    group = k_cache.sharding.mesh
-    replicated = NamedSharding(group, jax.P())
-    state = model.state_split_over(group)
-    program = decode.model_group_decode_step(model.graphdef, group)
-    grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
-    tail = jnp.pad(k_cache, grow), jnp.pad(v_cache, grow)
-
-    def step(token_B, index, tail):
-      token_B = jax.device_put(token_B, replicated)
-      positions_B = jax.device_put(lengths_B + index, replicated)
-      logits, k_cache, v_cache = program(state, token_B, positions_B, *tail)
-      return logits, (k_cache, v_cache)
-
-    logits = jax.device_put(result.logits, replicated)
-    key = jax.device_put(jax.random.key(seed), replicated)
+    stepper = _model_group_stepper
   elif result.cache == "sharded":
-    # Every operand replicated over the prefill's mesh but the cache parts, which stay put.
-    replicated = NamedSharding(result.mesh, jax.P())
-    state = model.state_on(replicated)
-    L, K, H = result.kv_parts.shape[1], *result.kv_parts.shape[4:]
-    tail = jnp.zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, device=replicated)
-    program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
-
-    prompt_lens_B = jax.device_put(lengths_B, replicated)
-
-    def step(token_B, index, tail):
-      token_B = jax.device_put(token_B, replicated)
-      return program(state, token_B, prompt_lens_B, result.kv_parts, tail, index)
-
-    logits = jax.device_put(result.logits, replicated)
-    key = jax.device_put(jax.random.key(seed), replicated)
+    stepper = _sharded_stepper
   else:
-    device = result.device
-    state = model.state_on(device)
-    # Room for the new tokens, allocated where the cache already is.
-    grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
-    tail = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
+    stepper = _whole_cache_stepper
+  step, tail, logits, key = stepper(model, result, lengths_B, max_new_tokens, seed)
+  out = _decode_loop(model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p)
+  text = None
+  if model.tokenizer is not None:
+    text = [model.tokenizer.decode(row, skip_special_tokens=True) for row in out]
+  return GenerationResult(out, text, result)
 
-    def step(token_B, index, tail):
-      positions_B = jax.device_put(lengths_B + index, device)
-      logits, k_cache, v_cache = decode.decode_step(
-        model.graphdef, state, token_B, positions_B, *tail
-      )
-      return logits, (k_cache, v_cache)
 
-    logits = result.logits
-    key = jax.device_put(jax.random.key(seed), device)
+# Each stepper returns (step(token_B, index, tail) -> (logits, tail), the first tail, the
+# prompt's logits and the sampling key), all placed where that cache layout decodes.
+
+
+def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
+  """Tensor parallelism: the last rank's row of devices decodes as shards of the model, from
+  the cache in prompt order there, heads split (a "sharded" prefill's parts move there
+  first: decoding from the parts where they lie is 1-D only)."""
+  k_cache, v_cache = result.gather_cache()
+  group = k_cache.sharding.mesh
+  replicated = NamedSharding(group, jax.P())
+  state = model.state_split_over(group)
+  program = decode.model_group_decode_step(model.graphdef, group)
+  grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
+  tail = jnp.pad(k_cache, grow), jnp.pad(v_cache, grow)
+
+  def step(token_B, index, tail):
+    token_B = jax.device_put(token_B, replicated)
+    positions_B = jax.device_put(lengths_B + index, replicated)
+    logits, k_cache, v_cache = program(state, token_B, positions_B, *tail)
+    return logits, (k_cache, v_cache)
+
+  logits = jax.device_put(result.logits, replicated)
+  return step, tail, logits, jax.device_put(jax.random.key(seed), replicated)
+
+
+def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
+  """cache="sharded": every operand replicated over the prefill's mesh but the cache parts,
+  which stay put; each step attends every part where it lies (decode.sharded_decode_program)."""
+  replicated = NamedSharding(result.mesh, jax.P())
+  state = model.state_on(replicated)
+  B, (L, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
+  tail = jnp.zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, device=replicated)
+  program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
+  prompt_lens_B = jax.device_put(lengths_B, replicated)
+
+  def step(token_B, index, tail):
+    token_B = jax.device_put(token_B, replicated)
+    return program(state, token_B, prompt_lens_B, result.kv_parts, tail, index)
+
+  logits = jax.device_put(result.logits, replicated)
+  return step, tail, logits, jax.device_put(jax.random.key(seed), replicated)
+
+
+def _whole_cache_stepper(model, result, lengths_B, max_new_tokens, seed):
+  """cache="last": decode on the device holding the whole cache, grown there for the new
+  tokens."""
+  device = result.device
+  state = model.state_on(device)
+  grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
+  tail = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
+
+  def step(token_B, index, tail):
+    positions_B = jax.device_put(lengths_B + index, device)
+    logits, k_cache, v_cache = decode.decode_step(
+      model.graphdef, state, token_B, positions_B, *tail
+    )
+    return logits, (k_cache, v_cache)
+
+  return step, tail, result.logits, jax.device_put(jax.random.key(seed), device)
+
+
+def _decode_loop(model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p):
+  """Token by token until every row has met an EOS (its later tokens are EOS) or
+  `max_new_tokens`: [B, n] tokens."""
   eos = np.asarray(model.config.eos_ids, np.int32)
+  B = logits.shape[0]
   out = np.zeros((B, max_new_tokens), np.int32)
   done = np.zeros(B, bool)
   n = 0
@@ -237,8 +264,4 @@ def decode_from(
     if done.all() or index == max_new_tokens - 1:
       break
     logits, tail = step(token_B, index, tail)
-  out = out[:, :n]
-  text = None
-  if model.tokenizer is not None:
-    text = [model.tokenizer.decode(row, skip_special_tokens=True) for row in out]
-  return GenerationResult(out, text, result)
+  return out[:, :n]

@@ -490,10 +490,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   if padded and not plan.padded:
     raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")
   spec, mesh, chunks, cache = plan.strategy, plan.mesh, plan.chunks, plan.cache
-  if model_parallel(mesh) > 1:
-    state = model.state_split_over(mesh)
-  else:
-    state = model.state_on(NamedSharding(mesh, jax.P()))
+  state = _placed_state(model, mesh)
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = plan.program(model)(state, tokens_pBc)
   last_hop = None
@@ -522,18 +519,34 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     return CacheParts(logits_BV, **common, kv_parts=kv_parts, mesh=mesh, last_hop=last_hop)
   k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
   if padded and k_LBSKH is not None:
-    cache_device = next(iter(k_LBSKH.devices()))
-    logits_BV, k_LBSKH, v_LBSKH = decode.decode_step(
-      model.graphdef,
-      model.state_on(cache_device),
-      jax.device_put(last_tokens_B, cache_device),
-      jax.device_put(lengths_B - 1, cache_device),
-      k_LBSKH,
-      v_LBSKH,
+    logits_BV, k_LBSKH, v_LBSKH = _last_real_logits(
+      model, k_LBSKH, v_LBSKH, last_tokens_B, lengths_B
     )
   elif padded:
     logits_BV = None  # another process holds the cache and the logits
   return WholeCache(logits_BV, **common, k_cache=k_LBSKH, v_cache=v_LBSKH)
+
+
+def _placed_state(model: Model, mesh):
+  """The weights where the plan's program reads them: split over each rank's "model" row on a
+  2-D mesh, else whole on every device."""
+  if model_parallel(mesh) > 1:
+    return model.state_split_over(mesh)
+  return model.state_on(NamedSharding(mesh, jax.P()))
+
+
+def _last_real_logits(model: Model, k_LBSKH, v_LBSKH, last_tokens_B, lengths_B):
+  """One decode step of each row's last real token at its own position, where the whole
+  cache lies: its logits (its K,V, already in the cache, are written again identically)."""
+  cache_device = next(iter(k_LBSKH.devices()))
+  return decode.decode_step(
+    model.graphdef,
+    model.state_on(cache_device),
+    jax.device_put(last_tokens_B, cache_device),
+    jax.device_put(lengths_B - 1, cache_device),
+    k_LBSKH,
+    v_LBSKH,
+  )
 
 
 def _check_tensor_parallel(model, mesh, padded, timeline) -> None:

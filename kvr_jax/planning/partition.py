@@ -86,24 +86,7 @@ def resolve_partition(
       )
     partition = PartitionPlan(partition)
   if isinstance(partition, PartitionPlan):
-    if partition.objective == "measured":
-      raise ValueError(
-        "a measured search times prefills, so it runs above them: "
-        "chunks = kvr_jax.tools.measured.measured_partition(model, tokens, mesh, plan), then "
-        "prefill(..., partition=chunks)"
-      )
-    if partition.method != "even" and config is None:
-      raise ValueError(f"partition method {partition.method!r} needs the model config")
-    setup = None
-    if partition.method in ("balanced", "search"):
-      setup = presets.make_setup(
-        partition.hardware,
-        partition.links,
-        dtype_bytes=dtype_bytes,
-        batch=batch,
-        scores_in_memory=scores_in_memory,
-        causal_skip=causal_skip,
-      )
+    setup = _plan_setup(partition, config, dtype_bytes, batch, scores_in_memory, causal_skip)
     cap = partition.max_chunk
     if cap is not None and cap < -(-context_len // num_ranks):
       raise ValueError(
@@ -119,6 +102,29 @@ def resolve_partition(
     # Every plan's answer is checked like a user's list: a bad plan never reaches a program.
     return check_chunks(chunks, context_len, num_ranks)
   return check_chunks(partition, context_len, num_ranks)
+
+
+def _plan_setup(plan, config, dtype_bytes, batch, scores_in_memory, causal_skip):
+  """The cost-model setup a modelled plan runs on (None for the methods that need none);
+  refuses a measured plan (it runs prefills, above this layer) and a plan without a config."""
+  if plan.objective == "measured":
+    raise ValueError(
+      "a measured search times prefills, so it runs above them: "
+      "chunks = kvr_jax.tools.measured.measured_partition(model, tokens, mesh, plan), then "
+      "prefill(..., partition=chunks)"
+    )
+  if plan.method != "even" and config is None:
+    raise ValueError(f"partition method {plan.method!r} needs the model config")
+  if plan.method not in ("balanced", "search"):
+    return None
+  return presets.make_setup(
+    plan.hardware,
+    plan.links,
+    dtype_bytes=dtype_bytes,
+    batch=batch,
+    scores_in_memory=scores_in_memory,
+    causal_skip=causal_skip,
+  )
 
 
 @kept_cache(256)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from kvr_jax.core.chunks import check_multiple, even_partition, round_to_multiple
 from kvr_jax.planning import costmodel
 from kvr_jax.planning.costmodel import Setup
+from kvr_jax.strategies.roofline import work_kwargs
 from models.config import ModelConfig
 
 Objective = Callable[[tuple[int, ...]], float]
@@ -68,16 +69,7 @@ def search_partition(
   while step >= 1:
     delta = step * multiple
     while True:
-      candidates = []
-      for donor in range(p):
-        if best[donor] - delta < smallest(donor):
-          continue
-        for taker in range(p):
-          if taker != donor and best[taker] + delta <= cap:
-            moved = list(best)
-            moved[donor] -= delta
-            moved[taker] += delta
-            candidates.append(tuple(moved))
+      candidates = _transfers(best, delta, cap, smallest)
       better = min(candidates, key=cost, default=best)
       if cost(better) < cost(best):
         best = better
@@ -85,6 +77,22 @@ def search_partition(
         break
     step //= 2
   return best
+
+
+def _transfers(chunks: tuple[int, ...], delta: int, cap: int, smallest) -> list[tuple[int, ...]]:
+  """Every partition that moves `delta` tokens from one chunk to another, no chunk below
+  its `smallest(i)` or above `cap`."""
+  out = []
+  for donor in range(len(chunks)):
+    if chunks[donor] - delta < smallest(donor):
+      continue
+    for taker in range(len(chunks)):
+      if taker != donor and chunks[taker] + delta <= cap:
+        moved = list(chunks)
+        moved[donor] -= delta
+        moved[taker] += delta
+        out.append(tuple(moved))
+  return out
 
 
 def modelled_objective(
@@ -185,14 +193,7 @@ def balanced_partition(
   # Communication between ranks (setup.links) is not part of the balance (see docstring); a
   # rank's own all-reduces over its model group are, being work on its chunk.
   shard = costmodel.model_shard(config, setup.model_parallel)
-  shard_compute = _compute_time_fn(
-    shard,
-    setup.hardware,
-    batch=setup.batch,
-    dtype_bytes=setup.dtype_bytes,
-    scores_in_memory=setup.scores_in_memory,
-    causal_skip=setup.causal_skip,
-  )
+  shard_compute = _compute_time_fn(shard, setup.hardware, **work_kwargs(setup))
 
   def compute(c: float, s: float) -> float:
     return shard_compute(c, s) + costmodel.model_reduce_time(shard, c, setup)

@@ -209,32 +209,9 @@ def launch_local(
   with an error, the others are stopped at once and RuntimeError names it; past `timeout`
   seconds all are stopped. `skip_processes` leaves processes out (to test a missing one).
   """
-  if num_processes < 1:
-    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-  if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int):
-    raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process!r}")
-  if devices_per_process < 1:
-    raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
-  if port is not None and not 1 <= port <= 65535:
-    raise ValueError(
-      f"the coordinator port must be in [1, 65535], got {port}"
-      + (" (leave --port out to pick a free one)" if port == 0 else "")
-    )
-  port = free_port() if port is None else port
-  if not port_is_free(port):
-    raise ValueError(f"coordinator port {port} is already in use; choose another (--port)")
-  base_env = dict(os.environ, **(extra_env or {}))
-  if platform is None:
-    platform, gpus = local_accelerators(base_env)
-  elif platform == "gpu":
-    gpus = local_accelerators(base_env)[1]
-  elif platform != "cpu":
-    raise ValueError(f"platform must be 'cpu' or 'gpu', got {platform!r}")
-  if platform == "gpu" and num_processes * devices_per_process > gpus:
-    raise ValueError(
-      f"{num_processes} processes x {devices_per_process} GPU(s) need "
-      f"{num_processes * devices_per_process} GPUs; {gpus} are visible"
-    )
+  port, platform, base_env = _check_launch(
+    num_processes, devices_per_process, port, extra_env, platform
+  )
   cores = sorted(os.sched_getaffinity(0))
   procs: dict[int, subprocess.Popen] = {}
   for i in range(num_processes):
@@ -267,6 +244,38 @@ def launch_local(
       preexec_fn=(lambda core=core: os.sched_setaffinity(0, {core})) if pin_cores else None,
     )
   return _supervise(procs, timeout)
+
+
+def _check_launch(num_processes, devices_per_process, port, extra_env, platform):
+  """launch_local's arguments checked before any process starts: (the coordinator's free
+  port, the platform, the workers' base environment)."""
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int):
+    raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process!r}")
+  if devices_per_process < 1:
+    raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
+  if port is not None and not 1 <= port <= 65535:
+    raise ValueError(
+      f"the coordinator port must be in [1, 65535], got {port}"
+      + (" (leave --port out to pick a free one)" if port == 0 else "")
+    )
+  port = free_port() if port is None else port
+  if not port_is_free(port):
+    raise ValueError(f"coordinator port {port} is already in use; choose another (--port)")
+  base_env = dict(os.environ, **(extra_env or {}))
+  if platform is None:
+    platform, gpus = local_accelerators(base_env)
+  elif platform == "gpu":
+    gpus = local_accelerators(base_env)[1]
+  elif platform != "cpu":
+    raise ValueError(f"platform must be 'cpu' or 'gpu', got {platform!r}")
+  if platform == "gpu" and num_processes * devices_per_process > gpus:
+    raise ValueError(
+      f"{num_processes} processes x {devices_per_process} GPU(s) need "
+      f"{num_processes * devices_per_process} GPUs; {gpus} are visible"
+    )
+  return port, platform, base_env
 
 
 def _supervise(procs: dict[int, subprocess.Popen], timeout: float) -> list[ProcessOutcome]:

@@ -59,17 +59,7 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False, *, 
   progress: show a progress bar over the tensors read (for large checkpoints).
   mesh: a ("ranks", "model") mesh to read every tensor straight into its shards (load_model).
   """
-  with open(os.path.join(directory, "config.json")) as f:
-    try:
-      hf_config = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{directory}/config.json is not valid JSON: {e}") from None
-  if not isinstance(hf_config, dict):
-    raise ValueError(
-      f"{directory}/config.json holds a JSON {type(hf_config).__name__}, not an object "
-      "of config fields"
-    )
-  config = config_from_hf(hf_config)
+  config = config_from_hf(_read_config_json(directory))
   files = checkpoints.safetensors_files(directory)
   if config.tie_embeddings and _stores_its_own_head(files):
     # What transformers does with such a checkpoint: it does not tie (and says so).
@@ -84,10 +74,34 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False, *, 
     if mesh is None
     else _SplitParams(flat_abstract, np_dtype, config, mesh)
   )
-  filled: dict[tuple[str, ...], np.ndarray] = {}  # one flag per layer (or one for unstacked)
-  origin: dict[tuple[str, ...], str] = {}
+  filled, origin = _read_tensors(files, config, flat_abstract, params, progress)
+  _check_complete(directory, flat_abstract, filled, origin)
+  state = nnx.from_flat_state([(path, params.finish(path)) for path in flat_abstract])
+  module = nnx.merge(graphdef, state)
+  return Model(module, tokenizer=_load_tokenizer(directory), source=f"hf:{directory}")
+
+
+def _read_config_json(directory: str) -> dict:
+  with open(os.path.join(directory, "config.json")) as f:
+    try:
+      hf_config = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{directory}/config.json is not valid JSON: {e}") from None
+  if not isinstance(hf_config, dict):
+    raise ValueError(
+      f"{directory}/config.json holds a JSON {type(hf_config).__name__}, not an object "
+      "of config fields"
+    )
+  return hf_config
+
+
+def _read_tensors(files, config, flat_abstract, params, progress: bool):
+  """Every tensor of the files into `params`, each checked against its place; returns which
+  layers of each parameter were filled and a tensor name each came from."""
   from tqdm.auto import tqdm
 
+  filled: dict[tuple[str, ...], np.ndarray] = {}  # one flag per layer (or one for unstacked)
+  origin: dict[tuple[str, ...], str] = {}
   bar = tqdm(desc="reading tensors", unit=" tensors", disable=not progress)
   for path in files:
     for name, array in checkpoints.iter_safetensors(path):
@@ -101,30 +115,42 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False, *, 
           f"model with this config.json (unknown tensor)"
         )
       for param_path, layer, transform, hf_shape in targets:
-        if tuple(array.shape) != hf_shape:  # before any reshape (see checkpoints.Target)
-          raise ValueError(
-            f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but this config.json "
-            f"needs {hf_shape}"
-          )
-        spec = flat_abstract[param_path]
-        shape = spec.shape[1:] if layer is not None else spec.shape
-        try:
-          value = transform(array)
-        except ValueError:
-          value = None
-        if value is None or value.shape != tuple(shape):
-          raise ValueError(
-            f"{path}: tensor {name!r} has shape {tuple(array.shape)}, which "
-            f"does not fit parameter {'.'.join(param_path)} of shape "
-            f"{tuple(shape)} (per layer) for this config.json"
-          )
+        value = _fitted_tensor(
+          path, name, array, flat_abstract[param_path], layer, transform, hf_shape, param_path
+        )
         if param_path not in filled:
+          spec = flat_abstract[param_path]
           filled[param_path] = np.zeros(spec.shape[0] if layer is not None else 1, bool)
         origin[param_path] = name
         params.put(param_path, layer, value)
         filled[param_path][0 if layer is None else layer] = True
-
   bar.close()
+  return filled, origin
+
+
+def _fitted_tensor(path, name, array, spec, layer, transform, hf_shape, param_path):
+  """The tensor transformed into its parameter's layout, or a refusal naming both shapes."""
+  if tuple(array.shape) != hf_shape:  # before any reshape (see checkpoints.Target)
+    raise ValueError(
+      f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but this config.json "
+      f"needs {hf_shape}"
+    )
+  shape = spec.shape[1:] if layer is not None else spec.shape
+  try:
+    value = transform(array)
+  except ValueError:
+    value = None
+  if value is None or value.shape != tuple(shape):
+    raise ValueError(
+      f"{path}: tensor {name!r} has shape {tuple(array.shape)}, which "
+      f"does not fit parameter {'.'.join(param_path)} of shape "
+      f"{tuple(shape)} (per layer) for this config.json"
+    )
+  return value
+
+
+def _check_complete(directory, flat_abstract, filled, origin) -> None:
+  """Every parameter, every layer of it, came from some tensor; else one error naming them."""
   missing = []
   for param_path in flat_abstract:
     if param_path not in filled:
@@ -137,10 +163,6 @@ def load_hf_model(directory: str, dtype=jnp.float32, progress: bool = False, *, 
       )
   if missing:
     raise ValueError(f"{directory}: the checkpoint lacks tensors for: {missing}")
-
-  state = nnx.from_flat_state([(path, params.finish(path)) for path in flat_abstract])
-  module = nnx.merge(graphdef, state)
-  return Model(module, tokenizer=_load_tokenizer(directory), source=f"hf:{directory}")
 
 
 class _WholeParams:

@@ -24,6 +24,8 @@ onto the last rank in prompt order after the program (cache="last") or stay wher
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +39,15 @@ from kvr_jax.strategies.base import (
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.roofline import Compute, ModelledLayer, Work, phase_work, work_kwargs
 from models import layers
+
+
+def chunk_partial(q_BcNH, query_chunk, kv, key_half, key_chunk, *, c, attention, window):
+  """Flash partial of one c-token query chunk over one key chunk (half `key_half` of a rank's
+  [2, B, 2c, K, H] K,V), at their relative offset: (out, lse)."""
+  k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
+  # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
+  # step against the other strategies.
+  return layers.attend_partial(q_BcNH, k, v, (query_chunk - key_chunk) * c, attention, window)
 
 
 def ring_attention(
@@ -59,13 +70,7 @@ def ring_attention(
   """
   first_query_chunk, second_query_chunk = rank, 2 * p - 1 - rank  # chunk indices
   q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
-
-  def partial(q_BcNH, query_chunk, kv, key_half, key_chunk):
-    """Flash partial of one query chunk over one key chunk: (out, lse)."""
-    k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
-    # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
-    # step against the other strategies.
-    return layers.attend_partial(q_BcNH, k, v, (query_chunk - key_chunk) * c, attention, window)
+  partial = functools.partial(chunk_partial, c=c, attention=attention, window=window)
 
   # Step 0, own K,V: each query chunk causally over itself; the second also over the first,
   # which lies wholly in its past.

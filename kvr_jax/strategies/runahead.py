@@ -76,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -345,96 +346,131 @@ def per_rank_body(
   is a tensor-parallel group over the mesh's "model" axis (its state a shard: K,V and the
   hops are the shard's own heads, the partial sums are psummed)."""
   del graphdef
-  p = len(chunks)
-  diagonal_first = attends_diagonal_first(attention, p)
-  starts = np.asarray(chunk_starts(chunks), np.int32)
 
   def make_body(model, rank, tokens_Bc, reduce):
     cfg = model.config
     check_keep_last_hop(keep_last_hop, chunks, cfg.sliding_window)
-    B = tokens_Bc.shape[0]
-    early_rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * p
+    diagonal_first = attends_diagonal_first(attention, len(chunks))
+    rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * len(chunks)
+    ranks = _PerRankBranches(chunks, attention, timeline, keep_last_hop, reduce, cfg, rank, rows)
     # Allocated once and carried across layers; varying over the ranks like what it holds.
     kv_heads = model.blocks.wk[...].shape[2]  # [L, D, K, H]: this shard's K
     buffer_2BSKH = jax.lax.pcast(
-      jnp.zeros((2, B, buffer_len(chunks), kv_heads, cfg.head_dim), model.blocks.wk[...].dtype),
+      jnp.zeros(
+        (2, tokens_Bc.shape[0], buffer_len(chunks), kv_heads, cfg.head_dim),
+        model.blocks.wk[...].dtype,
+      ),
       varying_axes(reduce),
       to="varying",
     )
-
-    def layer(block, x_BcD, buffer_2BSKH, l):
-      q_BcNH, own_2BcKH = jax.lax.switch(
-        rank,
-        [functools.partial(project_own_chunk, block, i=i, chunks=chunks) for i in range(p)],
-        x_BcD,
-      )
-      if p > 2:  # own K,V after the received prefix: what this rank forwards
-        buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(
-          buffer_2BSKH, own_2BcKH, jnp.asarray(starts)[rank], axis=2
-        )
-      q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
-      diagonal = None
-      if diagonal_first:
-        diagonal = jax.lax.switch(
-          rank,
-          [
-            functools.partial(
-              attend_diagonal, block, i=i, chunks=chunks, attention=attention, rows=early_rows[i]
-            )
-            for i in range(p)
-          ],
-          q_BcNH,
-          own_2BcKH,
-        )
-        # The hops' operands depend on the diagonal (and on its probe, so that the probes
-        # record in program order): XLA cannot put it behind a receive.
-        diagonal = mark(timeline, "diagonal", l, diagonal)
-        diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
-          (diagonal, own_2BcKH, buffer_2BSKH)
-        )
-      prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l)
-      # Everything after the hops waits for them, on every rank. In a multi-process run each
-      # process compiles its own rank's branch of the switches (the rank is a constant there),
-      # and rank 0's attention reads only its own keys: without this XLA may run it before
-      # the send, holding its receiver back by a whole attention.
-      (x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes = jax.lax.optimization_barrier(
-        ((x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes)
-      )
-      x_BcD = jax.lax.switch(
-        rank,
-        [
-          functools.partial(
-            attend_and_finish,
-            block,
-            i=i,
-            chunks=chunks,
-            attention=attention,
-            timeline=timeline,
-            layer=l,
-            rows=early_rows[i],
-            reduce=reduce,
-          )
-          for i in range(p)
-        ],
-        x_BcD,
-        q_BcNH,
-        own_2BcKH,
-        prefixes,
-        diagonal,
-      )
-      x_BcD = mark(timeline, "rest", l, x_BcD)
-      # Only this rank's chunk leaves the layer (and, kept, what the last hop brought).
-      own_out = fold_batch(own_2BcKH)  # R = B * c_max rows
-      kept = (own_out, fold_batch(prefixes[1])) if keep_last_hop else own_out  # B * S_{p-2}
-      return x_BcD, prefixes[0], kept
-
-    # Each rank's last real row; on rank p-1 that is the prompt's last position.
-    def last_row(x_BcD):
-      return jax.lax.switch(rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(p)], x_BcD)
-
-    return RankBody(tokens_Bc, layer, last_row, owner=p - 1, carry=buffer_2BSKH)
+    return RankBody(tokens_Bc, ranks.layer, ranks.last_row, len(chunks) - 1, buffer_2BSKH)
 
   return make_body
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerRankBranches:
+  """The per-rank program's rank: every phase a `lax.switch` on the (traced) rank whose
+  branch i has rank i's static shapes."""
+
+  chunks: tuple[int, ...]
+  attention: Any
+  timeline: bool
+  keep_last_hop: bool
+  reduce: Callable
+  config: Any
+  rank: Any
+  early_rows: tuple[int, ...]  # r_i (0 where the kernel does not attend the diagonal first)
+
+  def switch(self, branch, *operands, **kwargs):
+    """`branch(..., i=i, **kwargs)` for this rank's i."""
+    p = len(self.chunks)
+    return jax.lax.switch(
+      self.rank, [functools.partial(branch, i=i, **kwargs) for i in range(p)], *operands
+    )
+
+  def early_diagonal(self, block, q_BcNH, own_2BcKH, buffer_2BSKH, l):
+    """Rank i's first r_i diagonal rows before its hop, ordered before the hops."""
+    diagonal = jax.lax.switch(
+      self.rank,
+      [
+        functools.partial(
+          attend_diagonal,
+          block,
+          i=i,
+          chunks=self.chunks,
+          attention=self.attention,
+          rows=self.early_rows[i],
+        )
+        for i in range(len(self.chunks))
+      ],
+      q_BcNH,
+      own_2BcKH,
+    )
+    # The hops' operands depend on the diagonal (and on its probe, so that the probes
+    # record in program order): XLA cannot put it behind a receive.
+    diagonal = mark(self.timeline, "diagonal", l, diagonal)
+    return jax.lax.optimization_barrier((diagonal, own_2BcKH, buffer_2BSKH))
+
+  def layer(self, block, x_BcD, buffer_2BSKH, l):
+    chunks, timeline, rank, p = self.chunks, self.timeline, self.rank, len(self.chunks)
+    q_BcNH, own_2BcKH = self.switch(
+      functools.partial(project_own_chunk, block), x_BcD, chunks=chunks
+    )
+    if p > 2:  # own K,V after the received prefix: what this rank forwards
+      starts = jnp.asarray(chunk_starts(chunks), jnp.int32)
+      buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(
+        buffer_2BSKH, own_2BcKH, starts[rank], axis=2
+      )
+    q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
+    diagonal = None
+    if attends_diagonal_first(self.attention, p):
+      diagonal, own_2BcKH, buffer_2BSKH = self.early_diagonal(
+        block, q_BcNH, own_2BcKH, buffer_2BSKH, l
+      )
+    window = self.config.sliding_window
+    prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, window, timeline, l)
+    # Everything after the hops waits for them, on every rank. In a multi-process run each
+    # process compiles its own rank's branch of the switches (the rank is a constant there),
+    # and rank 0's attention reads only its own keys: without this XLA may run it before
+    # the send, holding its receiver back by a whole attention.
+    (x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes = jax.lax.optimization_barrier(
+      ((x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes)
+    )
+    x_BcD = jax.lax.switch(
+      rank,
+      [
+        functools.partial(
+          attend_and_finish,
+          block,
+          i=i,
+          chunks=chunks,
+          attention=self.attention,
+          timeline=timeline,
+          layer=l,
+          rows=self.early_rows[i],
+          reduce=self.reduce,
+        )
+        for i in range(p)
+      ],
+      x_BcD,
+      q_BcNH,
+      own_2BcKH,
+      prefixes,
+      diagonal,
+    )
+    x_BcD = mark(timeline, "rest", l, x_BcD)
+    # Only this rank's chunk leaves the layer (and, kept, what the last hop brought).
+    own_out = fold_batch(own_2BcKH)  # R = B * c_max rows
+    kept = (own_out, fold_batch(prefixes[1])) if self.keep_last_hop else own_out  # B * S_{p-2}
+    return x_BcD, prefixes[0], kept
+
+  def last_row(self, x_BcD):
+    """The rank's last real row; on rank p-1 that is the prompt's last position."""
+    chunks = self.chunks
+    return jax.lax.switch(
+      self.rank, [lambda x, i=i: x[:, chunks[i] - 1] for i in range(len(chunks))], x_BcD
+    )
 
 
 # --- one body for every rank: the chunk lengths as data -------------------------------------
@@ -540,117 +576,163 @@ def one_body(
   attention per rank. Rows past c of its part are zero; the parts have c_max rows, as the
   per-rank program's (one cache layout)."""
   del graphdef
-  p = len(chunks)
-  c_pad, R = padded_chunk_len(chunks), row_block(chunks)
+  kernel = get_kernel(attention)
 
   def make_body(model, rank, tokens_Bc, reduce):
-    cfg = model.config
-    check_keep_last_hop(keep_last_hop, chunks, cfg.sliding_window)
-    # What differs between ranks, as data.
-    c = jnp.asarray(chunks, jnp.int32)[rank]
-    start = jnp.asarray(chunk_starts(chunks), jnp.int32)[rank]
-    query_block = get_kernel(attention).query_block
-    early_rows = jnp.asarray(early_rows_in_blocks(cfg, chunks, query_block), jnp.int32)[rank]
-    tokens_Bc = jnp.pad(tokens_Bc, ((0, 0), (0, c_pad - tokens_Bc.shape[1])))
-    B = tokens_Bc.shape[0]
-    dtype = model.blocks.wk[...].dtype
-    kv_heads = model.blocks.wk[...].shape[2]  # [L, D, K, H]: this shard's K
-    q_heads = model.blocks.wq[...].shape[2]
-
-    def zeros(shape, dtype):  # varying over the ranks, like what it will hold
-      return jax.lax.pcast(jnp.zeros(shape, dtype), varying_axes(reduce), to="varying")
-
-    buffer_2BSKH = zeros((2, B, one_body_buffer_len(chunks), kv_heads, cfg.head_dim), dtype)
-    real_rows_c = jnp.arange(c_pad) < c
-
-    def layer(block, x_BcD, buffer_2BSKH, l):
-
-      def project(first_row, x_BRD):
-        positions_BR = jnp.broadcast_to(start + first_row + jnp.arange(R), (B, R))
-        return block.project_qkv(x_BRD, positions_BR)
-
-      q_BcNH, k_BcKH, v_BcKH = map_row_blocks(
-        project,
-        c,
-        R,
-        (x_BcD,),
-        (
-          zeros((B, c_pad, q_heads, cfg.head_dim), dtype),
-          zeros((B, c_pad, kv_heads, cfg.head_dim), dtype),
-          zeros((B, c_pad, kv_heads, cfg.head_dim), dtype),
-        ),
-      )
-      # Rows past c (the last block's padding) are zeroed: the part and the buffer hold only
-      # real keys.
-      own_2BcKH = jnp.where(real_rows_c[:, None, None], jnp.stack([k_BcKH, v_BcKH]), 0)
-      q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
-      early_BcNH, early_lse_BcN = block.attend_partial(
-        q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, attention, query_rows=(0, early_rows), key_end=c
-      )
-      # own K,V passes through the probe too: every hop's message is built from it, so no hop
-      # is recorded before the diagonal (an optimization barrier alone did not order them).
-      diagonal, own_2BcKH = mark(timeline, "diagonal", l, ((early_BcNH, early_lse_BcN), own_2BcKH))
-      if p > 1:
-        # Own K,V after the received prefix: what this rank forwards and attends.
-        buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(buffer_2BSKH, own_2BcKH, start, axis=2)
-        # The hops' operands depend on the early rows: XLA cannot put them behind a receive.
-        diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
-          (diagonal, own_2BcKH, buffer_2BSKH)
-        )
-        buffer_2BSKH, last_message = hop_chain(
-          buffer_2BSKH, own_2BcKH, rank, chunks, cfg.sliding_window, timeline, l, True
-        )
-        # Everything after the hops waits for them (see per_rank_body).
-        (x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message) = (
-          jax.lax.optimization_barrier(
-            ((x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message))
-          )
-        )
-      # Only the positions some rank's prefix holds ([0, S_{p-2})): the kernel lays out
-      # every key it is given, so the rest of the buffer would cost a copy per layer.
-      prefix_keys_2BSKH = buffer_2BSKH[:, :, : chunk_starts(chunks)[-1]] if p > 1 else own_2BcKH
-      # The prefix [first, start): every real row, keys before the rank's own (key_end).
-      prefix_BcNH, prefix_lse_BcN = block.attend_partial(
-        q_BcNH,
-        prefix_keys_2BSKH[0],
-        prefix_keys_2BSKH[1],
-        start,
-        attention,
-        query_rows=(0, c),
-        key_end=start,
-      )
-      # The rest of the diagonal: rows [r_i, c) against the rank's own keys.
-      late_BcNH, late_lse_BcN = block.attend_partial(
-        q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, attention, query_rows=(early_rows, c), key_end=c
-      )
-      early = jnp.arange(c_pad) < early_rows
-      diagonal_BcNH = jnp.where(early[:, None, None], diagonal[0], late_BcNH)
-      diagonal_lse_BcN = jnp.where(early[:, None], diagonal[1], late_lse_BcN)
-      attn_BcNH, _ = layers.merge_partials(
-        prefix_BcNH, prefix_lse_BcN, diagonal_BcNH, diagonal_lse_BcN
-      )
-      attn_BcNH = mark(timeline, "attention", l, attn_BcNH.astype(x_BcD.dtype))
-      (x_BcD,) = map_row_blocks(
-        lambda _, x_BRD, attn_BRNH: (block.finish(x_BRD, attn_BRNH, None, reduce=reduce),),
-        c,
-        R,
-        (x_BcD, attn_BcNH),
-        (x_BcD,),
-      )
-      x_BcD = mark(timeline, "rest", l, x_BcD)
-      # Only this rank's chunk leaves the layer (and, kept, what the last hop brought), in
-      # parts of c_max rows as from the per-rank program (one cache layout for both bodies).
-      own_out = fold_batch(own_2BcKH[:, :, : max(chunks)])
-      kept = (own_out, fold_batch(last_message)) if keep_last_hop else own_out
-      return x_BcD, buffer_2BSKH, kept
-
-    # Each rank's last real row; on rank p-1 that is the prompt's last position.
-    def last_row(x_BcD):
-      return jax.lax.dynamic_index_in_dim(x_BcD, c - 1, axis=1, keepdims=False)
-
-    return RankBody(tokens_Bc, layer, last_row, owner=p - 1, carry=buffer_2BSKH)
+    check_keep_last_hop(keep_last_hop, chunks, model.config.sliding_window)
+    one = _OneBodyRank.build(model, rank, tokens_Bc, reduce, chunks, kernel, timeline)
+    one = dataclasses.replace(one, keep_last_hop=keep_last_hop)
+    return RankBody(one.tokens_Bc, one.layer, one.last_row, len(chunks) - 1, one.empty_buffer())
 
   return make_body
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneBodyRank:
+  """One rank of the one body, built inside the trace: the split's static facts, and the
+  rank's own real length c, start and early rows as traced data (read at its rank index)."""
+
+  chunks: tuple[int, ...]
+  kernel: Any
+  timeline: bool
+  reduce: Callable
+  config: Any
+  tokens_Bc: Any  # padded to c_pad
+  rank: Any
+  c: Any
+  start: Any
+  early_rows: Any
+  dtype: Any
+  q_heads: int  # this shard's N and K
+  kv_heads: int
+  keep_last_hop: bool = False
+
+  @classmethod
+  def build(cls, model, rank, tokens_Bc, reduce, chunks, kernel, timeline) -> _OneBodyRank:
+    cfg = model.config
+    early = early_rows_in_blocks(cfg, chunks, kernel.query_block)
+    c_pad = padded_chunk_len(chunks)
+    return cls(
+      chunks=chunks,
+      kernel=kernel,
+      timeline=timeline,
+      reduce=reduce,
+      config=cfg,
+      tokens_Bc=jnp.pad(tokens_Bc, ((0, 0), (0, c_pad - tokens_Bc.shape[1]))),
+      rank=rank,
+      c=jnp.asarray(chunks, jnp.int32)[rank],
+      start=jnp.asarray(chunk_starts(chunks), jnp.int32)[rank],
+      early_rows=jnp.asarray(early, jnp.int32)[rank],
+      dtype=model.blocks.wk[...].dtype,
+      q_heads=model.blocks.wq[...].shape[2],  # [L, D, N, H]
+      kv_heads=model.blocks.wk[...].shape[2],
+    )
+
+  @property
+  def c_pad(self) -> int:
+    return self.tokens_Bc.shape[1]
+
+  def zeros(self, shape):  # varying over the ranks, like what it will hold
+    return jax.lax.pcast(jnp.zeros(shape, self.dtype), varying_axes(self.reduce), to="varying")
+
+  def empty_buffer(self):
+    """[2, B, S, K, H]: the received prefix, then the rank's own chunk (carried over layers)."""
+    B, H = self.tokens_Bc.shape[0], self.config.head_dim
+    return self.zeros((2, B, one_body_buffer_len(self.chunks), self.kv_heads, H))
+
+  def project(self, block, x_BcD):
+    """q [B, c_pad, N, H] and own K,V [2, B, c_pad, K, H] of the c real rows, in row blocks;
+    rows past c zero (the part and the buffer hold only real keys)."""
+    B, H, R = x_BcD.shape[0], self.config.head_dim, row_block(self.chunks)
+
+    def project_block(first_row, x_BRD):
+      positions_BR = jnp.broadcast_to(self.start + first_row + jnp.arange(R), (B, R))
+      return block.project_qkv(x_BRD, positions_BR)
+
+    zeros = tuple(
+      self.zeros((B, self.c_pad, heads, H))
+      for heads in (self.q_heads, self.kv_heads, self.kv_heads)
+    )
+    q_BcNH, k_BcKH, v_BcKH = map_row_blocks(project_block, self.c, R, (x_BcD,), zeros)
+    real_rows_c = jnp.arange(self.c_pad) < self.c
+    return q_BcNH, jnp.where(real_rows_c[:, None, None], jnp.stack([k_BcKH, v_BcKH]), 0)
+
+  def attend(self, block, q_BcNH, own_2BcKH, buffer_2BSKH, diagonal):
+    """Its rows against the prefix [first, start) in the buffer and the rest of its diagonal
+    (rows [r_i, c) of its own keys), merged by lse with the early rows' `diagonal`."""
+    chunks, kernel, c, start, early_rows = (
+      self.chunks,
+      self.kernel,
+      self.c,
+      self.start,
+      self.early_rows,
+    )
+    # Only the positions some rank's prefix holds ([0, S_{p-2})): the kernel lays out
+    # every key it is given, so the rest of the buffer would cost a copy per layer.
+    prefix_2BSKH = buffer_2BSKH[:, :, : chunk_starts(chunks)[-1]] if len(chunks) > 1 else own_2BcKH
+    prefix_BcNH, prefix_lse_BcN = block.attend_partial(
+      q_BcNH, prefix_2BSKH[0], prefix_2BSKH[1], start, kernel, query_rows=(0, c), key_end=start
+    )
+    late_BcNH, late_lse_BcN = block.attend_partial(
+      q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, kernel, query_rows=(early_rows, c), key_end=c
+    )
+    early = jnp.arange(self.c_pad) < early_rows
+    diagonal_BcNH = jnp.where(early[:, None, None], diagonal[0], late_BcNH)
+    diagonal_lse_BcN = jnp.where(early[:, None], diagonal[1], late_lse_BcN)
+    attn_BcNH, _ = layers.merge_partials(
+      prefix_BcNH, prefix_lse_BcN, diagonal_BcNH, diagonal_lse_BcN
+    )
+    return attn_BcNH
+
+  def layer(self, block, x_BcD, buffer_2BSKH, l):
+    """One layer of the rank (the phases in `one_body`'s docstring)."""
+    chunks, timeline, c = self.chunks, self.timeline, self.c
+    q_BcNH, own_2BcKH = mark(timeline, "qkv", l, self.project(block, x_BcD))
+    early = block.attend_partial(
+      q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, self.kernel, query_rows=(0, self.early_rows), key_end=c
+    )
+    # own K,V passes through the probe too: every hop's message is built from it, so no hop
+    # is recorded before the diagonal (an optimization barrier alone did not order them).
+    diagonal, own_2BcKH = mark(timeline, "diagonal", l, (early, own_2BcKH))
+    last_message = None
+    if len(chunks) > 1:
+      # Own K,V after the received prefix: what this rank forwards and attends.
+      buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(
+        buffer_2BSKH, own_2BcKH, self.start, axis=2
+      )
+      # The hops' operands depend on the early rows: XLA cannot put them behind a receive.
+      diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
+        (diagonal, own_2BcKH, buffer_2BSKH)
+      )
+      window = self.config.sliding_window
+      buffer_2BSKH, last_message = hop_chain(
+        buffer_2BSKH, own_2BcKH, self.rank, chunks, window, timeline, l, True
+      )
+      # Everything after the hops waits for them (see per_rank_body).
+      (x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message) = (
+        jax.lax.optimization_barrier(
+          ((x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message))
+        )
+      )
+    attn_BcNH = self.attend(block, q_BcNH, own_2BcKH, buffer_2BSKH, diagonal)
+    attn_BcNH = mark(timeline, "attention", l, attn_BcNH.astype(x_BcD.dtype))
+    (x_BcD,) = map_row_blocks(
+      lambda _, x_BRD, attn_BRNH: (block.finish(x_BRD, attn_BRNH, None, reduce=self.reduce),),
+      c,
+      row_block(chunks),
+      (x_BcD, attn_BcNH),
+      (x_BcD,),
+    )
+    x_BcD = mark(timeline, "rest", l, x_BcD)
+    # Only this rank's chunk leaves the layer (and, kept, what the last hop brought), in
+    # parts of c_max rows as from the per-rank program (one cache layout for both bodies).
+    own_out = fold_batch(own_2BcKH[:, :, : max(chunks)])
+    kept = (own_out, fold_batch(last_message)) if self.keep_last_hop else own_out
+    return x_BcD, buffer_2BSKH, kept
+
+  def last_row(self, x_BcD):
+    """The rank's last real row; on rank p-1 that is the prompt's last position."""
+    return jax.lax.dynamic_index_in_dim(x_BcD, self.c - 1, axis=1, keepdims=False)
 
 
 def kvr_body(graphdef, chunks, attention, timeline, keep_last_hop, body=None):

@@ -101,6 +101,45 @@ def accelerator_benchmark(
   """
   device = jax.local_devices()[0]
   dtype = resolve_dtype(dtype)
+  kernels = _check_arguments(config, context_lens, kernels, ranks, links, device, dtype)
+  compare = compare_transformers and config.architecture == "llama"
+  torch_device = "cuda" if device.platform == "gpu" else "cpu"
+  if compare:
+    hf_model, model = twin_models(config, dtype, torch_device, seed)
+  else:
+    hf_model, model = None, Model(build_model(config, dtype, seed), source="random")
+  hardware = device_hardware(device)
+  rows, modelled = [], []
+  for C in tqdm(context_lens, desc="accelerator", disable=not progress):
+    tokens = synthetic_prompt(config.vocab_size, C, 1, seed)
+    flops = prefill_flops(config, C)
+
+    def row(implementation, seconds, logit_diff=None, C=C, flops=flops):
+      mfu = None if hardware is None else flops / seconds / hardware.peak_flops
+      return AcceleratorRow(C, implementation, seconds, flops / seconds / 1e12, mfu, logit_diff)
+
+    hf_logits = None
+    if hf_model is not None:
+      hf_s, hf_logits = time_transformers(hf_model, tokens, repeats, torch_device)
+      rows.append(row("transformers/sdpa", hf_s))
+    single_s = {}
+    for kernel in kernels:
+      timing = time_prefill(model, tokens, repeats, attention=kernel)
+      single_s[kernel] = timing.median_s
+      logits = np.asarray(timing.result.logits, np.float32)
+      diff = None if hf_logits is None else float(np.abs(logits - hf_logits).max())
+      rows.append(row(f"kvr-jax/{kernel}", timing.median_s, diff))
+    best_kernel = min(single_s, key=single_s.get)
+    for p in ranks:
+      fitted = fitted_hardware(model, C, p, best_kernel, repeats=repeats, base=hardware)
+      for name in links:
+        best_s, dtype_bytes = single_s[best_kernel], np.dtype(dtype).itemsize
+        modelled += _modelled_rows(config, C, p, fitted, name, best_kernel, best_s, dtype_bytes)
+  return rows, modelled
+
+
+def _check_arguments(config, context_lens, kernels, ranks, links, device, dtype):
+  """accelerator_benchmark's arguments checked before anything runs; the kernels to time."""
   for C in context_lens:
     if C > config.max_position_embeddings:
       raise ValueError(f"context length {C} exceeds max_position_embeddings")
@@ -116,84 +155,36 @@ def accelerator_benchmark(
         f"kernel {kernel!r} does not run on {device.platform} in {np.dtype(dtype).name}: it "
         f"{reason}"
       )
-  compare = compare_transformers and config.architecture == "llama"
-  torch_device = "cuda" if device.platform == "gpu" else "cpu"
-  if compare:
-    hf_model, model = twin_models(config, dtype, torch_device, seed)
-  else:
-    hf_model, model = None, Model(build_model(config, dtype, seed), source="random")
-  hardware = device_hardware(device)
-  rows, modelled = [], []
-  for C in tqdm(context_lens, desc="accelerator", disable=not progress):
-    tokens = synthetic_prompt(config.vocab_size, C, 1, seed)
-    flops = prefill_flops(config, C)
-    hf_logits = None
-    if hf_model is not None:
-      hf_s, hf_logits = time_transformers(hf_model, tokens, repeats, torch_device)
-      rows.append(
-        AcceleratorRow(
-          C,
-          "transformers/sdpa",
-          hf_s,
-          flops / hf_s / 1e12,
-          None if hardware is None else flops / hf_s / hardware.peak_flops,
-          None,
-        )
-      )
-    single_s = {}
-    for kernel in kernels:
-      timing = time_prefill(model, tokens, repeats, attention=kernel)
-      single_s[kernel] = timing.median_s
-      logits = np.asarray(timing.result.logits, np.float32)
-      rows.append(
-        AcceleratorRow(
-          C,
-          f"kvr-jax/{kernel}",
-          timing.median_s,
-          flops / timing.median_s / 1e12,
-          None if hardware is None else flops / timing.median_s / hardware.peak_flops,
-          None if hf_logits is None else float(np.abs(logits - hf_logits).max()),
-        )
-      )
-    best_kernel = min(single_s, key=single_s.get)
-    for p in ranks:
-      fitted = fitted_hardware(model, C, p, best_kernel, repeats=repeats, base=hardware)
-      for name in links:
-        setup = costmodel.Setup(
-          fitted,
-          presets.links_preset(name),
-          dtype_bytes=np.dtype(dtype).itemsize,
-          **costmodel.kernel_flags(best_kernel),
-        )
-        chunks = resolve_partition(
-          PartitionPlan("search", hardware=fitted, links=setup.links),
-          C,
-          p,
-          config=config,
-          dtype_bytes=setup.dtype_bytes,
-          **costmodel.kernel_flags(best_kernel),
-        )
-        for strategy in ("kvr", "ring", "allgather"):
-          sim = costmodel.simulate(
-            config,
-            strategy,
-            C,
-            setup,
-            num_ranks=p,
-            partition=chunks if strategy == "kvr" else None,
-          )
-          modelled.append(
-            ModelledRankRow(
-              C,
-              p,
-              name,
-              strategy,
-              "/".join(map(str, sim.partition)) if strategy == "kvr" else "zigzag",
-              sim.ttft,
-              single_s[best_kernel] / sim.ttft,
-            )
-          )
-  return rows, modelled
+  return kernels
+
+
+def _modelled_rows(config, C, p, fitted, links_name, kernel, single_s, dtype_bytes):
+  """MODELLED TTFT of KVR-S, ring and all-gather on p devices of the fitted hardware over
+  the links preset named, against the measured single-device TTFT."""
+  flags = costmodel.kernel_flags(kernel)
+  setup = costmodel.Setup(
+    fitted,
+    presets.links_preset(links_name),
+    dtype_bytes=dtype_bytes,
+    **flags,
+  )
+  chunks = resolve_partition(
+    PartitionPlan("search", hardware=fitted, links=setup.links),
+    C,
+    p,
+    config=config,
+    dtype_bytes=setup.dtype_bytes,
+    **flags,
+  )
+  rows = []
+  for strategy in ("kvr", "ring", "allgather"):
+    kvr = strategy == "kvr"
+    sim = costmodel.simulate(
+      config, strategy, C, setup, num_ranks=p, partition=chunks if kvr else None
+    )
+    layout = "/".join(map(str, sim.partition)) if kvr else "zigzag"
+    rows.append(ModelledRankRow(C, p, links_name, strategy, layout, sim.ttft, single_s / sim.ttft))
+  return rows
 
 
 # --- length buckets: a stream of prompts of new lengths ----------------------------------------

@@ -73,25 +73,8 @@ def compare_strategies(
     "model") mesh); num_devices counts all of them and must be a multiple of it."""
   check_cache(cache)
   rows, _, padded_len, buckets = padded_prompts(model, tokens, buckets)
-  if repeats < 1:
-    raise ValueError(f"`repeats` must be >= 1, got {repeats}")
-  unknown = [s for s in strategies if s not in STRATEGIES]
-  if unknown or not strategies:
-    raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
-  # "single" first, so the others are compared with it.
-  strategies = sorted(strategies, key=lambda s: s != "single")
   mesh = mesh_of_ranks(num_devices, model_parallel)
-  if isinstance(partition, (list, tuple, np.ndarray)):
-    partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
-    if not any(s in partitioned for s in strategies):
-      raise ValueError(
-        f"partition lengths apply to {partitioned}; the strategies {list(strategies)} lay the "
-        "prompt out themselves"
-      )
-    # Explicit lengths are checked before the first strategy compiles, not after it ran.
-    check_chunks(partition, padded_len, check_mesh(mesh, allow_model=True))
-  for strategy in strategies:  # a kernel named explicitly is refused, not swapped, up front
-    prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
+  strategies = _check_comparison(strategies, mesh, partition, attention, repeats, padded_len)
   reference = None
   reports = []
   for strategy in strategies:
@@ -122,6 +105,28 @@ def compare_strategies(
       )
     )
   return reports
+
+
+def _check_comparison(strategies, mesh, partition, attention, repeats, padded_len) -> list:
+  """Every argument checked before the first strategy compiles (not after it ran); the
+  strategies with "single" first, so that the others are compared with it."""
+  if repeats < 1:
+    raise ValueError(f"`repeats` must be >= 1, got {repeats}")
+  unknown = [s for s in strategies if s not in STRATEGIES]
+  if unknown or not strategies:
+    raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
+  strategies = sorted(strategies, key=lambda s: s != "single")
+  if isinstance(partition, (list, tuple, np.ndarray)):
+    partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
+    if not any(s in partitioned for s in strategies):
+      raise ValueError(
+        f"partition lengths apply to {partitioned}; the strategies {list(strategies)} lay the "
+        "prompt out themselves"
+      )
+    check_chunks(partition, padded_len, check_mesh(mesh, allow_model=True))
+  for strategy in strategies:  # a kernel named explicitly is refused, not swapped, up front
+    prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
+  return strategies
 
 
 def format_table(reports: list[StrategyReport]) -> str:

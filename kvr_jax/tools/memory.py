@@ -69,6 +69,123 @@ def _analysis(compiled) -> dict[str, int]:
   }
 
 
+def _check_arguments(config, spec, cache, partition, context_len, num_ranks, batch):
+  """compiled_memory's arguments, each refused by name; the partition with numpy integers
+  made ints (they travel to a subprocess as JSON)."""
+  check_cache(cache)
+  if isinstance(partition, (list, tuple, np.ndarray)):
+    partition = [
+      int(c) if isinstance(c, np.integer) and not isinstance(c, np.bool_) else c for c in partition
+    ]
+  # The default plan (also as it comes back from a subprocess's JSON) is no choice of the
+  # user's; lengths, another plan or method are, and a non-partitioned strategy refuses them.
+  explicit = not (
+    partition is None
+    or (isinstance(partition, PartitionPlan) and partition == MEMORY_PARTITION)
+    or (isinstance(partition, str) and partition == "even")
+  )
+  if not spec.partitioned and explicit:
+    raise ValueError(
+      f"strategy {spec.name!r} lays the prompt out itself; `partition` applies only to "
+      "partitioned strategies (kvr)"
+    )
+  for name, value in (("context_len", context_len), ("num_ranks", num_ranks), ("batch", batch)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+  if spec.max_ranks is not None and num_ranks > spec.max_ranks:
+    raise ValueError(f"strategy {spec.name!r} runs on at most {spec.max_ranks} rank(s)")
+  check_ranks(int(context_len), int(num_ranks))
+  if context_len > config.max_position_embeddings:
+    raise ValueError(
+      f"context_len={context_len} exceeds max_position_embeddings="
+      f"{config.max_position_embeddings} (pass a ModelConfig with more positions)"
+    )
+  return partition
+
+
+def _placed_state(config, state, mesh, m: int, itemsize: int):
+  """The weights' shapes as prefill places them (whole on every device, or split over
+  "model", KV heads repeated to m first where fewer), and one device's bytes of them."""
+  state = jax.eval_shape(lambda s: tensor_parallel.shard_ready_state(config, s, m), state)
+  specs = (
+    tensor_parallel.partition_specs(state) if m > 1 else jax.tree.map(lambda _: jax.P(), state)
+  )
+  shapes = jax.tree.map(
+    lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+    state,
+    specs,
+  )
+  # One device's share of each weight: split leaves (a "model" entry in their spec) by m.
+  weights_bytes = sum(
+    np.prod(x.shape)
+    * np.dtype(x.dtype).itemsize
+    // (m if tensor_parallel.MODEL_AXIS in tuple(spec) else 1)
+    for x, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs), strict=True)
+  )
+  return shapes, int(weights_bytes)
+
+
+def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m) -> dict:
+  """What bringing the cache onto the last rank needs there (`move_argument_bytes`,
+  `move_temp_bytes`; none for cache="sharded"): KVR's join of its last hops, the move of the
+  parts run by run, or on a 2-D mesh every rank's part onto the last rank's row."""
+  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
+  context_len, num_ranks = sum(chunks), len(chunks)
+  on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
+  if m > 1 and cache == "last":
+    # Every rank's part onto the last rank's row, heads split (kv_cache.gather_on_model_group).
+    parts = jax.ShapeDtypeStruct(
+      (num_ranks, L, 2, batch * layout.part_len, K * m, H),
+      dtype_name,
+      sharding=NamedSharding(mesh, jax.P(AXIS, None, None, None, tensor_parallel.MODEL_AXIS)),
+    )
+    move = _analysis(collect_program(mesh, layout).lower(parts).compile())
+  elif joined:
+    # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device).
+    prefix_len = context_len - chunks[-1]
+    hop = jax.ShapeDtypeStruct((1, L, 2, batch * prefix_len, K, H), dtype_name, sharding=on_last)
+    part = jax.ShapeDtypeStruct(
+      (1, L, 2, batch * layout.part_len, K, H), dtype_name, sharding=on_last
+    )
+    move = _analysis(
+      join_on_device.lower(hop, part, prefix_len, layout.part_len, chunks[-1]).compile()
+    )
+  elif cache == "last":
+    # The move onto the last rank: its device holds the whole cache and, at a time, one run's
+    # real rows beside it (kv_cache.copy_onto); XLA's analysis of writing the longest run.
+    longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
+    cache_shape = jax.ShapeDtypeStruct((L, batch, context_len, K, H), dtype_name, sharding=on_last)
+    piece = jax.ShapeDtypeStruct((L, 2, batch, longest, K, H), dtype_name, sharding=on_last)
+    position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)
+    move = _analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
+  else:
+    return {}
+  return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
+
+
+def _chunks_and_join(config, spec, partition, shape, attention, cache, mesh, device_memory):
+  """The chunks the strategy lays out (the partition resolved as prefill resolves it) and
+  whether KV-Runahead's cache="last" joins its last hops, as prefill decides in one process:
+  where whole and where memory allows (kv_cache.join_affordable), else its parts move."""
+  context_len, num_ranks, batch, itemsize = shape
+  user_chunks = None
+  if spec.partitioned:
+    flags = costmodel.kernel_flags(attention)
+    user_chunks = resolve_partition(
+      partition, context_len, num_ranks, config=config, batch=batch, dtype_bytes=itemsize, **flags
+    )
+  chunks = spec.layout(context_len, num_ranks, user_chunks)
+  hop_bytes = last_hop_bytes(config, chunks, batch, itemsize, config.num_kv_heads)
+  if device_memory is None:
+    device_memory = device_memory_bytes(mesh.devices.flat[0])
+  joined = (
+    len(mesh.axis_names) == 1  # a 1-D mesh: no tensor parallelism
+    and spec.keeps_last_hop(cache, chunks, config.sliding_window)
+    and join_affordable(hop_bytes, one_process=True, device_memory=device_memory)
+  )
+  return chunks, joined
+
+
 def compiled_memory(
   model,
   strategy: str = "kvr",
@@ -105,100 +222,38 @@ def compiled_memory(
   """
   config = _config(model)
   spec = get_strategy(strategy)
-  check_cache(cache)
-  if isinstance(partition, (list, tuple, np.ndarray)):
-    # numpy integers are integers (and travel to a subprocess as JSON ints).
-    partition = [
-      int(c) if isinstance(c, np.integer) and not isinstance(c, np.bool_) else c for c in partition
-    ]
-  # The default plan (also as it comes back from a subprocess's JSON) is no choice of the
-  # user's; lengths, another plan or method are, and a non-partitioned strategy refuses them.
-  explicit = not (
-    partition is None
-    or (isinstance(partition, PartitionPlan) and partition == MEMORY_PARTITION)
-    or (isinstance(partition, str) and partition == "even")
-  )
-  if not spec.partitioned and explicit:
-    raise ValueError(
-      f"strategy {strategy!r} lays the prompt out itself; `partition` applies only to "
-      "partitioned strategies (kvr)"
-    )
-  for name, value in (("context_len", context_len), ("num_ranks", num_ranks), ("batch", batch)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-      raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-  context_len, num_ranks, batch = int(context_len), int(num_ranks), int(batch)
-  m = model_parallel
+  partition = _check_arguments(config, spec, cache, partition, context_len, num_ranks, batch)
+  context_len, num_ranks, batch, m = int(context_len), int(num_ranks), int(batch), model_parallel
   check_model_parallel(config, m)
-  if spec.max_ranks is not None and num_ranks > spec.max_ranks:
-    raise ValueError(f"strategy {strategy!r} runs on at most {spec.max_ranks} rank(s)")
-  check_ranks(context_len, num_ranks)
-  if context_len > config.max_position_embeddings:
-    raise ValueError(
-      f"context_len={context_len} exceeds max_position_embeddings="
-      f"{config.max_position_embeddings} (pass a ModelConfig with more positions)"
-    )
   attention = spec.check_attention(attention)
   dtype_name = np.dtype(resolve_dtype(dtype)).name
   if len(jax.devices()) < num_ranks * m:
-    return _in_subprocess(
-      config,
-      strategy,
-      context_len,
-      num_ranks,
-      dtype_name,
-      cache,
-      batch,
-      attention,
-      partition,
-      m,
-      device_memory,
-    )
+    arguments = (context_len, num_ranks, dtype_name, cache, batch, attention, partition, m)
+    return _in_subprocess(config, strategy, *arguments, device_memory)
+  shape = (context_len, num_ranks, batch, m)
+  return _measure(config, spec, shape, dtype_name, cache, attention, partition, device_memory)
 
+
+def _measure(config, spec, shape, dtype_name, cache, attention, partition, device_memory):
+  """compiled_memory on this process's devices (enough of them): the program compiled from
+  shapes, XLA's analysis of it and of the move after it."""
+  context_len, num_ranks, batch, m = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
-  attention = spec.resolve_attention(
-    attention, mesh.devices.flat[0], dtype_name, config.sliding_window
-  )
-  user_chunks = None
-  if spec.partitioned:
-    user_chunks = resolve_partition(
-      partition,
-      context_len,
-      num_ranks,
-      config=config,
-      batch=batch,
-      dtype_bytes=np.dtype(dtype_name).itemsize,
-      **costmodel.kernel_flags(attention),
-    )
-  chunks = spec.layout(context_len, num_ranks, user_chunks)
-  # cache="last" as prefill runs it in one process: KV-Runahead keeps its last hops (no move)
-  # where whole and where memory allows (kv_cache.join_affordable), else its parts move.
-  hop_bytes = last_hop_bytes(
-    config, chunks, batch, np.dtype(dtype_name).itemsize, config.num_kv_heads
-  )
-  if device_memory is None:
-    device_memory = device_memory_bytes(mesh.devices.flat[0])
-  joined = (
-    m == 1
-    and spec.keeps_last_hop(cache, chunks, config.sliding_window)
-    and join_affordable(hop_bytes, one_process=True, device_memory=device_memory)
+  window = config.sliding_window
+  attention = spec.resolve_attention(attention, mesh.devices.flat[0], dtype_name, window)
+  itemsize = np.dtype(dtype_name).itemsize
+  shape = (context_len, num_ranks, batch, itemsize)
+  chunks, joined = _chunks_and_join(
+    config, spec, partition, shape, attention, cache, mesh, device_memory
   )
   program = spec.compile(graphdef, mesh, chunks, attention, keep_last_hop=joined)
-  # The weights as prefill places them: whole on every device, or split over "model" (KV
-  # heads repeated to m first where fewer).
-  state = jax.eval_shape(lambda s: tensor_parallel.shard_ready_state(config, s, m), state)
-  specs = (
-    tensor_parallel.partition_specs(state) if m > 1 else jax.tree.map(lambda _: jax.P(), state)
-  )
-  state_shapes = jax.tree.map(
-    lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-    state,
-    specs,
-  )
+  state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
+  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
   result = {
-    "strategy": strategy,
+    "strategy": spec.name,
     "context_len": context_len,
     "num_ranks": num_ranks,
     "dtype": dtype_name,
@@ -208,51 +263,11 @@ def compiled_memory(
     "attention": attention.name,
     "joins_last_hop": joined,
     **_analysis(program.lower(state_shapes, tokens).compile()),
+    "weights_bytes": weights_bytes,
+    "kv_cache_bytes": L * 2 * batch * context_len * K * H * itemsize,
   }
-  itemsize = np.dtype(dtype_name).itemsize
-  # One device's share of each weight: split leaves (a "model" entry in their spec) by m.
-  result["weights_bytes"] = int(
-    sum(
-      np.prod(x.shape) * itemsize // (m if tensor_parallel.MODEL_AXIS in tuple(spec) else 1)
-      for x, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs), strict=True)
-    )
-  )
-  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
-  result["kv_cache_bytes"] = L * 2 * batch * context_len * K * H * itemsize
   layout = spec.cache_layout(context_len, chunks)
-  if m > 1 and cache == "last":
-    # Every rank's part onto the last rank's row, heads split (kv_cache.gather_on_model_group).
-    parts = jax.ShapeDtypeStruct(
-      (num_ranks, L, 2, batch * layout.part_len, K * m, H),
-      dtype_name,
-      sharding=NamedSharding(mesh, jax.P(AXIS, None, None, None, tensor_parallel.MODEL_AXIS)),
-    )
-    move = _analysis(collect_program(mesh, layout).lower(parts).compile())
-    result["move_argument_bytes"] = move["argument_bytes"]
-    result["move_temp_bytes"] = move["temp_bytes"]
-    return result
-  on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
-  if joined:
-    # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device).
-    prefix_len = context_len - chunks[-1]
-    hop = jax.ShapeDtypeStruct((1, L, 2, batch * prefix_len, K, H), dtype_name, sharding=on_last)
-    part = jax.ShapeDtypeStruct(
-      (1, L, 2, batch * layout.part_len, K, H), dtype_name, sharding=on_last
-    )
-    join = join_on_device.lower(hop, part, prefix_len, layout.part_len, chunks[-1])
-    join = _analysis(join.compile())
-    result["move_argument_bytes"] = join["argument_bytes"]
-    result["move_temp_bytes"] = join["temp_bytes"]
-  elif cache == "last":
-    # The move onto the last rank: its device holds the whole cache and, at a time, one run's
-    # real rows beside it (kv_cache.copy_onto); XLA's analysis of writing the longest run.
-    longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
-    cache_shape = jax.ShapeDtypeStruct((L, batch, context_len, K, H), dtype_name, sharding=on_last)
-    piece = jax.ShapeDtypeStruct((L, 2, batch, longest, K, H), dtype_name, sharding=on_last)
-    position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)
-    move = _analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
-    result["move_argument_bytes"] = move["argument_bytes"]
-    result["move_temp_bytes"] = move["temp_bytes"]
+  result.update(_move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m))
   return result
 
 
