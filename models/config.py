@@ -148,6 +148,21 @@ class ModelConfig:
     """Parameter count, without building the model."""
     raise NotImplementedError
 
+  # What the cost model counts of the MLP (a mixture of experts overrides them).
+  @property
+  def active_mlp_dim(self) -> int:
+    """MLP columns a token runs through."""
+    return self.mlp_dim
+
+  def mlp_weight_dim(self, num_tokens: float) -> float:
+    """MLP columns whose weights `num_tokens` tokens read."""
+    return self.mlp_dim
+
+  @property
+  def router_dim(self) -> int:
+    """Columns of the MLP's router (a mixture's experts; 0 without one)."""
+    return 0
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig(ModelConfig):
@@ -162,10 +177,45 @@ class LlamaConfig(ModelConfig):
   # partial sums reduced per layer under tensor parallelism (after attention, after the MLP).
   mlp_matrices: ClassVar[int] = 3
   reductions_per_layer: ClassVar[int] = 2
+  # A mixture of experts in place of the MLP (Qwen3-MoE, Mixtral): `num_experts` SwiGLU
+  # experts of `mlp_dim` columns each, a router [D, E], each token through its
+  # `experts_per_token` most probable experts, weighted by their router probabilities
+  # (renormalised over the chosen ones when `normalize_expert_weights`). 0: a dense MLP.
+  num_experts: int = 0
+  experts_per_token: int = 0
+  normalize_expert_weights: bool = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    E, k = self.num_experts, self.experts_per_token
+    for name, value in (("num_experts", E), ("experts_per_token", k)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"config field `{name}` must be an integer >= 0, got {value!r}")
+    if E and not 1 <= k <= E:
+      raise ValueError(f"`experts_per_token` must be in [1, num_experts={E}], got {k}")
+    if not E and k:
+      raise ValueError(f"`experts_per_token`={k} needs `num_experts` > 0 (a dense MLP has none)")
+
+  @property
+  def router_dim(self) -> int:
+    return self.num_experts
+
+  @property
+  def active_mlp_dim(self) -> int:
+    """MLP columns a token runs through: its experts' (k F) or the dense MLP's (F)."""
+    return self.mlp_dim * (self.experts_per_token if self.num_experts else 1)
+
+  def mlp_weight_dim(self, num_tokens: float) -> float:
+    """MLP columns whose weights `num_tokens` tokens read: every expert some token routes to
+    (at most E, at most T k; the router's choice is data, so the bound), or the dense F."""
+    if not self.num_experts:
+      return self.mlp_dim
+    return self.mlp_dim * min(self.num_experts, num_tokens * self.experts_per_token)
 
   def num_params(self) -> int:
     D, F = self.d_model, self.mlp_dim
-    per_layer = self.attention_params() + self.mlp_matrices * D * F + 2 * D
+    mlp = self.mlp_matrices * D * F * max(self.num_experts, 1) + D * self.num_experts  # router
+    per_layer = self.attention_params() + mlp + 2 * D
     head = 0 if self.tie_embeddings else self.vocab_size * D
     return self.vocab_size * D + self.num_layers * per_layer + D + head
 
@@ -241,7 +291,7 @@ def _yarn_from_hf(hf: dict[str, Any], merged: dict[str, Any], max_positions: int
   return out
 
 
-def _rope_from_hf(hf: dict[str, Any], max_positions: int) -> RopeConfig:
+def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> RopeConfig:
   """Reads RoPE settings from either config layout.
 
   transformers < 5 wrote `rope_theta` and `rope_scaling` ({"type" or "rope_type": ...});
@@ -269,7 +319,7 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int) -> RopeConfig:
         "keep one of them"
       )
   merged = {**scaling, **params}
-  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+  theta = merged.get("rope_theta", _or_default(hf, "rope_theta", model_type, 10000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default"))
   if rope_type not in ROPE_TYPES:
     raise ValueError(
@@ -295,13 +345,52 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int) -> RopeConfig:
   return RopeConfig(**kwargs)
 
 
+def _experts_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+  """The mixture of experts of a MoE family, as transformers reads it: Qwen3-MoE's
+  `num_experts` (or `num_local_experts`, as transformers 5 writes it), `moe_intermediate_size`
+  per expert, `norm_topk_prob`; Mixtral's `num_local_experts`, weights always renormalised.
+  Qwen3-MoE layers with a dense MLP (`mlp_only_layers`, `decoder_sparse_step` > 1) are
+  refused by name: every layer of a stacked model has one MLP shape."""
+  if model_type not in MOE_FAMILIES:
+    return {}
+  if model_type == "qwen3_moe":
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+      raise ValueError(
+        "config.json: dense MLP layers among the experts (`mlp_only_layers`="
+        f"{hf.get('mlp_only_layers')!r}, `decoder_sparse_step`={hf.get('decoder_sparse_step')!r})"
+        " are not supported: every layer a mixture of experts"
+      )
+    # transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`.
+    experts = hf.get("num_experts", _or_default(hf, "num_local_experts", model_type))
+    experts = _or_default(hf, "num_experts", model_type) if experts is None else experts
+  else:
+    experts = _or_default(hf, "num_local_experts", model_type)
+  top_k = _or_default(hf, "num_experts_per_tok", model_type)
+  for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"config.json: `{name}` must be an integer >= 1, got {value!r}")
+  if top_k > experts:
+    raise ValueError(
+      f"config.json: `num_experts_per_tok`={top_k} (absent: {model_type}'s default) exceeds "
+      f"the {experts} experts"
+    )
+  normalize = True if model_type == "mixtral" else _or_default(hf, "norm_topk_prob", model_type)
+  return {
+    "num_experts": experts,
+    "experts_per_token": top_k,
+    "normalize_expert_weights": bool(normalize),
+  }
+
+
 def _refuse(hf: dict[str, Any], field: str, bad: Any, why: str) -> None:
   if hf.get(field, None) == bad:
     raise ValueError(f"config.json: `{field}`={bad!r} is not supported ({why})")
 
 
 # Hugging Face model types that are the Llama decoder with switches (see LlamaConfig).
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# The families whose MLP is a mixture of experts, and their config keys (`_experts_from_hf`).
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon",)
 
 
@@ -323,6 +412,24 @@ FAMILY_DEFAULTS = {
   },
   "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
   "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+  "qwen3_moe": {
+    "max_position_embeddings": 32768,
+    "num_key_value_heads": 4,
+    "norm_topk_prob": False,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+  },
+  "mixtral": {
+    "max_position_embeddings": 131072,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+  },
   "falcon": {"max_position_embeddings": 2048, "bos_token_id": 11, "eos_token_id": 11},
 }
 MAX_POSITION_DEFAULTS = {k: v["max_position_embeddings"] for k, v in FAMILY_DEFAULTS.items()}
@@ -467,13 +574,18 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       num_kv_heads=_kv_heads(hf, model_type, num_heads),
       head_dim=hf.get("head_dim")
       or HEAD_DIM_DEFAULTS.get(model_type, hf["hidden_size"] // num_heads),
-      mlp_dim=hf["intermediate_size"],
-      norm_eps=hf.get("rms_norm_eps", 1e-6),
-      rope=_rope_from_hf(hf, common["max_position_embeddings"]),
+      mlp_dim=(
+        _or_default(hf, "moe_intermediate_size", model_type)
+        if model_type == "qwen3_moe"
+        else hf["intermediate_size"]
+      ),
+      norm_eps=_or_default(hf, "rms_norm_eps", model_type, 1e-6),
+      rope=_rope_from_hf(hf, common["max_position_embeddings"], model_type),
       tie_embeddings=hf.get("tie_word_embeddings", False),
       qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always carry a bias
-      qk_norm=model_type == "qwen3",
+      qk_norm=model_type in ("qwen3", "qwen3_moe"),
       sliding_window=_sliding_window_from_hf(hf, model_type),
+      **_experts_from_hf(hf, model_type),
     )
   if model_type == "falcon":
     _refuse(hf, "alibi", True, "ALiBi Falcon models are not implemented; rotary Falcon only")
@@ -501,7 +613,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       head_dim=hf["hidden_size"] // num_heads,
       mlp_dim=hf.get("ffn_hidden_size") or 4 * hf["hidden_size"],
       norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-      rope=_rope_from_hf(hf, common["max_position_embeddings"]),
+      rope=_rope_from_hf(hf, common["max_position_embeddings"], model_type),
       tie_embeddings=hf.get("tie_word_embeddings", True),
       separate_mlp_norm=separate,
       qkv_layout=layout,

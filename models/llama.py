@@ -16,7 +16,8 @@ from models.config import LlamaConfig
 
 
 class LlamaBlock(Block):
-  """Pre-norm attention then pre-norm SwiGLU MLP, each with a residual."""
+  """Pre-norm attention then pre-norm SwiGLU MLP (or a mixture of SwiGLU experts), each with
+  a residual."""
 
   def __init__(self, config: LlamaConfig, *, num_layers: int, dtype, rngs: nnx.Rngs):
     self.config = config
@@ -24,9 +25,16 @@ class LlamaBlock(Block):
     self.attn_norm = ones_param((L, D), dtype)
     self.init_attention(num_layers, dtype, rngs)
     self.mlp_norm = ones_param((L, D), dtype)
-    self.w_gate = normal_param(rngs, (L, D, F), dtype)
-    self.w_up = normal_param(rngs, (L, D, F), dtype)
-    self.w_down = normal_param(rngs, (L, F, D), dtype)
+    if config.num_experts:  # a mixture of experts: a router and E SwiGLU experts
+      E = config.num_experts
+      self.router = normal_param(rngs, (L, D, E), dtype)
+      self.w_gate = normal_param(rngs, (L, E, D, F), dtype)
+      self.w_up = normal_param(rngs, (L, E, D, F), dtype)
+      self.w_down = normal_param(rngs, (L, E, F, D), dtype)
+    else:
+      self.w_gate = normal_param(rngs, (L, D, F), dtype)
+      self.w_up = normal_param(rngs, (L, D, F), dtype)
+      self.w_down = normal_param(rngs, (L, F, D), dtype)
 
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:
     return layers.rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
@@ -34,6 +42,13 @@ class LlamaBlock(Block):
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     x_BTD = x_BTD + reduce(self.attention_output(attn_BTNH))
     h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
+    cfg = self.config
+    if cfg.num_experts:
+      experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+      mlp_BTD = layers.mixture_of_experts(
+        h_BTD, self.router[...], *experts, cfg.experts_per_token, cfg.normalize_expert_weights
+      )
+      return x_BTD + reduce(mlp_BTD)
     gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))
     up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up[...])
     return x_BTD + reduce(jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, self.w_down[...]))

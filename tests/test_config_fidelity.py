@@ -36,7 +36,14 @@ CLASSES = {
   "mistral": "Mistral",
   "qwen2": "Qwen2",
   "qwen3": "Qwen3",
+  "qwen3_moe": "Qwen3Moe",
+  "mixtral": "Mixtral",
   "falcon": "Falcon",
+}
+# Four experts, two per token: small, and every expert routed to by some token of TOKENS.
+EXPERTS = {
+  "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+  "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -53,7 +60,13 @@ def base_kwargs(model_type: str) -> dict:
   )
   if model_type == "falcon":
     return dict(common, alibi=False, bias=False, ffn_hidden_size=48, new_decoder_architecture=True)
-  return dict(common, intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=False)
+  return dict(
+    common,
+    intermediate_size=48,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    **EXPERTS.get(model_type, {}),
+  )
 
 
 def drop(*keys: str) -> Callable[[dict], None]:
@@ -179,6 +192,16 @@ VARIANTS = {
     lambda config: config["rope_parameters"].update(partial_rotary_factor=0.5),
     "partial_rotary_factor",
   ),
+  # Mixtures of experts: the router's renormalisation both ways, a window, and dense layers
+  # among the experts (refused: one MLP shape per stacked model).
+  "qwen3_moe-experts": ("qwen3_moe", {}, None, None),
+  "qwen3_moe-normalized": ("qwen3_moe", {"norm_topk_prob": True}, None, None),
+  "qwen3_moe-no-norm-key": ("qwen3_moe", {"norm_topk_prob": True}, drop("norm_topk_prob"), None),
+  "qwen3_moe-dense-layers": ("qwen3_moe", {"mlp_only_layers": [0]}, None, "mlp_only_layers"),
+  "qwen3_moe-sparse-step": ("qwen3_moe", {"decoder_sparse_step": 2}, None, "decoder_sparse_step"),
+  "mixtral-experts": ("mixtral", {}, None, None),
+  "mixtral-window": ("mixtral", {"sliding_window": 4}, None, None),
+  "mixtral-no-eps": ("mixtral", {"rms_norm_eps": 1e-5}, drop("rms_norm_eps"), None),
   # Norms, head_dim, activations, biases.
   "llama-rms-eps": ("llama", {"rms_norm_eps": 1e-2}, None, None),
   "llama-no-rms-eps": ("llama", {"rms_norm_eps": 1e-6}, drop("rms_norm_eps"), None),
@@ -304,7 +327,7 @@ def write_variant(name: str, directory) -> None:
 def effective_window(hf_config) -> int | None:
   """The window transformers applies on every layer (mixed layers are refused here)."""
   layer_types = getattr(hf_config, "layer_types", None)
-  if hf_config.model_type == "mistral":  # MistralAttention windows every layer by the field
+  if hf_config.model_type in ("mistral", "mixtral", "qwen3_moe"):  # every layer, by the field
     return hf_config.sliding_window
   if hf_config.model_type in ("llama", "falcon") or layer_types is None:
     return None

@@ -19,10 +19,13 @@ import numpy as np
 
 from models.config import FalconConfig, LlamaConfig, ModelConfig
 
-# (parameter path in the NNX state, layer index or None, transform of the HF array, the shape
-# the HF tensor must have). The shape is checked before any transform: a transposed or
-# reshaped tensor with the right element count would otherwise load, silently wrong.
-Target = tuple[tuple[str, ...], int | None, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]
+# (parameter path in the NNX state, layer index (or (layer, expert)) or None, transform of the
+# HF array, the shape the HF tensor must have). The shape is checked before any transform: a
+# transposed or reshaped tensor with the right element count would otherwise load, silently
+# wrong.
+Target = tuple[
+  tuple[str, ...], int | tuple[int, int] | None, Callable[[np.ndarray], np.ndarray], tuple[int, ...]
+]
 
 # A safetensors header longer than this is refused before it is read (the format's own
 # reference implementation uses the same bound).
@@ -92,10 +95,41 @@ def _llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:
   if cfg.qk_norm:  # Qwen3: one [H] scale shared by the heads
     per_layer["self_attn.q_norm.weight"] = ("q_norm", _same, (H,))
     per_layer["self_attn.k_norm.weight"] = ("k_norm", _same, (H,))
-  if rest not in per_layer or layer >= cfg.num_layers:
+  if layer >= cfg.num_layers:
+    return None
+  if cfg.num_experts:
+    for dense in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+      del per_layer[dense]
+    expert = _expert_target(cfg, rest, layer)
+    if expert is not None:
+      return expert
+  if rest not in per_layer:
     return None
   param, fn, hf_shape = per_layer[rest]
   return [(("blocks", param), layer, fn, hf_shape)]
+
+
+# A mixture of experts' tensors, per family: the router, and each expert's gate, up and down
+# projections (Mixtral's w1, w3, w2).
+_EXPERT_NAMES = {
+  "mlp": ("gate", {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}),
+  "block_sparse_moe": ("gate", {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}),
+}
+
+
+def _expert_target(cfg: LlamaConfig, rest: str, layer: int) -> list[Target] | None:
+  """The router [E, D] -> router [D, E] of the layer, or expert e's [F, D] / [D, F] Linear
+  weight -> its [D, F] / [F, D] slice of w_gate, w_up or w_down [L, E, ...] (index (l, e))."""
+  D, F, E = cfg.d_model, cfg.mlp_dim, cfg.num_experts
+  for prefix, (router, projections) in _EXPERT_NAMES.items():
+    if rest == f"{prefix}.{router}.weight":
+      return [(("blocks", "router"), layer, lambda w: w.T, (E, D))]
+    m = re.fullmatch(rf"{re.escape(prefix)}\.experts\.(\d+)\.(\w+)\.weight", rest)
+    if m and int(m.group(1)) < E and m.group(2) in projections:
+      param = projections[m.group(2)]
+      hf_shape = (D, F) if param == "w_down" else (F, D)
+      return [(("blocks", param), (layer, int(m.group(1))), lambda w: w.T, hf_shape)]
+  return None
 
 
 def _split_falcon_qkv(cfg: FalconConfig) -> list[Callable[[np.ndarray], np.ndarray]]:

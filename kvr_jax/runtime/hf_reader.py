@@ -118,14 +118,20 @@ def _read_tensors(files, config, flat_abstract, params, progress: bool):
         value = _fitted_tensor(
           path, name, array, flat_abstract[param_path], layer, transform, hf_shape, param_path
         )
-        if param_path not in filled:
+        if param_path not in filled:  # a flag per stacked index ((layer, expert) for experts)
           spec = flat_abstract[param_path]
-          filled[param_path] = np.zeros(spec.shape[0] if layer is not None else 1, bool)
+          stacked = () if layer is None else spec.shape[: _stacked_axes(layer)]
+          filled[param_path] = np.zeros(stacked or (1,), bool)
         origin[param_path] = name
         params.put(param_path, layer, value)
         filled[param_path][0 if layer is None else layer] = True
   bar.close()
   return filled, origin
+
+
+def _stacked_axes(index) -> int:
+  """The leading axes a target's index fills: 1 for a layer, 2 for an expert of a layer."""
+  return len(index) if isinstance(index, tuple) else 1
 
 
 def _fitted_tensor(path, name, array, spec, layer, transform, hf_shape, param_path):
@@ -135,7 +141,7 @@ def _fitted_tensor(path, name, array, spec, layer, transform, hf_shape, param_pa
       f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but this config.json "
       f"needs {hf_shape}"
     )
-  shape = spec.shape[1:] if layer is not None else spec.shape
+  shape = spec.shape if layer is None else spec.shape[_stacked_axes(layer) :]
   try:
     value = transform(array)
   except ValueError:
@@ -156,7 +162,8 @@ def _check_complete(directory, flat_abstract, filled, origin) -> None:
     if param_path not in filled:
       missing.append(".".join(param_path))
     elif not filled[param_path].all():
-      layers_missing = np.flatnonzero(~filled[param_path]).tolist()
+      indices = np.argwhere(~filled[param_path]).tolist()  # [layer] or [layer, expert]
+      layers_missing = [i[0] if len(i) == 1 else tuple(i) for i in indices]
       missing.append(
         f"{'.'.join(param_path)} (layers {layers_missing}, from tensors like "
         f"{origin[param_path]!r})"

@@ -54,6 +54,11 @@ def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
   m = model_parallel
   if isinstance(m, bool) or not isinstance(m, int) or m < 1:
     raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
+  if m > 1 and getattr(config, "num_experts", 0):
+    raise ValueError(
+      f"model_parallel={m}: tensor parallelism of a mixture of experts is not built (its "
+      "experts' columns are not split); run it with model_parallel=1"
+    )
   N, K, F = config.num_heads, config.num_kv_heads, config.mlp_dim
   if N % m or F % m or (K % m and m % K):
     raise ValueError(

@@ -180,13 +180,7 @@ def phase_work(
   the model's sliding window, see at most W keys each. scored_keys: keys each query scores
   on average, when the caller knows better (the zigzag layouts); default from the above.
   """
-  D, N, K, H, F = (
-    config.d_model,
-    config.num_heads,
-    config.num_kv_heads,
-    config.head_dim,
-    config.mlp_dim,
-  )
+  D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
   T, S, B, db = num_queries, num_keys, batch, dtype_bytes
   mlp_matrices = config.mlp_matrices
   qkv = Work(
@@ -205,9 +199,12 @@ def phase_work(
     db * (2 * B * T * N * H + 2 * B * S * K * H) + score_traffic,
     fused_attention=not scores_in_memory,
   )
+  # The MLP: FLOPs of the columns each token runs through (a mixture of experts: its k
+  # experts', plus the router's [D, E]), weights read of every column some token routes to.
+  F_active, F_read, E = config.active_mlp_dim, config.mlp_weight_dim(B * T), config.router_dim
   rest = Work(
-    2 * B * T * N * H * D + 2 * B * T * D * F * mlp_matrices,
-    db * (N * H * D + mlp_matrices * D * F + B * T * (N * H + 2 * D + 2 * F)),
+    2 * B * T * N * H * D + 2 * B * T * D * (F_active * mlp_matrices + E),
+    db * (N * H * D + mlp_matrices * D * F_read + D * E + B * T * (N * H + 2 * D + 2 * F_active)),
   )
   return {"qkv": qkv, "attention": attention, "rest": rest}
 
