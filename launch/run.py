@@ -36,7 +36,13 @@ flags.DEFINE_string(
   "(exact shapes) or comma-separated increasing lengths. A prompt is padded up to its "
   "bucket, so that lengths in one bucket share compiled programs.",
 )
-flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Comma list of single, tsp, kvr.")
+flags.DEFINE_list(
+  "strategy",
+  ["single", "tsp", "kvr"],
+  "Comma list of single, tsp, kvr, ring, allgather, or auto (the cost model picks the strategy "
+  "and KV-Runahead's split for the prompt's length, the mesh, --hardware and --links, and "
+  "prints what it picked and every strategy's modelled TTFT).",
+)
 flags.DEFINE_string(
   "partition",
   "search",

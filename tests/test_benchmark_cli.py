@@ -95,12 +95,17 @@ def test_benchmark_multiprocess_mode(tmp_path):
     "--context_lens=128",
     "--repeats=2",
     "--single_variants=single",
-    "--variants=tsp,ring,kvr-search",
+    "--variants=tsp,ring,kvr-search,auto",
     f"--output_dir={tmp_path}",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   table = json.loads((tmp_path / "multiprocess.json").read_text())
-  assert {r["variant"] for r in table} == {"single", "tsp", "ring", "kvr-search"}
+  assert {r["variant"] for r in table} == {"single", "tsp", "ring", "kvr-search", "auto"}
+  # auto ran one pick on both processes, and is judged against the fastest of the others.
+  (auto,) = [r for r in table if r["variant"] == "auto"]
+  assert auto["strategy"] in ("single", "kvr", "ring", "allgather")
+  fastest = min((r for r in table if r["variant"] != "auto"), key=lambda r: r["ttft_s"])
+  assert auto["vs_peer"].split()[1:] == [fastest["variant"]], auto
   assert all(r["ttft_s"] > 0 for r in table)
   # Every interleaved sample is kept; the median is theirs; KVR gets a verdict on the peer.
   assert all(len(r["samples_s"]) == 2 for r in table)

@@ -779,6 +779,29 @@ def test_prefill_auto_runs_and_reports_its_choice(monkeypatch):
       kvr_jax.prefill(model, tokens, "auto", mesh=mesh, **kwargs)
 
 
+def test_the_command_line_comparison_runs_auto_and_says_what_it_picked():
+  """launch.run --strategy=auto's library call: auto beside the strategies it picks from,
+  the pick and every modelled TTFT in its report, a kernel named refused up front."""
+  from kvr_jax.tools import demo
+
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 96)
+  plan = kvr_jax.PartitionPlan("search", hardware="a100-80gb", links="10GBps")
+  reports = demo.compare_strategies(
+    model, tokens, ["single", "auto"], num_devices=2, partition=plan, repeats=1, max_new_tokens=2
+  )
+  auto = reports[1]
+  assert auto.strategy == "auto" and auto.choice.startswith("auto picked ")
+  picked = auto.choice.split()[2]
+  assert picked in ("single", "kvr", "ring", "allgather")
+  assert all(f"{name} " in auto.choice for name in ("single", "kvr", "ring", "allgather"))
+  assert (auto.partition is not None) == (picked == "kvr")  # kvr runs with its split
+  assert auto.first_tokens == reports[0].first_tokens  # greedy decode from its cache
+  assert auto.choice in demo.format_table(reports).splitlines()
+  with pytest.raises(ValueError, match="strategy 'auto' runs each strategy's own kernel"):
+    demo.compare_strategies(model, tokens, ["auto"], num_devices=2, attention="dense")
+
+
 @pytest.mark.parametrize("strategy", sorted(REGISTRY))
 def test_every_registered_strategy_is_modelled_by_its_own_layer(strategy):
   """simulate reads nothing but the strategy's own `modelled_layer`: its

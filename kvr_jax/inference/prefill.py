@@ -170,8 +170,15 @@ def padded_prompts(model: Model, tokens, buckets):
 def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attention=None):
   """The `prefill` keyword arguments for `strategy`: the mesh always, the partition only for a
   partitioned strategy, the attention kernel named (None or "auto": each strategy's own
-  choice). A kernel the strategy does not run is refused, except by TSP, which is dense by
-  definition and keeps its dense kernel (shown in every report)."""
+  choice); strategy="auto": only a PartitionPlan (the hardware and links it plans for). A
+  kernel the strategy does not run is refused, except by TSP, which is dense by definition
+  and keeps its dense kernel (shown in every report)."""
+  if strategy == AUTO:
+    # The cost model chooses the strategy, its split and its kernel: a plan's hardware and
+    # links are what it plans for; lengths or a method name of the user's are another
+    # strategy's (kvr's) and are not passed.
+    plan = partition if isinstance(partition, PartitionPlan) else None
+    return {"strategy": AUTO, "mesh": mesh, "partition": plan}
   spec = get_strategy(strategy)
   kwargs: dict[str, Any] = {"strategy": strategy, "mesh": mesh}
   if spec.partitioned:
@@ -364,7 +371,14 @@ def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
     **kernel_flags(kernel),
   )
   choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
-  return choice.strategy, (list(choice.chunks) if choice.chunks else None), choice
+  strategy = choice.strategy
+  if jax.process_count() > 1:
+    # Calibrations are per process: every process runs process 0's pick (and, for kvr, its
+    # split: `_plan_partition` broadcasts that).
+    index = multihost_utils.broadcast_one_to_all(np.int32(STRATEGIES.index(strategy)))
+    strategy = STRATEGIES[int(index)]
+  chunks = list(choice.chunks) if choice.chunks and strategy == choice.strategy else None
+  return strategy, chunks, choice
 
 
 def _check_model_and_kernel(model, spec, attention, timeline):

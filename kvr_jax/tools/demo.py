@@ -20,6 +20,7 @@ from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh, mesh_of_ranks
 from kvr_jax.strategies import STRATEGIES, get_strategy
+from kvr_jax.strategies.base import AUTO
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
 __all__ = ["StrategyReport", "compare_strategies", "format_table", "synthetic_prompt"]
@@ -42,6 +43,8 @@ class StrategyReport:
   ttft_runs_s: list[float]
   max_logit_diff_vs_single: float | None  # None when `single` did not run
   first_tokens: list[int]
+  # strategy="auto": what the cost model picked, with every strategy's MODELLED TTFT.
+  choice: str | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -102,9 +105,19 @@ def compare_strategies(
           None if reference is None else float(np.abs(logits - reference).max())
         ),
         first_tokens=[int(t) for t in gen.tokens[0]],
+        choice=None if result.choice is None else describe_choice(result.choice),
       )
     )
   return reports
+
+
+def describe_choice(choice) -> str:
+  """strategy="auto"'s pick and the MODELLED TTFT of each strategy it weighed."""
+  split = f" {list(choice.chunks)}" if choice.chunks else ""
+  modelled = ", ".join(
+    f"{name} {seconds * 1e3:.1f}ms" for name, seconds in choice.predicted_s.items()
+  )
+  return f"auto picked {choice.strategy}{split} (MODELLED TTFT: {modelled})"
 
 
 def _check_comparison(strategies, mesh, partition, attention, repeats, padded_len) -> list:
@@ -112,9 +125,10 @@ def _check_comparison(strategies, mesh, partition, attention, repeats, padded_le
   strategies with "single" first, so that the others are compared with it."""
   if repeats < 1:
     raise ValueError(f"`repeats` must be >= 1, got {repeats}")
-  unknown = [s for s in strategies if s not in STRATEGIES]
+  known = (*STRATEGIES, AUTO)
+  unknown = [s for s in strategies if s not in known]
   if unknown or not strategies:
-    raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {STRATEGIES}")
+    raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {known}")
   strategies = sorted(strategies, key=lambda s: s != "single")
   if isinstance(partition, (list, tuple, np.ndarray)):
     partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
@@ -125,6 +139,11 @@ def _check_comparison(strategies, mesh, partition, attention, repeats, padded_le
       )
     check_chunks(partition, padded_len, check_mesh(mesh, allow_model=True))
   for strategy in strategies:  # a kernel named explicitly is refused, not swapped, up front
+    if strategy == AUTO and attention not in (None, AUTO):
+      raise ValueError(
+        f"strategy 'auto' runs each strategy's own kernel; attention={attention!r} names one "
+        "(leave it auto, or name the strategies)"
+      )
     prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
   return strategies
 
@@ -145,6 +164,7 @@ def format_table(reports: list[StrategyReport]) -> str:
       f"{r.compile_s:>8.2f}s {r.compile_cache:<9} {'n/a' if diff is None else f'{diff:.2e}':>13}  "
       f"{' '.join(map(str, r.first_tokens))}"
     )
+  lines += [r.choice for r in reports if r.choice]
   return "\n".join(lines)
 
 

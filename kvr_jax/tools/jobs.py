@@ -79,6 +79,10 @@ BENCH_VARIANTS = (
   # what the one-body program replaced, timed beside it.
   "kvr-per-rank-even",
   "kvr-per-rank-search",
+  # strategy="auto": the cost model's pick (with this machine's `local` calibration, or with
+  # FLOP/s fitted to the model's phases here), timed beside what it picks from.
+  "auto",
+  "auto-fitted",
 )
 # A single-process variant's attention kernel (None: the strategy's default, flash).
 _SINGLE_KERNELS = {"single": None, "single-dense": "dense", "single-blocked": "blocked"}
@@ -128,6 +132,7 @@ def bench_job(
           "samples_s": timing.runs_s,  # every warm run, in round order
           "move_s": timing.move_median_s,  # the cache's move onto the last rank (in ttft_s)
           "search_s": searches[variant],
+          "strategy": result.strategy,  # what ran (auto: its pick)
           "partition": None if result.partition is None else list(result.partition),
         }
       )
@@ -147,8 +152,12 @@ def _variant_arguments(variant: str, model, tokens, mesh, measured_multiple: int
     if jax.process_count() > 1:
       raise ValueError(f"variant {variant!r} runs in a one-process launch")
     return prefill_arguments("single", attention=_SINGLE_KERNELS[variant]), 0.0
-  if variant in ("tsp", "ring", "allgather"):
+  if variant in ("tsp", "ring", "allgather", "auto"):
     return prefill_arguments(variant, mesh=mesh), 0.0
+  if variant == "auto-fitted":
+    start = time.perf_counter()
+    plan = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
+    return prefill_arguments("auto", mesh=mesh, partition=plan), time.perf_counter() - start
   if variant in ("kvr-per-rank-even", "kvr-per-rank-search"):
     kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-per-rank-") :])
     return {**kwargs, "strategy": runahead.PER_RANK_STRATEGY}, 0.0

@@ -17,8 +17,9 @@ NOTES = (
   "dense masked scores (the paper's baseline). Speed-ups are against `single`.",
   "move: of TTFT, the time to bring the ranks' cache parts onto the last rank.",
   "min-max: of the warm runs, interleaved with the other variants' (round-robin).",
-  "vs peer: KV-Runahead against the faster of ring and all-gather (by median): ahead or",
-  "behind only where the min-max intervals do not overlap, else tie.",
+  "vs peer: KV-Runahead against the faster of ring and all-gather (by median), auto against",
+  "the fastest variant it chose among (single included): ahead or behind only where the",
+  "min-max intervals do not overlap, else tie. auto's partition column names its pick.",
 )
 
 
@@ -50,6 +51,9 @@ def multiprocess_table(rows: list[dict]) -> list[dict]:
     vs_peer = "-"
     if peer is not None and r["variant"].startswith("kvr"):
       vs_peer = f"{interval_verdict(_samples(r), _samples(peer))} {peer['variant']}"
+    best = _best_other(rows, r) if r["variant"].startswith("auto") else None
+    if best is not None:
+      vs_peer = f"{interval_verdict(_samples(r), _samples(best))} {best['variant']}"
     table.append(
       dict(
         r,
@@ -59,6 +63,19 @@ def multiprocess_table(rows: list[dict]) -> list[dict]:
       )
     )
   return table
+
+
+def _best_other(rows: list[dict], auto: dict) -> dict | None:
+  """The fastest variant auto chose among, by median: the multi-process ones on its link and
+  length, and one process alone (single) at its length."""
+  candidates = [
+    r
+    for r in rows
+    if r["context_len"] == auto["context_len"]
+    and not r["variant"].startswith("auto")
+    and (r["link"] == auto["link"] or r["variant"] == "single")
+  ]
+  return min(candidates, key=lambda r: r["ttft_s"], default=None)
 
 
 def print_table(table: list[dict], model: str, num_processes: int) -> None:
@@ -77,7 +94,9 @@ def print_table(table: list[dict], model: str, num_processes: int) -> None:
       f"{r['variant']:<20}{r['link']:>12}{r['context_len']:>7}  {r['ttft_s']:>8.3f}s  "
       f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
       f"{r['speedup_vs_single']:>8.2f}x  {'n/a' if vs_tsp is None else f'{vs_tsp:.2f}x':>7}  "
-      f"{r['vs_peer']:<18}{r['partition'] or '-'}"
+      f"{r['vs_peer']:<18}"
+      + (f"{r['strategy']} " if r["variant"].startswith("auto") else "")
+      + f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
     )
 
