@@ -20,7 +20,10 @@ from launch import common
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "results/paper", "Where to write paper_ttft.csv and plots.")
 flags.DEFINE_list(
-  "grids", ["paper", "tp"], "paper: the paper's figures; tp: the 70B tensor-parallel grid."
+  "grids",
+  ["paper", "tp"],
+  "paper: the paper's figures; tp: the 70B tensor-parallel grid; gemma: Gemma 3 27B's "
+  "windowed layers on 8 GPUs.",
 )
 flags.DEFINE_list(
   "tp_context_lens", [str(c) for c in paper.TP_CONTEXT_LENS], "Prompt lengths of the tp grid."
@@ -32,9 +35,9 @@ def main(argv):
   start = time.perf_counter()
   with common.user_errors():
     common.check_output_dir(FLAGS.output_dir)
-    unknown = sorted(set(FLAGS.grids) - {"paper", "tp"})
+    unknown = sorted(set(FLAGS.grids) - {"paper", "tp", "gemma"})
     if unknown or not FLAGS.grids:
-      raise ValueError(f"--grids takes paper and/or tp, got {FLAGS.grids}")
+      raise ValueError(f"--grids takes paper, tp and/or gemma, got {FLAGS.grids}")
     tp_lens = common.positive_ints(FLAGS.tp_context_lens, "--tp_context_lens")
     paper.check_tp_context_lens(tp_lens)
   ok = True
@@ -42,6 +45,9 @@ def main(argv):
     ok = paper_grid()
   if "tp" in FLAGS.grids:
     tp_grid(tp_lens)
+  if "gemma" in FLAGS.grids:
+    print()
+    paper.print_gemma_grid()
   print(f"done in {time.perf_counter() - start:.1f}s")
   return 0 if ok else 1
 

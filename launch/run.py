@@ -57,9 +57,10 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
   "cache",
   "last",
-  ["last", "sharded"],
-  "KV cache after prefill: 'last' (moved onto the last rank in prompt order, the paper's) or "
-  "'sharded' (each rank keeps its own part; decode merges the ranks' partial attention).",
+  ["last", "sharded", "auto"],
+  "KV cache after prefill: 'last' (moved onto the last rank in prompt order, the paper's), "
+  "'sharded' (each rank keeps its own part; decode merges the ranks' partial attention) or "
+  "'auto' (last where the last rank's device holds the whole cache, else sharded).",
 )
 flags.DEFINE_string("hardware", "local", "Cost-model hardware preset for search/balanced/predict.")
 flags.DEFINE_string("links", "local", "Cost-model link preset for search/balanced/predict.")

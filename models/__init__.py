@@ -3,6 +3,7 @@
 from models.base import Block, CausalLM, scan_blocks
 from models.config import (
   FalconConfig,
+  GemmaConfig,
   LlamaConfig,
   ModelConfig,
   RopeConfig,
@@ -10,9 +11,10 @@ from models.config import (
   config_from_hf,
 )
 from models.falcon import Falcon
+from models.gemma import Gemma
 from models.llama import Llama
 
-MODEL_CLASSES = {"llama": Llama, "falcon": Falcon}
+MODEL_CLASSES = {"llama": Llama, "falcon": Falcon, "gemma3": Gemma}
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:
@@ -24,6 +26,8 @@ __all__ = [
   "CausalLM",
   "Falcon",
   "FalconConfig",
+  "Gemma",
+  "GemmaConfig",
   "Llama",
   "LlamaConfig",
   "ModelConfig",

@@ -96,6 +96,10 @@ class ModelConfig:
   qkv_bias: bool = False
   qk_norm: bool = False
   sliding_window: int | None = None
+  # A window per layer where the layers differ (Qwen2/Qwen3's `max_window_layers`, mixed
+  # `layer_types`): layer l attends through layer_windows[l] keys (None: every key), and
+  # `sliding_window` is None. None here: every layer attends through `sliding_window`.
+  layer_windows: tuple[int | None, ...] | None = None
 
   def __post_init__(self):
     for name in (
@@ -117,12 +121,35 @@ class ModelConfig:
       )
     if self.head_dim % 2:
       raise ValueError(f"`head_dim` must be even for rotary embeddings, got {self.head_dim}")
-    window = self.sliding_window
-    bad_window = isinstance(window, bool) or not isinstance(window, int) or window < 1
-    if window is not None and bad_window:
-      raise ValueError(
-        f"config field `sliding_window` must be a positive integer or None, got {window!r}"
-      )
+    for window in (self.sliding_window, *(self.layer_windows or ())):
+      bad_window = isinstance(window, bool) or not isinstance(window, int) or window < 1
+      if window is not None and bad_window:
+        raise ValueError(
+          f"config field `sliding_window` must be a positive integer or None, got {window!r}"
+        )
+    if self.layer_windows is not None:
+      if len(self.layer_windows) != self.num_layers:
+        raise ValueError(
+          f"`layer_windows` has {len(self.layer_windows)} entries for {self.num_layers} layers"
+        )
+      if self.sliding_window is not None:
+        raise ValueError("give `sliding_window` (every layer) or `layer_windows`, not both")
+
+  @property
+  def windows(self) -> tuple[int | None, ...]:
+    """Each layer's window (None: all keys)."""
+    return self.layer_windows or (self.sliding_window,) * self.num_layers
+
+  @property
+  def narrowest_window(self) -> int | None:
+    """The smallest window of any layer, None when no layer has one: what decides whether a
+    kernel must take windows and whether hops carry whole prefixes."""
+    return min((w for w in self.windows if w is not None), default=None)
+
+  def with_window(self, window: int | None) -> ModelConfig:
+    """This config with one window on every layer (a layer of a mixed model, as its block and
+    the cost model see it)."""
+    return dataclasses.replace(self, sliding_window=window, layer_windows=None)
 
   def attention_params(self) -> int:
     """Parameters of one layer's attention: projections, Q/K/V biases, q/k norms."""
@@ -246,7 +273,45 @@ class FalconConfig(ModelConfig):
     return self.vocab_size * D + self.num_layers * per_layer + 2 * D + head
 
 
-ARCHITECTURES: dict[str, type[ModelConfig]] = {"llama": LlamaConfig, "falcon": FalconConfig}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmaConfig(ModelConfig):
+  """Gemma 3 (text): RMSNorms of the form x (1 + w) around attention and the MLP (before and
+  after each), RMSNorm of q and k per head, GeGLU (tanh GELU), the embedding scaled by
+  sqrt(D), a softmax scale of query_pre_attn_scalar^-1/2, the head tied to the embedding.
+  Its layers interleave sliding-window ones (`layer_windows`: W) with full ones (None), each
+  with its own RoPE: `local_rope` on the windowed layers, `rope` on the full ones."""
+
+  architecture: ClassVar[str] = "gemma3"
+  mlp_matrices: ClassVar[int] = 3
+  reductions_per_layer: ClassVar[int] = 2
+  query_pre_attn_scalar: float = 256.0
+  local_rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+  qk_norm: bool = True
+  tie_embeddings: bool = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not self.qk_norm or self.qkv_bias:
+      raise ValueError("Gemma 3 norms q and k and has no Q/K/V bias")
+
+  def with_window(self, window: int | None) -> GemmaConfig:
+    """One layer of this model: its window and the RoPE of its kind (local where windowed).
+    (Without `layer_windows` every layer runs `sliding_window` with `rope`.)"""
+    rope = self.local_rope if window is not None else self.rope
+    return dataclasses.replace(self, sliding_window=window, layer_windows=None, rope=rope)
+
+  def num_params(self) -> int:
+    D, F = self.d_model, self.mlp_dim
+    per_layer = self.attention_params() + self.mlp_matrices * D * F + 4 * D
+    head = 0 if self.tie_embeddings else self.vocab_size * D
+    return self.vocab_size * D + self.num_layers * per_layer + D + head
+
+
+ARCHITECTURES: dict[str, type[ModelConfig]] = {
+  "llama": LlamaConfig,
+  "falcon": FalconConfig,
+  "gemma3": GemmaConfig,
+}
 
 
 def config_from_dict(data: dict[str, Any]) -> ModelConfig:
@@ -262,10 +327,13 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
   unknown = sorted(set(data) - known)
   if unknown:
     raise ValueError(f"unknown config field(s) for {arch}: {unknown}")
-  if isinstance(data.get("rope"), dict):
-    data["rope"] = RopeConfig(**data["rope"])
+  for key in ("rope", "local_rope"):
+    if isinstance(data.get(key), dict):
+      data[key] = RopeConfig(**data[key])
   if isinstance(data.get("eos_token_id"), list):
     data["eos_token_id"] = tuple(data["eos_token_id"])
+  if isinstance(data.get("layer_windows"), list):
+    data["layer_windows"] = tuple(data["layer_windows"])
   return cls(**data)
 
 
@@ -345,6 +413,66 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Ro
   return RopeConfig(**kwargs)
 
 
+def _gemma_from_hf(hf: dict[str, Any], common: dict[str, Any]) -> GemmaConfig:
+  """Gemma 3's text decoder as transformers reads config.json: layer kinds from `layer_types`
+  (or the older `sliding_window_pattern`, every n-th layer full), a RoPE per kind (nested
+  `rope_parameters`, or the older `rope_theta` with `rope_scaling` for the full layers and
+  `rope_local_base_freq` for the windowed ones)."""
+  kind = "gemma3_text"
+  for field, bad, why in (
+    ("final_logit_softcapping", None, "no logit soft-capping"),
+    ("attn_logit_softcapping", None, "no attention soft-capping"),
+  ):
+    if hf.get(field) is not bad:
+      raise ValueError(f"config.json: `{field}`={hf[field]!r} is not supported ({why})")
+  _refuse(hf, "use_bidirectional_attention", True, "causal attention only")
+  _refuse(hf, "attention_bias", True, "Gemma 3 attention without bias")
+  if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+    raise ValueError(
+      f"config.json: `hidden_activation`={hf['hidden_activation']!r} is not supported "
+      "(gelu_pytorch_tanh)"
+    )
+  L, window = hf["num_hidden_layers"], _or_default(hf, "sliding_window", kind)
+  pattern = hf.get("sliding_window_pattern", 6)
+  layer_types = hf.get("layer_types") or [
+    "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)
+  ]
+  if len(layer_types) != L or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+    raise ValueError(f"config.json: `layer_types` {layer_types!r} for {L} layers")
+  params = hf.get("rope_parameters") or {}
+  max_positions = common["max_position_embeddings"]
+  if "full_attention" in params or "sliding_attention" in params:
+    default = {"rope_type": "default"}
+    rope = _rope_from_hf(
+      {"rope_parameters": params.get("full_attention", default)}, max_positions, kind
+    )
+    local = _rope_from_hf(
+      {"rope_parameters": params.get("sliding_attention", default)}, max_positions, kind
+    )
+  else:
+    scaling = hf.get("rope_scaling") or {}
+    if "type" in scaling and "rope_type" not in scaling:
+      raise ValueError(
+        "config.json: Gemma 3's `rope_scaling` names its type as `type`, which transformers 5 "
+        "reads as default RoPE (the scaling ignored); write `rope_type` to scale"
+      )
+    rope = _rope_from_hf(hf, max_positions, kind)
+    local = RopeConfig(theta=float(_or_default(hf, "rope_local_base_freq", kind)))
+  num_heads = hf["num_attention_heads"]
+  return GemmaConfig(
+    **common,
+    num_kv_heads=_kv_heads(hf, kind, num_heads),
+    head_dim=_or_default(hf, "head_dim", kind),
+    mlp_dim=hf["intermediate_size"],
+    norm_eps=hf.get("rms_norm_eps", 1e-6),
+    rope=rope,
+    local_rope=local,
+    query_pre_attn_scalar=float(_or_default(hf, "query_pre_attn_scalar", kind)),
+    tie_embeddings=_or_default(hf, "tie_word_embeddings", kind),
+    layer_windows=tuple(window if t == "sliding_attention" else None for t in layer_types),
+  )
+
+
 def _experts_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
   """The mixture of experts of a MoE family, as transformers reads it: Qwen3-MoE's
   `num_experts` (or `num_local_experts`, as transformers 5 writes it), `moe_intermediate_size`
@@ -391,7 +519,7 @@ def _refuse(hf: dict[str, Any], field: str, bad: Any, why: str) -> None:
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 # The families whose MLP is a mixture of experts, and their config keys (`_experts_from_hf`).
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
-SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon",)
+SUPPORTED_MODEL_TYPES = LLAMA_FAMILIES + ("falcon", "gemma3_text")
 
 
 # Defaults transformers (5.x) takes when config.json leaves a key out, where they are not the
@@ -431,6 +559,18 @@ FAMILY_DEFAULTS = {
     "num_experts_per_tok": 2,
   },
   "falcon": {"max_position_embeddings": 2048, "bos_token_id": 11, "eos_token_id": 11},
+  "gemma3_text": {
+    "max_position_embeddings": 131072,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+    "tie_word_embeddings": True,
+    "rope_theta": 1e6,
+    "rope_local_base_freq": 10000.0,
+  },
 }
 MAX_POSITION_DEFAULTS = {k: v["max_position_embeddings"] for k, v in FAMILY_DEFAULTS.items()}
 
@@ -481,7 +621,8 @@ POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
 
 def _check_fields(hf: dict[str, Any], model_type: str) -> None:
   """Required fields present, every field read of the right type (null = absent)."""
-  required = REQUIRED_FIELDS + (LLAMA_REQUIRED_FIELDS if model_type in LLAMA_FAMILIES else ())
+  needs_mlp = model_type in LLAMA_FAMILIES or model_type == "gemma3_text"
+  required = REQUIRED_FIELDS + (LLAMA_REQUIRED_FIELDS if needs_mlp else ())
   missing = [name for name in required if hf.get(name) is None]
   if missing:
     raise ValueError(f"config.json lacks the required field(s) {missing} ({model_type})")
@@ -500,8 +641,9 @@ def _check_fields(hf: dict[str, Any], model_type: str) -> None:
       raise ValueError(f"config.json: `{name}` must be a positive number, got {value!r}")
 
 
-def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
-  """One window for every layer, or None. Per-layer windows are refused by name.
+def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+  """{"sliding_window": W or None} (one window for every layer, or none), or
+  {"layer_windows": (...)} where the layers differ, as transformers reads them.
 
   Mistral: `sliding_window` (null: none). Llama: never (transformers ignores the field there).
   Qwen2/Qwen3: a window only if `use_sliding_window`,
@@ -530,20 +672,21 @@ def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
       f"config.json: `layer_types` {sorted(kinds)} are not supported "
       "(full_attention or sliding_attention only)"
     )
-  if kinds == {"full_attention", "sliding_attention"}:
+  if len(layer_types) != num_layers:
     raise ValueError(
-      "config.json: sliding-window attention on some layers only (`layer_types` mixes "
-      "full_attention and sliding_attention; Qwen2's `use_sliding_window` with "
-      f"`max_window_layers`={hf.get('max_window_layers')!r}) is not supported: one window "
-      "for every layer or none"
+      f"config.json: `layer_types` has {len(layer_types)} entries for {num_layers} layers"
     )
-  if kinds == {"sliding_attention"}:
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-      raise ValueError(
-        f"config.json: sliding_attention layers need a positive `sliding_window`, got {window!r}"
-      )
-    return window
-  return None
+  if "sliding_attention" in kinds and (
+    not isinstance(window, int) or isinstance(window, bool) or window <= 0
+  ):
+    raise ValueError(
+      f"config.json: sliding_attention layers need a positive `sliding_window`, got {window!r}"
+    )
+  if kinds == {"full_attention", "sliding_attention"}:  # a window on some layers
+    return {
+      "layer_windows": tuple(window if t == "sliding_attention" else None for t in layer_types)
+    }
+  return {"sliding_window": window if kinds == {"sliding_attention"} else None}
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -584,9 +727,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       tie_embeddings=hf.get("tie_word_embeddings", False),
       qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always carry a bias
       qk_norm=model_type in ("qwen3", "qwen3_moe"),
-      sliding_window=_sliding_window_from_hf(hf, model_type),
+      **_sliding_window_from_hf(hf, model_type),
       **_experts_from_hf(hf, model_type),
     )
+  if model_type == "gemma3_text":
+    return _gemma_from_hf(hf, common)
   if model_type == "falcon":
     _refuse(hf, "alibi", True, "ALiBi Falcon models are not implemented; rotary Falcon only")
     _refuse(hf, "bias", True, "Falcon linear layers without bias only")

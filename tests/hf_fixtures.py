@@ -74,6 +74,24 @@ FAMILY_CASES = {
     "Qwen2ForCausalLM",
     dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, use_sliding_window=False),
   ),
+  # Gemma 3: layer 0 windowed (6 keys, local RoPE base), layer 1 full (global base, linear
+  # scaling); softmax scale from query_pre_attn_scalar, not head_dim.
+  "gemma3-local-global": (
+    "Gemma3TextConfig",
+    "Gemma3ForCausalLM",
+    dict(
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=16,
+      sliding_window=6,
+      layer_types=["sliding_attention", "full_attention"],
+      query_pre_attn_scalar=24,
+      rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+      },
+    ),
+  ),
   # head_dim 24 with d_model 64 and 4 heads: N x H (96) is not d_model.
   "qwen3-qknorm": (
     "Qwen3Config",

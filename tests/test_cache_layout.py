@@ -375,3 +375,34 @@ def test_numpy_partition_with_buckets_names_the_bucket(models):
       partition=np.array([60, 40]),
       buckets="auto",
     )
+
+
+def test_the_layout_chooser_on_hand_worked_memory():
+  """cache="auto": the whole cache on the last rank only while weights + cache fit within
+  WHOLE_CACHE_SHARE (0.8) of its device; Llama-3.1-8B in bfloat16 on an 80 GB GPU: at 128k
+  tokens 16 GiB of cache beside 16 GB of weights ("last"), at 1M tokens 128 GiB ("sharded")."""
+  assert kv_cache.WHOLE_CACHE_SHARE == 0.8
+  assert kv_cache.choose_cache_layout(50, 30, 100) == "last"  # 80 <= 80
+  assert kv_cache.choose_cache_layout(51, 30, 100) == "sharded"
+  config = preset_config("llama-3.1-8b")  # 32 layers, 8 KV heads of 128
+  weights = config.num_params() * 2
+  at_128k = kv_cache.whole_cache_bytes(config, 131072, 1, 2, config.num_kv_heads)
+  at_1m = kv_cache.whole_cache_bytes(config, 1048576, 1, 2, config.num_kv_heads)
+  assert (at_128k, at_1m) == (16 * 2**30, 128 * 2**30)
+  assert kv_cache.choose_cache_layout(at_128k, weights, 80e9) == "last"
+  assert kv_cache.choose_cache_layout(at_1m, weights, 80e9) == "sharded"
+
+
+def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkeypatch):
+  """A tiny model fits: cache="auto" is "last". With the last device's memory made smaller
+  than the weights and the cache, it is "sharded", and decode from it gives single's tokens."""
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = np.random.RandomState(2).randint(0, 512, (1, 40))
+  mesh = kvr_jax.make_mesh(2)
+  kw = dict(strategy="kvr", mesh=mesh, partition=[24, 16], cache="auto")
+  assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.WholeCache)
+  weights = model.config.num_params() * 4
+  monkeypatch.setattr(prefill_module, "device_memory_bytes", lambda device: weights)
+  assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)
+  got = kvr_jax.generate(model, tokens, 5, **kw).tokens
+  np.testing.assert_array_equal(got, kvr_jax.generate(model, tokens, 5).tokens)

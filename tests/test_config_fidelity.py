@@ -38,8 +38,10 @@ CLASSES = {
   "qwen3": "Qwen3",
   "qwen3_moe": "Qwen3Moe",
   "mixtral": "Mixtral",
+  "gemma3_text": "Gemma3Text",
   "falcon": "Falcon",
 }
+MODEL_CLASSES = {"gemma3_text": "Gemma3ForCausalLM"}  # where not f"{CLASSES[...]}ForCausalLM"
 # Four experts, two per token: small, and every expert routed to by some token of TOKENS.
 EXPERTS = {
   "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
@@ -60,6 +62,16 @@ def base_kwargs(model_type: str) -> dict:
   )
   if model_type == "falcon":
     return dict(common, alibi=False, bias=False, ffn_hidden_size=48, new_decoder_architecture=True)
+  if model_type == "gemma3_text":
+    return dict(
+      common,
+      intermediate_size=48,
+      num_key_value_heads=2,
+      head_dim=8,
+      sliding_window=4,
+      layer_types=["sliding_attention", "full_attention"],
+      query_pre_attn_scalar=12,
+    )
   return dict(
     common,
     intermediate_size=48,
@@ -202,6 +214,37 @@ VARIANTS = {
   "mixtral-experts": ("mixtral", {}, None, None),
   "mixtral-window": ("mixtral", {"sliding_window": 4}, None, None),
   "mixtral-no-eps": ("mixtral", {"rms_norm_eps": 1e-5}, drop("rms_norm_eps"), None),
+  # Gemma 3: layer kinds from layer_types or the older sliding_window_pattern, a RoPE per
+  # kind in either layout, soft-capping refused.
+  "gemma3-local-global": ("gemma3_text", {}, None, None),
+  "gemma3-old-pattern": (
+    "gemma3_text",
+    {},
+    both(drop("layer_types"), put(sliding_window_pattern=2)),
+    None,
+  ),
+  "gemma3-old-rope-layout": (
+    "gemma3_text",
+    {},
+    both(
+      drop("rope_parameters"),
+      put(
+        rope_theta=5e5,
+        rope_local_base_freq=500.0,
+        rope_scaling=dict(rope_type="linear", factor=4.0),
+      ),
+    ),
+    None,
+  ),
+  "gemma3-old-rope-type-key": (
+    "gemma3_text",
+    {},
+    both(
+      drop("rope_parameters"), put(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 4.0})
+    ),
+    "`rope_scaling` names its type as `type`",
+  ),
+  "gemma3-softcapping": ("gemma3_text", {}, put(final_logit_softcapping=30.0), "softcapping"),
   # Norms, head_dim, activations, biases.
   "llama-rms-eps": ("llama", {"rms_norm_eps": 1e-2}, None, None),
   "llama-no-rms-eps": ("llama", {"rms_norm_eps": 1e-6}, drop("rms_norm_eps"), None),
@@ -233,11 +276,18 @@ VARIANTS = {
     None,
     None,
   ),
+  # A window on some layers: layer 0 full, layer 1 windowed (each layer its own window).
   "qwen2-window-from-layer-1": (
     "qwen2",
     {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1},
     None,
-    "sliding-window attention on some layers only",
+    None,
+  ),
+  "qwen3-layer-types-mixed": (
+    "qwen3",
+    {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0},
+    put(layer_types=["sliding_attention", "full_attention"]),
+    None,
   ),
   "qwen2-no-layer-types": (
     "qwen2",
@@ -311,7 +361,9 @@ VARIANTS = {
 def write_variant(name: str, directory) -> None:
   model_type, kwargs, edit, _ = VARIANTS[name]
   config_class = getattr(transformers, f"{CLASSES[model_type]}Config")
-  model_class = getattr(transformers, f"{CLASSES[model_type]}ForCausalLM")
+  model_class = getattr(
+    transformers, MODEL_CLASSES.get(model_type, f"{CLASSES[model_type]}ForCausalLM")
+  )
   config = config_class(**{**base_kwargs(model_type), **kwargs})
   torch.manual_seed(0)
   hf_fixtures.randomize(model_class(config), seed=0).save_pretrained(directory)
@@ -324,15 +376,15 @@ def write_variant(name: str, directory) -> None:
       json.dump(stored, f)
 
 
-def effective_window(hf_config) -> int | None:
-  """The window transformers applies on every layer (mixed layers are refused here)."""
+def effective_windows(hf_config) -> tuple:
+  """The window transformers applies on each layer (None: all keys)."""
+  L = hf_config.num_hidden_layers
   layer_types = getattr(hf_config, "layer_types", None)
   if hf_config.model_type in ("mistral", "mixtral", "qwen3_moe"):  # every layer, by the field
-    return hf_config.sliding_window
+    return (hf_config.sliding_window,) * L
   if hf_config.model_type in ("llama", "falcon") or layer_types is None:
-    return None
-  assert len(set(layer_types)) == 1
-  return hf_config.sliding_window if layer_types[0] == "sliding_attention" else None
+    return (None,) * L
+  return tuple(hf_config.sliding_window if t == "sliding_attention" else None for t in layer_types)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -349,7 +401,7 @@ def test_the_loader_reads_config_json_as_transformers_does_or_refuses_by_name(na
   want = hf_fixtures.hf_logits(hf_model, TOKENS).astype(np.float64)
   ours = kvr_jax.load_model(str(tmp_path), dtype="float32")
   # Fields a 12-token prompt cannot show in the logits: the window and the position limit.
-  assert ours.config.sliding_window == effective_window(hf_model.config)
+  assert ours.config.windows == effective_windows(hf_model.config)
   assert ours.config.max_position_embeddings == hf_model.config.max_position_embeddings
   got = np.asarray(ours.module(TOKENS), np.float64)
   err = np.abs(got - want).max() / np.abs(want).max()

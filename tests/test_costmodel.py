@@ -820,3 +820,29 @@ def test_every_registered_strategy_is_modelled_by_its_own_layer(strategy):
   head = costmodel.head_work(config, 1, 2).time(setup.hardware)
   assert sim.ttft == pytest.approx(last_rank_end + layer.after_layers + head)
   assert {ly for _, ly, *_ in intervals} == set(range(config.num_layers))
+
+
+def test_windows_per_layer_are_modelled_layer_by_layer():
+  """A model whose layers alternate full attention and a 512-token window: each layer is
+  modelled with its own window, so its hops are the mean of the all-full and all-windowed
+  models' (a windowed hop carries at most W-1 keys) and its TTFT lies between theirs."""
+  full = dataclasses.replace(preset_config("llama-2-7b"), num_layers=4)
+  windowed = full.with_window(512)
+  mixed = dataclasses.replace(full, layer_windows=(None, 512, None, 512))
+  assert mixed.narrowest_window == 512 and mixed.sliding_window is None
+  setup = a100("10GBps")
+  kw = dict(num_ranks=4, partition=(2600, 2200, 1900, 1492))
+  sims = {
+    name: costmodel.simulate(config, "kvr", 8192, setup, **kw)
+    for name, config in (("full", full), ("windowed", windowed), ("mixed", mixed))
+  }
+  one_window = costmodel.kv_message_bytes(full, 511, 1, 2)
+  assert max(sims["windowed"].link_bytes) == one_window
+  pairs = zip(sims["full"].link_bytes, sims["windowed"].link_bytes, strict=True)
+  halves = [(a + b) / 2 for a, b in pairs]
+  assert sims["mixed"].link_bytes == pytest.approx(halves)
+  assert sims["windowed"].ttft < sims["mixed"].ttft < sims["full"].ttft
+  intervals = []
+  costmodel.simulate(mixed, "kvr", 8192, setup, **kw, intervals=intervals)
+  hop = {ly: e - s for r, ly, ph, s, e in intervals if (r, ph) == (0, "hop0")}
+  assert hop[1] < hop[0] and hop[1] == pytest.approx(hop[3])  # layer 1 and 3 windowed

@@ -59,6 +59,7 @@ def hf_reference(families, tokens):
 def test_configs_carry_the_switches(families):
   configs = {case: model.config for case, (_, model) in families.items()}
   assert configs["mistral-window"].sliding_window == WINDOW
+  assert configs["gemma3-local-global"].windows == (WINDOW, None)
   assert configs["qwen2-bias"].qkv_bias and configs["qwen2-bias"].sliding_window is None
   qwen3 = configs["qwen3-qknorm"]
   assert qwen3.qk_norm and qwen3.head_dim * qwen3.num_heads != qwen3.d_model
@@ -145,6 +146,22 @@ def test_windowed_hops_carry_at_most_w_keys(families):
   assert windowed == sorted(min(int(e), WINDOW - 1) for e in ends)
   assert max(windowed) <= WINDOW
   assert _kv_permutes(families["qwen2-bias"][1], PARTITION) == sorted(int(e) for e in ends)
+  # Windows per layer (Gemma 3): the windowed layer's hops carry at most W-1 keys, the full
+  # layer's the whole prefix.
+  mixed = _kv_permutes(families["gemma3-local-global"][1], PARTITION)
+  assert mixed == sorted([int(e) for e in ends] + [min(int(e), WINDOW - 1) for e in ends])
+
+
+def test_layer_segments_take_the_fewest_layer_bodies():
+  """Runs of one window (Qwen2's first layers full, the rest windowed): two bodies; a repeating
+  period (Gemma 3's five windowed layers and one full) and its remainder: 6 + 2 bodies."""
+  from models.base import layer_segments
+
+  assert layer_segments((None,) * 3 + (8,) * 5) == [(0, (None,), 3), (3, (8,), 5)]
+  gemma = ((1024,) * 5 + (None,)) * 10 + (1024, 1024)
+  assert layer_segments(gemma) == [(0, (1024,) * 5 + (None,), 10), (60, (1024, 1024), 1)]
+  assert layer_segments((4, None) * 3) == [(0, (4, None), 3)]
+  assert layer_segments((None,) * 4) == [(0, (None,), 4)]
 
 
 def test_fused_kernel_refused_for_a_windowed_model(families, tokens):
@@ -174,12 +191,16 @@ def test_sliding_window_from_config_json():
   assert _qwen2_config(use_sliding_window=True, layer_types=sliding).sliding_window == 32
   with pytest.raises(ValueError, match="need a positive `sliding_window`, got None"):
     _qwen2_config(layer_types=sliding)  # windowed layers, but the window is switched off
-  with pytest.raises(ValueError, match="some layers only.*max_window_layers`=2"):
-    _qwen2_config(use_sliding_window=True, max_window_layers=2)
+  # The first max_window_layers layers full, the rest windowed (each layer its own window).
+  mixed = _qwen2_config(use_sliding_window=True, max_window_layers=2)
+  assert (mixed.sliding_window, mixed.windows) == (None, (None, None, 32, 32))
   with pytest.raises(ValueError, match="layer_types.*chunked_attention"):
     _qwen2_config(layer_types=["chunked_attention"] * 4)
   mistral = dict(_qwen2_config().to_dict(), architecture="llama", sliding_window=0)
   with pytest.raises(ValueError, match="`sliding_window` must be a positive integer"):
     config_from_dict(mistral)
-  with pytest.raises(ValueError, match="supported: 'llama', 'mistral', 'qwen2', 'qwen3', 'falcon'"):
+  supported = (
+    "'llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'falcon', 'gemma3_text'"
+  )
+  with pytest.raises(ValueError, match=f"supported: {supported}"):
     _qwen2_config(model_type="gemma")

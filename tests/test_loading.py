@@ -442,3 +442,18 @@ def test_the_memory_report_takes_a_model_directory(hf_dir, tmp_path):
   (tmp_path / "empty").mkdir()
   with pytest.raises(ValueError, match="holds neither a Hugging Face config.json"):
     kvr_jax.compiled_memory(str(tmp_path / "empty"), "kvr", **kwargs)
+
+
+@pytest.mark.parametrize(
+  "name,params",
+  # transformers' own count of the published text decoders (Gemma3ForCausalLM on the meta
+  # device; the released checkpoints add a ~0.4B vision tower).
+  [("gemma-3-27b", 27_009_346_304), ("gemma-3-12b", 11_766_034_176)],
+)
+def test_gemma_presets_have_the_published_shapes(name, params):
+  config = preset_config(name)
+  assert config.num_params() == params
+  # Five layers of 1024-token windows to one full layer, each kind with its own RoPE.
+  assert config.windows[:6] == (1024,) * 5 + (None,)
+  assert sum(w is None for w in config.windows) == config.num_layers // 6
+  assert (config.rope.theta, config.local_rope.theta) == (1e6, 1e4)

@@ -141,12 +141,12 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
 
   def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, tail_L2BMKH, tail_index):
     model = nnx.merge(graphdef, state)
-    window = model.config.sliding_window
     rank = jax.lax.axis_index(AXIS)
     positions_B = prompt_lens_B + tail_index
 
     def layer(block, x_B1D, cache_l):
       part_2RKH, tail_2BMKH = cache_l
+      window = block.config.sliding_window  # this layer's (they may differ)
       part_2BPKH = unfold_batch(part_2RKH, layout.part_len)
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
       new_2B1KH = jnp.stack([k_B1KH, v_B1KH])

@@ -122,10 +122,11 @@ def generate(
   is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
   cache: "last" (decode on the last rank's device from the whole cache) or "sharded" (the
   cache stays in the ranks' parts; each step attends every part where it lies and merges the
-  partial outputs, see kvr_jax.inference.decode; one process only).
+  partial outputs, see kvr_jax.inference.decode; one process only) or "auto" (the planned
+  layout: "last" where the last rank's device holds the whole cache, see `prefill`).
   """
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
-  check_cache(cache)
+  check_cache(cache, allow_auto=True)
   if cache == "sharded" and jax.process_count() > 1:
     raise ValueError(_SHARDED_MULTIPROCESS)
   rows, lengths = check_prompts(model, _encode_prompt(model, prompt))

@@ -42,6 +42,9 @@ from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
 
 CACHE_LAYOUTS = ("last", "sharded")
+# cache="auto" puts the whole cache on the last rank only while the weights and it take at
+# most this share of that device's memory.
+WHOLE_CACHE_SHARE = 0.8
 # KV-Runahead's join may cost a rank that does not keep the cache at most this share of its
 # device's memory in zeros (SPMD gives every rank the last-hop output's shape); beyond it, in
 # one process, the parts move instead (real rows only).
@@ -75,10 +78,28 @@ def join_affordable(hop_bytes: int, one_process: bool, device_memory: int) -> bo
   return not one_process or hop_bytes <= JOIN_MEMORY_SHARE * device_memory
 
 
-def check_cache(cache) -> str:
-  if cache not in CACHE_LAYOUTS:
-    raise ValueError(f"unknown cache layout {cache!r}; expected one of {CACHE_LAYOUTS}")
+def check_cache(cache, allow_auto: bool = False) -> str:
+  """A cache layout by name; "auto" where the caller plans it (`choose_cache_layout`)."""
+  choices = CACHE_LAYOUTS + (("auto",) if allow_auto else ())
+  if cache not in choices:
+    raise ValueError(f"unknown cache layout {cache!r}; expected one of {choices}")
   return cache
+
+
+def whole_cache_bytes(config, context_len: int, batch: int, itemsize: int, kv_heads: int) -> int:
+  """K and V of every layer and position of the prompt: what cache="last" puts on one device
+  (kv_heads: the heads one device holds, a tensor-parallel shard's)."""
+  return 2 * config.num_layers * batch * context_len * kv_heads * config.head_dim * itemsize
+
+
+def choose_cache_layout(cache_bytes: int, weights_bytes: int, device_memory: int) -> str:
+  """cache="auto": "last" (the whole cache on the last rank's device, where decode reads it
+  with no merge across ranks) when that device holds the weights and the whole cache within
+  WHOLE_CACHE_SHARE of its memory (the rest is the prefill's and decode's working set);
+  otherwise "sharded" (each rank keeps the part it computed: no device holds more than its
+  part)."""
+  fits = weights_bytes + cache_bytes <= WHOLE_CACHE_SHARE * device_memory
+  return "last" if fits else "sharded"
 
 
 def _in_prompt_order(parts, layout: CacheLayout):

@@ -19,16 +19,20 @@ from jax.sharding import NamedSharding
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import (
+  CACHE_LAYOUTS,
   check_cache,
+  choose_cache_layout,
   device_memory_bytes,
   gather_on_last_rank,
   join_affordable,
   last_hop_bytes,
+  whole_cache_bytes,
 )
 from kvr_jax.planning import presets
 from kvr_jax.planning.choice import StrategyChoice, choose_strategy
 from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -283,8 +287,11 @@ def prefill(
     prefix and the causal diagonal as two pieces merged by their float32 log-sum-exp (XLA);
     "cudnn": the same two pieces in cuDNN's fused flash kernel.
   cache: "last" (the paper's layout: the whole cache in prompt order on the last rank's
-    device; moving the ranks' parts there is part of the call) or "sharded" (each rank keeps
-    the part it computed; `generate` decodes from it where it lies). See PrefillResult.
+    device; moving the ranks' parts there is part of the call), "sharded" (each rank keeps
+    the part it computed; `generate` decodes from it where it lies) or "auto" ("last" where
+    the last rank's device holds the weights and the whole cache within
+    kv_cache.WHOLE_CACHE_SHARE of its memory, else "sharded"; the result's `cache_layout`
+    says which). See PrefillResult.
   """
   plan = plan_prefill(model, tokens, strategy, mesh, partition, attention, cache, buckets)
   return run_prefill(model, plan, tokens)
@@ -313,10 +320,12 @@ def plan_prefill(
   if isinstance(strategy, str) and strategy == AUTO:
     strategy, partition, choice = _choose_strategy(model, T, B, mesh, partition, attention)
   spec = get_strategy(strategy)
-  cache = check_cache(cache)
+  cache = check_cache(cache, allow_auto=True)
   kernel = _check_model_and_kernel(model, spec, attention, timeline)
-  _check_layout(spec, partition, cache, T, int(lengths_B.max()), padded, buckets)
   mesh = _plan_mesh(spec, mesh, T)
+  if cache == AUTO:
+    cache = _plan_cache(model, T, B, mesh)
+  _check_layout(spec, partition, cache, T, int(lengths_B.max()), padded, buckets)
   if model_parallel(mesh) > 1:
     _check_tensor_parallel(model, mesh, T if padded else 0, timeline)
   kernel = _plan_kernel(model, spec, kernel, mesh.devices.flat[0])
@@ -342,6 +351,22 @@ def plan_prefill(
   )
 
 
+def _plan_cache(model, T: int, B: int, mesh) -> str:
+  """cache="auto": "last" where the last rank's device holds the weights and the whole cache
+  (its shard of them on a 2-D mesh), else "sharded" (kv_cache.choose_cache_layout). Across
+  processes every process takes process 0's answer."""
+  m, itemsize = model_parallel(mesh), jnp.dtype(model.dtype).itemsize
+  kv_heads = tensor_parallel.kv_heads_per_shard(model.config, m)
+  cache_bytes = whole_cache_bytes(model.config, T, B, itemsize, kv_heads)
+  weights_bytes = model.config.num_params() * itemsize // m
+  last_device = mesh.devices.reshape(-1)[-1]
+  cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))
+  if jax.process_count() > 1:
+    index = multihost_utils.broadcast_one_to_all(np.int32(CACHE_LAYOUTS.index(cache)))
+    cache = CACHE_LAYOUTS[int(index)]
+  return cache
+
+
 def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
   """strategy="auto": the cost model's pick for T tokens (the prompt's bucket) of B rows on
   this mesh, with the hardware and links of `partition` (a PartitionPlan; default the `local`
@@ -361,7 +386,7 @@ def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
   p = check_mesh(mesh)  # 1-D: the choice among 2-D layouts is not modelled here yet
   device = mesh.devices.flat[0]
   kernel = get_strategy("kvr").resolve_attention(
-    None, device, model.dtype, model.config.sliding_window
+    None, device, model.dtype, model.config.narrowest_window
   )
   setup = presets.make_setup(
     plan.hardware,
@@ -390,7 +415,7 @@ def _check_model_and_kernel(model, spec, attention, timeline):
       f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
     )
   kernel = spec.check_attention(attention)
-  window = model.config.sliding_window
+  window = model.config.narrowest_window  # any layer's
   if window is not None and kernel != AUTO and not kernel.takes_window:
     raise ValueError(
       f"this model attends through a sliding window of {window} tokens, which attention "
@@ -445,7 +470,7 @@ def _plan_mesh(spec, mesh, T: int):
 def _plan_kernel(model, spec, kernel, device):
   """The kernel record that runs ("auto" resolved for the mesh's platform), refused where it
   cannot run on this device and dtype."""
-  kernel = spec.resolve_attention(kernel, device, model.dtype, model.config.sliding_window)
+  kernel = spec.resolve_attention(kernel, device, model.dtype, model.config.narrowest_window)
   reason = kernel.why_not(device, model.dtype, None)  # the window was checked by name
   if reason is not None:
     raise ValueError(f"attention {kernel.name!r} {reason}")
@@ -476,7 +501,7 @@ def _keeps_last_hop(model, spec, cache, chunks, B: int, mesh) -> bool:
   where memory allows it (kv_cache.join_affordable); 1-D meshes only."""
   return (
     model_parallel(mesh) == 1
-    and spec.keeps_last_hop(cache, chunks, model.config.sliding_window)
+    and spec.keeps_last_hop(cache, chunks, model.config.narrowest_window)
     and join_affordable(
       last_hop_bytes(
         model.config, chunks, B, jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads

@@ -151,21 +151,27 @@ class Simulation:
 
 
 def layer_timeline(
-  layer: ModelledLayer,
+  layer: ModelledLayer | Sequence[ModelledLayer],
   num_layers: int,
   held_send: bool = False,
   intervals: list | None = None,
 ) -> list[float]:
-  """When each rank finishes its last layer, running `layer`'s steps `num_layers` times (the
-  rules in the module docstring). With `intervals` (a list) it also appends every (rank,
+  """When each rank finishes its last layer, running `layer`'s steps `num_layers` times (or
+  a sequence of one description per layer, where layers differ: windows per layer), by the
+  rules in the module docstring. With `intervals` (a list) it also appends every (rank,
   layer, phase, start, end): the computes, the sends on the sender's row, a "wait" where a
   rank waits for a message (or, held, for its own send to land)."""
   # The search runs this ~50k times per paper grid: the steps become plain tuples once.
-  ops = [tuple(_as_op(step) for step in rank_steps) for rank_steps in layer.steps]
-  free = [0.0] * len(ops)  # when each rank finished the previous layer
+  descriptions = [layer] * num_layers if isinstance(layer, ModelledLayer) else list(layer)
+  if len(descriptions) != num_layers:
+    raise ValueError(f"{len(descriptions)} modelled layers for {num_layers} layers")
+  ops_of: dict[int, list] = {}
+  for d in descriptions:
+    ops_of.setdefault(id(d), [tuple(_as_op(step) for step in steps) for steps in d.steps])
+  free = [0.0] * len(descriptions[0].steps)  # when each rank finished the previous layer
   link_free: dict[tuple[int, int], float] = {}  # when each link delivered its last message
-  for l in range(num_layers):
-    free = _run_layer(ops, free, link_free, held_send, l, intervals)
+  for l, d in enumerate(descriptions):
+    free = _run_layer(ops_of[id(d)], free, link_free, held_send, l, intervals)
   return free
 
 
@@ -282,21 +288,33 @@ def simulate(
 ) -> Simulation:
   """Modelled TTFT of one prefill: the strategy's modelled layer through `layer_timeline`,
   then what follows the last layer (a cache move) and the head on the last rank. With
-  `setup.model_parallel` > 1 the per-rank figures are one device's (one model shard's).
+  `setup.model_parallel` > 1 the per-rank figures are one device's (one model shard's); with
+  windows per layer each window's layers are modelled as theirs (per-layer figures: the
+  mean over the layers).
   intervals: a list to append the modelled timeline to, (rank, layer, phase, start, end)
   (the Gantt chart beside a measured one; the cache move and the head not included)."""
-  layer = modelled_layer(config, strategy, context_len, setup, num_ranks, partition)
+  by_window = {
+    w: modelled_layer(config.with_window(w), strategy, context_len, setup, num_ranks, partition)
+    for w in set(config.windows)
+  }
+  layers = [by_window[w] for w in config.windows]
   shard = model_shard(config, setup.model_parallel)
-  finish = layer_timeline(layer, config.num_layers, setup.links.held_send, intervals)
+  finish = layer_timeline(layers, config.num_layers, setup.links.held_send, intervals)
   head = head_work(shard, setup.batch, setup.dtype_bytes).time(setup.hardware)
+  last = layers[-1]
+
+  def per_layer(field):  # the mean over the layers (they differ where their windows do)
+    columns = zip(*(getattr(d, field) for d in layers), strict=True)
+    return [sum(values) / len(layers) for values in columns]
+
   return Simulation(
     get_strategy(strategy).name,
-    layer.partition,
-    finish[-1] + layer.after_layers + head,
+    last.partition,
+    finish[-1] + last.after_layers + head,
     finish,
-    list(layer.flops),
-    list(layer.bytes),
-    list(layer.link_bytes),
+    per_layer("flops"),
+    per_layer("bytes"),
+    per_layer("link_bytes"),
   )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import ml_dtypes
 import numpy as np
 
-from models.config import FalconConfig, LlamaConfig, ModelConfig
+from models.config import FalconConfig, GemmaConfig, LlamaConfig, ModelConfig
 
 # (parameter path in the NNX state, layer index (or (layer, expert)) or None, transform of the
 # HF array, the shape the HF tensor must have). The shape is checked before any transform: a
@@ -97,7 +97,7 @@ def _llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:
     per_layer["self_attn.k_norm.weight"] = ("k_norm", _same, (H,))
   if layer >= cfg.num_layers:
     return None
-  if cfg.num_experts:
+  if cfg.router_dim:  # a mixture of experts
     for dense in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
       del per_layer[dense]
     expert = _expert_target(cfg, rest, layer)
@@ -208,8 +208,25 @@ def _falcon_targets(cfg: FalconConfig, name: str) -> list[Target] | None:
   return [(("blocks", param), layer, fn, hf_shape)]
 
 
+# Gemma 3's norms beside Llama's names (the rest of its tensors are named as Llama's).
+_GEMMA_NORMS = {
+  "post_attention_layernorm.weight": "post_attn_norm",
+  "pre_feedforward_layernorm.weight": "mlp_norm",
+  "post_feedforward_layernorm.weight": "post_mlp_norm",
+}
+
+
+def _gemma_targets(cfg: GemmaConfig, name: str) -> list[Target] | None:
+  m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+  if m and m.group(2) in _GEMMA_NORMS and int(m.group(1)) < cfg.num_layers:
+    return [(("blocks", _GEMMA_NORMS[m.group(2)]), int(m.group(1)), _same, (cfg.d_model,))]
+  return _llama_targets(cfg, name)
+
+
 def hf_targets(cfg: ModelConfig, name: str) -> list[Target] | None:
   """Where Hugging Face tensor `name` goes in our model, or None if it has no place."""
+  if isinstance(cfg, GemmaConfig):
+    return _gemma_targets(cfg, name)
   if isinstance(cfg, LlamaConfig):
     return _llama_targets(cfg, name)
   if isinstance(cfg, FalconConfig):

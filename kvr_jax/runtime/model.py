@@ -157,6 +157,11 @@ class Model:
     switches = [name for name in ("qkv_bias", "qk_norm") if getattr(cfg, name)]
     if cfg.sliding_window is not None:
       switches.append(f"sliding_window={cfg.sliding_window}")
+    if cfg.layer_windows is not None:
+      windowed = sum(w is not None for w in cfg.layer_windows)
+      switches.append(f"windows on {windowed} of {cfg.num_layers} layers")
+    if getattr(cfg, "num_experts", 0):
+      switches.append(f"{cfg.experts_per_token} of {cfg.num_experts} experts")
     if self.split_mesh is not None:
       ranks, m = self.split_mesh.devices.shape
       switches.append(f"split over {ranks} ranks x {m} model shards")

@@ -349,7 +349,7 @@ def per_rank_body(
 
   def make_body(model, rank, tokens_Bc, reduce):
     cfg = model.config
-    check_keep_last_hop(keep_last_hop, chunks, cfg.sliding_window)
+    check_keep_last_hop(keep_last_hop, chunks, cfg.narrowest_window)
     diagonal_first = attends_diagonal_first(attention, len(chunks))
     rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * len(chunks)
     ranks = _PerRankBranches(chunks, attention, timeline, keep_last_hop, reduce, cfg, rank, rows)
@@ -428,7 +428,7 @@ class _PerRankBranches:
       diagonal, own_2BcKH, buffer_2BSKH = self.early_diagonal(
         block, q_BcNH, own_2BcKH, buffer_2BSKH, l
       )
-    window = self.config.sliding_window
+    window = block.config.sliding_window  # this layer's (layers may differ)
     prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, window, timeline, l)
     # Everything after the hops waits for them, on every rank. In a multi-process run each
     # process compiles its own rank's branch of the switches (the rank is a constant there),
@@ -579,7 +579,7 @@ def one_body(
   kernel = get_kernel(attention)
 
   def make_body(model, rank, tokens_Bc, reduce):
-    check_keep_last_hop(keep_last_hop, chunks, model.config.sliding_window)
+    check_keep_last_hop(keep_last_hop, chunks, model.config.narrowest_window)
     one = _OneBodyRank.build(model, rank, tokens_Bc, reduce, chunks, kernel, timeline)
     one = dataclasses.replace(one, keep_last_hop=keep_last_hop)
     return RankBody(one.tokens_Bc, one.layer, one.last_row, len(chunks) - 1, one.empty_buffer())
@@ -704,7 +704,7 @@ class _OneBodyRank:
       diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
         (diagonal, own_2BcKH, buffer_2BSKH)
       )
-      window = self.config.sliding_window
+      window = block.config.sliding_window  # this layer's (layers may differ)
       buffer_2BSKH, last_message = hop_chain(
         buffer_2BSKH, own_2BcKH, self.rank, chunks, window, timeline, l, True
       )

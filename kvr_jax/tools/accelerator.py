@@ -147,9 +147,9 @@ def _check_arguments(config, context_lens, kernels, ranks, links, device, dtype)
       check_ranks(C, p)
   for name in links:
     presets.check_preset_names(presets.LOCAL, name)
-  kernels = tuple(kernels or platform_kernels(device, dtype, config.sliding_window))
+  kernels = tuple(kernels or platform_kernels(device, dtype, config.narrowest_window))
   for kernel in kernels:
-    reason = get_kernel(kernel).why_not(device, dtype, config.sliding_window)
+    reason = get_kernel(kernel).why_not(device, dtype, config.narrowest_window)
     if reason is not None:
       raise ValueError(
         f"kernel {kernel!r} does not run on {device.platform} in {np.dtype(dtype).name}: it "

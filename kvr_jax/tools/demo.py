@@ -74,7 +74,7 @@ def compare_strategies(
   cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies.
   model_parallel: devices per rank (tensor parallelism inside each rank, a ("ranks",
     "model") mesh); num_devices counts all of them and must be a multiple of it."""
-  check_cache(cache)
+  check_cache(cache, allow_auto=True)
   rows, _, padded_len, buckets = padded_prompts(model, tokens, buckets)
   mesh = mesh_of_ranks(num_devices, model_parallel)
   strategies = _check_comparison(strategies, mesh, partition, attention, repeats, padded_len)

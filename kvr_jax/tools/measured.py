@@ -91,7 +91,7 @@ def measured_objective(
   # Everything that changes a measured time keys the file: what runs (model, weights' dtype,
   # the kernel the prefills resolve to, the prompt's shape) and where (devices, their kind).
   kernel = get_strategy("kvr").resolve_attention(
-    None, first_device, model.dtype, model.config.sliding_window
+    None, first_device, model.dtype, model.config.narrowest_window
   )
   setup = {
     "model": model.source,

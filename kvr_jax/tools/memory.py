@@ -180,7 +180,7 @@ def _chunks_and_join(config, spec, partition, shape, attention, cache, mesh, dev
     device_memory = device_memory_bytes(mesh.devices.flat[0])
   joined = (
     len(mesh.axis_names) == 1  # a 1-D mesh: no tensor parallelism
-    and spec.keeps_last_hop(cache, chunks, config.sliding_window)
+    and spec.keeps_last_hop(cache, chunks, config.narrowest_window)
     and join_affordable(hop_bytes, one_process=True, device_memory=device_memory)
   )
   return chunks, joined
@@ -240,7 +240,7 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   context_len, num_ranks, batch, m = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
-  window = config.sliding_window
+  window = config.narrowest_window
   attention = spec.resolve_attention(attention, mesh.devices.flat[0], dtype_name, window)
   itemsize = np.dtype(dtype_name).itemsize
   shape = (context_len, num_ranks, batch, itemsize)

@@ -460,3 +460,68 @@ def print_slow_links() -> None:
         f"+{s.allgather_loss * 100:.1f}% (flash)"
       )
   print(f"  paper: {PAPER['slow link']}")
+
+
+# --- Gemma 3: windowed layers with hops bounded by the window (MODELLED) ----------------------
+
+GEMMA_MODEL = "gemma-3-27b"
+GEMMA_RANKS = 8
+GEMMA_LINKS = ("300GBps", "10GBps")
+GEMMA_CONTEXT_LENS = (32768, 65536, 131072)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaCell:
+  """One MODELLED cell: TTFT of KVR-S, ring and all-gather CP (flash kernels, bf16, H100s)
+  and the bytes each rank sends per layer kind (a windowed layer, a full one)."""
+
+  links: str
+  context_len: int
+  ttft_s: dict
+  sent_windowed: dict  # bytes per layer: KVR the largest hop, the peers each rank's sends
+  sent_full: dict
+
+
+def gemma_cell(context_len: int, links: str, num_ranks: int = GEMMA_RANKS) -> GemmaCell:
+  config = preset_config(GEMMA_MODEL)
+  setup = presets.make_setup("h100-sxm", links, dtype_bytes=2, **costmodel.kernel_flags("flash"))
+  chunks = search.modelled_search(config, context_len, num_ranks, setup)
+  ttft, windowed, full = {}, {}, {}
+  for strategy in ("kvr", "ring", "allgather"):
+    kw = dict(num_ranks=num_ranks, partition=chunks if strategy == "kvr" else None)
+    ttft[strategy] = costmodel.simulate(config, strategy, context_len, setup, **kw).ttft
+    for window, out in ((config.narrowest_window, windowed), (None, full)):
+      layer = costmodel.modelled_layer(
+        config.with_window(window), strategy, context_len, setup, **kw
+      )
+      out[strategy] = max(layer.link_bytes)
+  return GemmaCell(links, context_len, ttft, windowed, full)
+
+
+def print_gemma_grid(context_lens=GEMMA_CONTEXT_LENS, links=GEMMA_LINKS) -> list[GemmaCell]:
+  """Gemma 3 27B (five 1024-token windowed layers to one full) on 8 H100s, MODELLED."""
+  print(
+    f"Gemma 3 27B on {GEMMA_RANKS} H100s (five windowed layers of 1024 keys to one full), bf16, "
+    "flash kernels, MODELLED: TTFT, and MB each rank sends per layer (KVR: its largest hop; "
+    "ring, all-gather: every rank's K,V to the others) on a windowed / a full layer"
+  )
+  print(
+    f"{'links':<8}{'C':>7} {'KVR-S':>9}{'ring':>9}{'allgath.':>9}  vs best peer   "
+    f"{'KVR MB':>12}{'ring MB':>14}{'allg. MB':>14}"
+  )
+  cells = []
+  for name in links:
+    for C in context_lens:
+      c = gemma_cell(C, name)
+      cells.append(c)
+      t = c.ttft_s
+      peer = min(t["ring"], t["allgather"])
+      sent = "".join(
+        f"{c.sent_windowed[s] / 1e6:>7.1f}/{c.sent_full[s] / 1e6:<6.0f}"
+        for s in ("kvr", "ring", "allgather")
+      )
+      print(
+        f"{name:<8}{C:>7} {t['kvr'] * 1e3:>7.0f}ms{t['ring'] * 1e3:>7.0f}ms"
+        f"{t['allgather'] * 1e3:>7.0f}ms  {peer / t['kvr']:>6.2f}x       {sent}"
+      )
+  return cells
