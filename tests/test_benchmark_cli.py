@@ -202,7 +202,7 @@ def test_partition_tables_user_errors_are_one_line(flags, message):
       "takes no sliding window",
     ),
     ("launch.paper", ["--output_dir=/proc/self"], "not writable"),
-    ("launch.paper", ["--grids=paper,2d"], "--grids takes paper and/or tp"),
+    ("launch.paper", ["--grids=paper,2d"], "--grids takes paper, tp and/or gemma"),
     ("launch.paper", ["--tp_context_lens=32k"], "--tp_context_lens"),
     ("launch.paper", ["--tp_context_lens=1000"], "tp grid lengths must lie in [1921, 131072]"),
   ],

@@ -204,3 +204,25 @@ def test_sliding_window_from_config_json():
   )
   with pytest.raises(ValueError, match=f"supported: {supported}"):
     _qwen2_config(model_type="gemma")
+
+
+def test_windows_per_layer_decode_from_either_layout_and_a_bucket(families, tokens):
+  """Gemma 3's windowed and full layers through KV-Runahead's sharded cache (each decode step
+  attends every part where it lies, with the layer's own window) and a padded bucket: the
+  greedy tokens are transformers'."""
+  hf_model, model = families["gemma3-local-global"]
+  prompt = tokens[:1]
+  want = hf_fixtures.hf_greedy(hf_model, prompt, 6)
+  mesh = kvr_jax.make_mesh(4)
+  for cache, buckets in (("sharded", None), ("sharded", (48,)), ("last", (48,))):
+    got = kvr_jax.generate(
+      model,
+      prompt,
+      6,
+      strategy="kvr",
+      mesh=mesh,
+      cache=cache,
+      buckets=buckets,
+      partition=PARTITION if buckets is None else [20, 14, 8, 6],
+    ).tokens
+    np.testing.assert_array_equal(got, want, err_msg=f"{cache} {buckets}")
