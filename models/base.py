@@ -155,10 +155,11 @@ class Block(nnx.Module):
 def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]], carry, xs=None):
   """`lax.scan` over stacked layers: body(block_of_one_layer, carry, x_l) -> (carry, y_l).
 
-  Layers whose windows differ (`ModelConfig.layer_windows`) run as `layer_segments` says:
-  one scan per segment over repeats of a period whose layers are unrolled, each layer's block
-  seeing its own window in `block.config` (a static shape per window: KV-Runahead's hops on
-  a windowed layer carry only what that window needs). The ys come back in layer order."""
+  Layers whose windows differ (`ModelConfig.layer_windows`) run one body per kind of layer:
+  each step a `lax.switch` on the layer's kind, whose branch gives the block its own window
+  (and RoPE: `config.with_window`), so shapes that follow the window are static per kind
+  (KV-Runahead's hops on a windowed layer carry only what the window needs). The weights
+  are scanned in place, as for uniform layers: no copy of any layer's slice."""
   graphdef, stacked_state = nnx.split(blocks)
   config = blocks.config
   if config.layer_windows is None:
@@ -169,49 +170,29 @@ def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]
 
     return jax.lax.scan(step, carry, (stacked_state, xs))
 
-  ys = []
-  for first, period, repeats in layer_segments(config.windows):
-    n, P = repeats * len(period), len(period)
+  kinds = layer_kinds(config.windows)
+  kind_L = jnp.asarray([kinds.index(w) for w in config.windows], jnp.int32)
 
-    def periods(tree, first=first, n=n, P=P):  # [L, ...] -> [repeats, P, ...] of the segment
-      return jax.tree.map(lambda a: a[first : first + n].reshape(n // P, P, *a.shape[1:]), tree)
+  def kind_body(window):
+    def run(carry, layer_state, x_l):
+      block = nnx.merge(graphdef, layer_state)
+      block.config = config.with_window(window)
+      return body(block, carry, x_l)
 
-    def step(carry, inputs, period=period):
-      state_P, x_P = inputs
-      y_P = []
-      for i, window in enumerate(period):
-        block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state_P))
-        block.config = config.with_window(window)
-        carry, y = body(block, carry, jax.tree.map(lambda a, i=i: a[i], x_P))
-        y_P.append(y)
-      return carry, jax.tree.map(lambda *y: jnp.stack(y), *y_P)
+    return run
 
-    carry, y_segment = jax.lax.scan(step, carry, (periods(stacked_state), periods(xs)))
-    ys.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), y_segment))
-  return carry, jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
+  def kinds_step(carry, inputs):
+    layer_state, x_l, kind = inputs
+    branches = [kind_body(window) for window in kinds]
+    return jax.lax.switch(kind, branches, carry, layer_state, x_l)
+
+  return jax.lax.scan(kinds_step, carry, (stacked_state, xs, kind_L))
 
 
-def layer_segments(windows: tuple) -> list[tuple[int, tuple, int]]:
-  """(first layer, the windows of one period, repeats) covering the layers in order, with
-  the fewest distinct layer bodies: runs of one window each (Qwen2's first layers full, the
-  rest windowed: two bodies), or a repeating period and its remainder (Gemma 3's five
-  windowed layers and one full: six bodies, and the remainder's)."""
-  L = len(windows)
-  runs, first = [], 0
-  for l in range(1, L + 1):
-    if l == L or windows[l] != windows[first]:
-      runs.append((first, (windows[first],), l - first))
-      first = l
-  best = runs
-  for P in range(2, L // 2 + 1):
-    repeats = L // P
-    if all(windows[l] == windows[l % P] for l in range(P * repeats)):
-      tail = [(P * repeats, tuple(windows[P * repeats :]), 1)] if L % P else []
-      periodic = [(0, tuple(windows[:P]), repeats), *tail]
-      if sum(len(w) for _, w, _ in periodic) < len(best):
-        best = periodic
-      break
-  return best
+def layer_kinds(windows: tuple) -> tuple:
+  """The distinct windows of the layers, windowed ones first, smallest first, then full (None):
+  one compiled layer body each."""
+  return tuple(sorted(set(windows), key=lambda w: (w is None, w or 0)))
 
 
 class CausalLM(nnx.Module):

@@ -152,16 +152,14 @@ def test_windowed_hops_carry_at_most_w_keys(families):
   assert mixed == sorted([int(e) for e in ends] + [min(int(e), WINDOW - 1) for e in ends])
 
 
-def test_layer_segments_take_the_fewest_layer_bodies():
-  """Runs of one window (Qwen2's first layers full, the rest windowed): two bodies; a repeating
-  period (Gemma 3's five windowed layers and one full) and its remainder: 6 + 2 bodies."""
-  from models.base import layer_segments
+def test_layer_kinds_are_one_body_each():
+  """Gemma 3 27B's 62 layers (five 1024-token windows to one full) are two kinds of layer:
+  two compiled bodies, whatever the depth."""
+  from models.base import layer_kinds
 
-  assert layer_segments((None,) * 3 + (8,) * 5) == [(0, (None,), 3), (3, (8,), 5)]
   gemma = ((1024,) * 5 + (None,)) * 10 + (1024, 1024)
-  assert layer_segments(gemma) == [(0, (1024,) * 5 + (None,), 10), (60, (1024, 1024), 1)]
-  assert layer_segments((4, None) * 3) == [(0, (4, None), 3)]
-  assert layer_segments((None,) * 4) == [(0, (None,), 4)]
+  assert layer_kinds(gemma) == (1024, None)
+  assert layer_kinds((None, 8, 4, 8)) == (4, 8, None)
 
 
 def test_fused_kernel_refused_for_a_windowed_model(families, tokens):
