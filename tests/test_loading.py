@@ -43,7 +43,7 @@ def _copy_with(hf_dir, tmp_path, *, tensors=None, config=None):
   return str(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon", "tiny-gemma"])
 def test_tiny_presets_are_about_one_million_parameters(name):
   model = kvr_jax.load_model(name)
   count = sum(x.size for x in __import__("jax").tree.leaves(model.state))
