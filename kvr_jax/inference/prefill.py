@@ -351,6 +351,15 @@ def plan_prefill(
   )
 
 
+def _process_zeros(value: str, options: tuple[str, ...]) -> str:
+  """`value` as process 0 chose it, on every process (a choice made from per-process
+  measurements must be the same everywhere, or the processes compile different programs)."""
+  if jax.process_count() == 1:
+    return value
+  index = multihost_utils.broadcast_one_to_all(np.int32(options.index(value)))
+  return options[int(index)]
+
+
 def _plan_cache(model, T: int, B: int, mesh) -> str:
   """cache="auto": "last" where the last rank's device holds the weights and the whole cache
   (its shard of them on a 2-D mesh), else "sharded" (kv_cache.choose_cache_layout). Across
@@ -361,10 +370,7 @@ def _plan_cache(model, T: int, B: int, mesh) -> str:
   weights_bytes = model.config.num_params() * itemsize // m
   last_device = mesh.devices.reshape(-1)[-1]
   cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))
-  if jax.process_count() > 1:
-    index = multihost_utils.broadcast_one_to_all(np.int32(CACHE_LAYOUTS.index(cache)))
-    cache = CACHE_LAYOUTS[int(index)]
-  return cache
+  return _process_zeros(cache, CACHE_LAYOUTS)
 
 
 def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
@@ -396,12 +402,9 @@ def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
     **kernel_flags(kernel),
   )
   choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
-  strategy = choice.strategy
-  if jax.process_count() > 1:
-    # Calibrations are per process: every process runs process 0's pick (and, for kvr, its
-    # split: `_plan_partition` broadcasts that).
-    index = multihost_utils.broadcast_one_to_all(np.int32(STRATEGIES.index(strategy)))
-    strategy = STRATEGIES[int(index)]
+  # Calibrations are per process: every process runs process 0's pick (and, for kvr, its
+  # split: `_plan_partition` broadcasts that).
+  strategy = _process_zeros(choice.strategy, STRATEGIES)
   chunks = list(choice.chunks) if choice.chunks and strategy == choice.strategy else None
   return strategy, chunks, choice
 

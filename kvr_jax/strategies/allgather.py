@@ -65,7 +65,7 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
     Collective("allgather", (p - 1) * costs.message_seconds),
     Compute("attention", attention.time(setup.hardware)),
   )
-  return zigzag.peer_layer(config, context_len, setup, p, middle, attention)
+  return zigzag.peer_layer(config, context_len, setup, costs, middle, attention)
 
 
 STRATEGY = Strategy(

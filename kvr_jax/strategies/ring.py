@@ -150,7 +150,7 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   middle = (Compute("step", (p - 1) * overlapped + step_seconds),)
   attention = step["attention"]
   return zigzag.peer_layer(
-    config, context_len, setup, p, middle, Work(attention.flops * p, attention.bytes * p)
+    config, context_len, setup, costs, middle, Work(attention.flops * p, attention.bytes * p)
   )
 
 

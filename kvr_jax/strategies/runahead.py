@@ -580,8 +580,9 @@ def one_body(
 
   def make_body(model, rank, tokens_Bc, reduce):
     check_keep_last_hop(keep_last_hop, chunks, model.config.narrowest_window)
-    one = _OneBodyRank.build(model, rank, tokens_Bc, reduce, chunks, kernel, timeline)
-    one = dataclasses.replace(one, keep_last_hop=keep_last_hop)
+    one = _OneBodyRank.build(
+      model, rank, tokens_Bc, reduce, chunks, kernel, timeline, keep_last_hop
+    )
     return RankBody(one.tokens_Bc, one.layer, one.last_row, len(chunks) - 1, one.empty_buffer())
 
   return make_body
@@ -605,10 +606,12 @@ class _OneBodyRank:
   dtype: Any
   q_heads: int  # this shard's N and K
   kv_heads: int
-  keep_last_hop: bool = False
+  keep_last_hop: bool
 
   @classmethod
-  def build(cls, model, rank, tokens_Bc, reduce, chunks, kernel, timeline) -> _OneBodyRank:
+  def build(
+    cls, model, rank, tokens_Bc, reduce, chunks, kernel, timeline, keep_last_hop
+  ) -> _OneBodyRank:
     cfg = model.config
     early = early_rows_in_blocks(cfg, chunks, kernel.query_block)
     c_pad = padded_chunk_len(chunks)
@@ -626,6 +629,7 @@ class _OneBodyRank:
       dtype=model.blocks.wk[...].dtype,
       q_heads=model.blocks.wq[...].shape[2],  # [L, D, N, H]
       kv_heads=model.blocks.wk[...].shape[2],
+      keep_last_hop=keep_last_hop,
     )
 
   @property

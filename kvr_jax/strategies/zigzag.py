@@ -166,6 +166,7 @@ class PeerCosts:
   message over the slowest link; visible: keys each query of the busiest rank sees, on
   average (causally, within the window)."""
 
+  num_ranks: int
   chunk: int
   own: dict
   seconds: dict
@@ -185,18 +186,17 @@ def peer_costs(config, context_len: int, setup, num_ranks: int) -> PeerCosts:
     for r in range(p)
   )
   seconds = phase_seconds(config, own, 2 * c, setup)
-  return PeerCosts(c, own, seconds, message, message_seconds, visible)
+  return PeerCosts(p, c, own, seconds, message, message_seconds, visible)
 
 
 def peer_layer(
-  config, context_len: int, setup, num_ranks: int, middle: tuple, attention: Work
+  config, context_len: int, setup, costs: PeerCosts, middle: tuple, attention: Work
 ) -> ModelledLayer:
   """A peer's modelled layer: qkv, its own `middle` steps (how its K,V travel and how it
   attends), the rest; the same on every rank. After the last layer, cache="last" moves every
   other rank's parts (2c tokens, L layers) onto the last rank (p-1 messages over the slowest
   link); KV-Runahead's last rank already holds them from its hops."""
-  p, links = num_ranks, setup.links
-  costs = peer_costs(config, context_len, setup, p)
+  p, links = costs.num_ranks, setup.links
   steps = (Compute("qkv", costs.seconds["qkv"]), *middle, Compute("rest", costs.seconds["rest"]))
   move = (p - 1) * (config.num_layers * costs.message / links.slowest(p) + links.latency)
   total = costs.own["qkv"] + attention + costs.own["rest"]
