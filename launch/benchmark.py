@@ -342,6 +342,11 @@ def worker():
     FLAGS.process_id,
     local_device_ids=FLAGS.local_device_ids,
   )
+  with distributed.worker_failures():
+    worker_job()
+
+
+def worker_job():
   if FLAGS.mode == "timeline":  # every process reports its own ranks' records
     distributed.owner_output(
       jobs.timeline_job(

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 
 from kvr_jax.runtime import distributed
@@ -54,13 +55,43 @@ flags.DEFINE_integer("context_len", 2048, "Synthetic prompt length.")
 flags.DEFINE_string(
   "dtype", "auto", "Weights: auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16, float16."
 )
+flags.DEFINE_list(
+  "strategy", ["kvr"], "Strategies to check against single, each its own prefill and decode."
+)
+flags.DEFINE_string(
+  "cache",
+  "last",
+  "KV cache layout: last (moved or joined onto the last rank, which decodes alone), sharded "
+  "(each rank keeps its part; every process runs each decode step) or auto (by memory).",
+)
+flags.DEFINE_list(
+  "row_lengths",
+  None,
+  "A ragged batch: rows of these lengths (padded to the longest; --context_len unused).",
+)
 flags.DEFINE_string("partition", "even", "KVR partition: even, search, balanced or lengths.")
-flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated on the last rank.")
+flags.DEFINE_integer("max_new_tokens", 8, "Tokens generated.")
+flags.DEFINE_float("temperature", 0.0, "0: greedy; else sampled, the same seed as single's.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("json", False, "Print the full result as JSON after the summary.")
 flags.DEFINE_integer(
   "debug_crash_process", -1, "Testing: this process exits right after joining, as if it crashed."
 )
 flags.DEFINE_multi_integer("debug_skip_process", [], "Testing: do not start these processes.")
+flags.DEFINE_integer(
+  "debug_fail_decode_process", -1, "Testing: this process raises between prefill and decode."
+)
+flags.DEFINE_integer(
+  "debug_other_seed_process",
+  -1,
+  "Testing: this process samples with another seed (cache=sharded: every process must still "
+  "continue with the last rank's token).",
+)
+
+
+def _fail_before_decode(strategy: str) -> None:
+  if jax.process_index() == FLAGS.debug_fail_decode_process:
+    raise RuntimeError(f"injected failure before {strategy}'s decode (--debug_fail_decode_process)")
 
 
 def worker():
@@ -78,14 +109,20 @@ def worker():
     sys.exit(2)
   if FLAGS.process_id == FLAGS.debug_crash_process:
     os._exit(3)
-  with common.user_errors():
+  with distributed.worker_failures():
     result = jobs.check_job(
       FLAGS.model,
       FLAGS.context_len,
       common.parse_partition(FLAGS.partition),
+      strategies=FLAGS.strategy,
+      row_lengths=[int(n) for n in FLAGS.row_lengths or ()],
+      cache=FLAGS.cache,
       max_new_tokens=FLAGS.max_new_tokens,
+      temperature=FLAGS.temperature,
+      sampling_seed=FLAGS.seed + (FLAGS.process_id == FLAGS.debug_other_seed_process),
       dtype=FLAGS.dtype,
       model_parallel=FLAGS.model_parallel,
+      before_decode=_fail_before_decode,
     )
   if result is not None:
     distributed.owner_output(result)
@@ -107,13 +144,21 @@ def launcher():
       "context_len",
       "dtype",
       "partition",
+      "cache",
       "max_new_tokens",
+      "temperature",
+      "seed",
       "model_parallel",
       "init_timeout",
       "heartbeat_timeout",
       "debug_crash_process",
+      "debug_fail_decode_process",
+      "debug_other_seed_process",
     )
   ]
+  passthrough.append(f"--strategy={','.join(FLAGS.strategy)}")
+  if FLAGS.row_lengths:
+    passthrough.append(f"--row_lengths={','.join(FLAGS.row_lengths)}")
   with common.user_errors():
     try:
       outcomes = distributed.launch_local(
@@ -134,21 +179,33 @@ def launcher():
     print("error: no process reported a result", file=sys.stderr)
     return 1
   r = results[0]
-  same = r["kvr_tokens"] == r["single_tokens"]
   rows = [
     ("processes x ranks", f"{r['process_count']} x {r['num_ranks']}"),
     ("devices per rank (model)", str(r["model_parallel"])),
-    ("partition", ",".join(map(str, r["partition"]))),
-    ("relative logit error vs single", f"{r['relative_logit_error']:.1e}"),
-    ("greedy tokens (KV-Runahead, row 0)", " ".join(map(str, r["kvr_tokens"][0]))),
-    ("greedy tokens identical to single", "yes" if same else "NO"),
+    ("tokens (single, row 0)", " ".join(map(str, r["single_tokens"][0]))),
   ]
+  all_same = True
+  for name, run in r["strategies"].items():
+    same = run["tokens"] == r["single_tokens"] and run["tokens_on_every_process"] is not False
+    all_same &= same
+    if run["partition"] is not None:
+      rows.append((f"{name}: partition", ",".join(map(str, run["partition"]))))
+    rows += [
+      (f"{name}: cache", run["cache"]),
+      (f"{name}: relative logit error vs single", f"{run['relative_logit_error']:.1e}"),
+      (f"{name}: the same, last decode step", f"{run['relative_last_step_error']:.1e}"),
+      (f"{name}: tokens (row 0)", " ".join(map(str, run["tokens"][0]))),
+    ]
+    if run["tokens_on_every_process"] is not None:
+      every = "yes" if run["tokens_on_every_process"] else "NO"
+      rows.append((f"{name}: the same tokens on every process", every))
+    rows.append((f"{name}: tokens identical to single", "yes" if same else "NO"))
   width = max(len(name) for name, _ in rows)
   for name, value in rows:
     print(f"{name:<{width}}  {value}")
   if FLAGS.json:
     print(json.dumps(r, indent=1))
-  return 0 if same else 1
+  return 0 if all_same else 1
 
 
 def main(argv):

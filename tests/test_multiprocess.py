@@ -46,16 +46,67 @@ def test_two_processes_four_ranks_match_single_device():
   summary = dict(
     line.split("  ", 1) for line in proc.stdout[: proc.stdout.index("{")].strip().splitlines()
   )
-  assert summary["partition"].strip() == "80,50,40,30"
-  err = float(summary["relative logit error vs single"])
-  assert err == pytest.approx(result["relative_logit_error"], rel=0.06)
-  assert summary["greedy tokens identical to single"].strip() == "yes"
+  assert summary["kvr: partition"].strip() == "80,50,40,30"
+  err = float(summary["kvr: relative logit error vs single"])
+  assert err == pytest.approx(result["strategies"]["kvr"]["relative_logit_error"], rel=0.06)
+  assert summary["kvr: tokens identical to single"].strip() == "yes"
+  kvr = result["strategies"]["kvr"]
+  assert summary["kvr: cache"].strip() == kvr["cache"] == "last"
   assert result["process_count"] == 2 and result["num_ranks"] == 4
-  assert result["partition"] == [80, 50, 40, 30]
+  assert kvr["partition"] == [80, 50, 40, 30]
   assert result["process_index"] == 1  # the last rank's process holds the cache and generates
-  assert result["relative_logit_error"] <= 1e-5
-  assert result["kvr_tokens"] == result["single_tokens"]
-  assert len(result["kvr_tokens"][0]) >= 1
+  assert kvr["relative_logit_error"] <= 1e-5 and kvr["relative_last_step_error"] <= 1e-5
+  assert kvr["tokens"] == result["single_tokens"]
+  assert kvr["tokens_on_every_process"] is None  # only the last rank's process decodes
+  assert len(kvr["tokens"][0]) >= 1
+
+
+def test_every_process_decodes_from_the_sharded_cache_like_single():
+  """cache="sharded" across two processes of two ranks each: every process runs every decode
+  step over the parts where they lie. Three strategies, a model with windowed and full layers,
+  a ragged batch, sampled tokens; process 0 samples with another seed, so only taking the
+  last rank's token each step keeps the processes together (and equal to single)."""
+  proc, _ = run_launcher(
+    "--num_processes=2",
+    "--devices_per_process=2",
+    "--model=tiny-gemma",
+    "--row_lengths=300,211",
+    "--partition=110,80,60,50",
+    "--strategy=kvr,ring,allgather",
+    "--cache=sharded",
+    "--temperature=1",
+    "--debug_other_seed_process=0",
+    "--max_new_tokens=8",
+    "--json",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+  assert result["num_ranks"] == 4 and set(result["strategies"]) == {"kvr", "ring", "allgather"}
+  for name, run in result["strategies"].items():
+    assert run["cache"] == "sharded", name
+    assert run["relative_logit_error"] <= 1e-5, name
+    assert run["relative_last_step_error"] <= 1e-5, name
+    assert run["tokens_on_every_process"] is True, name
+    assert run["tokens"] == result["single_tokens"], name
+    assert [len(row) for row in run["tokens"]] == [8, 8], name
+
+
+def test_a_process_whose_decode_fails_ends_every_process_with_its_error():
+  """Process 0 fails between its prefill and its decode while process 1 waits for it in a
+  sharded decode step's collective: the launcher names process 0 and its error, promptly
+  (before: minutes of JAX's shutdown barrier, then an abort that hid the cause)."""
+  proc, seconds = run_launcher(
+    "--num_processes=2",
+    "--context_len=64",
+    "--partition=40,24",
+    "--max_new_tokens=4",
+    "--cache=sharded",
+    "--debug_fail_decode_process=0",
+  )
+  assert proc.returncode == 1
+  assert "process 0 exited with code 1; the other processes were stopped" in proc.stderr
+  assert "RuntimeError: injected failure before kvr's decode" in proc.stderr
+  assert seconds < 60
 
 
 def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
@@ -75,8 +126,9 @@ def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
   result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
   assert result["process_count"] == 2 and result["num_ranks"] == 2
   assert result["model_parallel"] == 2 and result["process_index"] == 1
-  assert result["relative_logit_error"] <= 1e-5
-  assert result["kvr_tokens"] == result["single_tokens"]
+  kvr = result["strategies"]["kvr"]
+  assert kvr["relative_logit_error"] <= 1e-5 and kvr["relative_last_step_error"] <= 1e-5
+  assert kvr["tokens"] == result["single_tokens"]
 
 
 def test_a_rank_split_across_processes_is_refused_by_name():

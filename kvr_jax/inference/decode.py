@@ -186,6 +186,31 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
   return jax.jit(body, donate_argnums=(4,))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def replicated_zeros(shape, dtype, sharding) -> jax.Array:
+  """Zeros made on the devices of `sharding` (every process makes its own pieces; nothing is
+  sent from the host)."""
+  return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+@kept_cache(32)
+def from_last_rank(mesh, ranked: bool):
+  """f(x) -> x as the last rank holds it, replicated on every device of `mesh` (every
+  process's too): x is [p, ...] sharded by rank when `ranked` (a prefill program's output),
+  else replicated already (a sampled token, which must be the same on every process for all
+  of them to run the same next step: one small psum makes it so, whatever each computed)."""
+  P = jax.P
+
+  def pick(x):
+    value = x[0] if ranked else x
+    last = jax.lax.axis_index(AXIS) == mesh.shape[AXIS] - 1
+    return jax.lax.psum(jnp.where(last, value, jnp.zeros_like(value)), AXIS)
+
+  spec = P(AXIS) if ranked else P()
+  # check_vma=False: a replicated input typed invariant becomes varying through axis_index.
+  return jax.jit(jax.shard_map(pick, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False))
+
+
 @jax.jit
 def greedy(logits_BV):
   """Temperature 0: the most likely token of each row."""

@@ -17,18 +17,22 @@ from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import CacheParts, PrefillResult, check_prompts, prefill
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import MODEL_AXIS, model_parallel
+from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel
 
 
 @dataclasses.dataclass
 class GenerationResult:
   """tokens: [B, n] new token ids (rows that hit EOS early are padded with EOS);
-  text: the decoded new tokens per row when the model has a tokenizer. Both are None in the
-  processes that do not hold the last rank (jax.distributed)."""
+  text: the decoded new tokens per row when the model has a tokenizer. Across processes
+  (jax.distributed) every process has them after cache="sharded" (every process decodes);
+  after cache="last" only the process holding the last rank, None in the others."""
 
   tokens: np.ndarray | None
   text: list[str] | None
   prefill: PrefillResult
+  # [B, V] float32: the logits the last token of `tokens` was drawn from (None where tokens
+  # are); after one token, the prefill's.
+  last_logits: np.ndarray | None = None
 
 
 def _encode_prompt(model: Model, prompt) -> np.ndarray:
@@ -57,11 +61,6 @@ def _is_integer(value) -> bool:
 def _is_real(value) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
-
-_SHARDED_MULTIPROCESS = (
-  "cache='sharded' decodes in one process (every process would have to run each step); "
-  "across processes use cache='last'"
-)
 
 # Sampling divides float32 logits by the temperature: below float32's smallest normal number
 # the division is no longer a temperature (it underflows), so such values are refused.
@@ -122,13 +121,12 @@ def generate(
   is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
   cache: "last" (decode on the last rank's device from the whole cache) or "sharded" (the
   cache stays in the ranks' parts; each step attends every part where it lies and merges the
-  partial outputs, see kvr_jax.inference.decode; one process only) or "auto" (the planned
+  partial outputs, see kvr_jax.inference.decode; across processes every process runs each
+  step and takes the last rank's token) or "auto" (the planned
   layout: "last" where the last rank's device holds the whole cache, see `prefill`).
   """
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   check_cache(cache, allow_auto=True)
-  if cache == "sharded" and jax.process_count() > 1:
-    raise ValueError(_SHARDED_MULTIPROCESS)
   rows, lengths = check_prompts(model, _encode_prompt(model, prompt))
   _check_length(model, int(lengths.max()), int(max_new_tokens))
   result = prefill(model, rows, strategy, mesh, partition, attention, cache, buckets)
@@ -158,23 +156,28 @@ def decode_from(
   max_new_tokens, seed = int(max_new_tokens), int(seed)
   top_k = None if top_k is None else int(top_k)
   _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)
-  if result.cache == "sharded" and jax.process_count() > 1:
-    raise ValueError(_SHARDED_MULTIPROCESS)
-  if not result.is_local:  # another process holds the cache and generates
-    return GenerationResult(None, None, result)
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
+  agree = _as_is
   if _on_model_groups(result):
     stepper = _model_group_stepper
   elif result.cache == "sharded":
+    # Every process runs every step over the parts where they lie, and all of them take the
+    # token the last rank sampled, so that they run the same next step and stop together.
     stepper = _sharded_stepper
+    if jax.process_count() > 1:
+      agree = decode.from_last_rank(result.mesh, ranked=False)
   else:
     stepper = _whole_cache_stepper
+  if stepper is not _sharded_stepper and not result.is_local:
+    return GenerationResult(None, None, result)  # another process holds the cache, generates
   step, tail, logits, key = stepper(model, result, lengths_B, max_new_tokens, seed)
-  out = _decode_loop(model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p)
+  out, last_logits = _decode_loop(
+    model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p, agree
+  )
   text = None
   if model.tokenizer is not None:
     text = [model.tokenizer.decode(row, skip_special_tokens=True) for row in out]
-  return GenerationResult(out, text, result)
+  return GenerationResult(out, text, result, last_logits)
 
 
 # Each stepper returns (step(token_B, index, tail) -> (logits, tail), the first tail, the
@@ -205,20 +208,24 @@ def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
 
 def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
   """cache="sharded": every operand replicated over the prefill's mesh but the cache parts,
-  which stay put; each step attends every part where it lies (decode.sharded_decode_program)."""
+  which stay put; each step attends every part where it lies (decode.sharded_decode_program).
+  Across processes every operand is a global array that every process builds alike."""
   replicated = NamedSharding(result.mesh, jax.P())
   state = model.state_on(replicated)
   B, (L, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
-  tail = jnp.zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, device=replicated)
+  tail = decode.replicated_zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, replicated)
   program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
-  prompt_lens_B = jax.device_put(lengths_B, replicated)
+  prompt_lens_B = global_array(lengths_B, replicated)
 
   def step(token_B, index, tail):
-    token_B = jax.device_put(token_B, replicated)
+    index = global_array(np.int32(index), replicated)
     return program(state, token_B, prompt_lens_B, result.kv_parts, tail, index)
 
-  logits = jax.device_put(result.logits, replicated)
-  return step, tail, logits, jax.device_put(jax.random.key(seed), replicated)
+  logits = result.replicated_logits
+  if logits is None:
+    logits = jax.device_put(result.logits, replicated)
+  key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+  return step, tail, logits, jax.random.wrap_key_data(global_array(key_data, replicated))
 
 
 def _whole_cache_stepper(model, result, lengths_B, max_new_tokens, seed):
@@ -239,9 +246,16 @@ def _whole_cache_stepper(model, result, lengths_B, max_new_tokens, seed):
   return step, tail, result.logits, jax.device_put(jax.random.key(seed), device)
 
 
-def _decode_loop(model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p):
+def _as_is(token_B):
+  return token_B
+
+
+def _decode_loop(
+  model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p, agree=_as_is
+):
   """Token by token until every row has met an EOS (its later tokens are EOS) or
-  `max_new_tokens`: [B, n] tokens."""
+  `max_new_tokens`: ([B, n] tokens, the last token's logits). agree(token) -> the token every
+  process continues with (the last rank's, across processes)."""
   eos = np.asarray(model.config.eos_ids, np.int32)
   B = logits.shape[0]
   out = np.zeros((B, max_new_tokens), np.int32)
@@ -258,11 +272,12 @@ def _decode_loop(model, step, tail, logits, key, max_new_tokens, temperature, to
         top_k=top_k,
         top_p=None if top_p is None else float(top_p),
       )
-    token_np = np.asarray(token_B)
+    token_B = agree(token_B)
+    token_np = np.asarray(token_B.addressable_shards[0].data)  # replicated: any copy
     out[:, index] = np.where(done, eos[0] if eos.size else 0, token_np)
     n = index + 1
     done |= np.isin(token_np, eos)
     if done.all() or index == max_new_tokens - 1:
       break
     logits, tail = step(token_B, index, tail)
-  return out[:, :n]
+  return out[:, :n], np.asarray(logits.addressable_shards[0].data)

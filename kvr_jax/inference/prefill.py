@@ -122,6 +122,9 @@ class CacheParts(PrefillResult):
   kv_parts: jax.Array
   mesh: Any
   last_hop: jax.Array | None = None
+  # [B, V] replicated over `mesh` when the mesh spans processes: every process holds the
+  # logits, so every process can run the decode steps that read its parts (generate).
+  replicated_logits: jax.Array | None = None
 
   cache: ClassVar[str] = "sharded"
 
@@ -430,11 +433,6 @@ def _check_model_and_kernel(model, spec, attention, timeline):
 def _check_layout(spec, partition, cache, T, longest, padded, buckets) -> None:
   """What the padded prompt allows: a sharded cache of padded rows in one process, a user's
   lengths summing to the bucket, a partition only for a partitioned strategy."""
-  if padded and cache == "sharded" and jax.process_count() > 1:
-    raise ValueError(
-      "padded rows (buckets or a ragged batch) with cache='sharded' run in one process; "
-      "across processes use cache='last'"
-    )
   if spec.partitioned and T != longest and isinstance(partition, (list, tuple, np.ndarray)):
     total = sum(
       int(c) for c in partition if isinstance(c, (int, np.integer)) and not isinstance(c, bool)
@@ -554,11 +552,24 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   # step at its own position (its K,V, already in the cache, are written again identically).
   last_tokens_B = tokens_BT[np.arange(B), lengths_B - 1]
   if cache == "sharded" or not move_cache:
+    replicated = None
     if padded:
-      logits_BV = _last_real_logits_sharded(
-        model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B, owner
+      replicated = _last_real_logits_sharded(
+        model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B
       )
-    return CacheParts(logits_BV, **common, kv_parts=kv_parts, mesh=mesh, last_hop=last_hop)
+      logits_BV = _piece_on(replicated, owner)
+    elif jax.process_count() > 1 and cache == "sharded":
+      replicated = decode.from_last_rank(mesh, ranked=True)(logits)
+    if jax.process_count() == 1:
+      replicated = None  # the owner's logits are every process's
+    return CacheParts(
+      logits_BV,
+      **common,
+      kv_parts=kv_parts,
+      mesh=mesh,
+      last_hop=last_hop,
+      replicated_logits=replicated,
+    )
   k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
   if padded and k_LBSKH is not None:
     logits_BV, k_LBSKH, v_LBSKH = _last_real_logits(
@@ -616,23 +627,30 @@ def _check_tensor_parallel(model, mesh, padded, timeline) -> None:
     )
 
 
-def _last_real_logits_sharded(
-  model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B, owner
-):
-  """[B, V] on `owner`: each row's last real token decoded once from the sharded parts (the
-  parts' copy of its K,V hidden, a one-token tail holding it), as `generate` decodes."""
+def _last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B):
+  """[B, V] replicated over `mesh`: each row's last real token decoded once from the sharded
+  parts (the parts' copy of its K,V hidden, a one-token tail holding it), as `generate`
+  decodes (in every process: the parts are every process's)."""
   replicated = NamedSharding(mesh, jax.P())
   L, K, H = kv_parts.shape[1], *kv_parts.shape[4:]
   B = last_tokens_B.shape[0]
-  tail = jnp.zeros((L, 2, B, 1, K, H), kv_parts.dtype, device=replicated)
+  tail = decode.replicated_zeros((L, 2, B, 1, K, H), kv_parts.dtype, replicated)
   program = decode.sharded_decode_program(model.graphdef, mesh, layout)
   logits, _ = program(
     state,
-    jax.device_put(last_tokens_B, replicated),
-    jax.device_put(lengths_B - 1, replicated),
+    global_array(np.asarray(last_tokens_B, np.int32), replicated),
+    global_array(np.asarray(lengths_B - 1, np.int32), replicated),
     kv_parts,
     tail,
-    0,
+    global_array(np.int32(0), replicated),
   )
-  piece = next(s.data for s in logits.addressable_shards if s.device == owner)
-  return jax.device_put(piece, jax.sharding.SingleDeviceSharding(owner))
+  return logits
+
+
+def _piece_on(array: jax.Array, device):
+  """`device`'s copy of a replicated array as a single-device array; None where `device` is
+  another process's."""
+  piece = next((s.data for s in array.addressable_shards if s.device == device), None)
+  if piece is None:
+    return None
+  return jax.device_put(piece, jax.sharding.SingleDeviceSharding(device))

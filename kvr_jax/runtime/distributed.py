@@ -11,11 +11,15 @@ Faults are bounded in time, never a hang:
 * a process that dies: under `launch_local` the supervisor sees its exit at once, stops the
   others and raises naming it; in a cluster joined by hand, JAX's coordination service aborts
   the survivors after `heartbeat_timeout` seconds (its own fatal message);
-* a coordinator port already in use: ValueError before anything starts.
+* a coordinator port already in use: ValueError before anything starts;
+* a process whose job raises (`worker_failures`): it prints the error and exits at once,
+  without JAX's shutdown barrier, which would wait minutes for peers that are blocked in a
+  collective waiting for it; the supervisor then stops the others and names it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 10
@@ -163,6 +168,36 @@ def initialize(
     raise RuntimeError(f"{message[len('error: ') :]} ({detail})") from None
   finally:
     watchdog.cancel()
+
+
+EXIT_JOB_FAILED = 1
+EXIT_USER_ERROR = 2
+
+
+@contextlib.contextmanager
+def worker_failures():
+  """A worker's job: any exception ends this process at once with its message on stderr (a
+  ValueError, the user's mistake: one line and status 2; anything else: the traceback and
+  status 1). Not `sys.exit`: Python's exit runs JAX's distributed shutdown, a barrier with
+  the other processes, which never arrive while they wait for this one in a collective (a
+  decode step, a hop), so the run would hang for the barrier's minutes and end in an abort
+  that hides the cause."""
+  try:
+    yield
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    _exit_now(EXIT_USER_ERROR)
+  except BaseException as e:  # noqa: BLE001 - every failure must end the process the same way
+    if isinstance(e, SystemExit) and e.code in (None, 0):
+      raise
+    traceback.print_exc()
+    _exit_now(EXIT_JOB_FAILED)
+
+
+def _exit_now(code: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def owner_output(payload: dict) -> None:

@@ -12,9 +12,10 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from kvr_jax.inference.generate import generate
-from kvr_jax.inference.prefill import prefill_arguments
+from kvr_jax.inference.generate import decode_from, generate
+from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
@@ -29,39 +30,80 @@ def check_job(
   context_len: int,
   partition,
   *,
+  strategies=("kvr",),
+  cache: str = "last",
   batch: int = 1,
+  row_lengths=None,
   max_new_tokens: int = 8,
+  temperature: float = 0.0,
   seed: int = 0,
+  sampling_seed: int = 0,
   dtype: str = "auto",
   model_parallel: int = 1,
+  before_decode=None,
 ) -> dict | None:
-  """KV-Runahead over every process's devices against the single-device oracle (computed
-  again on the owner's own device): logits and greedy tokens.
+  """Each of `strategies` over every process's devices against the single-device oracle
+  (computed again on the owner's own device): logits and tokens (greedy, or sampled at
+  `temperature` with `sampling_seed`; `seed` makes the prompt). `partition` is
+  KV-Runahead's (the others lay the prompt out themselves).
 
   model_parallel: devices per rank (a ("ranks", "model") mesh over all processes' devices,
   rank-major; the weights loaded straight into their shards), so a process with m devices is
-  one rank. The oracle then loads its own whole copy on the owner."""
+  one rank. The oracle then loads its own whole copy on the owner.
+  cache="sharded": every process decodes; each strategy's tokens are gathered from every
+  process and compared (`tokens_on_every_process`). before_decode(strategy): called on every
+  process between a strategy's prefill and its decode (the launcher's fault injection).
+  row_lengths: a ragged batch instead of `batch` rows of `context_len` tokens (the rows
+  padded to the longest, each decoding from its own length)."""
   mesh = mesh_of_ranks(None, model_parallel)
   model = load_model(model_name, dtype=dtype, mesh=mesh if model_parallel > 1 else None)
-  tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
-  kvr = generate(model, tokens, max_new_tokens, strategy="kvr", mesh=mesh, partition=partition)
-  if kvr.tokens is None:
+  if row_lengths:
+    longest = synthetic_prompt(model.config.vocab_size, max(row_lengths), len(row_lengths), seed)
+    tokens = [row[:n] for row, n in zip(longest, row_lengths, strict=True)]
+  else:
+    tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
+  owner = jax.process_index() == mesh.devices.flat[-1].process_index
+  runs = {}
+  for name in strategies:
+    ran = prefill(
+      model, tokens, **prefill_arguments(name, mesh=mesh, partition=partition), cache=cache
+    )
+    if before_decode is not None:
+      before_decode(name)
+    out = decode_from(model, ran, max_new_tokens, temperature, seed=sampling_seed)
+    everywhere = None
+    if out.tokens is not None and jax.process_count() > 1 and ran.cache == "sharded":
+      gathered = multihost_utils.process_allgather(out.tokens)  # [processes, B, n]
+      everywhere = bool((gathered == gathered[0]).all())
+    runs[name] = (out, everywhere)
+  if not owner:
     return None
   whole = model if model_parallel == 1 else load_model(model_name, dtype=dtype)
-  single = generate(whole, tokens, max_new_tokens)
-  ref = np.asarray(single.prefill.logits)
-  err = float(np.abs(np.asarray(kvr.prefill.logits) - ref).max() / np.abs(ref).max())
+  single = generate(whole, tokens, max_new_tokens, temperature, seed=sampling_seed)
+  checked = {}
+  for name, (out, everywhere) in runs.items():
+    checked[name] = {
+      "partition": None if out.prefill.partition is None else list(out.prefill.partition),
+      "cache": out.prefill.cache,
+      "relative_logit_error": _relative_error(out.prefill.logits, single.prefill.logits),
+      # the logits of the last token drawn: every decode step's cache and tail behind them
+      "relative_last_step_error": _relative_error(out.last_logits, single.last_logits),
+      "tokens": out.tokens.tolist(),
+      "tokens_on_every_process": everywhere,
+    }
   return {
     "process_index": jax.process_index(),
     "process_count": jax.process_count(),
     "num_ranks": int(mesh.shape["ranks"]),
     "model_parallel": model_parallel,
-    "partition": list(kvr.prefill.partition),
-    "cache_device": str(kvr.prefill.device),
-    "relative_logit_error": err,
-    "kvr_tokens": kvr.tokens.tolist(),
     "single_tokens": single.tokens.tolist(),
+    "strategies": checked,
   }
+
+
+def _relative_error(logits, reference) -> float:
+  reference = np.asarray(reference)
+  return float(np.abs(np.asarray(logits) - reference).max() / np.abs(reference).max())
 
 
 BENCH_VARIANTS = (
