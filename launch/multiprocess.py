@@ -58,11 +58,12 @@ flags.DEFINE_string(
 flags.DEFINE_list(
   "strategy", ["kvr"], "Strategies to check against single, each its own prefill and decode."
 )
-flags.DEFINE_string(
+flags.DEFINE_list(
   "cache",
-  "last",
-  "KV cache layout: last (moved or joined onto the last rank, which decodes alone), sharded "
-  "(each rank keeps its part; every process runs each decode step) or auto (by memory).",
+  ["last"],
+  "KV cache layouts, each strategy run under each: last (moved or joined onto the last rank, "
+  "which decodes alone), sharded (each rank keeps its part; every process runs each decode "
+  "step) or auto (by memory).",
 )
 flags.DEFINE_list(
   "row_lengths",
@@ -116,7 +117,7 @@ def worker():
       common.parse_partition(FLAGS.partition),
       strategies=FLAGS.strategy,
       row_lengths=[int(n) for n in FLAGS.row_lengths or ()],
-      cache=FLAGS.cache,
+      caches=FLAGS.cache,
       max_new_tokens=FLAGS.max_new_tokens,
       temperature=FLAGS.temperature,
       sampling_seed=FLAGS.seed + (FLAGS.process_id == FLAGS.debug_other_seed_process),
@@ -144,7 +145,6 @@ def launcher():
       "context_len",
       "dtype",
       "partition",
-      "cache",
       "max_new_tokens",
       "temperature",
       "seed",
@@ -156,7 +156,7 @@ def launcher():
       "debug_other_seed_process",
     )
   ]
-  passthrough.append(f"--strategy={','.join(FLAGS.strategy)}")
+  passthrough += [f"--strategy={','.join(FLAGS.strategy)}", f"--cache={','.join(FLAGS.cache)}"]
   if FLAGS.row_lengths:
     passthrough.append(f"--row_lengths={','.join(FLAGS.row_lengths)}")
   with common.user_errors():

@@ -112,7 +112,8 @@ def test_a_process_whose_decode_fails_ends_every_process_with_its_error():
 def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
   """--model_parallel=2 with two devices per process: each process is one rank whose model is
   split over its two devices (loaded straight into the shards), KV-Runahead hops between the
-  processes, the last rank's process decodes as model shards: single's greedy tokens."""
+  processes; cache="last": the last rank's process decodes as model shards; cache="sharded":
+  both processes decode, each over its own part as model shards. Single's greedy tokens."""
   proc, _ = run_launcher(
     "--num_processes=2",
     "--devices_per_process=2",
@@ -120,15 +121,19 @@ def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
     "--context_len=64",
     "--partition=40,24",
     "--max_new_tokens=4",
+    "--cache=last,sharded",
     "--json",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
   assert result["process_count"] == 2 and result["num_ranks"] == 2
   assert result["model_parallel"] == 2 and result["process_index"] == 1
-  kvr = result["strategies"]["kvr"]
-  assert kvr["relative_logit_error"] <= 1e-5 and kvr["relative_last_step_error"] <= 1e-5
-  assert kvr["tokens"] == result["single_tokens"]
+  assert set(result["strategies"]) == {"kvr, cache=last", "kvr, cache=sharded"}
+  for name, kvr in result["strategies"].items():
+    assert kvr["relative_logit_error"] <= 1e-5 and kvr["relative_last_step_error"] <= 1e-5, name
+    assert kvr["tokens"] == result["single_tokens"], name
+  # cache="sharded": every process ran each step as model shards over its rank's part
+  assert result["strategies"]["kvr, cache=sharded"]["tokens_on_every_process"] is True
 
 
 def test_a_rank_split_across_processes_is_refused_by_name():

@@ -305,16 +305,23 @@ def test_a_2d_program_compiles_once_per_shape(prefill_models):
 
 @pytest.mark.parametrize(
   "name,strategy,shape,cache",
-  [("gqa", "kvr", (2, 4), "last"), ("mqa", "allgather", (4, 2), "sharded")],
+  [
+    ("gqa", "kvr", (2, 4), "last"),
+    ("mqa", "allgather", (4, 2), "sharded"),
+    ("gqa", "kvr", (2, 4), "sharded"),
+  ],
 )
 def test_greedy_decode_on_a_2d_mesh_is_single_devices(prefill_models, name, strategy, shape, cache):
-  """generate on a ("ranks", "model") mesh: the last rank's row decodes as model shards and
-  the greedy tokens are the single-device ones."""
+  """generate on a ("ranks", "model") mesh: with cache="last" the last rank's row decodes as
+  model shards; with cache="sharded" every rank's row runs each step as model shards over its
+  own part (each shard's heads merged across the ranks). The greedy tokens are the
+  single-device ones, and so are the last step's logits."""
   model, _ = prefill_models[name]
   want = kvr_jax.generate(model, PROMPT, max_new_tokens=6, strategy="single")
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
   got = kvr_jax.generate(model, PROMPT, max_new_tokens=6, strategy=strategy, mesh=mesh, cache=cache)
   np.testing.assert_array_equal(got.tokens, want.tokens)
+  assert_close(got.last_logits, want.last_logits, "the last step's logits")
   # The decoding row's weights are the prefill's own shards on those devices (no second copy).
   prefill_state = model.state_split_over(mesh)
   decode_state = model.state_split_over(rank_row_mesh(mesh, shape[0] - 1))

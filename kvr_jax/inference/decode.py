@@ -11,7 +11,9 @@ Two steps, one per cache layout (kvr_jax.inference.kv_cache):
   merged exactly by log-sum-exp in float32 across the ranks (flash-decoding across devices,
   pass-Q: only [B, 1, N, H] outputs and [B, 1, N] statistics travel, never K,V). The decoded
   tokens' own K,V (the "tail", max_new_tokens long) are computed identically on every rank
-  and attended by the last rank only, where the new tokens are appended.
+  and attended by the last rank only, where the new tokens are appended. On a ("ranks",
+  "model") mesh every rank's row runs the step as tensor-parallel shards: each shard merges
+  its own heads across the ranks, and a psum over "model" follows each partial sum.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from kvr_jax.strategies.base import CacheLayout, unfold_batch
 from models import layers, scan_blocks
@@ -134,10 +136,15 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
   tail_index) -> (logits [B, V], tail): one token per sequence from a sharded cache, row b at
   position prompt_lens_B[b] + tail_index: the parts hold each row's prompt positions
   [0, prompt_lens_B[b]) (and padding after them in a ragged batch), `tail` (donated) the
-  decoded tokens' K,V, this one's written at `tail_index`. Weights, tokens, lengths, tail and
-  logits are replicated; the parts stay sharded."""
+  decoded tokens' K,V, this one's written at `tail_index`. Tokens, lengths and logits are
+  replicated; the parts stay sharded by rank. On a 1-D mesh the weights and the tail are
+  replicated; on a ("ranks", "model") mesh the weights are split as the prefill split them
+  (`Model.state_split_over(mesh)`) and the parts' and the tail's heads over "model"."""
   p = layout.num_ranks
   P = jax.P
+  split = model_parallel(mesh) > 1
+  reduce = psum_over_model if split else no_reduce
+  heads = P(None, None, None, None, MODEL_AXIS, None) if split else P()
 
   def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, tail_L2BMKH, tail_index):
     model = nnx.merge(graphdef, state)
@@ -170,27 +177,36 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
       out, lse = layers.merge_partials(out, lse, tail_out, tail_lse)
       attn_B1NH = merge_across_ranks(out, lse).astype(q_B1NH.dtype)
-      return block.finish(x_B1D, attn_B1NH), tail_2BMKH
+      return block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_2BMKH
 
     x_B1D, tail_L2BMKH = scan_blocks(
       model.blocks, layer, model.embed(tokens_B[:, None]), (kv_parts_1L2BPKH[0], tail_L2BMKH)
     )
     return model.logits(x_B1D)[:, 0], tail_L2BMKH
 
-  body = jax.shard_map(
-    step,
-    mesh=mesh,
-    in_specs=(P(), P(), P(), P(AXIS), P(), P()),
-    out_specs=(P(), P()),
-  )
+  def body(state, tokens_B, prompt_lens_B, kv_parts, tail, tail_index):
+    parts = P(AXIS, None, None, None, MODEL_AXIS, None) if split else P(AXIS)
+    return jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(partition_specs(state) if split else P(), P(), P(), parts, heads, P()),
+      out_specs=(P(), heads),
+      # As in strategies.base.spmd on a 2-D mesh: the psummed logits are whole on every shard.
+      check_vma=not split,
+    )(state, tokens_B, prompt_lens_B, kv_parts, tail, tail_index)
+
   return jax.jit(body, donate_argnums=(4,))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def replicated_zeros(shape, dtype, sharding) -> jax.Array:
+def zeros_on(shape, dtype, sharding) -> jax.Array:
   """Zeros made on the devices of `sharding` (every process makes its own pieces; nothing is
   sent from the host)."""
-  return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+  return _zeros_program(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@kept_cache(32)
+def _zeros_program(shape, dtype, sharding):
+  return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 @kept_cache(32)

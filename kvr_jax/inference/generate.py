@@ -158,14 +158,14 @@ def decode_from(
   _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
   agree = _as_is
-  if _on_model_groups(result):
-    stepper = _model_group_stepper
-  elif result.cache == "sharded":
+  if result.cache == "sharded":
     # Every process runs every step over the parts where they lie, and all of them take the
     # token the last rank sampled, so that they run the same next step and stop together.
     stepper = _sharded_stepper
     if jax.process_count() > 1:
       agree = decode.from_last_rank(result.mesh, ranked=False)
+  elif _on_model_groups(result):
+    stepper = _model_group_stepper
   else:
     stepper = _whole_cache_stepper
   if stepper is not _sharded_stepper and not result.is_local:
@@ -185,9 +185,8 @@ def decode_from(
 
 
 def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
-  """Tensor parallelism: the last rank's row of devices decodes as shards of the model, from
-  the cache in prompt order there, heads split (a "sharded" prefill's parts move there
-  first: decoding from the parts where they lie is 1-D only)."""
+  """Tensor parallelism, cache="last": the last rank's row of devices decodes as shards of
+  the model, from the cache in prompt order there, heads split."""
   k_cache, v_cache = result.gather_cache()
   group = k_cache.sharding.mesh
   replicated = NamedSharding(group, jax.P())
@@ -211,9 +210,14 @@ def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
   which stay put; each step attends every part where it lies (decode.sharded_decode_program).
   Across processes every operand is a global array that every process builds alike."""
   replicated = NamedSharding(result.mesh, jax.P())
-  state = model.state_on(replicated)
   B, (L, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
-  tail = decode.replicated_zeros((L, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, replicated)
+  tail_shape = (L, 2, B, max_new_tokens, K, H)
+  if model_parallel(result.mesh) > 1:  # the weights and the tail's heads split over "model"
+    state = model.state_split_over(result.mesh)
+    heads = NamedSharding(result.mesh, jax.P(None, None, None, None, MODEL_AXIS, None))
+  else:
+    state, heads = model.state_on(replicated), replicated
+  tail = decode.zeros_on(tail_shape, result.kv_parts.dtype, heads)
   program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
   prompt_lens_B = global_array(lengths_B, replicated)
 

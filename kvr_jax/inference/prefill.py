@@ -634,7 +634,7 @@ def _last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_
   replicated = NamedSharding(mesh, jax.P())
   L, K, H = kv_parts.shape[1], *kv_parts.shape[4:]
   B = last_tokens_B.shape[0]
-  tail = decode.replicated_zeros((L, 2, B, 1, K, H), kv_parts.dtype, replicated)
+  tail = decode.zeros_on((L, 2, B, 1, K, H), kv_parts.dtype, replicated)
   program = decode.sharded_decode_program(model.graphdef, mesh, layout)
   logits, _ = program(
     state,

@@ -8,6 +8,7 @@ call them directly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -31,7 +32,7 @@ def check_job(
   partition,
   *,
   strategies=("kvr",),
-  cache: str = "last",
+  caches=("last",),
   batch: int = 1,
   row_lengths=None,
   max_new_tokens: int = 8,
@@ -50,7 +51,8 @@ def check_job(
   model_parallel: devices per rank (a ("ranks", "model") mesh over all processes' devices,
   rank-major; the weights loaded straight into their shards), so a process with m devices is
   one rank. The oracle then loads its own whole copy on the owner.
-  cache="sharded": every process decodes; each strategy's tokens are gathered from every
+  Each strategy runs under each of `caches` (keyed "kvr, cache=sharded" when there are
+  several). cache="sharded": every process decodes; the tokens are gathered from every
   process and compared (`tokens_on_every_process`). before_decode(strategy): called on every
   process between a strategy's prefill and its decode (the launcher's fault injection).
   row_lengths: a ragged batch instead of `batch` rows of `context_len` tokens (the rows
@@ -64,7 +66,7 @@ def check_job(
     tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
   owner = jax.process_index() == mesh.devices.flat[-1].process_index
   runs = {}
-  for name in strategies:
+  for name, cache in itertools.product(strategies, caches):
     ran = prefill(
       model, tokens, **prefill_arguments(name, mesh=mesh, partition=partition), cache=cache
     )
@@ -75,7 +77,7 @@ def check_job(
     if out.tokens is not None and jax.process_count() > 1 and ran.cache == "sharded":
       gathered = multihost_utils.process_allgather(out.tokens)  # [processes, B, n]
       everywhere = bool((gathered == gathered[0]).all())
-    runs[name] = (out, everywhere)
+    runs[name if len(caches) == 1 else f"{name}, cache={cache}"] = (out, everywhere)
   if not owner:
     return None
   whole = model if model_parallel == 1 else load_model(model_name, dtype=dtype)
