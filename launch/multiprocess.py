@@ -60,7 +60,7 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list(
   "cache",
-  ["last"],
+  ["auto"],
   "KV cache layouts, each strategy run under each: last (moved or joined onto the last rank, "
   "which decodes alone), sharded (each rank keeps its part; every process runs each decode "
   "step) or auto (by memory).",

@@ -56,7 +56,7 @@ flags.DEFINE_string(
 )
 flags.DEFINE_enum(
   "cache",
-  "last",
+  "auto",
   ["last", "sharded", "auto"],
   "KV cache after prefill: 'last' (moved onto the last rank in prompt order, the paper's), "
   "'sharded' (each rank keeps its own part; decode merges the ranks' partial attention) or "

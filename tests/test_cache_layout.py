@@ -395,7 +395,8 @@ def test_the_layout_chooser_on_hand_worked_memory():
 
 def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkeypatch):
   """A tiny model fits: cache="auto" is "last". With the last device's memory made smaller
-  than the weights and the cache, it is "sharded", and decode from it gives single's tokens."""
+  than the weights and the cache, it is "sharded" (also by default: "auto" is the default),
+  and decode from it gives single's tokens."""
   model = kvr_jax.load_model("tiny-llama")
   tokens = np.random.RandomState(2).randint(0, 512, (1, 40))
   mesh = kvr_jax.make_mesh(2)
@@ -403,6 +404,8 @@ def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkey
   assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.WholeCache)
   weights = model.config.num_params() * 4
   monkeypatch.setattr(prefill_module, "device_memory_bytes", lambda device: weights)
+  assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)
+  del kw["cache"]  # "auto" is the default
   assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)
   got = kvr_jax.generate(model, tokens, 5, **kw).tokens
   np.testing.assert_array_equal(got, kvr_jax.generate(model, tokens, 5).tokens)

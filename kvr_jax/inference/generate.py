@@ -109,7 +109,7 @@ def generate(
   mesh=None,
   partition: Any = None,
   attention: str | None = None,
-  cache: str = "last",
+  cache: str = "auto",
   buckets=None,
 ) -> GenerationResult:
   """Prefill with `strategy`, then decode token by token from the KV cache.
@@ -119,11 +119,11 @@ def generate(
   (see `prefill`) pad the prompt; each row decodes from its own length. A row stops at its
   own EOS (later tokens of that row are EOS) or after `max_new_tokens`. Temperature 0
   is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
-  cache: "last" (decode on the last rank's device from the whole cache) or "sharded" (the
-  cache stays in the ranks' parts; each step attends every part where it lies and merges the
-  partial outputs, see kvr_jax.inference.decode; across processes every process runs each
-  step and takes the last rank's token) or "auto" (the planned
-  layout: "last" where the last rank's device holds the whole cache, see `prefill`).
+  cache: "auto" (the default: "last" where the last rank's device holds the weights and the
+  whole cache, else "sharded"; see `prefill`), "last" (decode on the last rank's device from
+  the whole cache) or "sharded" (the cache stays in the ranks' parts; each step attends
+  every part where it lies and merges the partial outputs, see kvr_jax.inference.decode;
+  across processes every process runs each step and takes the last rank's token).
   """
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   check_cache(cache, allow_auto=True)

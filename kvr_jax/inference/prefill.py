@@ -257,7 +257,7 @@ def prefill(
   mesh=None,
   partition: Any = None,
   attention: str | None = None,
-  cache: str = "last",
+  cache: str = "auto",
   buckets=None,
 ) -> PrefillResult:
   """Runs the prompt phase and returns each row's last-position logits and the KV cache:
@@ -289,12 +289,12 @@ def prefill(
     accounting); "blocked": query blocks over the keys up to their last query; "fused": the
     prefix and the causal diagonal as two pieces merged by their float32 log-sum-exp (XLA);
     "cudnn": the same two pieces in cuDNN's fused flash kernel.
-  cache: "last" (the paper's layout: the whole cache in prompt order on the last rank's
-    device; moving the ranks' parts there is part of the call), "sharded" (each rank keeps
-    the part it computed; `generate` decodes from it where it lies) or "auto" ("last" where
-    the last rank's device holds the weights and the whole cache within
-    kv_cache.WHOLE_CACHE_SHARE of its memory, else "sharded"; the result's `cache_layout`
-    says which). See PrefillResult.
+  cache: "auto" (the default: "last" where the last rank's device holds the weights and the
+    whole cache within kv_cache.WHOLE_CACHE_SHARE of its memory, else "sharded"; the
+    result's `cache` says which, the same on every process), "last" (the paper's layout:
+    the whole cache in prompt order on the last rank's device; moving the ranks' parts there
+    is part of the call) or "sharded" (each rank keeps the part it computed; `generate`
+    decodes from it where it lies, on every process). See PrefillResult.
   """
   plan = plan_prefill(model, tokens, strategy, mesh, partition, attention, cache, buckets)
   return run_prefill(model, plan, tokens)
@@ -307,7 +307,7 @@ def plan_prefill(
   mesh=None,
   partition: Any = None,
   attention: str | None = None,
-  cache: str = "last",
+  cache: str = "auto",
   buckets=None,
   timeline: bool = False,
 ) -> PrefillPlan:

@@ -62,7 +62,7 @@ def compare_strategies(
   max_new_tokens: int = 8,
   temperature: float = 0.0,
   seed: int = 0,
-  cache: str = "last",
+  cache: str = "auto",
   buckets=None,
   model_parallel: int = 1,
 ) -> list[StrategyReport]:
@@ -71,7 +71,7 @@ def compare_strategies(
   tokens: [B, T] or rows of different lengths (padded, see kvr_jax.prefill's `buckets`).
   attention: the kernel for the strategies that run it (default "auto": each strategy's
     fastest on this platform; the report names the kernel that ran).
-  cache: "last" or "sharded" (see kvr_jax.prefill); decode reads it where it lies.
+  cache: "last", "sharded" or "auto" (see kvr_jax.prefill); decode reads it where it lies.
   model_parallel: devices per rank (tensor parallelism inside each rank, a ("ranks",
     "model") mesh); num_devices counts all of them and must be a multiple of it."""
   check_cache(cache, allow_auto=True)

@@ -32,7 +32,7 @@ def check_job(
   partition,
   *,
   strategies=("kvr",),
-  caches=("last",),
+  caches=("auto",),
   batch: int = 1,
   row_lengths=None,
   max_new_tokens: int = 8,
