@@ -102,7 +102,13 @@ flags.DEFINE_list("strategy", ["single", "tsp", "kvr"], "Strategies (devices mod
 flags.DEFINE_list(
   "variants",
   ["tsp", "kvr-even", "kvr-search", "kvr-measured"],
-  "Multi-process variants (single always runs as the baseline).",
+  "Multi-process variants (single always runs as the baseline); a variant ending ':sharded' "
+  "(ring:sharded, kvr-search:sharded) keeps the cache where it was computed.",
+)
+flags.DEFINE_integer(
+  "decode_tokens",
+  0,
+  "Multi-process mode: also time a greedy decode of this many tokens from each variant's cache.",
 )
 flags.DEFINE_list(
   "single_variants",
@@ -366,6 +372,7 @@ def worker_job():
     repeats=FLAGS.repeats,
     measured_multiple=FLAGS.measured_multiple,
     dtype=FLAGS.dtype,
+    decode_tokens=FLAGS.decode_tokens,
   )
   if result is not None:
     distributed.owner_output(result)
@@ -431,6 +438,7 @@ def multiprocess_mode():
     f"--repeats={FLAGS.repeats}",
     f"--measured_multiple={FLAGS.measured_multiple}",
     f"--dtype={FLAGS.dtype}",
+    f"--decode_tokens={FLAGS.decode_tokens}",
   ]
   with common.user_errors():
     if FLAGS.num_processes < 2:

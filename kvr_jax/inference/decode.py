@@ -121,12 +121,23 @@ def part_attention(q_B1NH, part_2BPKH, positions_B, prompt_lens_B, runs, window:
 
 def merge_across_ranks(out_B1NH, lse_B1N):
   """Exact merge of every rank's partial (same queries, disjoint keys), in float32:
-  sum_r e^{lse_r - m} out_r / sum_r e^{lse_r - m}, m = max_r lse_r."""
-  m = jax.lax.pmax(lse_B1N, AXIS)
+  sum_r e^{lse_r - m} out_r / sum_r e^{lse_r - m}, m = max_r lse_r.
+
+  One collective per layer: every rank's (out, lse), a few KB, gathered and merged on each
+  rank alike. Across processes a collective's latency, not its bytes, is the decode step's
+  cost (a pmax and two psums took three)."""
+  both_B1NX = jnp.concatenate([out_B1NH, lse_B1N[..., None]], axis=-1)
+  # An all-gather as one psum of [p, ...] with each rank's own row filled: its result is the
+  # same on every rank (typed invariant, as the hidden state it feeds must be).
+  p, rank = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+  own_pB1NX = jnp.zeros((p, *both_B1NX.shape), both_B1NX.dtype).at[rank].set(both_B1NX)
+  gathered_pB1NX = jax.lax.psum(own_pB1NX, AXIS)
+  out_pB1NH, lse_pB1N = gathered_pB1NX[..., :-1], gathered_pB1NX[..., -1]
+  m = jnp.max(lse_pB1N, axis=0)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
-  weight = jnp.exp(lse_B1N - m)
-  numerator = jax.lax.psum(weight[..., None] * out_B1NH, AXIS)
-  denominator = jax.lax.psum(weight, AXIS)
+  weight_pB1N = jnp.exp(lse_pB1N - m)
+  numerator = jnp.sum(weight_pB1N[..., None] * out_pB1NH, axis=0)
+  denominator = jnp.sum(weight_pB1N, axis=0)
   return numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 

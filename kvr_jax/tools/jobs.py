@@ -141,8 +141,15 @@ def bench_job(
   measured_multiple: int = 64,
   seed: int = 0,
   dtype: str = "auto",
+  decode_tokens: int = 0,
 ) -> dict | None:
   """Median TTFT of each variant at each context length, on every process's devices.
+
+  A variant named "<variant>:sharded" runs with cache="sharded" (the parts stay where they
+  were computed), the others with cache="last" (the move onto the last rank in the TTFT).
+  decode_tokens > 0: after the prefills, each variant's greedy decode of that many tokens
+  from its cache, timed warm (`decode_tokens_per_s`; every process decodes from a sharded
+  cache, only the last rank's from a whole one).
 
   single is the best single process (its default kernel, flash); single-dense is the paper's
   single-device baseline (dense masked scores); single-blocked skips masked blocks with the
@@ -172,6 +179,8 @@ def bench_job(
       rows.append(
         {
           "variant": variant,
+          "cache": result.cache,
+          "decode_tokens_per_s": _decode_rate(model, result, decode_tokens),
           "context_len": C,
           "ttft_s": timing.median_s,
           "samples_s": timing.runs_s,  # every warm run, in round order
@@ -191,8 +200,26 @@ def bench_job(
   }
 
 
+def _decode_rate(model, result, tokens: int) -> float | None:
+  """Greedy tokens per second decoded from `result`'s cache (a first call compiles; the
+  second is timed); None when not asked for or where this process does not decode."""
+  if tokens <= 0:
+    return None
+  decode_from(model, result, tokens)
+  start = time.perf_counter()
+  out = decode_from(model, result, tokens)
+  seconds = time.perf_counter() - start
+  return None if out.tokens is None else out.tokens.shape[1] / seconds
+
+
 def _variant_arguments(variant: str, model, tokens, mesh, measured_multiple: int):
   """(prefill keyword arguments, seconds spent choosing its split) of one bench variant."""
+  base, sharded, rest = variant.partition(":")
+  if sharded:
+    if rest != "sharded":
+      raise ValueError(f"variant {variant!r}: the only suffix is ':sharded'")
+    kwargs, search_s = _variant_arguments(base, model, tokens, mesh, measured_multiple)
+    return {**kwargs, "cache": "sharded"}, search_s
   if variant in _SINGLE_KERNELS:
     if jax.process_count() > 1:
       raise ValueError(f"variant {variant!r} runs in a one-process launch")

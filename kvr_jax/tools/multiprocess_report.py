@@ -20,6 +20,8 @@ NOTES = (
   "vs peer: KV-Runahead against the faster of ring and all-gather (by median), auto against",
   "the fastest variant it chose among (single included): ahead or behind only where the",
   "min-max intervals do not overlap, else tie. auto's partition column names its pick.",
+  "A variant ending ':sharded' keeps the cache where it was computed (no move), judged",
+  "against the peers with the same layout. decode: greedy tokens per second from the cache.",
 )
 
 
@@ -38,16 +40,16 @@ def multiprocess_table(rows: list[dict]) -> list[dict]:
   its verdict against the faster peer on the same link ("-" for the others)."""
   single = {r["context_len"]: r["ttft_s"] for r in rows if r["variant"] == "single"}
   tsp = {(r["context_len"], r["link"]): r["ttft_s"] for r in rows if r["variant"] == "tsp"}
-  peers: dict = {}
+  peers: dict = {}  # the faster peer per length, link and cache layout
   for r in rows:
-    if r["variant"] in ("ring", "allgather"):
-      best = peers.get((r["context_len"], r["link"]))
+    if _base(r) in ("ring", "allgather"):
+      best = peers.get(_peer_key(r))
       if best is None or r["ttft_s"] < best["ttft_s"]:
-        peers[r["context_len"], r["link"]] = r
+        peers[_peer_key(r)] = r
   table = []
   for r in rows:
     key = (r["context_len"], r["link"])
-    peer = peers.get(key)
+    peer = peers.get(_peer_key(r))
     vs_peer = "-"
     if peer is not None and r["variant"].startswith("kvr"):
       vs_peer = f"{interval_verdict(_samples(r), _samples(peer))} {peer['variant']}"
@@ -63,6 +65,15 @@ def multiprocess_table(rows: list[dict]) -> list[dict]:
       )
     )
   return table
+
+
+def _base(row: dict) -> str:
+  """The variant without its ":sharded" (the cache layout is the row's `cache`)."""
+  return row["variant"].partition(":")[0]
+
+
+def _peer_key(row: dict):
+  return row["context_len"], row["link"], row.get("cache", "last")
 
 
 def _best_other(rows: list[dict], auto: dict) -> dict | None:
@@ -86,7 +97,7 @@ def print_table(table: list[dict], model: str, num_processes: int) -> None:
   print("\n".join(NOTES))
   print(
     f"{'variant':<20}{'link':>12}{'C':>7}  {'TTFT':>9}  {'min-max':>13}  {'move':>7}  "
-    f"{'vs single':>9}  {'vs tsp':>7}  {'vs peer':<18}partition"
+    f"{'vs single':>9}  {'vs tsp':>7}  {'decode':>9}  {'vs peer':<18}partition"
   )
   for r in table:
     samples, vs_tsp = _samples(r), r["speedup_vs_tsp"]
@@ -94,11 +105,16 @@ def print_table(table: list[dict], model: str, num_processes: int) -> None:
       f"{r['variant']:<20}{r['link']:>12}{r['context_len']:>7}  {r['ttft_s']:>8.3f}s  "
       f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
       f"{r['speedup_vs_single']:>8.2f}x  {'n/a' if vs_tsp is None else f'{vs_tsp:.2f}x':>7}  "
-      f"{r['vs_peer']:<18}"
+      f"{_rate(r):>9}  {r['vs_peer']:<18}"
       + (f"{r['strategy']} " if r["variant"].startswith("auto") else "")
       + f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
     )
+
+
+def _rate(row: dict) -> str:
+  rate = row.get("decode_tokens_per_s")
+  return "-" if rate is None else f"{rate:.1f}/s"
 
 
 def write_files(table: list[dict], output_dir: str, model: str, num_processes: int) -> list[str]:
