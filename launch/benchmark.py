@@ -108,7 +108,8 @@ flags.DEFINE_list(
 flags.DEFINE_integer(
   "decode_tokens",
   0,
-  "Multi-process mode: also time a greedy decode of this many tokens from each variant's cache.",
+  "Multi-process mode: also time a greedy decode of this many tokens from each variant's "
+  "cache. Memory mode: also XLA's analysis of one decode step with room for that many tokens.",
 )
 flags.DEFINE_list(
   "single_variants",
@@ -250,6 +251,7 @@ def memory_mode():
       cache=FLAGS.cache,
       dtype=FLAGS.dtype if FLAGS["dtype"].present else "float32",
       max_chunk=FLAGS.max_chunk,
+      decode_tokens=FLAGS.decode_tokens,
     )
   memory.print_memory_table(rows, FLAGS.model, FLAGS.cache)
   return 0

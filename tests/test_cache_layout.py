@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 import kvr_jax
 from kvr_jax.inference import decode, kv_cache
@@ -22,6 +23,7 @@ from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.inference.prefill import CacheParts, plan_prefill, run_prefill
 from kvr_jax.runtime.loading import build_model, preset_config
+from kvr_jax.strategies.base import contiguous_layout
 from kvr_jax.tools.memory import compiled_memory
 from models import scan_blocks
 from tests.tolerance import assert_close
@@ -122,7 +124,8 @@ def test_both_layouts_match_single(models, prompt, oracle, strategy, p, partitio
 
 @pytest.mark.parametrize("strategy,p,partition", [("kvr", 3, [14, 9, 6]), ("ring", 4, None)])
 def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
-  """The multi-process path (one SPMD program of ppermutes) gives the one-process copy."""
+  """The multi-process path (each rank's part sent to the last rank, one small ppermute
+  program per sender) gives the one-process copy."""
   result = run(models["gqa"], prompt, strategy, p, partition, "sharded")
   mesh = kvr_jax.make_mesh(p)
   copied = gather_on_last_rank(result.kv_parts, result.cache_layout, mesh, method="copy")
@@ -130,6 +133,25 @@ def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
   for got, want in zip(collected, copied, strict=True):
     assert got.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_move_across_processes_allocates_no_prompt_long_output():
+  """XLA's analysis (shapes only) of what the move across processes runs: each sender's
+  program outputs one part per device (the received part on the last rank, zeros
+  elsewhere), an eighth of the prompt on 8 even ranks; the 2-D mesh's one-program move
+  (collect_program) outputs the whole prompt on every device."""
+  L, B, K, H, p, c = 2, 1, 2, 8, 8, 64
+  mesh = kvr_jax.make_mesh(p)
+  parts = jax.ShapeDtypeStruct(
+    (p, L, 2, B * c, K, H), np.float32, sharding=NamedSharding(mesh, jax.P("ranks"))
+  )
+  part_bytes = L * 2 * B * c * K * H * 4
+  for sender in (0, 3, 6):
+    stats = kv_cache.send_to_last_program(mesh, sender).lower(parts).compile().memory_analysis()
+    assert stats.output_size_in_bytes == part_bytes, sender
+  layout = contiguous_layout((c,) * p)
+  stats = kv_cache.collect_program(mesh, layout).lower(parts).compile().memory_analysis()
+  assert stats.output_size_in_bytes >= p * part_bytes  # K and V of all 512 positions
 
 
 @pytest.mark.parametrize("partition", [[20, 9], [14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])
@@ -161,7 +183,7 @@ def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, part
   monkeypatch.setattr(prefill_module, "device_memory_bytes", lambda device: 64 * 1024)
   model, ref = models["gqa"], oracle["gqa"]
   mesh = kvr_jax.make_mesh(len(partition))
-  kwargs = dict(strategy="kvr", mesh=mesh, partition=partition)
+  kwargs = dict(strategy="kvr", mesh=mesh, partition=partition, cache="last")
   assert not plan_prefill(model, prompt, **kwargs).keep_last_hop
   last = kvr_jax.prefill(model, prompt, **kwargs)
   assert_close(last.k_cache, ref.k_cache, "K cache")
@@ -172,15 +194,15 @@ def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, part
 def test_join_affordable_hand_worked():
   """Llama-3.1-8B (32 layers, 8 KV heads x 128) at 131,072 tokens on 8 even ranks in float32:
   the last hop is 7/8 of the prompt, 32 * 2 * 114,688 * 8 * 128 * 4 bytes = 28 GiB on every
-  rank, over a sixteenth of an 80 GB GPU: the parts move. Across processes the move would
-  allocate the whole cache on every rank: join. A hop 10,000 times smaller joins."""
+  rank, over a sixteenth of an 80 GB GPU: the parts move (in one process or across: the
+  move across processes no longer allocates the whole cache on every rank). A hop 10,000
+  times smaller joins."""
   config = preset_config("llama-3.1-8b")
   chunks = (16384,) * 8
   hop = kv_cache.last_hop_bytes(config, chunks, 1, 4, config.num_kv_heads)
   assert hop == 32 * 2 * 114688 * 8 * 128 * 4
-  assert not kv_cache.join_affordable(hop, one_process=True, device_memory=80 * 10**9)
-  assert kv_cache.join_affordable(hop, one_process=False, device_memory=80 * 10**9)
-  assert kv_cache.join_affordable(hop // 10**4, one_process=True, device_memory=80 * 10**9)
+  assert not kv_cache.join_affordable(hop, device_memory=80 * 10**9)
+  assert kv_cache.join_affordable(hop // 10**4, device_memory=80 * 10**9)
 
 
 def test_kvr_last_outputs_no_prompt_long_zeros_where_the_join_does_not_fit():
@@ -409,3 +431,25 @@ def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkey
   assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)
   got = kvr_jax.generate(model, tokens, 5, **kw).tokens
   np.testing.assert_array_equal(got, kvr_jax.generate(model, tokens, 5).tokens)
+
+
+def test_compiled_memory_reports_each_layouts_decode_step():
+  """decode_tokens: XLA's analysis of one decode step of each layout, by hand. cache="last":
+  the last rank's device takes the weights and the whole K and V caches grown by the new
+  tokens; cache="sharded": every device takes the weights, its part and the new tokens' K,V
+  (the tail), so it holds about half the cache here; the scalars are tokens, positions and
+  the step's index (int32)."""
+  cfg = preset_config("tiny-llama")
+  L, K, H, B, C, M = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 512, 32
+  kw = dict(context_len=C, num_ranks=2, partition=[256, 256], decode_tokens=M)
+  last = compiled_memory(cfg, "kvr", cache="last", **kw)
+  sharded = compiled_memory(cfg, "kvr", cache="sharded", **kw)
+  weights = last["weights_bytes"]
+  grown_cache = 2 * L * B * (C + M) * K * H * 4
+  assert last["decode_argument_bytes"] == weights + grown_cache + 2 * 4 * B
+  part = L * 2 * B * 256 * K * H * 4
+  tail = L * 2 * B * M * K * H * 4
+  assert sharded["decode_argument_bytes"] == weights + part + tail + 2 * 4 * B + 4
+  assert "decode_temp_bytes" in last and "decode_output_bytes" in sharded
+  with pytest.raises(ValueError, match="decode_tokens=-1"):
+    compiled_memory(cfg, "kvr", cache="sharded", **{**kw, "decode_tokens": -1})

@@ -37,6 +37,7 @@ def test_two_processes_four_ranks_match_single_device():
     "--model=tiny-llama",
     "--context_len=200",
     "--partition=80,50,40,30",
+    "--strategy=kvr,ring",
     "--max_new_tokens=8",
     "--json",
   )
@@ -59,6 +60,10 @@ def test_two_processes_four_ranks_match_single_device():
   assert kvr["tokens"] == result["single_tokens"]
   assert kvr["tokens_on_every_process"] is None  # only the last rank's process decodes
   assert len(kvr["tokens"][0]) >= 1
+  # ring's parts move onto the last rank, one sender at a time (kv_cache.send_onto_last_rank)
+  ring = result["strategies"]["ring"]
+  assert ring["cache"] == "last" and ring["tokens"] == result["single_tokens"]
+  assert ring["relative_logit_error"] <= 1e-5 and ring["relative_last_step_error"] <= 1e-5
 
 
 def test_every_process_decodes_from_the_sharded_cache_like_single():

@@ -17,7 +17,7 @@ from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import CacheParts, PrefillResult, check_prompts, prefill
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel
+from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel, spans_processes
 
 
 @dataclasses.dataclass
@@ -162,7 +162,7 @@ def decode_from(
     # Every process runs every step over the parts where they lie, and all of them take the
     # token the last rank sampled, so that they run the same next step and stop together.
     stepper = _sharded_stepper
-    if jax.process_count() > 1:
+    if spans_processes(result.mesh):
       agree = decode.from_last_rank(result.mesh, ranked=False)
   elif _on_model_groups(result):
     stepper = _model_group_stepper

@@ -69,13 +69,14 @@ def last_hop_bytes(config, chunks, batch: int, itemsize: int, kv_heads: int) -> 
   return config.num_layers * 2 * batch * sum(chunks[:-1]) * kv_heads * config.head_dim * itemsize
 
 
-def join_affordable(hop_bytes: int, one_process: bool, device_memory: int) -> bool:
+def join_affordable(hop_bytes: int, device_memory: int) -> bool:
   """Whether KV-Runahead's cache="last" joins its last hops (no move) rather than moving its
-  parts. Across processes always: the move's program allocates a prompt-long output on
-  every rank anyway. In one process only while the join's zeros on the other ranks stay
-  within JOIN_MEMORY_SHARE of a device: a Qwen2.5-14B shape at 131k tokens on 8 ranks would
-  cost every rank 42 GiB of them (float32), and its parts move; a tiny model joins."""
-  return not one_process or hop_bytes <= JOIN_MEMORY_SHARE * device_memory
+  parts: only while the join's zeros on the other ranks stay within JOIN_MEMORY_SHARE of a
+  device: a Qwen2.5-14B shape at 131k tokens on 8 ranks would cost every rank 42 GiB of them
+  (float32), and its parts move; a tiny model joins. (In one process and across: the move
+  across processes sends part by part, with no prompt-long output on any rank but the
+  last.)"""
+  return hop_bytes <= JOIN_MEMORY_SHARE * device_memory
 
 
 def check_cache(cache, allow_auto: bool = False) -> str:
@@ -161,10 +162,53 @@ def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
   return k, v
 
 
+@kept_cache(64)
+def send_to_last_program(mesh, sender: int):
+  """Rank `sender`'s part sent to rank p-1 (one ppermute): parts [p, L, 2, B*P, K, H] in and
+  out, sharded by rank; the output is one part on every rank (the received part on p-1,
+  zeros on the others), never a prompt-long buffer."""
+  p = mesh.shape[AXIS]
+  P = jax.P
+
+  def body(parts_1L2BPKH):
+    return jax.lax.ppermute(parts_1L2BPKH, AXIS, perm=[(sender, p - 1)])
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):
+  """Across processes (1-D mesh): every rank holding a run sends its part to rank p-1, one
+  sender at a time (every process runs each small program), and the last rank writes each
+  run's real rows into the cache in place as it arrives. A rank that does not keep the
+  cache holds, beside its own part, one part-sized output at a time; the last rank holds
+  the cache and one received part. (k, v) [L, B, C, K, H] on the last rank's device, or
+  (None, None) in a process that does not hold it."""
+  p, owner = layout.num_ranks, mesh.devices.reshape(-1)[-1]
+  holds = owner.process_index == jax.process_index()
+  if holds:
+    L, _, rows, K, H = kv_parts.shape[1:]
+    shape = (L, rows // layout.part_len, layout.context_len, K, H)
+    on_owner = jax.sharding.SingleDeviceSharding(owner)
+    k = jnp.zeros(shape, kv_parts.dtype, device=on_owner)
+    v = jnp.zeros(shape, kv_parts.dtype, device=on_owner)
+  for rank in range(p):
+    if not layout.segments[rank]:
+      continue
+    received = kv_parts if rank == p - 1 else send_to_last_program(mesh, rank)(kv_parts)
+    if not holds:
+      continue
+    part = next(s.data for s in received.addressable_shards if s.device == owner)[0]
+    for position, length, row in layout.segments[rank]:
+      k, v = place(k, v, real_rows(part, row, length, layout.part_len), position)
+  return (k, v) if holds else (None, None)
+
+
 @kept_cache(32)
 def collect_program(mesh, layout: CacheLayout):
-  """The move as one SPMD program (for parts that live in several processes): every rank
-  holding a run sends its part to rank p-1 (one pair per ppermute), which assembles them."""
+  """The move as one SPMD program on a ("ranks", "model") mesh: every rank holding a run
+  sends its part to rank p-1 (one pair per ppermute), which assembles them. Its output is
+  prompt-long on every rank (SPMD: one shape); the 1-D move across processes sends part by
+  part instead (`send_onto_last_rank`)."""
   p = layout.num_ranks
   P = jax.P
   # [p, L, 2, B*P, K, H] in, [p, L, B, C, K, H] out: by rank, and on a 2-D mesh heads by shard.
@@ -235,7 +279,8 @@ def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto
   last_hop: KV-Runahead's last-hop messages where its program kept them: the cache is joined
   on the last rank from what it holds (`join_last_hop`), nothing moves. Otherwise method
   "copy" copies each run's real rows onto that device and writes them into the cache there
-  (one process), "collective" runs `collect_program`, "auto" the first when every shard is
+  (one process), "collective" sends the parts to the last rank one rank at a time
+  (`send_onto_last_rank`, across processes), "auto" the first when every shard is
   addressable.
   """
   if model_parallel(mesh) > 1:
@@ -249,8 +294,4 @@ def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto
     return copy_onto(kv_parts, layout, mesh, owner)
   if method != "collective":
     raise ValueError(f"unknown method {method!r}; expected 'auto', 'copy' or 'collective'")
-  k, v = collect_program(mesh, layout)(kv_parts)
-  for k_shard, v_shard in zip(k.addressable_shards, v.addressable_shards, strict=True):
-    if k_shard.device == owner:
-      return k_shard.data[0], v_shard.data[0]
-  return None, None
+  return send_onto_last_rank(kv_parts, layout, mesh)

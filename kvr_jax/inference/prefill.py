@@ -43,6 +43,7 @@ from kvr_jax.runtime.mesh import (
   rank_device,
   rank_row_mesh,
   shard_on,
+  spans_processes,
 )
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import STRATEGIES, get_strategy
@@ -354,10 +355,12 @@ def plan_prefill(
   )
 
 
-def _process_zeros(value: str, options: tuple[str, ...]) -> str:
-  """`value` as process 0 chose it, on every process (a choice made from per-process
-  measurements must be the same everywhere, or the processes compile different programs)."""
-  if jax.process_count() == 1:
+def _process_zeros(value: str, options: tuple[str, ...], mesh) -> str:
+  """`value` as process 0 chose it, on every process, where `mesh` spans processes (a choice
+  made from per-process measurements must be the same everywhere, or the processes compile
+  different programs). A mesh of this process's devices alone (the oracle's, run by one
+  process) decides locally: a broadcast would wait for processes that never join it."""
+  if not spans_processes(mesh):
     return value
   index = multihost_utils.broadcast_one_to_all(np.int32(options.index(value)))
   return options[int(index)]
@@ -373,7 +376,7 @@ def _plan_cache(model, T: int, B: int, mesh) -> str:
   weights_bytes = model.config.num_params() * itemsize // m
   last_device = mesh.devices.reshape(-1)[-1]
   cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))
-  return _process_zeros(cache, CACHE_LAYOUTS)
+  return _process_zeros(cache, CACHE_LAYOUTS, mesh)
 
 
 def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
@@ -407,7 +410,7 @@ def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
   choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
   # Calibrations are per process: every process runs process 0's pick (and, for kvr, its
   # split: `_plan_partition` broadcasts that).
-  strategy = _process_zeros(choice.strategy, STRATEGIES)
+  strategy = _process_zeros(choice.strategy, STRATEGIES, mesh)
   chunks = list(choice.chunks) if choice.chunks and strategy == choice.strategy else None
   return strategy, chunks, choice
 
@@ -490,7 +493,7 @@ def _plan_partition(model, partition, T: int, mesh, B: int, kernel) -> tuple[int
     model_name=model.preset,
     **kernel_flags(kernel),
   )
-  if jax.process_count() > 1:
+  if spans_processes(mesh):
     # Cost-model partitions use per-process measurements; every process must compile the
     # same program, so all take process 0's choice.
     chunks = tuple(int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(chunks)))
@@ -499,18 +502,16 @@ def _plan_partition(model, partition, T: int, mesh, B: int, kernel) -> tuple[int
 
 def _keeps_last_hop(model, spec, cache, chunks, B: int, mesh) -> bool:
   """cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
-  where memory allows it (kv_cache.join_affordable); 1-D meshes only."""
-  return (
-    model_parallel(mesh) == 1
-    and spec.keeps_last_hop(cache, chunks, model.config.narrowest_window)
-    and join_affordable(
-      last_hop_bytes(
-        model.config, chunks, B, jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
-      ),
-      one_process=jax.process_count() == 1,
-      device_memory=device_memory_bytes(mesh.devices.flat[-1]),
-    )
-  )
+  where memory allows it on the ranks that hold its zeros (kv_cache.join_affordable: rank
+  0's device; across processes process 0's answer); 1-D meshes only."""
+  if model_parallel(mesh) > 1 or not spec.keeps_last_hop(
+    cache, chunks, model.config.narrowest_window
+  ):
+    return False
+  itemsize, kv_heads = jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
+  hop_bytes = last_hop_bytes(model.config, chunks, B, itemsize, kv_heads)
+  joins = join_affordable(hop_bytes, device_memory=device_memory_bytes(mesh.devices.flat[0]))
+  return _process_zeros("join" if joins else "move", ("join", "move"), mesh) == "join"
 
 
 def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True):
@@ -558,9 +559,9 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
         model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B
       )
       logits_BV = _piece_on(replicated, owner)
-    elif jax.process_count() > 1 and cache == "sharded":
+    elif spans_processes(mesh) and cache == "sharded":
       replicated = decode.from_last_rank(mesh, ranked=True)(logits)
-    if jax.process_count() == 1:
+    if not spans_processes(mesh):
       replicated = None  # the owner's logits are every process's
     return CacheParts(
       logits_BV,

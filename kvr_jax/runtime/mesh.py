@@ -156,6 +156,12 @@ def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def spans_processes(mesh: Mesh) -> bool:
+  """Whether the mesh's devices belong to more than one process (jax.distributed): what runs
+  on it is then a collective program that every one of them must run alike."""
+  return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
 def shard_on(array: jax.Array, device) -> jax.Array | None:
   """The single-device piece of a rank-sharded output ([p, ...]) that lives on `device`,
   without its leading rank axis; None when that device belongs to another process."""

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
+from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
   collect_program,
@@ -39,7 +40,7 @@ from kvr_jax.planning import costmodel
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
-from kvr_jax.runtime.mesh import AXIS, make_mesh
+from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
 from models.config import ModelConfig, config_from_dict
@@ -163,6 +164,74 @@ def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name,
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
 
 
+def _decode_memory(config, graphdef, state, mesh, layout, cache, shape, dtype_name) -> dict:
+  """XLA's analysis of one decode step as `generate` runs it after this layout, with room for
+  `decode_tokens` new tokens: cache="last" on the last rank's device (its row of model shards
+  on a 2-D mesh) over the whole cache grown by them; cache="sharded" on every device over its
+  part and the decoded tokens' K,V (the tail)."""
+  context_len, batch, m, decode_tokens = shape
+  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
+  itemsize = np.dtype(dtype_name).itemsize
+
+  def struct(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  heads = jax.P(None, None, None, None, tensor_parallel.MODEL_AXIS, None)
+  if cache == "sharded":
+    replicated = NamedSharding(mesh, jax.P())
+    state_shapes, _ = _placed_state(config, state, mesh, m, itemsize)
+    parts_spec = jax.P(AXIS, None, None, None, tensor_parallel.MODEL_AXIS) if m > 1 else jax.P(AXIS)
+    parts = (layout.num_ranks, L, 2, batch * layout.part_len, K * m, H)
+    tail = (L, 2, batch, decode_tokens, K * m, H)
+    program = decode.sharded_decode_program(graphdef, mesh, layout)
+    arguments = (
+      state_shapes,
+      struct((batch,), np.int32, replicated),
+      struct((batch,), np.int32, replicated),
+      struct(parts, dtype_name, NamedSharding(mesh, parts_spec)),
+      struct(tail, dtype_name, NamedSharding(mesh, heads) if m > 1 else replicated),
+      struct((), np.int32, replicated),
+    )
+    compiled = program.lower(*arguments).compile()
+  else:
+    row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
+    whole = (L, batch, context_len + decode_tokens, K * m, H)
+    if m > 1:  # the last rank's row of model shards (generate's model-group step)
+      on_row = NamedSharding(row, jax.P())
+      state_shapes, _ = _placed_state(config, state, row, m, itemsize)
+      cache_shape = struct(whole, dtype_name, NamedSharding(row, heads[1:]))
+      compiled = (
+        decode.model_group_decode_step(graphdef, row)
+        .lower(
+          state_shapes,
+          struct((batch,), np.int32, on_row),
+          struct((batch,), np.int32, on_row),
+          cache_shape,
+          cache_shape,
+        )
+        .compile()
+      )
+    else:
+      last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
+      state_shapes = jax.tree.map(lambda x: struct(x.shape, x.dtype, last), state)
+      cache_shape = struct(whole, dtype_name, last)
+      compiled = decode.decode_step.lower(
+        graphdef,
+        state_shapes,
+        struct((batch,), np.int32, last),
+        struct((batch,), np.int32, last),
+        cache_shape,
+        cache_shape,
+      ).compile()
+  stats = compiled.memory_analysis()
+  # A donated argument's output reuses its buffer (the cache, the tail): counted once.
+  return {
+    "decode_argument_bytes": int(stats.argument_size_in_bytes),
+    "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
+    "decode_temp_bytes": int(stats.temp_size_in_bytes),
+  }
+
+
 def _chunks_and_join(config, spec, partition, shape, attention, cache, mesh, device_memory):
   """The chunks the strategy lays out (the partition resolved as prefill resolves it) and
   whether KV-Runahead's cache="last" joins its last hops, as prefill decides in one process:
@@ -181,7 +250,7 @@ def _chunks_and_join(config, spec, partition, shape, attention, cache, mesh, dev
   joined = (
     len(mesh.axis_names) == 1  # a 1-D mesh: no tensor parallelism
     and spec.keeps_last_hop(cache, chunks, config.narrowest_window)
-    and join_affordable(hop_bytes, one_process=True, device_memory=device_memory)
+    and join_affordable(hop_bytes, device_memory=device_memory)
   )
   return chunks, joined
 
@@ -199,6 +268,7 @@ def compiled_memory(
   partition=MEMORY_PARTITION,
   model_parallel: int = 1,
   device_memory: int | None = None,
+  decode_tokens: int = 0,
 ) -> dict:
   """XLA's per-device memory of `strategy`'s prefill program, compiled from shapes only.
 
@@ -219,6 +289,12 @@ def compiled_memory(
   weights split as prefill splits them): every figure is then one device's, `weights_bytes`
   its shard of the weights, `kv_cache_bytes` its shard of the whole prompt's cache, and the
   move that of `kv_cache.collect_program` (every rank's part onto the last rank's row).
+
+  decode_tokens > 0: also `decode_argument_bytes`, `decode_output_bytes` (those not written
+  into a donated argument's buffer), `decode_temp_bytes`: one decode step of the layout with
+  room for that many new tokens (cache="last": on the last rank's device, the whole cache
+  grown by them among its arguments; cache="sharded": on every device, its part and the
+  decoded tokens' K,V among them).
   """
   config = _config(model)
   spec = get_strategy(strategy)
@@ -227,17 +303,24 @@ def compiled_memory(
   check_model_parallel(config, m)
   attention = spec.check_attention(attention)
   dtype_name = np.dtype(resolve_dtype(dtype)).name
+  if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, (int, np.integer)):
+    raise ValueError(f"`decode_tokens` must be an integer >= 0, got {decode_tokens!r}")
+  if decode_tokens < 0 or context_len + decode_tokens > config.max_position_embeddings:
+    raise ValueError(
+      f"decode_tokens={decode_tokens}: must be >= 0 and fit with the prompt in "
+      f"max_position_embeddings={config.max_position_embeddings}"
+    )
   if len(jax.devices()) < num_ranks * m:
     arguments = (context_len, num_ranks, dtype_name, cache, batch, attention, partition, m)
-    return _in_subprocess(config, strategy, *arguments, device_memory)
-  shape = (context_len, num_ranks, batch, m)
+    return _in_subprocess(config, strategy, *arguments, device_memory, int(decode_tokens))
+  shape = (context_len, num_ranks, batch, m, int(decode_tokens))
   return _measure(config, spec, shape, dtype_name, cache, attention, partition, device_memory)
 
 
 def _measure(config, spec, shape, dtype_name, cache, attention, partition, device_memory):
   """compiled_memory on this process's devices (enough of them): the program compiled from
   shapes, XLA's analysis of it and of the move after it."""
-  context_len, num_ranks, batch, m = shape
+  context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
   window = config.narrowest_window
@@ -268,6 +351,11 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   }
   layout = spec.cache_layout(context_len, chunks)
   result.update(_move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m))
+  if decode_tokens:
+    decode_shape = (context_len, batch, m, decode_tokens)
+    result.update(
+      _decode_memory(config, graphdef, state, mesh, layout, cache, decode_shape, dtype_name)
+    )
   return result
 
 
@@ -281,6 +369,7 @@ def memory_grid(
   cache: str = "last",
   dtype="float32",
   max_chunk: int | None = None,
+  decode_tokens: int = 0,
 ) -> list[dict]:
   """`compiled_memory` of every strategy at every length on `num_devices` devices (ranks of
   `model_parallel` devices; single on one). A length past the model's positions is compiled
@@ -301,7 +390,7 @@ def memory_grid(
         f"NOTE: the model has {config.max_position_embeddings} positions; its shapes are "
         f"compiled at C={C} with the positions extended (as long-context variants do)"
       )
-      shaped = dataclasses.replace(config, max_position_embeddings=C)
+      shaped = dataclasses.replace(config, max_position_embeddings=C + decode_tokens)
     for strategy in strategies:
       one = strategy == "single"
       row = compiled_memory(
@@ -313,6 +402,7 @@ def memory_grid(
         dtype=dtype,
         partition=plan if get_strategy(strategy).partitioned else None,
         model_parallel=1 if one else model_parallel,
+        decode_tokens=decode_tokens,
       )
       rows.append(row)
   return rows
@@ -334,7 +424,12 @@ def print_memory_table(rows: list[dict], model: str, cache: str) -> None:
   )
   header = f"{'strategy':<10}{'C':>9}{'ranks':>7}  {'weights':>8}{'outputs':>9}{'temps':>8}"
   header += f"{'out+tmp':>9}{'cache':>8}  {'(out+tmp)/cache':>15}"
-  print(header + (f"  {'move on last':>12}" if cache == "last" else ""))
+  decodes = any("decode_temp_bytes" in r for r in rows)
+  print(
+    header
+    + (f"  {'move on last':>12}" if cache == "last" else "")
+    + (f"  {'decode step':>11}" if decodes else "")
+  )
   for r in rows:
     total = r["output_bytes"] + r["temp_bytes"]
     ranks = str(r["num_ranks"]) + (f"x{r['model_parallel']}" if r["model_parallel"] > 1 else "")
@@ -346,6 +441,9 @@ def print_memory_table(rows: list[dict], model: str, cache: str) -> None:
     )
     if cache == "last":
       line += f"  {(r['move_argument_bytes'] + r['move_temp_bytes']) / gib:>12.2f}"
+    if decodes:  # arguments (weights, cache or part, tail) + temporaries of one step
+      step = r["decode_argument_bytes"] + r["decode_temp_bytes"] + r["decode_output_bytes"]
+      line += f"  {step / gib:>11.2f}"
     print(line)
 
 
@@ -361,6 +459,7 @@ def _in_subprocess(
   plan,
   model_parallel,
   device_memory,
+  decode_tokens,
 ):
   """The same call in a fresh interpreter with num_ranks x model_parallel emulated CPU
   devices."""
@@ -376,6 +475,7 @@ def _in_subprocess(
     "attention": attention if isinstance(attention, str) else dataclasses.asdict(attention),
     "model_parallel": model_parallel,
     "device_memory": None if device_memory is None else int(device_memory),
+    "decode_tokens": decode_tokens,
     # A plan travels as its name, its lengths or its fields.
     "plan": dataclasses.asdict(plan) if isinstance(plan, PartitionPlan) else plan,
   }
