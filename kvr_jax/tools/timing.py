@@ -40,6 +40,7 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   start = time.perf_counter()
   # prefill's plan and its run, the cache left where it was computed until it is timed apart
   plan = plan_prefill(model, tokens, cache=cache, **kwargs)
+  cache = plan.cache  # "auto" resolved
   result = run_prefill(model, plan, tokens, move_cache=cache != "last")
   jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
   moved = time.perf_counter()
@@ -81,13 +82,13 @@ def time_interleaved(
     for name, (cache, kwargs, _) in first.items():
       samples[name].append(_timed_call(model, tokens, cache, kwargs))
   timings = {}
-  for name, (cache, _, (result, first_s, _)) in first.items():
+  for name, (_, _, (result, first_s, _)) in first.items():
     runs = samples[name]
     timings[name] = PrefillTiming(
       first_s,
       [r[1] for r in runs],
       runs[-1][0] if runs else result,
-      [r[2] for r in runs] if cache == "last" else [],
+      [r[2] for r in runs] if result.cache == "last" else [],
     )
   return timings
 
