@@ -138,8 +138,9 @@ def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
 def test_the_move_across_processes_allocates_no_prompt_long_output():
   """XLA's analysis (shapes only) of what the move across processes runs: each sender's
   program outputs one part per device (the received part on the last rank, zeros
-  elsewhere), an eighth of the prompt on 8 even ranks; the 2-D mesh's one-program move
-  (collect_program) outputs the whole prompt on every device."""
+  elsewhere), an eighth of the prompt on 8 even ranks (on a 2-D mesh one shard of a part);
+  the one-program move it replaced (collect_program) outputs the whole prompt on every
+  device."""
   L, B, K, H, p, c = 2, 1, 2, 8, 8, 64
   mesh = kvr_jax.make_mesh(p)
   parts = jax.ShapeDtypeStruct(
@@ -152,6 +153,13 @@ def test_the_move_across_processes_allocates_no_prompt_long_output():
   layout = contiguous_layout((c,) * p)
   stats = kv_cache.collect_program(mesh, layout).lower(parts).compile().memory_analysis()
   assert stats.output_size_in_bytes >= p * part_bytes  # K and V of all 512 positions
+  # On a 4 x 2 ("ranks", "model") mesh each device sends and receives its own head's share.
+  mesh_2d = kvr_jax.make_mesh(4, model=2)
+  heads = NamedSharding(mesh_2d, jax.P("ranks", None, None, None, "model", None))
+  parts_2d = jax.ShapeDtypeStruct((4, L, 2, B * c, K, H), np.float32, sharding=heads)
+  program = kv_cache.send_to_last_program(mesh_2d, 1)
+  stats = program.lower(parts_2d).compile().memory_analysis()
+  assert stats.output_size_in_bytes == part_bytes // 2
 
 
 @pytest.mark.parametrize("partition", [[20, 9], [14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])

@@ -162,57 +162,68 @@ def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
   return k, v
 
 
+def _parts_spec(mesh):
+  """The parts [p, L, 2, B*P, K, H]: by rank, and on a 2-D mesh heads by shard."""
+  if model_parallel(mesh) == 1:
+    return jax.P(AXIS)
+  return jax.P(AXIS, None, None, None, MODEL_AXIS, None)
+
+
 @kept_cache(64)
 def send_to_last_program(mesh, sender: int):
-  """Rank `sender`'s part sent to rank p-1 (one ppermute): parts [p, L, 2, B*P, K, H] in and
-  out, sharded by rank; the output is one part on every rank (the received part on p-1,
-  zeros on the others), never a prompt-long buffer."""
+  """Rank `sender`'s part sent to rank p-1 (one ppermute; on a 2-D mesh each shard's heads to
+  the same shard of rank p-1): parts [p, L, 2, B*P, K, H] in and out; the output is one
+  part on every device (the received part on rank p-1, zeros elsewhere), never a
+  prompt-long buffer."""
   p = mesh.shape[AXIS]
-  P = jax.P
 
   def body(parts_1L2BPKH):
     return jax.lax.ppermute(parts_1L2BPKH, AXIS, perm=[(sender, p - 1)])
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+  spec = _parts_spec(mesh)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
 def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):
-  """Across processes (1-D mesh): every rank holding a run sends its part to rank p-1, one
-  sender at a time (every process runs each small program), and the last rank writes each
-  run's real rows into the cache in place as it arrives. A rank that does not keep the
-  cache holds, beside its own part, one part-sized output at a time; the last rank holds
-  the cache and one received part. (k, v) [L, B, C, K, H] on the last rank's device, or
-  (None, None) in a process that does not hold it."""
-  p, owner = layout.num_ranks, mesh.devices.reshape(-1)[-1]
-  holds = owner.process_index == jax.process_index()
-  if holds:
-    L, _, rows, K, H = kv_parts.shape[1:]
+  """Every rank holding a run sends its part to rank p-1, one sender at a time (every process
+  runs each small program), and each device of rank p-1 writes each run's real rows (its
+  heads) into its cache in place as they arrive. A rank that does not keep the cache holds,
+  beside its own part, one part-sized output at a time; the last rank holds the cache and
+  one received part. Returns, per device of rank p-1 in "model" order, (k, v) [L, B, C, K',
+  H] (K' the heads it holds); [] in a process that does not hold that rank."""
+  p = layout.num_ranks
+  last_row = list(mesh.devices.reshape(mesh.shape[AXIS], -1)[-1])
+  if last_row[0].process_index != jax.process_index():
+    last_row = []  # another process keeps the cache (a rank's devices are one process's)
+  caches = {}
+  for device in last_row:
+    L, _, rows, K, H = next(
+      s.data for s in kv_parts.addressable_shards if s.device == device
+    ).shape[1:]
     shape = (L, rows // layout.part_len, layout.context_len, K, H)
-    on_owner = jax.sharding.SingleDeviceSharding(owner)
-    k = jnp.zeros(shape, kv_parts.dtype, device=on_owner)
-    v = jnp.zeros(shape, kv_parts.dtype, device=on_owner)
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    caches[device] = tuple(jnp.zeros(shape, kv_parts.dtype, device=on_device) for _ in "kv")
   for rank in range(p):
     if not layout.segments[rank]:
       continue
     received = kv_parts if rank == p - 1 else send_to_last_program(mesh, rank)(kv_parts)
-    if not holds:
-      continue
-    part = next(s.data for s in received.addressable_shards if s.device == owner)[0]
-    for position, length, row in layout.segments[rank]:
-      k, v = place(k, v, real_rows(part, row, length, layout.part_len), position)
-  return (k, v) if holds else (None, None)
+    for device in last_row:
+      part = next(s.data for s in received.addressable_shards if s.device == device)[0]
+      for position, length, row in layout.segments[rank]:
+        piece = real_rows(part, row, length, layout.part_len)
+        caches[device] = place(*caches[device], piece, position)
+  return [caches[device] for device in last_row]
 
 
 @kept_cache(32)
 def collect_program(mesh, layout: CacheLayout):
-  """The move as one SPMD program on a ("ranks", "model") mesh: every rank holding a run
-  sends its part to rank p-1 (one pair per ppermute), which assembles them. Its output is
-  prompt-long on every rank (SPMD: one shape); the 1-D move across processes sends part by
-  part instead (`send_onto_last_rank`)."""
+  """The move as one SPMD program: every rank holding a run sends its part to rank p-1 (one
+  pair per ppermute), which assembles them. Its output is prompt-long on every device (SPMD:
+  one shape), which is why the moves send part by part instead (`send_onto_last_rank`);
+  kept as what that replaced (tests/test_cache_layout.py compares their memory)."""
   p = layout.num_ranks
-  P = jax.P
   # [p, L, 2, B*P, K, H] in, [p, L, B, C, K, H] out: by rank, and on a 2-D mesh heads by shard.
-  spec = P(AXIS) if model_parallel(mesh) == 1 else P(AXIS, None, None, None, MODEL_AXIS, None)
+  spec = _parts_spec(mesh)
 
   def body(parts_1L2BPKH):
     own = parts_1L2BPKH[0]
@@ -228,22 +239,19 @@ def collect_program(mesh, layout: CacheLayout):
 
 def gather_on_model_group(kv_parts, layout: CacheLayout, mesh):
   """2-D mesh: (k, v) [L, B, C, K, H] on the last rank's row of devices, heads split over
-  "model" (`collect_program` moves every shard's heads to its counterpart); (None, None) in a
-  process that does not hold that row."""
-  k, v = collect_program(mesh, layout)(kv_parts)
-  row = list(mesh.devices[-1])
+  "model" (`send_onto_last_rank`: every shard's heads to its counterpart, part by part);
+  (None, None) in a process that does not hold that row."""
+  per_device = send_onto_last_rank(kv_parts, layout, mesh)
+  if not per_device:
+    return None, None
   group = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)  # where decode runs its step
   heads_split = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
-
-  def last_row(x):
-    pieces = {s.device: s.data[0] for s in x.addressable_shards}
-    if not all(d in pieces for d in row):
-      return None
-    return jax.make_array_from_single_device_arrays(
-      x.shape[1:], heads_split, [pieces[d] for d in row]
-    )
-
-  return last_row(k), last_row(v)
+  L, B, C, K, H = per_device[0][0].shape
+  shape = (L, B, C, K * len(per_device), H)
+  return tuple(
+    jax.make_array_from_single_device_arrays(shape, heads_split, [kv[i] for kv in per_device])
+    for i in (0, 1)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -294,4 +302,5 @@ def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto
     return copy_onto(kv_parts, layout, mesh, owner)
   if method != "collective":
     raise ValueError(f"unknown method {method!r}; expected 'auto', 'copy' or 'collective'")
-  return send_onto_last_rank(kv_parts, layout, mesh)
+  (on_owner,) = send_onto_last_rank(kv_parts, layout, mesh) or [(None, None)]
+  return on_owner

@@ -29,7 +29,6 @@ from kvr_jax.core.chunks import check_ranks
 from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
-  collect_program,
   device_memory_bytes,
   join_affordable,
   join_on_device,
@@ -129,19 +128,11 @@ def _placed_state(config, state, mesh, m: int, itemsize: int):
 def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m) -> dict:
   """What bringing the cache onto the last rank needs there (`move_argument_bytes`,
   `move_temp_bytes`; none for cache="sharded"): KVR's join of its last hops, the move of the
-  parts run by run, or on a 2-D mesh every rank's part onto the last rank's row."""
+  parts run by run (on a 2-D mesh into each device of the last rank's row, its heads)."""
   K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
-  context_len, num_ranks = sum(chunks), len(chunks)
+  context_len = sum(chunks)
   on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
-  if m > 1 and cache == "last":
-    # Every rank's part onto the last rank's row, heads split (kv_cache.gather_on_model_group).
-    parts = jax.ShapeDtypeStruct(
-      (num_ranks, L, 2, batch * layout.part_len, K * m, H),
-      dtype_name,
-      sharding=NamedSharding(mesh, jax.P(AXIS, None, None, None, tensor_parallel.MODEL_AXIS)),
-    )
-    move = _analysis(collect_program(mesh, layout).lower(parts).compile())
-  elif joined:
+  if joined:
     # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device).
     prefix_len = context_len - chunks[-1]
     hop = jax.ShapeDtypeStruct((1, L, 2, batch * prefix_len, K, H), dtype_name, sharding=on_last)
@@ -152,8 +143,9 @@ def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name,
       join_on_device.lower(hop, part, prefix_len, layout.part_len, chunks[-1]).compile()
     )
   elif cache == "last":
-    # The move onto the last rank: its device holds the whole cache and, at a time, one run's
-    # real rows beside it (kv_cache.copy_onto); XLA's analysis of writing the longest run.
+    # The move onto the last rank: its device (each of its row's, its heads on a 2-D mesh)
+    # holds the whole cache and, at a time, one run's real rows beside it (kv_cache.copy_onto,
+    # send_onto_last_rank); XLA's analysis of writing the longest run.
     longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
     cache_shape = jax.ShapeDtypeStruct((L, batch, context_len, K, H), dtype_name, sharding=on_last)
     piece = jax.ShapeDtypeStruct((L, 2, batch, longest, K, H), dtype_name, sharding=on_last)
@@ -288,7 +280,7 @@ def compiled_memory(
   model_parallel: devices per rank (a ("ranks", "model") mesh of num_ranks x m devices, the
   weights split as prefill splits them): every figure is then one device's, `weights_bytes`
   its shard of the weights, `kv_cache_bytes` its shard of the whole prompt's cache, and the
-  move that of `kv_cache.collect_program` (every rank's part onto the last rank's row).
+  move that of writing one run into one device's heads of the cache on the last rank's row.
 
   decode_tokens > 0: also `decode_argument_bytes`, `decode_output_bytes` (those not written
   into a donated argument's buffer), `decode_temp_bytes`: one decode step of the layout with
