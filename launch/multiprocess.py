@@ -179,6 +179,15 @@ def launcher():
     print("error: no process reported a result", file=sys.stderr)
     return 1
   r = results[0]
+  all_same = print_summary(r)
+  if FLAGS.json:
+    print(json.dumps(r, indent=1))
+  return 0 if all_same else 1
+
+
+def print_summary(r: dict) -> bool:
+  """The job's result as one table; whether every strategy's tokens were single's (and the
+  same on every process)."""
   rows = [
     ("processes x ranks", f"{r['process_count']} x {r['num_ranks']}"),
     ("devices per rank (model)", str(r["model_parallel"])),
@@ -203,9 +212,7 @@ def launcher():
   width = max(len(name) for name, _ in rows)
   for name, value in rows:
     print(f"{name:<{width}}  {value}")
-  if FLAGS.json:
-    print(json.dumps(r, indent=1))
-  return 0 if all_same else 1
+  return all_same
 
 
 def main(argv):

@@ -27,7 +27,7 @@ from flax import nnx
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
-from kvr_jax.strategies.base import CacheLayout, unfold_batch
+from kvr_jax.strategies.base import CacheLayout, parts_spec, unfold_batch
 from models import layers, scan_blocks
 from models.base import no_reduce
 
@@ -152,10 +152,7 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
   replicated; on a ("ranks", "model") mesh the weights are split as the prefill split them
   (`Model.state_split_over(mesh)`) and the parts' and the tail's heads over "model"."""
   p = layout.num_ranks
-  P = jax.P
-  split = model_parallel(mesh) > 1
-  reduce = psum_over_model if split else no_reduce
-  heads = P(None, None, None, None, MODEL_AXIS, None) if split else P()
+  reduce = psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
   def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, tail_L2BMKH, tail_index):
     model = nnx.merge(graphdef, state)
@@ -195,12 +192,23 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
     )
     return model.logits(x_B1D)[:, 0], tail_L2BMKH
 
+  return _sharded_step_over(step, mesh)
+
+
+def _sharded_step_over(step, mesh):
+  """The jitted SPMD program of the sharded step on `mesh`: the parts by rank, everything
+  else replicated on a 1-D mesh; on a 2-D mesh the weights split (their partition specs from
+  the state at trace time) and the parts' and the tail's heads over "model"."""
+  P = jax.P
+  split = model_parallel(mesh) > 1
+  heads = P(None, None, None, None, MODEL_AXIS, None) if split else P()
+
   def body(state, tokens_B, prompt_lens_B, kv_parts, tail, tail_index):
-    parts = P(AXIS, None, None, None, MODEL_AXIS, None) if split else P(AXIS)
+    weights = partition_specs(state) if split else P()
     return jax.shard_map(
       step,
       mesh=mesh,
-      in_specs=(partition_specs(state) if split else P(), P(), P(), parts, heads, P()),
+      in_specs=(weights, P(), P(), parts_spec(mesh), heads, P()),
       out_specs=(P(), heads),
       # As in strategies.base.spmd on a 2-D mesh: the psummed logits are whole on every shard.
       check_vma=not split,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
-from kvr_jax.strategies.base import CacheLayout, unfold_batch
+from kvr_jax.strategies.base import CacheLayout, parts_spec, unfold_batch
 
 CACHE_LAYOUTS = ("last", "sharded")
 # cache="auto" puts the whole cache on the last rank only while the weights and it take at
@@ -162,13 +162,6 @@ def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
   return k, v
 
 
-def _parts_spec(mesh):
-  """The parts [p, L, 2, B*P, K, H]: by rank, and on a 2-D mesh heads by shard."""
-  if model_parallel(mesh) == 1:
-    return jax.P(AXIS)
-  return jax.P(AXIS, None, None, None, MODEL_AXIS, None)
-
-
 @kept_cache(64)
 def send_to_last_program(mesh, sender: int):
   """Rank `sender`'s part sent to rank p-1 (one ppermute; on a 2-D mesh each shard's heads to
@@ -180,7 +173,7 @@ def send_to_last_program(mesh, sender: int):
   def body(parts_1L2BPKH):
     return jax.lax.ppermute(parts_1L2BPKH, AXIS, perm=[(sender, p - 1)])
 
-  spec = _parts_spec(mesh)
+  spec = parts_spec(mesh)
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
@@ -223,7 +216,7 @@ def collect_program(mesh, layout: CacheLayout):
   kept as what that replaced (tests/test_cache_layout.py compares their memory)."""
   p = layout.num_ranks
   # [p, L, 2, B*P, K, H] in, [p, L, B, C, K, H] out: by rank, and on a 2-D mesh heads by shard.
-  spec = _parts_spec(mesh)
+  spec = parts_spec(mesh)
 
   def body(parts_1L2BPKH):
     own = parts_1L2BPKH[0]

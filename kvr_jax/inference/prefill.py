@@ -559,18 +559,12 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
         model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B
       )
       logits_BV = _piece_on(replicated, owner)
-    elif spans_processes(mesh) and cache == "sharded":
+    elif cache == "sharded" and spans_processes(mesh):
       replicated = decode.from_last_rank(mesh, ranked=True)(logits)
-    if not spans_processes(mesh):
-      replicated = None  # the owner's logits are every process's
-    return CacheParts(
-      logits_BV,
-      **common,
-      kv_parts=kv_parts,
-      mesh=mesh,
-      last_hop=last_hop,
-      replicated_logits=replicated,
-    )
+    # In one process the owner's logits are every process's.
+    replicated = replicated if spans_processes(mesh) else None
+    parts = dict(kv_parts=kv_parts, mesh=mesh, last_hop=last_hop, replicated_logits=replicated)
+    return CacheParts(logits_BV, **common, **parts)
   k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
   if padded and k_LBSKH is not None:
     logits_BV, k_LBSKH, v_LBSKH = _last_real_logits(

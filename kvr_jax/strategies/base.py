@@ -213,6 +213,14 @@ def fold_batch(kv_2BPKH):
   return kv_2BPKH.reshape(2, -1, *kv_2BPKH.shape[3:])
 
 
+def parts_spec(mesh):
+  """Every K,V output (the parts, KV-Runahead's last hops) [p, L, 2, rows, K, H]: by rank, and
+  on a ("ranks", "model") mesh its heads over "model"."""
+  if model_parallel(mesh) == 1:
+    return jax.P(AXIS)
+  return jax.P(AXIS, None, None, None, MODEL_AXIS, None)
+
+
 def unfold_batch(kv_2BPKH_folded, part_len: int):
   """[..., 2, B*P, K, H] -> [..., 2, B, P, K, H] (the inverse of `fold_batch`)."""
   *lead, rows, K, H = kv_2BPKH_folded.shape
@@ -242,7 +250,7 @@ def spmd(rank_program, mesh):
     return jax.jit(body)
 
   # Every K,V output (the parts, KV-Runahead's last hops) is [p, L, 2, rows, K, H].
-  kv_spec = P(AXIS, None, None, None, MODEL_AXIS, None)
+  kv_spec = parts_spec(mesh)
 
   @jax.jit
   def body_2d(state, tokens_pBc):

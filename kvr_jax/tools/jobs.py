@@ -59,11 +59,7 @@ def check_job(
   padded to the longest, each decoding from its own length)."""
   mesh = mesh_of_ranks(None, model_parallel)
   model = load_model(model_name, dtype=dtype, mesh=mesh if model_parallel > 1 else None)
-  if row_lengths:
-    longest = synthetic_prompt(model.config.vocab_size, max(row_lengths), len(row_lengths), seed)
-    tokens = [row[:n] for row, n in zip(longest, row_lengths, strict=True)]
-  else:
-    tokens = synthetic_prompt(model.config.vocab_size, context_len, batch, seed)
+  tokens = _check_prompt(model.config.vocab_size, context_len, batch, row_lengths, seed)
   owner = jax.process_index() == mesh.devices.flat[-1].process_index
   runs = {}
   for name, cache in itertools.product(strategies, caches):
@@ -82,24 +78,35 @@ def check_job(
     return None
   whole = model if model_parallel == 1 else load_model(model_name, dtype=dtype)
   single = generate(whole, tokens, max_new_tokens, temperature, seed=sampling_seed)
-  checked = {}
-  for name, (out, everywhere) in runs.items():
-    checked[name] = {
-      "partition": None if out.prefill.partition is None else list(out.prefill.partition),
-      "cache": out.prefill.cache,
-      "relative_logit_error": _relative_error(out.prefill.logits, single.prefill.logits),
-      # the logits of the last token drawn: every decode step's cache and tail behind them
-      "relative_last_step_error": _relative_error(out.last_logits, single.last_logits),
-      "tokens": out.tokens.tolist(),
-      "tokens_on_every_process": everywhere,
-    }
   return {
     "process_index": jax.process_index(),
     "process_count": jax.process_count(),
     "num_ranks": int(mesh.shape["ranks"]),
     "model_parallel": model_parallel,
     "single_tokens": single.tokens.tolist(),
-    "strategies": checked,
+    "strategies": {name: _checked(*run, single) for name, run in runs.items()},
+  }
+
+
+def _check_prompt(vocab_size: int, context_len: int, batch: int, row_lengths, seed: int):
+  """`batch` rows of `context_len` tokens, or a ragged batch of rows of `row_lengths`."""
+  if not row_lengths:
+    return synthetic_prompt(vocab_size, context_len, batch, seed)
+  longest = synthetic_prompt(vocab_size, max(row_lengths), len(row_lengths), seed)
+  return [row[:n] for row, n in zip(longest, row_lengths, strict=True)]
+
+
+def _checked(out, everywhere, single) -> dict:
+  """One strategy's generation against single's: the partition, the layout, the errors of
+  the prefill's logits and of the last decode step's, and the tokens."""
+  return {
+    "partition": None if out.prefill.partition is None else list(out.prefill.partition),
+    "cache": out.prefill.cache,
+    "relative_logit_error": _relative_error(out.prefill.logits, single.prefill.logits),
+    # the logits of the last token drawn: every decode step's cache and tail behind them
+    "relative_last_step_error": _relative_error(out.last_logits, single.last_logits),
+    "tokens": out.tokens.tolist(),
+    "tokens_on_every_process": everywhere,
   }
 
 
@@ -175,21 +182,8 @@ def bench_job(
     # Interleaved: every variant compiled, then `repeats` rounds of one call each (ABCABC).
     timings = time_interleaved(model, tokens, arguments, repeats)
     for variant, timing in timings.items():
-      result = timing.result
-      rows.append(
-        {
-          "variant": variant,
-          "cache": result.cache,
-          "decode_tokens_per_s": _decode_rate(model, result, decode_tokens),
-          "context_len": C,
-          "ttft_s": timing.median_s,
-          "samples_s": timing.runs_s,  # every warm run, in round order
-          "move_s": timing.move_median_s,  # the cache's move onto the last rank (in ttft_s)
-          "search_s": searches[variant],
-          "strategy": result.strategy,  # what ran (auto: its pick)
-          "partition": None if result.partition is None else list(result.partition),
-        }
-      )
+      rate = _decode_rate(model, timing.result, decode_tokens)
+      rows.append(_bench_row(variant, C, timing, searches[variant], rate))
   if not owner:
     return None
   return {
@@ -197,6 +191,22 @@ def bench_job(
     "num_ranks": int(mesh.devices.size),
     "model": model_name,
     "rows": rows,
+  }
+
+
+def _bench_row(variant: str, context_len: int, timing, search_s: float, decode_rate) -> dict:
+  result = timing.result
+  return {
+    "variant": variant,
+    "cache": result.cache,
+    "decode_tokens_per_s": decode_rate,
+    "context_len": context_len,
+    "ttft_s": timing.median_s,
+    "samples_s": timing.runs_s,  # every warm run, in round order
+    "move_s": timing.move_median_s,  # the cache's move onto the last rank (in ttft_s)
+    "search_s": search_s,
+    "strategy": result.strategy,  # what ran (auto: its pick)
+    "partition": None if result.partition is None else list(result.partition),
   }
 
 

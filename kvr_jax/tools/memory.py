@@ -42,6 +42,7 @@ from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies.base import parts_spec
 from models.config import ModelConfig, config_from_dict
 from models.kernels import AttentionKernel
 
@@ -156,72 +157,68 @@ def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name,
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
 
 
+def _struct(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
 def _decode_memory(config, graphdef, state, mesh, layout, cache, shape, dtype_name) -> dict:
   """XLA's analysis of one decode step as `generate` runs it after this layout, with room for
   `decode_tokens` new tokens: cache="last" on the last rank's device (its row of model shards
   on a 2-D mesh) over the whole cache grown by them; cache="sharded" on every device over its
   part and the decoded tokens' K,V (the tail)."""
-  context_len, batch, m, decode_tokens = shape
-  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
-  itemsize = np.dtype(dtype_name).itemsize
-
-  def struct(shape, dtype, sharding):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-  heads = jax.P(None, None, None, None, tensor_parallel.MODEL_AXIS, None)
-  if cache == "sharded":
-    replicated = NamedSharding(mesh, jax.P())
-    state_shapes, _ = _placed_state(config, state, mesh, m, itemsize)
-    parts_spec = jax.P(AXIS, None, None, None, tensor_parallel.MODEL_AXIS) if m > 1 else jax.P(AXIS)
-    parts = (layout.num_ranks, L, 2, batch * layout.part_len, K * m, H)
-    tail = (L, 2, batch, decode_tokens, K * m, H)
-    program = decode.sharded_decode_program(graphdef, mesh, layout)
-    arguments = (
-      state_shapes,
-      struct((batch,), np.int32, replicated),
-      struct((batch,), np.int32, replicated),
-      struct(parts, dtype_name, NamedSharding(mesh, parts_spec)),
-      struct(tail, dtype_name, NamedSharding(mesh, heads) if m > 1 else replicated),
-      struct((), np.int32, replicated),
-    )
-    compiled = program.lower(*arguments).compile()
-  else:
-    row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
-    whole = (L, batch, context_len + decode_tokens, K * m, H)
-    if m > 1:  # the last rank's row of model shards (generate's model-group step)
-      on_row = NamedSharding(row, jax.P())
-      state_shapes, _ = _placed_state(config, state, row, m, itemsize)
-      cache_shape = struct(whole, dtype_name, NamedSharding(row, heads[1:]))
-      compiled = (
-        decode.model_group_decode_step(graphdef, row)
-        .lower(
-          state_shapes,
-          struct((batch,), np.int32, on_row),
-          struct((batch,), np.int32, on_row),
-          cache_shape,
-          cache_shape,
-        )
-        .compile()
-      )
-    else:
-      last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
-      state_shapes = jax.tree.map(lambda x: struct(x.shape, x.dtype, last), state)
-      cache_shape = struct(whole, dtype_name, last)
-      compiled = decode.decode_step.lower(
-        graphdef,
-        state_shapes,
-        struct((batch,), np.int32, last),
-        struct((batch,), np.int32, last),
-        cache_shape,
-        cache_shape,
-      ).compile()
-  stats = compiled.memory_analysis()
+  step = _sharded_step if cache == "sharded" else _whole_cache_step
+  stats = step(config, graphdef, state, mesh, layout, shape, dtype_name).memory_analysis()
   # A donated argument's output reuses its buffer (the cache, the tail): counted once.
   return {
     "decode_argument_bytes": int(stats.argument_size_in_bytes),
     "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
     "decode_temp_bytes": int(stats.temp_size_in_bytes),
   }
+
+
+_HEADS = jax.P(None, None, None, None, tensor_parallel.MODEL_AXIS, None)
+
+
+def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
+  """decode.sharded_decode_program compiled from shapes: every device's part and the tail."""
+  _, batch, m, decode_tokens = shape
+  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
+  replicated = NamedSharding(mesh, jax.P())
+  state_shapes, _ = _placed_state(config, state, mesh, m, np.dtype(dtype_name).itemsize)
+  parts = (layout.num_ranks, L, 2, batch * layout.part_len, K * m, H)
+  tail = (L, 2, batch, decode_tokens, K * m, H)
+  arguments = (
+    state_shapes,
+    _struct((batch,), np.int32, replicated),
+    _struct((batch,), np.int32, replicated),
+    _struct(parts, dtype_name, NamedSharding(mesh, parts_spec(mesh))),
+    _struct(tail, dtype_name, NamedSharding(mesh, _HEADS) if m > 1 else replicated),
+    _struct((), np.int32, replicated),
+  )
+  return decode.sharded_decode_program(graphdef, mesh, layout).lower(*arguments).compile()
+
+
+def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
+  """The whole-cache decode step compiled from shapes on the last rank's device, or as model
+  shards on its row (generate's model-group step)."""
+  context_len, batch, m, decode_tokens = shape
+  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
+  whole = (L, batch, context_len + decode_tokens, K * m, H)
+  if m > 1:
+    row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
+    on_row = NamedSharding(row, jax.P())
+    state_shapes, _ = _placed_state(config, state, row, m, np.dtype(dtype_name).itemsize)
+    cache_shape = _struct(whole, dtype_name, NamedSharding(row, _HEADS[1:]))
+    program, arguments = decode.model_group_decode_step(graphdef, row), (state_shapes,)
+    positions = _struct((batch,), np.int32, on_row)
+  else:
+    last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
+    state_shapes = jax.tree.map(lambda x: _struct(x.shape, x.dtype, last), state)
+    cache_shape = _struct(whole, dtype_name, last)
+    program, arguments = decode.decode_step, (graphdef, state_shapes)
+    positions = _struct((batch,), np.int32, last)
+  # tokens and positions have the same shape and placement
+  return program.lower(*arguments, positions, positions, cache_shape, cache_shape).compile()
 
 
 def _chunks_and_join(config, spec, partition, shape, attention, cache, mesh, device_memory):
