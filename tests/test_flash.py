@@ -546,9 +546,9 @@ def test_traced_query_rows_and_key_end_match_dense(window):
 
 @pytest.mark.parametrize("form", ["window", "qwen3", "2d-mesh"])
 def test_early_diagonal_rows_under_a_window_qwen3_and_a_2d_mesh(form):
-  """The one body's early diagonal rows (0 < r_i < c_i: rank 1 attends 384 of its 400 rows
-  to its own keys before its prefix arrives) with a sliding window, Qwen3's q/k norms and
-  tensor-parallel ranks, against the dense single device."""
+  """The one body's early diagonal rows (0 < r_i < c_i: rank 1 attends 160 or 232 of its 460
+  rows to its own keys before its prefix arrives) with a sliding window, Qwen3's q/k norms
+  and tensor-parallel ranks, against the dense single device."""
   from kvr_jax.runtime.loading import build_model, preset_config
 
   if form == "qwen3":
@@ -557,8 +557,9 @@ def test_early_diagonal_rows_under_a_window_qwen3_and_a_2d_mesh(form):
   else:
     model = kvr_jax.load_model("tiny-mistral" if form == "window" else "tiny-llama")
   mesh = kvr_jax.make_mesh(2, model=2) if form == "2d-mesh" else kvr_jax.make_mesh(2)
-  chunks = (700, 400)
-  early = runahead.early_rows_in_blocks(model.config, chunks, KERNELS["flash"].query_block)
+  chunks = (640, 460)
+  block = runahead.one_body_block(model.config, chunks, KERNELS["flash"])
+  early = runahead.early_rows_in_blocks(model.config, chunks, block)
   assert 0 < early[1] < chunks[1], early
   tokens = np.random.RandomState(9).randint(0, model.config.vocab_size, (1, sum(chunks)))
   want = kvr_jax.prefill(model, tokens, attention="dense")

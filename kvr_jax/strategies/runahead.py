@@ -479,9 +479,12 @@ class _PerRankBranches:
 # `layers.attend_flash`'s query_rows and key_end); the others need the per-rank program's
 # static shapes.
 BODIES = ("one", "per-rank")
-# Rows of the projections and the MLP per step of a loop whose trip count is the rank's real
-# length: a rank computes at most ROW_BLOCK - 1 padded rows, whatever the longest chunk.
-ROW_BLOCK = 256
+# The largest block of the one body's row loops (projections, MLP): a loop whose trip count
+# is the rank's real length in blocks (its query blocks are at most the kernel's).
+ROW_BLOCK = 512
+# A block's fixed cost (a loop step; a query block's walk over its key blocks), counted in
+# rows of its own work: what `one_body_block` weighs against padded rows.
+BLOCK_OVERHEAD_ROWS = 16
 
 
 def check_body(body: str | None, attention) -> str:
@@ -501,32 +504,51 @@ def check_body(body: str | None, attention) -> str:
   return body
 
 
-def row_block(chunks: tuple[int, ...]) -> int:
-  """Rows per step of the one body's row loops: ROW_BLOCK, or the longest chunk rounded up to
-  8 where that is shorter."""
-  return min(ROW_BLOCK, -(-max(chunks) // 8) * 8)
+def one_body_block(config, chunks: tuple[int, ...], kernel) -> int:
+  """The one body's block: rows per step of its row loops (projections, MLP) and per query
+  block of its attention (one size, so a padded chunk is whole blocks of both). Rank i
+  computes its c_i rows rounded up to a block edge, so a block fixed at the kernel's 512 cost
+  a rank of 2637 tokens 3072 query rows against its whole prefix (16% more of the critical
+  path's attention than the per-rank program's). This is the multiple of 8 up to the
+  kernel's query block (and ROW_BLOCK) whose padded work is least: every rank's rows up to
+  its block edge, plus BLOCK_OVERHEAD_ROWS per block, each row weighed by what it costs on
+  that rank (the linear layers and the keys it sees)."""
+  D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+  window = config.narrowest_window
+  linear_per_row = 2 * D * ((N + 2 * K) * H + N * H + config.mlp_matrices * config.active_mlp_dim)
+  per_key = 4 * N * H
+  cost_per_row = [linear_per_row + per_key * min(end, window or end) for end in prefix_ends(chunks)]
+  longest = -(-max(chunks) // 8) * 8
+
+  def padded_work(block: int) -> float:
+    return sum(
+      (-(-c // block)) * (block + BLOCK_OVERHEAD_ROWS) * row
+      for c, row in zip(chunks, cost_per_row, strict=True)
+    )
+
+  largest = min(ROW_BLOCK, get_kernel(kernel).query_block, longest)
+  candidates = range(8, largest + 1, 8)
+  return min(candidates, key=lambda block: (padded_work(block), -block))
 
 
-def padded_chunk_len(chunks: tuple[int, ...]) -> int:
-  """The one body's static chunk length: the longest chunk rounded up to whole row blocks (a
+def padded_chunk_len(chunks: tuple[int, ...], block: int) -> int:
+  """The one body's static chunk length: the longest chunk rounded up to whole blocks (a
   block's slice never runs past the end, where `dynamic_slice` would clamp it)."""
-  R = row_block(chunks)
-  return -(-max(chunks) // R) * R
+  return -(-max(chunks) // block) * block
 
 
-def one_body_buffer_len(chunks: tuple[int, ...]) -> int:
+def one_body_buffer_len(chunks: tuple[int, ...], block: int) -> int:
   """Rows of every rank's K,V buffer in the one body, indexed by prompt position: the received
   prefix, then the rank's own padded chunk written at its start (never clamped)."""
-  return chunk_starts(chunks)[-1] + padded_chunk_len(chunks)
+  return chunk_starts(chunks)[-1] + padded_chunk_len(chunks, block)
 
 
-def early_rows_in_blocks(config, chunks: tuple[int, ...], query_block: int) -> tuple[int, ...]:
+def early_rows_in_blocks(config, chunks: tuple[int, ...], block: int) -> tuple[int, ...]:
   """The one body's early rows: each rank's r_i (`rows_before_hop`) moved to the nearest
-  edge of the flash kernel's query blocks (at most its c_i). The early and the late pieces
-  then visit disjoint query blocks; an r_i inside a block would have both compute it."""
+  edge of its query blocks (at most its c_i). The early and the late pieces then visit
+  disjoint query blocks; an r_i inside a block would have both compute it."""
   if len(chunks) == 1:
     return (0,)
-  block = layers.even_block(padded_chunk_len(chunks), query_block)
   return tuple(
     min(int(round(r / block)) * block, c)
     for r, c in zip(rows_before_hop(config, chunks), chunks, strict=True)
@@ -564,7 +586,7 @@ def one_body(
   compiled program does not grow with p; only the hops' static sizes follow the split.
 
   Per layer, rank i:
-    qkv       its c rows in blocks of `row_block` rows (a loop of ceil(c / R) steps)
+    qkv       its c rows in blocks of R rows (`one_body_block`: a loop of ceil(c / R) steps)
     diagonal  its first r_i rows against its own keys (before the hop, as data)
     hops      the same chain as the per-rank program; rank k+1 writes hop k into its buffer
               at the prefix's positions, so every rank's buffer holds [first, start) then its
@@ -594,7 +616,8 @@ class _OneBodyRank:
   rank's own real length c, start and early rows as traced data (read at its rank index)."""
 
   chunks: tuple[int, ...]
-  kernel: Any
+  kernel: Any  # its query block is `block`
+  block: int  # rows per step of the row loops and per query block (one_body_block)
   timeline: bool
   reduce: Callable
   config: Any
@@ -613,11 +636,13 @@ class _OneBodyRank:
     cls, model, rank, tokens_Bc, reduce, chunks, kernel, timeline, keep_last_hop
   ) -> _OneBodyRank:
     cfg = model.config
-    early = early_rows_in_blocks(cfg, chunks, kernel.query_block)
-    c_pad = padded_chunk_len(chunks)
+    block = one_body_block(cfg, chunks, kernel)
+    early = early_rows_in_blocks(cfg, chunks, block)
+    c_pad = padded_chunk_len(chunks, block)
     return cls(
       chunks=chunks,
-      kernel=kernel,
+      kernel=dataclasses.replace(kernel, query_block=block),  # whole query blocks of c_pad
+      block=block,
       timeline=timeline,
       reduce=reduce,
       config=cfg,
@@ -642,12 +667,12 @@ class _OneBodyRank:
   def empty_buffer(self):
     """[2, B, S, K, H]: the received prefix, then the rank's own chunk (carried over layers)."""
     B, H = self.tokens_Bc.shape[0], self.config.head_dim
-    return self.zeros((2, B, one_body_buffer_len(self.chunks), self.kv_heads, H))
+    return self.zeros((2, B, one_body_buffer_len(self.chunks, self.block), self.kv_heads, H))
 
   def project(self, block, x_BcD):
     """q [B, c_pad, N, H] and own K,V [2, B, c_pad, K, H] of the c real rows, in row blocks;
     rows past c zero (the part and the buffer hold only real keys)."""
-    B, H, R = x_BcD.shape[0], self.config.head_dim, row_block(self.chunks)
+    B, H, R = x_BcD.shape[0], self.config.head_dim, self.block
 
     def project_block(first_row, x_BRD):
       positions_BR = jnp.broadcast_to(self.start + first_row + jnp.arange(R), (B, R))
@@ -723,7 +748,7 @@ class _OneBodyRank:
     (x_BcD,) = map_row_blocks(
       lambda _, x_BRD, attn_BRNH: (block.finish(x_BRD, attn_BRNH, None, reduce=self.reduce),),
       c,
-      row_block(chunks),
+      self.block,
       (x_BcD, attn_BcNH),
       (x_BcD,),
     )
