@@ -90,6 +90,7 @@ from kvr_jax.strategies.base import (
   RankBody,
   Strategy,
   fold_batch,
+  ordered_after,
   strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
@@ -305,13 +306,15 @@ def hop_chain(
   timeline: bool = False,
   layer=-1,
   last_into_buffer: bool = False,
+  after=None,
 ):
   """p-1 hops: hop k sends keys [a, S_k) (hop_span) from rank k to rank k+1, one pair per
   ppermute. Hop 0's message is rank 0's own chunk; a forwarding rank k sends from its buffer
   (what it received, then its own chunk); the last hop's message is returned as it arrived,
   and written into the last rank's buffer too with `last_into_buffer` (the one body attends
   every prefix from its buffer). A rank whose chunk is shorter than the window forwards part
-  of what it received.
+  of what it received. Every message is computed after `after` (a pytree: the sender's
+  early diagonal rows, the work its receiver's wait should not include; `ordered_after`).
 
   Returns (buffer, last message [2, B, S_{p-2} - a, K, H])."""
   p = len(chunks)
@@ -319,7 +322,8 @@ def hop_chain(
   for k in range(p - 1):
     a, end = hop_span(k, chunks, window)
     source = own_2BcKH if k == 0 else buffer_2BSKH  # rank 0's prefix is its chunk
-    message = jax.lax.ppermute(source[:, :, a:end], AXIS, perm=[(k, k + 1)])
+    message = ordered_after(source[:, :, a:end], after)
+    message = jax.lax.ppermute(message, AXIS, perm=[(k, k + 1)])
     if k < p - 2 or last_into_buffer:
       # ppermute gives zeros to ranks outside the pair: only rank k+1 keeps the message.
       prefix = jnp.where(rank == k + 1, message, buffer_2BSKH[:, :, a:end])
@@ -389,8 +393,8 @@ class _PerRankBranches:
       self.rank, [functools.partial(branch, i=i, **kwargs) for i in range(p)], *operands
     )
 
-  def early_diagonal(self, block, q_BcNH, own_2BcKH, buffer_2BSKH, l):
-    """Rank i's first r_i diagonal rows before its hop, ordered before the hops."""
+  def early_diagonal(self, block, q_BcNH, own_2BcKH, l):
+    """Rank i's first r_i diagonal rows before its hop."""
     diagonal = jax.lax.switch(
       self.rank,
       [
@@ -407,10 +411,9 @@ class _PerRankBranches:
       q_BcNH,
       own_2BcKH,
     )
-    # The hops' operands depend on the diagonal (and on its probe, so that the probes
-    # record in program order): XLA cannot put it behind a receive.
-    diagonal = mark(self.timeline, "diagonal", l, diagonal)
-    return jax.lax.optimization_barrier((diagonal, own_2BcKH, buffer_2BSKH))
+    # The hops' messages are computed after the diagonal (hop_chain's `after`), and after
+    # its probe, so that the probes record in program order.
+    return mark(self.timeline, "diagonal", l, diagonal)
 
   def layer(self, block, x_BcD, buffer_2BSKH, l):
     chunks, timeline, rank, p = self.chunks, self.timeline, self.rank, len(self.chunks)
@@ -425,17 +428,14 @@ class _PerRankBranches:
     q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
     diagonal = None
     if attends_diagonal_first(self.attention, p):
-      diagonal, own_2BcKH, buffer_2BSKH = self.early_diagonal(
-        block, q_BcNH, own_2BcKH, buffer_2BSKH, l
-      )
+      diagonal = self.early_diagonal(block, q_BcNH, own_2BcKH, l)
     window = block.config.sliding_window  # this layer's (layers may differ)
-    prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, window, timeline, l)
-    # Everything after the hops waits for them, on every rank. In a multi-process run each
-    # process compiles its own rank's branch of the switches (the rank is a constant there),
-    # and rank 0's attention reads only its own keys: without this XLA may run it before
-    # the send, holding its receiver back by a whole attention.
-    (x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes = jax.lax.optimization_barrier(
-      ((x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes)
+    prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, window, timeline, l, after=diagonal)
+    # Everything after the hops waits for them, on every rank: rank 0's attention reads
+    # only its own keys, and XLA may otherwise run it before the send, holding its receiver
+    # back by a whole attention.
+    x_BcD, q_BcNH, own_2BcKH, diagonal = ordered_after(
+      (x_BcD, q_BcNH, own_2BcKH, diagonal), prefixes
     )
     x_BcD = jax.lax.switch(
       rank,
@@ -729,19 +729,14 @@ class _OneBodyRank:
       buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(
         buffer_2BSKH, own_2BcKH, self.start, axis=2
       )
-      # The hops' operands depend on the early rows: XLA cannot put them behind a receive.
-      diagonal, own_2BcKH, buffer_2BSKH = jax.lax.optimization_barrier(
-        (diagonal, own_2BcKH, buffer_2BSKH)
-      )
+      # The hops' messages are computed after the early rows (their receivers wait less).
       window = block.config.sliding_window  # this layer's (layers may differ)
       buffer_2BSKH, last_message = hop_chain(
-        buffer_2BSKH, own_2BcKH, self.rank, chunks, window, timeline, l, True
+        buffer_2BSKH, own_2BcKH, self.rank, chunks, window, timeline, l, True, after=diagonal
       )
-      # Everything after the hops waits for them (see per_rank_body).
-      (x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message) = (
-        jax.lax.optimization_barrier(
-          ((x_BcD, q_BcNH, own_2BcKH, diagonal), (buffer_2BSKH, last_message))
-        )
+      # Everything after the hops waits for them (see _PerRankBranches.layer).
+      q_BcNH, own_2BcKH, diagonal = ordered_after(
+        (q_BcNH, own_2BcKH, diagonal), buffer_2BSKH, last_message
       )
     attn_BcNH = self.attend(block, q_BcNH, own_2BcKH, buffer_2BSKH, diagonal)
     attn_BcNH = mark(timeline, "attention", l, attn_BcNH.astype(x_BcD.dtype))
