@@ -477,6 +477,15 @@ class _PerRankBranches:
 # `layers.attend_flash`'s query_rows and key_end); the others need the per-rank program's
 # static shapes.
 BODIES = ("one", "per-rank")
+# Up to this many ranks the per-rank program is the default body even for the kernels that
+# take lengths as data. Measured at 2 ranks (bench-llama, two processes x one core, the same
+# split in one interleaved run; tiny-llama's programs compiled alone): the per-rank program
+# compiles faster (1.08 s against 1.34 s) and runs faster (1k 0.081 s against 0.122 s, 4k
+# 0.513 against 0.649, 8k 1.551 against 1.802): the one body's padding to whole blocks and
+# its data-dependent loops cost more than two branches save. From 4 ranks the one body
+# compiles faster (1.29 s against 1.55 s; 8 ranks 1.53 against 2.96, 16 ranks 2.0 against
+# 5.7), and its compile stops growing with the ranks.
+PER_RANK_UP_TO = 2
 # The largest block of the one body's row loops (projections, MLP): a loop whose trip count
 # is the rank's real length in blocks (its query blocks are at most the kernel's).
 ROW_BLOCK = 512
@@ -485,12 +494,12 @@ ROW_BLOCK = 512
 BLOCK_OVERHEAD_ROWS = 16
 
 
-def check_body(body: str | None, attention) -> str:
-  """The program body for `attention` (default "one" where the kernel takes lengths as
-  data, else "per-rank")."""
+def check_body(body: str | None, attention, num_ranks: int) -> str:
+  """The program body for `attention` on `num_ranks` ranks: by default "one" where the kernel
+  takes lengths as data and there are more than PER_RANK_UP_TO ranks, else "per-rank"."""
   kernel = get_kernel(attention)
   if body is None:
-    return "one" if kernel.lengths_as_data else "per-rank"
+    return "one" if kernel.lengths_as_data and num_ranks > PER_RANK_UP_TO else "per-rank"
   if body not in BODIES:
     raise ValueError(f"unknown KV-Runahead body {body!r}; expected one of {BODIES}")
   if body == "one" and not kernel.lengths_as_data:
@@ -757,15 +766,16 @@ class _OneBodyRank:
 
 def kvr_body(graphdef, chunks, attention, timeline, keep_last_hop, body=None):
   """KV-Runahead's rank (`strategy_compiler`'s body_of). body: "one" (every rank runs one
-  program body, lengths as data; the default for the kernels with `lengths_as_data`) or
-  "per-rank" (a switch branch per rank, the default for the others); part of the cache key.
+  program body, lengths as data; the default for the kernels with `lengths_as_data` on more
+  than PER_RANK_UP_TO ranks) or "per-rank" (a switch branch per rank, the default otherwise);
+  part of the cache key.
 
   The compiled program: f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L,
   2, B*c_max, K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
   keep_last_hop (only where `whole_prefix_hops`): the second output is (kv parts, last-hop
   messages [p, L, 2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's
   first S_{p-2} positions."""
-  body = check_body(body, attention)
+  body = check_body(body, attention, len(chunks))
   make = one_body if body == "one" else per_rank_body
   return make(graphdef, chunks, attention, timeline, keep_last_hop)
 
@@ -884,4 +894,12 @@ PER_RANK_STRATEGY = dataclasses.replace(
   name="kvr-per-rank",
   description="KV-Runahead's per-rank switch program (every kernel), for comparisons",
   compile=strategy_compiler("kvr", kvr_body, "flash", body="per-rank"),
+)
+# The one body on every rank count (the default only above PER_RANK_UP_TO ranks): the
+# benchmark's kvr-one-body-* variants.
+ONE_BODY_STRATEGY = dataclasses.replace(
+  STRATEGY,
+  name="kvr-one-body",
+  description="KV-Runahead's one-body program (lengths as data) on every rank count",
+  compile=strategy_compiler("kvr", kvr_body, "flash", body="one"),
 )

@@ -130,6 +130,10 @@ BENCH_VARIANTS = (
   # what the one-body program replaced, timed beside it.
   "kvr-per-rank-even",
   "kvr-per-rank-search",
+  # Its one-body program (runahead.ONE_BODY_STRATEGY), the default only above
+  # runahead.PER_RANK_UP_TO ranks, on the same splits.
+  "kvr-one-body-even",
+  "kvr-one-body-search",
   # strategy="auto": the cost model's pick (with this machine's `local` calibration, or with
   # FLOP/s fitted to the model's phases here), timed beside what it picks from.
   "auto",
@@ -240,9 +244,13 @@ def _variant_arguments(variant: str, model, tokens, mesh, measured_multiple: int
     start = time.perf_counter()
     plan = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
     return prefill_arguments("auto", mesh=mesh, partition=plan), time.perf_counter() - start
-  if variant in ("kvr-per-rank-even", "kvr-per-rank-search"):
-    kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-per-rank-") :])
-    return {**kwargs, "strategy": runahead.PER_RANK_STRATEGY}, 0.0
+  for prefix, body in (
+    ("kvr-per-rank-", runahead.PER_RANK_STRATEGY),
+    ("kvr-one-body-", runahead.ONE_BODY_STRATEGY),
+  ):
+    if variant in (prefix + "even", prefix + "search"):
+      kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len(prefix) :])
+      return {**kwargs, "strategy": body}, 0.0
   if variant not in ("kvr-even", "kvr-search", "kvr-measured", "kvr-fitted"):
     raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
   kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-") :])
