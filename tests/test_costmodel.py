@@ -371,6 +371,32 @@ def test_search_respects_a_multiple():
   assert sum(chunks) == 4100 and all(c % 128 == 0 for c in chunks[:-1])
 
 
+def test_a_search_started_near_its_best_skips_the_coarse_steps():
+  """`first_step`: a grid started next to the best point (the measured search starts from
+  the modelled split) takes no step of C/2p tokens: it finds the same best and evaluates
+  fewer partitions (each one a compile and four prefills when measured), none further from
+  its start than its steps add up to."""
+  best, start = (5056, 3136), (5120, 3072)
+
+  def searched(**kwargs):
+    seen = []
+
+    def objective(chunks):
+      seen.append(chunks)
+      return abs(chunks[0] - best[0]) + 0.5 * abs(chunks[1] - best[1])
+
+    return search.search_partition(objective, 8192, 2, multiple=64, **kwargs), seen
+
+  coarse, coarse_seen = searched()
+  near, near_seen = searched(start=start, first_step=256)
+  assert coarse == near == best
+  assert len(near_seen) < len(coarse_seen), (near_seen, coarse_seen)
+  # Besides the even split (every search weighs it as a start), 256 + 128 + 64 at most.
+  moved = [c for c in near_seen if c != (4096, 4096)]
+  assert max(abs(c[0] - start[0]) for c in moved) < 2 * 256, moved
+  assert max(abs(c[0] - 4096) for c in coarse_seen) >= 2048  # the C/2p step, from even
+
+
 @pytest.mark.parametrize("C", [5, 9, 17, 64, 1000])
 @pytest.mark.parametrize("method", ["search", "balanced", "predict", "even"])
 def test_every_partition_is_valid(C, method):

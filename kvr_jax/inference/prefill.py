@@ -16,6 +16,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import (
@@ -355,15 +356,33 @@ def plan_prefill(
   )
 
 
-def _process_zeros(value: str, options: tuple[str, ...], mesh) -> str:
-  """`value` as process 0 chose it, on every process, where `mesh` spans processes (a choice
-  made from per-process measurements must be the same everywhere, or the processes compile
-  different programs). A mesh of this process's devices alone (the oracle's, run by one
+@kept_cache(256)
+def _agreement(kind: str, key, mesh) -> dict:
+  """One slot per question (kind, its inputs, the mesh) for `_agreed`."""
+  return {}
+
+
+def _agreed(kind: str, key, mesh, answer):
+  """Process 0's `answer` (an int or a tuple of ints) on every process, where `mesh` spans
+  processes: a choice made from per-process measurements must be the same everywhere, or the
+  processes compile different programs. Asked across processes once per question (`kind`
+  and `key`, the inputs every process asks it with) and then kept: a broadcast per plan
+  cost 2-3 ms on gloo, and a 1k-token prefill asked three (auto's pick, the split, the
+  join). Every process asks the same questions in the same order, so all of them find an
+  answer kept or none does. A mesh of this process's devices alone (the oracle's, run by one
   process) decides locally: a broadcast would wait for processes that never join it."""
   if not spans_processes(mesh):
-    return value
-  index = multihost_utils.broadcast_one_to_all(np.int32(options.index(value)))
-  return options[int(index)]
+    return answer
+  slot = _agreement(kind, key, mesh)
+  if "answer" not in slot:
+    agreed = multihost_utils.broadcast_one_to_all(np.asarray(answer, np.int32))
+    slot["answer"] = tuple(int(x) for x in agreed) if np.ndim(agreed) else int(agreed)
+  return slot["answer"]
+
+
+def _model_key(model) -> tuple:
+  """What a plan's choices read of the model (not its weights)."""
+  return (model.config, jnp.dtype(model.dtype).name, model.preset)
 
 
 def _plan_cache(model, T: int, B: int, mesh) -> str:
@@ -376,7 +395,8 @@ def _plan_cache(model, T: int, B: int, mesh) -> str:
   weights_bytes = model.config.num_params() * itemsize // m
   last_device = mesh.devices.reshape(-1)[-1]
   cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))
-  return _process_zeros(cache, CACHE_LAYOUTS, mesh)
+  agreed = _agreed("cache", (_model_key(model), T, B), mesh, CACHE_LAYOUTS.index(cache))
+  return CACHE_LAYOUTS[agreed]
 
 
 def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
@@ -410,7 +430,8 @@ def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
   choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
   # Calibrations are per process: every process runs process 0's pick (and, for kvr, its
   # split: `_plan_partition` broadcasts that).
-  strategy = _process_zeros(choice.strategy, STRATEGIES, mesh)
+  key = (_model_key(model), T, B, plan)
+  strategy = STRATEGIES[_agreed("strategy", key, mesh, STRATEGIES.index(choice.strategy))]
   chunks = list(choice.chunks) if choice.chunks and strategy == choice.strategy else None
   return strategy, chunks, choice
 
@@ -493,11 +514,11 @@ def _plan_partition(model, partition, T: int, mesh, B: int, kernel) -> tuple[int
     model_name=model.preset,
     **kernel_flags(kernel),
   )
-  if spans_processes(mesh):
-    # Cost-model partitions use per-process measurements; every process must compile the
-    # same program, so all take process 0's choice.
-    chunks = tuple(int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(chunks)))
-  return chunks
+  # Cost-model partitions use per-process measurements: every process takes process 0's.
+  given = partition
+  if partition is not None and not isinstance(partition, (str, PartitionPlan)):
+    given = tuple(int(c) for c in partition)  # lengths (numpy's too), hashable
+  return _agreed("partition", (_model_key(model), given, T, B, kernel), mesh, chunks)
 
 
 def _keeps_last_hop(model, spec, cache, chunks, B: int, mesh) -> bool:
@@ -511,7 +532,7 @@ def _keeps_last_hop(model, spec, cache, chunks, B: int, mesh) -> bool:
   itemsize, kv_heads = jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
   hop_bytes = last_hop_bytes(model.config, chunks, B, itemsize, kv_heads)
   joins = join_affordable(hop_bytes, device_memory=device_memory_bytes(mesh.devices.flat[0]))
-  return _process_zeros("join" if joins else "move", ("join", "move"), mesh) == "join"
+  return bool(_agreed("join", (_model_key(model), chunks, B), mesh, int(joins)))
 
 
 def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True):

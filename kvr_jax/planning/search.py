@@ -32,13 +32,15 @@ def search_partition(
   start: Sequence[int] | None = None,
   progress: Callable[[int], None] | None = None,
   max_chunk: int | None = None,
+  first_step: int | None = None,
 ) -> tuple[int, ...]:
   """Hierarchical grid search for the chunk lengths that minimise `objective`.
 
   max_chunk: no chunk longer than this (a per-device memory cap: every rank's cache part and
   activations are as long as the longest chunk); at least ceil(C/p), so the even split fits.
 
-  The grid step starts coarse (about C/2p tokens) and halves down to one `multiple`. At each
+  The grid step starts coarse (about C/2p tokens, or `first_step` tokens: a start known to be
+  near the best needs no coarse steps) and halves down to one `multiple`. At each
   step, every transfer of `step` tokens from one chunk to another (adjacent or not: moving the
   run of boundaries between them) is tried, best improvement first, until none improves; then
   the step halves around the best point. Each partition is evaluated once (memoised).
@@ -64,7 +66,8 @@ def search_partition(
   if start is not None:
     starts.append(round_to_multiple(start, context_len, multiple))
   best = min([s for s in starts if max(s) <= cap] or starts[:1], key=cost)
-  units = max(context_len // (2 * p * multiple), 1)
+  first = context_len // (2 * p) if first_step is None else first_step
+  units = max(first // multiple, 1)
   step = 1 << (units.bit_length() - 1)
   while step >= 1:
     delta = step * multiple
