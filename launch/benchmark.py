@@ -154,6 +154,12 @@ flags.DEFINE_list(
   "Multiprocess mode: loopback rates to run the processes over, e.g. unthrottled,2gbit,500mbit "
   "(tc tbf on lo, as root; restored after each, also on failure or interrupt).",
 )
+flags.DEFINE_string(
+  "link_rate",
+  UNTHROTTLED,
+  "Multiprocess mode's workers (set by the launcher): the rate their loopback runs at; the "
+  "cost-model variants (kvr-*-search, auto) plan for it.",
+)
 flags.DEFINE_list("ranks", ["2", "4", "8"], "Accelerator mode: modelled device counts.")
 flags.DEFINE_list(
   "stream_lengths", ["1000", "4096"], "Buckets mode: the range [lo, hi] of prompt lengths."
@@ -375,6 +381,7 @@ def worker_job():
     measured_multiple=FLAGS.measured_multiple,
     dtype=FLAGS.dtype,
     decode_tokens=FLAGS.decode_tokens,
+    link_rate=FLAGS.link_rate,
   )
   if result is not None:
     distributed.owner_output(result)
@@ -471,7 +478,11 @@ def multiprocess_mode():
           multi = distributed.launch_local(
             "launch.benchmark",
             common_flags
-            + [f"--variants={','.join(FLAGS.variants)}", f"--num_processes={FLAGS.num_processes}"],
+            + [
+              f"--variants={','.join(FLAGS.variants)}",
+              f"--num_processes={FLAGS.num_processes}",
+              f"--link_rate={rate}",
+            ],
             FLAGS.num_processes,
             pin_cores=True,
             timeout=3600,

@@ -118,6 +118,9 @@ def test_benchmark_multiprocess_mode(tmp_path):
       ln for ln in proc.stdout.splitlines() if ln.split()[:3] == [r["variant"], r["link"], "128"]
     ]
     assert f"{r['ttft_s']:.3f}s" in line and f"{r['speedup_vs_single']:.2f}x" in line
+    # Which kernel each ran is in the JSON and the table: TSP its dense scores, the rest flash.
+    assert r["kernel"] == ("dense" if r["strategy"] == "tsp" else "flash"), r
+    assert f" {r['kernel']} " in line, line
 
 
 def test_paper_reproduction(tmp_path):
@@ -221,3 +224,29 @@ def test_interval_verdict_on_synthetic_samples():
   assert interval_verdict([1.0], [1.0]) == "tie"
   with pytest.raises(ValueError, match="samples on both sides"):
     interval_verdict([], [1.0])
+
+
+def test_the_cost_model_variants_plan_for_the_throttled_link():
+  """Under a throttled loopback the cost-model variants (auto, kvr-search) plan for the rate
+  the launcher set (the `local` calibration measured the link unthrottled); the others do not
+  plan at all."""
+  import numpy as np
+
+  import kvr_jax
+  from kvr_jax.planning import presets
+  from kvr_jax.tools import jobs
+
+  local = presets.links_preset("local")
+  slow = jobs._links_at("500mbit")
+  assert slow.bandwidth == 500e6 / 8 and slow.latency == local.latency
+  assert jobs._links_at("unthrottled") == "local"
+  plan = kvr_jax.PartitionPlan("search", links=slow)
+  model, mesh = kvr_jax.load_model("tiny-llama"), kvr_jax.make_mesh(2)
+  tokens = np.zeros((1, 64), np.int32)
+
+  def partition_of(variant):
+    return jobs._variant_arguments(variant, model, tokens, mesh, 64, plan)[0].get("partition")
+
+  assert partition_of("auto") is plan and partition_of("kvr-search") is plan
+  assert partition_of("kvr-per-rank-search") is plan and partition_of("kvr-even") == "even"
+  assert partition_of("ring") is None

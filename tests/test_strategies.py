@@ -433,6 +433,38 @@ def test_row_blocks_visit_only_the_real_rows():
     assert int(visited(n).sum()) == -(-n // R) * R, n
 
 
+def test_one_body_block_pads_each_split_least():
+  """The one body's block (row loops and query blocks) follows the split: [640, 384] in
+  blocks of 128 pads nothing (a fixed 256 computed 1280 rows for 1024 tokens), and the rank
+  of 2637 tokens that attends the longest prefix pads 3 rows (a fixed 512 padded it to 3072)."""
+  from models.kernels import KERNELS
+
+  config = preset_config("bench-llama")
+
+  def padded(chunks):
+    block = runahead.one_body_block(config, chunks, KERNELS["flash"])
+    assert block % 8 == 0 and block <= KERNELS["flash"].query_block, block
+    return [-(-c // block) * block - c for c in chunks]
+
+  assert padded((640, 384)) == [0, 0]
+  assert padded((5555, 2637))[1] <= 8
+  assert max(padded((1000, 99, 1))) < 128  # a one-token rank pads less than a block
+
+
+def test_ordered_after_is_a_data_dependence():
+  """`ordered_after(value, dep)` reads dep (a NaN in its first element zeroes value, any
+  finite or infinite value leaves it unchanged): XLA must compute dep first, where an
+  optimization barrier's order did not survive XLA:CPU's scheduling."""
+  from kvr_jax.strategies.base import ordered_after
+
+  value = jnp.arange(6.0).reshape(2, 3)
+  after = jax.jit(ordered_after)
+  for dep in (jnp.zeros(4), jnp.full(4, -jnp.inf), jnp.array([jnp.inf, jnp.nan])):
+    assert np.array_equal(after(value, dep), value), dep
+  assert not np.any(after(value, jnp.array([jnp.nan, 1.0])))
+  assert not np.any(after((value, value), jnp.ones(2), jnp.array([jnp.nan]))[1])
+
+
 def _compiled_size(model, chunks, body):
   mesh = kvr_jax.make_mesh(len(chunks))
   fn = runahead.compile_program(model.graphdef, mesh, tuple(chunks), "flash", body=body)

@@ -16,6 +16,8 @@ import shutil
 import signal
 import subprocess
 
+# A link the launcher leaves alone (`--link_rates`).
+UNTHROTTLED = "unthrottled"
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 

@@ -17,7 +17,9 @@ from jax.experimental import multihost_utils
 
 from kvr_jax.inference.generate import decode_from, generate
 from kvr_jax.inference.prefill import prefill, prefill_arguments
+from kvr_jax.planning import presets
 from kvr_jax.planning.partition import PartitionPlan
+from kvr_jax.runtime.links import UNTHROTTLED, rate_bits
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
 from kvr_jax.strategies import runahead
@@ -153,8 +155,13 @@ def bench_job(
   seed: int = 0,
   dtype: str = "auto",
   decode_tokens: int = 0,
+  link_rate: str = UNTHROTTLED,
 ) -> dict | None:
   """Median TTFT of each variant at each context length, on every process's devices.
+
+  link_rate: what the launcher throttled the loopback to (`runtime.links`); the cost-model
+  variants (kvr-*-search, auto) plan for that bandwidth (the `local` calibration's latency),
+  as a user names the link they run on: the calibration measured the link unthrottled.
 
   A variant named "<variant>:sharded" runs with cache="sharded" (the parts stay where they
   were computed), the others with cache="last" (the move onto the last rank in the TTFT).
@@ -176,12 +183,13 @@ def bench_job(
   # The process holding the last rank reports (one table, not one per process: a variant
   # that runs in every process alone, as auto's pick of single does, is local everywhere).
   owner = jax.process_index() == jax.process_count() - 1
+  search = PartitionPlan("search", links=_links_at(link_rate))
   for C in context_lens:
     tokens = synthetic_prompt(model.config.vocab_size, C, 1, seed)
     arguments, searches = {}, {}
     for variant in variants:
       arguments[variant], searches[variant] = _variant_arguments(
-        variant, model, tokens, mesh, measured_multiple
+        variant, model, tokens, mesh, measured_multiple, search
       )
     # Interleaved: every variant compiled, then `repeats` rounds of one call each (ABCABC).
     timings = time_interleaved(model, tokens, arguments, repeats)
@@ -210,6 +218,7 @@ def _bench_row(variant: str, context_len: int, timing, search_s: float, decode_r
     "move_s": timing.move_median_s,  # the cache's move onto the last rank (in ttft_s)
     "search_s": search_s,
     "strategy": result.strategy,  # what ran (auto: its pick)
+    "kernel": result.attention,  # the attention kernel it ran (a fair fight says so)
     "partition": None if result.partition is None else list(result.partition),
   }
 
@@ -226,19 +235,33 @@ def _decode_rate(model, result, tokens: int) -> float | None:
   return None if out.tokens is None else out.tokens.shape[1] / seconds
 
 
-def _variant_arguments(variant: str, model, tokens, mesh, measured_multiple: int):
-  """(prefill keyword arguments, seconds spent choosing its split) of one bench variant."""
+def _links_at(link_rate: str):
+  """The links the cost model plans with: the `local` calibration, at `link_rate` where the
+  loopback is throttled."""
+  if link_rate == UNTHROTTLED:
+    return presets.LOCAL
+  local = presets.links_preset(presets.LOCAL)
+  return dataclasses.replace(local, bandwidth=rate_bits(link_rate) / 8)  # bytes/s
+
+
+def _variant_arguments(
+  variant: str, model, tokens, mesh, measured_multiple: int, search: PartitionPlan
+):
+  """(prefill keyword arguments, seconds spent choosing its split) of one bench variant.
+  search: the modelled plan of the cost-model variants (kvr-*-search and auto)."""
   base, sharded, rest = variant.partition(":")
   if sharded:
     if rest != "sharded":
       raise ValueError(f"variant {variant!r}: the only suffix is ':sharded'")
-    kwargs, search_s = _variant_arguments(base, model, tokens, mesh, measured_multiple)
+    kwargs, search_s = _variant_arguments(base, model, tokens, mesh, measured_multiple, search)
     return {**kwargs, "cache": "sharded"}, search_s
   if variant in _SINGLE_KERNELS:
     if jax.process_count() > 1:
       raise ValueError(f"variant {variant!r} runs in a one-process launch")
     return prefill_arguments("single", attention=_SINGLE_KERNELS[variant]), 0.0
-  if variant in ("tsp", "ring", "allgather", "auto"):
+  if variant == "auto":
+    return prefill_arguments(variant, mesh=mesh, partition=search), 0.0
+  if variant in ("tsp", "ring", "allgather"):
     return prefill_arguments(variant, mesh=mesh), 0.0
   if variant == "auto-fitted":
     start = time.perf_counter()
@@ -249,11 +272,14 @@ def _variant_arguments(variant: str, model, tokens, mesh, measured_multiple: int
     ("kvr-one-body-", runahead.ONE_BODY_STRATEGY),
   ):
     if variant in (prefix + "even", prefix + "search"):
-      kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len(prefix) :])
+      method = variant[len(prefix) :]
+      partition = search if method == "search" else method
+      kwargs = prefill_arguments("kvr", mesh=mesh, partition=partition)
       return {**kwargs, "strategy": body}, 0.0
   if variant not in ("kvr-even", "kvr-search", "kvr-measured", "kvr-fitted"):
     raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
-  kwargs = prefill_arguments("kvr", mesh=mesh, partition=variant[len("kvr-") :])
+  method = variant[len("kvr-") :]
+  kwargs = prefill_arguments("kvr", mesh=mesh, partition=search if method == "search" else method)
   start = time.perf_counter()
   if variant == "kvr-measured":  # search once, timed apart from TTFT
     plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 
+from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.tools import sweep
 from kvr_jax.tools.timing import interval_verdict
 
-UNTHROTTLED = "unthrottled"
 NOTES = (
   "single: one process with the flash kernel (the best single process); single-dense:",
   "dense masked scores (the paper's baseline). Speed-ups are against `single`.",
@@ -22,6 +22,7 @@ NOTES = (
   "min-max intervals do not overlap, else tie. auto's partition column names its pick.",
   "A variant ending ':sharded' keeps the cache where it was computed (no move), judged",
   "against the peers with the same layout. decode: greedy tokens per second from the cache.",
+  "kernel: the attention kernel each variant ran (each strategy's best exact one here).",
 )
 
 
@@ -97,7 +98,7 @@ def print_table(table: list[dict], model: str, num_processes: int) -> None:
   print("\n".join(NOTES))
   print(
     f"{'variant':<20}{'link':>12}{'C':>7}  {'TTFT':>9}  {'min-max':>13}  {'move':>7}  "
-    f"{'vs single':>9}  {'vs tsp':>7}  {'decode':>9}  {'vs peer':<18}partition"
+    f"{'vs single':>9}  {'vs tsp':>7}  {'decode':>9}  {'kernel':<7} {'vs peer':<18}partition"
   )
   for r in table:
     samples, vs_tsp = _samples(r), r["speedup_vs_tsp"]
@@ -105,7 +106,7 @@ def print_table(table: list[dict], model: str, num_processes: int) -> None:
       f"{r['variant']:<20}{r['link']:>12}{r['context_len']:>7}  {r['ttft_s']:>8.3f}s  "
       f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
       f"{r['speedup_vs_single']:>8.2f}x  {'n/a' if vs_tsp is None else f'{vs_tsp:.2f}x':>7}  "
-      f"{_rate(r):>9}  {r['vs_peer']:<18}"
+      f"{_rate(r):>9}  {r.get('kernel') or '-':<7} {r['vs_peer']:<18}"
       + (f"{r['strategy']} " if r["variant"].startswith("auto") else "")
       + f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
