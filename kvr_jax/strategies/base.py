@@ -236,8 +236,8 @@ def ordered_after(value, *deps):
   Why not `jax.lax.optimization_barrier`: XLA:CPU expands barriers before it schedules, and
   then orders independent work as it likes. KV-Runahead's early diagonal rows (the work a
   rank does while its prefix is on the way) were scheduled after the hop they were to hide,
-  and rank 0's whole diagonal before its send (measured on two processes: 27% slower at 4k
-  than the same split's per-rank program, the receiver idle in every hop). The dependence is
+  and rank 0's whole diagonal before its send (the one body's two-process timeline: rank 1
+  idle 38 ms per layer in the hop, rank 0's hop phase 67 ms; 3 ms after). The dependence is
   a select on whether the first element of every dep is NaN: false for every finite or
   infinite value, nothing XLA can fold away; it fuses into the op that reads `value`, so it
   costs no pass of its own."""
