@@ -29,11 +29,12 @@ from tqdm.auto import tqdm
 
 from kvr_jax.core import resources
 from kvr_jax.core.chunks import chunk_starts, even_partition, prefix_ends
+from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.planning import costmodel, presets
-from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.planning.search import Objective, search_partition
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import check_mesh, spans_processes
+from kvr_jax.runtime.mesh import check_mesh
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.timing import time_prefill
 from models.kernels import get_kernel, kernels_where
@@ -223,25 +224,11 @@ def measured_partition(model: Model, tokens, mesh, plan: PartitionPlan | None = 
 
 
 def _modelled_start(model: Model, tokens, mesh, plan: PartitionPlan) -> tuple[int, ...]:
-  """The modelled KVR-S split a measured search starts from: the plan's hardware and links,
-  the kernel KV-Runahead runs here, the plan's multiple and cap; across processes process
-  0's (each process's calibration may differ, and every process must search alike)."""
-  B, context_len = tokens.shape
-  kernel = get_strategy("kvr").resolve_attention(
-    None, mesh.devices.reshape(-1)[0], model.dtype, model.config.narrowest_window
-  )
-  chunks = resolve_partition(
-    dataclasses.replace(plan, objective="modelled", cache_path=None),
-    context_len,
-    check_mesh(mesh),
-    config=model.config,
-    batch=B,
-    dtype_bytes=jnp.dtype(model.dtype).itemsize,
-    **costmodel.kernel_flags(kernel),
-  )
-  if spans_processes(mesh):
-    chunks = multihost_utils.broadcast_one_to_all(np.asarray(chunks))
-  return tuple(int(c) for c in chunks)
+  """The modelled KVR-S split a measured search starts from: the split `prefill` would run
+  for the plan's hardware, links, multiple and cap (its plan: the kernel KV-Runahead runs
+  here, and across processes process 0's answer)."""
+  modelled = dataclasses.replace(plan, objective="modelled", cache_path=None)
+  return plan_prefill(model, tokens, "kvr", mesh=mesh, partition=modelled, cache="sharded").chunks
 
 
 # --- per-phase times of a KV-Runahead partition ------------------------------------------------
