@@ -342,6 +342,28 @@ def even_block(length: int, largest: int) -> int:
   return min(-(-size // 8) * 8, max(length, 1)) if size < length else length
 
 
+def key_block_bounds(first_q, last_q, bk: int, nk: int, num_keys, window: int | None):
+  """The key blocks (of `bk` keys, `nk` of them) that queries at positions [first_q, last_q]
+  visit: (lo, full_lo, full_hi, hi), lo <= full_lo <= full_hi <= hi (ints, maybe traced).
+
+  Blocks [lo, hi) hold every key some query sees (none in its future, none before its window
+  start q - W + 1, none at or past `num_keys`) and no block that nobody sees; of them,
+  [full_lo, full_hi) are seen whole by every query and run unmasked, the rest are masked."""
+  hi = jnp.clip(jnp.minimum(last_q // bk + 1, -(-num_keys // bk)), 0, nk)
+  if window is None:
+    lo = jnp.zeros_like(hi)
+  else:
+    lo = jnp.clip((first_q - window + 1) // bk, 0, hi)
+    # Queries whose window starts past the last key see nothing (the rows of a prefix piece
+    # beyond the window, KV-Runahead's later rows): no block, not the last one masked whole.
+    hi = jnp.where(first_q - window + 1 >= num_keys, lo, hi)
+  full_hi = jnp.clip(jnp.minimum((first_q + 1) // bk, num_keys // bk), lo, hi)
+  if window is None:
+    return lo, lo, full_hi, hi
+  full_lo = jnp.clip(-((window - 1 - last_q) // bk), lo, full_hi)  # ceil((last_q-W+1)/bk)
+  return lo, full_lo, full_hi, hi
+
+
 def attend_flash(
   q_BTNH: jax.Array,
   k_BSKH: jax.Array,
@@ -411,15 +433,7 @@ def attend_flash(
       q_BKRH = q_BKRH * jnp.asarray(scale, q_BKRH.dtype)
     first_q = query_offset + i * bq  # position of the block's first query
     last_q = first_q + bq - 1
-    # Visited key blocks [lo, hi); of those, [full_lo, full_hi) are seen whole by every query
-    # of the block (real keys, none in its future, none before its window), the rest masked.
-    hi = jnp.clip(jnp.minimum(last_q // bk + 1, -(-num_keys // bk)), 0, nk)
-    full_hi = jnp.clip(jnp.minimum((first_q + 1) // bk, num_keys // bk), 0, hi)
-    if window is None:
-      lo = full_lo = jnp.zeros_like(hi)
-    else:
-      lo = jnp.clip((first_q - window + 1) // bk, 0, full_hi)
-      full_lo = jnp.clip(-((window - 1 - last_q) // bk), lo, full_hi)  # ceil((last_q-W+1)/bk)
+    lo, full_lo, full_hi, hi = key_block_bounds(first_q, last_q, bk, nk, num_keys, window)
     # Built from q (not from shapes) so that they carry q's type everywhere, also where q
     # varies over a shard_map axis: a loop carry must keep one type.
     zero_BKRH = jnp.zeros_like(q_BKRH, jnp.float32)

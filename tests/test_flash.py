@@ -131,6 +131,32 @@ def test_sliding_window_kernels_equal_the_definition(T, S, offset, N, K, bq, bk,
     assert_close(blocked, want_out, "blocked output")
 
 
+@pytest.mark.parametrize("window", [None, 1, 5, 24, 40, 1000])
+def test_flash_visits_exactly_the_key_blocks_someone_sees(window):
+  """key_block_bounds against brute force over many query blocks: every block with a visible
+  key is visited, no block without one is (a prefix piece's rows past the window cost nothing:
+  KV-Runahead's windowed ranks paid a whole masked block per query block), and the unmasked
+  ones are seen whole by every query."""
+  bq, bk, nk, num_keys = 8, 8, 7, 53
+  for first_q in range(-10, 110, 3):
+    last_q = first_q + bq - 1
+    q_pos = np.arange(first_q, last_q + 1)[:, None]
+    k_pos = np.arange(nk * bk)[None, :]
+    visible = (k_pos <= q_pos) & (k_pos < num_keys)
+    if window is not None:
+      visible &= k_pos > q_pos - window
+    seen_by_any = visible.reshape(bq, nk, bk).any(axis=(0, 2))
+    seen_by_all = visible.reshape(bq, nk, bk).all(axis=(0, 2))
+    lo, full_lo, full_hi, hi = map(
+      int, layers.key_block_bounds(first_q, last_q, bk, nk, num_keys, window)
+    )
+    assert lo <= full_lo <= full_hi <= hi, (first_q, lo, full_lo, full_hi, hi)
+    visited = np.zeros(nk, bool)
+    visited[lo:hi] = True
+    np.testing.assert_array_equal(visited, seen_by_any, f"visited blocks at {first_q}")
+    assert seen_by_all[full_lo:full_hi].all(), (first_q, full_lo, full_hi)
+
+
 def test_sliding_window_is_exercised():
   """Control: the window changes the answer of these shapes (so the test above can fail)."""
   q, k, v = qkv(37, 37, 4, 2, seed=3)
