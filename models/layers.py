@@ -342,6 +342,28 @@ def even_block(length: int, largest: int) -> int:
   return min(-(-size // 8) * 8, max(length, 1)) if size < length else length
 
 
+def window_anchor(first_q, window: int | None):
+  """Where the flash kernel's key blocks start for a query block whose first query sits at
+  `first_q` (maybe traced): 0 without a window, else that query's window start.
+
+  Why not block edges from 0: the keys a windowed query block sees span W + bq - 1
+  positions, which blocks counted from 0 cover with one block more, all masked, wherever the
+  block's offset is not a block multiple (KV-Runahead's uneven chunks, a prefix of W - 1
+  keys). Counted from the window start they take ceil((W + bq - 1) / bk) blocks at any
+  offset, the middle ones unmasked."""
+  return 0 if window is None else jnp.maximum(first_q - window + 1, 0)
+
+
+def window_key_block(num_keys: int, largest: int, window: int, query_block: int) -> int:
+  """The key block (a multiple of 8, about `largest`) that cuts the span a windowed query block
+  sees, W + bq - 1 keys, into as few blocks as `largest` would with the least left over: W=1024
+  and 472-row query blocks take 3 blocks of 504 keys, not 3 of 512 plus 1 (or 4 of 496)."""
+  span = min(window + query_block - 1, num_keys)
+  blocks = -(-span // largest)
+  size = -(-span // blocks)
+  return max(8, -(-size // 8) * 8)
+
+
 def key_block_bounds(first_q, last_q, bk: int, nk: int, num_keys, window: int | None):
   """The key blocks (of `bk` keys, `nk` of them) that queries at positions [first_q, last_q]
   visit: (lo, full_lo, full_hi, hi), lo <= full_lo <= full_hi <= hi (ints, maybe traced).
@@ -407,13 +429,17 @@ def attend_flash(
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
   scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(H)
-  bq, bk = even_block(T, query_block), even_block(S, key_block)
+  bq = even_block(T, query_block)
+  bk = even_block(S, key_block) if window is None else window_key_block(S, key_block, window, bq)
   nq, nk = -(-T // bq), -(-S // bk)
-  # Padded queries are dropped at the end; padded keys (at positions >= S) are masked.
+  # Padded queries are dropped at the end; padded keys (at positions >= S) are masked. With a
+  # window the key blocks start at each query block's window start (`window_anchor`), up to
+  # bk - 1 keys past a block edge: one block more of padding keeps every slice in bounds.
   q_pad = jnp.pad(q_BTNH, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0)))
+  key_pad = ((0, 0), (0, nk * bk - S + (0 if window is None else bk)), (0, 0), (0, 0))
   # Keys laid out once: [B, K, S, H], so every key block is one contiguous slice.
-  k_BKSH = jnp.pad(k_BSKH, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-  v_BKSH = jnp.pad(v_BSKH, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  k_BKSH = jnp.pad(k_BSKH, key_pad).transpose(0, 2, 1, 3)
+  v_BKSH = jnp.pad(v_BSKH, key_pad).transpose(0, 2, 1, 3)
   # [nq, B, K, bq*G, H]: query block i's rows r = t*G + g, grouped under their KV head
   q_blocks = (q_pad.reshape(B, nq, bq, K, G, H).transpose(1, 0, 3, 2, 4, 5)).reshape(
     nq, B, K, bq * G, H
@@ -433,7 +459,10 @@ def attend_flash(
       q_BKRH = q_BKRH * jnp.asarray(scale, q_BKRH.dtype)
     first_q = query_offset + i * bq  # position of the block's first query
     last_q = first_q + bq - 1
-    lo, full_lo, full_hi, hi = key_block_bounds(first_q, last_q, bk, nk, num_keys, window)
+    anchor = window_anchor(first_q, window)  # key blocks are counted from it
+    lo, full_lo, full_hi, hi = key_block_bounds(
+      first_q - anchor, last_q - anchor, bk, nk, num_keys - anchor, window
+    )
     # Built from q (not from shapes) so that they carry q's type everywhere, also where q
     # varies over a shard_map axis: a loop carry must keep one type.
     zero_BKRH = jnp.zeros_like(q_BKRH, jnp.float32)
@@ -445,13 +474,13 @@ def attend_flash(
 
     def key_block_fn(j, carry, masked: bool):
       m, l, o = carry
-      k_BKbH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * bk, bk, axis=2)
-      v_BKbH = jax.lax.dynamic_slice_in_dim(v_BKSH, j * bk, bk, axis=2)
+      k_BKbH = jax.lax.dynamic_slice_in_dim(k_BKSH, anchor + j * bk, bk, axis=2)
+      v_BKbH = jax.lax.dynamic_slice_in_dim(v_BKSH, anchor + j * bk, bk, axis=2)
       s_BKRb = jnp.einsum("BKRH,BKbH->BKRb", q_BKRH, k_BKbH, preferred_element_type=jnp.float32)
       if not prescale:
         s_BKRb = s_BKRb * scale
       if masked:
-        k_pos = (j * bk + jnp.arange(bk))[None, :]
+        k_pos = (anchor + j * bk + jnp.arange(bk))[None, :]
         q_pos = (first_q + row_t)[:, None]
         visible = (k_pos <= q_pos) & (k_pos < num_keys)  # [R, b]
         if window is not None:

@@ -111,6 +111,7 @@ WINDOW_SHAPES = [
   (129, 129, 0, 4, 1, 32, 32, 129),
   (40, 40, 0, 2, 2, 8, 8, 100),
   (16, 32, 60, 2, 1, 8, 8, 40),
+  (70, 150, 80, 2, 1, 24, 16, 33),
 ]
 
 
@@ -155,6 +156,27 @@ def test_flash_visits_exactly_the_key_blocks_someone_sees(window):
     visited[lo:hi] = True
     np.testing.assert_array_equal(visited, seen_by_any, f"visited blocks at {first_q}")
     assert seen_by_all[full_lo:full_hi].all(), (first_q, full_lo, full_hi)
+
+
+@pytest.mark.parametrize("window,bq", [(1024, 512), (1024, 472), (1000, 496), (40, 24)])
+def test_a_windowed_query_block_visits_as_few_key_blocks_at_any_offset(window, bq):
+  """Key blocks counted from each query block's window start (window_anchor) cover the
+  W + bq - 1 keys it sees in ceil((W + bq - 1) / bk) blocks whatever its offset; counted from
+  key 0 they need one more wherever the offset is not a block multiple (KV-Runahead's uneven
+  chunks, a prefix of W - 1 keys)."""
+  num_keys = 5 * window
+  bk = layers.window_key_block(num_keys, 512, window, bq)
+  nk = -(-num_keys // bk)
+  fewest = -(-(window + bq - 1) // bk)
+  for first_q in range(window, 3 * window, 7):
+    anchor = int(layers.window_anchor(first_q, window))
+    lo, _, _, hi = map(
+      int,
+      layers.key_block_bounds(
+        first_q - anchor, first_q + bq - 1 - anchor, bk, nk, num_keys - anchor, window
+      ),
+    )
+    assert hi - lo == fewest, (first_q, hi - lo, fewest)
 
 
 def test_sliding_window_is_exercised():
