@@ -805,6 +805,30 @@ def test_prefill_auto_runs_and_reports_its_choice(monkeypatch):
       kvr_jax.prefill(model, tokens, "auto", mesh=mesh, **kwargs)
 
 
+def test_auto_runs_its_one_device_pick_on_the_last_rank_alone(monkeypatch):
+  """auto's pick of single runs on the last rank's device (where cache="last" puts every
+  strategy's cache), in that device's process alone: a process without it computes nothing
+  and holds nothing (no logits, no cache, no tokens to decode)."""
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 64)
+  mesh = kvr_jax.make_mesh(4)
+  last = mesh.devices.flat[-1]
+  plan = kvr_jax.PartitionPlan("search", hardware="a100-80gb", links="300GBps")
+  got = kvr_jax.prefill(model, tokens, "auto", mesh=mesh, partition=plan)
+  assert got.strategy == "single" and got.device == last
+  assert got.gather_cache()[0].devices() == {last}
+  # The same call in a process that does not hold the last rank's device.
+  monkeypatch.setattr(jax, "process_index", lambda *args: 1)
+  for cache in ("last", "sharded"):
+    elsewhere = kvr_jax.prefill(model, tokens, "auto", mesh=mesh, partition=plan, cache=cache)
+    assert elsewhere.strategy == "single" and not elsewhere.is_local
+    assert elsewhere.gather_cache() == (None, None)
+    generated = kvr_jax.generate(
+      model, tokens, 2, strategy="auto", mesh=mesh, partition=plan, cache=cache
+    )
+    assert generated.tokens is None
+
+
 def test_the_command_line_comparison_runs_auto_and_says_what_it_picked():
   """launch.run --strategy=auto's library call: auto beside the strategies it picks from,
   the pick and every modelled TTFT in its report, a kernel named refused up front."""

@@ -168,7 +168,10 @@ def decode_from(
     stepper = _model_group_stepper
   else:
     stepper = _whole_cache_stepper
-  if stepper is not _sharded_stepper and not result.is_local:
+  # With cache="sharded" every process decodes the parts it holds (auto's pick of one device
+  # holds none in the other processes).
+  decodes_parts_here = stepper is _sharded_stepper and result.kv_parts is not None
+  if not (decodes_parts_here or result.is_local):
     return GenerationResult(None, None, result)  # another process holds the cache, generates
   step, tail, logits, key = stepper(model, result, lengths_B, max_new_tokens, seed)
   out, last_logits = _decode_loop(

@@ -131,6 +131,8 @@ class CacheParts(PrefillResult):
   cache: ClassVar[str] = "sharded"
 
   def gather_cache(self) -> tuple[jax.Array, jax.Array]:
+    if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
+      return None, None
     return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
 
   def whole(self, k_cache, v_cache) -> WholeCache:
@@ -327,7 +329,9 @@ def plan_prefill(
   spec = get_strategy(strategy)
   cache = check_cache(cache, allow_auto=True)
   kernel = _check_model_and_kernel(model, spec, attention, timeline)
-  mesh = _plan_mesh(spec, mesh, T)
+  if choice is not None and spec.max_ranks == 1:
+    mesh, cache = _auto_one_device(model, T, B, mesh, cache)
+  mesh = _plan_mesh(spec, mesh, T, elsewhere=choice is not None)
   if cache == AUTO:
     cache = _plan_cache(model, T, B, mesh)
   _check_layout(spec, partition, cache, T, int(lengths_B.max()), padded, buckets)
@@ -397,6 +401,18 @@ def _plan_cache(model, T: int, B: int, mesh) -> str:
   cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))
   agreed = _agreed("cache", (_model_key(model), T, B), mesh, CACHE_LAYOUTS.index(cache))
   return CACHE_LAYOUTS[agreed]
+
+
+def _auto_one_device(model, T: int, B: int, mesh, cache: str):
+  """auto's pick of one device: the last rank's, run in its process alone, where the other
+  strategies' cache="last" puts the cache; the other processes hold nothing of the result.
+  Every process running it would only slow the one that answers (on this machine two busy
+  cores ran one process's prefill 1.2-1.6x slower than one). cache="auto" is decided over the
+  whole mesh (every process the same answer). Returns (the one-device mesh, cache)."""
+  mesh = make_mesh() if mesh is None else mesh
+  if cache == AUTO:
+    cache = _plan_cache(model, T, B, mesh)
+  return make_mesh(1, devices=[rank_device(mesh, mesh.shape[AXIS] - 1)]), cache
 
 
 def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
@@ -474,13 +490,16 @@ def _check_layout(spec, partition, cache, T, longest, padded, buckets) -> None:
     )
 
 
-def _plan_mesh(spec, mesh, T: int):
+def _plan_mesh(spec, mesh, T: int, elsewhere: bool = False):
   """The mesh the strategy runs on (the single device's of this process for the oracle; all
-  local devices by default), checked, with at least one token per rank."""
+  local devices by default), checked, with at least one token per rank. elsewhere: a
+  one-device mesh runs as given, also where another process holds its device (auto's pick of
+  one device: this process then holds nothing of the result)."""
   if spec.max_ranks == 1:
     if mesh is not None:
       check_mesh(mesh, allow_model=True)
-    mesh = _single_device_mesh(mesh)
+    if not elsewhere:
+      mesh = _single_device_mesh(mesh)
   else:
     mesh = make_mesh() if mesh is None else mesh
   p = check_mesh(mesh, allow_model=True)
@@ -552,6 +571,8 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   if padded and not plan.padded:
     raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")
   spec, mesh, chunks, cache = plan.strategy, plan.mesh, plan.chunks, plan.cache
+  if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+    return _held_elsewhere(plan, lengths_B, move_cache)
   state = _placed_state(model, mesh)
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = plan.program(model)(state, tokens_pBc)
@@ -561,15 +582,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   layout = plan.cache_layout
   owner = rank_device(mesh, last_rank(chunks))
   logits_BV = shard_on(logits, owner)
-  common = dict(
-    prompt_len=T,
-    strategy=spec.name,
-    partition=plan.partition,
-    cache_layout=layout,
-    attention=plan.kernel.name,
-    lengths=lengths_B,
-    choice=plan.choice,
-  )
+  common = _result_fields(plan, lengths_B)
   # A padded row's last real token is not at position T - 1: its logits come from one decode
   # step at its own position (its K,V, already in the cache, are written again identically).
   last_tokens_B = tokens_BT[np.arange(B), lengths_B - 1]
@@ -594,6 +607,28 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   elif padded:
     logits_BV = None  # another process holds the cache and the logits
   return WholeCache(logits_BV, **common, k_cache=k_LBSKH, v_cache=v_LBSKH)
+
+
+def _result_fields(plan: PrefillPlan, lengths_B) -> dict:
+  """The fields every `PrefillResult` of `plan` has, whichever its layout."""
+  return dict(
+    prompt_len=plan.prompt_len,
+    strategy=plan.strategy.name,
+    partition=plan.partition,
+    cache_layout=plan.cache_layout,
+    attention=plan.kernel.name,
+    lengths=lengths_B,
+    choice=plan.choice,
+  )
+
+
+def _held_elsewhere(plan: PrefillPlan, lengths_B, move_cache: bool) -> PrefillResult:
+  """The result in a process that holds no device of the plan's mesh (auto's pick of one
+  device runs in the last rank's process alone): its layout, no logits, no cache."""
+  common = _result_fields(plan, lengths_B)
+  if plan.cache == "sharded" or not move_cache:
+    return CacheParts(None, **common, kv_parts=None, mesh=plan.mesh)
+  return WholeCache(None, **common, k_cache=None, v_cache=None)
 
 
 def _placed_state(model: Model, mesh):

@@ -180,8 +180,8 @@ def bench_job(
   model = load_model(model_name, dtype=dtype)
   mesh = make_mesh()
   rows = []
-  # The process holding the last rank reports (one table, not one per process: a variant
-  # that runs in every process alone, as auto's pick of single does, is local everywhere).
+  # The process holding the last rank reports (one table, not one per process; auto's pick
+  # of single runs there alone).
   owner = jax.process_index() == jax.process_count() - 1
   search = PartitionPlan("search", links=_links_at(link_rate))
   for C in context_lens:
