@@ -157,19 +157,20 @@ def attends_diagonal_first(attention, num_ranks: int) -> bool:
 
 
 def attend_diagonal(
-  block, q_BcNH, own_2BcKH, i: int, chunks: tuple[int, ...], attention, rows: int
+  block, q_BcNH, own_2BcKH, i: int, chunks: tuple[int, ...], attention, rows: int, pad_to: int
 ):
   """Rank i > 0 before its hop: its first `rows` queries against its own keys (causal, offset
-  0; they see only keys [0, rows)), a float32 partial (out [B, c_max, N, H], lse [B, c_max,
-  N]) padded to c_max. Rank 0, or rows = 0, returns zeros: the rank attends after the hop."""
+  0; they see only keys [0, rows)), a float32 partial (out [B, pad_to, N, H], lse [B, pad_to,
+  N]) padded to `pad_to` rows, the most any rank attends early (every switch branch returns
+  one shape; c_max rows cost the long rank 0, which attends nothing early, a zero buffer of
+  its whole chunk per layer). Rank 0, or rows = 0, returns zeros: it attends after the hop."""
   if i == 0 or rows == 0:  # built from q so that they carry its type (varying over the ranks)
-    zeros_BcNH = jnp.zeros_like(q_BcNH, jnp.float32)
-    return zeros_BcNH, zeros_BcNH[..., 0]
-  c_max = q_BcNH.shape[1]
+    zeros_BrNH = jnp.zeros_like(q_BcNH[:, :pad_to], jnp.float32)
+    return zeros_BrNH, zeros_BrNH[..., 0]
   out_BrNH, lse_BrN = block.attend_partial(
     q_BcNH[:, :rows], own_2BcKH[0, :, :rows], own_2BcKH[1, :, :rows], 0, attention
   )
-  pad = c_max - rows
+  pad = pad_to - rows
   return (
     jnp.pad(out_BrNH, ((0, 0), (0, pad), (0, 0), (0, 0))),
     jnp.pad(lse_BrN, ((0, 0), (0, pad), (0, 0))),
@@ -405,6 +406,7 @@ class _PerRankBranches:
           chunks=self.chunks,
           attention=self.attention,
           rows=self.early_rows[i],
+          pad_to=max(1, *self.early_rows),  # never empty: probes and ordered_after read it
         )
         for i in range(len(self.chunks))
       ],
