@@ -196,15 +196,22 @@ def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):
     shape = (L, rows // layout.part_len, layout.context_len, K, H)
     on_device = jax.sharding.SingleDeviceSharding(device)
     caches[device] = tuple(jnp.zeros(shape, kv_parts.dtype, device=on_device) for _ in "kv")
+  # One stage at a time: the cache's zeros, then each send, then its writes. Dispatched all
+  # at once, a send waiting on its peer shared the process's core with the zeros and the
+  # writes and the move took longer and varied more (two pinned processes, bench-mistral
+  # 8k: 0.16-0.35 s before, 0.10-0.14 s staged; docs/measurements.md).
+  jax.block_until_ready(caches)
   for rank in range(p):
     if not layout.segments[rank]:
       continue
     received = kv_parts if rank == p - 1 else send_to_last_program(mesh, rank)(kv_parts)
+    jax.block_until_ready(received)
     for device in last_row:
       part = next(s.data for s in received.addressable_shards if s.device == device)[0]
       for position, length, row in layout.segments[rank]:
         piece = real_rows(part, row, length, layout.part_len)
         caches[device] = place(*caches[device], piece, position)
+    jax.block_until_ready(caches)
   return [caches[device] for device in last_row]
 
 
