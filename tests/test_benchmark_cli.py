@@ -226,6 +226,35 @@ def test_interval_verdict_on_synthetic_samples():
     interval_verdict([], [1.0])
 
 
+def test_interleaved_rounds_rotate_and_keep_only_the_last_results(monkeypatch):
+  """time_interleaved: each round starts one variant later (no variant always first, or
+  always after the same one), every sample's time is kept, and of the results only each
+  variant's last (a result holds its whole cache; keeping all of them grew the processes by
+  gigabytes and slowed the later variants' moves)."""
+  import weakref
+
+  from kvr_jax.tools import timing
+
+  class Result:
+    cache = "last"
+
+  calls, results = [], []
+
+  def fake_call(model, tokens, cache, kwargs):
+    calls.append(kwargs["name"])
+    results.append(weakref.ref(result := Result()))
+    return result, float(len(calls)), 0.5
+
+  monkeypatch.setattr(timing, "_timed_call", fake_call)
+  variants = {name: {"name": name} for name in "ABC"}
+  timings = timing.time_interleaved(None, None, variants, rounds=3)
+  assert calls == list("ABC" + "ABC" + "BCA" + "CAB")  # compiles, then rotated rounds
+  assert timings["B"].runs_s == [5.0, 7.0, 12.0] and timings["A"].moves_s == [0.5] * 3
+  alive = [ref() is not None for ref in results]
+  assert alive == [False] * 9 + [True] * 3  # only the last round's results remain
+  assert {id(t.result) for t in timings.values()} == {id(ref()) for ref in results[-3:]}
+
+
 def test_the_cost_model_variants_plan_for_the_throttled_link():
   """Under a throttled loopback the cost-model variants (auto, kvr-search) plan for the rate
   the launcher set (the `local` calibration measured the link unthrottled); the others do not

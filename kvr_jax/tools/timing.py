@@ -70,27 +70,38 @@ def time_interleaved(
   model: Model, tokens, variants: dict[str, dict], rounds: int
 ) -> dict[str, PrefillTiming]:
   """Every variant (name -> prefill keyword arguments) called once (its compile), then
-  `rounds` rounds that time one warm call of each variant in turn (ABCABC...), so that a
-  drift of the machine's speed hits every variant alike. Every sample is kept (`runs_s`)."""
-  first = {}
+  `rounds` rounds that time one warm call of each variant in turn, so that a drift of the
+  machine's speed hits every variant alike. Each round starts one variant later (ABC, BCA,
+  CAB, ...): no variant always runs first, or always right after the same one. Every sample's
+  time is kept (`runs_s`), and of its results only the last: a variant's previous result is
+  freed before it runs again.
+
+  Why both: keeping every result (each with its whole cache) grew a process by gigabytes
+  over a run, and the move onto the last rank, which writes fresh memory, then cost up to 4x
+  more in a round's later places than in its first (bench-mistral, 16k, two processes)."""
+  setup, latest = {}, {}
   for name, kwargs in variants.items():
     kwargs = dict(kwargs)
     cache = kwargs.pop("cache", "last")
-    first[name] = (cache, kwargs, _timed_call(model, tokens, cache, kwargs))
+    latest[name], first_s, _ = _timed_call(model, tokens, cache, kwargs)
+    setup[name] = (cache, kwargs, first_s)
   samples: dict[str, list] = {name: [] for name in variants}
-  for _ in range(rounds):
-    for name, (cache, kwargs, _) in first.items():
-      samples[name].append(_timed_call(model, tokens, cache, kwargs))
-  timings = {}
-  for name, (_, _, (result, first_s, _)) in first.items():
-    runs = samples[name]
-    timings[name] = PrefillTiming(
+  names = list(variants)
+  for r in range(rounds):
+    for name in names[r % len(names) :] + names[: r % len(names)]:
+      cache, kwargs, _ = setup[name]
+      latest[name] = None  # its buffers freed before the next call allocates its own
+      latest[name], seconds, move_s = _timed_call(model, tokens, cache, kwargs)
+      samples[name].append((seconds, move_s))
+  return {
+    name: PrefillTiming(
       first_s,
-      [r[1] for r in runs],
-      runs[-1][0] if runs else result,
-      [r[2] for r in runs] if result.cache == "last" else [],
+      [seconds for seconds, _ in samples[name]],
+      latest[name],
+      [move_s for _, move_s in samples[name]] if latest[name].cache == "last" else [],
     )
-  return timings
+    for name, (_, _, first_s) in setup.items()
+  }
 
 
 def interval_verdict(samples_s, other_samples_s) -> str:
