@@ -132,6 +132,18 @@ def place(k_LBCKH, v_LBCKH, piece_L2BnKH, position):
   return k_LBCKH, v_LBCKH
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5), donate_argnums=(0, 1))
+def place_rows(k_LBCKH, v_LBCKH, part_L2RKH, row, length: int, part_len: int, position):
+  """`place` of `real_rows` in one program, where the part and the cache lie on one device:
+  the run's rows go from the part straight into the cache (no run-sized piece written and
+  read back in between)."""
+  part_L2BPKH = unfold_batch(part_L2RKH, part_len)
+  piece_L2BnKH = jax.lax.dynamic_slice_in_dim(part_L2BPKH, row, length, axis=3)
+  k_LBCKH = jax.lax.dynamic_update_slice_in_dim(k_LBCKH, piece_L2BnKH[:, 0], position, axis=2)
+  v_LBCKH = jax.lax.dynamic_update_slice_in_dim(v_LBCKH, piece_L2BnKH[:, 1], position, axis=2)
+  return k_LBCKH, v_LBCKH
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def split_kv(part_1L2RKH, part_len: int, row: int, length: int):
   """One rank's part that holds the whole prompt -> (k, v) [L, B, C, K, H], plain arrays."""
@@ -200,7 +212,7 @@ def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):
   # at once, a send waiting on its peer shared the process's core with the zeros and the
   # writes and the move took longer and varied more (two pinned processes, bench-mistral
   # 8k: 0.16-0.35 s before, 0.10-0.14 s staged; docs/measurements.md).
-  jax.block_until_ready(caches)
+  jax.block_until_ready(list(caches.values()))
   for rank in range(p):
     if not layout.segments[rank]:
       continue
@@ -209,9 +221,8 @@ def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):
     for device in last_row:
       part = next(s.data for s in received.addressable_shards if s.device == device)[0]
       for position, length, row in layout.segments[rank]:
-        piece = real_rows(part, row, length, layout.part_len)
-        caches[device] = place(*caches[device], piece, position)
-    jax.block_until_ready(caches)
+        caches[device] = place_rows(*caches[device], part, row, length, layout.part_len, position)
+    jax.block_until_ready(list(caches.values()))
   return [caches[device] for device in last_row]
 
 
