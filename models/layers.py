@@ -355,13 +355,10 @@ def window_anchor(first_q, window: int | None):
 
 
 def window_key_block(num_keys: int, largest: int, window: int, query_block: int) -> int:
-  """The key block (a multiple of 8, about `largest`) that cuts the span a windowed query block
-  sees, W + bq - 1 keys, into as few blocks as `largest` would with the least left over: W=1024
+  """The key block that cuts the span a windowed query block sees, W + bq - 1 keys, into as
+  few blocks as `largest` would with the least left over (`even_block` of the span): W=1024
   and 472-row query blocks take 3 blocks of 504 keys, not 3 of 512 plus 1 (or 4 of 496)."""
-  span = min(window + query_block - 1, num_keys)
-  blocks = -(-span // largest)
-  size = -(-span // blocks)
-  return max(8, -(-size // 8) * 8)
+  return even_block(min(window + query_block - 1, num_keys), largest)
 
 
 def key_block_bounds(first_q, last_q, bk: int, nk: int, num_keys, window: int | None):

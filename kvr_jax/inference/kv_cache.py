@@ -136,12 +136,8 @@ def place(k_LBCKH, v_LBCKH, piece_L2BnKH, position):
 def place_rows(k_LBCKH, v_LBCKH, part_L2RKH, row, length: int, part_len: int, position):
   """`place` of `real_rows` in one program, where the part and the cache lie on one device:
   the run's rows go from the part straight into the cache (no run-sized piece written and
-  read back in between)."""
-  part_L2BPKH = unfold_batch(part_L2RKH, part_len)
-  piece_L2BnKH = jax.lax.dynamic_slice_in_dim(part_L2BPKH, row, length, axis=3)
-  k_LBCKH = jax.lax.dynamic_update_slice_in_dim(k_LBCKH, piece_L2BnKH[:, 0], position, axis=2)
-  v_LBCKH = jax.lax.dynamic_update_slice_in_dim(v_LBCKH, piece_L2BnKH[:, 1], position, axis=2)
-  return k_LBCKH, v_LBCKH
+  read back in between: inside one jit the two inline into one program)."""
+  return place(k_LBCKH, v_LBCKH, real_rows(part_L2RKH, row, length, part_len), position)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

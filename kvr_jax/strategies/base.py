@@ -239,8 +239,10 @@ def ordered_after(value, *deps):
   and rank 0's whole diagonal before its send (the one body's two-process timeline: rank 1
   idle 38 ms per layer in the hop, rank 0's hop phase 67 ms; 3 ms after). The dependence is
   a select on whether the first element of every dep is NaN: false for every finite or
-  infinite value, nothing XLA can fold away; it fuses into the op that reads `value`, so it
-  costs no pass of its own."""
+  infinite value, nothing XLA can fold away. It fuses into the op that reads `value` where
+  that op is in the same computation; across a `lax.switch` branch boundary it is a pass of
+  its own (the per-rank program's q and hop message: a 17 MB select took 0.75 ms on this
+  CPU)."""
   flags = [jnp.isnan(jnp.ravel(d)[0]) for d in jax.tree.leaves(deps) if d.size]
   if not flags:
     return value

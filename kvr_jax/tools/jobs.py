@@ -272,14 +272,11 @@ def _variant_arguments(
     ("kvr-one-body-", runahead.ONE_BODY_STRATEGY),
   ):
     if variant in (prefix + "even", prefix + "search"):
-      method = variant[len(prefix) :]
-      partition = search if method == "search" else method
-      kwargs = prefill_arguments("kvr", mesh=mesh, partition=partition)
+      kwargs = prefill_arguments("kvr", mesh=mesh, partition=_kvr_plan(variant, prefix, search))
       return {**kwargs, "strategy": body}, 0.0
   if variant not in ("kvr-even", "kvr-search", "kvr-measured", "kvr-fitted"):
     raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
-  method = variant[len("kvr-") :]
-  kwargs = prefill_arguments("kvr", mesh=mesh, partition=search if method == "search" else method)
+  kwargs = prefill_arguments("kvr", mesh=mesh, partition=_kvr_plan(variant, "kvr-", search))
   start = time.perf_counter()
   if variant == "kvr-measured":  # search once, timed apart from TTFT
     plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)
@@ -289,6 +286,13 @@ def _variant_arguments(
   else:
     return kwargs, 0.0
   return kwargs, time.perf_counter() - start
+
+
+def _kvr_plan(variant: str, prefix: str, search: PartitionPlan):
+  """A kvr variant's partition: the modelled plan for "<prefix>search", else the method its
+  name ends with ("even", "measured", "fitted": resolved by the caller)."""
+  method = variant[len(prefix) :]
+  return search if method == "search" else method
 
 
 def fitted_plan(model, context_len: int, num_ranks: int) -> PartitionPlan:
