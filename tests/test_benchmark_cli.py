@@ -238,10 +238,11 @@ def test_interleaved_rounds_rotate_and_keep_only_the_last_results(monkeypatch):
   class Result:
     cache = "last"
 
-  calls, results = [], []
+  calls, results, alive_at_call = [], [], []
 
   def fake_call(model, tokens, cache, kwargs):
     calls.append(kwargs["name"])
+    alive_at_call.append(sum(ref() is not None for ref in results))
     results.append(weakref.ref(result := Result()))
     return result, float(len(calls)), 0.5
 
@@ -250,6 +251,8 @@ def test_interleaved_rounds_rotate_and_keep_only_the_last_results(monkeypatch):
   timings = timing.time_interleaved(None, None, variants, rounds=3)
   assert calls == list("ABC" + "ABC" + "BCA" + "CAB")  # compiles, then rotated rounds
   assert timings["B"].runs_s == [5.0, 7.0, 12.0] and timings["A"].moves_s == [0.5] * 3
+  # During the run: when a variant runs again, only the other variants' last results live.
+  assert max(alive_at_call) == len(variants) - 1, alive_at_call
   alive = [ref() is not None for ref in results]
   assert alive == [False] * 9 + [True] * 3  # only the last round's results remain
   assert {id(t.result) for t in timings.values()} == {id(ref()) for ref in results[-3:]}
