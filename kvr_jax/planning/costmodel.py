@@ -167,7 +167,8 @@ def layer_timeline(
     raise ValueError(f"{len(descriptions)} modelled layers for {num_layers} layers")
   ops_of: dict[int, list] = {}
   for d in descriptions:
-    ops_of.setdefault(id(d), [tuple(_as_op(step) for step in steps) for steps in d.steps])
+    if id(d) not in ops_of:  # once per description (setdefault would convert every layer)
+      ops_of[id(d)] = [tuple(_as_op(step) for step in steps) for steps in d.steps]
   free = [0.0] * len(descriptions[0].steps)  # when each rank finished the previous layer
   link_free: dict[tuple[int, int], float] = {}  # when each link delivered its last message
   for l, d in enumerate(descriptions):
