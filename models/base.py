@@ -108,11 +108,20 @@ class Block(nnx.Module):
     )
 
   def attend_partial(
-    self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention, query_rows=None, key_end=None
+    self,
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    query_offset,
+    attention,
+    query_rows=None,
+    key_end=None,
+    first_rows_key_end=None,
   ):
     """`attend` for the kernels that return their log-sum-exp (flash, fused): (out float32,
     lse float32), to be merged with an attention of the same queries over other keys.
-    query_rows, key_end: lengths as data for inputs padded to one shape (`attend_flash`)."""
+    query_rows, key_end, first_rows_key_end: lengths as data for inputs padded to one shape
+    (`attend_flash`)."""
     return layers.attend_partial(
       q_BTNH,
       k_BSKH,
@@ -122,6 +131,7 @@ class Block(nnx.Module):
       self.config.sliding_window,
       query_rows=query_rows,
       key_end=key_end,
+      first_rows_key_end=first_rows_key_end,
     )
 
   def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:

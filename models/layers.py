@@ -51,19 +51,21 @@ def attend_partial(
   window: int | None = None,
   query_rows=None,
   key_end=None,
+  first_rows_key_end=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Like `attend_static`, for the kernels that return their log-sum-exp (`returns_lse`),
   so that attentions over disjoint key sets merge exactly (`merge_partials`): returns (out
   [B, T, N, H] float32, lse [B, T, N] float32). A key set wholly in the past of every query
   (query_offset >= S) is attended unmasked. query_rows, key_end: lengths as data, for the
-  kernels with `lengths_as_data` (see `attend_flash`)."""
+  kernels with `lengths_as_data` (see `attend_flash`), as is first_rows_key_end."""
   kernel = get_kernel(attention)
   if not kernel.returns_lse:
     raise ValueError(
       f"attention {kernel.name!r} returns no log-sum-exp; expected one of "
       f"{kernels_where(returns_lse=True)}"
     )
-  if (query_rows is not None or key_end is not None) and not kernel.lengths_as_data:
+  as_data = (query_rows, key_end, first_rows_key_end)
+  if any(x is not None for x in as_data) and not kernel.lengths_as_data:
     raise ValueError(
       f"attention {kernel.name!r} takes static lengths only; use one of "
       f"{kernels_where(lengths_as_data=True)}"
@@ -81,6 +83,7 @@ def attend_partial(
       out_dtype=jnp.float32,
       query_rows=query_rows,
       key_end=key_end,
+      first_rows_key_end=first_rows_key_end,
     )
   return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.implementation)
 
@@ -361,13 +364,18 @@ def window_key_block(num_keys: int, largest: int, window: int, query_block: int)
   return even_block(min(window + query_block - 1, num_keys), largest)
 
 
-def key_block_bounds(first_q, last_q, bk: int, nk: int, num_keys, window: int | None):
+def key_block_bounds(
+  first_q, last_q, bk: int, nk: int, num_keys, window: int | None, fewest_keys=None
+):
   """The key blocks (of `bk` keys, `nk` of them) that queries at positions [first_q, last_q]
   visit: (lo, full_lo, full_hi, hi), lo <= full_lo <= full_hi <= hi (ints, maybe traced).
 
   Blocks [lo, hi) hold every key some query sees (none in its future, none before its window
   start q - W + 1, none at or past `num_keys`) and no block that nobody sees; of them,
-  [full_lo, full_hi) are seen whole by every query and run unmasked, the rest are masked."""
+  [full_lo, full_hi) are seen whole by every query and run unmasked, the rest are masked.
+  fewest_keys: where the queries' key ends differ (`attend_flash`'s first_rows_key_end), the
+  smallest of them (default num_keys, then the largest): a block past it is masked."""
+  fewest_keys = num_keys if fewest_keys is None else fewest_keys
   hi = jnp.clip(jnp.minimum(last_q // bk + 1, -(-num_keys // bk)), 0, nk)
   if window is None:
     lo = jnp.zeros_like(hi)
@@ -376,7 +384,7 @@ def key_block_bounds(first_q, last_q, bk: int, nk: int, num_keys, window: int | 
     # Queries whose window starts past the last key see nothing (the rows of a prefix piece
     # beyond the window, KV-Runahead's later rows): no block, not the last one masked whole.
     hi = jnp.where(first_q - window + 1 >= num_keys, lo, hi)
-  full_hi = jnp.clip(jnp.minimum((first_q + 1) // bk, num_keys // bk), lo, hi)
+  full_hi = jnp.clip(jnp.minimum((first_q + 1) // bk, fewest_keys // bk), lo, hi)
   if window is None:
     return lo, lo, full_hi, hi
   full_lo = jnp.clip(-((window - 1 - last_q) // bk), lo, full_hi)  # ceil((last_q-W+1)/bk)
@@ -396,6 +404,7 @@ def attend_flash(
   out_dtype=None,
   query_rows=None,
   key_end=None,
+  first_rows_key_end=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Flash-style attention: returns (out [B, T, N, H] in `out_dtype`, default q's dtype; lse
   [B, T, N] float32). A partial that will be merged keeps float32 (out_dtype=jnp.float32):
@@ -421,6 +430,9 @@ def attend_flash(
   `fori_loop` whose trip count is data, so padded blocks cost nothing. Rows of blocks outside
   it come back as out 0, lse -inf (a partial that weighs nothing in a merge); rows inside a
   visited block but outside [lo, hi) are computed and are the caller's to ignore.
+  `first_rows_key_end` = (rows, end) (may be traced): query rows below `rows` see only the
+  keys below `end` too (KV-Runahead's early rows, whose own keys were attended before the
+  hop: one call attends their prefix and the other rows' prefix and diagonal).
   """
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -444,6 +456,9 @@ def attend_flash(
   row_t = jnp.arange(bq * G) // G  # query index inside the block, per row
   # The keys that exist: S, or fewer where the caller's are padded (key_end, maybe traced).
   num_keys = S if key_end is None else jnp.minimum(key_end, S)
+  # Each query row's key end: the first rows' own, or num_keys.
+  split_row, first_rows_end = (0, num_keys) if first_rows_key_end is None else first_rows_key_end
+  first_rows_end = jnp.minimum(first_rows_end, num_keys)
 
   # float32 queries are scaled once (one multiply per query, not per score); lower precision
   # ones score first and scale in float32: q * scale rounded to bfloat16 moves a score of 30 by
@@ -457,8 +472,13 @@ def attend_flash(
     first_q = query_offset + i * bq  # position of the block's first query
     last_q = first_q + bq - 1
     anchor = window_anchor(first_q, window)  # key blocks are counted from it
+    # Each row's key end, and the most and the fewest of the block's (first_rows_end is at
+    # most num_keys): a block of first rows only, of other rows only, or of both.
+    row_key_end = jnp.where(i * bq + row_t < split_row, first_rows_end, num_keys)[:, None]
+    most_keys = jnp.where(i * bq + bq <= split_row, first_rows_end, num_keys)
+    fewest_keys = jnp.where(i * bq < split_row, first_rows_end, num_keys)
     lo, full_lo, full_hi, hi = key_block_bounds(
-      first_q - anchor, last_q - anchor, bk, nk, num_keys - anchor, window
+      first_q - anchor, last_q - anchor, bk, nk, most_keys - anchor, window, fewest_keys - anchor
     )
     # Built from q (not from shapes) so that they carry q's type everywhere, also where q
     # varies over a shard_map axis: a loop carry must keep one type.
@@ -479,7 +499,7 @@ def attend_flash(
       if masked:
         k_pos = (anchor + j * bk + jnp.arange(bk))[None, :]
         q_pos = (first_q + row_t)[:, None]
-        visible = (k_pos <= q_pos) & (k_pos < num_keys)  # [R, b]
+        visible = (k_pos <= q_pos) & (k_pos < row_key_end)  # [R, b]
         if window is not None:
           visible &= k_pos > q_pos - window
         s_BKRb = jnp.where(visible, s_BKRb, _MASK_VALUE)

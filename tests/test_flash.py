@@ -545,15 +545,17 @@ def test_a_prompt_of_exactly_max_position_embeddings_tokens_runs():
 
 @pytest.mark.parametrize("window", [None, 7])
 def test_traced_query_rows_and_key_end_match_dense(window):
-  """One compiled kernel for every (offset, key_end, query rows): the rows asked for equal the
-  dense kernel over keys [0, key_end); the query blocks holding none of them are not visited
-  (out 0, lse -inf); keys at or past key_end are never seen (garbage there changes nothing)."""
+  """One compiled kernel for every (offset, key_end, query rows, first rows' key end): the
+  rows asked for equal the dense kernel over keys [0, key_end), the first rows over [0, end)
+  (on a query-block edge or inside a block); the query blocks holding none of the rows are
+  not visited (out 0, lse -inf); keys at or past a row's end are never seen (garbage there
+  changes nothing)."""
   T, S, bq, bk = 37, 90, 8, 16
   q, k, v = qkv(T, S, 4, 2, seed=7)
   garbage = jnp.full_like(k, 1e3)
 
   @jax.jit
-  def flash(q, k, v, offset, key_end, lo, hi):
+  def flash(q, k, v, offset, key_end, lo, hi, split, first_end):
     return layers.attend_flash(
       q,
       k,
@@ -564,31 +566,38 @@ def test_traced_query_rows_and_key_end_match_dense(window):
       key_block=bk,
       query_rows=(lo, hi),
       key_end=key_end,
+      first_rows_key_end=(split, first_end),
       out_dtype=jnp.float32,
     )
 
-  for offset, key_end, lo, hi in [
-    (50, 50, 0, 37),
-    (50, 60, 5, 30),
-    (0, 37, 0, 37),
-    (20, 45, 13, 25),
+  for offset, key_end, lo, hi, split, first_end in [
+    (50, 50, 0, 37, 0, 0),
+    (50, 60, 5, 30, 0, 0),
+    (0, 37, 0, 37, 0, 0),
+    (20, 45, 13, 25, 0, 0),
+    (50, 87, 0, 37, 16, 50),  # KV-Runahead's early rows: prefix [0, 50) only
+    (50, 87, 3, 37, 13, 47),  # a split inside a query block, an end inside a key block
+    (20, 57, 0, 37, 40, 9),  # every row a first row
   ]:
-    tail = jnp.arange(S)[None, :, None, None] >= key_end
+    ends = np.where(np.arange(T) < split, min(first_end, key_end), key_end)
+    tail = jnp.arange(S)[None, :, None, None] >= key_end  # the first rows' end: below
     k_dirty, v_dirty = jnp.where(tail, garbage, k), jnp.where(tail, garbage, v)
-    out, lse = flash(q, k_dirty, v_dirty, offset, key_end, lo, hi)
-    want = layers.attend(q, k[:, :key_end], v[:, :key_end], offset, window=window)
-    # Rows that see some key (with a window, rows far past key_end see none: flash gives
-    # them weight 0, the dense kernel a uniform average of masked scores).
-    position = offset + np.arange(lo, hi)
-    seen = np.minimum(position, key_end - 1) >= np.maximum(position - (window or S) + 1, 0)
-    rows = np.arange(lo, hi)[seen]
-    assert_close(out[:, rows], want[:, rows], f"rows [{lo}, {hi}) at key_end {key_end}")
+    out, lse = flash(q, k_dirty, v_dirty, offset, key_end, lo, hi, split, first_end)
+    for end in sorted(set(ends[lo:hi])):
+      want = layers.attend(q, k[:, :end], v[:, :end], offset, window=window)
+      # Rows that see some key (with a window, rows far past the end see none: flash gives
+      # them weight 0, the dense kernel a uniform average of masked scores).
+      position = offset + np.arange(T)
+      seen = np.minimum(position, end - 1) >= np.maximum(position - (window or S) + 1, 0)
+      rows = np.arange(T)[seen & (ends == end) & (np.arange(T) >= lo) & (np.arange(T) < hi)]
+      if rows.size:
+        assert_close(out[:, rows], want[:, rows], f"rows {rows} at key end {end}")
     skipped = np.ones(T, bool)
     skipped[lo // bq * bq : -(-hi // bq) * bq] = False
     assert np.all(np.isneginf(np.asarray(lse)[:, skipped])), (lo, hi)
     assert not np.any(np.asarray(out)[:, skipped])
   # No key at all (rank 0's prefix): every row weighs nothing in a merge.
-  out, lse = flash(q, k, v, 0, 0, 0, T)
+  out, lse = flash(q, k, v, 0, 0, 0, T, 0, 0)
   assert np.all(np.isneginf(np.asarray(lse))) and not np.any(np.asarray(out))
 
 

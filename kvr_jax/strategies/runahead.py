@@ -696,30 +696,27 @@ class _OneBodyRank:
     return q_BcNH, jnp.where(real_rows_c[:, None, None], jnp.stack([k_BcKH, v_BcKH]), 0)
 
   def attend(self, block, q_BcNH, own_2BcKH, buffer_2BSKH, diagonal):
-    """Its rows against the prefix [first, start) in the buffer and the rest of its diagonal
-    (rows [r_i, c) of its own keys), merged by lse with the early rows' `diagonal`."""
-    chunks, kernel, c, start, early_rows = (
-      self.chunks,
-      self.kernel,
-      self.c,
-      self.start,
-      self.early_rows,
-    )
-    # Only the positions some rank's prefix holds ([0, S_{p-2})): the kernel lays out
-    # every key it is given, so the rest of the buffer would cost a copy per layer.
-    prefix_2BSKH = buffer_2BSKH[:, :, : chunk_starts(chunks)[-1]] if len(chunks) > 1 else own_2BcKH
-    prefix_BcNH, prefix_lse_BcN = block.attend_partial(
-      q_BcNH, prefix_2BSKH[0], prefix_2BSKH[1], start, kernel, query_rows=(0, c), key_end=start
-    )
+    """Its rows against the buffer's keys [first, start + c) in one flash call: the prefix
+    and the rest of its diagonal, except that the early rows (block-aligned, their diagonal
+    attended before the hop) see only the prefix; merged by lse with the early rows'
+    `diagonal`. One call, not a prefix call and a diagonal call: one kernel walk and one
+    merge less per layer, and a flash loop nest less to compile."""
+    c, start, early_rows = self.c, self.start, self.early_rows
+    # The buffer holds the prefix and, at `start`, the rank's own chunk (see `layer`).
+    keys_2BSKH = buffer_2BSKH if len(self.chunks) > 1 else own_2BcKH
     late_BcNH, late_lse_BcN = block.attend_partial(
-      q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, kernel, query_rows=(early_rows, c), key_end=c
+      q_BcNH,
+      keys_2BSKH[0],
+      keys_2BSKH[1],
+      start,
+      self.kernel,
+      query_rows=(0, c),
+      key_end=start + c,
+      first_rows_key_end=(early_rows, start),
     )
     early = jnp.arange(self.c_pad) < early_rows
-    diagonal_BcNH = jnp.where(early[:, None, None], diagonal[0], late_BcNH)
-    diagonal_lse_BcN = jnp.where(early[:, None], diagonal[1], late_lse_BcN)
-    attn_BcNH, _ = layers.merge_partials(
-      prefix_BcNH, prefix_lse_BcN, diagonal_BcNH, diagonal_lse_BcN
-    )
+    early_lse_BcN = jnp.where(early[:, None], diagonal[1], -jnp.inf)
+    attn_BcNH, _ = layers.merge_partials(late_BcNH, late_lse_BcN, diagonal[0], early_lse_BcN)
     return attn_BcNH
 
   def layer(self, block, x_BcD, buffer_2BSKH, l):
