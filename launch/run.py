@@ -139,10 +139,13 @@ def main(argv):
     )
   print(demo.format_table(reports))
   print(
-    f"compile: first call minus a warm one; from: the compiled programs came from JAX's "
-    f"persistent cache ({cache_dir}) or were compiled"
-    if cache_dir
-    else "compile: first call minus a warm one (persistent compilation cache off)"
+    "plan: the split's search and auto's choice, before the first call; "
+    + (
+      f"compile: first call minus a warm one; from: the compiled programs came from JAX's "
+      f"persistent cache ({cache_dir}) or were compiled"
+      if cache_dir
+      else "compile: first call minus a warm one (persistent compilation cache off)"
+    )
   )
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:

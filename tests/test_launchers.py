@@ -56,9 +56,10 @@ def test_run_main_job(tmp_path):
   assert printed["tsp"][1] == "dense"
   assert kvr_row[2] == ",".join(map(str, api))
   assert kvr_row[3] == f"{rows[2]['ttft_median_s'] * 1e3:.1f}ms"
-  assert kvr_row[5] == rows[2]["compile_cache"]
-  assert float(kvr_row[6]) == pytest.approx(rows[2]["max_logit_diff_vs_single"], rel=0.01)
-  assert [int(t) for t in kvr_row[7:]] == rows[2]["first_tokens"]
+  assert kvr_row[4] == f"{rows[2]['plan_s']:.2f}s"
+  assert kvr_row[6] == rows[2]["compile_cache"]
+  assert float(kvr_row[7]) == pytest.approx(rows[2]["max_logit_diff_vs_single"], rel=0.01)
+  assert [int(t) for t in kvr_row[8:]] == rows[2]["first_tokens"]
 
 
 def test_run_without_single_says_n_a(tmp_path):

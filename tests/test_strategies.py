@@ -252,6 +252,19 @@ def test_rows_before_the_hop_hand_computed():
   assert runahead.rows_before_hop(windowed, (420, 400)) == (0, 167)
 
 
+def test_the_early_rows_closed_form_matches_counting_rows():
+  """rows_before_hop's closed form (the cost model's search calls it for every split it
+  weighs) against counting rows one by one: the most rows whose diagonal fits in the FLOPs."""
+  for window in (1, 3, 16, 10**9):
+    for c in (1, 2, 17, 40):
+      for flops in range(-5, 512 * 900, 2111):
+        rows, keys = 0, 0
+        while rows < c and 512 * (keys + min(rows + 1, window)) <= flops:
+          keys += min(rows + 1, window)
+          rows += 1
+        assert runahead._most_rows_within(flops, 512, c, window) == rows, (window, c, flops)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
 def test_each_rank_computes_only_its_share(models, name):
   """XLA's cost analysis of each rank's compiled layer follows c_i and c_i * S_i."""

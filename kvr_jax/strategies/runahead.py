@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -140,14 +141,38 @@ def rows_before_hop(config, chunks: tuple[int, ...]) -> tuple[int, ...]:
   per_key = 4 * N * H  # scores and the weighted sum
   rows, sender_ready = [0], qkv_per_token * chunks[0]
   for c in chunks[1:]:
-    keys_seen = np.minimum(np.arange(1, c + 1), window or c)
-    diagonal_flops = per_key * np.cumsum(keys_seen)  # the first j+1 rows
     spare = sender_ready - qkv_per_token * c
-    r = int(np.searchsorted(diagonal_flops, spare, side="right")) if spare > 0 else 0
+    r = _most_rows_within(spare, per_key, c, window or c)
     rows.append(r)
-    early = qkv_per_token * c + (diagonal_flops[r - 1] if r else 0)
+    early = qkv_per_token * c + per_key * _keys_of_first_rows(r, window or c)
     sender_ready = max(sender_ready, early)  # this rank forwards once it holds its prefix
   return tuple(rows)
+
+
+def _keys_of_first_rows(r: int, window: int) -> int:
+  """Keys the first r rows of a causal diagonal see together: row j sees min(j + 1, W)."""
+  if r <= window:
+    return r * (r + 1) // 2
+  return window * (window + 1) // 2 + (r - window) * window
+
+
+def _most_rows_within(flops: int, per_key: int, c: int, window: int) -> int:
+  """The most rows r <= c whose diagonal (`_keys_of_first_rows`) costs at most `flops`: the
+  quadratic's root, then exact in integers (the cost model's search calls this per rank for
+  every split it weighs, so no array of c rows)."""
+  if flops <= 0:
+    return 0
+  keys = flops / per_key
+  if keys <= window * (window + 1) / 2:
+    r = int((math.sqrt(8 * keys + 1) - 1) / 2)
+  else:
+    r = window + int((keys - window * (window + 1) / 2) / window)
+  r = min(max(r, 0), c)
+  while r < c and per_key * _keys_of_first_rows(r + 1, window) <= flops:
+    r += 1
+  while r > 0 and per_key * _keys_of_first_rows(r, window) > flops:
+    r -= 1
+  return r
 
 
 def attends_diagonal_first(attention, num_ranks: int) -> bool:

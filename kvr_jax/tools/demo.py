@@ -6,6 +6,7 @@ Lives in the library so a notebook calls the same function as `python -m launch.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference.buckets import bucket_length
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.prefill import padded_prompts, prefill_arguments
+from kvr_jax.inference.prefill import padded_prompts, plan_prefill, prefill_arguments
 from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh, mesh_of_ranks
@@ -31,6 +32,9 @@ class StrategyReport:
   strategy: str
   attention: str  # the kernel it ran
   partition: tuple[int, ...] | None
+  # Planning before the first call (plan_prefill: the modelled search of a split, auto's
+  # choice; kept, so the first call does not plan again): not a compile, shown apart.
+  plan_s: float
   compile_s: float  # first call (trace + compile + run) minus a warm run
   # What the persistent compilation cache did for the prefill's programs (CacheUse.describe):
   # "cache" (read from disk), "compiled", "k/n" (k of n read), "-" (cache off or nothing compiled).
@@ -82,6 +86,9 @@ def compare_strategies(
   reports = []
   for strategy in strategies:
     kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
+    started = time.perf_counter()
+    plan_prefill(model, rows, cache=cache, buckets=buckets, **kwargs)
+    plan_s = time.perf_counter() - started
     cache_use = CacheUse.now()
     timing = time_prefill(model, rows, repeats, cache=cache, buckets=buckets, **kwargs)
     cache_use = CacheUse.now().since(cache_use)
@@ -95,6 +102,7 @@ def compare_strategies(
         strategy=strategy,
         attention=result.attention,
         partition=result.partition,
+        plan_s=plan_s,
         compile_s=max(timing.first_s - median, 0.0),
         compile_cache=cache_use.describe(),
         compile_cache_hits=cache_use.hits,
@@ -153,7 +161,8 @@ def format_table(reports: list[StrategyReport]) -> str:
   parts = ["-" if r.partition is None else ",".join(map(str, r.partition)) for r in reports]
   width = max([len("partition"), *map(len, parts)])
   header = (
-    f"{'strategy':<9} {'kernel':<6} {'partition':<{width}} {'TTFT median':>12} {'compile':>9} "
+    f"{'strategy':<9} {'kernel':<6} {'partition':<{width}} {'TTFT median':>12} {'plan':>7} "
+    f"{'compile':>9} "
     f"{'from':<9} {'max |dlogit|':>13}  first tokens"
   )
   lines = [header, "-" * len(header)]
@@ -161,7 +170,8 @@ def format_table(reports: list[StrategyReport]) -> str:
     diff = r.max_logit_diff_vs_single
     lines.append(
       f"{r.strategy:<9} {r.attention:<6} {part:<{width}} {r.ttft_median_s * 1e3:>10.1f}ms "
-      f"{r.compile_s:>8.2f}s {r.compile_cache:<9} {'n/a' if diff is None else f'{diff:.2e}':>13}  "
+      f"{r.plan_s:>6.2f}s {r.compile_s:>8.2f}s {r.compile_cache:<9} "
+      f"{'n/a' if diff is None else f'{diff:.2e}':>13}  "
       f"{' '.join(map(str, r.first_tokens))}"
     )
   lines += [r.choice for r in reports if r.choice]
