@@ -634,8 +634,8 @@ def one_body(
     hops      the same chain as the per-rank program; rank k+1 writes hop k into its buffer
               at the prefix's positions, so every rank's buffer holds [first, start) then its
               own chunk
-    attend    its rows against the buffer's keys [first, start) (flash, key_end = start),
-              the rest of its diagonal (rows [r_i, c), key_end = c), merged by lse
+    attend    its rows against the buffer's keys [first, start + c) in one flash call (the
+              early rows [0, r_i) see only [first, start)), merged by lse with the early rows
     finish    out-proj and MLP of its c rows in row blocks (a loop of ceil(c / R) steps)
   Padding costs at most one row block of projections and MLP and one query block of
   attention per rank. Rows past c of its part are zero; the parts have c_max rows, as the
