@@ -506,12 +506,11 @@ class _PerRankBranches:
 BODIES = ("one", "per-rank")
 # Up to this many ranks the per-rank program is the default body even for the kernels that
 # take lengths as data. Measured at 2 ranks (bench-llama, two processes x one core, the same
-# split in one interleaved run; tiny-llama's programs compiled alone): the per-rank program
-# compiles faster (1.08 s against 1.34 s) and runs faster (1k 0.081 s against 0.122 s, 4k
-# 0.513 against 0.649, 8k 1.551 against 1.802): the one body's padding to whole blocks and
-# its data-dependent loops cost more than two branches save. From 4 ranks the one body
-# compiles faster (1.29 s against 1.55 s; 8 ranks 1.53 against 2.96, 16 ranks 2.0 against
-# 5.7), and its compile stops growing with the ranks.
+# split in one interleaved run; docs/measurements.md): the one body ties it at 8k (+2.9% by
+# median) and 16k (-0.3%) but is 4-15% slower at 1k-4k, where its row blocks pad the long
+# chunk (4k: 147 of rank 0's 2685 rows); it compiles a little faster there (1.01 s against
+# 1.11, tiny-llama's program alone). From 3 ranks the one body is the default: its compile
+# stops growing with the ranks (8 ranks 0.82-0.97 s against the per-rank 2.3-2.4 s).
 PER_RANK_UP_TO = 2
 # The largest block of the one body's row loops (projections, MLP): a loop whose trip count
 # is the rank's real length in blocks (its query blocks are at most the kernel's).
