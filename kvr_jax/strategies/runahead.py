@@ -506,11 +506,11 @@ class _PerRankBranches:
 BODIES = ("one", "per-rank")
 # Up to this many ranks the per-rank program is the default body even for the kernels that
 # take lengths as data. Measured at 2 ranks (bench-llama, two processes x one core, the same
-# split in one interleaved run; docs/measurements.md): the one body ties it at 8k (+2.9% by
-# median) and 16k (-0.3%) but is 4-15% slower at 1k-4k, where its row blocks pad the long
-# chunk (4k: 147 of rank 0's 2685 rows); it compiles a little faster there (1.01 s against
-# 1.11, tiny-llama's program alone). From 3 ranks the one body is the default: its compile
-# stops growing with the ranks (8 ranks 0.82-0.97 s against the per-rank 2.3-2.4 s).
+# split in one interleaved run; docs/measurements.md): the one body ties it at 4k (+0.4% by
+# median), 8k (+2.9%) and 16k (-0.3%) but is 7-17% slower at 1k-2k, where its row blocks
+# pad the long chunk by 3-8%; it compiles a little faster there (1.01 s against 1.11,
+# tiny-llama's program alone). From 3 ranks the one body is the default: its compile stops
+# growing with the ranks (8 ranks 0.82-0.97 s against the per-rank 2.3-2.4 s).
 PER_RANK_UP_TO = 2
 # The largest block of the one body's row loops (projections, MLP): a loop whose trip count
 # is the rank's real length in blocks (its query blocks are at most the kernel's).
