@@ -450,8 +450,9 @@ def test_row_blocks_visit_only_the_real_rows():
 
 def test_one_body_block_pads_each_split_least():
   """The one body's block (row loops and query blocks) follows the split: [640, 384] in
-  blocks of 128 pads nothing (a fixed 256 computed 1280 rows for 1024 tokens), and the rank
-  of 2637 tokens that attends the longest prefix pads 3 rows (a fixed 512 padded it to 3072)."""
+  blocks of 128 pads nothing (a fixed 256 computed 1280 rows for 1024 tokens), the rank
+  of 2637 tokens that attends the longest prefix pads 3 rows (a fixed 512 padded it to 3072),
+  and the long chunk of [2685, 1411] a few."""
   from models.kernels import KERNELS
 
   config = preset_config("bench-llama")
@@ -463,6 +464,10 @@ def test_one_body_block_pads_each_split_least():
 
   assert padded((640, 384)) == [0, 0]
   assert padded((5555, 2637))[1] <= 8
+  # Half of each query block's diagonal key block is masked work: counted, it keeps the long
+  # chunk of [2685, 1411] (on the critical path) within a few rows (472-row blocks padded it
+  # by 147 rows, and the one body ran 6-15% behind the per-rank program at 4k).
+  assert padded((2685, 1411))[0] <= 32
   assert max(padded((1000, 99, 1))) < 128  # a one-token rank pads less than a block
 
 
