@@ -456,9 +456,9 @@ def attend_flash(
   row_t = jnp.arange(bq * G) // G  # query index inside the block, per row
   # The keys that exist: S, or fewer where the caller's are padded (key_end, maybe traced).
   num_keys = S if key_end is None else jnp.minimum(key_end, S)
-  # Each query row's key end: the first rows' own, or num_keys.
-  split_row, first_rows_end = (0, num_keys) if first_rows_key_end is None else first_rows_key_end
-  first_rows_end = jnp.minimum(first_rows_end, num_keys)
+  if first_rows_key_end is not None:  # each query row's key end: the first rows' own, or S'
+    split_row, first_rows_end = first_rows_key_end
+    first_rows_end = jnp.minimum(first_rows_end, num_keys)
 
   # float32 queries are scaled once (one multiply per query, not per score); lower precision
   # ones score first and scale in float32: q * scale rounded to bfloat16 moves a score of 30 by
@@ -472,11 +472,13 @@ def attend_flash(
     first_q = query_offset + i * bq  # position of the block's first query
     last_q = first_q + bq - 1
     anchor = window_anchor(first_q, window)  # key blocks are counted from it
-    # Each row's key end, and the most and the fewest of the block's (first_rows_end is at
-    # most num_keys): a block of first rows only, of other rows only, or of both.
-    row_key_end = jnp.where(i * bq + row_t < split_row, first_rows_end, num_keys)[:, None]
-    most_keys = jnp.where(i * bq + bq <= split_row, first_rows_end, num_keys)
-    fewest_keys = jnp.where(i * bq < split_row, first_rows_end, num_keys)
+    row_key_end = most_keys = fewest_keys = num_keys
+    if first_rows_key_end is not None:
+      # Each row's key end, and the most and the fewest of the block's (first_rows_end is at
+      # most num_keys): a block of first rows only, of other rows only, or of both.
+      row_key_end = jnp.where(i * bq + row_t < split_row, first_rows_end, num_keys)[:, None]
+      most_keys = jnp.where(i * bq + bq <= split_row, first_rows_end, num_keys)
+      fewest_keys = jnp.where(i * bq < split_row, first_rows_end, num_keys)
     lo, full_lo, full_hi, hi = key_block_bounds(
       first_q - anchor, last_q - anchor, bk, nk, most_keys - anchor, window, fewest_keys - anchor
     )
