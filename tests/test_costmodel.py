@@ -365,6 +365,53 @@ def test_search_finds_the_brute_force_optimum(model, C, p, links):
   assert objective(found) == pytest.approx(best_value, rel=1e-12), (found, best_chunks)
 
 
+def _noisy_compare(objective, noise: float, calls: list):
+  """A compare whose measurements tell two points apart only when their values differ by
+  more than `noise` (what an interval verdict does with samples of that spread)."""
+
+  def compare(best, candidates):
+    calls.append((best, list(candidates)))
+    verdicts = []
+    for chunks in candidates:
+      gap = objective(chunks) - objective(best)
+      verdict = "ahead" if gap < -noise else "behind" if gap > noise else "tie"
+      verdicts.append((verdict, objective(chunks)))
+    return verdicts
+
+  return compare
+
+
+def test_the_descent_halves_its_step_only_past_points_shown_slower():
+  """No noise, the minimum at 700 of 1024 on two ranks, steps of 256 down to 16: worked by
+  hand, the descent moves 512 -> 768 (shown faster), has no new neighbour there (1024 leaves
+  rank 1 nothing, 512 was left), halves to 640, 704 and, both neighbours of 704 shown slower
+  at 32 and at 16, ends at 704: the grid point nearest 700. Five comparisons."""
+  calls = []
+  compare = _noisy_compare(lambda chunks: abs(chunks[0] - 700), 0.0, calls)
+  found = search.descend_by_comparison(compare, 1024, 2, multiple=16)
+  assert found == (704, 320)
+  assert [best for best, _ in calls] == [(512, 512), (768, 256), (640, 384), (704, 320), (704, 320)]
+  assert calls[-1][1] == [(688, 336), (720, 304)]
+
+
+def test_the_descent_ends_where_the_measurements_cannot_tell_neighbours_apart():
+  """The same minimum, measurements that cannot tell 50 apart: 768 is shown faster than 512
+  (68 against 188), but 640 (60) ties with 768, so no smaller step is tried: it would move the
+  time less than the measurements can see. Two comparisons, where search_partition's grid on
+  the same values takes every step size down to 16."""
+  calls = []
+  compare = _noisy_compare(lambda chunks: abs(chunks[0] - 700), 50.0, calls)
+  assert search.descend_by_comparison(compare, 1024, 2, multiple=16) == (768, 256)
+  assert len(calls) == 2
+  # A start is taken as given (the modelled split), and a cap bounds every neighbour.
+  calls.clear()
+  found = search.descend_by_comparison(
+    compare, 1024, 3, multiple=16, start=(500, 300, 224), max_chunk=512, first_step=64
+  )
+  assert calls[0][0] == (496, 304, 224)
+  assert all(max(c) <= 512 for _, candidates in calls for c in candidates) and max(found) <= 512
+
+
 def test_the_search_takes_improvements_as_it_meets_them():
   """16 ranks, a 10 GB/s link: the modelled best drains rank after rank to a few tokens, a
   long walk from the balanced start. Taking each improving transfer as the sweep meets it,

@@ -301,14 +301,14 @@ def test_cost_model_partitions_run_and_match_single(models, prompts, oracle, met
 
 
 def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
-  """objective='measured' times real prefills; an interrupted search resumes from its file."""
-  from kvr_jax.tools import measured as search
-  from kvr_jax.tools import timing as inference
+  """objective='measured' times real prefills, the best and its neighbours interleaved; an
+  interrupted search resumes from its file and decides as before."""
+  from kvr_jax.tools import timing
 
   model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
   tokens = np.random.RandomState(3).randint(0, 512, (1, 64))
   cache = str(tmp_path / "measured.json")
-  real_prefill = inference.run_prefill
+  real_prefill = timing.run_prefill
   calls = {"n": 0, "limit": None}
 
   def counting_prefill(*args, **kwargs):
@@ -318,57 +318,78 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
     return real_prefill(*args, **kwargs)
 
   def search_with_cache():
-    return search.measured_search(
-      model,
-      tokens,
-      mesh,
-      multiple=16,
-      repeats=1,
-      cache_path=cache,
-      show_progress=False,
-      verify_top=0,
+    return measured.measured_search(
+      model, tokens, mesh, multiple=8, repeats=1, cache_path=cache, show_progress=False
     )
 
-  monkeypatch.setattr(inference, "run_prefill", counting_prefill)
-  # One partition measured (warm-up + 1 run), then "Ctrl-C" in the second (every search
-  # measures at least two: the even split and a transfer from it).
-  calls["limit"] = 3
+  def stored_batches():
+    with open(cache) as f:
+      return json.load(f)["batches"]
+
+  monkeypatch.setattr(timing, "run_prefill", counting_prefill)
+  # The first batch (the even split and its two neighbours: a first call and one timed run
+  # each) is written, then "Ctrl-C" in the second (at 16 tokens every neighbour is shown
+  # faster or slower by one sample each, so a second comparison follows, at 16 or at 8).
+  calls["limit"] = 7
   with pytest.raises(KeyboardInterrupt):
     search_with_cache()
-  with open(cache) as f:
-    assert len(__import__("json").load(f)["results"]) == 1
+  (first,) = stored_batches()
+  assert first == "32,32;16,48;48,16"
   calls.update(n=0, limit=None)
   chunks = search_with_cache()
-  with open(cache) as f:
-    measured = len(__import__("json").load(f)["results"])
-  assert calls["n"] == 2 * (measured - 1)  # the first was not measured again
-  assert sum(chunks) == 64 and chunks[0] % 16 == 0
+  later = [key for key in stored_batches() if key != first]
+  assert later and calls["n"] == sum(2 * len(key.split(";")) for key in later)
+  assert sum(chunks) == 64 and chunks[0] % 8 == 0
   calls["n"] = 0
   assert search_with_cache() == chunks
   assert calls["n"] == 0  # fully resumed
   other = np.random.RandomState(3).randint(0, 512, (2, 64))
   with pytest.raises(ValueError, match="another setup"):
-    search.measured_search(model, other, mesh, cache_path=cache, show_progress=False, verify_top=0)
-  with open(cache) as f:
-    assert {"dtype": "float32", "kernel": "flash"}.items() <= json.load(f)["setup"].items()
-  # Another process's result written meanwhile is kept when this one writes (merged).
+    measured.measured_search(model, other, mesh, cache_path=cache, show_progress=False)
   with open(cache) as f:
     stored = json.load(f)
-  stored["results"]["63,1"] = 9.0  # slow: never the answer
+  assert {"dtype": "float32", "kernel": "flash"}.items() <= stored["setup"].items()
+  # Another process's batch written meanwhile is kept when this one writes (merged).
+  stored["batches"]["56,8;40,24"] = {"56,8": [9.0], "40,24": [9.5]}
   with open(cache, "w") as f:
     json.dump(stored, f)
-  coarse = search.measured_search(
+  measured.measured_search(
     model, tokens, mesh, multiple=32, repeats=1, cache_path=cache, show_progress=False
   )
-  assert coarse[0] % 32 == 0  # not a finer split the file holds from the multiple=16 search
-  with open(cache) as f:
-    assert json.load(f)["results"]["63,1"] == 9.0
-  # Valid JSON with bad values: one clear error naming the file.
-  for bad in ([1, 2], {"setup": stored["setup"], "results": {"40,20": 0.1}}):
+  assert stored_batches()["56,8;40,24"] == {"56,8": [9.0], "40,24": [9.5]}
+  # Valid JSON with bad values, or the older search's medians: one clear error naming the file.
+  for bad, says in (
+    ([1, 2], "not a measured-search cache"),
+    ({"setup": stored["setup"], "batches": {"40,24;48,16": {"40,24": [0.1]}}}, "bad batch"),
+    ({"setup": stored["setup"], "batches": {"40,20": {"40,20": [0.1]}}}, "bad batch"),
+    ({"setup": stored["setup"], "batches": {"40,24": {"40,24": [-1.0]}}}, "bad batch"),
+    ({"setup": stored["setup"], "results": {"40,24": 0.1}}, "older measured search"),
+  ):
     with open(cache, "w") as f:
       json.dump(bad, f)
-    with pytest.raises(ValueError, match=f"{cache}: (not a measured-search cache|bad entry)"):
+    with pytest.raises(ValueError, match=f"{cache}.*{says}"):
       search_with_cache()
+
+
+def test_measured_comparison_times_the_best_with_each_batch(models, monkeypatch):
+  """Candidates are timed with the best, at most BATCH of them a batch (every batch re-times
+  the best: a verdict compares samples of one interleaved run), and a candidate is "ahead"
+  only where its samples all beat the best's."""
+  model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
+  batches = []
+
+  def fake_time_together(model, tokens, mesh, partitions, repeats):
+    batches.append(partitions)
+    return {",".join(map(str, c)): [float(c[0]), float(c[0]) + 2.5] for c in partitions}
+
+  monkeypatch.setattr(measured, "_time_together", fake_time_together)
+  compare = measured.measured_comparison(model, np.zeros((1, 64), np.int32), mesh, repeats=2)
+  best = (30, 34)
+  candidates = [(20, 44), (28, 36), (32, 32), (40, 24), (10, 54), (34, 30)]
+  verdicts = compare(best, candidates)
+  assert batches == [[best, *candidates[:4]], [best, *candidates[4:]]]
+  assert [v for v, _ in verdicts] == ["ahead", "tie", "tie", "behind", "ahead", "behind"]
+  assert [m for _, m in verdicts] == [c[0] + 1.25 for c in candidates]
 
 
 @pytest.mark.parametrize("strategy,p,partition", [("single", 1, None), ("kvr", 3, [150, 60, 90])])
@@ -385,31 +406,6 @@ def test_blocked_attention_matches_dense(models, strategy, p, partition):
     kvr_jax.prefill(model, tokens, strategy="tsp", attention="blocked")
   with pytest.raises(ValueError, match="unknown attention"):
     kvr_jax.prefill(model, tokens, attention="sparse")
-
-
-def test_measured_search_verifies_its_best_candidates(models, tmp_path):
-  """The answer is one of the two best partitions the search measured, measured again."""
-  import json
-
-  from kvr_jax.tools import measured as search
-
-  model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
-  tokens = np.random.RandomState(4).randint(0, 512, (1, 64))
-  cache = tmp_path / "m.json"
-  verified = search.measured_search(
-    model,
-    tokens,
-    mesh,
-    multiple=16,
-    repeats=1,
-    cache_path=str(cache),
-    show_progress=False,
-    verify_top=2,
-  )
-  results = json.loads(cache.read_text())["results"]
-  top_two = sorted(results, key=results.get)[:2]
-  assert len(results) >= 2
-  assert ",".join(map(str, verified)) in top_two
 
 
 def test_fitted_hardware_drives_an_exact_search(models, prompts, oracle):

@@ -5,6 +5,9 @@ search    hierarchical grid search over the p-1 chunk boundaries: moves of a coa
           offline over measured TTFT). The objective is any function of the chunks: the
           modelled TTFT here (seconds to run), or the measured TTFT on a mesh
           (kvr_jax.tools.measured, which sits above prefill because it runs prefills).
+descend   the same grid over an objective that can only be compared within its noise
+          (measured TTFT): moves only to what the measurements show faster, and ends where
+          they cannot tell the best from its neighbours.
 balanced  no search: chunk sizes that equalise every rank's modelled per-layer compute
           time (c_i tokens of projections and MLP, c_i x S_i attention), so that all ranks
           would finish together if communication were free.
@@ -97,6 +100,75 @@ def _sweep_transfers(cost, best: tuple[int, ...], delta: int, cap: int, smallest
         if cost(tuple(moved)) >= cost(best):
           break
         best, improved = tuple(moved), True
+  return best
+
+
+# What a noisy objective's comparison says of a candidate against the best point: shown
+# faster ("ahead": the measurements separate them), "tie" or shown slower ("behind"), and the
+# candidate's typical value (its median), which ranks the ones shown faster.
+Verdict = tuple[str, float]
+Compare = Callable[[tuple[int, ...], list[tuple[int, ...]]], list[Verdict]]
+
+
+def descend_by_comparison(
+  compare: Compare,
+  context_len: int,
+  num_ranks: int,
+  *,
+  multiple: int = 1,
+  start: Sequence[int] | None = None,
+  max_chunk: int | None = None,
+  first_step: int | None = None,
+) -> tuple[int, ...]:
+  """KVR-S over an objective that can only be compared, within its noise (measured TTFT):
+  `compare(best, candidates)` times them together and says which are shown faster than best.
+
+  From `start` (default: the even split), every round offers each transfer of `step` tokens
+  from one chunk to another (the neighbours of `search_partition`'s grid) and moves to the
+  fastest one shown faster. When none is:
+    - every neighbour shown slower: the best lies within one step of the minimum, so the
+      step halves (down to one `multiple`);
+    - some neighbour ties: the measurements cannot tell the best from a point one step away,
+      and a smaller step moves the time less: the search ends there.
+  Why not `search_partition` on medians: it takes a move on any lower median, and at 8k on
+  two processes neighbouring splits differ by less than the runs' spread, so it refined
+  three step sizes and re-measured its top three (119 s) to return a split that tied the
+  modelled start."""
+  check_multiple(context_len, num_ranks, multiple)
+  p = num_ranks
+  cap = context_len if max_chunk is None else max_chunk
+  best = round_to_multiple(even_partition(context_len, p), context_len, multiple)
+  if start is not None and max(round_to_multiple(start, context_len, multiple)) <= cap:
+    best = round_to_multiple(start, context_len, multiple)
+  if p == 1:
+    return best
+  smallest = [multiple] * (p - 1) + [1]  # the last chunk only needs one token
+  first = context_len // (2 * p) if first_step is None else first_step
+  units = max(first // multiple, 1)
+  step = (1 << (units.bit_length() - 1)) * multiple
+  left = set()  # points moved away from are not offered again (noise cannot make a cycle)
+  while step >= multiple:
+    neighbours = []
+    for donor, taker in itertools.permutations(range(p), 2):
+      if best[donor] - step >= smallest[donor] and best[taker] + step <= cap:
+        moved = list(best)
+        moved[donor] -= step
+        moved[taker] += step
+        if tuple(moved) not in left:
+          neighbours.append(tuple(moved))
+    if not neighbours:
+      step //= 2
+      continue
+    verdicts = compare(best, neighbours)
+    shown = zip(verdicts, neighbours, strict=True)
+    faster = [(median, n) for (verdict, median), n in shown if verdict == "ahead"]
+    if faster:
+      left.add(best)
+      best = min(faster)[1]
+    elif all(verdict == "behind" for verdict, _ in verdicts):
+      step //= 2
+    else:
+      break
   return best
 
 

@@ -32,11 +32,11 @@ from kvr_jax.core.chunks import chunk_starts, even_partition, prefix_ends
 from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.planning.partition import PartitionPlan
-from kvr_jax.planning.search import Objective, search_partition
+from kvr_jax.planning.search import Compare, descend_by_comparison
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh
 from kvr_jax.strategies import get_strategy
-from kvr_jax.tools.timing import time_prefill
+from kvr_jax.tools.timing import interval_verdict, time_interleaved
 from models.kernels import get_kernel, kernels_where
 from models.layers import attend_static, window_start
 
@@ -47,9 +47,30 @@ MAX_REMEMBERED = 16
 _ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _partitions(key: str, context_len: int) -> list[tuple[int, ...]] | None:
+  """The partitions a batch key names ("a,b;c,d": the best first), or None if it names
+  anything but partitions of `context_len` into positive chunks."""
+  try:
+    partitions = [tuple(int(c) for c in part.split(",")) for part in key.split(";")]
+  except ValueError:
+    return None
+  if any(not chunks or min(chunks) < 1 or sum(chunks) != context_len for chunks in partitions):
+    return None
+  return partitions
+
+
+def _valid_samples(samples) -> bool:
+  return (
+    isinstance(samples, list)
+    and bool(samples)
+    and all(isinstance(s, (int, float)) and np.isfinite(s) and s > 0 for s in samples)
+  )
+
+
 def _read_measured_cache(cache_path: str | None, setup: dict, context_len: int) -> dict:
-  """The results a measured-search cache holds for `setup`, checked: {} when there is none;
-  ValueError (one line, naming the file) when it is corrupt or of another setup."""
+  """The batches a measured-search cache holds for `setup`, checked: {} when there is none;
+  ValueError (one line, naming the file) when it is corrupt, of another setup, or of the
+  older search (one median per partition)."""
   if not cache_path or not os.path.exists(cache_path):
     return {}
   try:
@@ -57,44 +78,94 @@ def _read_measured_cache(cache_path: str | None, setup: dict, context_len: int) 
       stored = json.load(f)
   except (OSError, json.JSONDecodeError) as e:
     raise ValueError(f"{cache_path}: unreadable measured-search cache ({e}); delete it") from None
-  if not isinstance(stored, dict) or not isinstance(stored.get("results"), dict):
-    raise ValueError(f"{cache_path}: not a measured-search cache (no results object); delete it")
+  if isinstance(stored, dict) and "results" in stored and "batches" not in stored:
+    raise ValueError(
+      f"{cache_path} holds the older measured search's medians (one per partition), not "
+      "interleaved batches of samples; delete it or use another cache path"
+    )
+  if not isinstance(stored, dict) or not isinstance(stored.get("batches"), dict):
+    raise ValueError(f"{cache_path}: not a measured-search cache (no batches object); delete it")
   if stored.get("setup") != json.loads(json.dumps(setup)):
     raise ValueError(
       f"{cache_path} holds measurements of another setup (model, prompt shape "
       "or devices); use another cache path"
     )
-  for key, seconds in stored["results"].items():
-    try:
-      chunks = [int(c) for c in key.split(",")]
-    except ValueError:
-      chunks = []
-    valid_time = isinstance(seconds, (int, float)) and np.isfinite(seconds) and seconds > 0
-    if not chunks or min(chunks) < 1 or sum(chunks) != context_len or not valid_time:
+  for key, batch in stored["batches"].items():
+    partitions = _partitions(key, context_len)
+    names = None if partitions is None else [",".join(map(str, c)) for c in partitions]
+    if (
+      names is None
+      or not isinstance(batch, dict)
+      or sorted(batch) != sorted(names)
+      or not all(_valid_samples(batch[name]) for name in names)
+    ):
       raise ValueError(
-        f"{cache_path}: bad entry {key!r}: {seconds!r} (chunks summing to {context_len}, "
-        "a positive time); delete the file"
+        f"{cache_path}: bad batch {key!r} (partitions summing to {context_len}, each with "
+        "positive times); delete the file"
       )
-  return dict(stored["results"])
+  return dict(stored["batches"])
 
 
-def measured_objective(
-  model, tokens, mesh, *, repeats: int = 3, cache_path: str | None = None
-) -> Objective:
-  """Measured KVR TTFT of a partition on `mesh` (median of `repeats` warm runs, seconds).
+# Candidates timed with the best in one interleaved batch, at most: each keeps its latest
+# result (a whole KV cache) while the batch runs.
+BATCH = 4
 
-  Every result is appended to `cache_path` (JSON) as soon as it is measured, so an interrupted
-  search resumes where it stopped. The file records what was measured (model, shape, devices)
-  and is refused if it belongs to another setup.
+
+def measured_comparison(
+  model, tokens, mesh, *, repeats: int = 3, cache_path: str | None = None, progress=None
+) -> Compare:
+  """`descend_by_comparison`'s compare on `mesh`: the best and its candidates timed together,
+  `repeats` interleaved rounds (`time_interleaved`: a drift of the machine's speed hits them
+  alike), at most BATCH candidates a batch; a candidate is "ahead" of the best only where
+  their min-max intervals separate (`interval_verdict`).
+
+  Every batch's samples are written to `cache_path` (JSON) as soon as they are measured, so
+  an interrupted search resumes where it stopped, making the same decisions. The file records
+  what was measured (model, shape, devices) and is refused if it belongs to another setup.
+  progress(n): called with the number of partitions timed so far.
   """
   tokens = np.asarray(tokens)
+  setup = _measured_setup(model, tokens, mesh)
+  batches: dict[str, dict] = _read_measured_cache(cache_path, setup, tokens.shape[-1])
+  timed = [0]
+
+  def time_batch(partitions: list[tuple[int, ...]]) -> dict[str, list[float]]:
+    key = ";".join(",".join(map(str, c)) for c in partitions)
+    if key not in batches:
+      batches[key] = _time_together(model, tokens, mesh, partitions, repeats)
+      if cache_path and jax.process_index() == jax.process_count() - 1:
+        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+        # Another search may share the file: keep what it wrote meanwhile, then add ours.
+        merged = _read_measured_cache(cache_path, setup, tokens.shape[-1])
+        merged.update(batches)
+        resources.write_json_atomically(cache_path, {"setup": setup, "batches": merged})
+    timed[0] += len(partitions)
+    if progress is not None:
+      progress(timed[0])
+    return batches[key]
+
+  def compare(best: tuple[int, ...], candidates: list[tuple[int, ...]]) -> list:
+    verdicts = []
+    for first in range(0, len(candidates), BATCH):
+      batch = [best, *candidates[first : first + BATCH]]
+      samples = time_batch(batch)
+      best_s = samples[",".join(map(str, best))]
+      for chunks in batch[1:]:
+        chunk_s = samples[",".join(map(str, chunks))]
+        verdicts.append((interval_verdict(chunk_s, best_s), statistics.median(chunk_s)))
+    return verdicts
+
+  return compare
+
+
+def _measured_setup(model, tokens, mesh) -> dict:
+  """Everything that changes a measured time, which keys the file: what runs (model, weights'
+  dtype, the kernel the prefills resolve to, the prompt's shape) and where (devices, kind)."""
   first_device = mesh.devices.reshape(-1)[0]
-  # Everything that changes a measured time keys the file: what runs (model, weights' dtype,
-  # the kernel the prefills resolve to, the prompt's shape) and where (devices, their kind).
   kernel = get_strategy("kvr").resolve_attention(
     None, first_device, model.dtype, model.config.narrowest_window
   )
-  setup = {
+  return {
     "model": model.source,
     "config": model.config.to_dict(),
     "dtype": jnp.dtype(model.dtype).name,
@@ -104,35 +175,22 @@ def measured_objective(
     "devices": [str(d) for d in mesh.devices.reshape(-1)],
     "device_kind": first_device.device_kind,
   }
-  results: dict[str, float] = _read_measured_cache(cache_path, setup, tokens.shape[-1])
 
-  def measure(chunks: tuple[int, ...], times_to_run: int) -> float:
-    """Median of `times_to_run` warm runs; the same value in every process."""
-    elapsed = time_prefill(
-      model, tokens, times_to_run, strategy="kvr", mesh=mesh, partition=list(chunks)
-    ).median_s
-    if jax.process_count() > 1:
-      # The last rank's process sees the true TTFT; every process must take the same value
-      # or their searches (and so their compiled programs) would diverge.
-      last = jax.process_index() == jax.process_count() - 1
-      elapsed = float(multihost_utils.broadcast_one_to_all(np.float64(elapsed), is_source=last))
-    return elapsed
 
-  def objective(chunks: tuple[int, ...]) -> float:
-    key = ",".join(map(str, chunks))
-    if key not in results:
-      results[key] = measure(chunks, repeats)
-      if cache_path and jax.process_index() == jax.process_count() - 1:
-        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-        # Another search may share the file: keep what it wrote meanwhile, then add ours.
-        merged = _read_measured_cache(cache_path, setup, tokens.shape[-1])
-        merged.update(results)
-        resources.write_json_atomically(cache_path, {"setup": setup, "results": merged})
-    return results[key]
-
-  objective.results = results  # for the final check in measured_search
-  objective.measure = measure
-  return objective
+def _time_together(model, tokens, mesh, partitions, repeats: int) -> dict[str, list[float]]:
+  """Each partition's warm KVR TTFTs, `repeats` interleaved rounds; the same samples in every
+  process (the last rank's process sees the true TTFT, and every process must decide alike or
+  their searches, and so their compiled programs, would diverge)."""
+  variants = {
+    ",".join(map(str, chunks)): {"strategy": "kvr", "mesh": mesh, "partition": list(chunks)}
+    for chunks in partitions
+  }
+  timings = time_interleaved(model, tokens, variants, repeats)
+  samples = np.array([timings[name].runs_s for name in variants], np.float64)
+  if jax.process_count() > 1:
+    last = jax.process_index() == jax.process_count() - 1
+    samples = np.asarray(multihost_utils.broadcast_one_to_all(samples, is_source=last))
+  return {name: [float(s) for s in row] for name, row in zip(variants, samples, strict=True)}
 
 
 def measured_search(
@@ -145,47 +203,38 @@ def measured_search(
   cache_path: str | None = None,
   start: Sequence[int] | None = None,
   show_progress: bool = True,
-  verify_top: int = 3,
   max_chunk: int | None = None,
   first_step: int | None = None,
 ) -> tuple[int, ...]:
-  """KVR-S over measured TTFT on the actual mesh, with a progress bar; resumable from disk.
-  start, first_step: where the grid starts and its first step (`search_partition`).
-
-  Measurements are noisy and XLA's times depend on shapes unevenly, so the `verify_top` best
-  partitions seen are measured again with twice the repeats and the fastest is returned.
-  """
+  """KVR-S over measured TTFT on the actual mesh (`descend_by_comparison` with
+  `measured_comparison`), with a progress bar; resumable from disk. start, first_step: where
+  the grid starts and its first step. The answer is a split no neighbour was shown faster
+  than, at the finest step the measurements could still tell apart."""
   p = check_mesh(mesh)
   context_len = int(tokens.shape[-1])
-  objective = measured_objective(model, tokens, mesh, repeats=repeats, cache_path=cache_path)
   bar = tqdm(
     desc=f"measured KVR-S (C={context_len}, p={p})", unit=" partitions", disable=not show_progress
   )
+  compare = measured_comparison(
+    model,
+    tokens,
+    mesh,
+    repeats=repeats,
+    cache_path=cache_path,
+    progress=lambda n: bar.update(n - bar.n),
+  )
   try:
-    best = search_partition(
-      objective,
+    return descend_by_comparison(
+      compare,
       context_len,
       p,
       multiple=multiple,
       start=start,
-      progress=lambda n: bar.update(n - bar.n),
       max_chunk=max_chunk,
       first_step=first_step,
     )
   finally:
     bar.close()
-  ranked = sorted(objective.results.items(), key=lambda item: (item[1], item[0]))
-  candidates = [tuple(int(c) for c in key.split(",")) for key, _ in ranked]
-  # The cache file may hold partitions of another search (another cap, another multiple):
-  # only those this search could have chosen.
-  candidates = [
-    c
-    for c in candidates
-    if (max_chunk is None or max(c) <= max_chunk) and all(x % multiple == 0 for x in c[:-1])
-  ][:verify_top]
-  if len(candidates) > 1:
-    best = min(candidates, key=lambda chunks: objective.measure(chunks, 2 * repeats))
-  return best
 
 
 def measured_partition(model: Model, tokens, mesh, plan: PartitionPlan | None = None):
