@@ -186,6 +186,7 @@ def test_run_with_a_text_prompt(tmp_path):
   flags = [
     f"--model={tmp_path}",
     "--num_devices=2",
+    "--strategy=single,kvr",  # the oracle and one partitioned strategy: the prompt is the point
     "--repeats=1",
     "--max_new_tokens=2",
     "--prompt=w5 w6 w7 w8 w9 w10 w11 w12",
