@@ -47,8 +47,11 @@ def oracle(models, prompts):
   }
 
 
-def check(models, prompts, oracle, name, strategy, p, key):
-  got = kvr_jax.prefill(models[name], prompts[key], strategy=strategy, mesh=kvr_jax.make_mesh(p))
+def check(models, prompts, oracle, name, strategy, p, key, attention=None):
+  mesh = kvr_jax.make_mesh(p)
+  got = kvr_jax.prefill(
+    models[name], prompts[key], strategy=strategy, mesh=mesh, attention=attention
+  )
   want = oracle[(name, key)]
   assert_close(got.logits, want.logits, "logits")
   assert_close(got.k_cache, want.k_cache, "K cache")
@@ -74,6 +77,31 @@ def test_peer_matches_single_gqa(models, prompts, oracle, strategy, p, key):
 @pytest.mark.parametrize("p", [3, 8])
 def test_peer_matches_single_mqa(models, prompts, oracle, strategy, p):
   check(models, prompts, oracle, "mqa", strategy, p, (37, 2))
+
+
+@pytest.mark.parametrize("strategy", PEERS)
+@pytest.mark.parametrize(
+  "name,p,key", [("gqa", 3, (13, 1)), ("gqa", 4, (37, 2)), ("mqa", 3, (37, 2))]
+)
+def test_peer_two_piece_kernel_matches_single(models, prompts, oracle, strategy, name, p, key):
+  """The peers in the two-piece kernel's pieces (each a whole block in the past or a causal
+  diagonal, static offsets: what cuDNN runs on GPUs; "fused" is the same pieces in XLA):
+  exact on padded prompts, batches and both head layouts."""
+  check(models, prompts, oracle, name, strategy, p, key, attention="fused")
+
+
+def test_peers_refuse_what_the_two_piece_kernels_cannot_run():
+  """cuDNN is refused off NVIDIA GPUs, and a sliding window by the two-piece kernels, each
+  in one line before anything compiles."""
+  mistral = kvr_jax.load_model("tiny-mistral")
+  tokens = np.zeros((1, 16), np.int32)
+  for strategy in PEERS:
+    with pytest.raises(ValueError, match="cudnn.*gpu"):
+      kvr_jax.prefill(
+        kvr_jax.load_model("tiny-llama"), tokens, strategy=strategy, attention="cudnn"
+      )
+    with pytest.raises(ValueError, match="window.*'fused' does not take"):
+      kvr_jax.prefill(mistral, tokens, strategy=strategy, attention="fused")
 
 
 @pytest.mark.parametrize("strategy", PEERS)

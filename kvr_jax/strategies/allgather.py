@@ -4,7 +4,10 @@ Zigzag layout (kvr_jax.strategies.zigzag): rank r holds chunks r and 2p-1-r. Per
 rank projects its 2c tokens, one tiled `all_gather` of K,V (own KV heads, a barrier) gives
 every rank the whole prompt's K,V, which is put in prompt order, and each rank attends its two
 chunks causally with the flash kernel (key blocks past a chunk's last query are never
-visited, so both chunks together cost the same on every rank). The gathered K,V live one
+visited, so both chunks together cost the same on every rank). The two-piece kernels (fused;
+cudnn on GPUs), which take static offsets only, attend the gathered K,V in ring's pieces
+instead (`zigzag.zigzag_attention`): per source rank, whole c x c blocks in the past or a
+causal diagonal. The gathered K,V live one
 layer; each rank outputs only its own two chunks' K,V (see kvr_jax.inference.kv_cache).
 """
 
@@ -22,6 +25,7 @@ from kvr_jax.strategies.base import (
 )
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.roofline import Collective, Compute, ModelledLayer, phase_work, work_kwargs
+from models.kernels import get_kernel
 
 
 def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
@@ -35,6 +39,15 @@ def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
     # [2, B, 2pc, K, H]: every rank's two chunks, in rank order, then in prompt order
     kv = jax.lax.all_gather(own_2B2cKH, AXIS, axis=2, tiled=True)
     kv = mark(timeline, "allgather", l, kv)
+    if not get_kernel(attention).lengths_as_data:
+      # A two-piece kernel (fused, cudnn) takes static offsets: ring's pieces (whole blocks
+      # and causal diagonals), each source rank's K,V sliced from the gathered ones.
+      def gathered(_, step):
+        src = (rank - step) % p
+        return jax.lax.dynamic_slice_in_dim(kv, src * 2 * c, 2 * c, axis=2)
+
+      window = block.config.sliding_window
+      return zigzag.zigzag_attention(q_B2cNH, own_2B2cKH, rank, c, p, window, attention, gathered)
     kv = zigzag.in_prompt_order(kv, zigzag.padded_len(context_len, p), p, axis=2)
     outs = []
     for half, chunk in enumerate((rank, 2 * p - 1 - rank)):
@@ -71,9 +84,10 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 STRATEGY = Strategy(
   name="allgather",
   description="all-gather context parallelism: zigzag chunks, one all_gather of K,V per layer",
-  attention_kinds=("flash", "dense"),
+  attention_kinds=("flash", "dense", "fused", "cudnn"),
   compile=compile_program,
   modelled_layer=modelled_layer,
   **zigzag.PEER_FIELDS,
-  attention_note="its chunks attend at a rank-dependent offset (flash or dense)",
+  attention_note="its chunks attend at a rank-dependent offset (flash, dense) or in ring's "
+  "pieces (fused, cudnn)",
 )

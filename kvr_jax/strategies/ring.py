@@ -4,8 +4,8 @@ Zigzag layout (kvr_jax.strategies.zigzag): rank r holds chunks r and 2p-1-r of c
 layer every rank projects its 2c tokens, then p steps: at step s it holds the K,V of rank
 src = (r - s) mod p (both of src's chunks, own KV heads) and, before attending to them,
 already sends them on to rank r+1 (one `ppermute` around the ring per step, p-1 in all), so
-that XLA can overlap the transfer with the attention. Each step's attention is a flash
-partial (output, log-sum-exp) merged exactly into the running result:
+that XLA can overlap the transfer with the attention. Each step's attention is a partial
+(output, log-sum-exp) merged exactly into the running result (`zigzag.zigzag_attention`):
 
   step 0      own K,V: chunk r causal for the first chunk; the second chunk sees chunk r
               in its past and its own chunk causally.
@@ -13,9 +13,10 @@ partial (output, log-sum-exp) merged exactly into the running result:
   src > r     only the second query chunk sees anything, and sees both of src's chunks whole.
 
 Both cases are two c x c blocks wholly in the past: the same work on every rank and step (the
-point of zigzag). Each partial is a flash call at the relative offset of its query and key
-chunks, so a sliding window masks (and skips) by true positions; the ring still passes
-every rank's K,V, whatever the window.
+point of zigzag). With flash each partial is a call at the relative offset of its query and
+key chunks, so a sliding window masks (and skips) by true positions; the ring still passes
+every rank's K,V, whatever the window. With the two-piece kernels (fused, cudnn: no window)
+each piece is a whole block or a causal diagonal, known statically.
 
 Each rank outputs only its own two chunks' K,V ([L, 2, B, 2c, K, H]); the parts are brought
 onto the last rank in prompt order after the program (cache="last") or stay where they are
@@ -24,10 +25,7 @@ onto the last rank in prompt order after the program (cache="last") or stay wher
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
@@ -36,18 +34,7 @@ from kvr_jax.strategies.base import (
   refuse,
   strategy_compiler,
 )
-from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.roofline import Compute, ModelledLayer, Work, phase_work, work_kwargs
-from models import layers
-
-
-def chunk_partial(q_BcNH, query_chunk, kv, key_half, key_chunk, *, c, attention, window):
-  """Flash partial of one c-token query chunk over one key chunk (half `key_half` of a rank's
-  [2, B, 2c, K, H] K,V), at their relative offset: (out, lse)."""
-  k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
-  # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
-  # step against the other strategies.
-  return layers.attend_partial(q_BcNH, k, v, (query_chunk - key_chunk) * c, attention, window)
 
 
 def ring_attention(
@@ -61,54 +48,19 @@ def ring_attention(
   layer=-1,
   attention="flash",
 ):
-  """Rank's two query chunks against every rank's K,V, passed around the ring.
-
-  kv_own: [2, B, 2c, K, H], this rank's K and V. Every partial is a flash call over one
-  c-token key chunk at the relative offset (query chunk start - key chunk start), so
-  causality and a sliding window come from positions alone; a chunk wholly in the past is
-  an offset >= c (seen whole, or up to the window). Returns [B, 2c, N, H] in q's dtype.
-  """
-  first_query_chunk, second_query_chunk = rank, 2 * p - 1 - rank  # chunk indices
-  q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
-  partial = functools.partial(chunk_partial, c=c, attention=attention, window=window)
-
-  # Step 0, own K,V: each query chunk causally over itself; the second also over the first,
-  # which lies wholly in its past.
-  out_first, lse_first = partial(q_first, first_query_chunk, kv_own, 0, first_query_chunk)
-  out_second, lse_second = layers.merge_partials(
-    *partial(q_second, second_query_chunk, kv_own, 0, first_query_chunk),
-    *partial(q_second, second_query_chunk, kv_own, 1, second_query_chunk),
-  )
-  out = jnp.concatenate([out_first.astype(jnp.float32), out_second], axis=1)
-  lse = jnp.concatenate([lse_first, lse_second], axis=1)
-
-  def earlier_rank(kv, src):  # src < r: both query chunks see src's first chunk only
-    out_a, lse_a = partial(q_first, first_query_chunk, kv, 0, src)
-    out_b, lse_b = partial(q_second, second_query_chunk, kv, 0, src)
-    return jnp.concatenate([out_a, out_b], axis=1), jnp.concatenate([lse_a, lse_b], axis=1)
-
-  def later_rank(kv, src):  # src > r: only the second query chunk sees anything, both chunks
-    out_b, lse_b = layers.merge_partials(
-      *partial(q_second, second_query_chunk, kv, 0, src),
-      *partial(q_second, second_query_chunk, kv, 1, 2 * p - 1 - src),
-    )
-    nothing = jnp.zeros_like(out_b), jnp.full_like(lse_b, -jnp.inf)
-    return (
-      jnp.concatenate([nothing[0], out_b], axis=1),
-      jnp.concatenate([nothing[1], lse_b], axis=1),
-    )
-
+  """Rank's two query chunks against every rank's K,V, passed around the ring: at step s it
+  receives the K,V of rank (r - s) mod p, and sends them on before attending to them (one
+  `ppermute` around the ring per step), so that XLA can overlap the transfer with the
+  attention (`zigzag.zigzag_attention`'s pieces). Returns [B, 2c, N, H] in q's dtype."""
   ring = [(i, (i + 1) % p) for i in range(p)]
-  kv = kv_own
-  for step in range(1, p):
-    # The send is issued before this step's attention so that the two can overlap.
-    kv = jax.lax.ppermute(kv, AXIS, perm=ring)
-    src = (rank - step) % p
-    step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv, src)
-    out, lse = mark(
-      timeline, f"step{step}", layer, layers.merge_partials(out, lse, step_out, step_lse)
-    )
-  return out.astype(q_B2cNH.dtype)
+
+  def passed_on(kv, step):
+    del step
+    return jax.lax.ppermute(kv, AXIS, perm=ring)
+
+  return zigzag.zigzag_attention(
+    q_B2cNH, kv_own, rank, c, p, window, attention, passed_on, timeline, layer
+  )
 
 
 def ring_body(graphdef, chunks, attention, timeline, keep_last_hop):
@@ -157,9 +109,9 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 STRATEGY = Strategy(
   name="ring",
   description="zigzag ring attention: 2p chunks, K,V passed around the ring, flash partials",
-  attention_kinds=("flash",),
+  attention_kinds=("flash", "fused", "cudnn"),
   compile=compile_program,
   modelled_layer=modelled_layer,
   **zigzag.PEER_FIELDS,
-  attention_note="ring attention merges flash partials (output and log-sum-exp)",
+  attention_note="ring attention merges partials by their log-sum-exp",
 )

@@ -9,6 +9,7 @@ causal mask hides their keys from every real query, and their own outputs are dr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -28,6 +29,8 @@ from kvr_jax.strategies.roofline import (
   visible_keys,
   work_kwargs,
 )
+from models import layers
+from models.kernels import get_kernel
 
 
 def chunk_len(context_len: int, num_ranks: int) -> int:
@@ -135,6 +138,83 @@ def peer_body(chunks: tuple[int, ...], timeline: bool, attend_chunks) -> Callabl
     return RankBody(tokens_B2c, layer, lambda x_B2cD: x_B2cD[:, row], owner)
 
   return make_body
+
+
+def _chunk_partial(q_BcNH, query_chunk, kv, key_half, key_chunk, whole: bool, c, attention, window):
+  """One c-token query chunk over one key chunk (half `key_half` of a rank's [2, B, 2c, K, H]
+  K,V): (out, lse) float32. `whole`: the key chunk lies wholly in the queries' past, else it
+  is their own chunk (a causal diagonal); the peers meet no other case. The flash kernel
+  takes the true relative offset (traced: a sliding window masks by true positions); a
+  two-piece kernel (static offsets, no window) takes the piece's kind: offset c (every key
+  in the past) or 0 (the diagonal)."""
+  k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
+  kernel = get_kernel(attention)
+  offset = (query_chunk - key_chunk) * c if kernel.lengths_as_data else (c if whole else 0)
+  # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
+  # step against the other strategies.
+  return layers.attend_partial(q_BcNH, k, v, offset, kernel, window)
+
+
+def zigzag_attention(
+  q_B2cNH,
+  kv_own,
+  rank,
+  c: int,
+  p: int,
+  window: int | None,
+  attention,
+  source_kv: Callable,
+  timeline: bool = False,
+  layer=-1,
+):
+  """Rank r's two query chunks (r and 2p-1-r) against every rank's K,V, one source rank per
+  step, each piece a whole c x c block in the past or a causal diagonal, merged exactly by
+  log-sum-exp (`layers.merge_partials`):
+
+    step 0      own K,V: chunk r causally; chunk 2p-1-r sees chunk r whole and itself causally
+    src < r     both query chunks see src's first chunk whole, its second not at all
+    src > r     only the second query chunk sees anything: both of src's chunks, whole
+
+  At step s the source is src = (r - s) mod p, whose K,V [2, B, 2c, K, H] come from
+  `source_kv(previous step's K,V, s)` (ring: a ppermute around the ring; all-gather: its slice
+  of the gathered K,V). Returns [B, 2c, N, H] in q's dtype."""
+  first_query_chunk, second_query_chunk = rank, 2 * p - 1 - rank  # chunk indices
+  q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
+  partial = functools.partial(_chunk_partial, c=c, attention=attention, window=window)
+
+  out_first, lse_first = partial(q_first, first_query_chunk, kv_own, 0, first_query_chunk, False)
+  out_second, lse_second = layers.merge_partials(
+    *partial(q_second, second_query_chunk, kv_own, 0, first_query_chunk, True),
+    *partial(q_second, second_query_chunk, kv_own, 1, second_query_chunk, False),
+  )
+  out = jnp.concatenate([out_first.astype(jnp.float32), out_second], axis=1)
+  lse = jnp.concatenate([lse_first, lse_second], axis=1)
+
+  def earlier_rank(kv, src):  # src < r: both query chunks see src's first chunk only
+    out_a, lse_a = partial(q_first, first_query_chunk, kv, 0, src, True)
+    out_b, lse_b = partial(q_second, second_query_chunk, kv, 0, src, True)
+    return jnp.concatenate([out_a, out_b], axis=1), jnp.concatenate([lse_a, lse_b], axis=1)
+
+  def later_rank(kv, src):  # src > r: only the second query chunk sees anything, both chunks
+    out_b, lse_b = layers.merge_partials(
+      *partial(q_second, second_query_chunk, kv, 0, src, True),
+      *partial(q_second, second_query_chunk, kv, 1, 2 * p - 1 - src, True),
+    )
+    nothing = jnp.zeros_like(out_b), jnp.full_like(lse_b, -jnp.inf)
+    return (
+      jnp.concatenate([nothing[0], out_b], axis=1),
+      jnp.concatenate([nothing[1], lse_b], axis=1),
+    )
+
+  kv = kv_own
+  for step in range(1, p):
+    kv = source_kv(kv, step)
+    src = (rank - step) % p
+    step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv, src)
+    out, lse = mark(
+      timeline, f"step{step}", layer, layers.merge_partials(out, lse, step_out, step_lse)
+    )
+  return out.astype(q_B2cNH.dtype)
 
 
 def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):
