@@ -365,6 +365,61 @@ def test_search_finds_the_brute_force_optimum(model, C, p, links):
   assert objective(found) == pytest.approx(best_value, rel=1e-12), (found, best_chunks)
 
 
+@pytest.mark.parametrize("held_send", [False, True])
+def test_the_timeline_ends_at_a_steady_state_with_the_full_runs_result(monkeypatch, held_send):
+  """Once a layer advances every clock alike, layer_timeline adds that advance per layer left
+  instead of running them: the same TTFT as running every layer (intervals=[] runs them
+  all), within 1e-9, for every strategy, uneven splits, slow links, and a model whose
+  layers differ (gemma-3: per-layer windows); and a 32-layer model stops early."""
+  full_gemma = preset_config("gemma-3-12b")
+  gemma = dataclasses.replace(
+    full_gemma, num_layers=12, layer_windows=full_gemma.layer_windows[:12]
+  )
+  rng = np.random.RandomState(0)
+  layer_runs = []
+  real_run_layer = costmodel._run_layer
+  monkeypatch.setattr(
+    costmodel, "_run_layer", lambda *a: layer_runs.append(a[4]) or real_run_layer(*a)
+  )
+  for config, links, p in itertools.product(
+    (LLAMA7, MISTRAL7, gemma), ("300GBps", "10GBps"), (2, 5)
+  ):
+    setup = a100(links)
+    setup = dataclasses.replace(setup, links=dataclasses.replace(setup.links, held_send=held_send))
+    C = 8192
+    for strategy in ("kvr", "ring", "allgather", "tsp"):
+      partition = None
+      if strategy == "kvr":
+        bounds = np.sort(rng.choice(np.arange(1, C), p - 1, replace=False))
+        partition = tuple(int(c) for c in np.diff((0, *bounds, C)))
+      run = dict(num_ranks=p, partition=partition)
+      layer_runs.clear()
+      fast = costmodel.simulate(config, strategy, C, setup, **run)
+      fast_layers = len(layer_runs)
+      every = costmodel.simulate(config, strategy, C, setup, **run, intervals=[])
+      assert len(layer_runs) - fast_layers == config.num_layers
+      assert fast.ttft == pytest.approx(every.ttft, rel=1e-9), (config.architecture, strategy)
+      assert fast.rank_finish == pytest.approx(every.rank_finish, rel=1e-9)
+      if config is LLAMA7 and strategy == "kvr":
+        assert fast_layers < config.num_layers // 2  # the 32 layers stop early
+
+
+def test_the_timeline_runs_on_while_a_waiting_rank_is_still_catching_up():
+  """Rank 1 reaches its receive 0.9 s after the message lands, but is 0.1 s per layer
+  faster than rank 0, so the message catches up with it at layer 9: every clock advances
+  alike in layers 1 and 2 (3.0, 2.9, 3.0 s), yet the receive's gap shrinks, so the timeline
+  may not skip ahead there: skipping would end rank 1 at 58.0 s (20 layers of 2.9 s, never
+  waiting), before the time it ends having waited."""
+  from kvr_jax.strategies.roofline import Compute, ModelledLayer, Receive, Send
+
+  rank0 = (Compute("qkv", 1.0), Send(1, 0.1, "hop0"), Compute("rest", 2.0))
+  rank1 = (Compute("qkv", 2.0), Receive(0), Compute("rest", 0.9))
+  layer = ModelledLayer((rank0, rank1), (1, 1), (0.0, 0.0), (0.0, 0.0), (0.0,))
+  every_layer = costmodel.layer_timeline(layer, 20, intervals=[])
+  assert costmodel.layer_timeline(layer, 20) == pytest.approx(every_layer, rel=1e-12)
+  assert every_layer[1] > 20 * 2.9 + 0.5  # it did wait in the late layers
+
+
 def _noisy_compare(objective, noise: float, calls: list):
   """A compare whose measurements tell two points apart only when their values differ by
   more than `noise` (what an interval verdict does with samples of that spread)."""

@@ -171,9 +171,68 @@ def layer_timeline(
       ops_of[id(d)] = [tuple(_as_op(step) for step in steps) for steps in d.steps]
   free = [0.0] * len(descriptions[0].steps)  # when each rank finished the previous layer
   link_free: dict[tuple[int, int], float] = {}  # when each link delivered its last message
+  # From layer `repeats_from` on every layer is the last description (usually all are).
+  repeats_from = len(descriptions) - 1
+  while repeats_from > 0 and descriptions[repeats_from - 1] is descriptions[-1]:
+    repeats_from -= 1
+  steady = _SteadyState() if intervals is None else None
   for l, d in enumerate(descriptions):
-    free = _run_layer(ops_of[id(d)], free, link_free, held_send, l, intervals)
+    sites = {} if steady is not None and l >= repeats_from else None
+    free = _run_layer(ops_of[id(d)], free, link_free, held_send, l, intervals, sites)
+    if sites is not None and l + 1 < num_layers:
+      advance = steady.advance(free, link_free, sites)
+      if advance is not None:  # every later layer advances every clock as this one did
+        return [t + (num_layers - 1 - l) * a for t, a in zip(free, advance, strict=True)]
   return free
+
+
+# Advances (and gaps) closer than this, relative to the layer's largest advance, count as
+# equal: float sums of the same phases differ in their last bits.
+STEADY_TOLERANCE = 1e-9
+
+
+class _SteadyState:
+  """Tells when the rest of a timeline is known without running it.
+
+  A layer is a max-plus map of the clocks (each rank's finish, each link's last delivery):
+  every start is the max of some clocks plus constants, at its "sites" (a receive, a send,
+  a barrier). Say layer l advanced every clock exactly as layer l-1 did (the advances d),
+  and at every site no argument came closer to the maximum than it was in layer l-1. Then
+  layer l+1, the same description, takes the same maximum at every site (its arguments move
+  by the same d, so no gap shrinks) and advances every clock by d again, and so on: the
+  finish of the last layer is this one's plus d per layer left. Ranks may advance at
+  different rates (KV-Runahead's rank 0 never waits for anyone); what must hold is that no
+  max changes its winner. The search runs the timeline tens of thousands of times; a
+  32-layer model settles after a few layers."""
+
+  def __init__(self):
+    self.clocks = None  # the previous layer's clocks and sites, and its advances
+    self.sites = None
+    self.advances = None
+
+  def advance(self, free, link_free, sites) -> list[float] | None:
+    clocks = (list(free), dict(link_free))
+    previous, previous_sites, previous_advances = self.clocks, self.sites, self.advances
+    self.clocks, self.sites, self.advances = clocks, sites, None
+    if previous is None or previous[1].keys() != link_free.keys():
+      return None
+    advances = [b - a for a, b in zip(previous[0], free, strict=True)]
+    advances += [link_free[k] - previous[1][k] for k in link_free]
+    self.advances = advances
+    if previous_advances is None or previous_sites.keys() != sites.keys():
+      return None
+    tolerance = STEADY_TOLERANCE * max(max(abs(a) for a in advances), 1e-30)
+    if any(abs(a - b) > tolerance for a, b in zip(advances, previous_advances, strict=True)):
+      return None
+    for key, arguments in sites.items():
+      before = previous_sites[key]
+      top, top_before = max(arguments), max(before)
+      if any(
+        (top - now) < (top_before - then) - tolerance
+        for now, then in zip(arguments, before, strict=True)
+      ):
+        return None
+    return advances[: len(free)]
 
 
 _COMPUTE, _SEND, _RECEIVE, _COLLECTIVE = range(4)
@@ -191,9 +250,10 @@ def _as_op(step) -> tuple:
   raise TypeError(f"unknown modelled step {step!r}")
 
 
-def _run_layer(ops, free, link_free, held_send, l, intervals) -> list[float]:
+def _run_layer(ops, free, link_free, held_send, l, intervals, sites=None) -> list[float]:
   """One layer: advance every rank as far as its messages and barriers let it, until all are
-  done (a layer's steps depend on each other only forwards, so this ends)."""
+  done (a layer's steps depend on each other only forwards, so this ends). sites: a dict
+  that gets the arguments of every max the layer takes, by (rank, step) (`_SteadyState`)."""
   p = len(ops)
   now, at = list(free), [0] * p  # each rank's clock and its next step
   arrival: dict[tuple[int, int], float] = {}
@@ -216,6 +276,8 @@ def _run_layer(ops, free, link_free, held_send, l, intervals) -> list[float]:
           landed = arrival.get((other, i))
           if landed is None:
             break
+          if sites is not None:
+            sites[(i, step)] = (t, landed)
           if landed > t:
             if out:
               out((i, l, "wait", t, landed))
@@ -227,6 +289,9 @@ def _run_layer(ops, free, link_free, held_send, l, intervals) -> list[float]:
           start = max(t, link_free.get(link, 0.0))
           if held_send:
             start = max(start, reached_receive[other])
+          if sites is not None:  # what this max took
+            held = (reached_receive[other],) if held_send else ()
+            sites[(i, step)] = (t, link_free.get(link, 0.0), *held)
           landed = arrival[link] = link_free[link] = start + seconds
           if out:
             out((i, l, phase, start, landed))
@@ -239,6 +304,8 @@ def _run_layer(ops, free, link_free, held_send, l, intervals) -> list[float]:
           if len(at_barrier) < p:
             break
           start = max(at_barrier.values())
+          if sites is not None:
+            sites[(i, step)] = tuple(at_barrier[j] for j in range(p))
           if out:
             out((i, l, phase, start, start + seconds))
           t = start + seconds
