@@ -132,7 +132,7 @@ def test_run_with_tensor_parallel_ranks(tmp_path):
     (["--model_parallel=3"], "8 devices do not split into ranks of model_parallel=3"),
     (["--nocompilation_cache", "--compilation_cache_dir=/tmp/x"], "--nocompilation_cache"),
     (["--strategy=ring,allgather", "--partition=1,2,3"], "partition lengths apply to ['kvr']"),
-    (["--strategy=ring", "--attention=dense"], "strategy 'ring' runs attention in ('flash',)"),
+    (["--strategy=ring", "--attention=dense"], "'ring' runs attention in ('flash', 'fused'"),
     (["--compilation_cache_dir=/dev/null"], "is a file"),
     (["--model=./no/such/dir"], "no such directory"),
     (["--partition=3,3", "--context_len=12", "--num_devices=4"], "2 chunks but the mesh has 4"),

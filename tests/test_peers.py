@@ -80,13 +80,11 @@ def test_peer_matches_single_mqa(models, prompts, oracle, strategy, p):
 
 
 @pytest.mark.parametrize("strategy", PEERS)
-@pytest.mark.parametrize(
-  "name,p,key", [("gqa", 3, (13, 1)), ("gqa", 4, (37, 2)), ("mqa", 3, (37, 2))]
-)
+@pytest.mark.parametrize("name,p,key", [("gqa", 3, (13, 1)), ("mqa", 4, (37, 2))])
 def test_peer_two_piece_kernel_matches_single(models, prompts, oracle, strategy, name, p, key):
   """The peers in the two-piece kernel's pieces (each a whole block in the past or a causal
   diagonal, static offsets: what cuDNN runs on GPUs; "fused" is the same pieces in XLA):
-  exact on padded prompts, batches and both head layouts."""
+  exact on a padding-heavy prompt, and on a batch of two with one KV head on four ranks."""
   check(models, prompts, oracle, name, strategy, p, key, attention="fused")
 
 

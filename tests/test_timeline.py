@@ -115,7 +115,9 @@ def test_two_process_timeline_span_matches_ttft(tmp_path):
       "--num_processes=2",
       "--repeats=2",
       "--partition=300,212",
-      "--timeline_strategies=kvr,allgather",
+      # KV-Runahead alone: the probes of every strategy are checked on emulated devices
+      # above; here what crosses processes (the span, the runs of both, the JSON).
+      "--timeline_strategies=kvr",
       f"--output_dir={tmp_path}",
     ],
     cwd=ROOT,
@@ -128,7 +130,7 @@ def test_two_process_timeline_span_matches_ttft(tmp_path):
   assert os.path.getsize(tmp_path / "timeline_512.png") > 10_000
   with open(tmp_path / "timeline_512.json") as f:
     dump = json.load(f)
-  assert [d["strategy"] for d in dump] == ["kvr", "allgather"]
+  assert [d["strategy"] for d in dump] == ["kvr"]
   for d in dump:
     runs = d["runs"]
     assert sorted(r["process_index"] for r in runs) == [0, 1]

@@ -177,9 +177,12 @@ def layer_timeline(
     repeats_from -= 1
   steady = _SteadyState() if intervals is None else None
   for l, d in enumerate(descriptions):
-    sites = {} if steady is not None and l >= repeats_from else None
+    # Watched only where a steady state would still skip two layers or more (its bookkeeping
+    # costs about a layer's run).
+    watched = steady is not None and l >= repeats_from and num_layers - 1 - l >= 2
+    sites = {} if watched else None
     free = _run_layer(ops_of[id(d)], free, link_free, held_send, l, intervals, sites)
-    if sites is not None and l + 1 < num_layers:
+    if sites is not None:
       advance = steady.advance(free, link_free, sites)
       if advance is not None:  # every later layer advances every clock as this one did
         return [t + (num_layers - 1 - l) * a for t, a in zip(free, advance, strict=True)]
