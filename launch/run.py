@@ -8,6 +8,7 @@ Intentionally kept short: all logic lives in kvr_jax (kvr_jax.tools.demo.compare
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -46,7 +47,8 @@ flags.DEFINE_list(
 flags.DEFINE_string(
   "partition",
   "search",
-  "KVR partition: even, search, predict, balanced or comma-separated lengths.",
+  "KVR partition: even, search, predict, balanced, measured (KVR-S over measured TTFT on "
+  "these devices, its time in the plan column) or comma-separated lengths.",
 )
 flags.DEFINE_string(
   "attention",
@@ -115,7 +117,12 @@ def main(argv):
     generate.check_sampling(model, FLAGS.max_new_tokens, FLAGS.temperature, None, None, FLAGS.seed)
     buckets = common.parse_buckets(FLAGS.buckets)
     tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
-    partition = common.parse_partition(FLAGS.partition, FLAGS.hardware, FLAGS.links)
+    partition = common.parse_partition(
+      FLAGS.partition, FLAGS.hardware, FLAGS.links, extra=("measured",)
+    )
+    if partition == "measured":  # the modelled start comes from --hardware and --links
+      plan = common.parse_partition("search", FLAGS.hardware, FLAGS.links)
+      partition = dataclasses.replace(plan, objective="measured")
     reports = demo.compare_strategies(
       model,
       tokens,

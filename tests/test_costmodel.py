@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -1004,6 +1005,46 @@ def test_the_command_line_comparison_runs_auto_and_says_what_it_picked():
   assert auto.choice in demo.format_table(reports).splitlines()
   with pytest.raises(ValueError, match="strategy 'auto' runs each strategy's own kernel"):
     demo.compare_strategies(model, tokens, ["auto"], num_devices=2, attention="dense")
+
+
+def test_the_command_line_comparison_runs_a_measured_partition_once(monkeypatch):
+  """launch.run --partition=measured's library call: the measured search runs once, on the
+  padded prompt's shape (a ragged batch is padded to its bucket), before any strategy; kvr
+  runs its answer and shows the search in its plan time; auto and a 2-D mesh are refused up
+  front, before anything is searched or compiled."""
+  from kvr_jax.tools import demo
+
+  model = kvr_jax.load_model("tiny-llama")
+  rows = [np.arange(70) % 512, np.arange(90) % 512]
+  plan = kvr_jax.PartitionPlan("search", objective="measured", multiple=16)
+  searched = []
+
+  def fake_search(model_, tokens, mesh, plan_):
+    searched.append((tokens.shape, plan_))
+    time.sleep(0.2)  # the search's time lands in kvr's plan column
+    return (64, 32)
+
+  monkeypatch.setattr(demo, "measured_partition", fake_search)
+  reports = demo.compare_strategies(
+    model,
+    rows,
+    ["single", "kvr"],
+    num_devices=2,
+    partition=plan,
+    repeats=1,
+    max_new_tokens=1,
+    buckets="auto",
+  )
+  assert searched == [((2, 96), plan)]  # both rows in the 96-token bucket
+  kvr = reports[1]
+  assert kvr.partition == (64, 32) and kvr.plan_s >= 0.2 > reports[0].plan_s
+  for strategies, kwargs, says in (
+    (["kvr", "auto"], {}, "strategy 'auto' chooses by the cost model"),
+    (["kvr"], {"num_devices": 4, "model_parallel": 2}, "1-D mesh"),
+  ):
+    with pytest.raises(ValueError, match=says):
+      demo.compare_strategies(model, rows, strategies, partition=plan, **kwargs)
+  assert len(searched) == 1
 
 
 @pytest.mark.parametrize("strategy", sorted(REGISTRY))

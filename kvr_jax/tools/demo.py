@@ -17,11 +17,14 @@ from kvr_jax.inference.buckets import bucket_length
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import padded_prompts, plan_prefill, prefill_arguments
+from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh, mesh_of_ranks
+from kvr_jax.runtime.mesh import model_parallel as devices_per_rank
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO
+from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
 __all__ = ["StrategyReport", "compare_strategies", "format_table", "synthetic_prompt"]
@@ -82,6 +85,14 @@ def compare_strategies(
   rows, _, padded_len, buckets = padded_prompts(model, tokens, buckets)
   mesh = mesh_of_ranks(num_devices, model_parallel)
   strategies = _check_comparison(strategies, mesh, partition, attention, repeats, padded_len)
+  search_s = 0.0
+  if _is_measured(partition):
+    # KVR-S over measured TTFT runs prefills, so it is resolved here, once, on the padded
+    # prompt's shape; its time is the partitioned strategies' planning.
+    started = time.perf_counter()
+    shape = np.zeros((len(rows), padded_len), np.int32)
+    partition = list(measured_partition(model, shape, mesh, partition))
+    search_s = time.perf_counter() - started
   reference = None
   reports = []
   for strategy in strategies:
@@ -89,6 +100,8 @@ def compare_strategies(
     started = time.perf_counter()
     plan_prefill(model, rows, cache=cache, buckets=buckets, **kwargs)
     plan_s = time.perf_counter() - started
+    if get_strategy(strategy).partitioned:
+      plan_s += search_s
     cache_use = CacheUse.now()
     timing = time_prefill(model, rows, repeats, cache=cache, buckets=buckets, **kwargs)
     cache_use = CacheUse.now().since(cache_use)
@@ -138,6 +151,14 @@ def _check_comparison(strategies, mesh, partition, attention, repeats, padded_le
   if unknown or not strategies:
     raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {known}")
   strategies = sorted(strategies, key=lambda s: s != "single")
+  if _is_measured(partition):
+    if AUTO in strategies:
+      raise ValueError(
+        "strategy 'auto' chooses by the cost model; a measured partition applies to 'kvr' "
+        "(name the strategies)"
+      )
+    if devices_per_rank(mesh) > 1:
+      raise ValueError("a measured partition is searched on a 1-D mesh of ranks so far")
   if isinstance(partition, (list, tuple, np.ndarray)):
     partitioned = [s for s in STRATEGIES if get_strategy(s).partitioned]
     if not any(s in partitioned for s in strategies):
@@ -154,6 +175,10 @@ def _check_comparison(strategies, mesh, partition, attention, repeats, padded_le
       )
     prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
   return strategies
+
+
+def _is_measured(partition) -> bool:
+  return isinstance(partition, PartitionPlan) and partition.objective == "measured"
 
 
 def format_table(reports: list[StrategyReport]) -> str:
