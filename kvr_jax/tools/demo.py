@@ -100,7 +100,7 @@ def compare_strategies(
     started = time.perf_counter()
     plan_prefill(model, rows, cache=cache, buckets=buckets, **kwargs)
     plan_s = time.perf_counter() - started
-    if get_strategy(strategy).partitioned:
+    if search_s and get_strategy(strategy).partitioned:  # (auto is refused with a search)
       plan_s += search_s
     cache_use = CacheUse.now()
     timing = time_prefill(model, rows, repeats, cache=cache, buckets=buckets, **kwargs)
