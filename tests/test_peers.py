@@ -88,6 +88,12 @@ def test_peer_two_piece_kernel_matches_single(models, prompts, oracle, strategy,
   check(models, prompts, oracle, name, strategy, p, key, attention="fused")
 
 
+def test_allgather_with_the_dense_kernel_matches_single(models, prompts, oracle):
+  """All-gather CP's dense kernel (no log-sum-exp) attends the gathered K,V in prompt order,
+  never in the two-piece kernels' pieces."""
+  check(models, prompts, oracle, "gqa", "allgather", 3, (13, 1), attention="dense")
+
+
 def test_peers_refuse_what_the_two_piece_kernels_cannot_run():
   """cuDNN is refused off NVIDIA GPUs, and a sliding window by the two-piece kernels, each
   in one line before anything compiles."""

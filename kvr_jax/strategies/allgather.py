@@ -39,7 +39,7 @@ def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
     # [2, B, 2pc, K, H]: every rank's two chunks, in rank order, then in prompt order
     kv = jax.lax.all_gather(own_2B2cKH, AXIS, axis=2, tiled=True)
     kv = mark(timeline, "allgather", l, kv)
-    if not get_kernel(attention).lengths_as_data:
+    if get_kernel(attention).computes == "two-piece":
       # A two-piece kernel (fused, cudnn) takes static offsets: ring's pieces (whole blocks
       # and causal diagonals), each source rank's K,V sliced from the gathered ones.
       def gathered(_, step):

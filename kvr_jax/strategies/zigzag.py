@@ -149,7 +149,8 @@ def _chunk_partial(q_BcNH, query_chunk, kv, key_half, key_chunk, whole: bool, c,
   in the past) or 0 (the diagonal)."""
   k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
   kernel = get_kernel(attention)
-  offset = (query_chunk - key_chunk) * c if kernel.lengths_as_data else (c if whole else 0)
+  static = kernel.computes == "two-piece"
+  offset = (c if whole else 0) if static else (query_chunk - key_chunk) * c
   # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
   # step against the other strategies.
   return layers.attend_partial(q_BcNH, k, v, offset, kernel, window)
