@@ -72,18 +72,30 @@ def search_partition(
     return cache[chunks]
 
   cap = context_len if max_chunk is None else max_chunk
-  smallest = [multiple] * (p - 1) + [1]  # the last chunk only needs one token
+  smallest, step = _grid(context_len, p, multiple, first_step)
   starts = [round_to_multiple(even_partition(context_len, p), context_len, multiple)]
   if start is not None:
     starts.append(round_to_multiple(start, context_len, multiple))
   best = min([s for s in starts if max(s) <= cap] or starts[:1], key=cost)
-  first = context_len // (2 * p) if first_step is None else first_step
-  units = max(first // multiple, 1)
-  step = 1 << (units.bit_length() - 1)
-  while step >= 1:
-    best = _sweep_transfers(cost, best, step * multiple, cap, smallest)
+  while step >= multiple:
+    best = _sweep_transfers(cost, best, step, cap, smallest)
     step //= 2
   return best
+
+
+def _grid(context_len: int, p: int, multiple: int, first_step: int | None) -> tuple[list, int]:
+  """Both searches' grid: each chunk's least length (a multiple; the last chunk one token)
+  and the first step, about C/2p tokens or `first_step`, a power of two multiples."""
+  first = context_len // (2 * p) if first_step is None else first_step
+  units = max(first // multiple, 1)
+  return [multiple] * (p - 1) + [1], (1 << (units.bit_length() - 1)) * multiple
+
+
+def _moved(chunks: tuple[int, ...], donor: int, taker: int, delta: int) -> tuple[int, ...]:
+  moved = list(chunks)
+  moved[donor] -= delta
+  moved[taker] += delta
+  return tuple(moved)
 
 
 def _sweep_transfers(cost, best: tuple[int, ...], delta: int, cap: int, smallest) -> tuple:
@@ -94,12 +106,10 @@ def _sweep_transfers(cost, best: tuple[int, ...], delta: int, cap: int, smallest
     improved = False
     for donor, taker in itertools.permutations(range(len(best)), 2):
       while best[donor] - delta >= smallest[donor] and best[taker] + delta <= cap:
-        moved = list(best)
-        moved[donor] -= delta
-        moved[taker] += delta
-        if cost(tuple(moved)) >= cost(best):
+        moved = _moved(best, donor, taker, delta)
+        if cost(moved) >= cost(best):
           break
-        best, improved = tuple(moved), True
+        best, improved = moved, True
   return best
 
 
@@ -138,24 +148,20 @@ def descend_by_comparison(
   p = num_ranks
   cap = context_len if max_chunk is None else max_chunk
   best = round_to_multiple(even_partition(context_len, p), context_len, multiple)
-  if start is not None and max(round_to_multiple(start, context_len, multiple)) <= cap:
-    best = round_to_multiple(start, context_len, multiple)
+  if start is not None:
+    rounded = round_to_multiple(start, context_len, multiple)
+    best = rounded if max(rounded) <= cap else best
   if p == 1:
     return best
-  smallest = [multiple] * (p - 1) + [1]  # the last chunk only needs one token
-  first = context_len // (2 * p) if first_step is None else first_step
-  units = max(first // multiple, 1)
-  step = (1 << (units.bit_length() - 1)) * multiple
+  smallest, step = _grid(context_len, p, multiple, first_step)
   left = set()  # points moved away from are not offered again (noise cannot make a cycle)
   while step >= multiple:
-    neighbours = []
-    for donor, taker in itertools.permutations(range(p), 2):
-      if best[donor] - step >= smallest[donor] and best[taker] + step <= cap:
-        moved = list(best)
-        moved[donor] -= step
-        moved[taker] += step
-        if tuple(moved) not in left:
-          neighbours.append(tuple(moved))
+    neighbours = [
+      _moved(best, donor, taker, step)
+      for donor, taker in itertools.permutations(range(p), 2)
+      if best[donor] - step >= smallest[donor] and best[taker] + step <= cap
+    ]
+    neighbours = [n for n in neighbours if n not in left]
     if not neighbours:
       step //= 2
       continue

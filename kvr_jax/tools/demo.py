@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
-from kvr_jax.inference.buckets import bucket_length
+from kvr_jax.inference.buckets import bucket_length, pad_rows
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import padded_prompts, plan_prefill, prefill_arguments
@@ -87,11 +87,12 @@ def compare_strategies(
   strategies = _check_comparison(strategies, mesh, partition, attention, repeats, padded_len)
   search_s = 0.0
   if _is_measured(partition):
-    # KVR-S over measured TTFT runs prefills, so it is resolved here, once, on the padded
-    # prompt's shape; its time is the partitioned strategies' planning.
+    # KVR-S over measured TTFT runs prefills, so it is resolved here, once, on the rows
+    # padded to their bucket (the tokens themselves: a mixture of experts routes by them);
+    # its time is the partitioned strategies' planning.
     started = time.perf_counter()
-    shape = np.zeros((len(rows), padded_len), np.int32)
-    partition = list(measured_partition(model, shape, mesh, partition))
+    padded = pad_rows(rows, padded_len)
+    partition = list(measured_partition(model, padded, mesh, partition))
     search_s = time.perf_counter() - started
   reference = None
   reports = []
