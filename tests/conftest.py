@@ -3,13 +3,15 @@
 import os
 import tempfile
 
+from tests.subprocess_env import SPEED_ONLY_XLA_FLAGS
+
 # --xla_backend_optimization_level=0: the tests prove correctness, not speed, and LLVM's
 # optimisation of their tiny programs costs more than running them (639 tests: 627 s against
 # 793 s). It changes how XLA's LLVM backend optimises the emitted code, not the HLO programs:
 # every HLO, FLOP-count and memory-analysis test passes unchanged under it.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
-  + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  + f" --xla_force_host_platform_device_count=8 {SPEED_ONLY_XLA_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The `local` calibration and other per-machine caches go to a directory of this run (the

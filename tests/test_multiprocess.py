@@ -12,12 +12,13 @@ import time
 import pytest
 
 from kvr_jax.runtime import distributed
+from tests.subprocess_env import launcher_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_launcher(*flags, timeout=240):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers set their own
+  env = launcher_env()  # workers set their own device count
   start = time.monotonic()
   proc = subprocess.run(
     [sys.executable, "-m", "launch.multiprocess", *flags],
@@ -163,7 +164,7 @@ def test_a_rank_split_across_processes_is_refused_by_name():
         "--partition=64",
       ],
       cwd=ROOT,
-      env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+      env=launcher_env(),  # one device per process
       stderr=subprocess.PIPE,
       text=True,
     )

@@ -15,6 +15,7 @@ import pytest
 
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS
+from tests.subprocess_env import launcher_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch")
@@ -122,7 +123,7 @@ def test_launch_run_help_examples_run_as_written(command):
   proc = subprocess.run(
     [sys.executable, *words[1:]],
     cwd=ROOT,
-    env=fresh_env(),
+    env=launcher_env(),  # the launcher asks for its own devices
     capture_output=True,
     text=True,
     timeout=600,

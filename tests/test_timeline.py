@@ -24,6 +24,7 @@ from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime.loading import preset_config
 from kvr_jax.strategies import probe, runahead
 from kvr_jax.tools import timeline
+from tests.subprocess_env import launcher_env
 from tests.tolerance import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +104,7 @@ def test_modelled_kvr_schedule_matches_the_timeline():
 
 
 def test_two_process_timeline_span_matches_ttft(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers set their own
+  env = launcher_env()  # workers set their own device count
   proc = subprocess.run(
     [
       sys.executable,
