@@ -144,8 +144,9 @@ def test_kvr_diagonal_and_prefix_add_up_to_the_ranks_attention(window):
   flash = dataclasses.replace(flash, causal_skip=True)
   dense = dataclasses.replace(flash, scores_in_memory=True)
   assert flash.diagonal_first and not dense.diagonal_first
-  split, _, _ = runahead.layer_work(config, chunks, flash)
-  whole, _, _ = runahead.layer_work(config, chunks, dataclasses.replace(flash, causal_skip=False))
+  split = [rank.phases for rank in runahead.layer_work(config, chunks, flash)[0]]
+  whole_setup = dataclasses.replace(flash, causal_skip=False)
+  whole = [rank.phases for rank in runahead.layer_work(config, chunks, whole_setup)[0]]
   assert "diagonal" not in split[0]
   starts, ends = (0, 1000, 1700), (1000, 1700, 2200)
   keys = [e - window_start(s, window) for s, e in zip(starts, ends, strict=True)]
