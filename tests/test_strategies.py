@@ -392,6 +392,38 @@ def test_measured_comparison_times_the_best_with_each_batch(models, monkeypatch)
   assert [m for _, m in verdicts] == [c[0] + 1.25 for c in candidates]
 
 
+def test_every_process_takes_the_last_processs_measured_file(tmp_path, monkeypatch):
+  """Across processes the measured search's file is read where it is written (the last
+  process) and what it holds, or its refusal, is sent to every process: across hosts
+  without a shared filesystem another process's file (here: none) must not change its
+  decisions. Two processes played in turn, the broadcasts recorded and replayed."""
+  setup = {"model": "m", "shape": [1, 64]}
+  stored = {"32,32;24,40": {"32,32": [1.0, 1.1], "24,40": [0.9, 0.95]}}
+  written = tmp_path / "last.json"
+  written.write_text(json.dumps({"setup": setup, "batches": stored}))
+  sent = []
+
+  def broadcast(value, is_source):
+    if is_source:
+      sent.append(np.asarray(value).copy())
+      return value
+    return sent.pop(0)
+
+  monkeypatch.setattr(measured.multihost_utils, "broadcast_one_to_all", broadcast)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+  def as_process(index, path):
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+    return measured._stored_batches(str(path), setup, 64)
+
+  assert as_process(1, written) == stored
+  assert as_process(0, tmp_path / "absent.json") == stored and not sent
+  written.write_text("{not json")
+  for index in (1, 0):
+    with pytest.raises(ValueError, match="last.json: unreadable measured-search cache"):
+      as_process(index, written if index == 1 else tmp_path / "absent.json")
+
+
 @pytest.mark.parametrize("strategy,p,partition", [("single", 1, None), ("kvr", 3, [150, 60, 90])])
 def test_blocked_attention_matches_dense(models, strategy, p, partition):
   """attention='blocked' skips masked blocks (blocks of 128 queries: 300 tokens span three)."""

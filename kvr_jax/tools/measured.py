@@ -106,6 +106,39 @@ def _read_measured_cache(cache_path: str | None, setup: dict, context_len: int) 
   return dict(stored["batches"])
 
 
+def _stored_batches(cache_path: str | None, setup: dict, context_len: int) -> dict:
+  """The batches the file holds, as the last process reads it, on every process.
+
+  Why: the last process writes the file (`measured_comparison`), and every process must make
+  the same decisions or their searches, and so their programs, diverge. Across hosts without
+  a shared filesystem the other processes would read another file, or none. A refusal of the
+  file (corrupt, another setup) reaches every process too, so none waits for the others."""
+  if jax.process_count() == 1:
+    return _read_measured_cache(cache_path, setup, context_len)
+  payload = b""
+  if jax.process_index() == jax.process_count() - 1:
+    try:
+      stored = {"batches": _read_measured_cache(cache_path, setup, context_len)}
+    except ValueError as e:
+      stored = {"error": str(e)}
+    payload = json.dumps(stored).encode()
+  stored = json.loads(_broadcast_bytes(payload).decode())
+  if "error" in stored:
+    raise ValueError(stored["error"])
+  return stored["batches"]
+
+
+def _broadcast_bytes(payload: bytes) -> bytes:
+  """The last process's `payload` on every process (its length first: the arrays a broadcast
+  takes have one shape everywhere)."""
+  last = jax.process_index() == jax.process_count() - 1
+  size = multihost_utils.broadcast_one_to_all(np.int32(len(payload)), is_source=last)
+  buffer = np.zeros(int(size), np.uint8)
+  if last:
+    buffer[:] = np.frombuffer(payload, np.uint8)
+  return np.asarray(multihost_utils.broadcast_one_to_all(buffer, is_source=last)).tobytes()
+
+
 # Candidates timed with the best in one interleaved batch, at most: each keeps its latest
 # result (a whole KV cache) while the batch runs.
 BATCH = 4
@@ -126,7 +159,7 @@ def measured_comparison(
   """
   tokens = np.asarray(tokens)
   setup = _measured_setup(model, tokens, mesh)
-  batches: dict[str, dict] = _read_measured_cache(cache_path, setup, tokens.shape[-1])
+  batches: dict[str, dict] = _stored_batches(cache_path, setup, tokens.shape[-1])
   timed = [0]
 
   def time_batch(partitions: list[tuple[int, ...]]) -> dict[str, list[float]]:
