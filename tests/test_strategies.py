@@ -21,6 +21,7 @@ from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import TRACE_COUNT, runahead
 from kvr_jax.tools import measured
 from models.config import FalconConfig
+from models.kernels import get_kernel
 
 REL_TOL = 1e-5
 CONTEXT = 13  # not divisible by 2, 3, 4 or 8
@@ -155,6 +156,41 @@ def test_second_call_does_not_compile_again(models, prompts):
   assert (TRACE_COUNT["kvr"], TRACE_COUNT["tsp"]) == before
   kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[4, 4, 3, 2])
   assert TRACE_COUNT["kvr"] == before[0] + 1  # a new partition is a new program
+
+
+# Splits of 150 tokens over 3 ranks: a rank of one token, a first rank longer than the others
+# together, a last rank of one token, lengths that are multiples of no block.
+SPLITS_AS_DATA = [(1, 100, 49), (120, 20, 10), (60, 89, 1), (37, 53, 60)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma"])
+def test_one_program_runs_every_split_that_fits_its_shape(name):
+  """KV-Runahead with the split as data (runahead.split_as_data_strategy): every split of
+  SPLITS_AS_DATA on one program, one trace, hops sized as data; logits and the whole cache
+  (its parts moved onto the last rank) within 1e-5 of single. tiny-gemma: layers with a
+  64-token window (hops carry the last 63 keys of the prefix) and full layers."""
+  model, mesh = kvr_jax.load_model(name), kvr_jax.make_mesh(3)
+  tokens = np.random.RandomState(5).randint(0, 512, (2, 150))
+  want = kvr_jax.prefill(model, tokens)
+  kernel = get_kernel("flash")
+  longest = max(max(split) for split in SPLITS_AS_DATA)
+  shape = runahead.OneBodyShape.envelope(model.config, SPLITS_AS_DATA[0], kernel, longest)
+  strategy = runahead.split_as_data_strategy(model.config, shape)
+  before = TRACE_COUNT[runahead.SPLIT_AS_DATA]
+  for split in SPLITS_AS_DATA:
+    got = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, partition=list(split))
+    assert_close(got.logits, want.logits, f"{split} logits")
+    assert_close(got.k_cache, want.k_cache, f"{split} k cache")
+    assert_close(got.v_cache, want.v_cache, f"{split} v cache")
+  assert TRACE_COUNT[runahead.SPLIT_AS_DATA] == before + 1
+  # A split the shape cannot hold is refused before anything runs: chunks of at most 50
+  # tokens in whole blocks (at most 56 rows: a block of the even split is at most 56).
+  small = runahead.OneBodyShape.envelope(model.config, (50, 50, 50), kernel, 50)
+  strategy = runahead.split_as_data_strategy(model.config, small)
+  for split, message in (((110, 20, 20), "longer than this program's"), ((75, 75), "3 ranks")):
+    with pytest.raises(ValueError, match=message):
+      kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, partition=list(split))
+  assert TRACE_COUNT[runahead.SPLIT_AS_DATA] == before + 1
 
 
 @pytest.mark.parametrize(

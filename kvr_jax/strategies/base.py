@@ -260,17 +260,19 @@ def model_reduce(mesh):
   return tensor_parallel.psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
 
-def spmd(rank_program, mesh):
+def spmd(rank_program, mesh, with_table: bool = False):
   """The common program shape: tokens and both outputs sharded by rank; the weights whole on
   every rank (1-D mesh) or split over each rank's "model" row (2-D: `tensor_parallel`'s
   specs, from the state's own structure at trace time), where the K,V outputs' heads are
-  split over "model" too."""
+  split over "model" too. with_table: a third operand, the split's table, whole on every
+  rank (1-D meshes only)."""
   P = jax.P
   if model_parallel(mesh) == 1:
-    body = jax.shard_map(
-      rank_program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
-    )
+    in_specs = (P(), P(AXIS), P()) if with_table else (P(), P(AXIS))
+    body = jax.shard_map(rank_program, mesh=mesh, in_specs=in_specs, out_specs=(P(AXIS), P(AXIS)))
     return jax.jit(body)
+  if with_table:
+    raise ValueError("a program that takes its split as data runs on a 1-D mesh")
 
   # Every K,V output (the parts, KV-Runahead's last hops) is [p, L, 2, rows, K, H].
   kv_spec = parts_spec(mesh)
@@ -327,15 +329,16 @@ class RankBody:
 
 
 def rank_program(name: str, graphdef, make_body: Callable, num_ranks: int, timeline: bool, reduce):
-  """The program every strategy runs per rank, (state, tokens [1, B, T]) -> (logits [1, B, V],
-  kv outputs [1, L, ...]): count the trace, merge the model, build the strategy's `RankBody`,
-  embed, scan its layer over the stacked blocks, and the last position's logits on rank p-1
-  (probed at both ends when `timeline`)."""
+  """The program every strategy runs per rank, (state, tokens [1, B, T], *table) ->
+  (logits [1, B, V], kv outputs [1, L, ...]): count the trace, merge the model, build the
+  strategy's `RankBody`, embed, scan its layer over the stacked blocks, and the last
+  position's logits on rank p-1 (probed at both ends when `timeline`). table: the split as
+  data, where the body takes it (`make_body(..., table)`), else nothing."""
 
-  def program(state, tokens_1BT):
+  def program(state, tokens_1BT, *table):
     count_trace(name)
     model = nnx.merge(graphdef, state)
-    body = make_body(model, jax.lax.axis_index(AXIS), tokens_1BT[0], reduce)
+    body = make_body(model, jax.lax.axis_index(AXIS), tokens_1BT[0], reduce, *table)
     x_BTD = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
 
     def layer(block, x_and_carry, l):

@@ -86,13 +86,18 @@ import numpy as np
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array
 from kvr_jax.strategies.base import (
   CAUSAL_KERNELS,
   RankBody,
   Strategy,
+  contiguous_layout,
   fold_batch,
+  model_reduce,
   ordered_after,
+  rank_program,
+  refuse,
+  spmd,
   strategy_compiler,
 )
 from kvr_jax.strategies.probe import mark
@@ -601,6 +606,116 @@ def early_rows_in_blocks(config, chunks: tuple[int, ...], block: int) -> tuple[i
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class OneBodyShape:
+  """What the one body's compiled program depends on besides the model and its kernel: the
+  static shape every rank runs. Of one split (`of_split`: its padded chunk, buffer and parts)
+  or an envelope of many (`envelope`), whose program takes the split as data (its table and
+  its hops' lengths), so that every split that fits shares one program."""
+
+  num_ranks: int
+  context_len: int
+  block: int  # rows per step of the row loops and per query block (one_body_block)
+  chunk_len: int  # every rank's padded chunk, whole blocks
+  buffer_len: int  # rows of every rank's K,V buffer (prompt positions)
+  keys: int  # the buffer rows attention reads
+  part_len: int  # rows of every rank's K,V part output
+
+  @classmethod
+  def of_split(cls, config, chunks: tuple[int, ...], kernel) -> OneBodyShape:
+    block = one_body_block(config, chunks, kernel)
+    return cls(
+      num_ranks=len(chunks),
+      context_len=sum(chunks),
+      block=block,
+      chunk_len=padded_chunk_len(chunks, block),
+      buffer_len=one_body_buffer_len(chunks, block),
+      keys=one_body_keys(chunks, block),
+      part_len=max(chunks),
+    )
+
+  @classmethod
+  def envelope(cls, config, chunks: tuple[int, ...], kernel, longest: int) -> OneBodyShape:
+    """Every split of sum(chunks) tokens over len(chunks) ranks with no chunk above `longest`
+    (blocks fitted to `chunks`). A rank's chunk starts before C and a hop's pieces end within
+    HOP_GRANULE rows of C, so the buffer holds C plus one padded chunk."""
+    block = one_body_block(config, chunks, kernel)
+    context_len = sum(chunks)
+    chunk_len = -(-longest // block) * block
+    buffer_len = -(-(context_len + max(chunk_len, HOP_GRANULE)) // block) * block
+    return cls(
+      num_ranks=len(chunks),
+      context_len=context_len,
+      block=block,
+      chunk_len=chunk_len,
+      buffer_len=buffer_len,
+      keys=min(-(-context_len // block) * block, buffer_len),
+      part_len=chunk_len,
+    )
+
+  def check_split(self, chunks: tuple[int, ...]) -> None:
+    if len(chunks) != self.num_ranks or sum(chunks) != self.context_len:
+      raise ValueError(
+        f"split {chunks} is not of {self.context_len} tokens over {self.num_ranks} ranks, "
+        "the shape of this program"
+      )
+    if max(chunks) > self.chunk_len:
+      raise ValueError(
+        f"split {chunks}: a chunk of {max(chunks)} tokens is longer than this program's "
+        f"{self.chunk_len}"
+      )
+
+  def table(self, config, chunks: tuple[int, ...]) -> np.ndarray:
+    """The split as the program's data, int32 [3, p]: each rank's length, start, and early
+    rows (`early_rows_in_blocks`, at this shape's block)."""
+    self.check_split(chunks)
+    early = early_rows_in_blocks(config, chunks, self.block)
+    return np.array([chunks, chunk_starts(chunks), early], np.int32)
+
+
+# A hop whose length is data is sent as pieces of HOP_GRANULE x 2^b rows, each under a
+# `lax.cond` on bit b of its length in granules: at most HOP_GRANULE - 1 rows more than the
+# prefix on the link. Measured (two processes, gloo, bench-llama's K,V, docs/measurements.md):
+# no runtime cost against one static ppermute within the noise, about 1.1 s more compile per
+# hop, so only the programs that serve many splits take it.
+HOP_GRANULE = 64
+
+
+def hop_pieces(max_rows: int) -> tuple[int, ...]:
+  """Piece sizes, largest first, whose sums are every multiple of HOP_GRANULE to max_rows."""
+  granules = -(-max_rows // HOP_GRANULE)
+  return tuple(HOP_GRANULE << b for b in reversed(range(granules.bit_length())))
+
+
+def hop_chain_as_data(buffer_2BSKH, rank, ends_p, window: int | None, max_rows: int, after):
+  """The hop chain of `hop_chain` with the hops' spans as data: hop k carries keys [a, S_k)
+  (ends_p[k] = S_k traced, a its window start) from rank k's buffer into rank k+1's, in the
+  pieces of `hop_pieces` whose bits its length sets. The bits are the same on every rank (the
+  table is), so every rank takes the same branch and each ppermute is whole. Rows a piece
+  carries past S_k are rank k+1's own chunk in its buffer: it keeps them."""
+  for k in range(ends_p.shape[0] - 1):
+    end = ends_p[k]
+    first = 0 if window is None else jnp.maximum(0, end - window + 1)
+    granules = (end - first + HOP_GRANULE - 1) // HOP_GRANULE
+    offset = first
+    for size in hop_pieces(max_rows):
+
+      def send(operands, size=size, k=k, end=end):
+        buffer, offset = operands
+        piece = jax.lax.dynamic_slice_in_dim(buffer, offset, size, axis=2)
+        message = jax.lax.ppermute(ordered_after(piece, after), AXIS, perm=[(k, k + 1)])
+        kept = (rank == k + 1) & (offset + jnp.arange(size) < end)
+        piece = jnp.where(kept[None, None, :, None, None], message, piece)
+        return jax.lax.dynamic_update_slice_in_dim(buffer, piece, offset, axis=2)
+
+      sent = (granules * HOP_GRANULE) & size  # size rows when this piece's bit is set
+      buffer_2BSKH = jax.lax.cond(
+        sent > 0, send, lambda operands: operands[0], (buffer_2BSKH, offset)
+      )
+      offset = offset + sent
+  return buffer_2BSKH
+
+
 def map_row_blocks(fn, num_rows, block: int, inputs, outputs):
   """For the blocks [j*block, (j+1)*block) that hold rows [0, num_rows) (num_rows may be
   traced: a data-dependent trip count), writes fn(first_row, *input blocks) into `outputs` at
@@ -648,10 +763,26 @@ def one_body(
 
   def make_body(model, rank, tokens_Bc, reduce):
     check_keep_last_hop(keep_last_hop, chunks, model.config.narrowest_window)
+    shape = OneBodyShape.of_split(model.config, chunks, kernel)
+    table = shape.table(model.config, chunks)
     one = _OneBodyRank.build(
-      model, rank, tokens_Bc, reduce, chunks, kernel, timeline, keep_last_hop
+      model, rank, tokens_Bc, reduce, shape, kernel, timeline, keep_last_hop, table, chunks
     )
     return RankBody(one.tokens_Bc, one.layer, one.last_row, len(chunks) - 1, one.empty_buffer())
+
+  return make_body
+
+
+def one_body_as_data(shape: OneBodyShape, attention="flash") -> Callable:
+  """The one body with the split as data (the program's third operand, `OneBodyShape.table`)
+  and hops sized as data (`hop_chain_as_data`): one program for every split that fits
+  `shape`. No timeline probes, no kept last hop (its size would be data): the parts are
+  moved for cache="last"."""
+  kernel = get_kernel(attention)
+
+  def make_body(model, rank, tokens_Bc, reduce, table_3p):
+    one = _OneBodyRank.build(model, rank, tokens_Bc, reduce, shape, kernel, False, False, table_3p)
+    return RankBody(one.tokens_Bc, one.layer, one.last_row, shape.num_ranks - 1, one.empty_buffer())
 
   return make_body
 
@@ -669,12 +800,13 @@ def _one_body_kernel(kernel, block: int, window: int | None):
 
 @dataclasses.dataclass(frozen=True)
 class _OneBodyRank:
-  """One rank of the one body, built inside the trace: the split's static facts, and the
-  rank's own real length c, start and early rows as traced data (read at its rank index)."""
+  """One rank of the one body, built inside the trace: the program's static shape, and the
+  rank's own real length c, start and early rows as traced data (read at its rank index from
+  the split's table: constants, or the program's operand where the split is data)."""
 
-  chunks: tuple[int, ...]
-  kernel: Any  # its query block is `block`
-  block: int  # rows per step of the row loops and per query block (one_body_block)
+  chunks: tuple[int, ...] | None  # the split, where it is static (its hops then are too)
+  shape: OneBodyShape
+  kernel: Any  # its query block is the shape's block
   timeline: bool
   reduce: Callable
   config: Any
@@ -683,6 +815,7 @@ class _OneBodyRank:
   c: Any
   start: Any
   early_rows: Any
+  ends: Any  # every rank's S_i, traced (the hops' ends where they are data)
   dtype: Any
   q_heads: int  # this shard's N and K
   kv_heads: int
@@ -690,24 +823,25 @@ class _OneBodyRank:
 
   @classmethod
   def build(
-    cls, model, rank, tokens_Bc, reduce, chunks, kernel, timeline, keep_last_hop
+    cls, model, rank, tokens_Bc, reduce, shape, kernel, timeline, keep_last_hop, table, chunks=None
   ) -> _OneBodyRank:
+    """table: [3, p] lengths, starts, early rows (`OneBodyShape.table`); chunks: the split
+    where it is static (None: the table is the program's operand)."""
     cfg = model.config
-    block = one_body_block(cfg, chunks, kernel)
-    early = early_rows_in_blocks(cfg, chunks, block)
-    c_pad = padded_chunk_len(chunks, block)
+    c_p, start_p, early_p = (jnp.asarray(row, jnp.int32) for row in table)
     return cls(
       chunks=chunks,
-      kernel=_one_body_kernel(kernel, block, cfg.narrowest_window),
-      block=block,
+      shape=shape,
+      kernel=_one_body_kernel(kernel, shape.block, cfg.narrowest_window),
       timeline=timeline,
       reduce=reduce,
       config=cfg,
-      tokens_Bc=jnp.pad(tokens_Bc, ((0, 0), (0, c_pad - tokens_Bc.shape[1]))),
+      tokens_Bc=jnp.pad(tokens_Bc, ((0, 0), (0, shape.chunk_len - tokens_Bc.shape[1]))),
       rank=rank,
-      c=jnp.asarray(chunks, jnp.int32)[rank],
-      start=jnp.asarray(chunk_starts(chunks), jnp.int32)[rank],
-      early_rows=jnp.asarray(early, jnp.int32)[rank],
+      c=c_p[rank],
+      start=start_p[rank],
+      early_rows=early_p[rank],
+      ends=start_p + c_p,
       dtype=model.blocks.wk[...].dtype,
       q_heads=model.blocks.wq[...].shape[2],  # [L, D, N, H]
       kv_heads=model.blocks.wk[...].shape[2],
@@ -718,13 +852,17 @@ class _OneBodyRank:
   def c_pad(self) -> int:
     return self.tokens_Bc.shape[1]
 
+  @property
+  def block(self) -> int:
+    return self.shape.block
+
   def zeros(self, shape):  # varying over the ranks, like what it will hold
     return jax.lax.pcast(jnp.zeros(shape, self.dtype), varying_axes(self.reduce), to="varying")
 
   def empty_buffer(self):
     """[2, B, S, K, H]: the received prefix, then the rank's own chunk (carried over layers)."""
     B, H = self.tokens_Bc.shape[0], self.config.head_dim
-    return self.zeros((2, B, one_body_buffer_len(self.chunks, self.block), self.kv_heads, H))
+    return self.zeros((2, B, self.shape.buffer_len, self.kv_heads, H))
 
   def project(self, block, x_BcD):
     """q [B, c_pad, N, H] and own K,V [2, B, c_pad, K, H] of the c real rows, in row blocks;
@@ -751,8 +889,8 @@ class _OneBodyRank:
     merge less per layer, and a flash loop nest less to compile."""
     c, start, early_rows = self.c, self.start, self.early_rows
     # The buffer holds the prefix and, at `start`, the rank's own chunk (see `layer`).
-    keys = one_body_keys(self.chunks, self.block)
-    keys_2BSKH = buffer_2BSKH[:, :, :keys] if len(self.chunks) > 1 else own_2BcKH
+    keys = self.shape.keys
+    keys_2BSKH = buffer_2BSKH[:, :, :keys] if self.shape.num_ranks > 1 else own_2BcKH
     late_BcNH, late_lse_BcN = block.attend_partial(
       q_BcNH,
       keys_2BSKH[0],
@@ -770,7 +908,7 @@ class _OneBodyRank:
 
   def layer(self, block, x_BcD, buffer_2BSKH, l):
     """One layer of the rank (the phases in `one_body`'s docstring)."""
-    chunks, timeline, c = self.chunks, self.timeline, self.c
+    timeline, c = self.timeline, self.c
     q_BcNH, own_2BcKH = mark(timeline, "qkv", l, self.project(block, x_BcD))
     early = block.attend_partial(
       q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, self.kernel, query_rows=(0, self.early_rows), key_end=c
@@ -779,16 +917,21 @@ class _OneBodyRank:
     # is recorded before the diagonal (an optimization barrier alone did not order them).
     diagonal, own_2BcKH = mark(timeline, "diagonal", l, (early, own_2BcKH))
     last_message = None
-    if len(chunks) > 1:
+    if self.shape.num_ranks > 1:
       # Own K,V after the received prefix: what this rank forwards and attends.
       buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(
         buffer_2BSKH, own_2BcKH, self.start, axis=2
       )
       # The hops' messages are computed after the early rows (their receivers wait less).
       window = block.config.sliding_window  # this layer's (layers may differ)
-      buffer_2BSKH, last_message = hop_chain(
-        buffer_2BSKH, own_2BcKH, self.rank, chunks, window, timeline, l, True, after=diagonal
-      )
+      if self.chunks is None:  # hops sized as data: the split is the program's operand
+        buffer_2BSKH = hop_chain_as_data(
+          buffer_2BSKH, self.rank, self.ends, window, self.shape.context_len, after=diagonal
+        )
+      else:
+        buffer_2BSKH, last_message = hop_chain(
+          buffer_2BSKH, own_2BcKH, self.rank, self.chunks, window, timeline, l, True, diagonal
+        )
       # The attention waits for the hops (see _PerRankBranches.layer).
       q_BcNH = ordered_after(q_BcNH, buffer_2BSKH, last_message)
     attn_BcNH = self.attend(block, q_BcNH, own_2BcKH, buffer_2BSKH, diagonal)
@@ -803,7 +946,7 @@ class _OneBodyRank:
     x_BcD = mark(timeline, "rest", l, x_BcD)
     # Only this rank's chunk leaves the layer (and, kept, what the last hop brought), in
     # parts of c_max rows as from the per-rank program (one cache layout for both bodies).
-    own_out = fold_batch(own_2BcKH[:, :, : max(chunks)])
+    own_out = fold_batch(own_2BcKH[:, :, : self.shape.part_len])
     kept = (own_out, fold_batch(last_message)) if self.keep_last_hop else own_out
     return x_BcD, buffer_2BSKH, kept
 
@@ -973,3 +1116,55 @@ ONE_BODY_STRATEGY = dataclasses.replace(
   description="KV-Runahead's one-body program (lengths as data) on every rank count",
   compile=strategy_compiler("kvr", kvr_body, "flash", body="one"),
 )
+
+
+@kept_cache(16)
+def _split_as_data_program(graphdef, mesh, shape: OneBodyShape, kernel):
+  program = rank_program(
+    SPLIT_AS_DATA,
+    graphdef,
+    one_body_as_data(shape, kernel),
+    shape.num_ranks,
+    False,
+    model_reduce(mesh),
+  )
+  return spmd(program, mesh, with_table=True)
+
+
+SPLIT_AS_DATA = "kvr-split-as-data"
+
+
+def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
+  """KV-Runahead on one program for every split of `config`'s model that fits `shape`
+  (`OneBodyShape.envelope`): the split is the program's operand and its hops are sized as
+  data, so a new split compiles nothing. What the measured search times its candidates on.
+  Its parts are `shape.part_len` rows (the envelope's chunk); cache="last" moves them."""
+
+  def layout(context_len: int, num_ranks: int, chunks) -> tuple[int, ...]:
+    shape.check_split(tuple(chunks))
+    return tuple(chunks)
+
+  def arrange(tokens_BC, chunks):
+    tokens_pBc = pad_chunks(tokens_BC, chunks)
+    return np.pad(tokens_pBc, ((0, 0), (0, 0), (0, shape.chunk_len - tokens_pBc.shape[2])))
+
+  def compile_program(
+    graphdef, mesh, chunks, attention="flash", timeline=False, keep_last_hop=False
+  ):
+    refuse(SPLIT_AS_DATA, timeline, keep_last_hop)
+    program = _split_as_data_program(graphdef, mesh, shape, get_kernel(attention))
+    table = global_array(shape.table(config, tuple(chunks)), jax.NamedSharding(mesh, jax.P()))
+    return lambda state, tokens_pBc: program(state, tokens_pBc, table)
+
+  return dataclasses.replace(
+    STRATEGY,
+    name=SPLIT_AS_DATA,
+    description="KV-Runahead on one program for every split that fits its shape",
+    attention_kinds=tuple(k for k in CAUSAL_KERNELS if get_kernel(k).lengths_as_data),
+    layout=layout,
+    arrange=arrange,
+    compile=compile_program,
+    cache_layout=lambda C, chunks: contiguous_layout(chunks, shape.part_len),
+    timeline_probes=False,
+    cache_from_last_hop=None,
+  )
