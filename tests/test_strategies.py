@@ -372,9 +372,15 @@ def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   (first,) = stored_batches()
   assert first == "32,32;16,48;48,16"
   calls.update(n=0, limit=None)
+  traces = TRACE_COUNT["kvr"], TRACE_COUNT[runahead.SPLIT_AS_DATA]
   chunks = search_with_cache()
   later = [key for key in stored_batches() if key != first]
   assert later and calls["n"] == sum(2 * len(key.split(";")) for key in later)
+  # Every candidate ran on one program with the split as data (at most one trace: the
+  # interrupted search may have traced it), none on a program of its own.
+  assert TRACE_COUNT["kvr"] == traces[0]
+  assert TRACE_COUNT[runahead.SPLIT_AS_DATA] <= traces[1] + 1
+  assert len({p for key in later for p in key.split(";")}) >= 3
   assert sum(chunks) == 64 and chunks[0] % 8 == 0
   calls["n"] = 0
   assert search_with_cache() == chunks
@@ -414,7 +420,7 @@ def test_measured_comparison_times_the_best_with_each_batch(models, monkeypatch)
   model, mesh = models["tiny-llama"], kvr_jax.make_mesh(2)
   batches = []
 
-  def fake_time_together(model, tokens, mesh, partitions, repeats):
+  def fake_time_together(model, tokens, mesh, partitions, repeats, strategy):
     batches.append(partitions)
     return {",".join(map(str, c)): [float(c[0]), float(c[0]) + 2.5] for c in partitions}
 

@@ -35,7 +35,7 @@ from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.planning.search import Compare, descend_by_comparison
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh
-from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.tools.timing import interval_verdict, time_interleaved
 from models.kernels import get_kernel, kernels_where
 from models.layers import attend_static, window_start
@@ -161,11 +161,12 @@ def measured_comparison(
   setup = _measured_setup(model, tokens, mesh)
   batches: dict[str, dict] = _stored_batches(cache_path, setup, tokens.shape[-1])
   timed = [0]
+  runs_on = _candidates_program(model, mesh, setup)
 
   def time_batch(partitions: list[tuple[int, ...]]) -> dict[str, list[float]]:
     key = ";".join(",".join(map(str, c)) for c in partitions)
     if key not in batches:
-      batches[key] = _time_together(model, tokens, mesh, partitions, repeats)
+      batches[key] = _time_together(model, tokens, mesh, partitions, repeats, runs_on(partitions))
       if cache_path and jax.process_index() == jax.process_count() - 1:
         os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
         # Another search may share the file: keep what it wrote meanwhile, then add ours.
@@ -191,14 +192,44 @@ def measured_comparison(
   return compare
 
 
+# The candidates' program holds chunks up to the longest one asked for plus this share of the
+# prompt (the search moves a few steps of at most C/16p from its start), so that a search
+# compiles once; a candidate past it gets a larger program.
+ENVELOPE_SHARE = 8
+
+
+def _candidates_program(model, mesh, setup: dict):
+  """partitions -> the strategy a batch is timed with: KV-Runahead with the split as data
+  (`runahead.split_as_data_strategy`) on one program for every candidate that fits its shape,
+  where the kernel takes lengths as data and p > 1; else "kvr" (a program per split)."""
+  programs = []  # the shapes made so far, the latest last
+
+  def runs_on(partitions):
+    longest = max(max(chunks) for chunks in partitions)
+    if setup["program"] != runahead.SPLIT_AS_DATA:
+      return "kvr"
+    if not programs or programs[-1][0].chunk_len < longest:
+      context_len = sum(partitions[0])
+      reach = min(context_len, longest + context_len // ENVELOPE_SHARE)
+      kernel = get_kernel(setup["kernel"])
+      shape = runahead.OneBodyShape.envelope(model.config, partitions[0], kernel, reach)
+      programs.append((shape, runahead.split_as_data_strategy(model.config, shape)))
+    return programs[-1][1]
+
+  return runs_on
+
+
 def _measured_setup(model, tokens, mesh) -> dict:
   """Everything that changes a measured time, which keys the file: what runs (model, weights'
-  dtype, the kernel the prefills resolve to, the prompt's shape) and where (devices, kind)."""
+  dtype, the kernel the prefills resolve to, the program, the prompt's shape) and where
+  (devices, kind)."""
   first_device = mesh.devices.reshape(-1)[0]
   kernel = get_strategy("kvr").resolve_attention(
     None, first_device, model.dtype, model.config.narrowest_window
   )
+  one_program = kernel.lengths_as_data and check_mesh(mesh) > 1
   return {
+    "program": runahead.SPLIT_AS_DATA if one_program else "kvr",
     "model": model.source,
     "config": model.config.to_dict(),
     "dtype": jnp.dtype(model.dtype).name,
@@ -210,12 +241,22 @@ def _measured_setup(model, tokens, mesh) -> dict:
   }
 
 
-def _time_together(model, tokens, mesh, partitions, repeats: int) -> dict[str, list[float]]:
+def _time_together(
+  model, tokens, mesh, partitions, repeats: int, strategy="kvr"
+) -> dict[str, list[float]]:
   """Each partition's warm KVR TTFTs, `repeats` interleaved rounds; the same samples in every
   process (the last rank's process sees the true TTFT, and every process must decide alike or
-  their searches, and so their compiled programs, would diverge)."""
+  their searches, and so their compiled programs, would diverge). strategy: "kvr" (each
+  split its program, cache="last" as prefill's default) or a split-as-data strategy (one
+  program; its parts left where they are: the TTFT, no move)."""
+  cache = "last" if strategy == "kvr" else "sharded"
   variants = {
-    ",".join(map(str, chunks)): {"strategy": "kvr", "mesh": mesh, "partition": list(chunks)}
+    ",".join(map(str, chunks)): {
+      "strategy": strategy,
+      "mesh": mesh,
+      "partition": list(chunks),
+      "cache": cache,
+    }
     for chunks in partitions
   }
   timings = time_interleaved(model, tokens, variants, repeats)
