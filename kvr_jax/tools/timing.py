@@ -20,7 +20,7 @@ def synthetic_prompt(vocab_size: int, context_len: int, batch: int = 1, seed: in
 
 @dataclasses.dataclass
 class PrefillTiming:
-  first_s: float  # the first call: trace and compile (unless cached), then run
+  first_s: float | None  # the first call: trace and compile (unless cached), then run
   runs_s: list[float]  # the warm runs after it (the whole TTFT, the cache move included)
   result: PrefillResult
   moves_s: list[float] = dataclasses.field(default_factory=list)  # cache="last": the move
@@ -67,23 +67,28 @@ def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
 
 
 def time_interleaved(
-  model: Model, tokens, variants: dict[str, dict], rounds: int
+  model: Model, tokens, variants: dict[str, dict], rounds: int, first_calls=None
 ) -> dict[str, PrefillTiming]:
   """Every variant (name -> prefill keyword arguments) called once (its compile), then
   `rounds` rounds that time one warm call of each variant in turn, so that a drift of the
   machine's speed hits every variant alike. Each round starts one variant later (ABC, BCA,
   CAB, ...): no variant always runs first, or always right after the same one. Every sample's
   time is kept (`runs_s`), and of its results only the last: a variant's previous result is
-  freed before it runs again.
+  freed before it runs again. first_calls: the variants called once before the rounds
+  (default every one); variants that share one compiled program need only one of them
+  (their `first_s` is then None).
 
   Why both: keeping every result (each with its whole cache) grew a process by gigabytes
   over a run, and the move onto the last rank, which writes fresh memory, then cost up to 4x
   more in a round's later places than in its first (bench-mistral, 16k, two processes)."""
   setup, latest = {}, {}
+  first_calls = set(variants) if first_calls is None else set(first_calls)
   for name, kwargs in variants.items():
     kwargs = dict(kwargs)
     cache = kwargs.pop("cache", "last")
-    latest[name], first_s, _ = _timed_call(model, tokens, cache, kwargs)
+    first_s = None
+    if name in first_calls:
+      latest[name], first_s, _ = _timed_call(model, tokens, cache, kwargs)
     setup[name] = (cache, kwargs, first_s)
   samples: dict[str, list] = {name: [] for name in variants}
   names = list(variants)
