@@ -692,7 +692,9 @@ def hop_chain_as_data(buffer_2BSKH, rank, ends_p, window: int | None, max_rows: 
   (ends_p[k] = S_k traced, a its window start) from rank k's buffer into rank k+1's, in the
   pieces of `hop_pieces` whose bits its length sets. The bits are the same on every rank (the
   table is), so every rank takes the same branch and each ppermute is whole. Rows a piece
-  carries past S_k are rank k+1's own chunk in its buffer: it keeps them."""
+  carries past S_k are rank k+1's own chunk in its buffer: it keeps them. max_rows: the
+  longest hop (the prompt; with a window, its last W-1 keys at most)."""
+  max_rows = max_rows if window is None else min(max_rows, window - 1)
   for k in range(ends_p.shape[0] - 1):
     end = ends_p[k]
     first = 0 if window is None else jnp.maximum(0, end - window + 1)
