@@ -1120,6 +1120,9 @@ ONE_BODY_STRATEGY = dataclasses.replace(
 )
 
 
+SPLIT_AS_DATA = "kvr-split-as-data"
+
+
 @kept_cache(16)
 def _split_as_data_program(graphdef, mesh, shape: OneBodyShape, kernel):
   program = rank_program(
@@ -1133,7 +1136,10 @@ def _split_as_data_program(graphdef, mesh, shape: OneBodyShape, kernel):
   return spmd(program, mesh, with_table=True)
 
 
-SPLIT_AS_DATA = "kvr-split-as-data"
+@kept_cache(64)
+def _table_on(mesh, config, shape: OneBodyShape, chunks: tuple[int, ...]):
+  """A split's table on every rank of `mesh`, made once per split (not on every call)."""
+  return global_array(shape.table(config, chunks), jax.NamedSharding(mesh, jax.P()))
 
 
 def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
@@ -1155,7 +1161,7 @@ def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
   ):
     refuse(SPLIT_AS_DATA, timeline, keep_last_hop)
     program = _split_as_data_program(graphdef, mesh, shape, get_kernel(attention))
-    table = global_array(shape.table(config, tuple(chunks)), jax.NamedSharding(mesh, jax.P()))
+    table = _table_on(mesh, config, shape, tuple(chunks))
     return lambda state, tokens_pBc: program(state, tokens_pBc, table)
 
   return dataclasses.replace(

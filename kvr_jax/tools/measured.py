@@ -202,19 +202,19 @@ def _candidates_program(model, mesh, setup: dict):
   """partitions -> the strategy a batch is timed with: KV-Runahead with the split as data
   (`runahead.split_as_data_strategy`) on one program for every candidate that fits its shape,
   where the kernel takes lengths as data and p > 1; else "kvr" (a program per split)."""
-  programs = []  # the shapes made so far, the latest last
+  latest = {}  # the shape in use and its strategy
 
   def runs_on(partitions):
-    longest = max(max(chunks) for chunks in partitions)
     if setup["program"] != runahead.SPLIT_AS_DATA:
       return "kvr"
-    if not programs or programs[-1][0].chunk_len < longest:
+    longest = max(max(chunks) for chunks in partitions)
+    if not latest or latest["shape"].chunk_len < longest:
       context_len = sum(partitions[0])
       reach = min(context_len, longest + context_len // ENVELOPE_SHARE)
       kernel = get_kernel(setup["kernel"])
       shape = runahead.OneBodyShape.envelope(model.config, partitions[0], kernel, reach)
-      programs.append((shape, runahead.split_as_data_strategy(model.config, shape)))
-    return programs[-1][1]
+      latest.update(shape=shape, strategy=runahead.split_as_data_strategy(model.config, shape))
+    return latest["strategy"]
 
   return runs_on
 
