@@ -359,6 +359,22 @@ def _yarn_from_hf(hf: dict[str, Any], merged: dict[str, Any], max_positions: int
   return out
 
 
+# The numbers a RoPE dict may hold (a string or a boolean there is refused by name, as
+# transformers' validation refuses it).
+ROPE_NUMBER_FIELDS = (
+  "rope_theta",
+  "factor",
+  "low_freq_factor",
+  "high_freq_factor",
+  "original_max_position_embeddings",
+  "attention_factor",
+  "beta_fast",
+  "beta_slow",
+  "mscale",
+  "mscale_all_dim",
+)
+
+
 def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> RopeConfig:
   """Reads RoPE settings from either config layout.
 
@@ -366,6 +382,9 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Ro
   transformers >= 5 writes `rope_parameters` = {"rope_type", "rope_theta", ...}.
   max_positions: the model's position limit (YaRN's pretraining context when none is given).
   """
+  for key in ("rope_parameters", "rope_scaling"):
+    if hf.get(key) is not None and not isinstance(hf[key], dict):
+      raise ValueError(f"config.json: `{key}` must be a dict, got {hf[key]!r}")
   params = dict(hf.get("rope_parameters") or {})
   scaling = dict(hf.get("rope_scaling") or {})
   params_type = params.get("rope_type", params.get("type", "default"))
@@ -373,7 +392,9 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Ro
     # A transformers-5 config without scaling (`rope_parameters` holds the default type and
     # the base) and a `rope_scaling` added as Qwen's model cards say, for YaRN: transformers
     # honours the scaling, and so does this reader (on the base the parameters give).
-    params = {k: v for k, v in params.items() if k == "rope_theta"}
+    # transformers takes the card in place of the parameters: a `rope_theta` inside the card
+    # wins over the parameters' base (which is kept only where the card has none).
+    params = {} if "rope_theta" in scaling else {k: v for k, v in params.items() if k == "rope_theta"}
   elif params and scaling:
     # Both layouts naming a scaling: which one a reader honours differs, so a disagreement
     # is refused by name, never resolved quietly.
@@ -387,6 +408,10 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Ro
         "keep one of them"
       )
   merged = {**scaling, **params}
+  for key in ROPE_NUMBER_FIELDS:
+    value = merged.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+      raise ValueError(f"config.json: rope `{key}` must be a number, got {value!r}")
   theta = merged.get("rope_theta", _or_default(hf, "rope_theta", model_type, 10000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default"))
   if rope_type not in ROPE_TYPES:
@@ -439,25 +464,7 @@ def _gemma_from_hf(hf: dict[str, Any], common: dict[str, Any]) -> GemmaConfig:
   ]
   if len(layer_types) != L or not set(layer_types) <= {"sliding_attention", "full_attention"}:
     raise ValueError(f"config.json: `layer_types` {layer_types!r} for {L} layers")
-  params = hf.get("rope_parameters") or {}
-  max_positions = common["max_position_embeddings"]
-  if "full_attention" in params or "sliding_attention" in params:
-    default = {"rope_type": "default"}
-    rope = _rope_from_hf(
-      {"rope_parameters": params.get("full_attention", default)}, max_positions, kind
-    )
-    local = _rope_from_hf(
-      {"rope_parameters": params.get("sliding_attention", default)}, max_positions, kind
-    )
-  else:
-    scaling = hf.get("rope_scaling") or {}
-    if "type" in scaling and "rope_type" not in scaling:
-      raise ValueError(
-        "config.json: Gemma 3's `rope_scaling` names its type as `type`, which transformers 5 "
-        "reads as default RoPE (the scaling ignored); write `rope_type` to scale"
-      )
-    rope = _rope_from_hf(hf, max_positions, kind)
-    local = RopeConfig(theta=float(_or_default(hf, "rope_local_base_freq", kind)))
+  rope, local = _gemma_ropes(hf, common["max_position_embeddings"])
   num_heads = hf["num_attention_heads"]
   return GemmaConfig(
     **common,
@@ -471,6 +478,57 @@ def _gemma_from_hf(hf: dict[str, Any], common: dict[str, Any]) -> GemmaConfig:
     tie_embeddings=_or_default(hf, "tie_word_embeddings", kind),
     layer_windows=tuple(window if t == "sliding_attention" else None for t in layer_types),
   )
+
+
+def _gemma_ropes(hf: dict[str, Any], max_positions: int) -> tuple[RopeConfig, RopeConfig]:
+  """(full layers' RoPE, windowed layers' RoPE) as Gemma3TextConfig reads them (transformers
+  5): `rope_parameters` nested by layer kind (absent: both default), a kind absent or null
+  is default; `rope_scaling` updates the full kind; a kind without `rope_theta` takes the
+  top-level `rope_theta` (full) or `rope_local_base_freq` (windowed), else 1e6 / 1e4. A flat
+  `rope_parameters` (one dict, not per kind) transformers ignores: refused, not ignored."""
+  kind = "gemma3_text"
+  params = hf.get("rope_parameters")
+  if params is None:
+    params = {"sliding_attention": {"rope_type": "default"}, "full_attention": None}
+  if not isinstance(params, dict):
+    raise ValueError(
+      "config.json: Gemma 3's `rope_parameters` must be a dict per layer kind "
+      f"({{'full_attention': {{...}}, 'sliding_attention': {{...}}}}), got {params!r}"
+    )
+  flat = sorted(set(params) - {"full_attention", "sliding_attention"})
+  if flat:
+    raise ValueError(
+      f"config.json: Gemma 3's `rope_parameters` has keys {flat} beside (or instead of) its "
+      "layer kinds; it takes one dict per kind, {'full_attention': {...}, "
+      "'sliding_attention': {...}} (transformers 5 ignores a flat one)"
+    )
+  kinds = {}
+  for name in ("full_attention", "sliding_attention"):
+    given = params.get(name)
+    if given is not None and not isinstance(given, dict):
+      raise ValueError(f"config.json: `rope_parameters.{name}` must be a dict, got {given!r}")
+    kinds[name] = dict(given) if given else {"rope_type": "default"}
+  scaling = hf.get("rope_scaling")
+  if scaling is not None:
+    if not isinstance(scaling, dict):
+      raise ValueError(f"config.json: `rope_scaling` must be a dict, got {scaling!r}")
+    if "type" in scaling and "rope_type" not in scaling and "rope_type" in kinds["full_attention"]:
+      raise ValueError(
+        "config.json: Gemma 3's `rope_scaling` names its type as `type`, which transformers 5 "
+        "reads as default RoPE (the scaling ignored); write `rope_type` to scale"
+      )
+    kinds["full_attention"].update(scaling)
+  kinds["full_attention"].setdefault(
+    "rope_theta", _or_default(hf, "rope_theta", kind, FAMILY_DEFAULTS[kind]["rope_theta"])
+  )
+  kinds["sliding_attention"].setdefault(
+    "rope_theta", _or_default(hf, "rope_local_base_freq", kind)
+  )
+  full, local = (
+    _rope_from_hf({"rope_parameters": kinds[name]}, max_positions, kind)
+    for name in ("full_attention", "sliding_attention")
+  )
+  return full, local
 
 
 def _experts_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -617,6 +675,23 @@ POSITIVE_INT_FIELDS = (
 )
 NON_NEGATIVE_INT_FIELDS = ("max_window_layers",)
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+# Booleans of transformers' config classes (typed `bool`, so its strict validation refuses a
+# string or null there); present, they must be true or false.
+BOOL_FIELDS = (
+  "tie_word_embeddings",
+  "use_sliding_window",
+  "norm_topk_prob",
+  "attention_bias",
+  "mlp_bias",
+  "new_decoder_architecture",
+  "multi_query",
+  "parallel_attn",
+  "alibi",
+  "bias",
+)
+# Present and not null, these must be positive: Gemma 3's attention scale, its window (one
+# windowed layer in every `sliding_window_pattern`).
+GEMMA_POSITIVE_FIELDS = {"query_pre_attn_scalar": (int, float), "sliding_window_pattern": (int,)}
 
 
 def _check_fields(hf: dict[str, Any], model_type: str) -> None:
@@ -639,6 +714,33 @@ def _check_fields(hf: dict[str, Any], model_type: str) -> None:
       isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
     ):
       raise ValueError(f"config.json: `{name}` must be a positive number, got {value!r}")
+  for name in BOOL_FIELDS:
+    if name in hf and not isinstance(hf[name], bool):
+      raise ValueError(f"config.json: `{name}` must be true or false, got {hf[name]!r}")
+  for name in ("eos_token_id", "bos_token_id"):
+    value = hf.get(name)
+    ids = value if isinstance(value, list) and name == "eos_token_id" else [value]
+    if value is not None and any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+      form = "an integer, a list of integers or null" if name == "eos_token_id" else "an integer"
+      raise ValueError(f"config.json: `{name}` must be {form}, got {value!r}")
+  if model_type == "gemma3_text":
+    for name, types in GEMMA_POSITIVE_FIELDS.items():
+      value = hf.get(name)
+      if name in hf and (isinstance(value, bool) or not isinstance(value, types) or value <= 0):
+        kind = "an integer" if types == (int,) else "a number"
+        raise ValueError(f"config.json: `{name}` must be {kind} > 0, got {value!r}")
+    if "sliding_window" in hf and hf["sliding_window"] is None:
+      raise ValueError(
+        "config.json: Gemma 3's `sliding_window` must be a positive integer (its windowed "
+        "layers need one), got null"
+      )
+  if model_type == "mixtral" and "num_experts" in hf:
+    if hf.get("num_local_experts") != hf["num_experts"]:
+      raise ValueError(
+        f"config.json: Mixtral reads its expert count from `num_local_experts` "
+        f"({hf.get('num_local_experts')!r}), not `num_experts` ({hf['num_experts']!r}, which "
+        "transformers ignores); rename the key"
+      )
 
 
 def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -651,12 +753,14 @@ def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, An
   `layer_types`, which decides when present.
   """
   window = hf.get("sliding_window", WINDOW_DEFAULTS.get(model_type))
-  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+  if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
     window = None
   if model_type == "llama":  # transformers' Llama has no window and ignores the field
     window = None
   num_layers = hf["num_hidden_layers"]
-  layer_types = hf.get("layer_types")
+  # Qwen3-MoE and Mixtral have no layer kinds: one mask for every layer, `layer_types` (a key
+  # their config classes keep but never read) is ignored, as transformers ignores it.
+  layer_types = None if model_type in MOE_FAMILIES else hf.get("layer_types")
   if layer_types is None:
     # transformers' Qwen2/Qwen3 config classes default max_window_layers to 28 when absent.
     first_windowed = (

@@ -17,6 +17,32 @@ import dataclasses
 import numpy as np
 
 
+# What each way of computing attention can do, from its implementation in models/layers.py:
+# (takes_window, returns_lse, skips_causal_blocks, scores_in_memory, lengths_as_data) and the
+# block sizes it uses with their defaults. A record's capability fields follow from this table
+# (a field given that disagrees is refused), so no record can claim what its maths does not do.
+_Capabilities = tuple[bool, bool, bool, bool, bool]
+CAPABILITIES: dict[str, tuple[_Capabilities, dict[str, int]]] = {
+  "dense": ((True, False, False, True, False), {}),
+  "blocked": ((True, False, True, True, False), {"query_block": 128}),
+  "flash": ((True, True, True, False, True), {"query_block": 512, "key_block": 512}),
+  # The prefix piece is unmasked: no window.
+  "two-piece": ((False, True, True, False, False), {}),
+}
+_CAPABILITY_FIELDS = (
+  "takes_window",
+  "returns_lse",
+  "skips_causal_blocks",
+  "scores_in_memory",
+  "lengths_as_data",
+)
+# Where each implementation runs: (platforms, dtypes; None = any) and what it computes.
+IMPLEMENTATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...] | None, tuple[str, ...]]] = {
+  "xla": (("cpu", "gpu", "tpu"), None, tuple(CAPABILITIES)),
+  "cudnn": (("gpu",), ("bfloat16", "float16"), ("two-piece",)),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionKernel:
   """One attention kernel.
@@ -28,6 +54,8 @@ class AttentionKernel:
     memory; "two-piece" the unmasked prefix and the causal diagonal as fused-attention calls
     merged by their float32 log-sum-exp.
   implementation: "xla", or "cudnn" (cuDNN's fused flash kernel, NVIDIA GPUs only).
+  The next five follow from `computes` (CAPABILITIES; left out they are filled in, given they
+  must agree):
   takes_window: takes a sliding window (the two-piece kernels cannot: the prefix piece is
     unmasked).
   returns_lse: returns its float32 log-sum-exp, so partials over disjoint keys merge exactly.
@@ -35,23 +63,81 @@ class AttentionKernel:
     model's causal_skip).
   scores_in_memory: writes its score matrix to memory (the cost model's byte traffic).
   lengths_as_data: takes query rows and a key end as traced values (the one-body program).
-  dtypes: the input dtypes it takes (None: any).
-  platforms: the JAX platforms it runs on.
-  query_block, key_block: its block sizes (None where it has none).
+  dtypes: the input dtypes it takes (None: any the implementation takes).
+  platforms: the JAX platforms it runs on (None: every one the implementation runs on; a
+    narrower tuple is kept, a wider one refused).
+  query_block, key_block: its block sizes, positive integers, for the ways that have blocks
+    (None: that way's default).
   """
 
   name: str
   computes: str
   implementation: str = "xla"
-  takes_window: bool = True
-  returns_lse: bool = False
-  skips_causal_blocks: bool = False
-  scores_in_memory: bool = True
-  lengths_as_data: bool = False
+  takes_window: bool | None = None
+  returns_lse: bool | None = None
+  skips_causal_blocks: bool | None = None
+  scores_in_memory: bool | None = None
+  lengths_as_data: bool | None = None
   dtypes: tuple[str, ...] | None = None
-  platforms: tuple[str, ...] = ("cpu", "gpu", "tpu")
+  platforms: tuple[str, ...] | None = None
   query_block: int | None = None
   key_block: int | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"kernel `name` must be a non-empty string, got {self.name!r}")
+    if self.computes not in CAPABILITIES:
+      raise ValueError(
+        f"kernel {self.name!r}: `computes`={self.computes!r} is unknown; expected one of "
+        f"{tuple(CAPABILITIES)}"
+      )
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(
+        f"kernel {self.name!r}: `implementation`={self.implementation!r} is unknown; "
+        f"expected one of {tuple(IMPLEMENTATIONS)}"
+      )
+    platforms, dtypes, computes = IMPLEMENTATIONS[self.implementation]
+    if self.computes not in computes:
+      raise ValueError(
+        f"kernel {self.name!r}: the {self.implementation!r} implementation computes "
+        f"{computes}, not {self.computes!r}"
+      )
+    capabilities, blocks = CAPABILITIES[self.computes]
+    for field, can in zip(_CAPABILITY_FIELDS, capabilities, strict=True):
+      given = getattr(self, field)
+      if given is None:
+        object.__setattr__(self, field, can)
+      elif given is not can:
+        raise ValueError(
+          f"kernel {self.name!r}: `{field}`={given!r}, but what it computes "
+          f"({self.computes!r}) has {field}={can}; leave the field out"
+        )
+    for field, allowed in (("platforms", platforms), ("dtypes", dtypes)):
+      given = getattr(self, field)
+      if given is None:
+        object.__setattr__(self, field, allowed)
+        continue
+      given = (given,) if isinstance(given, str) else tuple(given)
+      if not given or (allowed is not None and not set(given) <= set(allowed)):
+        raise ValueError(
+          f"kernel {self.name!r}: `{field}`={given!r}; the {self.implementation!r} "
+          f"implementation takes {'any' if allowed is None else allowed}"
+        )
+      object.__setattr__(self, field, given)
+    for field in ("query_block", "key_block"):
+      given = getattr(self, field)
+      if field not in blocks:
+        if given is not None:
+          raise ValueError(
+            f"kernel {self.name!r}: `{field}`={given!r}, but {self.computes!r} has no such "
+            "block; leave it out"
+          )
+      elif given is None:
+        object.__setattr__(self, field, blocks[field])
+      elif isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        raise ValueError(
+          f"kernel {self.name!r}: `{field}` must be a positive integer, got {given!r}"
+        )
 
   def runs_on(self, device, dtype, window: int | None) -> bool:
     """Whether this kernel runs on `device` for a model of `dtype` with sliding `window`."""
@@ -80,38 +166,12 @@ KERNELS: dict[str, AttentionKernel] = {
   for k in (
     AttentionKernel("dense", "dense"),
     # Query block measured fastest of 64/128/256/512 on this 2-core CPU for T = 2048, 4096.
-    AttentionKernel("blocked", "blocked", skips_causal_blocks=True, query_block=128),
+    AttentionKernel("blocked", "blocked", query_block=128),
     # Blocks chosen by measurement (`python -m launch.benchmark --mode=kernels`).
-    AttentionKernel(
-      "flash",
-      "flash",
-      returns_lse=True,
-      skips_causal_blocks=True,
-      scores_in_memory=False,
-      lengths_as_data=True,
-      query_block=512,
-      key_block=512,
-    ),
-    AttentionKernel(
-      "fused",
-      "two-piece",
-      takes_window=False,
-      returns_lse=True,
-      skips_causal_blocks=True,
-      scores_in_memory=False,
-    ),
+    AttentionKernel("flash", "flash", query_block=512, key_block=512),
+    AttentionKernel("fused", "two-piece"),
     # Measured 10x the flash kernel's speed on an H100 (docs/gpu.md).
-    AttentionKernel(
-      "cudnn",
-      "two-piece",
-      implementation="cudnn",
-      takes_window=False,
-      returns_lse=True,
-      skips_causal_blocks=True,
-      scores_in_memory=False,
-      dtypes=("bfloat16", "float16"),
-      platforms=("gpu",),
-    ),
+    AttentionKernel("cudnn", "two-piece", implementation="cudnn"),
   )
 }
 KERNEL_NAMES = tuple(KERNELS)

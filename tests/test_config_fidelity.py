@@ -347,6 +347,177 @@ VARIANTS = {
     f"{family}-no-max-positions": (family, {}, drop("max_position_embeddings"), None)
     for family in ("llama", "mistral", "qwen2", "qwen3", "falcon")
   },
+  # Reliability round 5 (issue 51): shapes transformers 5.24 reads one way and this loader
+  # read another (silent wrong logits), or refuses where this loader loaded.
+  "qwen3_moe-window-unused": (
+    "qwen3_moe",
+    {},
+    put(sliding_window=4, use_sliding_window=False),
+    None,
+  ),
+  "qwen3_moe-window-no-use-key": (
+    "qwen3_moe",
+    {"sliding_window": 4, "use_sliding_window": True},
+    drop("use_sliding_window"),
+    None,
+  ),
+  "qwen3_moe-layer-types-ignored": (
+    "qwen3_moe",
+    {"sliding_window": 4, "use_sliding_window": True},
+    put(layer_types=["full_attention", "sliding_attention"]),
+    None,
+  ),
+  "mixtral-layer-types-ignored": (
+    "mixtral",
+    {"sliding_window": 4},
+    put(layer_types=["sliding_attention", "full_attention"]),
+    None,
+  ),
+  "gemma3-local-rope-no-theta": (
+    "gemma3_text",
+    {},
+    put(
+      rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5e5},
+        "sliding_attention": {"rope_type": "default"},
+      }
+    ),
+    None,
+  ),
+  "gemma3-local-rope-no-theta-top-level-freq": (
+    "gemma3_text",
+    {},
+    put(
+      rope_local_base_freq=300.0,
+      rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5e5},
+        "sliding_attention": {"rope_type": "default"},
+      },
+    ),
+    None,
+  ),
+  "gemma3-local-rope-null": (
+    "gemma3_text",
+    {},
+    put(
+      rope_local_base_freq=300.0,
+      rope_parameters={
+        "full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0},
+        "sliding_attention": None,
+      },
+    ),
+    None,
+  ),
+  "gemma3-local-rope-absent": (
+    "gemma3_text",
+    {},
+    put(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e5}}),
+    None,
+  ),
+  "gemma3-full-rope-no-theta-top-level-theta": (
+    "gemma3_text",
+    {},
+    put(
+      rope_theta=5e4,
+      rope_parameters={
+        "full_attention": {"rope_type": "default"},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 300.0},
+      },
+    ),
+    None,
+  ),
+  "gemma3-flat-rope-default": (
+    "gemma3_text",
+    {},
+    put(rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
+    "rope_parameters",
+  ),
+  "gemma3-flat-rope-linear": (
+    "gemma3_text",
+    {},
+    put(rope_parameters={"rope_type": "linear", "rope_theta": 5e4, "factor": 2.0}),
+    "rope_parameters",
+  ),
+  "gemma3-rope-as-list": ("gemma3_text", {}, put(rope_parameters=[1e4]), "rope_parameters"),
+  "qwen2-yarn-card-theta-inside": (
+    "qwen2",
+    {},
+    put(rope_scaling=dict(YARN_CARD, rope_theta=500.0)),
+    None,
+  ),
+  "gemma3-pattern-zero": (
+    "gemma3_text",
+    {},
+    both(drop("layer_types"), put(sliding_window_pattern=0)),
+    "sliding_window_pattern",
+  ),
+  "gemma3-pattern-text": (
+    "gemma3_text",
+    {},
+    both(drop("layer_types"), put(sliding_window_pattern="6")),
+    "sliding_window_pattern",
+  ),
+  "gemma3-pre-attn-scalar-zero": (
+    "gemma3_text",
+    {},
+    put(query_pre_attn_scalar=0),
+    "query_pre_attn_scalar",
+  ),
+  "gemma3-pre-attn-scalar-null": (
+    "gemma3_text",
+    {},
+    put(query_pre_attn_scalar=None),
+    "query_pre_attn_scalar",
+  ),
+  "gemma3-pre-attn-scalar-text": (
+    "gemma3_text",
+    {},
+    put(query_pre_attn_scalar="256"),
+    "query_pre_attn_scalar",
+  ),
+  "gemma3-window-null": ("gemma3_text", {}, put(sliding_window=None), "sliding_window"),
+  # Booleans and numbers as strings or null, which transformers' strict config classes refuse.
+  "qwen3_moe-norm-topk-text": ("qwen3_moe", {}, put(norm_topk_prob="true"), "norm_topk_prob"),
+  "qwen3_moe-norm-topk-null": ("qwen3_moe", {}, put(norm_topk_prob=None), "norm_topk_prob"),
+  "llama-tie-text": ("llama", {}, put(tie_word_embeddings="false"), "tie_word_embeddings"),
+  "llama-tie-null": ("llama", {}, put(tie_word_embeddings=None), "tie_word_embeddings"),
+  "qwen2-use-window-text": (
+    "qwen2",
+    {"sliding_window": 4},
+    put(use_sliding_window="true"),
+    "use_sliding_window",
+  ),
+  "qwen3-use-window-null": (
+    "qwen3",
+    {"sliding_window": 4},
+    put(use_sliding_window=None),
+    "use_sliding_window",
+  ),
+  "llama-yarn-factor-text": (
+    "llama",
+    {"rope_parameters": YARN},
+    lambda config: config["rope_parameters"].update(factor="4.0"),
+    "factor",
+  ),
+  "llama-theta-text-in-parameters": (
+    "llama",
+    {},
+    lambda config: config["rope_parameters"].update(rope_theta="10000"),
+    "rope_theta",
+  ),
+  "llama-eos-text": ("llama", {}, put(eos_token_id="2"), "eos_token_id"),
+  "mixtral-num-experts-key": (
+    "mixtral",
+    {},
+    both(drop("num_local_experts"), put(num_experts=4)),
+    "num_experts",
+  ),
+  "qwen2-yarn-card-no-factor": (
+    "qwen2",
+    {},
+    put(rope_scaling={"type": "yarn", "original_max_position_embeddings": 4}),
+    "factor",
+  ),
   # Malformed files: a required field missing, a field of the wrong type or range.
   "llama-no-vocab-size": ("llama", {}, drop("vocab_size"), "vocab_size"),
   "llama-no-intermediate-size": ("llama", {}, drop("intermediate_size"), "intermediate_size"),
@@ -403,9 +574,27 @@ def test_the_loader_reads_config_json_as_transformers_does_or_refuses_by_name(na
   # Fields a 12-token prompt cannot show in the logits: the window and the position limit.
   assert ours.config.windows == effective_windows(hf_model.config)
   assert ours.config.max_position_embeddings == hf_model.config.max_position_embeddings
+  assert_fields_agree(ours.config, hf_model.config)
   got = np.asarray(ours.module(TOKENS), np.float64)
   err = np.abs(got - want).max() / np.abs(want).max()
   assert err <= MODEL_TOL, f"{name}: relative error {err:.2e} > {MODEL_TOL}"
+
+
+def assert_fields_agree(ours, theirs) -> None:
+  """transformers' own config object (read from the same file) and the project's config agree
+  on what the project reads beyond the windows: the RoPE of each layer kind (its type, base
+  and factor), each of the type transformers holds."""
+  params = theirs.rope_parameters
+  kinds = {"rope": params}
+  if theirs.model_type == "gemma3_text":
+    kinds = {"rope": params["full_attention"], "local_rope": params["sliding_attention"]}
+  for field, rope in kinds.items():
+    mine = getattr(ours, field)
+    assert mine.type == rope["rope_type"], (field, mine, rope)
+    assert isinstance(rope["rope_theta"], (int, float)) and mine.theta == rope["rope_theta"]
+    assert mine.factor == rope.get("factor", 1.0), (field, mine, rope)
+  # (The head itself the logits show: transformers keeps a stored head even when told to tie.)
+  assert isinstance(theirs.tie_word_embeddings, bool)
 
 
 def _saved_config(model_type: str) -> dict:
