@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from typing import Any, ClassVar, Literal
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -314,8 +316,13 @@ ARCHITECTURES: dict[str, type[ModelConfig]] = {
 }
 
 
-def config_from_dict(data: dict[str, Any]) -> ModelConfig:
-  """Inverse of `ModelConfig.to_dict` (the format of the presets in `configs/`)."""
+def config_from_dict(data: dict[str, Any], *, complete: bool = False) -> ModelConfig:
+  """Inverse of `ModelConfig.to_dict` (the format of the presets in `configs/` and of a
+  kvr-jax checkpoint's metadata). Every value is checked against its field's type, and a
+  wrong one refused by name; complete=True (a saved checkpoint, written whole by `to_dict`)
+  also refuses a missing field, which would otherwise take a default and change the model."""
+  if not isinstance(data, dict):
+    raise ValueError(f"a config must be a dict of fields, got {type(data).__name__}")
   data = dict(data)
   arch = data.pop("architecture", None)
   if arch not in ARCHITECTURES:
@@ -323,18 +330,64 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
       f"config field `architecture` must be one of {sorted(ARCHITECTURES)}, got {arch!r}"
     )
   cls = ARCHITECTURES[arch]
-  known = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(data) - known)
-  if unknown:
-    raise ValueError(f"unknown config field(s) for {arch}: {unknown}")
+  _check_dict_fields(cls, data, complete, arch)
   for key in ("rope", "local_rope"):
     if isinstance(data.get(key), dict):
+      _check_dict_fields(RopeConfig, data[key], complete, f"{arch} `{key}`")
       data[key] = RopeConfig(**data[key])
   if isinstance(data.get("eos_token_id"), list):
     data["eos_token_id"] = tuple(data["eos_token_id"])
   if isinstance(data.get("layer_windows"), list):
     data["layer_windows"] = tuple(data["layer_windows"])
   return cls(**data)
+
+
+def _check_dict_fields(cls: type, data: dict[str, Any], complete: bool, where: str) -> None:
+  """Unknown, missing (when `complete`) and ill-typed fields of `cls` in `data`, by name."""
+  hints = typing.get_type_hints(cls)
+  fields = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    raise ValueError(f"unknown config field(s) for {where}: {unknown}")
+  missing = [name for name in fields if name not in data]
+  if complete and missing:
+    raise ValueError(f"config of {where} lacks the field(s) {missing} (a saved config is whole)")
+  for name, value in data.items():
+    if not _is_of_type(value, hints[name]):
+      raise ValueError(
+        f"config field `{name}` of {where} must be of type {_type_name(hints[name])}, got {value!r}"
+      )
+
+
+def _is_of_type(value: Any, hint: Any) -> bool:
+  """Whether a JSON value can stand for a field of type `hint` (lists for tuples, a dict for a
+  RoPE record, an int for a float; a bool is no number)."""
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin in (typing.Union, types.UnionType):
+    return any(_is_of_type(value, a) for a in args)
+  if origin is typing.Literal:
+    return value in args
+  if origin is tuple:
+    if not isinstance(value, (list, tuple)):
+      return False
+    if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+      return all(_is_of_type(v, args[0]) for v in value)
+    return len(value) == len(args) and all(
+      _is_of_type(v, t) for v, t in zip(value, args, strict=True)
+    )
+  if hint is type(None):
+    return value is None
+  if hint is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if dataclasses.is_dataclass(hint):
+    return isinstance(value, (dict, hint))
+  return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+  return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +447,9 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Ro
     # honours the scaling, and so does this reader (on the base the parameters give).
     # transformers takes the card in place of the parameters: a `rope_theta` inside the card
     # wins over the parameters' base (which is kept only where the card has none).
-    params = {} if "rope_theta" in scaling else {k: v for k, v in params.items() if k == "rope_theta"}
+    params = (
+      {} if "rope_theta" in scaling else {k: v for k, v in params.items() if k == "rope_theta"}
+    )
   elif params and scaling:
     # Both layouts naming a scaling: which one a reader honours differs, so a disagreement
     # is refused by name, never resolved quietly.
@@ -521,9 +576,7 @@ def _gemma_ropes(hf: dict[str, Any], max_positions: int) -> tuple[RopeConfig, Ro
   kinds["full_attention"].setdefault(
     "rope_theta", _or_default(hf, "rope_theta", kind, FAMILY_DEFAULTS[kind]["rope_theta"])
   )
-  kinds["sliding_attention"].setdefault(
-    "rope_theta", _or_default(hf, "rope_local_base_freq", kind)
-  )
+  kinds["sliding_attention"].setdefault("rope_theta", _or_default(hf, "rope_local_base_freq", kind))
   full, local = (
     _rope_from_hf({"rope_parameters": kinds[name]}, max_positions, kind)
     for name in ("full_attention", "sliding_attention")

@@ -16,7 +16,6 @@ import dataclasses
 
 import numpy as np
 
-
 # What each way of computing attention can do, from its implementation in models/layers.py:
 # (takes_window, returns_lse, skips_causal_blocks, scores_in_memory, lengths_as_data) and the
 # block sizes it uses with their defaults. A record's capability fields follow from this table

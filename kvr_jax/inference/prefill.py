@@ -75,6 +75,9 @@ class PrefillResult:
   lengths: np.ndarray
   # strategy="auto": the strategy it picked and every candidate's MODELLED TTFT; else None.
   choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
+  # The model's KV heads: on a 2-D mesh with more "model" shards than KV heads the caches hold
+  # each head repeated (tensor_parallel.shard_ready_state), which `gather_cache` undoes.
+  kv_heads: int | None = dataclasses.field(default=None, kw_only=True)
 
   cache: ClassVar[str]
 
@@ -96,6 +99,20 @@ class PrefillResult:
     return k[layer], v[layer]
 
 
+def _model_heads(k_LBSKH, v_LBSKH, kv_heads: int | None):
+  """(k, v) with the model's KV heads: a head repeated r times over "model" shards (K < m)
+  taken once, so that the cache has single's shape on every mesh."""
+  if k_LBSKH is None or kv_heads is None or k_LBSKH.shape[3] == kv_heads:
+    return k_LBSKH, v_LBSKH
+  repeats = k_LBSKH.shape[3] // kv_heads
+
+  def once(x):  # the heads axis is split over "model": replicate over the row, then slice
+    whole = jax.device_put(x, x.sharding.update(spec=jax.P()))
+    return whole[:, :, :, ::repeats]
+
+  return once(k_LBSKH), once(v_LBSKH)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class WholeCache(PrefillResult):
   """cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len,
@@ -108,7 +125,7 @@ class WholeCache(PrefillResult):
   cache: ClassVar[str] = "last"
 
   def gather_cache(self) -> tuple[jax.Array, jax.Array]:
-    return self.k_cache, self.v_cache
+    return _model_heads(self.k_cache, self.v_cache, self.kv_heads)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,7 +150,8 @@ class CacheParts(PrefillResult):
   def gather_cache(self) -> tuple[jax.Array, jax.Array]:
     if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
       return None, None
-    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
+    k, v = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
+    return _model_heads(k, v, self.kv_heads)
 
   def whole(self, k_cache, v_cache) -> WholeCache:
     """This prefill with its cache gathered (`gather_cache()`'s output) as cache="last"."""
@@ -560,6 +578,10 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   outputs exist, laid out as cache="sharded" (plus KV-Runahead's `last_hop`);
   `gather_cache()` then brings the cache onto the last rank (what kvr_jax.tools.timing times
   apart)."""
+  if not isinstance(plan, PrefillPlan):
+    raise ValueError(
+      f"run_prefill takes the PrefillPlan that plan_prefill returns, got {type(plan).__name__}"
+    )
   rows, lengths_B, T, _ = padded_prompts(model, tokens, plan.buckets)
   if (T, len(rows)) != (plan.prompt_len, plan.batch):
     raise ValueError(
@@ -582,7 +604,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   layout = plan.cache_layout
   owner = rank_device(mesh, last_rank(chunks))
   logits_BV = shard_on(logits, owner)
-  common = _result_fields(plan, lengths_B)
+  common = dict(_result_fields(plan, lengths_B), kv_heads=model.config.num_kv_heads)
   # A padded row's last real token is not at position T - 1: its logits come from one decode
   # step at its own position (its K,V, already in the cache, are written again identically).
   last_tokens_B = tokens_BT[np.arange(B), lengths_B - 1]

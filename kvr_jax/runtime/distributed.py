@@ -12,6 +12,9 @@ Faults are bounded in time, never a hang:
   others and raises naming it; in a cluster joined by hand, JAX's coordination service aborts
   the survivors after `heartbeat_timeout` seconds (its own fatal message);
 * a coordinator port already in use: ValueError before anything starts;
+* a process whose collective fails because another process is gone (killed, crashed): every
+  survivor prints one line naming itself, the process it lost and the step (`stage`), and
+  exits with status 4 (EXIT_PEER_LOST), within a second where gloo sees the closed socket;
 * a process whose job raises (`worker_failures`): it prints the error and exits at once,
   without JAX's shutdown barrier, which would wait minutes for peers that are blocked in a
   collective waiting for it; the supervisor then stops the others and names it.
@@ -172,6 +175,85 @@ def initialize(
 
 EXIT_JOB_FAILED = 1
 EXIT_USER_ERROR = 2
+EXIT_PEER_LOST = 4
+# What a collective's runtime error says when the process at the other end is gone (gloo over
+# TCP, JAX's coordination service): such an error is a lost peer, not this process's fault.
+PEER_LOST_MARKERS = (
+  "connection reset by peer",
+  "connection closed by peer",
+  "broken pipe",
+  "socket closed",
+  "gloo",
+  "heartbeat",
+  "coordination service",
+)
+
+
+@dataclasses.dataclass
+class _Stage:
+  """What this worker is doing now (a label per prefill or decode run), so that a lost peer is
+  reported at its step. Set by `stage`; it never changes a compiled program."""
+
+  label: str = "its job"
+
+
+_STAGE = _Stage()
+
+
+@contextlib.contextmanager
+def stage(label: str):
+  """Names the step the body runs (e.g. "prefill kvr", "decode kvr") for `worker_failures`'s
+  one-line report of a lost peer."""
+  before, _STAGE.label = _STAGE.label, label
+  yield  # an exception leaves the label as it is: the step that failed
+  _STAGE.label = before
+
+
+def is_peer_lost(error: BaseException) -> bool:
+  """Whether `error` is a collective failing because another process is gone."""
+  text = str(error).lower()
+  runtime = type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+  return runtime and any(marker in text for marker in PEER_LOST_MARKERS)
+
+
+def lost_processes(timeout: float = 5.0) -> list[int] | None:
+  """The process ids JAX's coordination service no longer counts as live (None when it cannot
+  tell within `timeout` seconds, or this process is not in a cluster)."""
+  import jax
+  from jax._src import distributed as jax_distributed
+
+  client = getattr(jax_distributed.global_state, "client", None)
+  if client is None or not hasattr(client, "get_live_nodes"):
+    return None
+  everyone = list(range(jax.process_count()))
+  answer: list = []
+
+  def ask():
+    with contextlib.suppress(Exception):
+      live = client.get_live_nodes(everyone)
+      answer.append(sorted(set(everyone) - set(live)))
+
+  asking = threading.Thread(target=ask, daemon=True)
+  asking.start()
+  asking.join(timeout)
+  return answer[0] if answer and answer[0] else None
+
+
+def peer_lost_line(error: BaseException, lost: list[int] | None) -> str:
+  """The one line a survivor prints: which process it is, which it lost, at which step."""
+  import jax
+
+  me = jax.process_index()
+  if lost:
+    who = f"process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
+  else:
+    others = [i for i in range(jax.process_count()) if i != me]
+    who = f"another process (of {others})" if len(others) != 1 else f"process {others[0]}"
+  cause = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
+  return (
+    f"error: process {me}: lost {who} during {_STAGE.label}; stopping "
+    f"(the collective failed: {cause})"
+  )
 
 
 @contextlib.contextmanager
@@ -187,6 +269,12 @@ def worker_failures():
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     _exit_now(EXIT_USER_ERROR)
+  except Exception as e:  # noqa: BLE001 - a lost peer is one line, anything else a traceback
+    if not is_peer_lost(e):
+      traceback.print_exc()
+      _exit_now(EXIT_JOB_FAILED)
+    print(peer_lost_line(e, lost_processes()), file=sys.stderr)
+    _exit_now(EXIT_PEER_LOST)
   except BaseException as e:  # noqa: BLE001 - every failure must end the process the same way
     if isinstance(e, SystemExit) and e.code in (None, 0):
       raise

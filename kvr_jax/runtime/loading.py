@@ -75,7 +75,7 @@ def config_of(model: str) -> ModelConfig:
   if not (isinstance(model, str) and os.path.isdir(model)):
     return preset_config(model)
   for name, read in (
-    (ORBAX_CONFIG, lambda d: config_from_dict(d["config"])),
+    (ORBAX_CONFIG, lambda d: config_from_dict(d["config"], complete=True)),
     ("config.json", config_from_hf),
   ):
     path = os.path.join(model, name)

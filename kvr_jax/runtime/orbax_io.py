@@ -66,11 +66,11 @@ def restore_model(directory: str, dtype=None, *, mesh=None) -> Model:
   try:
     with open(os.path.join(directory, ORBAX_CONFIG)) as f:
       meta = json.load(f)
-    config = config_from_dict(meta["config"])
+    config = config_from_dict(meta["config"], complete=True)
     saved_dtype = DTYPES[meta["dtype"]]
-  except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+  except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
     raise ValueError(
-      f"{directory}: corrupt kvr-jax checkpoint metadata ({ORBAX_CONFIG}): {e!r}"
+      f"{directory}: corrupt kvr-jax checkpoint metadata ({ORBAX_CONFIG}): {e}"
     ) from None
   if mesh is not None:
     _check_split_mesh(mesh, config)

@@ -639,8 +639,17 @@ class OneBodyShape:
     """Every split of sum(chunks) tokens over len(chunks) ranks with no chunk above `longest`
     (blocks fitted to `chunks`). A rank's chunk starts before C and a hop's pieces end within
     HOP_GRANULE rows of C, so the buffer holds C plus one padded chunk."""
+    if isinstance(longest, bool) or not isinstance(longest, (int, np.integer)):
+      raise ValueError(f"an envelope's `longest` chunk must be an integer, got {longest!r}")
+    if longest < max(chunks):
+      raise ValueError(
+        f"an envelope's `longest` chunk ({longest}) is shorter than the split's longest "
+        f"({max(chunks)}): {tuple(chunks)}"
+      )
     block = one_body_block(config, chunks, kernel)
     context_len = sum(chunks)
+    # No chunk is longer than the prompt: a larger `longest` is clamped to it, not allocated.
+    longest = min(int(longest), context_len)
     chunk_len = -(-longest // block) * block
     buffer_len = -(-(context_len + max(chunk_len, HOP_GRANULE)) // block) * block
     return cls(

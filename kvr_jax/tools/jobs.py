@@ -19,6 +19,7 @@ from kvr_jax.inference.generate import decode_from, generate
 from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning import presets
 from kvr_jax.planning.partition import PartitionPlan
+from kvr_jax.runtime import distributed
 from kvr_jax.runtime.links import UNTHROTTLED, rate_bits
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
@@ -65,12 +66,14 @@ def check_job(
   owner = jax.process_index() == mesh.devices.flat[-1].process_index
   runs = {}
   for name, cache in itertools.product(strategies, caches):
-    ran = prefill(
-      model, tokens, **prefill_arguments(name, mesh=mesh, partition=partition), cache=cache
-    )
+    with distributed.stage(f"prefill {name}, cache={cache}"):
+      ran = prefill(
+        model, tokens, **prefill_arguments(name, mesh=mesh, partition=partition), cache=cache
+      )
     if before_decode is not None:
       before_decode(name)
-    out = decode_from(model, ran, max_new_tokens, temperature, seed=sampling_seed)
+    with distributed.stage(f"decode {name}, cache={cache}"):
+      out = decode_from(model, ran, max_new_tokens, temperature, seed=sampling_seed)
     everywhere = None
     if out.tokens is not None and jax.process_count() > 1 and ran.cache == "sharded":
       gathered = multihost_utils.process_allgather(out.tokens)  # [processes, B, n]

@@ -208,7 +208,7 @@ def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
     row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
     on_row = NamedSharding(row, jax.P())
     state_shapes, _ = _placed_state(config, state, row, m, np.dtype(dtype_name).itemsize)
-    cache_shape = _struct(whole, dtype_name, NamedSharding(row, _HEADS[1:]))
+    cache_shape = _struct(whole, dtype_name, NamedSharding(row, jax.P(*_HEADS[1:])))
     program, arguments = decode.model_group_decode_step(graphdef, row), (state_shapes,)
     positions = _struct((batch,), np.int32, on_row)
   else:
