@@ -98,8 +98,8 @@ class AttentionKernel:
     platforms, dtypes, computes = IMPLEMENTATIONS[self.implementation]
     if self.computes not in computes:
       raise ValueError(
-        f"kernel {self.name!r}: the {self.implementation!r} implementation computes "
-        f"{computes}, not {self.computes!r}"
+        f"kernel {self.name!r}: `computes`={self.computes!r} is not what the "
+        f"{self.implementation!r} implementation computes ({computes})"
       )
     capabilities, blocks = CAPABILITIES[self.computes]
     for field, can in zip(_CAPABILITY_FIELDS, capabilities, strict=True):
