@@ -26,6 +26,7 @@ from kvr_jax.runtime import distributed
 from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.model import build_model
 from kvr_jax.strategies import runahead
+from kvr_jax.strategies.roofline import Compute, ModelledLayer, Receive, Send
 from kvr_jax.tools import measured
 from kvr_jax.tools.memory import compiled_memory
 from models import layers
@@ -218,9 +219,18 @@ def test_the_one_program_hops_and_buffer_hold_every_split(num_ranks):
 
 def test_a_splits_modelled_ttft_does_not_depend_on_what_was_weighed_before():
   """3: the kept rank work is keyed by all that makes it (its early rows come from the whole
-  split): (2400, 600, 1096) weighs the same fresh and after (2000, 1000, 1096)."""
-  config = preset_config("llama-2-7b")
-  setup = presets.make_setup("a100-80gb", "10GBps", dtype_bytes=2)
+  split): (2400, 600, 1096) weighs the same fresh and after (2000, 1000, 1096), where bench-
+  llama's last rank has the same chunk and keys but 1000 early rows against 832."""
+  config = preset_config("bench-llama")
+  assert (
+    runahead.rows_before_hop(config, (2400, 600, 1096))[2]
+    != (runahead.rows_before_hop(config, (2000, 1000, 1096))[2])
+  )
+  # The flash kernel's setup: ranks attend their diagonal's early rows before the hop.
+  setup = presets.make_setup(
+    "a100-80gb", "10GBps", dtype_bytes=2, scores_in_memory=False, causal_skip=True
+  )
+  assert setup.diagonal_first
 
   def ttft(split):
     return costmodel.simulate(config, "kvr", 4096, setup, num_ranks=3, partition=split).ttft
@@ -296,18 +306,27 @@ def test_a_padded_prompt_on_a_plan_made_unpadded_is_the_plans_refusal_on_a_2d_me
     run_prefill(model, plan, ragged)
 
 
-def test_the_steady_state_skip_gives_the_timeline_it_skips():
-  """10: a 600-layer timeline skipped from its steady state equals the one run layer by layer
-  (`intervals` turns the skip off) to 1e-12 relative."""
-  config = dataclasses.replace(preset_config("llama-2-7b"), num_layers=600)
-  setup = presets.make_setup("a100-80gb", "10GBps", dtype_bytes=2)
-  split = (2400, 600, 1096)
-  skipped = costmodel.simulate(config, "kvr", 4096, setup, num_ranks=3, partition=split)
-  walked = costmodel.simulate(
-    config, "kvr", 4096, setup, num_ranks=3, partition=split, intervals=[]
+def _two_rank_layer(rank1_first: float, rank1_rest: float) -> ModelledLayer:
+  """Rank 0 computes 1 s and sends (no time in flight) to rank 1, which computes, waits for
+  the message, and computes again."""
+  steps = (
+    (Compute("qkv", 1.0), Send(1, 0.0, "hop0")),
+    (Compute("qkv", rank1_first), Receive(0), Compute("rest", rank1_rest)),
   )
-  assert skipped.ttft == pytest.approx(walked.ttft, rel=1e-12)
-  assert skipped.rank_finish == pytest.approx(walked.rank_finish, rel=1e-12)
+  return ModelledLayer(steps, (1, 1), (0.0, 0.0), (0.0, 0.0))
+
+
+def test_the_steady_state_skip_gives_the_timeline_it_skips():
+  """10: a layer that advances every clock as the one before is skipped only when no max can
+  change its winner. Here rank 1 starts 5 s behind (its first layer) and gains 9 ms a layer on
+  rank 0 while its own work wins its wait: near layer 555 the message starts to win. The
+  skipped timeline equals the one walked layer by layer (`intervals` turns the skip off)."""
+  first, steady = _two_rank_layer(5.5, 0.0), _two_rank_layer(0.5, 0.491)
+  layers_ = [first] + [steady] * 599
+  skipped = costmodel.layer_timeline(layers_, 600)
+  walked = costmodel.layer_timeline(layers_, 600, intervals=[])
+  assert skipped == pytest.approx(walked, rel=1e-12)
+  assert walked[1] > 599.0  # rank 1 was held to rank 0's pace at the end
 
 
 def test_the_measured_descent_moves_to_the_fastest_neighbour_shown_faster():
