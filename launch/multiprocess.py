@@ -225,6 +225,10 @@ def main(argv):
     if FLAGS.coordinator_address is None:
       print("error: --process_id needs --coordinator_address", file=sys.stderr)
       return 2
+    if not distributed.is_supervised():  # started by hand: a child does the work
+      return distributed.run_supervised(
+        FLAGS.process_id, ["-m", "launch.multiprocess", *sys.argv[1:]]
+      )
     worker()
     return 0
   return launcher()

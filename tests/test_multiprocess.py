@@ -184,6 +184,43 @@ def test_a_process_that_dies_stops_the_others_with_a_clear_error():
   assert seconds < 60
 
 
+def test_in_a_cluster_joined_by_hand_a_lost_process_is_one_line_on_the_survivor():
+  """Processes started by hand (no launcher): the one that crashes right after joining is
+  named by the survivor in one line, status 4 (EXIT_PEER_LOST), whether it was the
+  coordinator (the survivor's JAX client would abort from C++: `run_supervised` turns that
+  into the line) or not (the survivor's wait ends at the heartbeat timeout)."""
+  for crashed, survivor, lost in (
+    (0, 1, "lost process 0 (the coordinator)"),
+    (1, 0, "lost process 1"),
+  ):
+    port = distributed.free_port()
+    procs = [
+      subprocess.Popen(
+        [
+          sys.executable,
+          "-m",
+          "launch.multiprocess",
+          f"--process_id={i}",
+          "--num_processes=2",
+          f"--coordinator_address=localhost:{port}",
+          "--context_len=64",
+          f"--debug_crash_process={crashed}",
+          "--heartbeat_timeout=5",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+      for i in range(2)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert procs[survivor].returncode == distributed.EXIT_PEER_LOST, errors
+    lines = errors[survivor].strip().splitlines()
+    assert len(lines) == 1 and lost in lines[0], errors[survivor]
+    assert lines[0].startswith(f"error: process {survivor}: "), lines
+
+
 def test_a_process_that_never_arrives_gives_a_clear_error_in_bounded_time():
   proc, seconds = run_launcher(
     "--num_processes=2", "--context_len=64", "--init_timeout=5", "--debug_skip_process=1"

@@ -236,11 +236,17 @@ def test_strategies_on_a_2d_mesh_match_single(prefill_models, name, strategy, sh
   k, v = cache_in_prompt_order(result)
   assert_close(k, heads_as_sharded(oracle.k_cache, config, m), "K cache")
   assert_close(v, heads_as_sharded(oracle.v_cache, config, m), "V cache")
-  # cache="last": moved onto the last rank's row of devices, heads split over "model".
-  k, v = result.gather_cache()
+  # cache="last": moved onto the last rank's row of devices, heads split over "model" (each
+  # head repeated on m/K shards where K < m) as decode reads it; gather_cache() gives single's
+  # K heads on that row.
+  k, v = result.decode_cache()
   assert set(k.devices()) == set(mesh.devices[-1]) and k.sharding.spec[3] == MODEL_AXIS
   assert_close(k, heads_as_sharded(oracle.k_cache, config, m), "K cache on the last rank")
   assert_close(v, heads_as_sharded(oracle.v_cache, config, m), "V cache on the last rank")
+  k, v = result.gather_cache()
+  assert set(k.devices()) == set(mesh.devices[-1]) and k.shape == oracle.k_cache.shape
+  assert_close(k, oracle.k_cache, "gathered K cache")
+  assert_close(v, oracle.v_cache, "gathered V cache")
 
 
 def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):

@@ -190,7 +190,7 @@ def decode_from(
 def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
   """Tensor parallelism, cache="last": the last rank's row of devices decodes as shards of
   the model, from the cache in prompt order there, heads split."""
-  k_cache, v_cache = result.gather_cache()
+  k_cache, v_cache = result.decode_cache()
   group = k_cache.sharding.mesh
   replicated = NamedSharding(group, jax.P())
   state = model.state_split_over(group)

@@ -89,8 +89,14 @@ class PrefillResult:
   def device(self):
     return next(iter(self.logits.devices()))
 
-  def gather_cache(self) -> tuple[jax.Array, jax.Array]:  # pragma: no cover - interface
-    """(K, V) [L, B, S, K, H] in prompt order on the last rank's device, whichever layout."""
+  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
+    """(K, V) [L, B, S, K, H] in prompt order on the last rank's device (its row of devices on
+    a 2-D mesh), whichever layout, with the model's K heads (single's shape) on every mesh."""
+    return _model_heads(*self.decode_cache(), self.kv_heads)
+
+  def decode_cache(self) -> tuple[jax.Array, jax.Array]:  # pragma: no cover - interface
+    """The cache as decode reads it: `gather_cache`'s, but on a 2-D mesh with more "model"
+    shards than KV heads each head stays repeated, one per shard (the decode step's split)."""
     raise NotImplementedError
 
   def layer_cache(self, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -124,8 +130,8 @@ class WholeCache(PrefillResult):
 
   cache: ClassVar[str] = "last"
 
-  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
-    return _model_heads(self.k_cache, self.v_cache, self.kv_heads)
+  def decode_cache(self) -> tuple[jax.Array, jax.Array]:
+    return self.k_cache, self.v_cache
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,14 +153,13 @@ class CacheParts(PrefillResult):
 
   cache: ClassVar[str] = "sharded"
 
-  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
+  def decode_cache(self) -> tuple[jax.Array, jax.Array]:
     if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
       return None, None
-    k, v = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
-    return _model_heads(k, v, self.kv_heads)
+    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
 
   def whole(self, k_cache, v_cache) -> WholeCache:
-    """This prefill with its cache gathered (`gather_cache()`'s output) as cache="last"."""
+    """This prefill with its cache gathered (`decode_cache()`'s output) as cache="last"."""
     common = {f.name: getattr(self, f.name) for f in dataclasses.fields(PrefillResult)}
     return WholeCache(**common, k_cache=k_cache, v_cache=v_cache)
 

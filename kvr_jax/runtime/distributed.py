@@ -23,13 +23,16 @@ Faults are bounded in time, never a hang:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -78,7 +81,7 @@ def worker_env(
   value of those alone): on CPUs the emulated device count (and one thread when pinned), and
   JAX_PLATFORMS=cpu where the user set none; on GPUs the latency-hiding scheduler, and
   `--local_device_ids` giving process i its own `devices_per_process` GPUs."""
-  env = dict(base_env)
+  env = {**base_env, SUPERVISED_ENV: "1"}  # launch_local watches its workers itself
   if platform == "gpu":
     ours = GPU_XLA_FLAGS.split()
     first = process_id * devices_per_process
@@ -173,6 +176,84 @@ def initialize(
     watchdog.cancel()
 
 
+# A worker started by a supervisor (`launch_local`, or `run_supervised` in cluster mode) has
+# this set; a process started by hand in cluster mode has not, and supervises itself.
+SUPERVISED_ENV = "KVR_JAX_SUPERVISED"
+STAGE_FILE_ENV = "KVR_JAX_STAGE_FILE"
+# glog lines (the coordination service's, XLA's): "E1125 21:25:30.183 5232 file.cc:1520] ..."
+_GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]")
+_COORDINATION_FATAL = "JAX distributed service detected fatal errors"
+
+
+def is_supervised() -> bool:
+  return os.environ.get(SUPERVISED_ENV) == "1"
+
+
+def run_supervised(process_id: int, command: list[str]) -> int:
+  """Cluster mode, a process started by hand: runs `command` (this process's own arguments)
+  as a child and returns its exit status. Why: when another process of the cluster dies,
+  JAX's client thread that polls the coordination service may terminate the child from C++
+  (its fatal log, SIGABRT) before Python sees any error: the coordinator lost, or a peer
+  that died before a collective failed. The child's own lines pass through as they come; the
+  coordination service's log lines are held back, and such a death becomes one line (which
+  process, which was lost, at which step) and EXIT_PEER_LOST."""
+  with tempfile.TemporaryDirectory(prefix="kvr_jax_stage_") as directory:
+    stage_file = os.path.join(directory, "stage")
+    env = {**os.environ, SUPERVISED_ENV: "1", STAGE_FILE_ENV: stage_file}
+    child = subprocess.Popen(
+      [sys.executable, *command],
+      env=env,
+      stderr=subprocess.PIPE,
+      text=True,
+      preexec_fn=_die_with_parent,
+    )
+    held = []
+    # From the first glog line on, everything is held (a glog record runs over several
+    # lines); it is written out at the end, but for a lost peer, which is one line.
+    for line in child.stderr:
+      if held or _GLOG_LINE.match(line):
+        held.append(line)
+      else:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    code = child.wait()
+    text = "".join(held)
+    if code != 0 and _COORDINATION_FATAL in text:
+      label = "its job"
+      with contextlib.suppress(OSError), open(stage_file) as f:
+        label = f.read().strip() or label
+      print(
+        f"error: process {process_id}: lost {_lost_in_log(text)} during {label}; stopping "
+        "(JAX's coordination service ended this process)",
+        file=sys.stderr,
+      )
+      return EXIT_PEER_LOST
+    if code == EXIT_PEER_LOST:  # the child said so in its own line: that line alone
+      text = "".join(line for line in held if line.startswith("error: "))
+    sys.stderr.write(text)
+    return code if code >= 0 else 128 - code
+
+
+def _die_with_parent() -> None:
+  """In the child before it runs (Linux): SIGKILL when the supervisor dies, so that killing
+  the process a user started kills its work too (else the child would run on, orphaned)."""
+  with contextlib.suppress(OSError, AttributeError):
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _lost_in_log(text: str) -> str:
+  """Which process the coordination service's fatal log says is gone."""
+  if "leader task" in text or "Failed to send RPC to coordination service" in text:
+    return "process 0 (the coordinator)"
+  ids = sorted(set(re.findall(r"Task (\d+) heartbeat timeout", text)), key=int)
+  unhealthy = re.search(r"stopped sending heartbeats\):\s*\n([\d,\s]+)", text)
+  if not ids and unhealthy:
+    ids = re.findall(r"\d+", unhealthy.group(1))
+  if ids:
+    return f"process{'es' if len(ids) > 1 else ''} {', '.join(ids)}"
+  return "another process"
+
+
 EXIT_JOB_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_PEER_LOST = 4
@@ -202,11 +283,21 @@ _STAGE = _Stage()
 
 @contextlib.contextmanager
 def stage(label: str):
-  """Names the step the body runs (e.g. "prefill kvr", "decode kvr") for `worker_failures`'s
-  one-line report of a lost peer."""
-  before, _STAGE.label = _STAGE.label, label
+  """Names the step the body runs (e.g. "prefill kvr", "decode kvr") for the one-line report
+  of a lost peer (`worker_failures`, and `run_supervised`, which reads it from the file its
+  child is given: the child may die from C++ before it can say anything)."""
+  before = _STAGE.label
+  _set_stage(label)
   yield  # an exception leaves the label as it is: the step that failed
-  _STAGE.label = before
+  _set_stage(before)
+
+
+def _set_stage(label: str) -> None:
+  _STAGE.label = label
+  path = os.environ.get(STAGE_FILE_ENV)
+  if path:
+    with contextlib.suppress(OSError), open(path, "w") as f:
+      f.write(label)
 
 
 def is_peer_lost(error: BaseException) -> bool:

@@ -61,7 +61,8 @@ def check_job(
   row_lengths: a ragged batch instead of `batch` rows of `context_len` tokens (the rows
   padded to the longest, each decoding from its own length)."""
   mesh = mesh_of_ranks(None, model_parallel)
-  model = load_model(model_name, dtype=dtype, mesh=mesh if model_parallel > 1 else None)
+  with distributed.stage("loading the model"):
+    model = load_model(model_name, dtype=dtype, mesh=mesh if model_parallel > 1 else None)
   tokens = _check_prompt(model.config.vocab_size, context_len, batch, row_lengths, seed)
   owner = jax.process_index() == mesh.devices.flat[-1].process_index
   runs = {}

@@ -45,7 +45,7 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
   moved = time.perf_counter()
   if cache == "last":
-    k, v = result.gather_cache()
+    k, v = result.decode_cache()
     jax.block_until_ready((k, v))
     result = result.whole(k, v)
   end = time.perf_counter()
