@@ -38,20 +38,25 @@ def _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache, reduce=no_re
   B = tokens_B.shape[0]
   positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
 
-  def write(cache_SKH, new_1KH, position):
-    return jax.lax.dynamic_update_slice_in_dim(cache_SKH, new_1KH, position, axis=0)
+  rows_B = jnp.arange(B)
 
-  def layer(block, x_B1D, cache_l):
-    k_BSKH, v_BSKH = cache_l
+  def layer(block, carry, l):
+    # The whole cache [L, B, S_max, K, H] is carried through the layers and written where it
+    # lies (one token's row per sequence, by index): with the cache donated, no second copy
+    # of it exists during the step; attention reads layer l's [B, S_max, K, H] slice.
+    x_B1D, k_LBSKH, v_LBSKH = carry
     q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
-    # [B, S_max, K, H]: write this token's K,V at its row's position
-    k_BSKH = jax.vmap(write)(k_BSKH, k_B1KH, positions_B)
-    v_BSKH = jax.vmap(write)(v_BSKH, v_B1KH, positions_B)
-    attn_B1NH = block.attend(q_B1NH, k_BSKH, v_BSKH, positions_B, "dense")
-    return block.finish(x_B1D, attn_B1NH, reduce=reduce), (k_BSKH, v_BSKH)
+    k_LBSKH = k_LBSKH.at[l, rows_B, positions_B].set(k_B1KH[:, 0].astype(k_LBSKH.dtype))
+    v_LBSKH = v_LBSKH.at[l, rows_B, positions_B].set(v_B1KH[:, 0].astype(v_LBSKH.dtype))
+    attn_B1NH = block.attend(q_B1NH, k_LBSKH[l], v_LBSKH[l], positions_B, "dense")
+    return (block.finish(x_B1D, attn_B1NH, reduce=reduce), k_LBSKH, v_LBSKH), None
 
-  x_B1D, (k_cache, v_cache) = scan_blocks(
-    model.blocks, layer, model.embed(tokens_B[:, None]), (k_cache, v_cache)
+  L = k_cache.shape[0]
+  (x_B1D, k_cache, v_cache), _ = scan_blocks(
+    model.blocks,
+    layer,
+    (model.embed(tokens_B[:, None]), k_cache, v_cache),
+    jnp.arange(L, dtype=jnp.int32),
   )
   return model.logits(x_B1D)[:, 0], k_cache, v_cache
 
@@ -159,13 +164,18 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
     rank = jax.lax.axis_index(AXIS)
     positions_B = prompt_lens_B + tail_index
 
-    def layer(block, x_B1D, cache_l):
-      part_2RKH, tail_2BMKH = cache_l
+    def layer(block, carry, l):
+      # The tail [L, 2, B, M, K, H] is carried and written where it lies (this token's row of
+      # layer l, by index), the parts read a layer at a time: no second copy of either.
+      x_B1D, tail_L2BMKH = carry
       window = block.config.sliding_window  # this layer's (they may differ)
-      part_2BPKH = unfold_batch(part_2RKH, layout.part_len)
+      part_2BPKH = unfold_batch(kv_parts_1L2BPKH[0, l], layout.part_len)
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
-      new_2B1KH = jnp.stack([k_B1KH, v_B1KH])
-      tail_2BMKH = jax.lax.dynamic_update_slice_in_dim(tail_2BMKH, new_2B1KH, tail_index, axis=2)
+      new_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(tail_L2BMKH.dtype)
+      tail_L2BMKH = jax.lax.dynamic_update_slice(
+        tail_L2BMKH, new_2B1KH[None], (l, 0, 0, tail_index, 0, 0)
+      )
+      tail_2BMKH = tail_L2BMKH[l]
       out, lse = jax.lax.switch(
         rank,
         [
@@ -185,10 +195,14 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
       out, lse = layers.merge_partials(out, lse, tail_out, tail_lse)
       attn_B1NH = merge_across_ranks(out, lse).astype(q_B1NH.dtype)
-      return block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_2BMKH
+      return (block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH), None
 
-    x_B1D, tail_L2BMKH = scan_blocks(
-      model.blocks, layer, model.embed(tokens_B[:, None]), (kv_parts_1L2BPKH[0], tail_L2BMKH)
+    L = tail_L2BMKH.shape[0]
+    (x_B1D, tail_L2BMKH), _ = scan_blocks(
+      model.blocks,
+      layer,
+      (model.embed(tokens_B[:, None]), tail_L2BMKH),
+      jnp.arange(L, dtype=jnp.int32),
     )
     return model.logits(x_B1D)[:, 0], tail_L2BMKH
 
