@@ -542,9 +542,7 @@ def _gemma_ropes(hf: dict[str, Any], max_positions: int) -> tuple[RopeConfig, Ro
   top-level `rope_theta` (full) or `rope_local_base_freq` (windowed), else 1e6 / 1e4. A flat
   `rope_parameters` (one dict, not per kind) transformers ignores: refused, not ignored."""
   kind = "gemma3_text"
-  params = hf.get("rope_parameters")
-  if params is None:
-    params = {"sliding_attention": {"rope_type": "default"}, "full_attention": None}
+  params = hf.get("rope_parameters") or {}  # absent: each kind default
   if not isinstance(params, dict):
     raise ValueError(
       "config.json: Gemma 3's `rope_parameters` must be a dict per layer kind "
@@ -603,6 +601,12 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     experts = hf.get("num_experts", _or_default(hf, "num_local_experts", model_type))
     experts = _or_default(hf, "num_experts", model_type) if experts is None else experts
   else:
+    if "num_experts" in hf and hf.get("num_local_experts") != hf["num_experts"]:
+      raise ValueError(
+        f"config.json: Mixtral reads its expert count from `num_local_experts` "
+        f"({hf.get('num_local_experts')!r}), not `num_experts` ({hf['num_experts']!r}, which "
+        "transformers ignores); rename the key"
+      )
     experts = _or_default(hf, "num_local_experts", model_type)
   top_k = _or_default(hf, "num_experts_per_tok", model_type)
   for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
@@ -786,13 +790,6 @@ def _check_fields(hf: dict[str, Any], model_type: str) -> None:
       raise ValueError(
         "config.json: Gemma 3's `sliding_window` must be a positive integer (its windowed "
         "layers need one), got null"
-      )
-  if model_type == "mixtral" and "num_experts" in hf:
-    if hf.get("num_local_experts") != hf["num_experts"]:
-      raise ValueError(
-        f"config.json: Mixtral reads its expert count from `num_local_experts` "
-        f"({hf.get('num_local_experts')!r}), not `num_experts` ({hf['num_experts']!r}, which "
-        "transformers ignores); rename the key"
       )
 
 

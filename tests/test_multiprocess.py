@@ -144,32 +144,36 @@ def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
   assert result["strategies"]["kvr, cache=sharded"]["tokens_on_every_process"] is True
 
 
-def test_a_rank_split_across_processes_is_refused_by_name():
-  """A cluster of one-device processes with model_parallel=2 would put a rank's model shards
-  in two processes: every worker's prefill refuses it with the rule (not a JAX resharding
-  error mid-decode). The launcher refuses it before starting anything
-  (test_bad_launcher_flags_are_one_line); the workers are started here by hand."""
+def start_by_hand(*flags, num_processes=2):
+  """A cluster of launch.multiprocess processes started by hand (no launcher), one device
+  each, with their stderr piped."""
   port = distributed.free_port()
-  procs = [
+  return [
     subprocess.Popen(
       [
         sys.executable,
         "-m",
         "launch.multiprocess",
         f"--process_id={i}",
-        "--num_processes=2",
+        f"--num_processes={num_processes}",
         f"--coordinator_address=localhost:{port}",
-        "--model_parallel=2",
-        "--context_len=64",
-        "--partition=64",
+        *flags,
       ],
       cwd=ROOT,
       env=launcher_env(),  # one device per process
       stderr=subprocess.PIPE,
       text=True,
     )
-    for i in range(2)
+    for i in range(num_processes)
   ]
+
+
+def test_a_rank_split_across_processes_is_refused_by_name():
+  """A cluster of one-device processes with model_parallel=2 would put a rank's model shards
+  in two processes: every worker's prefill refuses it with the rule (not a JAX resharding
+  error mid-decode). The launcher refuses it before starting anything
+  (test_bad_launcher_flags_are_one_line); the workers are started here by hand."""
+  procs = start_by_hand("--model_parallel=2", "--context_len=64", "--partition=64")
   errors = [p.communicate(timeout=120)[1] for p in procs]
   assert [p.returncode for p in procs] == [2, 2], errors
   assert all("rank 0's 2 devices live in processes [0, 1]" in e for e in errors), errors
@@ -193,27 +197,9 @@ def test_in_a_cluster_joined_by_hand_a_lost_process_is_one_line_on_the_survivor(
     (0, 1, "lost process 0 (the coordinator)"),
     (1, 0, "lost process 1"),
   ):
-    port = distributed.free_port()
-    procs = [
-      subprocess.Popen(
-        [
-          sys.executable,
-          "-m",
-          "launch.multiprocess",
-          f"--process_id={i}",
-          "--num_processes=2",
-          f"--coordinator_address=localhost:{port}",
-          "--context_len=64",
-          f"--debug_crash_process={crashed}",
-          "--heartbeat_timeout=5",
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        stderr=subprocess.PIPE,
-        text=True,
-      )
-      for i in range(2)
-    ]
+    procs = start_by_hand(
+      "--context_len=64", f"--debug_crash_process={crashed}", "--heartbeat_timeout=5"
+    )
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert procs[survivor].returncode == distributed.EXIT_PEER_LOST, errors
     lines = errors[survivor].strip().splitlines()

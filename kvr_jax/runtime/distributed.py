@@ -9,8 +9,8 @@ Faults are bounded in time, never a hang:
 * a process that never arrives: after `init_timeout` seconds the others print one clear line
   and exit with status 75 (EXIT_CLUSTER_NOT_FORMED);
 * a process that dies: under `launch_local` the supervisor sees its exit at once, stops the
-  others and raises naming it; in a cluster joined by hand, JAX's coordination service aborts
-  the survivors after `heartbeat_timeout` seconds (its own fatal message);
+  others and raises naming it; in a cluster joined by hand (`run_supervised`), every
+  survivor prints one line naming the lost process and exits with EXIT_PEER_LOST (below);
 * a coordinator port already in use: ValueError before anything starts;
 * a process whose collective fails because another process is gone (killed, crashed): every
   survivor prints one line naming itself, the process it lost and the step (`stage`), and
@@ -249,9 +249,12 @@ def _lost_in_log(text: str) -> str:
   unhealthy = re.search(r"stopped sending heartbeats\):\s*\n([\d,\s]+)", text)
   if not ids and unhealthy:
     ids = re.findall(r"\d+", unhealthy.group(1))
-  if ids:
-    return f"process{'es' if len(ids) > 1 else ''} {', '.join(ids)}"
-  return "another process"
+  return _processes(ids) if ids else "another process"
+
+
+def _processes(ids) -> str:
+  """'process 1' or 'processes 1, 2'."""
+  return f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
 
 
 EXIT_JOB_FAILED = 1
@@ -336,7 +339,7 @@ def peer_lost_line(error: BaseException, lost: list[int] | None) -> str:
 
   me = jax.process_index()
   if lost:
-    who = f"process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
+    who = _processes(lost)
   else:
     others = [i for i in range(jax.process_count()) if i != me]
     who = f"another process (of {others})" if len(others) != 1 else f"process {others[0]}"

@@ -75,11 +75,15 @@ HOISTING_NOTE = (
 )
 
 
+def _unhoisted(dtype_name: str) -> bool:
+  """Whether programs of `dtype_name` are compiled without the hoisting (see above): low
+  precision on a CPU."""
+  return dtype_name in LOW_PRECISION and jax.devices()[0].platform == "cpu"
+
+
 def _compile(lowered, dtype_name: str):
-  """`lowered` compiled as the figures need it: for a low-precision program on a CPU, without
-  the hoisting of its weights' float32 converts out of the layer loop (see above)."""
-  cpu = jax.devices()[0].platform == "cpu"
-  if cpu and dtype_name in LOW_PRECISION:
+  """`lowered` compiled as the figures need it (`_unhoisted`)."""
+  if _unhoisted(dtype_name):
     return lowered.compile(compiler_options=NO_HOISTED_CONVERTS)
   return lowered.compile()
 
@@ -351,7 +355,7 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
   K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
   result = {
-    **({"cpu_compile": HOISTING_NOTE} if dtype_name in LOW_PRECISION else {}),
+    **({"cpu_compile": HOISTING_NOTE} if _unhoisted(dtype_name) else {}),
     "strategy": spec.name,
     "context_len": context_len,
     "num_ranks": num_ranks,
