@@ -5,7 +5,7 @@ them with one `jax.lax.scan` (one compiled layer body whatever the depth). A blo
 two halves of its computation that the parallel strategies need separately:
 
   block.project_qkv(x_BTD, positions_BT) -> q_BTNH, k_BTKH, v_BTKH   (norm, projections, RoPE)
-  block.attend(q, k_prefix, v_prefix, query_offset, kernel)         (models.layers, with the
+  block.attend(q, k_prefix, v_prefix, query_offset, kernel)         (models.attention, with the
                                                                      config's sliding window)
   block.attend_partial(...)  -> out, lse (float32)                   (the same, flash/fused,
                                                                      for merging partials)
@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
+from models.attention import attend_partial, attend_static
 from models.config import ModelConfig
+from models.norms import rms_norm
+from models.rope import apply_rope
 
 INIT_STD = 0.02
 
@@ -94,16 +96,16 @@ class Block(nnx.Module):
     if cfg.qkv_bias:
       q_BTNH, k_BTKH, v_BTKH = q_BTNH + self.bq[...], k_BTKH + self.bk[...], v_BTKH + self.bv[...]
     if cfg.qk_norm:
-      q_BTNH = layers.rms_norm(q_BTNH, self.q_norm[...], cfg.norm_eps)
-      k_BTKH = layers.rms_norm(k_BTKH, self.k_norm[...], cfg.norm_eps)
-    q_BTNH = layers.apply_rope(q_BTNH, positions_BT, self.config.rope)
-    k_BTKH = layers.apply_rope(k_BTKH, positions_BT, self.config.rope)
+      q_BTNH = rms_norm(q_BTNH, self.q_norm[...], cfg.norm_eps)
+      k_BTKH = rms_norm(k_BTKH, self.k_norm[...], cfg.norm_eps)
+    q_BTNH = apply_rope(q_BTNH, positions_BT, self.config.rope)
+    k_BTKH = apply_rope(k_BTKH, positions_BT, self.config.rope)
     return q_BTNH, k_BTKH, v_BTKH
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention) -> jax.Array:
     """This model's attention (causal, with its sliding window if any) at `query_offset`
-    counted from the first key given; `attention` names the kernel (models.layers)."""
-    return layers.attend_static(
+    counted from the first key given; `attention` names the kernel (models.attention)."""
+    return attend_static(
       q_BTNH, k_BSKH, v_BSKH, query_offset, attention, self.config.sliding_window
     )
 
@@ -114,24 +116,19 @@ class Block(nnx.Module):
     v_BSKH,
     query_offset,
     attention,
-    query_rows=None,
-    key_end=None,
-    first_rows_key_end=None,
+    lengths=None,
   ):
     """`attend` for the kernels that return their log-sum-exp (flash, fused): (out float32,
     lse float32), to be merged with an attention of the same queries over other keys.
-    query_rows, key_end, first_rows_key_end: lengths as data for inputs padded to one shape
-    (`attend_flash`)."""
-    return layers.attend_partial(
+    lengths: the real extent of inputs padded to one shape, as data (`models.flash.Lengths`)."""
+    return attend_partial(
       q_BTNH,
       k_BSKH,
       v_BSKH,
       query_offset,
       attention,
       self.config.sliding_window,
-      query_rows=query_rows,
-      key_end=key_end,
-      first_rows_key_end=first_rows_key_end,
+      lengths=lengths,
     )
 
   def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
 from models.base import Block, CausalLM, no_reduce, normal_param, ones_param, zeros_param
 from models.config import FalconConfig
+from models.norms import layer_norm
 
 
 class FalconBlock(Block):
@@ -33,7 +33,7 @@ class FalconBlock(Block):
     self.w_out = normal_param(rngs, (L, F, D), dtype)
 
   def attention_input(self, x_BTD):
-    return layers.layer_norm(
+    return layer_norm(
       x_BTD, self.attn_norm_scale[...], self.attn_norm_bias[...], self.config.norm_eps
     )
 
@@ -41,7 +41,7 @@ class FalconBlock(Block):
     # The MLP input norm is recomputed here rather than carried from project_qkv: it costs
     # O(T*D), and keeping the two halves independent lets a strategy run them apart.
     if self.config.separate_mlp_norm:
-      h_BTD = layers.layer_norm(
+      h_BTD = layer_norm(
         x_BTD, self.mlp_norm_scale[...], self.mlp_norm_bias[...], self.config.norm_eps
       )
     else:
@@ -62,4 +62,4 @@ class Falcon(CausalLM):
     self.norm_bias = zeros_param((config.d_model,), dtype)
 
   def final_norm(self, x_BTD: jax.Array) -> jax.Array:
-    return layers.layer_norm(x_BTD, self.norm_scale[...], self.norm_bias[...], self.config.norm_eps)
+    return layer_norm(x_BTD, self.norm_scale[...], self.norm_bias[...], self.config.norm_eps)

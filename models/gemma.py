@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
 from models.base import Block, CausalLM, no_reduce, normal_param, zeros_param
 from models.config import GemmaConfig
+from models.rope import apply_rope
 
 
 def gemma_rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -56,8 +56,8 @@ class GemmaBlock(Block):
     v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
     q_BTNH = gemma_rms_norm(q_BTNH, self.q_norm[...], cfg.norm_eps)
     k_BTKH = gemma_rms_norm(k_BTKH, self.k_norm[...], cfg.norm_eps)
-    q_BTNH = layers.apply_rope(q_BTNH, positions_BT, cfg.rope)
-    k_BTKH = layers.apply_rope(k_BTKH, positions_BT, cfg.rope)
+    q_BTNH = apply_rope(q_BTNH, positions_BT, cfg.rope)
+    k_BTKH = apply_rope(k_BTKH, positions_BT, cfg.rope)
     scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
     return (q_BTNH * scale).astype(q_BTNH.dtype), k_BTKH, v_BTKH
 

@@ -3,7 +3,7 @@
 Every question about a kernel (does it take a sliding window, return its log-sum-exp, skip
 masked blocks, write scores to memory, run on this device and dtype, which block sizes) is a
 field here; nothing else in the project tests a kernel's name. The maths lives in
-models/layers.py (`attend_static`, `attend_partial` dispatch on `computes`).
+models/attention.py (`attend_static`, `attend_partial` dispatch on `computes`).
 
 A record is hashable and its block sizes are fields, so a compiled program keyed by the
 kernel record is keyed by its block sizes too: `dataclasses.replace(KERNELS["flash"],
@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-# What each way of computing attention can do, from its implementation in models/layers.py:
+# What each way of computing attention can do, from its implementation in models/attention.py:
 # (takes_window, returns_lse, skips_causal_blocks, scores_in_memory, lengths_as_data) and the
 # block sizes it uses with their defaults. A record's capability fields follow from this table
 # (a field given that disagrees is refused), so no record can claim what its maths does not do.
@@ -47,7 +47,7 @@ class AttentionKernel:
   """One attention kernel.
 
   name: what `attention=` and the command lines take.
-  computes: how (models.layers dispatches on it): "dense" the whole [T, S] rectangle masked
+  computes: how (models.attention dispatches on it): "dense" the whole [T, S] rectangle masked
     afterwards (the paper's accounting); "blocked" query blocks, each over the keys up to its
     last query; "flash" online softmax over key blocks, masked blocks skipped, O(block^2)
     memory; "two-piece" the unmasked prefix and the causal diagonal as fused-attention calls

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
 from models.base import Block, CausalLM, no_reduce, normal_param, ones_param
 from models.config import LlamaConfig
+from models.experts import mixture_of_experts
+from models.norms import rms_norm
 
 
 class LlamaBlock(Block):
@@ -37,16 +38,20 @@ class LlamaBlock(Block):
       self.w_down = normal_param(rngs, (L, F, D), dtype)
 
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:
-    return layers.rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
+    return rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     x_BTD = x_BTD + reduce(self.attention_output(attn_BTNH))
-    h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
+    h_BTD = rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
     cfg = self.config
     if cfg.num_experts:
-      experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
-      mlp_BTD = layers.mixture_of_experts(
-        h_BTD, self.router[...], *experts, cfg.experts_per_token, cfg.normalize_expert_weights
+      expert_weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+      mlp_BTD = mixture_of_experts(
+        h_BTD,
+        self.router[...],
+        *expert_weights,
+        cfg.experts_per_token,
+        cfg.normalize_expert_weights,
       )
       return x_BTD + reduce(mlp_BTD)
     gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))
@@ -62,4 +67,4 @@ class Llama(CausalLM):
     self.norm = ones_param((config.d_model,), dtype)
 
   def final_norm(self, x_BTD: jax.Array) -> jax.Array:
-    return layers.rms_norm(x_BTD, self.norm[...], self.config.norm_eps)
+    return rms_norm(x_BTD, self.norm[...], self.config.norm_eps)

@@ -13,7 +13,7 @@ import pytest
 import kvr_jax
 from kvr_jax.planning import costmodel
 from kvr_jax.runtime.loading import preset_config
-from models import layers
+from models.experts import expert_rows, mixture_of_experts
 from tests.tolerance import assert_close
 
 
@@ -42,14 +42,14 @@ def test_grouped_experts_equal_every_expert_weighted(normalize, skew):
   experts = [jnp.asarray(rng.randn(E, *shape) * 0.3, jnp.float32) for shape in ((D, F),) * 2]
   w_down = jnp.asarray(rng.randn(E, F, D) * 0.3, jnp.float32)
   args = (h, jnp.asarray(router, jnp.float32), *experts, w_down, k, normalize)
-  assert_close(layers.mixture_of_experts(*args), dense_reference(*args), "experts")
+  assert_close(mixture_of_experts(*args), dense_reference(*args), "experts")
 
 
 def test_tiles_follow_the_active_experts():
   """The loop runs only the tiles that hold pairs: at most P/tile + E of them, and exactly
   one tile per expert when each expert gets fewer pairs than a tile."""
   expert_P = jnp.asarray([0, 0, 0, 3, 3, 1] * 40, jnp.int32)  # 240 pairs, experts 0, 1, 3
-  rows, tile = layers.expert_rows(expert_P, num_experts=5, max_tile=64)
+  rows, tile = expert_rows(expert_P, num_experts=5, max_tile=64)
   counts = np.bincount(np.asarray(expert_P), minlength=5)
   assert int(rows.tiles_used) == sum(-(-c // tile) for c in counts) == 2 + 1 + 2
   assert rows.num_rows == (-(-240 // tile) + 5) * tile

@@ -15,7 +15,8 @@ import pytest
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import runahead
-from models import config_from_dict, config_from_hf, layers
+from models import config_from_dict, config_from_hf
+from models.masks import window_start
 from tests import hf_fixtures
 
 MODEL_TOL = 1e-4
@@ -87,7 +88,7 @@ def test_every_strategy_matches_transformers_and_single(
   want = kvr_jax.prefill(model, tokens)
   assert rel_err(got.logits, want.logits) <= REL_TOL
   # The K,V decode reads: the whole cache, or with a window its last W-1 positions.
-  first = layers.window_start(C, model.config.sliding_window)
+  first = window_start(C, model.config.sliding_window)
   assert rel_err(got.k_cache[:, :, first:], want.k_cache[:, :, first:]) <= REL_TOL
   assert rel_err(got.v_cache[:, :, first:], want.v_cache[:, :, first:]) <= REL_TOL
 

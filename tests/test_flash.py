@@ -14,7 +14,16 @@ import pytest
 import kvr_jax
 from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.strategies.base import TRACE_COUNT
-from models import kernels, layers
+from models import kernels
+from models.attention import (
+  attend,
+  attend_blocked,
+  attend_fused,
+  attend_partial,
+  attend_with_lse,
+  merge_partials,
+)
+from models.flash import Lengths, attend_flash, key_block_bounds, window_anchor, window_key_block
 from models.kernels import KERNELS
 
 REL_TOL = 1e-5
@@ -73,8 +82,8 @@ SHAPES = [
 @pytest.mark.parametrize("T,S,offset,N,K,bq,bk", SHAPES)
 def test_flash_equals_dense_with_its_lse(T, S, offset, N, K, bq, bk):
   q, k, v = qkv(T, S, N, K)
-  out, lse = jitted(layers.attend_flash)(q, k, v, offset, query_block=bq, key_block=bk)
-  assert_close(out, jitted(layers.attend)(q, k, v, offset), "flash output")
+  out, lse = jitted(attend_flash)(q, k, v, offset, query_block=bq, key_block=bk)
+  assert_close(out, jitted(attend)(q, k, v, offset), "flash output")
   assert_close(lse, reference_lse(q, k, offset), "flash lse")
 
 
@@ -119,16 +128,14 @@ WINDOW_SHAPES = [
 def test_sliding_window_kernels_equal_the_definition(T, S, offset, N, K, bq, bk, window):
   q, k, v = qkv(T, S, N, K, seed=3)
   want_out, want_lse = reference_attention(q, k, v, offset, window)
-  out, lse = jitted(layers.attend_flash)(
-    q, k, v, offset, window=window, query_block=bq, key_block=bk
-  )
+  out, lse = jitted(attend_flash)(q, k, v, offset, window=window, query_block=bq, key_block=bk)
   lse, sees_nothing = np.asarray(lse), np.isinf(want_lse)
   np.testing.assert_array_equal(np.isneginf(lse), sees_nothing)
   assert_close(np.where(sees_nothing, 0.0, lse), np.where(sees_nothing, 0.0, want_lse), "lse")
   assert_close(out, want_out, "flash output")
   if not sees_nothing.any():  # dense and blocked give a padded row a uniform average instead
-    assert_close(jitted(layers.attend)(q, k, v, offset, window=window), want_out, "dense output")
-    blocked = jitted(layers.attend_blocked)(q, k, v, offset, bq, window=window)
+    assert_close(jitted(attend)(q, k, v, offset, window=window), want_out, "dense output")
+    blocked = jitted(attend_blocked)(q, k, v, offset, bq, window=window)
     assert_close(blocked, want_out, "blocked output")
 
 
@@ -148,9 +155,7 @@ def test_flash_visits_exactly_the_key_blocks_someone_sees(window):
       visible &= k_pos > q_pos - window
     seen_by_any = visible.reshape(bq, nk, bk).any(axis=(0, 2))
     seen_by_all = visible.reshape(bq, nk, bk).all(axis=(0, 2))
-    lo, full_lo, full_hi, hi = map(
-      int, layers.key_block_bounds(first_q, last_q, bk, nk, num_keys, window)
-    )
+    lo, full_lo, full_hi, hi = map(int, key_block_bounds(first_q, last_q, bk, nk, num_keys, window))
     assert lo <= full_lo <= full_hi <= hi, (first_q, lo, full_lo, full_hi, hi)
     visited = np.zeros(nk, bool)
     visited[lo:hi] = True
@@ -165,14 +170,14 @@ def test_a_windowed_query_block_visits_as_few_key_blocks_at_any_offset(window, b
   key 0 they need one more wherever the offset is not a block multiple (KV-Runahead's uneven
   chunks, a prefix of W - 1 keys)."""
   num_keys = 5 * window
-  bk = layers.window_key_block(num_keys, 512, window, bq)
+  bk = window_key_block(num_keys, 512, window, bq)
   nk = -(-num_keys // bk)
   fewest = -(-(window + bq - 1) // bk)
   for first_q in range(window, 3 * window, 7):
-    anchor = int(layers.window_anchor(first_q, window))
+    anchor = int(window_anchor(first_q, window))
     lo, _, _, hi = map(
       int,
-      layers.key_block_bounds(
+      key_block_bounds(
         first_q - anchor, first_q + bq - 1 - anchor, bk, nk, num_keys - anchor, window
       ),
     )
@@ -182,8 +187,8 @@ def test_a_windowed_query_block_visits_as_few_key_blocks_at_any_offset(window, b
 def test_sliding_window_is_exercised():
   """Control: the window changes the answer of these shapes (so the test above can fail)."""
   q, k, v = qkv(37, 37, 4, 2, seed=3)
-  windowed = jitted(layers.attend_flash)(q, k, v, 0, window=5, query_block=8, key_block=16)[0]
-  assert np.abs(np.asarray(windowed) - np.asarray(jitted(layers.attend)(q, k, v, 0))).max() > 0.1
+  windowed = jitted(attend_flash)(q, k, v, 0, window=5, query_block=8, key_block=16)[0]
+  assert np.abs(np.asarray(windowed) - np.asarray(jitted(attend)(q, k, v, 0))).max() > 0.1
 
 
 @pytest.mark.parametrize("T,S,offset,N,K,bq,bk", SHAPES)
@@ -192,8 +197,8 @@ def test_fused_split_equals_dense(T, S, offset, N, K, bq, bk):
   their lse (implementation="xla" here; "cudnn" on a GPU is the same code path)."""
   del bq, bk
   q, k, v = qkv(T, S, N, K, seed=1)
-  out, lse = jitted(layers.attend_fused)(q, k, v, offset, "xla")
-  assert_close(out, jitted(layers.attend)(q, k, v, offset), "fused output")
+  out, lse = jitted(attend_fused)(q, k, v, offset, "xla")
+  assert_close(out, jitted(attend)(q, k, v, offset), "fused output")
   assert_close(lse, reference_lse(q, k, offset), "fused lse")
 
 
@@ -202,19 +207,17 @@ def test_merge_of_disjoint_key_sets_is_exact():
   whole; and merging with an empty partial (lse = -inf) changes nothing."""
   T, offset, N, K = 48, 80, 4, 2
   q, k, v = qkv(T, offset + T, N, K, seed=2)
-  prefix = jitted(layers.attend_flash)(q, k[:, :offset], v[:, :offset], offset, key_block=32)
-  diagonal = jitted(layers.attend_flash)(
-    q, k[:, offset:], v[:, offset:], 0, query_block=16, key_block=16
-  )
-  out, lse = layers.merge_partials(*prefix, *diagonal)
-  assert_close(out, jitted(layers.attend)(q, k, v, offset), "merged output")
+  prefix = jitted(attend_flash)(q, k[:, :offset], v[:, :offset], offset, key_block=32)
+  diagonal = jitted(attend_flash)(q, k[:, offset:], v[:, offset:], 0, query_block=16, key_block=16)
+  out, lse = merge_partials(*prefix, *diagonal)
+  assert_close(out, jitted(attend)(q, k, v, offset), "merged output")
   assert_close(lse, reference_lse(q, k, offset), "merged lse")
   empty = (jnp.zeros_like(prefix[0]), jnp.full_like(prefix[1], -jnp.inf))
-  same, same_lse = layers.merge_partials(*prefix, *empty)
+  same, same_lse = merge_partials(*prefix, *empty)
   assert_close(same, prefix[0], "merge with nothing")
   assert_close(same_lse, prefix[1], "merge with nothing (lse)")
   # The merge is not an average: swapping one partial's lse must change the result.
-  wrong, _ = layers.merge_partials(prefix[0], diagonal[1], diagonal[0], prefix[1])
+  wrong, _ = merge_partials(prefix[0], diagonal[1], diagonal[0], prefix[1])
   assert np.abs(np.asarray(wrong) - np.asarray(out)).max() > 1e-3
 
 
@@ -225,7 +228,7 @@ def test_flash_program_does_not_grow_with_the_prompt():
   def hlo_size(T):
     q, k, v = (jax.ShapeDtypeStruct((1, T, 4, 16), jnp.float32) for _ in range(3))
     k = v = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
-    fn = jax.jit(lambda q, k, v: layers.attend_flash(q, k, v, 0)[0])
+    fn = jax.jit(lambda q, k, v: attend_flash(q, k, v, 0)[0])
     return len(fn.lower(q, k, v).as_text())
 
   small, large = hlo_size(1024), hlo_size(8192)
@@ -235,9 +238,9 @@ def test_flash_program_does_not_grow_with_the_prompt():
 def test_flash_future_token_has_no_influence():
   T, N, K = 300, 4, 2
   q, k, v = qkv(T, T, N, K, seed=3)
-  out = jitted(layers.attend_flash)(q, k, v, 0, query_block=64, key_block=64)[0]
+  out = jitted(attend_flash)(q, k, v, 0, query_block=64, key_block=64)[0]
   k2, v2 = k.at[:, 150].set(100.0), v.at[:, 150].set(-100.0)
-  out2 = jitted(layers.attend_flash)(q, k2, v2, 0, query_block=64, key_block=64)[0]
+  out2 = jitted(attend_flash)(q, k2, v2, 0, query_block=64, key_block=64)[0]
   np.testing.assert_array_equal(np.asarray(out2[:, :150]), np.asarray(out[:, :150]))
   assert not np.allclose(out2[:, 150:], out[:, 150:], atol=1e-2)
 
@@ -246,8 +249,8 @@ def test_flash_bfloat16_close_to_float32():
   """bf16 inputs, float32 softmax statistics: within bf16's own rounding (2^-8 relative per
   element, a few roundings deep) of the float32 result."""
   q, k, v = qkv(200, 200, 4, 1, seed=4)
-  want = layers.attend(q, k, v, 0)
-  got = layers.attend_flash(
+  want = attend(q, k, v, 0)
+  got = attend_flash(
     q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), 0, key_block=64
   )[0]
   assert got.dtype == jnp.bfloat16
@@ -379,7 +382,7 @@ def test_bfloat16_partials_merge_with_a_float32_lse(kernel):
   within one bfloat16 step of a float64 reference: their log-sum-exp and the merge are
   float32 (and flash scales bfloat16 scores in float32)."""
   q, k, v, offset, want = bf16_case()
-  out, _ = jitted(layers.attend_partial)(q, k, v, offset, kernel)
+  out, _ = jitted(attend_partial)(q, k, v, offset, kernel)
   assert out.dtype == jnp.float32
   assert relative_error(out, want) <= BF16_REL_TOL
 
@@ -388,10 +391,10 @@ def test_a_bfloat16_lse_fails_the_bfloat16_merge_bound():
   """Control: the same two pieces merged with their lse rounded to bfloat16 (what
   jax.nn.dot_product_attention(return_residual=True) returns for bfloat16 inputs) miss it."""
   q, k, v, offset, want = bf16_case()
-  prefix = layers.attend_with_lse(q, k[:, :offset], v[:, :offset], offset)
-  diagonal = layers.attend_with_lse(q, k[:, offset:], v[:, offset:], 0)
+  prefix = attend_with_lse(q, k[:, :offset], v[:, :offset], offset)
+  diagonal = attend_with_lse(q, k[:, offset:], v[:, offset:], 0)
   rounded = [lse.astype(jnp.bfloat16) for lse in (prefix[1], diagonal[1])]
-  out, _ = layers.merge_partials(prefix[0], rounded[0], diagonal[0], rounded[1])
+  out, _ = merge_partials(prefix[0], rounded[0], diagonal[0], rounded[1])
   assert relative_error(out, want) > BF16_REL_TOL
 
 
@@ -469,10 +472,10 @@ def test_block_sizes_are_part_of_the_kernel_and_of_its_program():
   mesh = kvr_jax.make_mesh(2)
   small = dataclasses.replace(KERNELS["flash"], query_block=16, key_block=32)
   results, traces = [], []
-  for attention in ("flash", small, small):
+  for kernel in ("flash", small, small):
     before = TRACE_COUNT["kvr"]
     results.append(
-      kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition=[56, 40], attention=attention)
+      kvr_jax.prefill(model, tokens, "kvr", mesh=mesh, partition=[56, 40], attention=kernel)
     )
     traces.append(TRACE_COUNT["kvr"] - before)
   assert traces[1:] == [1, 0]
@@ -498,13 +501,13 @@ def test_clear_caches_makes_the_next_prefill_compile_again():
 
 
 def test_attention_questions_are_answered_by_kernel_fields_only():
-  """No module outside models/kernels.py and the dispatch in models/layers.py compares an
+  """No module outside models/kernels.py and the dispatch in models/attention.py compares an
   attention kernel's name: a new kernel is one record, not a hunt through the tree."""
   import ast
   import pathlib
 
   root = pathlib.Path(__file__).resolve().parents[1]
-  allowed = {root / "models" / "kernels.py", root / "models" / "layers.py"}
+  allowed = {root / "models" / "kernels.py", root / "models" / "attention.py"}
   names = set(KERNELS)
   found = []
   for path in sorted(
@@ -528,8 +531,8 @@ def test_every_query_offset_against_dense_catches_an_off_by_one_block_bound():
   fails here; the SHAPES above do not reach every alignment."""
   T, S, bq, bk = 8, 48, 8, 16
   q, k, v = qkv(T, S, 4, 2, seed=5)
-  flash = jax.jit(lambda q, k, v, o: layers.attend_flash(q, k, v, o, query_block=bq, key_block=bk))
-  dense = jax.jit(lambda q, k, v, o: layers.attend(q, k, v, o))
+  flash = jax.jit(lambda q, k, v, o: attend_flash(q, k, v, o, query_block=bq, key_block=bk))
+  dense = jax.jit(lambda q, k, v, o: attend(q, k, v, o))
   for offset in range(S - T + 1):
     assert_close(flash(q, k, v, offset)[0], dense(q, k, v, offset), f"offset {offset}")
 
@@ -559,7 +562,7 @@ def test_traced_query_rows_and_key_end_match_dense(window):
 
   @jax.jit
   def flash(q, k, v, offset, key_end, lo, hi, split, first_end):
-    return layers.attend_flash(
+    return attend_flash(
       q,
       k,
       v,
@@ -567,10 +570,8 @@ def test_traced_query_rows_and_key_end_match_dense(window):
       window=window,
       query_block=bq,
       key_block=bk,
-      query_rows=(lo, hi),
-      key_end=key_end,
-      first_rows_key_end=(split, first_end),
       out_dtype=jnp.float32,
+      lengths=Lengths(query_rows=(lo, hi), key_end=key_end, short_rows=(split, first_end)),
     )
 
   for offset, key_end, lo, hi, split, first_end in [
@@ -587,7 +588,7 @@ def test_traced_query_rows_and_key_end_match_dense(window):
     k_dirty, v_dirty = jnp.where(tail, garbage, k), jnp.where(tail, garbage, v)
     out, lse = flash(q, k_dirty, v_dirty, offset, key_end, lo, hi, split, first_end)
     for end in sorted(set(ends[lo:hi])):
-      want = layers.attend(q, k[:, :end], v[:, :end], offset, window=window)
+      want = attend(q, k[:, :end], v[:, :end], offset, window=window)
       # Rows that see some key (with a window, rows far past the end see none: flash gives
       # them weight 0, the dense kernel a uniform average of masked scores).
       position = offset + np.arange(T)

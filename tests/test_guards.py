@@ -29,8 +29,9 @@ from kvr_jax.strategies import runahead
 from kvr_jax.strategies.roofline import Compute, ModelledLayer, Receive, Send
 from kvr_jax.tools import measured
 from kvr_jax.tools.memory import compiled_memory
-from models import layers
+from models.attention import merge_partials
 from models.config import config_from_dict
+from models.experts import mixture_of_experts
 from models.kernels import KERNELS, AttentionKernel, get_kernel
 from tests.subprocess_env import launcher_env
 from tests.tolerance import assert_close
@@ -268,7 +269,7 @@ def test_the_routers_softmax_is_float32_under_bfloat16():
   gate = jnp.zeros((E, D, F), jnp.bfloat16).at[:, 0, 0].set(1.0)
   up = jnp.zeros((E, D, F), jnp.bfloat16).at[:, 0, 0].set(1.0)
   down = jnp.zeros((E, F, D), jnp.bfloat16).at[:, 0, 0].set(jnp.arange(E, dtype=jnp.bfloat16))
-  out = layers.mixture_of_experts(h[None], router, gate, up, down, 1, True)[0]
+  out = mixture_of_experts(h[None], router, gate, up, down, 1, True)[0]
   chosen = np.rint(np.asarray(out[:, 0], np.float32) / float(jax.nn.silu(1.0))).astype(int)
   logits = jnp.einsum("SD,DE->SE", h, router).astype(jnp.float32)
   want = np.asarray(jax.lax.top_k(jax.nn.softmax(logits, axis=-1), 1)[1][:, 0])
@@ -280,7 +281,7 @@ def test_merging_partials_shifts_by_their_max():
   out1 = jnp.ones((1, 1, 1, 4), jnp.float32)
   out2 = 3 * jnp.ones((1, 1, 1, 4), jnp.float32)
   lse = jnp.full((1, 1, 1), 100.0, jnp.float32)
-  out, merged = layers.merge_partials(out1, lse, out2, lse)
+  out, merged = merge_partials(out1, lse, out2, lse)
   np.testing.assert_allclose(np.asarray(out), 2.0, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(merged), 100.0 + np.log(2.0), rtol=1e-6)
 

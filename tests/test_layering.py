@@ -144,9 +144,12 @@ def test_the_checks_can_fail():
 def test_every_strategy_is_registered_and_has_a_module():
   from kvr_jax import strategies
 
+  # A strategy is a module, or a package whose __init__ holds its record.
+  files = [*(ROOT / "kvr_jax" / "strategies").glob("*.py")]
+  files += (ROOT / "kvr_jax" / "strategies").glob("*/__init__.py")
   modules = {
-    p.stem
-    for p in (ROOT / "kvr_jax" / "strategies").glob("*.py")
+    p.parent.name if p.stem == "__init__" else p.stem
+    for p in files
     if "\nSTRATEGY = Strategy(" in p.read_text()
   }
   defined = [importlib.import_module(f"kvr_jax.strategies.{m}").STRATEGY for m in sorted(modules)]

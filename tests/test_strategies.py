@@ -19,6 +19,7 @@ from kvr_jax.planning import costmodel
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import TRACE_COUNT, runahead
+from kvr_jax.strategies.runahead import schedule
 from kvr_jax.tools import measured
 from models.config import FalconConfig
 from models.kernels import get_kernel
@@ -298,7 +299,7 @@ def test_the_early_rows_closed_form_matches_counting_rows():
         while rows < c and 512 * (keys + min(rows + 1, window)) <= flops:
           keys += min(rows + 1, window)
           rows += 1
-        assert runahead._most_rows_within(flops, 512, c, window) == rows, (window, c, flops)
+        assert schedule._most_rows_within(flops, 512, c, window) == rows, (window, c, flops)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])

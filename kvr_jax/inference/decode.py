@@ -28,8 +28,10 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from kvr_jax.strategies.base import CacheLayout, parts_spec, unfold_batch
-from models import layers, scan_blocks
+from models import scan_blocks
+from models.attention import attend_with_lse, merge_partials
 from models.base import no_reduce
+from models.flash import attend_flash
 
 
 def _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache, reduce=no_reduce):
@@ -112,7 +114,7 @@ def part_attention(q_B1NH, part_2BPKH, positions_B, prompt_lens_B, runs, window:
   lse = out[..., 0] - jnp.inf
   for position_0, length, row in runs:
     keys = part_2BPKH[:, :, row : row + length]
-    partial = layers.attend_with_lse(
+    partial = attend_with_lse(
       q_B1NH,
       keys[0],
       keys[1],
@@ -120,7 +122,7 @@ def part_attention(q_B1NH, part_2BPKH, positions_B, prompt_lens_B, runs, window:
       window=window,
       num_valid_keys=prompt_lens_B - position_0,
     )
-    out, lse = layers.merge_partials(out, lse, *partial)
+    out, lse = merge_partials(out, lse, *partial)
   return out, lse
 
 
@@ -189,11 +191,11 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
         prompt_lens_B,
       )
       # The decoded tokens sit at positions prompt_len + [0, M): the query at tail_index.
-      tail_out, tail_lse = layers.attend_flash(
+      tail_out, tail_lse = attend_flash(
         q_B1NH, tail_2BMKH[0], tail_2BMKH[1], tail_index, window=window
       )
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
-      out, lse = layers.merge_partials(out, lse, tail_out, tail_lse)
+      out, lse = merge_partials(out, lse, tail_out, tail_lse)
       attn_B1NH = merge_across_ranks(out, lse).astype(q_B1NH.dtype)
       return (block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH), None
 

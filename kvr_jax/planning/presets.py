@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from kvr_jax.core import resources
 from kvr_jax.planning.costmodel import Hardware, Links, Setup
 from kvr_jax.runtime.mesh import AXIS, global_array, make_mesh
-from models.layers import attend_flash
+from models.flash import attend_flash
 
 HARDWARE = {
   # Peaks from the NVIDIA data sheets; 60% of the tensor-core peak and 80% of HBM

@@ -29,7 +29,7 @@ from kvr_jax.strategies.roofline import (
   visible_keys,
   work_kwargs,
 )
-from models import layers
+from models.attention import attend_partial, merge_partials
 from models.kernels import get_kernel
 
 
@@ -153,7 +153,7 @@ def _chunk_partial(q_BcNH, query_chunk, kv, key_half, key_chunk, whole: bool, c,
   offset = (c if whole else 0) if static else (query_chunk - key_chunk) * c
   # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
   # step against the other strategies.
-  return layers.attend_partial(q_BcNH, k, v, offset, kernel, window)
+  return attend_partial(q_BcNH, k, v, offset, kernel, window)
 
 
 def zigzag_attention(
@@ -170,7 +170,7 @@ def zigzag_attention(
 ):
   """Rank r's two query chunks (r and 2p-1-r) against every rank's K,V, one source rank per
   step, each piece a whole c x c block in the past or a causal diagonal, merged exactly by
-  log-sum-exp (`layers.merge_partials`):
+  log-sum-exp (`merge_partials`):
 
     step 0      own K,V: chunk r causally; chunk 2p-1-r sees chunk r whole and itself causally
     src < r     both query chunks see src's first chunk whole, its second not at all
@@ -184,7 +184,7 @@ def zigzag_attention(
   partial = functools.partial(_chunk_partial, c=c, attention=attention, window=window)
 
   out_first, lse_first = partial(q_first, first_query_chunk, kv_own, 0, first_query_chunk, False)
-  out_second, lse_second = layers.merge_partials(
+  out_second, lse_second = merge_partials(
     *partial(q_second, second_query_chunk, kv_own, 0, first_query_chunk, True),
     *partial(q_second, second_query_chunk, kv_own, 1, second_query_chunk, False),
   )
@@ -197,7 +197,7 @@ def zigzag_attention(
     return jnp.concatenate([out_a, out_b], axis=1), jnp.concatenate([lse_a, lse_b], axis=1)
 
   def later_rank(kv, src):  # src > r: only the second query chunk sees anything, both chunks
-    out_b, lse_b = layers.merge_partials(
+    out_b, lse_b = merge_partials(
       *partial(q_second, second_query_chunk, kv, 0, src, True),
       *partial(q_second, second_query_chunk, kv, 1, 2 * p - 1 - src, True),
     )
@@ -212,9 +212,7 @@ def zigzag_attention(
     kv = source_kv(kv, step)
     src = (rank - step) % p
     step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv, src)
-    out, lse = mark(
-      timeline, f"step{step}", layer, layers.merge_partials(out, lse, step_out, step_lse)
-    )
+    out, lse = mark(timeline, f"step{step}", layer, merge_partials(out, lse, step_out, step_lse))
   return out.astype(q_B2cNH.dtype)
 
 

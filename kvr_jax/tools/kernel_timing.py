@@ -10,8 +10,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from models.attention import attend_static
 from models.kernels import get_kernel
-from models.layers import attend_static
 
 
 @dataclasses.dataclass

@@ -37,8 +37,9 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh
 from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.tools.timing import interval_verdict, time_interleaved
+from models.attention import attend_static
 from models.kernels import get_kernel, kernels_where
-from models.layers import attend_static, window_start
+from models.masks import window_start
 
 # Answers of measured_partition, per model (weakly: a model that is gone takes its answers
 # with it, and a new model never inherits an old one's by a reused id), at most
