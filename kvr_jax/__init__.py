@@ -14,7 +14,8 @@ models -> core -> runtime -> strategies -> planning -> inference -> tools.
 """
 
 from kvr_jax.inference.generate import GenerationResult, generate
-from kvr_jax.inference.prefill import CacheParts, PrefillResult, WholeCache, prefill
+from kvr_jax.inference.prefill import prefill
+from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import Model, load_model, save_model
 from kvr_jax.runtime.mesh import make_mesh

@@ -162,9 +162,10 @@ class Block(nnx.Module):
 def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]], carry, xs=None):
   """`lax.scan` over stacked layers: body(block_of_one_layer, carry, x_l) -> (carry, y_l).
 
-  Layers whose windows differ (`ModelConfig.layer_windows`) run one body per kind of layer:
-  each step a `lax.switch` on the layer's kind, whose branch gives the block its own window
-  (and RoPE: `config.with_window`), so shapes that follow the window are static per kind
+  Layers of different kinds (`ModelConfig.layer_kinds`, models/layer_kinds.py: today their
+  windows differ) run one body per kind: each step a `lax.switch` on the layer's kind, whose
+  branch gives the block its one-kind config (its window and RoPE: `config.of_kind`), so
+  shapes that follow the kind are static per kind
   (KV-Runahead's hops on a windowed layer carry only what the window needs). The weights
   are scanned in place, as for uniform layers: no copy of any layer's slice."""
   graphdef, stacked_state = nnx.split(blocks)
@@ -177,29 +178,23 @@ def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]
 
     return jax.lax.scan(step, carry, (stacked_state, xs))
 
-  kinds = layer_kinds(config.windows)
-  kind_L = jnp.asarray([kinds.index(w) for w in config.windows], jnp.int32)
+  kinds = config.kinds
+  kind_L = jnp.asarray([kinds.index(k) for k in config.layer_kinds], jnp.int32)
 
-  def kind_body(window):
+  def kind_body(kind):
     def run(carry, layer_state, x_l):
       block = nnx.merge(graphdef, layer_state)
-      block.config = config.with_window(window)
+      block.config = config.of_kind(kind)
       return body(block, carry, x_l)
 
     return run
 
   def kinds_step(carry, inputs):
     layer_state, x_l, kind = inputs
-    branches = [kind_body(window) for window in kinds]
+    branches = [kind_body(k) for k in kinds]
     return jax.lax.switch(kind, branches, carry, layer_state, x_l)
 
   return jax.lax.scan(kinds_step, carry, (stacked_state, xs, kind_L))
-
-
-def layer_kinds(windows: tuple) -> tuple:
-  """The distinct windows of the layers, windowed ones first, smallest first, then full (None):
-  one compiled layer body each."""
-  return tuple(sorted(set(windows), key=lambda w: (w is None, w or 0)))
 
 
 class CausalLM(nnx.Module):

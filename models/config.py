@@ -13,6 +13,8 @@ import types
 import typing
 from typing import Any, ClassVar, Literal
 
+from models.layer_kinds import AttentionKind, kinds_in_order
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -146,7 +148,29 @@ class ModelConfig:
   def narrowest_window(self) -> int | None:
     """The smallest window of any layer, None when no layer has one: what decides whether a
     kernel must take windows and whether hops carry whole prefixes."""
-    return min((w for w in self.windows if w is not None), default=None)
+    return min((k.window for k in self.kinds if k.window is not None), default=None)
+
+  @property
+  def layer_kinds(self) -> tuple[AttentionKind, ...]:
+    """Each layer's kind (models/layer_kinds.py): what it computes and what its past is."""
+    return tuple(AttentionKind(w) for w in self.windows)
+
+  @property
+  def kinds(self) -> tuple[AttentionKind, ...]:
+    """The distinct kinds of the layers, in the order `scan_blocks` compiles their bodies."""
+    return kinds_in_order(self.layer_kinds)
+
+  @property
+  def kind(self) -> AttentionKind:
+    """The kind of every layer of a one-kind config (a layer's block sees `of_kind`'s)."""
+    if len(self.kinds) != 1:
+      names = ", ".join(k.name for k in self.kinds)
+      raise ValueError(f"this model's layers are of {len(self.kinds)} kinds ({names}), not one")
+    return self.kinds[0]
+
+  def of_kind(self, kind: AttentionKind) -> ModelConfig:
+    """The config of this model's layers of `kind`, as their block and the cost model see it."""
+    return self.with_window(kind.window)
 
   def with_window(self, window: int | None) -> ModelConfig:
     """This config with one window on every layer (a layer of a mixed model, as its block and

@@ -156,11 +156,14 @@ def test_windowed_hops_carry_at_most_w_keys(families):
 def test_layer_kinds_are_one_body_each():
   """Gemma 3 27B's 62 layers (five 1024-token windows to one full) are two kinds of layer:
   two compiled bodies, whatever the depth."""
-  from models.base import layer_kinds
+  from models.layer_kinds import AttentionKind, kinds_in_order
+
+  def kinds(windows):
+    return tuple(k.window for k in kinds_in_order(AttentionKind(w) for w in windows))
 
   gemma = ((1024,) * 5 + (None,)) * 10 + (1024, 1024)
-  assert layer_kinds(gemma) == (1024, None)
-  assert layer_kinds((None, 8, 4, 8)) == (4, 8, None)
+  assert kinds(gemma) == (1024, None)
+  assert kinds((None, 8, 4, 8)) == (4, 8, None)
 
 
 def test_fused_kernel_refused_for_a_windowed_model(families, tokens):

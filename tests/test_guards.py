@@ -19,7 +19,7 @@ import pytest
 
 import kvr_jax
 from kvr_jax.core import caches
-from kvr_jax.inference import prefill as prefill_lib
+from kvr_jax.inference import auto as auto_lib
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.runtime import distributed
@@ -292,8 +292,8 @@ def test_the_cache_chooser_counts_one_shard_of_the_weights_on_a_2d_mesh(monkeypa
   model = kvr_jax.load_model("tiny-llama")
   mesh = kvr_jax.make_mesh(2, model=4)
   weights = model.config.num_params() * 4
-  monkeypatch.setattr(prefill_lib, "device_memory_bytes", lambda device: weights // 2)
-  assert prefill_lib._plan_cache(model, 64, 1, mesh) == "last"
+  monkeypatch.setattr(auto_lib, "device_memory_bytes", lambda device: weights // 2)
+  assert auto_lib.plan_cache(model, 64, 1, mesh) == "last"
 
 
 def test_a_padded_prompt_on_a_plan_made_unpadded_is_the_plans_refusal_on_a_2d_mesh():

@@ -321,6 +321,7 @@ def test_a_plan_across_processes_asks_each_choice_once(monkeypatch):
 
   import kvr_jax
   from kvr_jax.inference import prefill as prefill_module
+  from kvr_jax.runtime import agreement
 
   asked = []
 
@@ -328,8 +329,8 @@ def test_a_plan_across_processes_asks_each_choice_once(monkeypatch):
     asked.append(np.asarray(value).tolist())
     return value
 
-  monkeypatch.setattr(prefill_module, "spans_processes", lambda mesh: True)
-  monkeypatch.setattr(prefill_module.multihost_utils, "broadcast_one_to_all", broadcast)
+  monkeypatch.setattr(agreement, "spans_processes", lambda mesh: True)
+  monkeypatch.setattr(agreement.multihost_utils, "broadcast_one_to_all", broadcast)
   model, mesh = kvr_jax.load_model("tiny-llama"), kvr_jax.make_mesh(2)
   tokens = np.zeros((1, 72), np.int32)  # a shape no other test plans
   plans = [

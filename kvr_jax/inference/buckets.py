@@ -13,6 +13,8 @@ The default ladder ("auto"): round up to a multiple of max(16, 2^(floor(log2 T) 
 `python -m launch.benchmark --mode=buckets`). `buckets` may also be an increasing sequence of
 lengths (a prompt longer than the largest runs at its exact length) or None: exact shapes,
 no padding unless rows of a batch differ in length (then the longest row is the shape).
+
+The prompt rows themselves are checked here too (`check_prompts`): ids, lengths, emptiness.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import numbers
 from collections.abc import Sequence
 
 import numpy as np
+
+from kvr_jax.runtime.loading import Model
 
 AUTO = "auto"
 BUCKETS_PER_OCTAVE = 8
@@ -112,3 +116,40 @@ def pad_rows(rows: Sequence[np.ndarray], length: int) -> np.ndarray:
   for i, row in enumerate(rows):
     out[i, : len(row)] = row
   return out
+
+
+def check_prompts(model: Model, tokens) -> tuple[list[np.ndarray], np.ndarray]:
+  """Prompt rows (a [B, T] or [T] array, or a list of 1-D sequences of any lengths), checked:
+  (rows as int32 arrays, lengths [B] int32). One ValueError, naming the row, for an empty
+  row, ids that are not integers or outside the vocabulary, or a row longer than
+  max_position_embeddings."""
+  rows = rows_of(tokens)
+  vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
+  checked = []
+  for i, row in enumerate(rows):
+    where = f"prompt row {i}" if len(rows) > 1 else "the prompt"
+    if row.size == 0:
+      raise ValueError(f"{where} is empty")
+    if not np.issubdtype(row.dtype, np.integer):
+      raise ValueError(f"`tokens` must be integer token ids, got dtype {row.dtype} in {where}")
+    bad = (row < 0) | (row >= vocab)
+    if bad.any():
+      first = int(np.argmax(bad))
+      raise ValueError(
+        f"token id {int(row[first])} at position {first} of {where} is outside the "
+        f"vocabulary [0, {vocab})"
+      )
+    if row.size > limit:
+      raise ValueError(f"{where}: {row.size} tokens exceeds max_position_embeddings={limit}")
+    checked.append(row.astype(np.int32))
+  return checked, np.asarray([len(r) for r in checked], np.int32)
+
+
+def padded_prompts(model: Model, tokens, buckets):
+  """The prompt rows checked (`check_prompts`) and the length every row is padded to:
+  (rows, lengths [B], padded length T, the checked `buckets`)."""
+  rows, lengths_B = check_prompts(model, tokens)
+  max_position = model.config.max_position_embeddings
+  buckets = check_buckets(buckets, max_position)
+  T = bucket_length(int(lengths_B.max()), buckets, max_position)
+  return rows, lengths_B, T, buckets

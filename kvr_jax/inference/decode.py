@@ -170,7 +170,7 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
       # The tail [L, 2, B, M, K, H] is carried and written where it lies (this token's row of
       # layer l, by index), the parts read a layer at a time: no second copy of either.
       x_B1D, tail_L2BMKH = carry
-      window = block.config.sliding_window  # this layer's (they may differ)
+      window = block.config.kind.window  # this layer's kind (they may differ)
       part_2BPKH = unfold_batch(kv_parts_1L2BPKH[0, l], layout.part_len)
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
       new_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(tail_L2BMKH.dtype)

@@ -14,8 +14,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.inference import decode
+from kvr_jax.inference.buckets import check_prompts
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.prefill import CacheParts, PrefillResult, check_prompts, prefill
+from kvr_jax.inference.prefill import prefill
+from kvr_jax.inference.results import CacheParts, PrefillResult
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel, spans_processes
 

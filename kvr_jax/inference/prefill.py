@@ -8,32 +8,28 @@ hands the result over on its own device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode
+from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, model_key, plan_cache
 from kvr_jax.inference.kv_cache import (
-  CACHE_LAYOUTS,
   check_cache,
-  choose_cache_layout,
   device_memory_bytes,
   gather_on_last_rank,
   join_affordable,
   last_hop_bytes,
-  whole_cache_bytes,
 )
-from kvr_jax.planning import presets
-from kvr_jax.planning.choice import StrategyChoice, choose_strategy
+from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
+from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
-from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -50,155 +46,6 @@ from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO, CacheLayout, Strategy, last_rank
 from models.kernels import AttentionKernel, get_kernel, kernels_where
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PrefillResult:
-  """What a prefill hands to decode: one of two layouts, `WholeCache` (cache="last") or
-  `CacheParts` (cache="sharded"), with these fields in common.
-
-  logits: [B, V] float32, each row's last prompt position, on the last rank's device (None in
-  a process of a multi-process run that does not hold it: `is_local` is False).
-  prompt_len: T, the rows' padded length. strategy: the strategy's name. partition: the
-  chunk lengths a partitioned strategy ran, else None. cache_layout: which prompt positions
-  each rank's part held. attention: the kernel that ran ("auto" resolved). lengths: [B]
-  int32, each row's true length: positions [lengths[b], prompt_len) of row b are padding
-  (buckets, ragged batches); decode continues row b at position lengths[b].
-  """
-
-  logits: jax.Array | None
-  prompt_len: int
-  strategy: str
-  partition: tuple[int, ...] | None
-  cache_layout: CacheLayout
-  attention: str
-  lengths: np.ndarray
-  # strategy="auto": the strategy it picked and every candidate's MODELLED TTFT; else None.
-  choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
-  # The model's KV heads: on a 2-D mesh with more "model" shards than KV heads the caches hold
-  # each head repeated (tensor_parallel.shard_ready_state), which `gather_cache` undoes.
-  kv_heads: int | None = dataclasses.field(default=None, kw_only=True)
-
-  cache: ClassVar[str]
-
-  @property
-  def is_local(self) -> bool:
-    return self.logits is not None
-
-  @property
-  def device(self):
-    return next(iter(self.logits.devices()))
-
-  def gather_cache(self) -> tuple[jax.Array, jax.Array]:
-    """(K, V) [L, B, S, K, H] in prompt order on the last rank's device (its row of devices on
-    a 2-D mesh), whichever layout, with the model's K heads (single's shape) on every mesh."""
-    return _model_heads(*self.decode_cache(), self.kv_heads)
-
-  def decode_cache(self) -> tuple[jax.Array, jax.Array]:  # pragma: no cover - interface
-    """The cache as decode reads it: `gather_cache`'s, but on a 2-D mesh with more "model"
-    shards than KV heads each head stays repeated, one per shard (the decode step's split)."""
-    raise NotImplementedError
-
-  def layer_cache(self, layer: int) -> tuple[jax.Array, jax.Array]:
-    """(K, V) of one layer, each [B, S, K, H]."""
-    k, v = self.gather_cache()
-    return k[layer], v[layer]
-
-
-def _model_heads(k_LBSKH, v_LBSKH, kv_heads: int | None):
-  """(k, v) with the model's KV heads: a head repeated r times over "model" shards (K < m)
-  taken once, so that the cache has single's shape on every mesh."""
-  if k_LBSKH is None or kv_heads is None or k_LBSKH.shape[3] == kv_heads:
-    return k_LBSKH, v_LBSKH
-  repeats = k_LBSKH.shape[3] // kv_heads
-
-  def once(x):  # the heads axis is split over "model": replicate over the row, then slice
-    whole = jax.device_put(x, x.sharding.update(spec=jax.P()))
-    return whole[:, :, :, ::repeats]
-
-  return once(k_LBSKH), once(v_LBSKH)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class WholeCache(PrefillResult):
-  """cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len,
-  in prompt order on the last rank's device (`device`), where decode continues; None in a
-  process that does not hold them."""
-
-  k_cache: jax.Array | None
-  v_cache: jax.Array | None
-
-  cache: ClassVar[str] = "last"
-
-  def decode_cache(self) -> tuple[jax.Array, jax.Array]:
-    return self.k_cache, self.v_cache
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class CacheParts(PrefillResult):
-  """cache="sharded": the parts where they were computed. kv_parts [p, L, 2, B*P, K, H]
-  (batch folded into the rows: `strategies.base.unfold_batch(part, cache_layout.part_len)`
-  gives [..., B, P, K, H]) sharded over `mesh`, rank r's part holding the positions
-  `cache_layout.segments[r]` says. last_hop: KV-Runahead's last-hop messages where the plan
-  kept them (`run_prefill(move_cache=False)`): the last rank's cache is joined from them and
-  its part, without a move. `gather_cache()` brings the cache into prompt order on the last
-  rank; `whole(k, v)` is the same result with that cache."""
-
-  kv_parts: jax.Array
-  mesh: Any
-  last_hop: jax.Array | None = None
-  # [B, V] replicated over `mesh` when the mesh spans processes: every process holds the
-  # logits, so every process can run the decode steps that read its parts (generate).
-  replicated_logits: jax.Array | None = None
-
-  cache: ClassVar[str] = "sharded"
-
-  def decode_cache(self) -> tuple[jax.Array, jax.Array]:
-    if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
-      return None, None
-    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
-
-  def whole(self, k_cache, v_cache) -> WholeCache:
-    """This prefill with its cache gathered (`decode_cache()`'s output) as cache="last"."""
-    common = {f.name: getattr(self, f.name) for f in dataclasses.fields(PrefillResult)}
-    return WholeCache(**common, k_cache=k_cache, v_cache=v_cache)
-
-
-def check_prompts(model: Model, tokens) -> tuple[list[np.ndarray], np.ndarray]:
-  """Prompt rows (a [B, T] or [T] array, or a list of 1-D sequences of any lengths), checked:
-  (rows as int32 arrays, lengths [B] int32). One ValueError, naming the row, for an empty
-  row, ids that are not integers or outside the vocabulary, or a row longer than
-  max_position_embeddings."""
-  rows = buckets_lib.rows_of(tokens)
-  vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
-  checked = []
-  for i, row in enumerate(rows):
-    where = f"prompt row {i}" if len(rows) > 1 else "the prompt"
-    if row.size == 0:
-      raise ValueError(f"{where} is empty")
-    if not np.issubdtype(row.dtype, np.integer):
-      raise ValueError(f"`tokens` must be integer token ids, got dtype {row.dtype} in {where}")
-    bad = (row < 0) | (row >= vocab)
-    if bad.any():
-      first = int(np.argmax(bad))
-      raise ValueError(
-        f"token id {int(row[first])} at position {first} of {where} is outside the "
-        f"vocabulary [0, {vocab})"
-      )
-    if row.size > limit:
-      raise ValueError(f"{where}: {row.size} tokens exceeds max_position_embeddings={limit}")
-    checked.append(row.astype(np.int32))
-  return checked, np.asarray([len(r) for r in checked], np.int32)
-
-
-def padded_prompts(model: Model, tokens, buckets):
-  """The prompt rows checked (`check_prompts`) and the length every row is padded to:
-  (rows, lengths [B], padded length T, the checked `buckets`)."""
-  rows, lengths_B = check_prompts(model, tokens)
-  max_position = model.config.max_position_embeddings
-  buckets = buckets_lib.check_buckets(buckets, max_position)
-  T = buckets_lib.bucket_length(int(lengths_B.max()), buckets, max_position)
-  return rows, lengths_B, T, buckets
 
 
 def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attention=None):
@@ -344,19 +191,19 @@ def plan_prefill(
   `timeline_probes`: kvr, ring, allgather); kvr_jax.tools.timeline reads them."""
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
-  rows, lengths_B, T, buckets = padded_prompts(model, tokens, buckets)
+  rows, lengths_B, T, buckets = buckets_lib.padded_prompts(model, tokens, buckets)
   B, padded = len(rows), bool((lengths_B < T).any())
   choice = None
   if isinstance(strategy, str) and strategy == AUTO:
-    strategy, partition, choice = _choose_strategy(model, T, B, mesh, partition, attention)
+    strategy, partition, choice = choose_auto_strategy(model, T, B, mesh, partition, attention)
   spec = get_strategy(strategy)
   cache = check_cache(cache, allow_auto=True)
   kernel = _check_model_and_kernel(model, spec, attention, timeline)
   if choice is not None and spec.max_ranks == 1:
-    mesh, cache = _auto_one_device(model, T, B, mesh, cache)
+    mesh, cache = auto_one_device(model, T, B, mesh, cache)
   mesh = _plan_mesh(spec, mesh, T, elsewhere=choice is not None)
   if cache == AUTO:
-    cache = _plan_cache(model, T, B, mesh)
+    cache = plan_cache(model, T, B, mesh)
   _check_layout(spec, partition, cache, T, int(lengths_B.max()), padded, buckets)
   if model_parallel(mesh) > 1:
     _check_tensor_parallel(model, mesh, T if padded else 0, timeline)
@@ -381,98 +228,6 @@ def plan_prefill(
     padded,
     choice,
   )
-
-
-@kept_cache(256)
-def _agreement(kind: str, key, mesh) -> dict:
-  """One slot per question (kind, its inputs, the mesh) for `_agreed`."""
-  return {}
-
-
-def _agreed(kind: str, key, mesh, answer):
-  """Process 0's `answer` (an int or a tuple of ints) on every process, where `mesh` spans
-  processes: a choice made from per-process measurements must be the same everywhere, or the
-  processes compile different programs. Asked across processes once per question (`kind`
-  and `key`, the inputs every process asks it with) and then kept: a broadcast per plan
-  cost 2-3 ms on gloo, and a 1k-token prefill asked three (auto's pick, the split, the
-  join). Every process asks the same questions in the same order, so all of them find an
-  answer kept or none does. A mesh of this process's devices alone (the oracle's, run by one
-  process) decides locally: a broadcast would wait for processes that never join it."""
-  if not spans_processes(mesh):
-    return answer
-  slot = _agreement(kind, key, mesh)
-  if "answer" not in slot:
-    agreed = multihost_utils.broadcast_one_to_all(np.asarray(answer, np.int32))
-    slot["answer"] = tuple(int(x) for x in agreed) if np.ndim(agreed) else int(agreed)
-  return slot["answer"]
-
-
-def _model_key(model) -> tuple:
-  """What a plan's choices read of the model (not its weights)."""
-  return (model.config, jnp.dtype(model.dtype).name, model.preset)
-
-
-def _plan_cache(model, T: int, B: int, mesh) -> str:
-  """cache="auto": "last" where the last rank's device holds the weights and the whole cache
-  (its shard of them on a 2-D mesh), else "sharded" (kv_cache.choose_cache_layout). Across
-  processes every process takes process 0's answer."""
-  m, itemsize = model_parallel(mesh), jnp.dtype(model.dtype).itemsize
-  kv_heads = tensor_parallel.kv_heads_per_shard(model.config, m)
-  cache_bytes = whole_cache_bytes(model.config, T, B, itemsize, kv_heads)
-  weights_bytes = model.config.num_params() * itemsize // m
-  last_device = mesh.devices.reshape(-1)[-1]
-  cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))
-  agreed = _agreed("cache", (_model_key(model), T, B), mesh, CACHE_LAYOUTS.index(cache))
-  return CACHE_LAYOUTS[agreed]
-
-
-def _auto_one_device(model, T: int, B: int, mesh, cache: str):
-  """auto's pick of one device: the last rank's, run in its process alone, where the other
-  strategies' cache="last" puts the cache; the other processes hold nothing of the result.
-  Every process running it would only slow the one that answers (on this machine two busy
-  cores ran one process's prefill 1.2-1.6x slower than one). cache="auto" is decided over the
-  whole mesh (every process the same answer). Returns (the one-device mesh, cache)."""
-  mesh = make_mesh() if mesh is None else mesh
-  if cache == AUTO:
-    cache = _plan_cache(model, T, B, mesh)
-  return make_mesh(1, devices=[rank_device(mesh, mesh.shape[AXIS] - 1)]), cache
-
-
-def _choose_strategy(model, T: int, B: int, mesh, partition, attention):
-  """strategy="auto": the cost model's pick for T tokens (the prompt's bucket) of B rows on
-  this mesh, with the hardware and links of `partition` (a PartitionPlan; default the `local`
-  calibration) and each strategy's own kernel. Returns (strategy, partition, choice)."""
-  if attention not in (None, AUTO):
-    raise ValueError(
-      "strategy='auto' runs each strategy's own kernel (attention='auto'); name a strategy "
-      "to choose its kernel"
-    )
-  if partition is not None and not isinstance(partition, PartitionPlan):
-    raise ValueError(
-      "strategy='auto' chooses KV-Runahead's split itself: pass partition=None or a "
-      f"PartitionPlan naming the hardware and links to plan for, got {partition!r}"
-    )
-  plan = partition or PartitionPlan("search")
-  mesh = make_mesh() if mesh is None else mesh
-  p = check_mesh(mesh)  # 1-D: the choice among 2-D layouts is not modelled here yet
-  device = mesh.devices.flat[0]
-  kernel = get_strategy("kvr").resolve_attention(
-    None, device, model.dtype, model.config.narrowest_window
-  )
-  setup = presets.make_setup(
-    plan.hardware,
-    plan.links,
-    dtype_bytes=jnp.dtype(model.dtype).itemsize,
-    batch=B,
-    **kernel_flags(kernel),
-  )
-  choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
-  # Calibrations are per process: every process runs process 0's pick (and, for kvr, its
-  # split: `_plan_partition` broadcasts that).
-  key = (_model_key(model), T, B, plan)
-  strategy = STRATEGIES[_agreed("strategy", key, mesh, STRATEGIES.index(choice.strategy))]
-  chunks = list(choice.chunks) if choice.chunks and strategy == choice.strategy else None
-  return strategy, chunks, choice
 
 
 def _check_model_and_kernel(model, spec, attention, timeline):
@@ -560,21 +315,19 @@ def _plan_partition(model, partition, T: int, mesh, B: int, kernel) -> tuple[int
   given = partition
   if partition is not None and not isinstance(partition, (str, PartitionPlan)):
     given = tuple(int(c) for c in partition)  # lengths (numpy's too), hashable
-  return _agreed("partition", (_model_key(model), given, T, B, kernel), mesh, chunks)
+  return agreed("partition", (model_key(model), given, T, B, kernel), mesh, chunks)
 
 
 def _keeps_last_hop(model, spec, cache, chunks, B: int, mesh) -> bool:
   """cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
   where memory allows it on the ranks that hold its zeros (kv_cache.join_affordable: rank
   0's device; across processes process 0's answer); 1-D meshes only."""
-  if model_parallel(mesh) > 1 or not spec.keeps_last_hop(
-    cache, chunks, model.config.narrowest_window
-  ):
+  if model_parallel(mesh) > 1 or not spec.keeps_last_hop(cache, chunks, model.config.kinds):
     return False
   itemsize, kv_heads = jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
   hop_bytes = last_hop_bytes(model.config, chunks, B, itemsize, kv_heads)
   joins = join_affordable(hop_bytes, device_memory=device_memory_bytes(mesh.devices.flat[0]))
-  return bool(_agreed("join", (_model_key(model), chunks, B), mesh, int(joins)))
+  return bool(agreed("join", (model_key(model), chunks, B), mesh, int(joins)))
 
 
 def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True):
@@ -587,7 +340,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     raise ValueError(
       f"run_prefill takes the PrefillPlan that plan_prefill returns, got {type(plan).__name__}"
     )
-  rows, lengths_B, T, _ = padded_prompts(model, tokens, plan.buckets)
+  rows, lengths_B, T, _ = buckets_lib.padded_prompts(model, tokens, plan.buckets)
   if (T, len(rows)) != (plan.prompt_len, plan.batch):
     raise ValueError(
       f"this plan runs {plan.batch} row(s) padded to {plan.prompt_len} tokens; these prompts "

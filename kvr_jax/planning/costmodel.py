@@ -360,15 +360,15 @@ def simulate(
   """Modelled TTFT of one prefill: the strategy's modelled layer through `layer_timeline`,
   then what follows the last layer (a cache move) and the head on the last rank. With
   `setup.model_parallel` > 1 the per-rank figures are one device's (one model shard's); with
-  windows per layer each window's layers are modelled as theirs (per-layer figures: the
+  layers of several kinds each kind's layers are modelled as theirs (per-layer figures: the
   mean over the layers).
   intervals: a list to append the modelled timeline to, (rank, layer, phase, start, end)
   (the Gantt chart beside a measured one; the cache move and the head not included)."""
-  by_window = {
-    w: modelled_layer(config.with_window(w), strategy, context_len, setup, num_ranks, partition)
-    for w in set(config.windows)
+  by_kind = {
+    kind: modelled_layer(config.of_kind(kind), strategy, context_len, setup, num_ranks, partition)
+    for kind in config.kinds
   }
-  layers = [by_window[w] for w in config.windows]
+  layers = [by_kind[kind] for kind in config.layer_kinds]
   shard = model_shard(config, setup.model_parallel)
   finish = layer_timeline(layers, config.num_layers, setup.links.held_send, intervals)
   head = head_work(shard, setup.batch, setup.dtype_bytes).time(setup.hardware)

@@ -151,20 +151,20 @@ class Strategy:
   max_ranks: int | None = None
   # compile(..., timeline=True) places probes at its phase boundaries (strategies.probe).
   timeline_probes: bool = False
-  # (chunks, window) -> whether compile(..., keep_last_hop=True) can return what the last
-  # rank received, from which it holds the whole cache without a move (KV-Runahead's hops
-  # carry it); None: the strategy's cache="last" always moves the parts.
-  cache_from_last_hop: Callable[[tuple[int, ...], int | None], bool] | None = None
+  # (chunks, the model's layer kinds) -> whether compile(..., keep_last_hop=True) can return
+  # what the last rank received, from which it holds the whole cache without a move
+  # (KV-Runahead's hops carry it); None: the strategy's cache="last" always moves the parts.
+  cache_from_last_hop: Callable[[tuple[int, ...], tuple], bool] | None = None
   attention_note: str = ""  # why it runs only these kernels, for the error message
 
-  def keeps_last_hop(self, cache: str, chunks: tuple[int, ...], window: int | None) -> bool:
+  def keeps_last_hop(self, cache: str, chunks: tuple[int, ...], kinds: tuple) -> bool:
     """cache="last" can come from what the last rank received (no move): this strategy's hops
     carry the whole prefix for these chunks (`cache_from_last_hop`). Whether it should is
     memory's question (kvr_jax.inference.kv_cache.join_affordable)."""
     return (
       cache == "last"
       and self.cache_from_last_hop is not None
-      and self.cache_from_last_hop(chunks, window)
+      and self.cache_from_last_hop(chunks, kinds)
     )
 
   @property

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 
 from kvr_jax.core.chunks import check_chunks
-from kvr_jax.inference.buckets import bucket_length, pad_rows
+from kvr_jax.inference.buckets import bucket_length, pad_rows, padded_prompts
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.prefill import padded_prompts, plan_prefill, prefill_arguments
+from kvr_jax.inference.prefill import plan_prefill, prefill_arguments
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.compilation import CacheUse
 from kvr_jax.runtime.loading import Model

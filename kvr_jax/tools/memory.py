@@ -268,7 +268,7 @@ def _chunks_and_join(config, spec, partition, shape, attention, cache, mesh, dev
     device_memory = device_memory_bytes(mesh.devices.flat[0])
   joined = (
     len(mesh.axis_names) == 1  # a 1-D mesh: no tensor parallelism
-    and spec.keeps_last_hop(cache, chunks, config.narrowest_window)
+    and spec.keeps_last_hop(cache, chunks, config.kinds)
     and join_affordable(hop_bytes, device_memory=device_memory)
   )
   return chunks, joined

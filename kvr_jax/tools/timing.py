@@ -9,7 +9,8 @@ import time
 import jax
 import numpy as np
 
-from kvr_jax.inference.prefill import PrefillResult, plan_prefill, run_prefill
+from kvr_jax.inference.prefill import plan_prefill, run_prefill
+from kvr_jax.inference.results import PrefillResult
 from kvr_jax.runtime.loading import Model
 
 

@@ -14,6 +14,7 @@ from kvr_jax.strategies.base import (
 )
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead.schedule import HOP_GRANULE, hop_pieces, hop_span
+from models.layer_kinds import FULL_ATTENTION, AttentionKind
 
 
 def varying_axes(reduce) -> tuple[str, ...]:
@@ -27,13 +28,14 @@ def hop_chain(
   own_2BcKH,
   rank,
   chunks: tuple[int, ...],
-  window: int | None = None,
+  kind: AttentionKind = FULL_ATTENTION,
   timeline: bool = False,
   layer=-1,
   last_into_buffer: bool = False,
   after=None,
 ):
-  """p-1 hops: hop k sends keys [a, S_k) (hop_span) from rank k to rank k+1, one pair per
+  """p-1 hops: hop k sends keys [a, S_k) (`hop_span` of this layer's `kind`) from rank k to
+  rank k+1, one pair per
   ppermute. Hop 0's message is rank 0's own chunk; a forwarding rank k sends from its buffer
   (what it received, then its own chunk); the last hop's message is returned as it arrived,
   and written into the last rank's buffer too with `last_into_buffer` (the one body attends
@@ -45,7 +47,7 @@ def hop_chain(
   p = len(chunks)
   message = None
   for k in range(p - 1):
-    a, end = hop_span(k, chunks, window)
+    a, end = hop_span(k, chunks, kind)
     source = own_2BcKH if k == 0 else buffer_2BSKH  # rank 0's prefix is its chunk
     message = ordered_after(source[:, :, a:end], after)
     message = jax.lax.ppermute(message, AXIS, perm=[(k, k + 1)])
@@ -57,13 +59,14 @@ def hop_chain(
   return buffer_2BSKH, message
 
 
-def hop_chain_as_data(buffer_2BSKH, rank, ends_p, window: int | None, max_rows: int, after):
+def hop_chain_as_data(buffer_2BSKH, rank, ends_p, kind: AttentionKind, max_rows: int, after):
   """The hop chain of `hop_chain` with the hops' spans as data: hop k carries keys [a, S_k)
-  (ends_p[k] = S_k traced, a its window start) from rank k's buffer into rank k+1's, in the
-  pieces of `hop_pieces` whose bits its length sets. The bits are the same on every rank (the
-  table is), so every rank takes the same branch and each ppermute is whole. Rows a piece
-  carries past S_k are rank k+1's own chunk in its buffer: it keeps them. max_rows: the
-  longest hop (the prompt; with a window, its last W-1 keys at most)."""
+  (ends_p[k] = S_k traced, a its window start on a windowed `kind`) from rank k's buffer into
+  rank k+1's, in the pieces of `hop_pieces` whose bits its length sets. The bits are the same
+  on every rank (the table is), so every rank takes the same branch and each ppermute is
+  whole. Rows a piece carries past S_k are rank k+1's own chunk in its buffer: it keeps them.
+  max_rows: the longest hop (the prompt; with a window, its last W-1 keys at most)."""
+  window = kind.window
   max_rows = max_rows if window is None else min(max_rows, window - 1)
   for k in range(ends_p.shape[0] - 1):
     end = ends_p[k]

@@ -13,7 +13,6 @@ from kvr_jax.strategies.roofline import (
   ModelledLayer,
   Receive,
   Send,
-  kv_message_bytes,
   phase_seconds,
   phase_work,
   total_work,
@@ -21,22 +20,23 @@ from kvr_jax.strategies.roofline import (
   work_kwargs,
 )
 from kvr_jax.strategies.runahead.schedule import rows_before_hop
-from models.masks import window_start
 
 
 def layer_work(config, chunks: tuple[int, ...], setup):
-  """One layer of KV-Runahead: each rank's `RankWork`, and each hop's bytes and seconds.
-  With a sliding window rank i attends from its window start and hop k carries the last W-1
-  keys of [0, S_k): both bounded by W. With a kernel whose partials merge
+  """One layer of KV-Runahead (of `config.kind`): each rank's `RankWork`, and each hop's bytes
+  and seconds. Rank i attends from the first key its chunk's queries see and hop k carries
+  the kind's span of [0, S_k) (`AttentionKind.hop_span`: with a sliding window the last W-1
+  keys, bounded by W). With a kernel whose partials merge
   (`Setup.diagonal_first`) rank i > 0 has a "diagonal" phase (its first `rows_before_hop`
   rows, before the hop) and its "attention" is the prefix and the rest of its diagonal."""
   links = setup.links
-  p, ends, window = len(chunks), prefix_ends(chunks), config.sliding_window
-  keys = [ends[i] - window_start(ends[i] - chunks[i], window) for i in range(p)]
+  p, ends, kind = len(chunks), prefix_ends(chunks), config.kind
+  keys = [ends[i] - kind.first_key(ends[i] - chunks[i]) for i in range(p)]
   early_rows = rows_before_hop(config, chunks) if setup.diagonal_first else (0,) * p
   ranks = [rank_work(config, setup, chunks[i], keys[i], early_rows[i]) for i in range(p)]
-  hop_tokens = [ends[k] - window_start(ends[k], window) for k in range(p - 1)]
-  hop_bytes = [kv_message_bytes(config, n, setup.batch, setup.dtype_bytes) for n in hop_tokens]
+  hop_bytes = [
+    kind.hop_bytes(config, ends[k], setup.batch, setup.dtype_bytes) for k in range(p - 1)
+  ]
   hop_seconds = [hop_bytes[k] / links.link_bandwidth(k) + links.latency for k in range(p - 1)]
   return ranks, hop_bytes, hop_seconds
 
@@ -58,7 +58,7 @@ def rank_work(config, setup, c: int, keys: int, early_rows: int) -> RankWork:
   leaves every rank before the donor and after the taker as it was (tiny-llama's modelled
   search on 16 ranks: 1.6 s -> 1.0 s). Its dicts are shared: read them, never change them."""
   kw = work_kwargs(setup)
-  window = config.sliding_window
+  window = config.kind.window
   phases = phase_work(config, c, keys, **kw)
   prefix = keys - c
   if setup.diagonal_first and prefix > 0:

@@ -70,7 +70,7 @@ def one_body(
   kernel = get_kernel(attention)
 
   def make_body(model, rank, tokens_Bc, reduce):
-    check_keep_last_hop(keep_last_hop, chunks, model.config.narrowest_window)
+    check_keep_last_hop(keep_last_hop, chunks, model.config.kinds)
     shape = OneBodyShape.of_split(model.config, chunks, kernel)
     table = shape.table(model.config, chunks)
     one = _OneBodyRank.build(
@@ -235,14 +235,14 @@ class _OneBodyRank:
         buffer_2BSKH, own_2BcKH, self.start, axis=2
       )
       # The hops' messages are computed after the early rows (their receivers wait less).
-      window = block.config.sliding_window  # this layer's (layers may differ)
+      kind = block.config.kind  # this layer's (layers may differ)
       if self.chunks is None:  # hops sized as data: the split is the program's operand
         buffer_2BSKH = hop_chain_as_data(
-          buffer_2BSKH, self.rank, self.ends, window, self.shape.context_len, after=diagonal
+          buffer_2BSKH, self.rank, self.ends, kind, self.shape.context_len, after=diagonal
         )
       else:
         buffer_2BSKH, last_message = hop_chain(
-          buffer_2BSKH, own_2BcKH, self.rank, self.chunks, window, timeline, l, True, diagonal
+          buffer_2BSKH, own_2BcKH, self.rank, self.chunks, kind, timeline, l, True, diagonal
         )
       # The attention waits for the hops (see _PerRankBranches.layer).
       q_BcNH = ordered_after(q_BcNH, buffer_2BSKH, last_message)

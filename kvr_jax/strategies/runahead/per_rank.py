@@ -179,7 +179,7 @@ def per_rank_body(
 
   def make_body(model, rank, tokens_Bc, reduce):
     cfg = model.config
-    check_keep_last_hop(keep_last_hop, chunks, cfg.narrowest_window)
+    check_keep_last_hop(keep_last_hop, chunks, cfg.kinds)
     diagonal_first = attends_diagonal_first(attention, len(chunks))
     rows = rows_before_hop(cfg, chunks) if diagonal_first else (0,) * len(chunks)
     ranks = _PerRankBranches(chunks, attention, timeline, keep_last_hop, reduce, cfg, rank, rows)
@@ -256,8 +256,8 @@ class _PerRankBranches:
     diagonal = None
     if attends_diagonal_first(self.attention, p):
       diagonal = self.early_diagonal(block, q_BcNH, own_2BcKH, l)
-    window = block.config.sliding_window  # this layer's (layers may differ)
-    prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, window, timeline, l, after=diagonal)
+    kind = block.config.kind  # this layer's (layers may differ)
+    prefixes = hop_chain(buffer_2BSKH, own_2BcKH, rank, chunks, kind, timeline, l, after=diagonal)
     # The attention (and so the rest of the layer) waits for the hops, on every rank: rank
     # 0's reads only its own keys, and XLA may otherwise run it before the send, holding its
     # receiver back by a whole attention. Only q carries the dependence (one fused select).

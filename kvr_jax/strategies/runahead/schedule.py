@@ -12,7 +12,7 @@ import numpy as np
 
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
 from models.kernels import get_kernel, kernels_where
-from models.masks import window_start
+from models.layer_kinds import AttentionKind
 
 
 def rows_before_hop(config, chunks: tuple[int, ...]) -> tuple[int, ...]:
@@ -71,25 +71,32 @@ def attends_diagonal_first(attention, num_ranks: int) -> bool:
   return get_kernel(attention).returns_lse and num_ranks > 1
 
 
-def hop_span(k: int, chunks: tuple[int, ...], window: int | None) -> tuple[int, int]:
-  """The key positions [a, S_k) hop k carries: the whole prefix, or with a sliding window W
-  only the last W-1 keys of it (all that any later query can see): bounded by W, not by C."""
-  end = prefix_ends(chunks)[k]
-  return window_start(end, window), end
+def hop_span(k: int, chunks: tuple[int, ...], kind: AttentionKind) -> tuple[int, int]:
+  """The positions [a, S_k) hop k carries on a layer of `kind` (`AttentionKind.hop_span`:
+  the whole prefix, or with a sliding window W only its last W-1 keys)."""
+  return kind.hop_span(prefix_ends(chunks)[k])
 
 
-def whole_prefix_hops(chunks: tuple[int, ...], window: int | None) -> bool:
-  """The last hop carries every earlier position [0, S_{p-2}) (no window cuts it): the last
-  rank can then hold the whole cache without a move (`compile_program(keep_last_hop=True)`)."""
-  return len(chunks) > 1 and hop_span(len(chunks) - 2, chunks, window)[0] == 0
+def whole_prefix_hops(chunks: tuple[int, ...], kinds: tuple[AttentionKind, ...]) -> bool:
+  """On every layer kind the last hop carries every earlier position [0, S_{p-2}) (no window
+  cuts it): the last rank can then hold the whole cache without a move
+  (`compile_program(keep_last_hop=True)`)."""
+  if len(chunks) < 2:
+    return False
+  return all(kind.hop_keeps_whole_prefix(prefix_ends(chunks)[-2]) for kind in kinds)
 
 
-def check_keep_last_hop(keep_last_hop: bool, chunks: tuple[int, ...], window) -> None:
+def check_keep_last_hop(keep_last_hop: bool, chunks: tuple[int, ...], kinds) -> None:
   """keep_last_hop only where the last hop carries the whole prefix (`whole_prefix_hops`)."""
-  if keep_last_hop and not whole_prefix_hops(chunks, window):
+  if keep_last_hop and not whole_prefix_hops(chunks, kinds):
+    cut = [
+      k.name
+      for k in kinds
+      if len(chunks) > 1 and not k.hop_keeps_whole_prefix(prefix_ends(chunks)[-2])
+    ]
     raise ValueError(
       f"keep_last_hop: the last hop of {chunks} does not carry the whole prefix (one rank, "
-      f"or a sliding window of {window} shorter than it); move the parts instead"
+      f"or layers of {cut or 'no'} kind cut it); move the parts instead"
     )
 
 

@@ -1,0 +1,78 @@
+"""What a layer computes and what its past is, as data: one frozen record per kind of layer,
+in the manner of models/kernels.py.
+
+A model's layers are a sequence of kinds (`ModelConfig.layer_kinds`); `scan_blocks` compiles
+one layer body per distinct kind (`ModelConfig.kinds`) and gives each its one-kind config
+(`ModelConfig.of_kind`). What the parallel code asks of a layer it asks of its kind:
+
+- the strategies: which positions a hop into a chunk that starts at S carries (`hop_span`),
+  its bytes (`hop_bytes`), whether the last hop carries the whole prefix (so the last rank
+  can keep it as its cache: `hop_keeps_whole_prefix`), which keys a query sees (`first_key`);
+- decode and the memory tool: how many positions of the past decode reads (`decode_keys`).
+
+Today there is one kind, softmax attention over a K,V prefix, with or without a sliding
+window. A kind whose past is a fixed-size state (linear attention) or a compressed latent
+prefix (latent attention) is a new record answering the same questions, plus its maths in
+models/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+  """Softmax attention over a K,V prefix: every key (`window` None), or with a sliding window
+  W only the W latest (query q sees keys s with q - W < s <= q). Its past is K and V of
+  `num_kv_heads` heads per token; a hop carries the part of the prefix a later query can see."""
+
+  window: int | None = None
+  computes: ClassVar[str] = "softmax attention"
+  past: ClassVar[str] = "K,V prefix"
+
+  def __post_init__(self):
+    bad = isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+    if self.window is not None and bad:
+      raise ValueError(
+        f"a layer's sliding window must be a positive integer or None, got {self.window!r}"
+      )
+
+  @property
+  def name(self) -> str:
+    return "full attention" if self.window is None else f"attention, window {self.window}"
+
+  def first_key(self, position: int) -> int:
+    """The first key position any query at or after `position` can see (0 without a window)."""
+    return 0 if self.window is None else max(0, position - self.window + 1)
+
+  def hop_span(self, end: int) -> tuple[int, int]:
+    """The positions [a, end) a hop into a chunk that starts at `end` carries: the whole
+    prefix, or with a window only its last W-1 keys (all any later query can see): bounded by
+    W, not by the prompt."""
+    return self.first_key(end), end
+
+  def hop_keeps_whole_prefix(self, end: int) -> bool:
+    """The hop into a chunk at `end` carries every earlier position (no window cuts it): the
+    receiver can keep it as its cache."""
+    return self.first_key(end) == 0
+
+  def hop_bytes(self, config, end: int, batch: int, dtype_bytes: int) -> int:
+    """Bytes of the hop into a chunk at `end`: K and V of its span, with the model's own KV
+    head count (`config`: num_kv_heads, head_dim)."""
+    a, end = self.hop_span(end)
+    return 2 * batch * (end - a) * config.num_kv_heads * config.head_dim * dtype_bytes
+
+  def decode_keys(self, length: int) -> int:
+    """Positions of a `length`-token past the next token's query reads."""
+    return length if self.window is None else min(length, self.window)
+
+
+FULL_ATTENTION = AttentionKind()
+
+
+def kinds_in_order(kinds) -> tuple[AttentionKind, ...]:
+  """The distinct kinds of a model's layers, one compiled layer body each: windowed ones
+  first, smallest window first, then full attention."""
+  return tuple(sorted(set(kinds), key=lambda k: (k.window is None, k.window or 0)))

@@ -1,0 +1,135 @@
+"""Layer kinds as data (models/layer_kinds.py): the record's answers, a model's kinds, and the
+strategies, the cost model and the cache join reading them. No program is compiled here."""
+
+import dataclasses
+
+import pytest
+
+from kvr_jax.core.chunks import prefix_ends
+from kvr_jax.planning import costmodel
+from kvr_jax.planning.presets import make_setup
+from kvr_jax.strategies import runahead
+from kvr_jax.strategies.runahead import schedule
+from kvr_jax.strategies.runahead.hops import hop_chain
+from models.config import GemmaConfig, LlamaConfig
+from models.layer_kinds import FULL_ATTENTION, AttentionKind, kinds_in_order
+
+TINY = dict(
+  vocab_size=64,
+  d_model=32,
+  num_layers=4,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  mlp_dim=48,
+  max_position_embeddings=4096,
+  norm_eps=1e-6,
+)
+
+
+@pytest.mark.parametrize("window", [0, -3, True, 2.5, "8"])
+def test_a_bad_window_is_refused_by_the_record(window):
+  with pytest.raises(ValueError, match="sliding window must be a positive integer or None"):
+    AttentionKind(window)
+
+
+def test_what_a_softmax_layer_carries_and_reads():
+  full, windowed = FULL_ATTENTION, AttentionKind(16)
+  # A hop into a chunk at 100 carries the whole prefix, or only the last W-1 keys of it.
+  assert full.hop_span(100) == (0, 100) and windowed.hop_span(100) == (85, 100)
+  assert windowed.hop_span(10) == (0, 10)  # a prefix shorter than the window: all of it
+  assert full.hop_keeps_whole_prefix(100) and not windowed.hop_keeps_whole_prefix(100)
+  # Into a chunk at 15 the hop is [0, 15): query 15 sees [0, 15]; at 16 key 0 is out of reach.
+  assert windowed.hop_keeps_whole_prefix(15) and windowed.hop_span(16) == (1, 16)
+  assert not windowed.hop_keeps_whole_prefix(16)
+  config = LlamaConfig(**TINY)  # K=2, H=8: K and V of one token are 2 * 2 * 8 numbers
+  assert full.hop_bytes(config, 100, batch=3, dtype_bytes=2) == 2 * 3 * 100 * 2 * 8 * 2
+  assert windowed.hop_bytes(config, 100, batch=1, dtype_bytes=4) == 2 * 15 * 2 * 8 * 4
+  assert (full.decode_keys(1000), windowed.decode_keys(1000), windowed.decode_keys(5)) == (
+    1000,
+    16,
+    5,
+  )
+  assert full.name == "full attention" and windowed.name == "attention, window 16"
+
+
+def test_a_models_kinds_in_compile_order():
+  gemma = GemmaConfig(**TINY, layer_windows=(8, 8, None, 4))
+  assert gemma.layer_kinds == (AttentionKind(8), AttentionKind(8), FULL_ATTENTION, AttentionKind(4))
+  assert gemma.kinds == (AttentionKind(4), AttentionKind(8), FULL_ATTENTION)
+  assert gemma.kinds == kinds_in_order(reversed(gemma.layer_kinds))
+  with pytest.raises(ValueError, match="3 kinds \\(attention, window 4, .*full attention\\)"):
+    _ = gemma.kind
+  # A kind's config: its window, and Gemma's local RoPE on the windowed layers.
+  local = gemma.of_kind(AttentionKind(8))
+  assert (local.kind, local.rope) == (AttentionKind(8), gemma.local_rope)
+  assert (gemma.of_kind(FULL_ATTENTION).kind, gemma.of_kind(FULL_ATTENTION).rope) == (
+    FULL_ATTENTION,
+    gemma.rope,
+  )
+  assert LlamaConfig(**TINY, sliding_window=6).kind == AttentionKind(6)
+
+
+def test_the_last_hop_is_kept_only_where_every_kind_carries_the_whole_prefix():
+  chunks = (40, 30, 20)  # the last hop carries [0, 70)
+  assert schedule.whole_prefix_hops(chunks, (FULL_ATTENTION,))
+  assert schedule.whole_prefix_hops(chunks, (AttentionKind(71), FULL_ATTENTION))
+  assert not schedule.whole_prefix_hops(chunks, (AttentionKind(70), FULL_ATTENTION))
+  assert not schedule.whole_prefix_hops((90,), (FULL_ATTENTION,))  # one rank: no hop
+  with pytest.raises(ValueError, match="layers of \\['attention, window 8'\\] kind cut it"):
+    schedule.check_keep_last_hop(True, chunks, (AttentionKind(8), FULL_ATTENTION))
+  spec = runahead.STRATEGY
+  assert spec.keeps_last_hop("last", chunks, (FULL_ATTENTION,))
+  assert not spec.keeps_last_hop("last", chunks, (AttentionKind(8),))
+
+
+@dataclasses.dataclass(frozen=True)
+class _HalfPrefix(AttentionKind):
+  """A made-up kind whose hops carry the second half of the prefix: what the strategies do
+  must follow the record, not a window they compute themselves."""
+
+  def first_key(self, position: int) -> int:
+    return position // 2
+
+
+def test_the_modelled_hops_are_the_kinds_answers(monkeypatch):
+  setup = make_setup("a100-80gb", "300GBps", dtype_bytes=2)
+  chunks = (500, 300, 200)
+  ends = prefix_ends(chunks)
+  for config in (LlamaConfig(**TINY), LlamaConfig(**TINY, sliding_window=64)):
+    _, hop_bytes, _ = runahead.layer_work(config, chunks, setup)
+    assert hop_bytes == [config.kind.hop_bytes(config, ends[k], 1, 2) for k in (0, 1)]
+    assert hop_bytes[1] == 2 * (ends[1] - config.kind.first_key(ends[1])) * 2 * 8 * 2
+  # A made-up kind (no window, so the kept per-rank work is that of full attention).
+  config = dataclasses.replace(LlamaConfig(**TINY), vocab_size=65)
+  monkeypatch.setattr(LlamaConfig, "kind", property(lambda self: _HalfPrefix()))
+  _, hop_bytes, _ = runahead.layer_work(config, chunks, setup)
+  assert hop_bytes == [2 * (end - end // 2) * 2 * 8 * 2 for end in ends[:2]]
+  monkeypatch.undo()
+  # The cost model models each kind's layers as theirs: a windowed layer costs less.
+  mixed = GemmaConfig(**TINY, layer_windows=(64, None, 64, None))
+  full = dataclasses.replace(mixed, layer_windows=None)
+  run = dict(num_ranks=3, partition=chunks)
+  windowed_ttft = costmodel.simulate(mixed, "kvr", 1000, setup, **run).ttft
+  assert windowed_ttft < costmodel.simulate(full, "kvr", 1000, setup, **run).ttft
+
+
+def test_the_hop_chain_sends_the_kinds_span(monkeypatch):
+  """hop_chain slices each message at the kind's span: traced with a fake ppermute."""
+  import jax.numpy as jnp
+
+  sent = []
+
+  def fake_ppermute(message, axis, perm):
+    sent.append((perm[0], message.shape[2]))
+    return message
+
+  monkeypatch.setattr("jax.lax.ppermute", fake_ppermute)
+  chunks = (40, 30, 20)
+  buffer = jnp.zeros((2, 1, schedule.buffer_len(chunks), 1, 2))
+  own = jnp.zeros((2, 1, 40, 1, 2))
+  cases = ((FULL_ATTENTION, [40, 70]), (AttentionKind(16), [15, 15]), (_HalfPrefix(), [20, 35]))
+  for kind, lengths in cases:
+    sent.clear()
+    hop_chain(buffer, own, jnp.int32(0), chunks, kind)
+    assert sent == [((0, 1), lengths[0]), ((1, 2), lengths[1])], kind
