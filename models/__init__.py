@@ -1,27 +1,21 @@
-"""Flax NNX Llama and Falcon. Device-agnostic per-layer maths; see models/base.py."""
+"""Flax NNX decoders of the families in models.families (Llama and its switches, Falcon,
+Gemma 3). Device-agnostic per-layer maths; see models/base.py."""
 
 from models.base import Block, CausalLM, scan_blocks
-from models.config import (
-  FalconConfig,
-  GemmaConfig,
-  LlamaConfig,
-  ModelConfig,
-  RopeConfig,
+from models.config import ModelConfig, RopeConfig
+from models.falcon import Falcon, FalconConfig
+from models.families import (
+  FAMILIES,
   config_from_dict,
   config_from_hf,
+  family_of,
+  model_class,
 )
-from models.falcon import Falcon
-from models.gemma import Gemma
-from models.llama import Llama
-
-MODEL_CLASSES = {"llama": Llama, "falcon": Falcon, "gemma3": Gemma}
-
-
-def model_class(config: ModelConfig) -> type[CausalLM]:
-  return MODEL_CLASSES[config.architecture]
-
+from models.gemma import Gemma, GemmaConfig
+from models.llama import Llama, LlamaConfig
 
 __all__ = [
+  "FAMILIES",
   "Block",
   "CausalLM",
   "Falcon",
@@ -34,6 +28,7 @@ __all__ = [
   "RopeConfig",
   "config_from_dict",
   "config_from_hf",
+  "family_of",
   "model_class",
   "scan_blocks",
 ]

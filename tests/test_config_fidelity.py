@@ -608,7 +608,7 @@ def test_every_absent_key_reads_as_transformers_default_or_is_refused_by_name(mo
   """Each key of a saved config.json removed in turn: the loader's config equals the one it
   reads from transformers' own filling-in of that key (its config class's default and what
   the class derives from it), or the loader refuses the file naming the key."""
-  from models.config import config_from_hf
+  from models.families import config_from_hf
 
   config_class = getattr(transformers, f"{CLASSES[model_type]}Config")
   saved = _saved_config(model_type)

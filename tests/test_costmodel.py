@@ -17,7 +17,9 @@ from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import REGISTRY, runahead, single, tsp, zigzag
-from models.config import FalconConfig, LlamaConfig, ModelConfig
+from models.config import ModelConfig
+from models.falcon import FalconConfig
+from models.llama import LlamaConfig
 from models.masks import window_start
 
 LLAMA7 = preset_config("llama-2-7b")

@@ -228,3 +228,43 @@ def test_windows_per_layer_decode_from_either_layout_and_a_bucket(families, toke
       partition=PARTITION if buckets is None else [20, 14, 8, 6],
     ).tokens
     np.testing.assert_array_equal(got, want, err_msg=f"{cache} {buckets}")
+
+
+def test_families_are_records_registered_in_one_place():
+  """A family is one record (models/family.py) in one registry line; what reads the registry
+  (the model_types config.json may name, a config's module class and tensor names) follows."""
+  from models import Falcon, Gemma, Llama, LlamaConfig
+  from models.families import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES, family_of
+  from models.family import Family
+
+  assert [(f.architecture, f.module_class) for f in FAMILIES] == [
+    ("llama", Llama),
+    ("falcon", Falcon),
+    ("gemma3", Gemma),
+  ]
+  assert set(SUPPORTED_MODEL_TYPES) == {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "falcon",
+    "gemma3_text",
+  }
+  assert {arch: cls.architecture for arch, cls in ARCHITECTURES.items()} == {
+    "llama": "llama",
+    "falcon": "falcon",
+    "gemma3": "gemma3",
+  }
+  config = _qwen2_config()
+  assert family_of(config) is FAMILIES[0] and family_of(config).tensor_targets(
+    config, "model.layers.0.self_attn.q_proj.bias"
+  )[0][0] == ("blocks", "bq")
+  with pytest.raises(ValueError, match="says architecture 'llama'"):
+    Family("falcon", ("falcon",), LlamaConfig, Llama, None, None)
+  with pytest.raises(ValueError, match="loads no Hugging Face model_type"):
+    Family("llama", (), LlamaConfig, Llama, None, None)
+  # An unknown model_type is refused by name before any of its fields is read.
+  with pytest.raises(ValueError, match="`model_type`='bert' is not supported; supported: 'llama'"):
+    config_from_hf({"model_type": "bert"})

@@ -30,8 +30,8 @@ from kvr_jax.strategies.roofline import Compute, ModelledLayer, Receive, Send
 from kvr_jax.tools import measured
 from kvr_jax.tools.memory import compiled_memory
 from models.attention import merge_partials
-from models.config import config_from_dict
 from models.experts import mixture_of_experts
+from models.families import config_from_dict
 from models.kernels import KERNELS, AttentionKernel, get_kernel
 from tests.subprocess_env import launcher_env
 from tests.tolerance import assert_close

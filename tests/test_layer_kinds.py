@@ -11,8 +11,9 @@ from kvr_jax.planning.presets import make_setup
 from kvr_jax.strategies import runahead
 from kvr_jax.strategies.runahead import schedule
 from kvr_jax.strategies.runahead.hops import hop_chain
-from models.config import GemmaConfig, LlamaConfig
+from models.gemma import GemmaConfig
 from models.layer_kinds import FULL_ATTENTION, AttentionKind, kinds_in_order
+from models.llama import LlamaConfig
 
 TINY = dict(
   vocab_size=64,

@@ -183,7 +183,7 @@ def test_unsupported_config_fields(hf_dir, tmp_path, edit, message):
 
 
 def test_alibi_falcon_refused():
-  from models.config import config_from_hf
+  from models.families import config_from_hf
 
   with pytest.raises(ValueError, match="ALiBi"):
     config_from_hf(

@@ -21,7 +21,7 @@ from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import TRACE_COUNT, runahead
 from kvr_jax.strategies.runahead import schedule
 from kvr_jax.tools import measured
-from models.config import FalconConfig
+from models.falcon import FalconConfig
 from models.kernels import get_kernel
 
 REL_TOL = 1e-5

@@ -1,8 +1,8 @@
-"""Hugging Face safetensors import: tensor-name tables and a streaming, memory-mapped reader.
+"""Hugging Face safetensors import: where each tensor goes (its family's
+`Family.tensor_targets`, models/) and a streaming, memory-mapped reader.
 
-Each Hugging Face tensor maps to one or more stacked model parameters (Falcon's fused
-query_key_value feeds wq, wk and wv). Tensors are read through `np.memmap` and written straight
-into one preallocated buffer per parameter, so at no point do two full copies of the weights
+Tensors are read through `np.memmap` and written straight into one preallocated buffer per
+parameter, so at no point do two full copies of the weights
 live in memory.
 """
 
@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 
-from models.config import FalconConfig, GemmaConfig, LlamaConfig, ModelConfig
-
-# (parameter path in the NNX state, layer index (or (layer, expert)) or None, transform of the
-# HF array, the shape the HF tensor must have). The shape is checked before any transform: a
-# transposed or reshaped tensor with the right element count would otherwise load, silently
-# wrong.
-Target = tuple[
-  tuple[str, ...], int | tuple[int, int] | None, Callable[[np.ndarray], np.ndarray], tuple[int, ...]
-]
+from models.config import ModelConfig
+from models.families import family_of
+from models.tensor_names import Target
 
 # A safetensors header longer than this is refused before it is read (the format's own
 # reference implementation uses the same bound).
@@ -45,193 +38,10 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _linear(*shape: int) -> Callable[[np.ndarray], np.ndarray]:
-  """torch Linear weight [out, in] -> ours [in, *out_split] (x @ W form)."""
-  return lambda w: w.T.reshape(shape)
-
-
-def _linear_entry(param: str, in_dims: tuple[int, ...], out_dims: tuple[int, ...]):
-  """(param, transform, HF shape) of a torch Linear weight [prod(out), prod(in)] that becomes
-  our [*in_dims, *out_dims]."""
-  hf_shape = (int(np.prod(out_dims)), int(np.prod(in_dims)))
-  return param, _linear(*in_dims, *out_dims), hf_shape
-
-
-def _same(w: np.ndarray) -> np.ndarray:
-  return w
-
-
-def _llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:
-  """Llama and the families that share its tensor names (Mistral, Qwen2, Qwen3)."""
-  D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-  V = cfg.vocab_size
-  fixed = {
-    "model.embed_tokens.weight": [(("embedding",), None, _same, (V, D))],
-    "model.norm.weight": [(("norm",), None, _same, (D,))],
-  }
-  if not cfg.tie_embeddings:
-    fixed["lm_head.weight"] = [(("lm_head",), None, lambda w: w.T, (V, D))]
-  if name in fixed:
-    return fixed[name]
-  m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-  if not m:
-    return None
-  layer, rest = int(m.group(1)), m.group(2)
-  per_layer = {
-    "input_layernorm.weight": ("attn_norm", _same, (D,)),
-    "self_attn.q_proj.weight": _linear_entry("wq", (D,), (N, H)),
-    "self_attn.k_proj.weight": _linear_entry("wk", (D,), (K, H)),
-    "self_attn.v_proj.weight": _linear_entry("wv", (D,), (K, H)),
-    "self_attn.o_proj.weight": _linear_entry("wo", (N, H), (D,)),
-    "post_attention_layernorm.weight": ("mlp_norm", _same, (D,)),
-    "mlp.gate_proj.weight": _linear_entry("w_gate", (D,), (F,)),
-    "mlp.up_proj.weight": _linear_entry("w_up", (D,), (F,)),
-    "mlp.down_proj.weight": _linear_entry("w_down", (F,), (D,)),
-  }
-  if cfg.qkv_bias:  # Qwen2: [out] biases -> [heads, H]
-    per_layer["self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(N, H), (N * H,))
-    per_layer["self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(K, H), (K * H,))
-    per_layer["self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(K, H), (K * H,))
-  if cfg.qk_norm:  # Qwen3: one [H] scale shared by the heads
-    per_layer["self_attn.q_norm.weight"] = ("q_norm", _same, (H,))
-    per_layer["self_attn.k_norm.weight"] = ("k_norm", _same, (H,))
-  if layer >= cfg.num_layers:
-    return None
-  if cfg.router_dim:  # a mixture of experts
-    for dense in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
-      del per_layer[dense]
-    expert = _expert_target(cfg, rest, layer)
-    if expert is not None:
-      return expert
-  if rest not in per_layer:
-    return None
-  param, fn, hf_shape = per_layer[rest]
-  return [(("blocks", param), layer, fn, hf_shape)]
-
-
-# A mixture of experts' tensors, per family: the router, and each expert's gate, up and down
-# projections (Mixtral's w1, w3, w2).
-_EXPERT_NAMES = {
-  "mlp": ("gate", {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}),
-  "block_sparse_moe": ("gate", {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}),
-}
-
-
-def _expert_target(cfg: LlamaConfig, rest: str, layer: int) -> list[Target] | None:
-  """The router [E, D] -> router [D, E] of the layer, or expert e's [F, D] / [D, F] Linear
-  weight -> its [D, F] / [F, D] slice of w_gate, w_up or w_down [L, E, ...] (index (l, e))."""
-  D, F, E = cfg.d_model, cfg.mlp_dim, cfg.num_experts
-  for prefix, (router, projections) in _EXPERT_NAMES.items():
-    if rest == f"{prefix}.{router}.weight":
-      return [(("blocks", "router"), layer, lambda w: w.T, (E, D))]
-    m = re.fullmatch(rf"{re.escape(prefix)}\.experts\.(\d+)\.(\w+)\.weight", rest)
-    if m and int(m.group(1)) < E and m.group(2) in projections:
-      param = projections[m.group(2)]
-      hf_shape = (D, F) if param == "w_down" else (F, D)
-      return [(("blocks", param), (layer, int(m.group(1))), lambda w: w.T, hf_shape)]
-  return None
-
-
-def _split_falcon_qkv(cfg: FalconConfig) -> list[Callable[[np.ndarray], np.ndarray]]:
-  """Three views of the fused query_key_value weight [(N + 2K) H, D] -> wq, wk, wv."""
-  D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  G = N // K
-  if cfg.qkv_layout == "grouped":  # per KV group: G queries, then one key, then one value
-
-    def view(w):
-      return w.T.reshape(D, K, G + 2, H)
-
-    return [
-      lambda w: view(w)[:, :, :G].reshape(D, N, H),
-      lambda w: view(w)[:, :, G],
-      lambda w: view(w)[:, :, G + 1],
-    ]
-  if cfg.qkv_layout == "multi_query":  # N queries, then the one key, then the one value
-
-    def view(w):
-      return w.T.reshape(D, N + 2, H)
-
-    return [
-      lambda w: view(w)[:, :N],
-      lambda w: view(w)[:, N : N + 1],
-      lambda w: view(w)[:, N + 1 : N + 2],
-    ]
-
-  def view(w):  # interleaved: per head, (q, k, v)
-    return w.T.reshape(D, N, 3, H)
-
-  return [lambda w: view(w)[:, :, 0], lambda w: view(w)[:, :, 1], lambda w: view(w)[:, :, 2]]
-
-
-def _falcon_targets(cfg: FalconConfig, name: str) -> list[Target] | None:
-  D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-  V = cfg.vocab_size
-  fixed = {
-    "transformer.word_embeddings.weight": [(("embedding",), None, _same, (V, D))],
-    "transformer.ln_f.weight": [(("norm_scale",), None, _same, (D,))],
-    "transformer.ln_f.bias": [(("norm_bias",), None, _same, (D,))],
-  }
-  if not cfg.tie_embeddings:
-    fixed["lm_head.weight"] = [(("lm_head",), None, lambda w: w.T, (V, D))]
-  if name in fixed:
-    return fixed[name]
-  m = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", name)
-  if not m:
-    return None
-  layer, rest = int(m.group(1)), m.group(2)
-  if layer >= cfg.num_layers:
-    return None
-  if rest == "self_attention.query_key_value.weight":
-    q, k, v = _split_falcon_qkv(cfg)
-    fused = ((N + 2 * K) * H, D)
-    return [
-      (("blocks", "wq"), layer, q, fused),
-      (("blocks", "wk"), layer, k, fused),
-      (("blocks", "wv"), layer, v, fused),
-    ]
-  norms = (
-    {"ln_attn": "attn_norm", "ln_mlp": "mlp_norm"}
-    if cfg.separate_mlp_norm
-    else {"input_layernorm": "attn_norm"}
-  )
-  per_layer = {
-    "self_attention.dense.weight": _linear_entry("wo", (N, H), (D,)),
-    "mlp.dense_h_to_4h.weight": _linear_entry("w_in", (D,), (F,)),
-    "mlp.dense_4h_to_h.weight": _linear_entry("w_out", (F,), (D,)),
-  }
-  for hf_norm, ours in norms.items():
-    per_layer[f"{hf_norm}.weight"] = (f"{ours}_scale", _same, (D,))
-    per_layer[f"{hf_norm}.bias"] = (f"{ours}_bias", _same, (D,))
-  if rest not in per_layer:
-    return None
-  param, fn, hf_shape = per_layer[rest]
-  return [(("blocks", param), layer, fn, hf_shape)]
-
-
-# Gemma 3's norms beside Llama's names (the rest of its tensors are named as Llama's).
-_GEMMA_NORMS = {
-  "post_attention_layernorm.weight": "post_attn_norm",
-  "pre_feedforward_layernorm.weight": "mlp_norm",
-  "post_feedforward_layernorm.weight": "post_mlp_norm",
-}
-
-
-def _gemma_targets(cfg: GemmaConfig, name: str) -> list[Target] | None:
-  m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-  if m and m.group(2) in _GEMMA_NORMS and int(m.group(1)) < cfg.num_layers:
-    return [(("blocks", _GEMMA_NORMS[m.group(2)]), int(m.group(1)), _same, (cfg.d_model,))]
-  return _llama_targets(cfg, name)
-
-
 def hf_targets(cfg: ModelConfig, name: str) -> list[Target] | None:
-  """Where Hugging Face tensor `name` goes in our model, or None if it has no place."""
-  if isinstance(cfg, GemmaConfig):
-    return _gemma_targets(cfg, name)
-  if isinstance(cfg, LlamaConfig):
-    return _llama_targets(cfg, name)
-  if isinstance(cfg, FalconConfig):
-    return _falcon_targets(cfg, name)
-  raise ValueError(f"no weight table for architecture {cfg.architecture!r}")
+  """Where Hugging Face tensor `name` goes in our model (its family's `tensor_targets`), or
+  None if it has no place."""
+  return family_of(cfg).tensor_targets(cfg, name)
 
 
 def ignored_hf_tensor(cfg: ModelConfig, name: str) -> bool:

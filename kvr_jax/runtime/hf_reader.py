@@ -22,7 +22,7 @@ from kvr_jax.runtime.model import (
   _check_split_mesh,
   abstract_model,
 )
-from models.config import config_from_hf
+from models.families import config_from_hf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

@@ -30,7 +30,8 @@ from kvr_jax.runtime.model import (
   split_shardings,
 )
 from kvr_jax.runtime.orbax_io import ORBAX_CONFIG, ORBAX_STATE, restore_model, save_model
-from models.config import ModelConfig, config_from_dict, config_from_hf
+from models.config import ModelConfig
+from models.families import config_from_dict, config_from_hf
 
 __all__ = [
   "AUTO_DTYPE",

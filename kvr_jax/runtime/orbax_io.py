@@ -15,7 +15,7 @@ import models
 from kvr_jax.core import resources
 from kvr_jax.runtime.hf_reader import _load_tokenizer
 from kvr_jax.runtime.model import DTYPES, Model, _check_split_mesh, abstract_model, split_shardings
-from models.config import config_from_dict
+from models.families import config_from_dict
 
 ORBAX_CONFIG = "kvr_config.json"
 ORBAX_STATE = "state"

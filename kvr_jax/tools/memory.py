@@ -43,7 +43,8 @@ from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
 from kvr_jax.strategies.base import parts_spec
-from models.config import ModelConfig, config_from_dict
+from models.config import ModelConfig
+from models.families import config_from_dict
 from models.kernels import AttentionKernel
 
 # KVR's split for the memory report: equal modelled compute on a GPU node (the issue's
