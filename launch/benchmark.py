@@ -45,7 +45,7 @@ from absl import app, flags, logging
 import kvr_jax
 from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference import buckets as buckets_lib
-from kvr_jax.runtime import distributed, links, loading
+from kvr_jax.runtime import distributed, faults, links, loading
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools import (
@@ -356,7 +356,7 @@ def worker():
     FLAGS.process_id,
     local_device_ids=FLAGS.local_device_ids,
   )
-  with distributed.worker_failures():
+  with faults.worker_failures():
     worker_job()
 
 

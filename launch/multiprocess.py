@@ -23,7 +23,7 @@ import sys
 import jax
 from absl import app, flags, logging
 
-from kvr_jax.runtime import distributed
+from kvr_jax.runtime import distributed, faults
 from kvr_jax.tools import jobs
 from launch import common
 
@@ -110,7 +110,7 @@ def worker():
     sys.exit(2)
   if FLAGS.process_id == FLAGS.debug_crash_process:
     os._exit(3)
-  with distributed.worker_failures():
+  with faults.worker_failures():
     result = jobs.check_job(
       FLAGS.model,
       FLAGS.context_len,
@@ -225,10 +225,8 @@ def main(argv):
     if FLAGS.coordinator_address is None:
       print("error: --process_id needs --coordinator_address", file=sys.stderr)
       return 2
-    if not distributed.is_supervised():  # started by hand: a child does the work
-      return distributed.run_supervised(
-        FLAGS.process_id, ["-m", "launch.multiprocess", *sys.argv[1:]]
-      )
+    if not faults.is_supervised():  # started by hand: a child does the work
+      return faults.run_supervised(FLAGS.process_id, ["-m", "launch.multiprocess", *sys.argv[1:]])
     worker()
     return 0
   return launcher()

@@ -96,6 +96,25 @@ flags.DEFINE_string(
 )
 
 
+def _print_reports(model, tokens, buckets, reports, emulated: bool, cache_dir) -> None:
+  print(demo.describe_run(model, tokens, buckets, FLAGS.num_devices, FLAGS.model_parallel))
+  if emulated:
+    print(
+      "NOTE: these are emulated CPU devices sharing this machine's cores: the times prove "
+      "nothing about parallel speed-up (see `python -m launch.benchmark`)."
+    )
+  print(demo.format_table(reports))
+  print(
+    "plan: the split's search and auto's choice, before the first call; "
+    + (
+      f"compile: first call minus a warm one; from: the compiled programs came from JAX's "
+      f"persistent cache ({cache_dir}) or were compiled"
+      if cache_dir
+      else "compile: first call minus a warm one (persistent compilation cache off)"
+    )
+  )
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -138,22 +157,7 @@ def main(argv):
       buckets=buckets,
       model_parallel=FLAGS.model_parallel,
     )
-  print(demo.describe_run(model, tokens, buckets, FLAGS.num_devices, FLAGS.model_parallel))
-  if emulated:
-    print(
-      "NOTE: these are emulated CPU devices sharing this machine's cores: the times prove "
-      "nothing about parallel speed-up (see `python -m launch.benchmark`)."
-    )
-  print(demo.format_table(reports))
-  print(
-    "plan: the split's search and auto's choice, before the first call; "
-    + (
-      f"compile: first call minus a warm one; from: the compiled programs came from JAX's "
-      f"persistent cache ({cache_dir}) or were compiled"
-      if cache_dir
-      else "compile: first call minus a warm one (persistent compilation cache off)"
-    )
-  )
+  _print_reports(model, tokens, buckets, reports, emulated, cache_dir)
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:
       json.dump([r.as_dict() for r in reports], f, indent=2)

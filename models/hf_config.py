@@ -53,34 +53,7 @@ def rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Rop
   transformers >= 5 writes `rope_parameters` = {"rope_type", "rope_theta", ...}.
   max_positions: the model's position limit (YaRN's pretraining context when none is given).
   """
-  for key in ("rope_parameters", "rope_scaling"):
-    if hf.get(key) is not None and not isinstance(hf[key], dict):
-      raise ValueError(f"config.json: `{key}` must be a dict, got {hf[key]!r}")
-  params = dict(hf.get("rope_parameters") or {})
-  scaling = dict(hf.get("rope_scaling") or {})
-  params_type = params.get("rope_type", params.get("type", "default"))
-  if scaling and params_type == "default" and set(params) <= {"rope_type", "type", "rope_theta"}:
-    # A transformers-5 config without scaling (`rope_parameters` holds the default type and
-    # the base) and a `rope_scaling` added as Qwen's model cards say, for YaRN: transformers
-    # honours the scaling, and so does this reader (on the base the parameters give).
-    # transformers takes the card in place of the parameters: a `rope_theta` inside the card
-    # wins over the parameters' base (which is kept only where the card has none).
-    params = (
-      {} if "rope_theta" in scaling else {k: v for k, v in params.items() if k == "rope_theta"}
-    )
-  elif params and scaling:
-    # Both layouts naming a scaling: which one a reader honours differs, so a disagreement
-    # is refused by name, never resolved quietly.
-    scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
-    shared = set(params) & set(scaling) - {"rope_type", "type"}
-    differing = sorted(k for k in shared if params[k] != scaling[k])
-    if params_type != scaling_type or differing:
-      raise ValueError(
-        f"config.json: `rope_scaling` ({scaling_type!r}) and `rope_parameters` "
-        f"({params_type!r}) disagree{' on ' + ', '.join(differing) if differing else ''}; "
-        "keep one of them"
-      )
-  merged = {**scaling, **params}
+  merged = _merged_rope_layouts(hf)
   for key in ROPE_NUMBER_FIELDS:
     value = merged.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -109,6 +82,39 @@ def rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Rop
   if merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
     raise ValueError("config.json: `partial_rotary_factor` != 1 is not supported")
   return RopeConfig(**kwargs)
+
+
+def _merged_rope_layouts(hf: dict[str, Any]) -> dict[str, Any]:
+  """The RoPE settings of `rope_parameters` and `rope_scaling` as one dict, as transformers
+  combines them; where both name a scaling and disagree, refused by name."""
+  for key in ("rope_parameters", "rope_scaling"):
+    if hf.get(key) is not None and not isinstance(hf[key], dict):
+      raise ValueError(f"config.json: `{key}` must be a dict, got {hf[key]!r}")
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = dict(hf.get("rope_scaling") or {})
+  params_type = params.get("rope_type", params.get("type", "default"))
+  if scaling and params_type == "default" and set(params) <= {"rope_type", "type", "rope_theta"}:
+    # A transformers-5 config without scaling (`rope_parameters` holds the default type and
+    # the base) and a `rope_scaling` added as Qwen's model cards say, for YaRN: transformers
+    # honours the scaling, and so does this reader (on the base the parameters give).
+    # transformers takes the card in place of the parameters: a `rope_theta` inside the card
+    # wins over the parameters' base (which is kept only where the card has none).
+    params = (
+      {} if "rope_theta" in scaling else {k: v for k, v in params.items() if k == "rope_theta"}
+    )
+  elif params and scaling:
+    # Both layouts naming a scaling: which one a reader honours differs, so a disagreement
+    # is refused by name, never resolved quietly.
+    scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
+    shared = set(params) & set(scaling) - {"rope_type", "type"}
+    differing = sorted(k for k in shared if params[k] != scaling[k])
+    if params_type != scaling_type or differing:
+      raise ValueError(
+        f"config.json: `rope_scaling` ({scaling_type!r}) and `rope_parameters` "
+        f"({params_type!r}) disagree{' on ' + ', '.join(differing) if differing else ''}; "
+        "keep one of them"
+      )
+  return {**scaling, **params}
 
 
 def refuse(hf: dict[str, Any], field: str, bad: Any, why: str) -> None:

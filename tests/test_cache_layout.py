@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import kvr_jax
+from kvr_jax.inference import auto as auto_module
 from kvr_jax.inference import decode, kv_cache
 from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
@@ -434,7 +435,7 @@ def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkey
   kw = dict(strategy="kvr", mesh=mesh, partition=[24, 16], cache="auto")
   assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.WholeCache)
   weights = model.config.num_params() * 4
-  monkeypatch.setattr(prefill_module, "device_memory_bytes", lambda device: weights)
+  monkeypatch.setattr(auto_module, "device_memory_bytes", lambda device: weights)
   assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)
   del kw["cache"]  # "auto" is the default
   assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)

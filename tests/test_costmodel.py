@@ -940,7 +940,7 @@ def test_prefill_auto_runs_and_reports_its_choice(monkeypatch):
   """prefill(strategy="auto") runs what the model picked (here single: a tiny model on A100
   presets; then a KV-Runahead pick with its split, forced), says what it picked and refuses
   what it cannot honour, before anything compiles."""
-  from kvr_jax.inference import prefill as prefill_module
+  from kvr_jax.inference import auto as auto_module
   from kvr_jax.planning.choice import StrategyChoice
 
   model = kvr_jax.load_model("tiny-llama")
@@ -952,7 +952,7 @@ def test_prefill_auto_runs_and_reports_its_choice(monkeypatch):
   assert got.strategy == got.choice.strategy == "single"
   np.testing.assert_allclose(np.asarray(got.logits), np.asarray(single.logits), atol=1e-5)
   forced = StrategyChoice("kvr", (40, 24), {"single": 2.0, "kvr": 1.0, "ring": 1.5})
-  monkeypatch.setattr(prefill_module, "choose_strategy", lambda *a, **k: forced)
+  monkeypatch.setattr(auto_module, "choose_strategy", lambda *a, **k: forced)
   got = kvr_jax.prefill(model, tokens, "auto", mesh=mesh, partition=plan)
   assert (got.strategy, got.partition, got.choice) == ("kvr", (40, 24), forced)
   for kwargs, message in (

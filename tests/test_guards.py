@@ -21,8 +21,9 @@ import kvr_jax
 from kvr_jax.core import caches
 from kvr_jax.inference import auto as auto_lib
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
+from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning import costmodel, presets, search
-from kvr_jax.runtime import distributed
+from kvr_jax.runtime import faults
 from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.model import build_model
 from kvr_jax.strategies import runahead
@@ -162,13 +163,13 @@ def test_gather_cache_has_singles_shape_on_a_mesh_with_more_shards_than_kv_heads
 
 LOST_PEER = """
 import jax
-from kvr_jax.runtime import distributed
+from kvr_jax.runtime import distributed, faults
 
 class JaxRuntimeError(RuntimeError):
   pass
 
-with distributed.worker_failures():
-  with distributed.stage("decode kvr, cache=sharded"):
+with faults.worker_failures():
+  with faults.stage("decode kvr, cache=sharded"):
     raise JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Read error: Connection reset by peer")
 """
 
@@ -181,7 +182,7 @@ def test_a_lost_peer_is_one_line_naming_the_step_and_a_non_zero_status():
   done = subprocess.run(
     [sys.executable, "-c", LOST_PEER], env=env, capture_output=True, text=True, check=False
   )
-  assert done.returncode == distributed.EXIT_PEER_LOST, done.stderr
+  assert done.returncode == faults.EXIT_PEER_LOST, done.stderr
   lines = done.stderr.strip().splitlines()
   assert len(lines) == 1, done.stderr
   assert "process 0: lost" in lines[0] and "during decode kvr, cache=sharded" in lines[0]
@@ -189,7 +190,7 @@ def test_a_lost_peer_is_one_line_naming_the_step_and_a_non_zero_status():
   done = subprocess.run(
     [sys.executable, "-c", other], env=env, capture_output=True, text=True, check=False
   )
-  assert done.returncode == distributed.EXIT_JOB_FAILED and "Traceback" in done.stderr
+  assert done.returncode == faults.EXIT_JOB_FAILED and "Traceback" in done.stderr
 
 
 # --- the twelve mechanisms --------------------------------------------------------------------
@@ -293,7 +294,7 @@ def test_the_cache_chooser_counts_one_shard_of_the_weights_on_a_2d_mesh(monkeypa
   mesh = kvr_jax.make_mesh(2, model=4)
   weights = model.config.num_params() * 4
   monkeypatch.setattr(auto_lib, "device_memory_bytes", lambda device: weights // 2)
-  assert auto_lib.plan_cache(model, 64, 1, mesh) == "last"
+  assert auto_lib.plan_cache(PrefillShape.of_model(model, [64], 64), mesh) == "last"
 
 
 def test_a_padded_prompt_on_a_plan_made_unpadded_is_the_plans_refusal_on_a_2d_mesh():

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvr_jax.runtime import distributed
+from kvr_jax.runtime import distributed, faults
 from tests.subprocess_env import launcher_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,7 +201,7 @@ def test_in_a_cluster_joined_by_hand_a_lost_process_is_one_line_on_the_survivor(
       "--context_len=64", f"--debug_crash_process={crashed}", "--heartbeat_timeout=5"
     )
     errors = [p.communicate(timeout=120)[1] for p in procs]
-    assert procs[survivor].returncode == distributed.EXIT_PEER_LOST, errors
+    assert procs[survivor].returncode == faults.EXIT_PEER_LOST, errors
     lines = errors[survivor].strip().splitlines()
     assert len(lines) == 1 and lost in lines[0], errors[survivor]
     assert lines[0].startswith(f"error: process {survivor}: "), lines

@@ -4,14 +4,13 @@ the last rank where it fits). Across processes every process takes process 0's a
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from kvr_jax.inference.kv_cache import (
   CACHE_LAYOUTS,
   choose_cache_layout,
   device_memory_bytes,
   whole_cache_bytes,
 )
+from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning import presets
 from kvr_jax.planning.choice import choose_strategy
 from kvr_jax.planning.costmodel import kernel_flags
@@ -29,26 +28,21 @@ from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO
 
 
-def model_key(model) -> tuple:
-  """What a plan's choices read of the model (not its weights)."""
-  return (model.config, jnp.dtype(model.dtype).name, model.preset)
-
-
-def plan_cache(model, T: int, B: int, mesh) -> str:
+def plan_cache(shape: PrefillShape, mesh) -> str:
   """cache="auto": "last" where the last rank's device holds the weights and the whole cache
   (its shard of them on a 2-D mesh), else "sharded" (kv_cache.choose_cache_layout). Across
   processes every process takes process 0's answer."""
-  m, itemsize = model_parallel(mesh), jnp.dtype(model.dtype).itemsize
-  kv_heads = tensor_parallel.kv_heads_per_shard(model.config, m)
-  cache_bytes = whole_cache_bytes(model.config, T, B, itemsize, kv_heads)
-  weights_bytes = model.config.num_params() * itemsize // m
+  m, itemsize, T, B = model_parallel(mesh), shape.itemsize, shape.prompt_len, shape.batch
+  kv_heads = tensor_parallel.kv_heads_per_shard(shape.config, m)
+  cache_bytes = whole_cache_bytes(shape.config, T, B, itemsize, kv_heads)
+  weights_bytes = shape.config.num_params() * itemsize // m
   last_device = mesh.devices.reshape(-1)[-1]
   cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))
-  index = agreed("cache", (model_key(model), T, B), mesh, CACHE_LAYOUTS.index(cache))
+  index = agreed("cache", (shape.model_key, T, B), mesh, CACHE_LAYOUTS.index(cache))
   return CACHE_LAYOUTS[index]
 
 
-def auto_one_device(model, T: int, B: int, mesh, cache: str):
+def auto_one_device(shape: PrefillShape, mesh, cache: str):
   """auto's pick of one device: the last rank's, run in its process alone, where the other
   strategies' cache="last" puts the cache; the other processes hold nothing of the result.
   Every process running it would only slow the one that answers (on this machine two busy
@@ -56,11 +50,11 @@ def auto_one_device(model, T: int, B: int, mesh, cache: str):
   whole mesh (every process the same answer). Returns (the one-device mesh, cache)."""
   mesh = make_mesh() if mesh is None else mesh
   if cache == AUTO:
-    cache = plan_cache(model, T, B, mesh)
+    cache = plan_cache(shape, mesh)
   return make_mesh(1, devices=[rank_device(mesh, mesh.shape[AXIS] - 1)]), cache
 
 
-def choose_auto_strategy(model, T: int, B: int, mesh, partition, attention):
+def choose_auto_strategy(shape: PrefillShape, mesh, partition, attention):
   """strategy="auto": the cost model's pick for T tokens (the prompt's bucket) of B rows on
   this mesh, with the hardware and links of `partition` (a PartitionPlan; default the `local`
   calibration) and each strategy's own kernel. Returns (strategy, partition, choice)."""
@@ -78,20 +72,17 @@ def choose_auto_strategy(model, T: int, B: int, mesh, partition, attention):
   mesh = make_mesh() if mesh is None else mesh
   p = check_mesh(mesh)  # 1-D: the choice among 2-D layouts is not modelled here yet
   device = mesh.devices.flat[0]
+  T, B = shape.prompt_len, shape.batch
   kernel = get_strategy("kvr").resolve_attention(
-    None, device, model.dtype, model.config.narrowest_window
+    None, device, shape.dtype, shape.config.narrowest_window
   )
   setup = presets.make_setup(
-    plan.hardware,
-    plan.links,
-    dtype_bytes=jnp.dtype(model.dtype).itemsize,
-    batch=B,
-    **kernel_flags(kernel),
+    plan.hardware, plan.links, dtype_bytes=shape.itemsize, batch=B, **kernel_flags(kernel)
   )
-  choice = choose_strategy(model.config, T, p, setup, multiple=plan.multiple)
+  choice = choose_strategy(shape.config, T, p, setup, multiple=plan.multiple)
   # Calibrations are per process: every process runs process 0's pick (and, for kvr, its
   # split: `_plan_partition` broadcasts that).
-  key = (model_key(model), T, B, plan)
+  key = (shape.model_key, T, B, plan)
   strategy = STRATEGIES[agreed("strategy", key, mesh, STRATEGIES.index(choice.strategy))]
   chunks = list(choice.chunks) if choice.chunks and strategy == choice.strategy else None
   return strategy, chunks, choice

@@ -22,10 +22,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from kvr_jax.strategies.base import CacheLayout, parts_spec, unfold_batch
 from models import scan_blocks
@@ -288,3 +290,40 @@ def sample(logits_BV, key, temperature, *, top_k: int | None, top_p: float | Non
     cutoff = jnp.take_along_axis(sorted_desc, cutoff_index, axis=-1)
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
   return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+
+# --- the logits of padded rows' last real tokens (kvr_jax.inference.prefill)
+
+
+def last_real_logits(model, k_LBSKH, v_LBSKH, last_tokens_B, lengths_B):
+  """One decode step of each row's last real token at its own position, where the whole
+  cache lies: its logits (its K,V, already in the cache, are written again identically)."""
+  cache_device = next(iter(k_LBSKH.devices()))
+  return decode_step(
+    model.graphdef,
+    model.state_on(cache_device),
+    jax.device_put(last_tokens_B, cache_device),
+    jax.device_put(lengths_B - 1, cache_device),
+    k_LBSKH,
+    v_LBSKH,
+  )
+
+
+def last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B):
+  """[B, V] replicated over `mesh`: each row's last real token decoded once from the sharded
+  parts (the parts' copy of its K,V hidden, a one-token tail holding it), as `generate`
+  decodes (in every process: the parts are every process's)."""
+  replicated = NamedSharding(mesh, jax.P())
+  L, K, H = kv_parts.shape[1], *kv_parts.shape[4:]
+  B = last_tokens_B.shape[0]
+  tail = zeros_on((L, 2, B, 1, K, H), kv_parts.dtype, replicated)
+  program = sharded_decode_program(model.graphdef, mesh, layout)
+  logits, _ = program(
+    state,
+    global_array(np.asarray(last_tokens_B, np.int32), replicated),
+    global_array(np.asarray(lengths_B - 1, np.int32), replicated),
+    kv_parts,
+    tail,
+    global_array(np.int32(0), replicated),
+  )
+  return logits

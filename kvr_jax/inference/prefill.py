@@ -11,13 +11,12 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode
-from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, model_key, plan_cache
+from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_cache
 from kvr_jax.inference.kv_cache import (
   check_cache,
   device_memory_bytes,
@@ -26,6 +25,7 @@ from kvr_jax.inference.kv_cache import (
   last_hop_bytes,
 )
 from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
+from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
@@ -119,8 +119,12 @@ class PrefillPlan:
 
   def program(self, model: Model):
     """The compiled program (cached by the strategy)."""
+    return self.compile(model.graphdef)
+
+  def compile(self, graphdef):
+    """The program for a model of `graphdef` (a loaded model's, or one built from shapes)."""
     return self.strategy.compile(
-      model.graphdef, self.mesh, self.chunks, self.kernel, self.timeline, self.keep_last_hop
+      graphdef, self.mesh, self.chunks, self.kernel, self.timeline, self.keep_last_hop
     )
 
 
@@ -192,45 +196,66 @@ def plan_prefill(
   if not isinstance(model, Model):
     raise ValueError(f"`model` must come from kvr_jax.load_model, got {type(model).__name__}")
   rows, lengths_B, T, buckets = buckets_lib.padded_prompts(model, tokens, buckets)
-  B, padded = len(rows), bool((lengths_B < T).any())
-  choice = None
+  shape = PrefillShape.of_model(model, lengths_B, T)
+  return plan_from_shape(
+    shape, strategy, mesh, partition, attention, cache, buckets=buckets, timeline=timeline
+  )
+
+
+def plan_from_shape(
+  shape: PrefillShape,
+  strategy: str = "single",
+  mesh=None,
+  partition: Any = None,
+  attention: str | None = None,
+  cache: str = "auto",
+  *,
+  buckets=None,
+  timeline: bool = False,
+  device_memory: int | None = None,
+) -> PrefillPlan:
+  """The plan of a prefill of `shape` (a model's config and dtype, the prompt's padded length
+  and batch): what `plan_prefill` makes for a model and its tokens, and what
+  kvr_jax.tools.memory compiles from shapes. device_memory: the bytes of the device planned
+  for (KV-Runahead's join of its last hops), default the mesh's own."""
+  T, choice = shape.prompt_len, None
   if isinstance(strategy, str) and strategy == AUTO:
-    strategy, partition, choice = choose_auto_strategy(model, T, B, mesh, partition, attention)
+    strategy, partition, choice = choose_auto_strategy(shape, mesh, partition, attention)
   spec = get_strategy(strategy)
   cache = check_cache(cache, allow_auto=True)
-  kernel = _check_model_and_kernel(model, spec, attention, timeline)
+  kernel = _check_model_and_kernel(shape.config, spec, attention, timeline)
   if choice is not None and spec.max_ranks == 1:
-    mesh, cache = auto_one_device(model, T, B, mesh, cache)
+    mesh, cache = auto_one_device(shape, mesh, cache)
   mesh = _plan_mesh(spec, mesh, T, elsewhere=choice is not None)
   if cache == AUTO:
-    cache = plan_cache(model, T, B, mesh)
-  _check_layout(spec, partition, cache, T, int(lengths_B.max()), padded, buckets)
+    cache = plan_cache(shape, mesh)
+  _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
   if model_parallel(mesh) > 1:
-    _check_tensor_parallel(model, mesh, T if padded else 0, timeline)
-  kernel = _plan_kernel(model, spec, kernel, mesh.devices.flat[0])
+    _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
+  kernel = _plan_kernel(shape, spec, kernel, mesh.devices.flat[0])
   user_chunks = None
   if spec.partitioned:
-    user_chunks = _plan_partition(model, partition, T, mesh, B, kernel)
+    user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
-  keep_last_hop = _keeps_last_hop(model, spec, cache, chunks, B, mesh)
+  keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
   return PrefillPlan(
     spec,
     mesh,
     kernel,
     T,
-    B,
+    shape.batch,
     user_chunks,
     chunks,
     cache,
     keep_last_hop,
     timeline,
     buckets,
-    padded,
+    shape.padded,
     choice,
   )
 
 
-def _check_model_and_kernel(model, spec, attention, timeline):
+def _check_model_and_kernel(config, spec, attention, timeline):
   """The probes and the kernel named (or "auto") against the strategy and the model's
   window."""
   if timeline and not spec.timeline_probes:
@@ -239,7 +264,7 @@ def _check_model_and_kernel(model, spec, attention, timeline):
       f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
     )
   kernel = spec.check_attention(attention)
-  window = model.config.narrowest_window  # any layer's
+  window = config.narrowest_window  # any layer's
   if window is not None and kernel != AUTO and not kernel.takes_window:
     raise ValueError(
       f"this model attends through a sliding window of {window} tokens, which attention "
@@ -261,6 +286,11 @@ def _check_layout(spec, partition, cache, T, longest, padded, buckets) -> None:
         f"bucket of {T} tokens (buckets={buckets!r}): give lengths summing to {T}, or "
         "buckets=None (launch.run: --buckets=none)"
       )
+  check_partition_applies(spec, partition)
+
+
+def check_partition_applies(spec, partition) -> None:
+  """A partition (other than "even", or none) only for a partitioned strategy."""
   if not spec.partitioned and partition not in (None, "even"):
     raise ValueError(
       f"strategy {spec.name!r} lays the prompt out itself; `partition` applies only to "
@@ -289,45 +319,48 @@ def _plan_mesh(spec, mesh, T: int, elsewhere: bool = False):
   return mesh
 
 
-def _plan_kernel(model, spec, kernel, device):
+def _plan_kernel(shape: PrefillShape, spec, kernel, device):
   """The kernel record that runs ("auto" resolved for the mesh's platform), refused where it
   cannot run on this device and dtype."""
-  kernel = spec.resolve_attention(kernel, device, model.dtype, model.config.narrowest_window)
-  reason = kernel.why_not(device, model.dtype, None)  # the window was checked by name
+  kernel = spec.resolve_attention(kernel, device, shape.dtype, shape.config.narrowest_window)
+  reason = kernel.why_not(device, shape.dtype, None)  # the window was checked by name
   if reason is not None:
     raise ValueError(f"attention {kernel.name!r} {reason}")
   return kernel
 
 
-def _plan_partition(model, partition, T: int, mesh, B: int, kernel) -> tuple[int, ...]:
+def _plan_partition(shape: PrefillShape, partition, mesh, kernel) -> tuple[int, ...]:
   """The user's partition resolved to chunk lengths (the same on every process)."""
+  T, B = shape.prompt_len, shape.batch
   chunks = resolve_partition(
     partition,
     T,
     mesh.shape[AXIS],
-    config=model.config,
+    config=shape.config,
     batch=B,
-    dtype_bytes=jnp.dtype(model.dtype).itemsize,
-    model_name=model.preset,
+    dtype_bytes=shape.itemsize,
+    model_name=shape.preset,
     **kernel_flags(kernel),
   )
   # Cost-model partitions use per-process measurements: every process takes process 0's.
   given = partition
   if partition is not None and not isinstance(partition, (str, PartitionPlan)):
     given = tuple(int(c) for c in partition)  # lengths (numpy's too), hashable
-  return agreed("partition", (model_key(model), given, T, B, kernel), mesh, chunks)
+  return agreed("partition", (shape.model_key, given, T, B, kernel), mesh, chunks)
 
 
-def _keeps_last_hop(model, spec, cache, chunks, B: int, mesh) -> bool:
+def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memory) -> bool:
   """cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
   where memory allows it on the ranks that hold its zeros (kv_cache.join_affordable: rank
-  0's device; across processes process 0's answer); 1-D meshes only."""
-  if model_parallel(mesh) > 1 or not spec.keeps_last_hop(cache, chunks, model.config.kinds):
+  0's device, or `device_memory`; across processes process 0's answer); 1-D meshes only."""
+  config, B = shape.config, shape.batch
+  if model_parallel(mesh) > 1 or not spec.keeps_last_hop(cache, chunks, config.kinds):
     return False
-  itemsize, kv_heads = jnp.dtype(model.dtype).itemsize, model.config.num_kv_heads
-  hop_bytes = last_hop_bytes(model.config, chunks, B, itemsize, kv_heads)
-  joins = join_affordable(hop_bytes, device_memory=device_memory_bytes(mesh.devices.flat[0]))
-  return bool(agreed("join", (model_key(model), chunks, B), mesh, int(joins)))
+  hop_bytes = last_hop_bytes(config, chunks, B, shape.itemsize, config.num_kv_heads)
+  if device_memory is None:
+    device_memory = device_memory_bytes(mesh.devices.flat[0])
+  joins = join_affordable(hop_bytes, device_memory=device_memory)
+  return bool(agreed("join", (shape.model_key, chunks, B), mesh, int(joins)))
 
 
 def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True):
@@ -369,7 +402,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   if cache == "sharded" or not move_cache:
     replicated = None
     if padded:
-      replicated = _last_real_logits_sharded(
+      replicated = decode.last_real_logits_sharded(
         model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B
       )
       logits_BV = _piece_on(replicated, owner)
@@ -381,7 +414,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     return CacheParts(logits_BV, **common, **parts)
   k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
   if padded and k_LBSKH is not None:
-    logits_BV, k_LBSKH, v_LBSKH = _last_real_logits(
+    logits_BV, k_LBSKH, v_LBSKH = decode.last_real_logits(
       model, k_LBSKH, v_LBSKH, last_tokens_B, lengths_B
     )
   elif padded:
@@ -419,26 +452,12 @@ def _placed_state(model: Model, mesh):
   return model.state_on(NamedSharding(mesh, jax.P()))
 
 
-def _last_real_logits(model: Model, k_LBSKH, v_LBSKH, last_tokens_B, lengths_B):
-  """One decode step of each row's last real token at its own position, where the whole
-  cache lies: its logits (its K,V, already in the cache, are written again identically)."""
-  cache_device = next(iter(k_LBSKH.devices()))
-  return decode.decode_step(
-    model.graphdef,
-    model.state_on(cache_device),
-    jax.device_put(last_tokens_B, cache_device),
-    jax.device_put(lengths_B - 1, cache_device),
-    k_LBSKH,
-    v_LBSKH,
-  )
-
-
-def _check_tensor_parallel(model, mesh, padded, timeline) -> None:
+def _check_tensor_parallel(config, mesh, padded, timeline) -> None:
   """What a ("ranks", "model") mesh runs so far: the prefill, with the cache left where it was
   computed or moved onto the last rank's row (heads split over "model" either way). Refused
   by name before anything compiles: what needs a decode step over a model group."""
   m = model_parallel(mesh)
-  check_model_parallel(model.config, m)
+  check_model_parallel(config, m)
   if padded:
     raise ValueError(
       f"a mesh with model={m} runs prompts of one length without buckets (a padded row's "
@@ -456,26 +475,6 @@ def _check_tensor_parallel(model, mesh, padded, timeline) -> None:
       "mesh across processes every rank's devices must be one process's (JAX's one process "
       "per host; locally: devices per process a multiple of model_parallel)"
     )
-
-
-def _last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B):
-  """[B, V] replicated over `mesh`: each row's last real token decoded once from the sharded
-  parts (the parts' copy of its K,V hidden, a one-token tail holding it), as `generate`
-  decodes (in every process: the parts are every process's)."""
-  replicated = NamedSharding(mesh, jax.P())
-  L, K, H = kv_parts.shape[1], *kv_parts.shape[4:]
-  B = last_tokens_B.shape[0]
-  tail = decode.zeros_on((L, 2, B, 1, K, H), kv_parts.dtype, replicated)
-  program = decode.sharded_decode_program(model.graphdef, mesh, layout)
-  logits, _ = program(
-    state,
-    global_array(np.asarray(last_tokens_B, np.int32), replicated),
-    global_array(np.asarray(lengths_B - 1, np.int32), replicated),
-    kv_parts,
-    tail,
-    global_array(np.int32(0), replicated),
-  )
-  return logits
 
 
 def _piece_on(array: jax.Array, device):

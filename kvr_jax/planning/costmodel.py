@@ -254,14 +254,12 @@ def _as_op(step) -> tuple:
 
 
 def _run_layer(ops, free, link_free, held_send, l, intervals, sites=None) -> list[float]:
-  """One layer: advance every rank as far as its messages and barriers let it, until all are
-  done (a layer's steps depend on each other only forwards, so this ends). sites: a dict
-  that gets the arguments of every max the layer takes, by (rank, step) (`_SteadyState`)."""
+  """One layer: every rank advanced as far as its messages and barriers let it, until all are
+  done (steps depend only forwards). sites: gets each max's arguments by (rank, step)."""
   p = len(ops)
   now, at = list(free), [0] * p  # each rank's clock and its next step
-  arrival: dict[tuple[int, int], float] = {}
-  reached_receive: dict[int, float] = {}
-  at_barrier: dict[int, float] = {}
+  # When each message lands (by link), when each rank reached its receive and its barrier.
+  arrival, reached_receive, at_barrier = {}, {}, {}
   out = intervals.append if intervals is not None else None
   progress = True
   while progress:
@@ -281,26 +279,24 @@ def _run_layer(ops, free, link_free, held_send, l, intervals, sites=None) -> lis
             break
           if sites is not None:
             sites[(i, step)] = (t, landed)
-          if landed > t:
-            if out:
-              out((i, l, "wait", t, landed))
-            t = landed
+          if out and landed > t:
+            out((i, l, "wait", t, landed))
+          t = max(t, landed)
         elif kind == _SEND:
           if held_send and other not in reached_receive:
             break
-          link = (i, other)
-          start = max(t, link_free.get(link, 0.0))
-          if held_send:
-            start = max(start, reached_receive[other])
+          # What the send's start waits for: the sender, the link, a held send's receiver.
+          held = (reached_receive[other],) if held_send else ()
+          waits = (t, link_free.get((i, other), 0.0), *held)
           if sites is not None:  # what this max took
-            held = (reached_receive[other],) if held_send else ()
-            sites[(i, step)] = (t, link_free.get(link, 0.0), *held)
-          landed = arrival[link] = link_free[link] = start + seconds
+            sites[(i, step)] = waits
+          start = max(waits)
+          landed = arrival[(i, other)] = link_free[(i, other)] = start + seconds
           if out:
             out((i, l, phase, start, landed))
-          if held_send:  # the sender is held until its message has landed
-            if out:
+            if held_send:
               out((i, l, "wait", t, landed))
+          if held_send:  # the sender is held until its message has landed
             t = landed
         else:  # a collective: every rank waits for the last to reach it
           at_barrier.setdefault(i, t)
@@ -315,10 +311,14 @@ def _run_layer(ops, free, link_free, held_send, l, intervals, sites=None) -> lis
         step += 1
         progress = True
       now[i], at[i] = t, step
-  stuck = [i for i in range(p) if at[i] < len(ops[i])]
+  _check_done(ops, at)
+  return now
+
+
+def _check_done(ops, at) -> None:
+  stuck = [i for i in range(len(ops)) if at[i] < len(ops[i])]
   if stuck:
     raise ValueError(f"the modelled layer deadlocks: ranks {stuck} wait on each other")
-  return now
 
 
 def modelled_layer(

@@ -106,31 +106,34 @@ def compare_strategies(
     cache_use = CacheUse.now()
     timing = time_prefill(model, rows, repeats, cache=cache, buckets=buckets, **kwargs)
     cache_use = CacheUse.now().since(cache_use)
-    result, median = timing.result, timing.median_s
-    logits = np.asarray(result.logits)
+    logits = np.asarray(timing.result.logits)
     if strategy == "single":
       reference = logits
-    gen = decode_from(model, result, max_new_tokens, temperature=temperature, seed=seed)
-    reports.append(
-      StrategyReport(
-        strategy=strategy,
-        attention=result.attention,
-        partition=result.partition,
-        plan_s=plan_s,
-        compile_s=max(timing.first_s - median, 0.0),
-        compile_cache=cache_use.describe(),
-        compile_cache_hits=cache_use.hits,
-        compile_cache_written=cache_use.written,
-        ttft_median_s=median,
-        ttft_runs_s=timing.runs_s,
-        max_logit_diff_vs_single=(
-          None if reference is None else float(np.abs(logits - reference).max())
-        ),
-        first_tokens=[int(t) for t in gen.tokens[0]],
-        choice=None if result.choice is None else describe_choice(result.choice),
-      )
-    )
+    gen = decode_from(model, timing.result, max_new_tokens, temperature=temperature, seed=seed)
+    diff = None if reference is None else float(np.abs(logits - reference).max())
+    reports.append(_report(strategy, timing, plan_s, cache_use, diff, gen))
   return reports
+
+
+def _report(strategy: str, timing, plan_s: float, cache_use, diff, gen) -> StrategyReport:
+  """One strategy's row: what ran, its planning, compile and median TTFT, how far its logits
+  are from single's, and its first decoded tokens."""
+  result, median = timing.result, timing.median_s
+  return StrategyReport(
+    strategy=strategy,
+    attention=result.attention,
+    partition=result.partition,
+    plan_s=plan_s,
+    compile_s=max(timing.first_s - median, 0.0),
+    compile_cache=cache_use.describe(),
+    compile_cache_hits=cache_use.hits,
+    compile_cache_written=cache_use.written,
+    ttft_median_s=median,
+    ttft_runs_s=timing.runs_s,
+    max_logit_diff_vs_single=diff,
+    first_tokens=[int(t) for t in gen.tokens[0]],
+    choice=None if result.choice is None else describe_choice(result.choice),
+  )
 
 
 def describe_choice(choice) -> str:

@@ -19,7 +19,7 @@ from kvr_jax.inference.generate import decode_from, generate
 from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning import presets
 from kvr_jax.planning.partition import PartitionPlan
-from kvr_jax.runtime import distributed
+from kvr_jax.runtime import faults
 from kvr_jax.runtime.links import UNTHROTTLED, rate_bits
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
@@ -61,25 +61,15 @@ def check_job(
   row_lengths: a ragged batch instead of `batch` rows of `context_len` tokens (the rows
   padded to the longest, each decoding from its own length)."""
   mesh = mesh_of_ranks(None, model_parallel)
-  with distributed.stage("loading the model"):
+  with faults.stage("loading the model"):
     model = load_model(model_name, dtype=dtype, mesh=mesh if model_parallel > 1 else None)
   tokens = _check_prompt(model.config.vocab_size, context_len, batch, row_lengths, seed)
   owner = jax.process_index() == mesh.devices.flat[-1].process_index
+  decoding = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=sampling_seed)
   runs = {}
   for name, cache in itertools.product(strategies, caches):
-    with distributed.stage(f"prefill {name}, cache={cache}"):
-      ran = prefill(
-        model, tokens, **prefill_arguments(name, mesh=mesh, partition=partition), cache=cache
-      )
-    if before_decode is not None:
-      before_decode(name)
-    with distributed.stage(f"decode {name}, cache={cache}"):
-      out = decode_from(model, ran, max_new_tokens, temperature, seed=sampling_seed)
-    everywhere = None
-    if out.tokens is not None and jax.process_count() > 1 and ran.cache == "sharded":
-      gathered = multihost_utils.process_allgather(out.tokens)  # [processes, B, n]
-      everywhere = bool((gathered == gathered[0]).all())
-    runs[name if len(caches) == 1 else f"{name}, cache={cache}"] = (out, everywhere)
+    run = _prefill_and_decode(model, tokens, mesh, name, partition, cache, before_decode, decoding)
+    runs[name if len(caches) == 1 else f"{name}, cache={cache}"] = run
   if not owner:
     return None
   whole = model if model_parallel == 1 else load_model(model_name, dtype=dtype)
@@ -92,6 +82,27 @@ def check_job(
     "single_tokens": single.tokens.tolist(),
     "strategies": {name: _checked(*run, single) for name, run in runs.items()},
   }
+
+
+def _prefill_and_decode(model, tokens, mesh, name, partition, cache, before_decode, decoding):
+  """One strategy's prefill and decode on every process, each a named stage: (its
+  GenerationResult, whether every process decoded the same tokens: None where one process
+  or one holder decodes)."""
+  with faults.stage(f"prefill {name}, cache={cache}"):
+    ran = prefill(
+      model, tokens, **prefill_arguments(name, mesh=mesh, partition=partition), cache=cache
+    )
+  if before_decode is not None:
+    before_decode(name)
+  with faults.stage(f"decode {name}, cache={cache}"):
+    out = decode_from(
+      model, ran, decoding["max_new_tokens"], decoding["temperature"], seed=decoding["seed"]
+    )
+  everywhere = None
+  if out.tokens is not None and jax.process_count() > 1 and ran.cache == "sharded":
+    gathered = multihost_utils.process_allgather(out.tokens)  # [processes, B, n]
+    everywhere = bool((gathered == gathered[0]).all())
+  return out, everywhere
 
 
 def _check_prompt(vocab_size: int, context_len: int, batch: int, row_lengths, seed: int):

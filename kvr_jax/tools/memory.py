@@ -29,14 +29,12 @@ from kvr_jax.core.chunks import check_ranks
 from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
-  device_memory_bytes,
-  join_affordable,
   join_on_device,
-  last_hop_bytes,
   place,
 )
-from kvr_jax.planning import costmodel
-from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.inference.prefill import check_partition_applies, plan_from_shape
+from kvr_jax.inference.shape import PrefillShape
+from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
@@ -113,11 +111,9 @@ def _check_arguments(config, spec, cache, partition, context_len, num_ranks, bat
     or (isinstance(partition, PartitionPlan) and partition == MEMORY_PARTITION)
     or (isinstance(partition, str) and partition == "even")
   )
-  if not spec.partitioned and explicit:
-    raise ValueError(
-      f"strategy {spec.name!r} lays the prompt out itself; `partition` applies only to "
-      "partitioned strategies (kvr)"
-    )
+  if not spec.partitioned and not explicit:
+    partition = None
+  check_partition_applies(spec, partition)
   for name, value in (("context_len", context_len), ("num_ranks", num_ranks), ("batch", batch)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
@@ -252,29 +248,6 @@ def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
   return _compile(lowered, dtype_name)
 
 
-def _chunks_and_join(config, spec, partition, shape, attention, cache, mesh, device_memory):
-  """The chunks the strategy lays out (the partition resolved as prefill resolves it) and
-  whether KV-Runahead's cache="last" joins its last hops, as prefill decides in one process:
-  where whole and where memory allows (kv_cache.join_affordable), else its parts move."""
-  context_len, num_ranks, batch, itemsize = shape
-  user_chunks = None
-  if spec.partitioned:
-    flags = costmodel.kernel_flags(attention)
-    user_chunks = resolve_partition(
-      partition, context_len, num_ranks, config=config, batch=batch, dtype_bytes=itemsize, **flags
-    )
-  chunks = spec.layout(context_len, num_ranks, user_chunks)
-  hop_bytes = last_hop_bytes(config, chunks, batch, itemsize, config.num_kv_heads)
-  if device_memory is None:
-    device_memory = device_memory_bytes(mesh.devices.flat[0])
-  joined = (
-    len(mesh.axis_names) == 1  # a 1-D mesh: no tensor parallelism
-    and spec.keeps_last_hop(cache, chunks, config.kinds)
-    and join_affordable(hop_bytes, device_memory=device_memory)
-  )
-  return chunks, joined
-
-
 def compiled_memory(
   model,
   strategy: str = "kvr",
@@ -343,14 +316,14 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
-  window = config.narrowest_window
-  attention = spec.resolve_attention(attention, mesh.devices.flat[0], dtype_name, window)
-  itemsize = np.dtype(dtype_name).itemsize
-  shape = (context_len, num_ranks, batch, itemsize)
-  chunks, joined = _chunks_and_join(
-    config, spec, partition, shape, attention, cache, mesh, device_memory
+  # The plan prefill would make for this shape (one process: no answer to agree on).
+  prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
+  plan = plan_from_shape(
+    prompt, spec, mesh, partition, attention, cache, device_memory=device_memory
   )
-  program = spec.compile(graphdef, mesh, chunks, attention, keep_last_hop=joined)
+  chunks, joined, attention = plan.chunks, plan.keep_last_hop, plan.kernel
+  itemsize = prompt.itemsize
+  program = plan.compile(graphdef)
   state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
