@@ -54,7 +54,7 @@ from kvr_jax.tools import (
   jobs,
   kernel_timing,
   measured,
-  memory,
+  memory_grid,
   multiprocess_report,
   sweep,
   timeline,
@@ -248,7 +248,7 @@ def memory_mode():
         f"--num_devices={FLAGS.num_devices}: memory mode compiles for that many emulated "
         "devices; give at least 1 (default 8)"
       )
-    rows = memory.memory_grid(
+    rows = memory_grid.memory_grid(
       loading.config_of(FLAGS.model),
       FLAGS.strategy,
       [int(c) for c in FLAGS.context_lens],
@@ -259,7 +259,7 @@ def memory_mode():
       max_chunk=FLAGS.max_chunk,
       decode_tokens=FLAGS.decode_tokens,
     )
-  memory.print_memory_table(rows, FLAGS.model, FLAGS.cache)
+  memory_grid.print_memory_table(rows, FLAGS.model, FLAGS.cache)
   return 0
 
 

@@ -282,3 +282,54 @@ def test_the_cost_model_variants_plan_for_the_throttled_link():
   assert partition_of("auto") is plan and partition_of("kvr-search") is plan
   assert partition_of("kvr-per-rank-search") is plan and partition_of("kvr-even") == "even"
   assert partition_of("ring") is None
+
+
+def test_variants_are_records_whose_fields_make_the_prefill_arguments():
+  """Every variant name is one frozen record (kvr_jax.tools.variants); its prefill arguments
+  follow from its fields (strategy, split, body, kernel, cache), and a bad name or record is
+  refused by name before anything loads."""
+  import numpy as np
+
+  import kvr_jax
+  from kvr_jax.strategies import runahead
+  from kvr_jax.tools import jobs, variants
+
+  model, mesh = kvr_jax.load_model("tiny-llama"), kvr_jax.make_mesh(2)
+  tokens = np.zeros((1, 64), np.int32)
+  plan = kvr_jax.PartitionPlan("search")
+
+  def arguments(name):
+    return jobs._variant_arguments(name, model, tokens, mesh, 64, plan)[0]
+
+  assert arguments("single-dense") == {"strategy": "single", "mesh": None, "attention": "dense"}
+  assert arguments("kvr-one-body-even") == {
+    "strategy": runahead.ONE_BODY_STRATEGY,
+    "mesh": mesh,
+    "partition": "even",
+  }
+  assert arguments("kvr-per-rank-search:sharded") == {
+    "strategy": runahead.PER_RANK_STRATEGY,
+    "mesh": mesh,
+    "partition": plan,
+    "cache": "sharded",
+  }
+  assert arguments("allgather:sharded") == {
+    "strategy": "allgather",
+    "mesh": mesh,
+    "cache": "sharded",
+  }
+  record = variants.get_variant("kvr-search:sharded")
+  assert (record.strategy, record.split, record.cache) == ("kvr", "search", "sharded")
+  assert variants.get_variant(record) is record and len(set(variants.NAMES)) == 16
+  for bad, message in (
+    ("kvr-serch", "unknown variant 'kvr-serch'; expected some of"),
+    ("ring:last", "the only suffix is ':sharded'"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      variants.get_variant(bad)
+  with pytest.raises(ValueError, match="a program body .* is KV-Runahead's"):
+    variants.Variant("x", "ring", body="one")
+  with pytest.raises(ValueError, match="unknown strategy 'zigzag'"):
+    variants.Variant("x", "zigzag")
+  with pytest.raises(ValueError, match="unknown variant 'nope'"):
+    jobs.bench_job("no-such-model", [64], ["ring", "nope"])  # before the model loads

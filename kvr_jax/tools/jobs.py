@@ -27,6 +27,7 @@ from kvr_jax.strategies import runahead
 from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import fitted_hardware, measured_partition
 from kvr_jax.tools.timing import synthetic_prompt, time_interleaved
+from kvr_jax.tools.variants import NAMES, Variant, get_variant
 
 
 def check_job(
@@ -132,32 +133,7 @@ def _relative_error(logits, reference) -> float:
   return float(np.abs(np.asarray(logits) - reference).max() / np.abs(reference).max())
 
 
-BENCH_VARIANTS = (
-  "single",
-  "single-dense",
-  "single-blocked",
-  "tsp",
-  "ring",
-  "allgather",
-  "kvr-even",
-  "kvr-search",
-  "kvr-measured",
-  "kvr-fitted",
-  # KV-Runahead's per-rank switch program (runahead.PER_RANK_STRATEGY) on the same splits:
-  # what the one-body program replaced, timed beside it.
-  "kvr-per-rank-even",
-  "kvr-per-rank-search",
-  # Its one-body program (runahead.ONE_BODY_STRATEGY), the default only above
-  # runahead.PER_RANK_UP_TO ranks, on the same splits.
-  "kvr-one-body-even",
-  "kvr-one-body-search",
-  # strategy="auto": the cost model's pick (with this machine's `local` calibration, or with
-  # FLOP/s fitted to the model's phases here), timed beside what it picks from.
-  "auto",
-  "auto-fitted",
-)
-# A single-process variant's attention kernel (None: the strategy's default, flash).
-_SINGLE_KERNELS = {"single": None, "single-dense": "dense", "single-blocked": "blocked"}
+BENCH_VARIANTS = NAMES  # every variant's name (kvr_jax.tools.variants)
 
 
 def bench_job(
@@ -192,6 +168,7 @@ def bench_job(
   reported as search_s) and then times the partition it found; kvr-fitted is KVR-S from the
   cost model with phase rates fitted to this model here (`fitted_plan`; fitting in search_s).
   """
+  variants = [get_variant(v) for v in variants]  # names refused before anything loads
   model = load_model(model_name, dtype=dtype)
   mesh = make_mesh()
   rows = []
@@ -203,7 +180,7 @@ def bench_job(
     tokens = synthetic_prompt(model.config.vocab_size, C, 1, seed)
     arguments, searches = {}, {}
     for variant in variants:
-      arguments[variant], searches[variant] = _variant_arguments(
+      arguments[variant.name], searches[variant.name] = _variant_arguments(
         variant, model, tokens, mesh, measured_multiple, search
       )
     # Interleaved: every variant compiled, then `repeats` rounds of one call each (ABCABC).
@@ -260,54 +237,30 @@ def _links_at(link_rate: str):
 
 
 def _variant_arguments(
-  variant: str, model, tokens, mesh, measured_multiple: int, search: PartitionPlan
+  variant: str | Variant, model, tokens, mesh, measured_multiple: int, search: PartitionPlan
 ):
-  """(prefill keyword arguments, seconds spent choosing its split) of one bench variant.
-  search: the modelled plan of the cost-model variants (kvr-*-search and auto)."""
-  base, sharded, rest = variant.partition(":")
-  if sharded:
-    if rest != "sharded":
-      raise ValueError(f"variant {variant!r}: the only suffix is ':sharded'")
-    kwargs, search_s = _variant_arguments(base, model, tokens, mesh, measured_multiple, search)
-    return {**kwargs, "cache": "sharded"}, search_s
-  if variant in _SINGLE_KERNELS:
-    if jax.process_count() > 1:
-      raise ValueError(f"variant {variant!r} runs in a one-process launch")
-    return prefill_arguments("single", attention=_SINGLE_KERNELS[variant]), 0.0
-  if variant == "auto":
-    return prefill_arguments(variant, mesh=mesh, partition=search), 0.0
-  if variant in ("tsp", "ring", "allgather"):
-    return prefill_arguments(variant, mesh=mesh), 0.0
-  if variant == "auto-fitted":
-    start = time.perf_counter()
-    plan = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
-    return prefill_arguments("auto", mesh=mesh, partition=plan), time.perf_counter() - start
-  for prefix, body in (
-    ("kvr-per-rank-", runahead.PER_RANK_STRATEGY),
-    ("kvr-one-body-", runahead.ONE_BODY_STRATEGY),
-  ):
-    if variant in (prefix + "even", prefix + "search"):
-      kwargs = prefill_arguments("kvr", mesh=mesh, partition=_kvr_plan(variant, prefix, search))
-      return {**kwargs, "strategy": body}, 0.0
-  if variant not in ("kvr-even", "kvr-search", "kvr-measured", "kvr-fitted"):
-    raise ValueError(f"unknown variant {variant!r}; expected some of {BENCH_VARIANTS}")
-  kwargs = prefill_arguments("kvr", mesh=mesh, partition=_kvr_plan(variant, "kvr-", search))
+  """(prefill keyword arguments, seconds spent choosing its split) of one bench variant (a
+  `Variant` or its name). search: the modelled plan of the "search" splits (kvr and auto)."""
+  variant = get_variant(variant)
+  if variant.one_process and jax.process_count() > 1:
+    raise ValueError(f"variant {variant.name!r} runs in a one-process launch")
   start = time.perf_counter()
-  if variant == "kvr-measured":  # search once, timed apart from TTFT
+  partition = {"search": search, "even": "even", None: None}.get(variant.split)
+  if variant.split == "measured":  # search once, timed apart from TTFT
     plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)
-    kwargs["partition"] = list(measured_partition(model, tokens, mesh, plan))
-  elif variant == "kvr-fitted":  # the cost model with this model's measured phase rates
-    kwargs["partition"] = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
-  else:
-    return kwargs, 0.0
-  return kwargs, time.perf_counter() - start
-
-
-def _kvr_plan(variant: str, prefix: str, search: PartitionPlan):
-  """A kvr variant's partition: the modelled plan for "<prefix>search", else the method its
-  name ends with ("even", "measured", "fitted": resolved by the caller)."""
-  method = variant[len(prefix) :]
-  return search if method == "search" else method
+    partition = list(measured_partition(model, tokens, mesh, plan))
+  elif variant.split == "fitted":  # the cost model with this model's measured phase rates
+    partition = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
+  search_s = time.perf_counter() - start if variant.split in ("measured", "fitted") else 0.0
+  where = {} if variant.one_process else {"mesh": mesh}
+  kwargs = prefill_arguments(
+    variant.strategy, **where, partition=partition, attention=variant.attention
+  )
+  if variant.body is not None:  # one of KV-Runahead's program bodies, outside the registry
+    kwargs["strategy"] = runahead.with_body(variant.body)
+  if variant.cache is not None:
+    kwargs["cache"] = variant.cache
+  return kwargs, search_s
 
 
 def fitted_plan(model, context_len: int, num_ranks: int) -> PartitionPlan:

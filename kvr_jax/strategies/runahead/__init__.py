@@ -144,6 +144,7 @@ __all__ = [
   "split_as_data_strategy",
   "varying_axes",
   "whole_prefix_hops",
+  "with_body",
 ]
 
 
@@ -212,6 +213,16 @@ ONE_BODY_STRATEGY = dataclasses.replace(
   description="KV-Runahead's one-body program (lengths as data) on every rank count",
   compile=strategy_compiler("kvr", kvr_body, "flash", body="one"),
 )
+
+
+def with_body(body: str | None) -> Strategy:
+  """KV-Runahead with its program body fixed (`BODIES`: "one" on every rank count, or
+  "per-rank" with every kernel), or its default choice (None: `check_body`)."""
+  if body is None:
+    return STRATEGY
+  if body not in BODIES:
+    raise ValueError(f"unknown KV-Runahead body {body!r}; expected one of {BODIES}")
+  return ONE_BODY_STRATEGY if body == "one" else PER_RANK_STRATEGY
 
 
 SPLIT_AS_DATA = "kvr-split-as-data"
