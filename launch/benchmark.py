@@ -31,11 +31,9 @@ accelerator, bucket_stream, multiprocess_report, timeline, memory), kvr_jax.tool
 kvr_jax.runtime.distributed.
 """
 
-import contextlib
 import dataclasses
 import json
 import os
-import resource
 import sys
 
 import jax
@@ -45,13 +43,12 @@ from absl import app, flags, logging
 import kvr_jax
 from kvr_jax.core.chunks import check_chunks
 from kvr_jax.inference import buckets as buckets_lib
-from kvr_jax.runtime import distributed, faults, links, loading
+from kvr_jax.runtime import distributed, loading
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools import (
   accelerator,
   bucket_stream,
-  jobs,
   kernel_timing,
   measured,
   memory_grid,
@@ -154,12 +151,6 @@ flags.DEFINE_list(
   "Multiprocess mode: loopback rates to run the processes over, e.g. unthrottled,2gbit,500mbit "
   "(tc tbf on lo, as root; restored after each, also on failure or interrupt).",
 )
-flags.DEFINE_string(
-  "link_rate",
-  UNTHROTTLED,
-  "Multiprocess mode's workers (set by the launcher): the rate their loopback runs at; the "
-  "cost-model variants (kvr-*-search, auto) plan for it.",
-)
 flags.DEFINE_list("ranks", ["2", "4", "8"], "Accelerator mode: modelled device counts.")
 flags.DEFINE_list(
   "stream_lengths", ["1000", "4096"], "Buckets mode: the range [lo, hi] of prompt lengths."
@@ -172,11 +163,6 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list(
   "links", ["300GBps", "10GBps"], "Accelerator mode: link presets of the modelled devices."
-)
-flags.DEFINE_integer("process_id", None, "Worker: this process's id.")
-flags.DEFINE_string("coordinator_address", None, "Worker: coordinator host:port.")
-flags.DEFINE_list(
-  "local_device_ids", None, "Worker: this process's GPUs (set by the launcher on GPUs)."
 )
 
 
@@ -206,17 +192,7 @@ def kernels_mode():
     rows = kernel_timing.time_attention_kernels(
       [int(c) for c in FLAGS.context_lens], FLAGS.kernels, blocks, repeats=FLAGS.repeats
     )
-  print(
-    f"MEASURED causal attention alone, 1 device, {FLAGS.threads or os.cpu_count()} thread(s), "
-    "4 heads x 64, float32, median of warm runs:"
-  )
-  print(f"{'kernel':<8}{'blocks':>10}{'C':>7}  {'time':>9}  {'compile':>8}")
-  for r in rows:
-    blocks = "-" if r.query_block is None else f"{r.query_block}x{r.key_block}"
-    print(
-      f"{r.kernel:<8}{blocks:>10}{r.context_len:>7}  {r.seconds * 1e3:>7.1f}ms  "
-      f"{r.compile_s:>7.2f}s"
-    )
+  kernel_timing.kernel_table(rows, FLAGS.threads or os.cpu_count()).print()
   return 0
 
 
@@ -224,18 +200,9 @@ def long_mode():
   """Single-device prefill of long prompts: time, compile time and the process's peak RSS."""
   with common.user_errors():
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
-    rows = []
-    for C in [int(c) for c in FLAGS.context_lens]:
-      for kernel in FLAGS.kernels:
-        tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, C)
-        timing = timing_lib.time_prefill(model, tokens, FLAGS.repeats, attention=kernel)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        rows.append((kernel, C, timing.median_s, timing.first_s - timing.median_s, rss))
-        del timing
-  print(f"MEASURED single-device prefill, {FLAGS.model}, float32:")
-  print(f"{'kernel':<8}{'C':>7}  {'TTFT':>9}  {'compile':>8}  peak RSS of the process so far")
-  for kernel, C, seconds, compile_s, rss in rows:
-    print(f"{kernel:<8}{C:>7}  {seconds:>8.3f}s  {compile_s:>7.2f}s  {rss:.2f} GiB")
+    lens = [int(c) for c in FLAGS.context_lens]
+    table = timing_lib.long_prefill_table(model, FLAGS.model, lens, FLAGS.kernels, FLAGS.repeats)
+  table.print()
   return 0
 
 
@@ -269,22 +236,11 @@ def phases_mode():
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     if not FLAGS.partitions:
       raise ValueError("--mode=phases needs --partitions, e.g. --partitions=2048/2048,2588/1508")
-    print(
-      f"MEASURED per-rank compute of KV-Runahead, {FLAGS.model}, all layers, one device with "
-      f"{FLAGS.threads or os.cpu_count()} thread(s); communication not included:"
+    threads = FLAGS.threads or os.cpu_count()
+    table = measured.phase_table(
+      model, FLAGS.model, FLAGS.partitions, FLAGS.kernels, FLAGS.repeats, threads
     )
-    print(
-      f"{'partition':<16}{'kernel':<8}{'rank':>5}{'c_i':>7}{'S_i':>7}  {'qkv':>8}"
-      f"{'attention':>11}{'rest':>8}{'total':>9}"
-    )
-    for text in FLAGS.partitions:
-      chunks = tuple(int(x) for x in text.split("/"))  # checked in check_shared_flags
-      for kernel in FLAGS.kernels:  # every kernel asked for, each row naming its own
-        for r in measured.rank_phase_times(model, chunks, kernel, repeats=FLAGS.repeats):
-          print(
-            f"{text:<16}{kernel:<8}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s"
-            f"{r.attention_s:>10.3f}s{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
-          )
+  table.print()
   return 0
 
 
@@ -311,16 +267,7 @@ def devices_mode():
     if emulated
     else "devices present"
   )
-  print(note)
-  if not sweep.reports_device_memory(jax.devices()):
-    print("peak memory: the backend reports no per-device memory; the process peak RSS instead")
-  print(f"{'strategy':<10}{'C':>7}{'ranks':>8}  {'TTFT':>10}  {'tokens/s':>10}  peak memory")
-  for r in rows:
-    ranks = f"{r.num_ranks}" if r.model_parallel == 1 else f"{r.num_ranks}x{r.model_parallel}"
-    print(
-      f"{r.strategy:<10}{r.context_len:>7}{ranks:>8}  {r.ttft_median_s * 1e3:>8.1f}ms"
-      f"  {r.prompt_tokens_per_s:>10.0f}  {r.peak_memory}"
-    )
+  sweep.sweep_table(rows, note, sweep.reports_device_memory(jax.devices())).print()
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   written = [os.path.join(FLAGS.output_dir, name) for name in ("devices.csv", "devices.png")]
   sweep.write_csv(rows, written[0], note)
@@ -334,57 +281,10 @@ def devices_mode():
         repeats=FLAGS.repeats,
         threads=FLAGS.threads,
       )
-    print(
-      "\nsingle-device prefill vs Hugging Face transformers (PyTorch CPU, same weights, "
-      "tokens and thread count), MEASURED:"
-    )
-    print(f"{'C':>7} {'threads':>7} {'kernel':>8} {'ours':>11} {'transformers':>13} {'ours/HF':>8}")
-    for c in comparison:
-      print(
-        f"{c.context_len:>7} {c.threads:>7} {c.kernel:>8} {c.ours_tokens_per_s:>9.0f}/s "
-        f"{c.transformers_tokens_per_s:>11.0f}/s {c.ratio:>7.2f}x"
-      )
+    transformers_baseline.comparison_table(comparison).print()
     written.append(os.path.join(FLAGS.output_dir, "vs_transformers.csv"))
     sweep.write_csv(comparison, written[-1], "MEASURED prefill tokens/s")
   print(f"wrote {', '.join(written)}")
-
-
-def worker():
-  distributed.initialize(
-    FLAGS.coordinator_address,
-    FLAGS.num_processes,
-    FLAGS.process_id,
-    local_device_ids=FLAGS.local_device_ids,
-  )
-  with faults.worker_failures():
-    worker_job()
-
-
-def worker_job():
-  if FLAGS.mode == "timeline":  # every process reports its own ranks' records
-    distributed.owner_output(
-      jobs.timeline_job(
-        FLAGS.model,
-        int(FLAGS.context_lens[0]),
-        FLAGS.timeline_strategies,
-        partition=common.parse_partition(FLAGS.partition, extra=FITTED),
-        repeats=FLAGS.repeats,
-        dtype=FLAGS.dtype,
-      )
-    )
-    return
-  result = jobs.bench_job(
-    FLAGS.model,
-    [int(c) for c in FLAGS.context_lens],
-    FLAGS.variants,
-    repeats=FLAGS.repeats,
-    measured_multiple=FLAGS.measured_multiple,
-    dtype=FLAGS.dtype,
-    decode_tokens=FLAGS.decode_tokens,
-    link_rate=FLAGS.link_rate,
-  )
-  if result is not None:
-    distributed.owner_output(result)
 
 
 def timeline_mode():
@@ -402,38 +302,23 @@ def timeline_mode():
     common.output_file_in(FLAGS.output_dir, f"timeline_{C}.json")
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     print(f"{FLAGS.num_processes} processes, one core each: timelines at C={C} ...", flush=True)
+    worker_flags = [
+      "--mode=timeline",
+      f"--model={FLAGS.model}",
+      f"--context_lens={C}",
+      f"--repeats={FLAGS.repeats}",
+      f"--dtype={FLAGS.dtype}",
+      f"--partition={FLAGS.partition}",
+      f"--timeline_strategies={','.join(FLAGS.timeline_strategies)}",
+    ]
     try:
-      outcomes = distributed.launch_local(
-        "launch.benchmark",
-        [
-          "--mode=timeline",
-          f"--model={FLAGS.model}",
-          f"--context_lens={C}",
-          f"--repeats={FLAGS.repeats}",
-          f"--dtype={FLAGS.dtype}",
-          f"--partition={FLAGS.partition}",
-          f"--timeline_strategies={','.join(FLAGS.timeline_strategies)}",
-        ],
-        FLAGS.num_processes,
-        pin_cores=True,
-        timeout=3600,
-      )
+      reports = timeline.run_timelines("launch.bench_worker", worker_flags, FLAGS.num_processes)
     except RuntimeError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
-    reports = [r for o in outcomes for r in o.results()]
     setup = timeline.modelled_setup(reports, model.dtype)
-  print(
-    f"\nMEASURED timelines, {FLAGS.model}, C={C}, {FLAGS.num_processes} processes x 1 core "
-    "(probes at every phase boundary; the cache stays sharded, its move is not in the span)"
-  )
-  print(
-    f"{'strategy':<10}{'TTFT':>9}{'probed':>9}{'span':>9}  per rank: qkv / hops+waits / "
-    "attention / rest (ms, all layers)"
-  )
   report = timeline.timeline_report(reports, FLAGS.timeline_strategies, model.config, C, setup)
-  for item in report:
-    print(item["line"])
+  timeline.timeline_table(report, FLAGS.model, C, FLAGS.num_processes).print()
   title = f"{FLAGS.model}, C={C}, {FLAGS.num_processes} processes"
   written = timeline.write_timeline_report(report, setup, FLAGS.output_dir, title, f"timeline_{C}")
   print(f"wrote {', '.join(written)}")
@@ -452,48 +337,19 @@ def multiprocess_mode():
   with common.user_errors():
     if FLAGS.num_processes < 2:
       raise ValueError("--num_processes must be >= 2 in multiprocess mode")
-    throttled = [rate for rate in FLAGS.link_rates if rate != UNTHROTTLED]
-    for rate in throttled:  # every rate checked, and tc tried, before anything runs
-      links.rate_bits(rate)
-    if throttled:
-      links.check_can_throttle()
     try:
-      print("one process, one core (single-threaded XLA): single ...", flush=True)
-      single = distributed.launch_local(
-        "launch.benchmark",
-        common_flags + [f"--variants={','.join(FLAGS.single_variants)}", "--num_processes=1"],
-        1,
-        pin_cores=True,
-        timeout=3600,
+      rows = multiprocess_report.run_over_links(
+        "launch.bench_worker",
+        common_flags,
+        FLAGS.variants,
+        FLAGS.single_variants,
+        FLAGS.num_processes,
+        FLAGS.link_rates,
       )
-      multi_rows = []
-      for rate in FLAGS.link_rates:
-        print(
-          f"{FLAGS.num_processes} processes, one core each, link {rate}: "
-          f"{','.join(FLAGS.variants)} ...",
-          flush=True,
-        )
-        throttle = links.throttled_loopback(rate) if rate != UNTHROTTLED else None
-        with throttle or contextlib.nullcontext():
-          multi = distributed.launch_local(
-            "launch.benchmark",
-            common_flags
-            + [
-              f"--variants={','.join(FLAGS.variants)}",
-              f"--num_processes={FLAGS.num_processes}",
-              f"--link_rate={rate}",
-            ],
-            FLAGS.num_processes,
-            pin_cores=True,
-            timeout=3600,
-          )
-        multi_rows += multiprocess_report.process_rows(multi, rate)
     except RuntimeError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
-  table = multiprocess_report.multiprocess_table(
-    multiprocess_report.process_rows(single, "-") + multi_rows
-  )
+  table = multiprocess_report.multiprocess_table(rows)
   multiprocess_report.print_table(table, FLAGS.model, FLAGS.num_processes)
   written = multiprocess_report.write_files(
     table, FLAGS.output_dir, FLAGS.model, FLAGS.num_processes
@@ -533,24 +389,11 @@ def buckets_mode():
     rows = bucket_stream.bucket_stream(
       model, lengths, strategies, ladders=ladders, num_devices=FLAGS.num_devices, repeats=repeats
     )
-  print(
+  title = (
     f"\nMEASURED, {FLAGS.model}, {jax.device_count()} {'emulated ' if emulated else ''}devices, "
     f"{count} prompts of random lengths in [{low}, {high}] (seed 0), each new to the process:"
   )
-  print("stream: every prompt's first call, compiles included (end to end, logits on the host);")
-  print("warm: median over prompts of the warm TTFT with the ladder / with exact shapes")
-  print("(--repeats rounds over the prompts after each stream; compiled programs dropped between).")
-  print(
-    f"{'strategy':<10}{'shapes':<10}{'programs':>9}{'stream':>9}{'speed-up':>9}"
-    f"{'warm vs exact':>14}{'padding':>8}"
-  )
-  exact = {r.strategy: r for r in rows if r.ladder == "exact"}
-  for r in rows:
-    print(
-      f"{r.strategy:<10}{r.ladder:<10}{r.programs_traced:>9}{r.stream_s:>8.1f}s"
-      f"{exact[r.strategy].stream_s / r.stream_s:>8.2f}x{r.warm_ratio:>13.2f}x"
-      f"{r.padding_fraction:>8.1%}"
-    )
+  bucket_stream.bucket_table(rows, title).print()
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   path = os.path.join(FLAGS.output_dir, "buckets.json")
   with open(path, "w") as f:
@@ -621,15 +464,11 @@ def check_shared_flags():
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  if FLAGS.process_id is None:
-    with common.user_errors():
-      check_shared_flags()
+  with common.user_errors():
+    check_shared_flags()
   if FLAGS.mode == "accelerator":
     # PyTorch shares the device: JAX takes memory as it needs it instead of 75% up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  if FLAGS.process_id is not None:
-    worker()
-    return 0
   if FLAGS.mode not in ("multiprocess", "timeline"):
     with common.user_errors():
       set_threads()  # before XLA's backend starts

@@ -14,7 +14,8 @@ import time
 
 from absl import app, flags
 
-from kvr_jax.tools import paper, tp_grid
+from kvr_jax.tools import paper
+from kvr_jax.tools import tp_grid as tp_lib
 from launch import common
 
 FLAGS = flags.FLAGS
@@ -26,7 +27,7 @@ flags.DEFINE_list(
   "windowed layers on 8 GPUs.",
 )
 flags.DEFINE_list(
-  "tp_context_lens", [str(c) for c in tp_grid.TP_CONTEXT_LENS], "Prompt lengths of the tp grid."
+  "tp_context_lens", [str(c) for c in tp_lib.TP_CONTEXT_LENS], "Prompt lengths of the tp grid."
 )
 
 
@@ -39,7 +40,7 @@ def main(argv):
     if unknown or not FLAGS.grids:
       raise ValueError(f"--grids takes paper, tp and/or gemma, got {FLAGS.grids}")
     tp_lens = common.positive_ints(FLAGS.tp_context_lens, "--tp_context_lens")
-    tp_grid.check_tp_context_lens(tp_lens)
+    tp_lib.check_tp_context_lens(tp_lens)
   ok = True
   if "paper" in FLAGS.grids:
     ok = paper_grid()
@@ -86,11 +87,11 @@ def paper_grid() -> bool:
 def tp_grid(context_lens) -> None:
   print()
   print(
-    f"KV-Runahead x tensor parallelism, MODELLED: {tp_grid.TP_MODEL}, bf16, {tp_grid.TP_HARDWARE} "
-    f"({tp_grid.TP_DEVICES_PER_NODE} per node, {tp_grid.TP_INSIDE / 1e9:.0f} GB/s per GPU inside a "
+    f"KV-Runahead x tensor parallelism, MODELLED: {tp_lib.TP_MODEL}, bf16, {tp_lib.TP_HARDWARE} "
+    f"({tp_lib.TP_DEVICES_PER_NODE} per node, {tp_lib.TP_INSIDE / 1e9:.0f} GB/s per GPU inside a "
     "node), flash kernels, batch 1. p x m: p ranks (model groups) of m GPUs; TP-only is 1 x "
     "all. GB/GPU: weights and the whole prompt's cache on one GPU of the last rank; '!' does "
-    f"not fit ({tp_grid.TP_FITS_SHARE:.0%} of 80 GB)."
+    f"not fit ({tp_lib.TP_FITS_SHARE:.0%} of 80 GB)."
   )
   print(
     f"{'GPUs':>4} {'between':>8}{'C':>7} {'p x m':>6}{'TP-only':>10}{'KVR-S':>10}{'ring':>10}"
@@ -98,30 +99,30 @@ def tp_grid(context_lens) -> None:
   )
 
   def show(c):
-    between = f"{c.between / 1e9:.0f}GB/s" if c.gpus > tp_grid.TP_DEVICES_PER_NODE else "1 node"
-    times = [c.ttft_s.get(s) for s in ("tp", "kvr") + tp_grid.PEERS]
+    between = f"{c.between / 1e9:.0f}GB/s" if c.gpus > tp_lib.TP_DEVICES_PER_NODE else "1 node"
+    times = [c.ttft_s.get(s) for s in ("tp", "kvr") + tp_lib.PEERS]
     cols = "".join(f"{'-':>10}" if t is None else f"{t * 1e3:>8.0f}ms" for t in times)
     print(
       f"{c.gpus:>4} {between:>8}{c.context_len:>7} {c.num_ranks:>2}x{c.model_parallel:<3}{cols}"
       f"{c.device_memory_bytes / 1e9:>7.1f}{'' if c.fits else '!'}"
     )
 
-  cells = tp_grid.tp_grid(context_lens=context_lens, progress=show)
+  cells = tp_lib.tp_grid(context_lens=context_lens, progress=show)
   print()
   print("Best factorization of each strategy that fits (MODELLED):")
   groups = {}
   for c in cells:
     groups.setdefault((c.gpus, c.between, c.context_len), []).append(c)
   for (n, between, C), group in groups.items():
-    best = tp_grid.best_by_strategy(group)
+    best = tp_lib.best_by_strategy(group)
 
     def describe(strategy, best=best):
       c = best[strategy]
       return f"{c.ttft_s[strategy] * 1e3:.0f}ms ({c.num_ranks}x{c.model_parallel})"
 
     kvr, tp = best["kvr"].ttft_s["kvr"], best["tp"].ttft_s["tp"]
-    peer = min(best[s].ttft_s[s] for s in tp_grid.PEERS)
-    where = f"{between / 1e9:.0f}GB/s" if n > tp_grid.TP_DEVICES_PER_NODE else "1 node"
+    peer = min(best[s].ttft_s[s] for s in tp_lib.PEERS)
+    where = f"{between / 1e9:.0f}GB/s" if n > tp_lib.TP_DEVICES_PER_NODE else "1 node"
     print(
       f"  {n} GPUs {where} C={C}: TP-only {describe('tp')}, KVR-S {describe('kvr')}, ring "
       f"{describe('ring')}, all-gather CP {describe('allgather')}: KVR-S {tp / kvr:.2f}x "
@@ -129,17 +130,17 @@ def tp_grid(context_lens) -> None:
     )
   target = groups.get((16, 50e9, 32768))
   if target:
-    best = tp_grid.best_by_strategy(target)
+    best = tp_lib.best_by_strategy(target)
     kvr = best["kvr"].ttft_s["kvr"]
     met = best["tp"].ttft_s["tp"] / kvr >= 1.3 and all(
-      best[s].ttft_s[s] > kvr for s in tp_grid.PEERS
+      best[s].ttft_s[s] > kvr for s in tp_lib.PEERS
     )
     print(
       "Target (16 GPUs, 50 GB/s between nodes, 32k: best TP x KVR >= 1.3x TP-only and faster "
       f"than TP x ring and TP x all-gather): {'met' if met else 'NOT met'} (modelled)"
     )
   csv_path = os.path.join(FLAGS.output_dir, "tp_grid.csv")
-  tp_grid.write_tp_csv(cells, csv_path)
+  tp_lib.write_tp_csv(cells, csv_path)
   print(f"wrote {csv_path}")
 
 

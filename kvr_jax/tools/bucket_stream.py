@@ -18,6 +18,7 @@ from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.strategies import TRACE_COUNT
+from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt
 
 
@@ -100,3 +101,27 @@ def bucket_stream(
         )
       )
   return rows
+
+
+def bucket_table(rows: list[BucketStreamRow], title: str) -> Table:
+  """The stream against each ladder as launch.benchmark --mode=buckets prints it."""
+  exact = {r.strategy: r for r in rows if r.ladder == "exact"}
+  return Table(
+    title=(
+      title,
+      "stream: every prompt's first call, compiles included (end to end, logits on the host);",
+      "warm: median over prompts of the warm TTFT with the ladder / with exact shapes",
+      "(--repeats rounds over the prompts after each stream; compiled programs dropped between).",
+    ),
+    header=(
+      f"{'strategy':<10}{'shapes':<10}{'programs':>9}{'stream':>9}{'speed-up':>9}"
+      f"{'warm vs exact':>14}{'padding':>8}"
+    ),
+    lines=tuple(
+      f"{r.strategy:<10}{r.ladder:<10}{r.programs_traced:>9}{r.stream_s:>8.1f}s"
+      f"{exact[r.strategy].stream_s / r.stream_s:>8.2f}x{r.warm_ratio:>13.2f}x"
+      f"{r.padding_fraction:>8.1%}"
+      for r in rows
+    ),
+    records=tuple(dataclasses.asdict(r) for r in rows),
+  )

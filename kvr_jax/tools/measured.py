@@ -36,6 +36,7 @@ from kvr_jax.planning.search import Compare, descend_by_comparison
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import check_mesh
 from kvr_jax.strategies import get_strategy, runahead
+from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import interval_verdict, time_interleaved
 from models.attention import attend_static
 from models.kernels import get_kernel, kernels_where
@@ -476,4 +477,31 @@ def fitted_hardware(
     f"fitted to {cfg.num_layers}-layer phases at C={context_len}: linear "
     f"{linear_rate / 1e9:.1f} GFLOP/s, attention {attention_rate / 1e9:.1f} GFLOP/s",
     fused_attention_fraction=attention_rate / linear_rate,
+  )
+
+
+def phase_table(model: Model, model_name: str, partitions, kernels, repeats: int, threads: int):
+  """Each rank's compute phases of KV-Runahead for each partition ("2048/2048") and kernel, on
+  one device (launch.benchmark --mode=phases); communication not included."""
+  lines, records = [], []
+  for text in partitions:
+    chunks = tuple(int(x) for x in text.split("/"))
+    for kernel in kernels:  # every kernel asked for, each row naming its own
+      for r in rank_phase_times(model, chunks, kernel, repeats=repeats):
+        lines.append(
+          f"{text:<16}{kernel:<8}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s"
+          f"{r.attention_s:>10.3f}s{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
+        )
+        records.append(dict(partition=text, kernel=kernel, **dataclasses.asdict(r)))
+  return Table(
+    title=(
+      f"MEASURED per-rank compute of KV-Runahead, {model_name}, all layers, one device with "
+      f"{threads} thread(s); communication not included:",
+    ),
+    header=(
+      f"{'partition':<16}{'kernel':<8}{'rank':>5}{'c_i':>7}{'S_i':>7}  {'qkv':>8}"
+      f"{'attention':>11}{'rest':>8}{'total':>9}"
+    ),
+    lines=tuple(lines),
+    records=tuple(records),
   )

@@ -5,9 +5,11 @@ Every figure is MEASURED (processes pinned to cores, single-threaded XLA)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
+from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.tools import sweep
 from kvr_jax.tools.timing import interval_verdict
@@ -142,3 +144,54 @@ def write_files(table: list[dict], output_dir: str, model: str, num_processes: i
   title = f"{model}: MEASURED, {num_processes} pinned processes"
   sweep.plot_sweep(rows_for_plot, written[2], title)
   return written
+
+
+def run_over_links(
+  worker: str,
+  worker_flags: list[str],
+  variants,
+  single_variants,
+  num_processes: int,
+  link_rates,
+  timeout: float = 3600,
+) -> list[dict]:
+  """The multiprocess benchmark's runs, each process pinned to its own core: the one-process
+  baselines, then `variants` over `num_processes` processes at each of `link_rates` (the
+  loopback throttled for each, restored after). Every rate is checked, and tc tried, before
+  anything runs. worker: the module the processes run (`launch.benchmark`), with
+  `worker_flags`. Returns `process_rows` of every run, for `multiprocess_table`."""
+  throttled = [rate for rate in link_rates if rate != UNTHROTTLED]
+  for rate in throttled:
+    links.rate_bits(rate)
+  if throttled:
+    links.check_can_throttle()
+  print("one process, one core (single-threaded XLA): single ...", flush=True)
+  single = distributed.launch_local(
+    worker,
+    worker_flags + [f"--variants={','.join(single_variants)}", "--num_processes=1"],
+    1,
+    pin_cores=True,
+    timeout=timeout,
+  )
+  rows = process_rows(single, "-")
+  for rate in link_rates:
+    print(
+      f"{num_processes} processes, one core each, link {rate}: {','.join(variants)} ...",
+      flush=True,
+    )
+    throttle = links.throttled_loopback(rate) if rate != UNTHROTTLED else None
+    with throttle or contextlib.nullcontext():
+      multi = distributed.launch_local(
+        worker,
+        worker_flags
+        + [
+          f"--variants={','.join(variants)}",
+          f"--num_processes={num_processes}",
+          f"--link_rate={rate}",
+        ],
+        num_processes,
+        pin_cores=True,
+        timeout=timeout,
+      )
+    rows += process_rows(multi, rate)
+  return rows

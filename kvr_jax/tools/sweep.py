@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, mesh_of_ranks
+from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
 
@@ -120,3 +121,25 @@ def plot_sweep(rows: list[SweepRow], path: str, title: str) -> None:
 
 
 # --- against Hugging Face transformers ---------------------------------------------------------
+
+
+def sweep_table(rows: list[SweepRow], note: str, device_memory_reported: bool) -> Table:
+  """The sweep as launch.benchmark --mode=devices prints it."""
+  title = [note]
+  if not device_memory_reported:
+    title.append(
+      "peak memory: the backend reports no per-device memory; the process peak RSS instead"
+    )
+  lines = []
+  for r in rows:
+    ranks = f"{r.num_ranks}" if r.model_parallel == 1 else f"{r.num_ranks}x{r.model_parallel}"
+    lines.append(
+      f"{r.strategy:<10}{r.context_len:>7}{ranks:>8}  {r.ttft_median_s * 1e3:>8.1f}ms"
+      f"  {r.prompt_tokens_per_s:>10.0f}  {r.peak_memory}"
+    )
+  return Table(
+    title=tuple(title),
+    header=f"{'strategy':<10}{'C':>7}{'ranks':>8}  {'TTFT':>10}  {'tokens/s':>10}  peak memory",
+    lines=tuple(lines),
+    records=tuple(dataclasses.asdict(r) for r in rows),
+  )

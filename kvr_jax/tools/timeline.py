@@ -20,8 +20,10 @@ import jax
 
 from kvr_jax.inference.prefill import plan_prefill, prefill_arguments, run_prefill
 from kvr_jax.planning import costmodel, presets
+from kvr_jax.runtime import distributed
 from kvr_jax.runtime.loading import Model
 from kvr_jax.strategies import probe
+from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import time_prefill
 
 # Phases drawn in a fixed colour each; hops and ring steps share one.
@@ -229,3 +231,28 @@ def write_timeline_report(report: list, setup, output_dir: str, title: str, stem
     panels.append((name, item["modelled"]))
   plot(panels, written[1], title)
   return written
+
+
+def run_timelines(worker: str, worker_flags: list[str], num_processes: int) -> list[dict]:
+  """Every process's probed runs (`timeline_job`), each process pinned to its own core;
+  worker: the module the processes run (`launch.benchmark --mode=timeline`)."""
+  outcomes = distributed.launch_local(
+    worker, worker_flags, num_processes, pin_cores=True, timeout=3600
+  )
+  return [r for o in outcomes for r in o.results()]
+
+
+def timeline_table(report: list, model_name: str, context_len: int, num_processes: int):
+  """`timeline_report`'s lines as launch.benchmark --mode=timeline prints them."""
+  return Table(
+    title=(
+      f"\nMEASURED timelines, {model_name}, C={context_len}, {num_processes} processes x 1 "
+      "core (probes at every phase boundary; the cache stays sharded, its move is not in the "
+      "span)",
+    ),
+    header=(
+      f"{'strategy':<10}{'TTFT':>9}{'probed':>9}{'span':>9}  per rank: qkv / hops+waits / "
+      "attention / rest (ms, all layers)"
+    ),
+    lines=tuple(item["line"] for item in report),
+  )

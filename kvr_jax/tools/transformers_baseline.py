@@ -14,6 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvr_jax.runtime.loading import load_hf_model
+from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 
 
@@ -152,3 +153,22 @@ def time_transformers(hf_model, tokens, repeats: int, torch_device: str):
       run()
       times.append(time.perf_counter() - start)
   return statistics.median(times), logits
+
+
+def comparison_table(comparison: list[HFComparison]) -> Table:
+  """Ours against transformers as launch.benchmark --mode=devices prints it."""
+  return Table(
+    title=(
+      "\nsingle-device prefill vs Hugging Face transformers (PyTorch CPU, same weights, "
+      "tokens and thread count), MEASURED:",
+    ),
+    header=(
+      f"{'C':>7} {'threads':>7} {'kernel':>8} {'ours':>11} {'transformers':>13} {'ours/HF':>8}"
+    ),
+    lines=tuple(
+      f"{c.context_len:>7} {c.threads:>7} {c.kernel:>8} {c.ours_tokens_per_s:>9.0f}/s "
+      f"{c.transformers_tokens_per_s:>11.0f}/s {c.ratio:>7.2f}x"
+      for c in comparison
+    ),
+    records=tuple(dataclasses.asdict(c) for c in comparison),
+  )
