@@ -333,3 +333,31 @@ def test_variants_are_records_whose_fields_make_the_prefill_arguments():
     variants.Variant("x", "zigzag")
   with pytest.raises(ValueError, match="unknown variant 'nope'"):
     jobs.bench_job("no-such-model", [64], ["ring", "nope"])  # before the model loads
+
+
+def test_a_report_table_prints_what_it_writes(tmp_path, capsys):
+  """The one report type: its printed text is title, header, rows, notes in that order, and
+  its CSV and JSON hold the same rows as values (the title as comments in the CSV)."""
+  from kvr_jax.tools.report import Table
+
+  table = Table(
+    title=("MEASURED something",),
+    header="a   b",
+    lines=("1   x", "2   y"),
+    records=({"a": 1, "b": "x"}, {"a": 2, "b": "y"}),
+    notes=("a note",),
+  )
+  table.print()
+  assert capsys.readouterr().out == "MEASURED something\na   b\n1   x\n2   y\na note\n"
+  table.write_csv(tmp_path / "t.csv")
+  assert (tmp_path / "t.csv").read_text().splitlines() == [
+    "# MEASURED something",
+    "a,b",
+    "1,x",
+    "2,y",
+  ]
+  table.write_json(tmp_path / "t.json")
+  assert json.loads((tmp_path / "t.json").read_text()) == {
+    "title": ["MEASURED something"],
+    "rows": [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}],
+  }

@@ -927,6 +927,8 @@ def test_auto_picks_what_the_model_predicts(model, links, context_len, ranks, wa
 
   setup = presets.make_setup("a100-80gb", links, dtype_bytes=2, **costmodel.kernel_flags("flash"))
   choice = choose_strategy(preset_config(model), context_len, ranks, setup)
+  # The candidates are the registered strategies that say so (Strategy.auto_candidate).
+  assert AUTO_CANDIDATES == ("single", "kvr", "ring", "allgather")
   assert set(choice.predicted_s) == set(AUTO_CANDIDATES)
   assert choice.strategy == want == min(choice.predicted_s, key=choice.predicted_s.get)
   if want == "kvr":

@@ -381,3 +381,15 @@ def test_yarn_takes_its_pretraining_context_from_inside_rope_parameters(tmp_path
   assert ours.config.rope.original_max_position_embeddings == 4
   got = np.asarray(ours.module(TOKENS), np.float64)
   assert np.abs(got - want).max() / np.abs(want).max() <= MODEL_TOL
+
+
+def test_a_fixed_kernel_strategy_keeps_its_kernel_in_a_comparison():
+  """TSP's dense kernel is part of its definition (Strategy.fixed_kernel): a comparison that
+  names another kernel for every strategy leaves TSP's out; any other strategy refuses a kernel
+  it does not run, by name."""
+  from kvr_jax.inference.prefill import prefill_arguments
+
+  assert prefill_arguments("tsp", attention="flash") == {"strategy": "tsp", "mesh": None}
+  assert prefill_arguments("ring", attention="flash")["attention"] == "flash"
+  with pytest.raises(ValueError, match="dense"):
+    prefill_arguments("ring", attention="dense")

@@ -12,7 +12,7 @@ from kvr_jax.inference.kv_cache import (
 )
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning import presets
-from kvr_jax.planning.choice import choose_strategy
+from kvr_jax.planning.choice import AUTO_CANDIDATES, choose_strategy
 from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import tensor_parallel
@@ -24,7 +24,7 @@ from kvr_jax.runtime.mesh import (
   model_parallel,
   rank_device,
 )
-from kvr_jax.strategies import STRATEGIES, get_strategy
+from kvr_jax.strategies import REGISTRY, STRATEGIES
 from kvr_jax.strategies.base import AUTO
 
 
@@ -73,9 +73,10 @@ def choose_auto_strategy(shape: PrefillShape, mesh, partition, attention):
   p = check_mesh(mesh)  # 1-D: the choice among 2-D layouts is not modelled here yet
   device = mesh.devices.flat[0]
   T, B = shape.prompt_len, shape.batch
-  kernel = get_strategy("kvr").resolve_attention(
-    None, device, shape.dtype, shape.config.narrowest_window
-  )
+  # The kernel the cost model plans with: that of the partitioned candidate (its split is
+  # searched with it), the kernel its auto runs.
+  planned = next(REGISTRY[s] for s in AUTO_CANDIDATES if REGISTRY[s].partitioned)
+  kernel = planned.resolve_attention(None, device, shape.dtype, shape.config.narrowest_window)
   setup = presets.make_setup(
     plan.hardware, plan.links, dtype_bytes=shape.itemsize, batch=B, **kernel_flags(kernel)
   )

@@ -68,7 +68,7 @@ def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attent
     kernel = get_kernel(attention)  # refuses an unknown kernel
     if kernel.name in spec.attention_kinds:
       kwargs["attention"] = attention
-    elif strategy != "tsp":  # TSP keeps its dense kernel
+    elif not spec.fixed_kernel:  # TSP keeps its dense kernel
       spec.check_attention(attention)  # raises, naming what it runs and why
   return kwargs
 

@@ -13,10 +13,12 @@ from types import MappingProxyType
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.planning import costmodel, search
 from kvr_jax.planning.costmodel import Setup
+from kvr_jax.strategies import REGISTRY
 from models.config import ModelConfig
 
-# What "auto" chooses from: the oracle on one device and the three parallel strategies.
-AUTO_CANDIDATES = ("single", "kvr", "ring", "allgather")
+# What "auto" chooses from: the registered strategies that say so (`auto_candidate`): the
+# oracle on one device and the parallel strategies without a fixed kernel.
+AUTO_CANDIDATES = tuple(name for name, spec in REGISTRY.items() if spec.auto_candidate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +42,21 @@ def choose_strategy(
   """The candidate with the lowest modelled TTFT for `context_len` tokens on `num_ranks`
   ranks (single runs on one of them); KV-Runahead with its modelled search split. Kept per
   arguments (all frozen): a prefill that asks again, e.g. every timed call, searches once."""
-  predicted = {"single": costmodel.simulate(config, "single", context_len, setup).ttft}
-  chunks = None
-  if num_ranks > 1 and context_len >= num_ranks:
-    chunks = search.modelled_search(config, context_len, num_ranks, setup, multiple=multiple)
-    predicted["kvr"] = costmodel.simulate(
-      config, "kvr", context_len, setup, num_ranks=num_ranks, partition=chunks
-    ).ttft
-    for peer in ("ring", "allgather"):
-      predicted[peer] = costmodel.simulate(
-        config, peer, context_len, setup, num_ranks=num_ranks
+  predicted, chunks = {}, None
+  for name in AUTO_CANDIDATES:
+    spec = REGISTRY[name]
+    if spec.max_ranks == 1:
+      predicted[name] = costmodel.simulate(config, name, context_len, setup).ttft
+    elif num_ranks > 1 and context_len >= num_ranks:
+      split = None
+      if spec.partitioned:  # its modelled search split
+        split = chunks = search.modelled_search(
+          config, context_len, num_ranks, setup, multiple=multiple
+        )
+      predicted[name] = costmodel.simulate(
+        config, name, context_len, setup, num_ranks=num_ranks, partition=split
       ).ttft
   best = min(predicted, key=predicted.get)
   # Read-only: the choice is kept and handed to every prefill that asks again.
-  return StrategyChoice(best, chunks if best == "kvr" else None, MappingProxyType(predicted))
+  split = chunks if REGISTRY[best].partitioned else None
+  return StrategyChoice(best, split, MappingProxyType(predicted))

@@ -83,6 +83,7 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 
 STRATEGY = Strategy(
   name="allgather",
+  auto_candidate=True,
   description="all-gather context parallelism: zigzag chunks, one all_gather of K,V per layer",
   attention_kinds=("flash", "dense", "fused", "cudnn"),
   compile=compile_program,

@@ -156,6 +156,12 @@ class Strategy:
   # (KV-Runahead's hops carry it); None: the strategy's cache="last" always moves the parts.
   cache_from_last_hop: Callable[[tuple[int, ...], tuple], bool] | None = None
   attention_note: str = ""  # why it runs only these kernels, for the error message
+  # strategy="auto" weighs it (planning.choice): its modelled TTFT, with its searched split
+  # where it is partitioned.
+  auto_candidate: bool = False
+  # Its kernel is part of its definition (TSP: dense masked scores): a kernel asked for in a
+  # comparison is not passed, rather than refused (inference.prefill.prefill_arguments).
+  fixed_kernel: bool = False
 
   def keeps_last_hop(self, cache: str, chunks: tuple[int, ...], kinds: tuple) -> bool:
     """cache="last" can come from what the last rank received (no move): this strategy's hops

@@ -108,6 +108,7 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 
 STRATEGY = Strategy(
   name="ring",
+  auto_candidate=True,
   description="zigzag ring attention: 2p chunks, K,V passed around the ring, flash partials",
   attention_kinds=("flash", "fused", "cudnn"),
   compile=compile_program,

@@ -72,6 +72,7 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 
 STRATEGY = Strategy(
   name="single",
+  auto_candidate=True,
   description="one device, the oracle (whole prompt, causal attention)",
   partitioned=False,
   attention_kinds=CAUSAL_KERNELS,

@@ -113,6 +113,7 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
 
 STRATEGY = Strategy(
   name="tsp",
+  fixed_kernel=True,
   description="the paper's baseline: even split, all-gather K,V, dense masked scores",
   partitioned=False,
   attention_kinds=("dense",),

@@ -183,6 +183,7 @@ def layout(context_len: int, num_ranks: int, chunks: tuple[int, ...]) -> tuple[i
 
 STRATEGY = Strategy(
   name="kvr",
+  auto_candidate=True,
   description="KV-Runahead: uneven chunks, point-to-point K,V hop chain, causal skipping",
   partitioned=True,
   attention_kinds=CAUSAL_KERNELS,
