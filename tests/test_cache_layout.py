@@ -24,8 +24,8 @@ from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import CacheParts
+from kvr_jax.runtime.cache_layout import contiguous_layout
 from kvr_jax.runtime.loading import build_model, preset_config
-from kvr_jax.strategies.base import contiguous_layout
 from kvr_jax.tools.memory import compiled_memory
 from models import scan_blocks
 from tests.tolerance import assert_close

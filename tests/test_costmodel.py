@@ -414,7 +414,7 @@ def test_the_timeline_runs_on_while_a_waiting_rank_is_still_catching_up():
   alike in layers 1 and 2 (3.0, 2.9, 3.0 s), yet the receive's gap shrinks, so the timeline
   may not skip ahead there: skipping would end rank 1 at 58.0 s (20 layers of 2.9 s, never
   waiting), before the time it ends having waited."""
-  from kvr_jax.strategies.roofline import Compute, ModelledLayer, Receive, Send
+  from kvr_jax.runtime.roofline import Compute, ModelledLayer, Receive, Send
 
   rank0 = (Compute("qkv", 1.0), Send(1, 0.1, "hop0"), Compute("rest", 2.0))
   rank1 = (Compute("qkv", 2.0), Receive(0), Compute("rest", 0.9))

@@ -26,8 +26,8 @@ from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.runtime import faults
 from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.model import build_model
+from kvr_jax.runtime.roofline import Compute, ModelledLayer, Receive, Send
 from kvr_jax.strategies import runahead
-from kvr_jax.strategies.roofline import Compute, ModelledLayer, Receive, Send
 from kvr_jax.tools import measured
 from kvr_jax.tools.memory import compiled_memory
 from models.attention import merge_partials

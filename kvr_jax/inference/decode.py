@@ -27,9 +27,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
+from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
-from kvr_jax.strategies.base import CacheLayout, parts_spec, unfold_batch
 from models import scan_blocks
 from models.attention import attend_with_lse, merge_partials
 from models.base import no_reduce

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from kvr_jax.core.caches import kept_cache
+from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
-from kvr_jax.strategies.base import CacheLayout, parts_spec, unfold_batch
 
 CACHE_LAYOUTS = ("last", "sharded")
 # cache="auto" puts the whole cache on the last rank only while the weights and it take at

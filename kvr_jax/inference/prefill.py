@@ -30,6 +30,7 @@ from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.agreement import agreed
+from kvr_jax.runtime.cache_layout import CacheLayout
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -44,7 +45,7 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import STRATEGIES, get_strategy
-from kvr_jax.strategies.base import AUTO, CacheLayout, Strategy, last_rank
+from kvr_jax.strategies.base import AUTO, Strategy, last_rank
 from models.kernels import AttentionKernel, get_kernel, kernels_where
 
 

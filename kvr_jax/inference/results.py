@@ -13,7 +13,7 @@ from kvr_jax.inference.kv_cache import (
   gather_on_last_rank,
 )
 from kvr_jax.planning.choice import StrategyChoice
-from kvr_jax.strategies.base import CacheLayout
+from kvr_jax.runtime.cache_layout import CacheLayout
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -9,7 +9,7 @@ Per layer, each rank runs three phases (the same split as the real program):
   attention  c_i queries against S_i keys                    (TSP: C/p against C, dense)
   rest       output projection and MLP                       on its c_i tokens
 Each phase takes max(FLOPs / achievable FLOP/s, bytes / achievable memory bandwidth)
-(kvr_jax.strategies.roofline, the vocabulary).
+(kvr_jax.runtime.roofline, the vocabulary).
 
 Each strategy describes its own layer next to its program (`Strategy.modelled_layer`): per
 rank, in program order, its phases (`Compute`), its messages (`Send`, `Receive`) and its
@@ -49,8 +49,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_chunks, check_ranks
-from kvr_jax.strategies import get_strategy
-from kvr_jax.strategies.roofline import (
+from kvr_jax.runtime.roofline import (
   Collective,
   Compute,
   Hardware,
@@ -68,6 +67,7 @@ from kvr_jax.strategies.roofline import (
   phase_work,
   visible_keys,
 )
+from kvr_jax.strategies import get_strategy
 from models.config import ModelConfig
 
 __all__ = [

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from kvr_jax.core.chunks import check_multiple, even_partition, round_to_multiple
 from kvr_jax.planning import costmodel
 from kvr_jax.planning.costmodel import Setup
-from kvr_jax.strategies.roofline import work_kwargs
+from kvr_jax.runtime.roofline import work_kwargs
 from models.config import ModelConfig
 
 Objective = Callable[[tuple[int, ...]], float]

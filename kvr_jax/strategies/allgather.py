@@ -17,14 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime.roofline import Collective, Compute, ModelledLayer, phase_work, work_kwargs
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import (
-  Strategy,
-  refuse,
-  strategy_compiler,
-)
+from kvr_jax.strategies.base import Strategy, refuse, strategy_compiler
 from kvr_jax.strategies.probe import mark
-from kvr_jax.strategies.roofline import Collective, Compute, ModelledLayer, phase_work, work_kwargs
 from models.kernels import get_kernel
 
 

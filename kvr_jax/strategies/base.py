@@ -35,7 +35,8 @@ from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec
+from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies.probe import mark
 from models import scan_blocks
 from models.base import no_reduce
@@ -65,55 +66,6 @@ def count_trace(strategy: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheLayout:
-  """Which prompt positions each rank's part of the KV cache holds (static, hashable).
-
-  segments[r]: rank r's runs (position, length, row): rows [row, row + length) of its part
-  hold prompt positions [position, position + length). A rank may hold no run (TSP's last
-  ranks on a short prompt), one (KV-Runahead's chunk) or two (the zigzag peers). part_len:
-  the rows of every part (the longest rank's, so that SPMD has one shape); rows no run
-  covers are padding.
-  """
-
-  context_len: int
-  part_len: int
-  segments: tuple[tuple[tuple[int, int, int], ...], ...]
-
-  @property
-  def num_ranks(self) -> int:
-    return len(self.segments)
-
-  def runs_in_prompt_order(self) -> list[tuple[int, int, int, int]]:
-    """Every (rank, row, position, length), sorted by position: they tile [0, context_len)."""
-    runs = [
-      (rank, row, position, length)
-      for rank, rank_runs in enumerate(self.segments)
-      for position, length, row in rank_runs
-    ]
-    return sorted(runs, key=lambda run: run[2])
-
-  def check(self) -> None:
-    """The runs tile the prompt exactly and fit their parts (a strategy's own invariant)."""
-    next_position = 0
-    for rank, row, position, length in self.runs_in_prompt_order():
-      if position != next_position or length < 1 or row < 0 or row + length > self.part_len:
-        raise AssertionError(f"cache layout run {(rank, row, position, length)} in {self}")
-      next_position = position + length
-    if next_position != self.context_len:
-      raise AssertionError(f"cache layout covers {next_position} of {self.context_len} tokens")
-
-
-def contiguous_layout(chunks: tuple[int, ...], part_len: int | None = None) -> CacheLayout:
-  """Rank r holds the r-th contiguous chunk (single, KV-Runahead, TSP's real tokens), in parts
-  of `part_len` rows (default: the longest chunk)."""
-  position, segments = 0, []
-  for c in chunks:
-    segments.append(((position, c, 0),) if c > 0 else ())
-    position += c
-  return CacheLayout(sum(chunks), max(chunks) if part_len is None else part_len, tuple(segments))
-
-
-@dataclasses.dataclass(frozen=True)
 class Strategy:
   """One prefill strategy.
 
@@ -132,7 +84,7 @@ class Strategy:
     keep_last_hop=True only where `cache_from_last_hop`).
   cache_layout(context_len, chunks) -> the CacheLayout of the program's kv_parts output.
   modelled_layer(config, context_len, setup, chunks) -> its program's layer as the cost model
-    sees it (strategies.roofline.ModelledLayer: per rank, the phases, messages and waits in
+    sees it (runtime.roofline.ModelledLayer: per rank, the phases, messages and waits in
     program order; config is one tensor-parallel shard's), which kvr_jax.planning.costmodel
     times; a new strategy is modelled with nothing added there.
   """
@@ -206,33 +158,6 @@ class Strategy:
       if name in self.attention_kinds and KERNELS[name].runs_on(device, dtype, window):
         return KERNELS[name]
     return KERNELS[self.default_attention]
-
-
-def fold_batch(kv_2BPKH):
-  """[2, B, P, K, H] -> [2, B*P, K, H]: the per-layer part a program's layer scan emits.
-
-  Why: with B = 1, XLA:CPU lays the scan's stacked [L, 2, B, P, K, H] buffer out with the
-  size-1 batch axis out of place and then copies it to the output's default layout, a
-  second copy of every rank's whole part among the temporaries (`compiled_memory` showed it
-  growing with L by exactly the part size). With batch folded into the rows there is no
-  size-1 axis to misplace and the loop writes the output buffer itself. Consumers unfold it
-  (`unfold_batch`) inside their own programs, where the reshape is free.
-  """
-  return kv_2BPKH.reshape(2, -1, *kv_2BPKH.shape[3:])
-
-
-def parts_spec(mesh):
-  """Every K,V output (the parts, KV-Runahead's last hops) [p, L, 2, rows, K, H]: by rank, and
-  on a ("ranks", "model") mesh its heads over "model"."""
-  if model_parallel(mesh) == 1:
-    return jax.P(AXIS)
-  return jax.P(AXIS, None, None, None, MODEL_AXIS, None)
-
-
-def unfold_batch(kv_2BPKH_folded, part_len: int):
-  """[..., 2, B*P, K, H] -> [..., 2, B, P, K, H] (the inverse of `fold_batch`)."""
-  *lead, rows, K, H = kv_2BPKH_folded.shape
-  return kv_2BPKH_folded.reshape(*lead, rows // part_len, part_len, K, H)
 
 
 def ordered_after(value, *deps):

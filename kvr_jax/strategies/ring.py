@@ -28,13 +28,9 @@ from __future__ import annotations
 import jax
 
 from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime.roofline import Compute, ModelledLayer, Work, phase_work, work_kwargs
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import (
-  Strategy,
-  refuse,
-  strategy_compiler,
-)
-from kvr_jax.strategies.roofline import Compute, ModelledLayer, Work, phase_work, work_kwargs
+from kvr_jax.strategies.base import Strategy, refuse, strategy_compiler
 
 
 def ring_attention(

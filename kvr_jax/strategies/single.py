@@ -9,15 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvr_jax.strategies.base import (
-  CAUSAL_KERNELS,
-  RankBody,
-  Strategy,
-  fold_batch,
-  refuse,
-  strategy_compiler,
-)
-from kvr_jax.strategies.roofline import (
+from kvr_jax.runtime.cache_layout import fold_batch
+from kvr_jax.runtime.roofline import (
   Compute,
   ModelledLayer,
   phase_seconds,
@@ -25,6 +18,7 @@ from kvr_jax.strategies.roofline import (
   total_work,
   work_kwargs,
 )
+from kvr_jax.strategies.base import CAUSAL_KERNELS, RankBody, Strategy, refuse, strategy_compiler
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:

@@ -14,16 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvr_jax.runtime.cache_layout import contiguous_layout, fold_batch
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.base import (
-  RankBody,
-  Strategy,
-  contiguous_layout,
-  fold_batch,
-  refuse,
-  strategy_compiler,
-)
-from kvr_jax.strategies.roofline import (
+from kvr_jax.runtime.roofline import (
   Collective,
   Compute,
   ModelledLayer,
@@ -33,6 +26,7 @@ from kvr_jax.strategies.roofline import (
   total_work,
   work_kwargs,
 )
+from kvr_jax.strategies.base import RankBody, Strategy, refuse, strategy_compiler
 
 
 def shard_len(context_len: int, num_ranks: int) -> int:

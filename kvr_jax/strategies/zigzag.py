@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvr_jax.strategies.base import CacheLayout, RankBody, fold_batch
-from kvr_jax.strategies.probe import mark
-from kvr_jax.strategies.roofline import (
+from kvr_jax.runtime.cache_layout import CacheLayout, fold_batch
+from kvr_jax.runtime.roofline import (
   Compute,
   ModelledLayer,
   Work,
@@ -29,6 +28,8 @@ from kvr_jax.strategies.roofline import (
   visible_keys,
   work_kwargs,
 )
+from kvr_jax.strategies.base import RankBody
+from kvr_jax.strategies.probe import mark
 from models.attention import attend_partial, merge_partials
 from models.kernels import get_kernel
 

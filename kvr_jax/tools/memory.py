@@ -36,11 +36,11 @@ from kvr_jax.inference.prefill import check_partition_applies, plan_from_shape
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
-from kvr_jax.strategies.base import parts_spec
 from models.config import ModelConfig
 from models.families import config_from_dict
 from models.kernels import AttentionKernel

@@ -80,11 +80,11 @@ import numpy as np
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import chunk_starts
+from kvr_jax.runtime.cache_layout import contiguous_layout
 from kvr_jax.runtime.mesh import global_array
 from kvr_jax.strategies.base import (
   CAUSAL_KERNELS,
   Strategy,
-  contiguous_layout,
   model_reduce,
   rank_program,
   refuse,

@@ -9,9 +9,7 @@ import jax.numpy as jnp
 
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
-from kvr_jax.strategies.base import (
-  ordered_after,
-)
+from kvr_jax.strategies.base import ordered_after
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead.schedule import HOP_GRANULE, hop_pieces, hop_span
 from models.layer_kinds import FULL_ATTENTION, AttentionKind

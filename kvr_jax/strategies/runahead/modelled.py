@@ -8,7 +8,7 @@ from typing import Any
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import prefix_ends
-from kvr_jax.strategies.roofline import (
+from kvr_jax.runtime.roofline import (
   Compute,
   ModelledLayer,
   Receive,

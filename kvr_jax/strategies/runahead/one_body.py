@@ -11,11 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvr_jax.strategies.base import (
-  RankBody,
-  fold_batch,
-  ordered_after,
-)
+from kvr_jax.runtime.cache_layout import fold_batch
+from kvr_jax.strategies.base import RankBody, ordered_after
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead.hops import hop_chain, hop_chain_as_data, varying_axes
 from kvr_jax.strategies.runahead.schedule import OneBodyShape, check_keep_last_hop

@@ -13,11 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from kvr_jax.core.chunks import chunk_starts
-from kvr_jax.strategies.base import (
-  RankBody,
-  fold_batch,
-  ordered_after,
-)
+from kvr_jax.runtime.cache_layout import fold_batch
+from kvr_jax.strategies.base import RankBody, ordered_after
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead.hops import hop_chain, varying_axes
 from kvr_jax.strategies.runahead.schedule import (
