@@ -268,3 +268,22 @@ def test_families_are_records_registered_in_one_place():
   # An unknown model_type is refused by name before any of its fields is read.
   with pytest.raises(ValueError, match="`model_type`='bert' is not supported; supported: 'llama'"):
     config_from_hf({"model_type": "bert"})
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "gemma3-local-global"])
+def test_the_per_rank_program_attends_each_layer_kinds_window(families, tokens, case):
+  """The per-rank switch program (two ranks run it by default; the dense kernel always does)
+  starts each rank's keys where its layer's kind says (`AttentionKind.first_key`): logits
+  within 1e-5 of single on the windowed families, with the window well inside the chunks."""
+  _, model = families[case]
+  want = kvr_jax.prefill(model, tokens).logits
+  for attention in ("flash", "dense"):
+    got = kvr_jax.prefill(
+      model,
+      tokens,
+      strategy=runahead.PER_RANK_STRATEGY,
+      mesh=kvr_jax.make_mesh(2),
+      partition=[20, C - 20],
+      attention=attention,
+    )
+    assert rel_err(got.logits, want) <= REL_TOL, attention

@@ -25,7 +25,6 @@ from kvr_jax.strategies.runahead.schedule import (
 )
 from models.attention import merge_partials
 from models.base import no_reduce
-from models.masks import window_start
 
 
 def project_own_chunk(block, x_BcD, i: int, chunks: tuple[int, ...]):
@@ -89,7 +88,7 @@ def attend_rank(
   partials merge by log-sum-exp. Without it (dense, blocked: the paper's c_i x S_i rectangle)
   prefix and own keys are attended in one call."""
   c, start = chunks[i], chunk_starts(chunks)[i]
-  first = window_start(start, block.config.sliding_window)
+  first = block.config.kind.first_key(start)  # the first key its queries see (this layer's kind)
   q_BcNH, own_2BcKH = q_BcNH[:, :c], own_2BcKH[:, :, :c]
   if first == start:  # rank 0, or a window of one key: no prefix
     return block.attend(q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, attention)
@@ -126,7 +125,7 @@ def attend_and_finish(
   prefixes: (accumulation buffer, last hop's message); a forwarding rank's prefix sits in
   its buffer at [first, start), the last rank's is the last hop's message itself."""
   c, start = chunks[i], chunk_starts(chunks)[i]
-  first = window_start(start, block.config.sliding_window)
+  first = block.config.kind.first_key(start)  # the first key its queries see (this layer's kind)
   buffer_2BSKH, last_message = prefixes
   p, c_max = len(chunks), x_BcD.shape[1]
   if i == 0:
@@ -148,7 +147,7 @@ def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attenti
   the unit of per-rank cost. Used only to measure one rank's compiled cost in isolation (cost
   analysis); the SPMD program runs the same functions with the hop chain between them."""
   start = chunk_starts(chunks)[i]
-  first = window_start(start, block.config.sliding_window)
+  first = block.config.kind.first_key(start)  # the first key its queries see (this layer's kind)
   q_BcNH, own_2BcKH = project_own_chunk(block, x_BcD, i, chunks)
   prefix = None if i == 0 else kv_prefix[:, :, first:start]
   attn_BcNH = attend_rank(block, q_BcNH, own_2BcKH, prefix, i, chunks, attention)
