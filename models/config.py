@@ -163,6 +163,8 @@ class ModelConfig:
   @property
   def kind(self) -> AttentionKind:
     """The kind of every layer of a one-kind config (a layer's block sees `of_kind`'s)."""
+    if self.layer_windows is None:  # one window for every layer (the cost model's hot path)
+      return AttentionKind(self.sliding_window)
     if len(self.kinds) != 1:
       names = ", ".join(k.name for k in self.kinds)
       raise ValueError(f"this model's layers are of {len(self.kinds)} kinds ({names}), not one")

@@ -133,13 +133,10 @@ def _relative_error(logits, reference) -> float:
   return float(np.abs(np.asarray(logits) - reference).max() / np.abs(reference).max())
 
 
-BENCH_VARIANTS = NAMES  # every variant's name (kvr_jax.tools.variants)
-
-
 def bench_job(
   model_name: str,
   context_lens,
-  variants=BENCH_VARIANTS,
+  variants=NAMES,  # every variant (kvr_jax.tools.variants)
   *,
   repeats: int = 3,
   measured_multiple: int = 64,
