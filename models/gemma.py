@@ -24,6 +24,7 @@ from models.config import ModelConfig, RopeConfig
 from models.family import Family
 from models.hf_config import FAMILY_DEFAULTS, kv_heads_from_hf, or_default, refuse, rope_from_hf
 from models.llama import llama_targets
+from models.norms import rms_norm_one_plus
 from models.rope import apply_rope
 from models.tensor_names import Target, same
 
@@ -62,13 +63,6 @@ class GemmaConfig(ModelConfig):
     return self.vocab_size * D + self.num_layers * per_layer + D + head
 
 
-def gemma_rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """x / rms(x) * (1 + scale), in float32, cast back after the scale (Gemma's order)."""
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-  return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
-
-
 class GemmaBlock(Block):
   """Pre- and post-norm attention, pre- and post-norm GeGLU MLP, each with a residual."""
 
@@ -85,7 +79,7 @@ class GemmaBlock(Block):
     self.w_down = normal_param(rngs, (L, F, D), dtype)
 
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:
-    return gemma_rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
+    return rms_norm_one_plus(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
   def project_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
     """Norm, projections, q/k norms, RoPE of this layer's kind; q carries the softmax scale
@@ -95,8 +89,8 @@ class GemmaBlock(Block):
     q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.wq[...])
     k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wk[...])
     v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.wv[...])
-    q_BTNH = gemma_rms_norm(q_BTNH, self.q_norm[...], cfg.norm_eps)
-    k_BTKH = gemma_rms_norm(k_BTKH, self.k_norm[...], cfg.norm_eps)
+    q_BTNH = rms_norm_one_plus(q_BTNH, self.q_norm[...], cfg.norm_eps)
+    k_BTKH = rms_norm_one_plus(k_BTKH, self.k_norm[...], cfg.norm_eps)
     q_BTNH = apply_rope(q_BTNH, positions_BT, cfg.rope)
     k_BTKH = apply_rope(k_BTKH, positions_BT, cfg.rope)
     scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
@@ -105,12 +99,12 @@ class GemmaBlock(Block):
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     eps = self.config.norm_eps
     attn_BTD = reduce(self.attention_output(attn_BTNH))
-    x_BTD = x_BTD + gemma_rms_norm(attn_BTD, self.post_attn_norm[...], eps)
-    h_BTD = gemma_rms_norm(x_BTD, self.mlp_norm[...], eps)
+    x_BTD = x_BTD + rms_norm_one_plus(attn_BTD, self.post_attn_norm[...], eps)
+    h_BTD = rms_norm_one_plus(x_BTD, self.mlp_norm[...], eps)
     gate_BTF = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]), approximate=True)
     up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up[...])
     mlp_BTD = reduce(jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, self.w_down[...]))
-    return x_BTD + gemma_rms_norm(mlp_BTD, self.post_mlp_norm[...], eps)
+    return x_BTD + rms_norm_one_plus(mlp_BTD, self.post_mlp_norm[...], eps)
 
 
 class Gemma(CausalLM):
@@ -126,7 +120,7 @@ class Gemma(CausalLM):
     return super().embed(tokens_BT) * scale
 
   def final_norm(self, x_BTD: jax.Array) -> jax.Array:
-    return gemma_rms_norm(x_BTD, self.norm[...], self.config.norm_eps)
+    return rms_norm_one_plus(x_BTD, self.norm[...], self.config.norm_eps)
 
 
 # --- Hugging Face config.json and tensor names

@@ -13,6 +13,14 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return scale * x32.astype(x.dtype)
 
 
+def rms_norm_one_plus(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """x / rms(x) * (1 + scale), in float32, cast back after the scale (Gemma's and Qwen3.5's
+  order; a zero scale is the identity)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
   """LayerNorm with statistics in float32."""
   x32 = x.astype(jnp.float32)
