@@ -1,7 +1,7 @@
 """The model families, registered in one place: one `Family` record per family file
-(models/llama.py, falcon.py, gemma.py), and what reads the registry: a config from a dict
-(presets, checkpoints) or from a Hugging Face `config.json`, a config's module class and its
-Hugging Face tensor names.
+(models/llama.py, falcon.py, gemma.py, qwen3_5.py), and what reads the registry: a config
+from a dict (presets, checkpoints) or from a Hugging Face `config.json`, a config's module
+class and its Hugging Face tensor names.
 
 A new family is its file (config class, module, config.json translation, tensor names, its
 `FAMILY` record), one line in FAMILIES and its tests.
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from models import falcon, gemma, llama
+from models import falcon, gemma, llama, qwen3_5
 from models.config import ModelConfig, RopeConfig, check_dict_fields
 from models.family import Family
 from models.hf_config import check_fields, or_default
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, falcon.FAMILY, gemma.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, falcon.FAMILY, gemma.FAMILY, qwen3_5.FAMILY)
 
 ARCHITECTURES: dict[str, type[ModelConfig]] = {f.architecture: f.config_class for f in FAMILIES}
 FAMILY_OF_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
@@ -71,6 +71,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
       f"config.json: `model_type`={model_type!r} is not supported; supported: "
       f"{', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}"
     )
+  if family.text_config is not None:
+    hf = family.text_config(hf)
+    model_type = hf.get("model_type", model_type)
   check_fields(hf, model_type, family.required_hf_fields)
   if family.check_hf is not None:
     family.check_hf(hf)

@@ -28,6 +28,10 @@ class Family:
   required_hf_fields: tuple[str, ...] = ()
   # its own config.json field checks, run before any is read (None: none)
   check_hf: Callable[[dict[str, Any]], None] | None = None
+  # a multimodal checkpoint's config.json -> its language model's (None: the file is it)
+  text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+  # (config, tensor name) -> why a tensor it holds is not loaded (a vision tower), or None
+  ignores: Callable[[Any, str], str | None] | None = None
 
   def __post_init__(self):
     if not self.model_types:

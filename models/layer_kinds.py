@@ -10,10 +10,11 @@ one layer body per distinct kind (`ModelConfig.kinds`) and gives each its one-ki
   can keep it as its cache: `hop_keeps_whole_prefix`), which keys a query sees (`first_key`);
 - decode and the memory tool: how many positions of the past decode reads (`decode_keys`).
 
-Today there is one kind, softmax attention over a K,V prefix, with or without a sliding
-window. A kind whose past is a fixed-size state (linear attention) or a compressed latent
-prefix (latent attention) is a new record answering the same questions, plus its maths in
-models/.
+Two kinds today: softmax attention over a K,V prefix, with or without a sliding window
+(`AttentionKind`), and Gated DeltaNet linear attention, whose past is a fixed-size state
+(`GatedDeltaNetKind`, Qwen3.5's linear layers: models/gated_deltanet.py). The strategies run
+the first; a model with the second runs on one device (kvr_jax refuses it by name before
+anything compiles, `unbuilt_kinds`) until its state hop is built.
 """
 
 from __future__ import annotations
@@ -72,7 +73,47 @@ class AttentionKind:
 FULL_ATTENTION = AttentionKind()
 
 
-def kinds_in_order(kinds) -> tuple[AttentionKind, ...]:
-  """The distinct kinds of a model's layers, one compiled layer body each: windowed ones
-  first, smallest window first, then full attention."""
-  return tuple(sorted(set(kinds), key=lambda k: (k.window is None, k.window or 0)))
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetKind:
+  """Gated DeltaNet linear attention: its past is one state of [key_dim, value_dim] per value
+  head (float32) and the last conv_kernel - 1 rows of its convolution's input, whatever the
+  prompt length. A hop into a chunk carries that state (and the halo), not a prefix."""
+
+  key_heads: int
+  value_heads: int
+  key_dim: int
+  value_dim: int
+  conv_kernel: int
+  computes: ClassVar[str] = "Gated DeltaNet linear attention"
+  past: ClassVar[str] = "recurrent state and convolution halo"
+  window: ClassVar[None] = None  # no window: `narrowest_window` and the kernels ask it
+
+  @property
+  def name(self) -> str:
+    return "linear attention (Gated DeltaNet)"
+
+  @property
+  def conv_channels(self) -> int:
+    return (2 * self.key_heads * self.key_dim) + self.value_heads * self.value_dim
+
+  def hop_bytes(self, config, end: int, batch: int, dtype_bytes: int) -> int:
+    """Bytes of a hop into a chunk at any `end`: the float32 state and the halo's rows."""
+    state = self.value_heads * self.key_dim * self.value_dim * 4
+    halo = (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
+    return batch * (state + halo)
+
+
+def kinds_in_order(kinds) -> tuple:
+  """The distinct kinds of a model's layers, one compiled layer body each: linear kinds
+  first, then windowed attention, smallest window first, then full attention."""
+
+  def order(kind):
+    linear = not isinstance(kind, AttentionKind)
+    return (not linear, kind.window is None, kind.window or 0)
+
+  return tuple(sorted(set(kinds), key=order))
+
+
+def unbuilt_kinds(config) -> tuple:
+  """The kinds of `config`'s layers that the parallel strategies do not run yet."""
+  return tuple(k for k in config.kinds if not isinstance(k, AttentionKind))

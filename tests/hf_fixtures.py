@@ -154,6 +154,51 @@ def make_hf_model(case: str, seed: int = 0):
   return randomize(transformers.FalconForCausalLM(config), seed)
 
 
+# Qwen3.5 text, hybrid: d_model 64, full layers of 4 query heads (2 KV) of 16 features with
+# partial rotary (0.25: 4 rotated), linear layers of 2 key heads and 4 value heads (grouped),
+# head dims 8 and 12. "default" follows transformers' default pattern (3 linear, 1 full);
+# "types" gives a list that is not it, and no grouping.
+QWEN35_CASES = {
+  "qwen3_5-default": dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4),
+  "qwen3_5-types": dict(
+    num_hidden_layers=5,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    layer_types=[
+      "full_attention",
+      "linear_attention",
+      "full_attention",
+      "linear_attention",
+      "linear_attention",
+    ],
+  ),
+}
+
+
+def make_qwen35_model(case: str, seed: int = 0):
+  """A tiny random `Qwen3_5ForCausalLM` (model_type qwen3_5_text)."""
+  config = transformers.Qwen3_5TextConfig(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+    **QWEN35_CASES[case],
+  )
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  return randomize(transformers.Qwen3_5ForCausalLM(config), seed)
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
   with torch.no_grad():
     return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

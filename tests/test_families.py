@@ -236,11 +236,13 @@ def test_families_are_records_registered_in_one_place():
   from models import Falcon, Gemma, Llama, LlamaConfig
   from models.families import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES, family_of
   from models.family import Family
+  from models.qwen3_5 import Qwen35
 
   assert [(f.architecture, f.module_class) for f in FAMILIES] == [
     ("llama", Llama),
     ("falcon", Falcon),
     ("gemma3", Gemma),
+    ("qwen3_5", Qwen35),
   ]
   assert set(SUPPORTED_MODEL_TYPES) == {
     "llama",
@@ -251,11 +253,14 @@ def test_families_are_records_registered_in_one_place():
     "mixtral",
     "falcon",
     "gemma3_text",
+    "qwen3_5_text",
+    "qwen3_5",
   }
   assert {arch: cls.architecture for arch, cls in ARCHITECTURES.items()} == {
     "llama": "llama",
     "falcon": "falcon",
     "gemma3": "gemma3",
+    "qwen3_5": "qwen3_5",
   }
   config = _qwen2_config()
   assert family_of(config) is FAMILIES[0] and family_of(config).tensor_targets(

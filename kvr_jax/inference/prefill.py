@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode
 from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_cache
@@ -257,8 +258,9 @@ def plan_from_shape(
 
 
 def _check_model_and_kernel(config, spec, attention, timeline):
-  """The probes and the kernel named (or "auto") against the strategy and the model's
-  window."""
+  """The model's layer kinds, the probes and the kernel named (or "auto") against the
+  strategy and the model's window."""
+  check_layers_run(config, "prefill")
   if timeline and not spec.timeline_probes:
     raise ValueError(
       f"strategy {spec.name!r} has no timeline probes; they are placed in "

@@ -49,6 +49,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_chunks, check_ranks
+from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.runtime.roofline import (
   Collective,
   Compute,
@@ -364,6 +365,7 @@ def simulate(
   mean over the layers).
   intervals: a list to append the modelled timeline to, (rank, layer, phase, start, end)
   (the Gantt chart beside a measured one; the cache move and the head not included)."""
+  check_layers_run(config, "the cost model")
   by_kind = {
     kind: modelled_layer(config.of_kind(kind), strategy, context_len, setup, num_ranks, partition)
     for kind in config.kinds

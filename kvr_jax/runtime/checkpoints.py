@@ -45,10 +45,17 @@ def hf_targets(cfg: ModelConfig, name: str) -> list[Target] | None:
 
 
 def ignored_hf_tensor(cfg: ModelConfig, name: str) -> bool:
-  """Tensors that legitimately have no place: a tied head saved anyway, rotary buffers."""
-  if name.endswith("rotary_emb.inv_freq"):
+  """Tensors that legitimately have no place: a tied head saved anyway, rotary buffers (and
+  what the family does not load: `family_ignores`)."""
+  if name.endswith("rotary_emb.inv_freq") or family_ignores(cfg, name):
     return True
   return cfg.tie_embeddings and name == "lm_head.weight"
+
+
+def family_ignores(cfg: ModelConfig, name: str) -> str | None:
+  """Why the family does not load tensor `name` (a vision tower), or None."""
+  ignores = family_of(cfg).ignores
+  return None if ignores is None else ignores(cfg, name)
 
 
 def safetensors_files(directory: str) -> list[str]:

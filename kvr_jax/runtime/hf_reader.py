@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -103,11 +104,15 @@ def _read_tensors(files, config, flat_abstract, params, progress: bool):
   filled: dict[tuple[str, ...], np.ndarray] = {}  # one flag per layer (or one for unstacked)
   origin: dict[tuple[str, ...], str] = {}
   bar = tqdm(desc="reading tensors", unit=" tensors", disable=not progress)
+  skipped: dict[str, int] = {}  # why -> how many tensors the family does not load
   for path in files:
     for name, array in checkpoints.iter_safetensors(path):
       bar.update()
       targets = checkpoints.hf_targets(config, name)
       if targets is None:
+        why = checkpoints.family_ignores(config, name)
+        if why is not None:
+          skipped[why] = skipped.get(why, 0) + 1
         if checkpoints.ignored_hf_tensor(config, name):
           continue
         raise ValueError(
@@ -126,7 +131,13 @@ def _read_tensors(files, config, flat_abstract, params, progress: bool):
         params.put(param_path, layer, value)
         filled[param_path][0 if layer is None else layer] = True
   bar.close()
+  for why, count in skipped.items():
+    warnings.warn(f"not loaded: {count} tensors of {why}", IgnoredTensorsWarning, stacklevel=3)
   return filled, origin
+
+
+class IgnoredTensorsWarning(UserWarning):
+  """A checkpoint holds tensors this model does not load (a vision tower): said, not hidden."""
 
 
 def _stacked_axes(index) -> int:

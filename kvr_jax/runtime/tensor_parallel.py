@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.runtime.mesh import MODEL_AXIS
 from models.config import ModelConfig
 
@@ -54,6 +55,8 @@ def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
   m = model_parallel
   if isinstance(m, bool) or not isinstance(m, int) or m < 1:
     raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
+  if m > 1:
+    check_layers_run(config, f"tensor parallelism (model_parallel={m})")
   if m > 1 and getattr(config, "num_experts", 0):
     raise ValueError(
       f"model_parallel={m}: tensor parallelism of a mixture of experts is not built (its "

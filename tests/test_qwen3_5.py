@@ -1,0 +1,215 @@
+"""Qwen3.5 text (hybrid Gated DeltaNet and softmax attention) against transformers, through
+the project's own loader: logits of every position, ragged rows, decode from the hybrid cache,
+`layer_types` as transformers reads it, and what kvr_jax refuses by name."""
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvr_jax
+from models import qwen3_5
+from models.families import config_from_hf
+from tests import hf_fixtures
+from tests.tolerance import assert_close
+
+MODEL_TOL = 1e-4  # whole models against transformers, float32
+CASES = list(hf_fixtures.QWEN35_CASES)
+T = 70  # no multiple of the 64-token chunk, and longer than one
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """case -> (torch model, directory written with save_pretrained, our loaded model)."""
+  out = {}
+  for case in CASES:
+    hf_model = hf_fixtures.make_qwen35_model(case)
+    directory = tmp_path_factory.mktemp(case)
+    hf_model.save_pretrained(directory)
+    out[case] = (hf_model, str(directory), kvr_jax.load_model(str(directory)))
+  return out
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return np.random.RandomState(1).randint(0, hf_fixtures.VOCAB, (2, T))
+
+
+def relative_error(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def forward():
+  """The model's logits and cache, compiled once per model (graphdef static)."""
+
+  @jax.jit
+  def run(module, tokens_BT, lengths_B, capacity_like):
+    x_BTD, cache = module.forward(tokens_BT, lengths_B=lengths_B, capacity=capacity_like.shape[0])
+    return module.logits(x_BTD), cache
+
+  return lambda module, tokens, lengths=None, capacity=None: run(
+    module,
+    jnp.asarray(tokens),
+    None if lengths is None else jnp.asarray(lengths),
+    jnp.zeros(capacity or tokens.shape[1]),
+  )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_every_position_match_transformers(checkpoints, tokens, forward, case):
+  hf_model, _, ours = checkpoints[case]
+  logits, _ = forward(ours.module, tokens)
+  err = relative_error(logits, hf_fixtures.hf_logits(hf_model, tokens))
+  assert err <= MODEL_TOL, f"{case}: relative error {err:.2e} > {MODEL_TOL}"
+
+
+def test_ragged_rows_match_each_row_alone(checkpoints, tokens, forward):
+  """Rows of 70 and 45 tokens, the second right-padded: each row's real positions as
+  transformers gives that row alone, and its cache as that row's own."""
+  hf_model, _, ours = checkpoints["qwen3_5-default"]
+  lengths = np.array([T, 45])
+  padded = tokens.copy()
+  padded[1, 45:] = 0
+  logits, cache = forward(ours.module, padded, lengths)
+  alone = hf_fixtures.hf_logits(hf_model, tokens[1:, :45])
+  assert relative_error(logits[1, :45], alone[0]) <= MODEL_TOL
+  _, short_cache = forward(ours.module, tokens[1:, :45])
+  assert_close(cache.linear.state_Bhkv[:, 1], short_cache.linear.state_Bhkv[:, 0], "state")
+  assert_close(cache.linear.halo_BwC[:, 1], short_cache.linear.halo_BwC[:, 0], "halo")
+
+
+@pytest.fixture(scope="module")
+def decoded(checkpoints, tokens, forward):
+  """Greedy decoding of 8 tokens from a ragged prefill (rows of 30 and 22 tokens) through
+  the hybrid cache: (tokens [2, 8], each step's logits [8, 2, V])."""
+  _, _, ours = checkpoints["qwen3_5-types"]
+  lengths = np.array([30, 22])
+  prompt = tokens[:, :30].copy()
+  prompt[1, 22:] = 0
+  logits, cache = forward(ours.module, prompt, lengths, capacity=30 + 8)
+  step = jax.jit(lambda module, t, p, c: module.decode_step(t, p, c))
+  positions = jnp.asarray(lengths)
+  next_B = jnp.argmax(logits[jnp.arange(2), positions - 1], axis=-1)
+  out, steps = [], []
+  for _ in range(8):
+    out.append(next_B)
+    step_logits, cache = step(ours.module, next_B, positions, cache)
+    steps.append(step_logits)
+    next_B, positions = jnp.argmax(step_logits, axis=-1), positions + 1
+  return np.stack(out, axis=1), np.stack(steps), lengths
+
+
+def test_decode_from_the_hybrid_cache_equals_the_uncached_forward(
+  checkpoints, tokens, forward, decoded
+):
+  """Each decode step's logits (recurrent form, K,V written in place) equal the forward's
+  logits over the prompt and the tokens decoded so far (chunked form), per row."""
+  _, _, ours = checkpoints["qwen3_5-types"]
+  new_tokens, step_logits, lengths = decoded
+  for row, length in enumerate(lengths):
+    sequence = np.concatenate([tokens[row, :length], new_tokens[row]])[None]
+    logits, _ = forward(ours.module, sequence)
+    want = np.asarray(logits[0, length : length + 8])
+    assert_close(step_logits[:, row], want, f"row {row}'s decode logits")
+
+
+def test_greedy_decode_matches_transformers(checkpoints, tokens, decoded):
+  hf_model, _, _ = checkpoints["qwen3_5-types"]
+  new_tokens, _, lengths = decoded
+  for row, length in enumerate(lengths):
+    want = hf_fixtures.hf_greedy(hf_model, tokens[row : row + 1, :length], 8)
+    np.testing.assert_array_equal(new_tokens[row : row + 1], want)
+
+
+def test_layer_types_read_as_transformers_reads_them(checkpoints):
+  _, directory, ours = checkpoints["qwen3_5-types"]
+  assert ours.config.layer_types == tuple(hf_fixtures.QWEN35_CASES["qwen3_5-types"]["layer_types"])
+  with open(f"{directory}/config.json") as f:
+    hf = json.load(f)
+  del hf["layer_types"]
+  hf["full_attention_interval"] = 2
+  hf["num_hidden_layers"] = 5
+  import transformers
+
+  want = transformers.Qwen3_5TextConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+  assert config_from_hf(hf).layer_types == tuple(want.layer_types)
+  del hf["full_attention_interval"]  # transformers' default interval is 4
+  assert config_from_hf(hf).layer_types == tuple(
+    transformers.Qwen3_5TextConfig(num_hidden_layers=5).layer_types
+  )
+  hf["layer_types"] = ["linear_attention"] * 4 + ["sliding_attention"]
+  with pytest.raises(ValueError, match="layer_types"):
+    config_from_hf(hf)
+
+
+def test_partial_rotary_and_head_counts_read(checkpoints):
+  cfg = checkpoints["qwen3_5-default"][2].config
+  assert (cfg.rotary_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (4, 2, 4)
+  assert cfg.num_params() == sum(p.numel() for p in checkpoints["qwen3_5-default"][0].parameters())
+
+
+def test_multimodal_checkpoint_loads_its_language_model_and_says_what_it_ignores(
+  checkpoints, tokens, tmp_path
+):
+  """A `qwen3_5` checkpoint (with a vision tower): the language model loads, with the same
+  logits as the text checkpoint it holds; the vision tensors are named in a warning."""
+  import safetensors.numpy as st
+
+  hf_model, directory, ours = checkpoints["qwen3_5-default"]
+  with open(f"{directory}/config.json") as f:
+    text = json.load(f)
+  (tmp_path / "config.json").write_text(
+    json.dumps({"model_type": "qwen3_5", "text_config": text, "vision_config": {"depth": 1}})
+  )
+  tensors = st.load_file(f"{directory}/model.safetensors")
+  renamed = {
+    name.replace("model.", "model.language_model.", 1): value for name, value in tensors.items()
+  }
+  renamed["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+  st.save_file(renamed, str(tmp_path / "model.safetensors"))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    multimodal = kvr_jax.load_model(str(tmp_path))
+  assert any("vision tower" in str(w.message) for w in caught)
+  np.testing.assert_array_equal(multimodal.module(tokens[:, :8]), ours.module(tokens[:, :8]))
+
+
+def test_strategies_refuse_hybrid_models_by_name(checkpoints, tokens):
+  _, _, ours = checkpoints["qwen3_5-default"]
+  with pytest.raises(ValueError, match="linear attention"):
+    kvr_jax.prefill(ours, tokens[:, :8], strategy="single")
+  with pytest.raises(ValueError, match="linear attention"):
+    kvr_jax.generate(ours, tokens[:1, :8], max_new_tokens=2)
+
+
+def test_bad_linear_config_refused_by_name():
+  base = qwen3_5.Qwen35Config(
+    vocab_size=8,
+    d_model=8,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=8,
+    max_position_embeddings=16,
+    norm_eps=1e-6,
+    layer_types=("linear_attention",),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=4,
+    linear_value_head_dim=4,
+  )
+  import dataclasses
+
+  with pytest.raises(ValueError, match="linear_num_value_heads"):
+    dataclasses.replace(base, linear_num_value_heads=3)
+  with pytest.raises(ValueError, match="partial_rotary_factor"):
+    dataclasses.replace(base, partial_rotary_factor=0.1)
+  with pytest.raises(ValueError, match="layer_types"):
+    dataclasses.replace(base, layer_types=("mamba",))
