@@ -1,0 +1,131 @@
+"""The Gated DeltaNet layer of Qwen3.5 and Qwen3-Next, with its weights: (1 + w) RMSNorm, the
+fused q/k/v projections through the causal convolution, the gated delta rule
+(models/gated_deltanet.py), the gated RMSNorm and out_proj, then the (1 + w) RMSNorm and SwiGLU
+MLP that every layer of these models ends with (`OnePlusNormMlp`, shared with the full layers).
+
+Legend: B batch, T tokens, D d_model, F MLP dim, h value heads, k key dim, v value dim, C the
+convolution's channels, W its kernel, w = W - 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import gated_deltanet as gdn
+from models.base import no_reduce, normal_param, ones_param, zeros_param
+from models.norms import rms_norm_one_plus
+
+
+def swiglu(h_BTD, w_gate_DF, w_up_DF, w_down_FD):
+  gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, w_gate_DF))
+  up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w_up_DF)
+  return jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, w_down_FD)
+
+
+class OnePlusNormMlp:
+  """The (1 + w) norm, SwiGLU MLP and residual every layer of Qwen3.5 ends with."""
+
+  def init_mlp(self, L: int, dtype, rngs: nnx.Rngs) -> None:
+    D, F = self.config.d_model, self.config.mlp_dim
+    self.mlp_norm = zeros_param((L, D), dtype)  # x (1 + w): zero is the identity
+    self.w_gate = normal_param(rngs, (L, D, F), dtype)
+    self.w_up = normal_param(rngs, (L, D, F), dtype)
+    self.w_down = normal_param(rngs, (L, F, D), dtype)
+
+  def mlp(self, x_BTD, reduce=no_reduce):
+    h_BTD = rms_norm_one_plus(x_BTD, self.mlp_norm[...], self.config.norm_eps)
+    return x_BTD + reduce(swiglu(h_BTD, self.w_gate[...], self.w_up[...], self.w_down[...]))
+
+
+class LinearState(NamedTuple):
+  """A linear layer's past: the rule's state [B, h, k, v] (float32) and the last w rows of
+  its convolution's input [B, w, C]."""
+
+  state_Bhkv: jax.Array
+  halo_BwC: jax.Array
+
+
+class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
+  """A linear-attention layer (see the module docstring); `config` a Qwen3.5 config (its
+  linear_* fields, conv_channels, d_model, mlp_dim, norm_eps)."""
+
+  def __init__(self, config, *, num_layers: int, dtype, rngs: nnx.Rngs):
+    self.config = config
+    L, D, C, W = num_layers, config.d_model, config.conv_channels, config.linear_conv_kernel
+    h, v = config.linear_num_value_heads, config.linear_value_head_dim
+    self.attn_norm = zeros_param((L, D), dtype)
+    self.w_qkv = normal_param(rngs, (L, D, C), dtype)  # q, k, v of every head, fused
+    self.conv = normal_param(rngs, (L, W, C), dtype)
+    self.w_z = normal_param(rngs, (L, D, h, v), dtype)
+    self.w_b = normal_param(rngs, (L, D, h), dtype)
+    self.w_a = normal_param(rngs, (L, D, h), dtype)
+    self.dt_bias = ones_param((L, h), dtype)
+    self.A_log = zeros_param((L, h), dtype)
+    self.out_norm = ones_param((L, v), dtype)
+    self.w_out = normal_param(rngs, (L, h, v, D), dtype)
+    self.init_mlp(L, dtype, rngs)
+
+  def inputs(self, x_BTD):
+    """(the convolution's input [B, T, C], z [B, T, h, v], decay g and beta [B, T, h] float32)."""
+    cfg = self.config
+    h_BTD = rms_norm_one_plus(x_BTD, self.attn_norm[...], cfg.norm_eps)
+    mixed_BTC = jnp.einsum("BTD,DC->BTC", h_BTD, self.w_qkv[...])
+    z_BThv = jnp.einsum("BTD,Dhv->BThv", h_BTD, self.w_z[...])
+    a_BTh = jnp.einsum("BTD,Dh->BTh", h_BTD, self.w_a[...]).astype(jnp.float32)
+    b_BTh = jnp.einsum("BTD,Dh->BTh", h_BTD, self.w_b[...]).astype(jnp.float32)
+    A = jnp.exp(self.A_log[...].astype(jnp.float32))
+    g_BTh = -A * jax.nn.softplus(a_BTh + self.dt_bias[...].astype(jnp.float32))
+    return mixed_BTC, z_BThv, g_BTh, jax.nn.sigmoid(b_BTh)
+
+  def heads(self, conv_BTC, g_BTh):
+    """The convolved channels as q, k [B, T, h, k] (each key head repeated for its group of
+    value heads, as transformers' repeat_interleave) and v [B, T, h, v], ready for the rule."""
+    cfg = self.config
+    B, T, _ = conv_BTC.shape
+    g_heads, d_k = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    h, d_v = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    q, k, v = jnp.split(conv_BTC, [g_heads * d_k, 2 * g_heads * d_k], axis=-1)
+    group = h // g_heads
+    q_BThk = jnp.repeat(q.reshape(B, T, g_heads, d_k), group, axis=2)
+    k_BThk = jnp.repeat(k.reshape(B, T, g_heads, d_k), group, axis=2)
+    q_BThk, k_BThk, g_BTh = gdn.prepare(q_BThk, k_BThk, g_BTh)
+    return q_BThk, k_BThk, v.reshape(B, T, h, d_v), g_BTh
+
+  def output(self, x_BTD, o_BThv, z_BThv, reduce=no_reduce):
+    """The gated RMSNorm, out_proj and residual, then the MLP."""
+    o32 = o_BThv.astype(jnp.float32)
+    normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.config.norm_eps)
+    normed = self.out_norm[...] * normed.astype(x_BTD.dtype)
+    gated_BThv = (normed * jax.nn.silu(z_BThv.astype(jnp.float32))).astype(x_BTD.dtype)
+    x_BTD = x_BTD + reduce(jnp.einsum("BThv,hvD->BTD", gated_BThv, self.w_out[...]))
+    return self.mlp(x_BTD, reduce)
+
+  def run(self, x_BTD, past: LinearState, lengths_B=None, chunk: int = gdn.CHUNK):
+    """The layer over T tokens entered with `past` (chunked form): (x [B, T, D], the past
+    it leaves). lengths_B: each row's real length (right padding past it); the rows past it
+    leave the state as it is (g = beta = 0) and the halo is the last w real rows."""
+    mixed_BTC, z_BThv, g_BTh, beta_BTh = self.inputs(x_BTD)
+    B, T, _ = mixed_BTC.shape
+    conv_BTC, halo_BwC = gdn.causal_conv(mixed_BTC, self.conv[...], past.halo_BwC)
+    if lengths_B is not None:
+      real_BT = jnp.arange(T) < lengths_B[:, None]
+      g_BTh, beta_BTh = (jnp.where(real_BT[..., None], x, 0) for x in (g_BTh, beta_BTh))
+      w = past.halo_BwC.shape[1]
+      full_BwTC = jnp.concatenate([past.halo_BwC.astype(mixed_BTC.dtype), mixed_BTC], axis=1)
+      rows_Bw = lengths_B[:, None] + jnp.arange(w)  # the last w real rows of halo and x
+      halo_BwC = jnp.take_along_axis(full_BwTC, rows_Bw[..., None], axis=1)
+    q, k, v, g = self.heads(conv_BTC, g_BTh)
+    o_BThv, state_Bhkv = gdn.chunked(q, k, v, g, beta_BTh, past.state_Bhkv, chunk)
+    return self.output(x_BTD, o_BThv, z_BThv), LinearState(state_Bhkv, halo_BwC)
+
+  def step(self, x_B1D, past: LinearState):
+    """One token per row (the recurrent form): (x [B, 1, D], the past it leaves)."""
+    mixed_B1C, z_B1hv, g_B1h, beta_B1h = self.inputs(x_B1D)
+    conv_B1C, halo_BwC = gdn.causal_conv(mixed_B1C, self.conv[...], past.halo_BwC)
+    q, k, v, g = self.heads(conv_B1C, g_B1h)
+    o_B1hv, state_Bhkv = gdn.recurrent(q, k, v, g, beta_B1h, past.state_Bhkv)
+    return self.output(x_B1D, o_B1hv, z_B1hv), LinearState(state_Bhkv, halo_BwC)
