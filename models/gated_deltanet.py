@@ -30,6 +30,12 @@ CHUNK = 64  # transformers' chunk size (its outputs are computed in these blocks
 L2_EPS = 1e-6  # transformers' l2norm eps (the FLA library's)
 
 
+def zeros_as(x, shape) -> jax.Array:
+  """float32 zeros of `shape` typed as `x` is: under a `shard_map`, varying over the mesh axes
+  `x` varies over, so that a scan may carry them into what it computes from `x`."""
+  return jnp.broadcast_to(jnp.zeros_like(x, jnp.float32).ravel()[0], shape)
+
+
 def causal_conv(x_BTC, kernel_WC, halo_BwC):
   """Depthwise causal convolution then SiLU (transformers' `causal_conv1d_fn`): output row t
   is silu(sum_j kernel[j] x[t - w + j]), where rows before the chunk come from `halo` (the
@@ -154,7 +160,7 @@ def chunked_with_entry_map(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, chunk: int =
   T = q_BThk.shape[1]
   terms = _chunk_terms(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, chunk)
   B, h, d_k, d_v = q_BThk.shape[0], q_BThk.shape[2], q_BThk.shape[3], v_BThv.shape[3]
-  identity = jnp.broadcast_to(jnp.eye(d_k), (B, h, d_k, d_k))
+  identity = zeros_as(q_BThk, (B, h, d_k, d_k)) + jnp.eye(d_k)
 
   def step(carry, t):
     P_Bhkj, R_Bhkv = carry
@@ -169,7 +175,7 @@ def chunked_with_entry_map(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, chunk: int =
     R_Bhkv = R_Bhkv * decay[..., None, None] + jnp.einsum("Bhck,Bhcv->Bhkv", k_dec, new_Bhcv)
     return (jnp.einsum("Bhkj,Bhjl->Bhkl", step_Bhkj, P_Bhkj), R_Bhkv), (o_Bhcv, q_eff_Bhcj)
 
-  zero_state = jnp.zeros((B, h, d_k, d_v), jnp.float32)
+  zero_state = zeros_as(q_BThk, (B, h, d_k, d_v))
   (A, B_state), (o_n, q_eff_n) = _over_chunks(step, (identity, zero_state), terms)
   o_BThv = _unchunk(jnp.moveaxis(o_n, 0, 2), T)
   q_eff_BThk = _unchunk(jnp.moveaxis(q_eff_n, 0, 2), T)

@@ -121,6 +121,12 @@ class Qwen35Config(ModelConfig):
       raise ValueError(f"this model's layers are of {len(self.kinds)} kinds ({names}), not one")
     return self.kinds[0]
 
+  def of_kind(self, kind) -> Qwen35Config:
+    """This model's config as its layers of `kind` see it (every layer of that kind): a full
+    layer's block answers `kind` as full attention, as the strategies ask it."""
+    layer_type = LINEAR if isinstance(kind, GatedDeltaNetKind) else FULL
+    return dataclasses.replace(self, layer_types=(layer_type,) * self.num_layers)
+
   def layers_of(self, layer_type: str) -> tuple[int, ...]:
     """The indices of the layers of `layer_type`, in order (their rows in its stack)."""
     return tuple(i for i, t in enumerate(self.layer_types) if t == layer_type)
