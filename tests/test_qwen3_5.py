@@ -213,3 +213,96 @@ def test_bad_linear_config_refused_by_name():
     dataclasses.replace(base, partial_rotary_factor=0.1)
   with pytest.raises(ValueError, match="layer_types"):
     dataclasses.replace(base, layer_types=("mamba",))
+
+
+# --- KV-Runahead on the hybrid model (kvr_jax.inference.hybrid)
+
+
+@pytest.fixture(scope="module")
+def one_device(checkpoints, tokens):
+  """The single-device reference of "qwen3_5-types": the last position's logits and the
+  cache (room for 4 more positions), compiled once."""
+  module = checkpoints["qwen3_5-types"][2].module
+  x_BTD, cache = jax.jit(lambda m, t: m.forward(t, capacity=T + 4))(module, tokens)
+  return module.logits(x_BTD)[:, -1], cache
+
+
+@pytest.mark.parametrize(
+  "partition, attention",
+  [([40, 30], "dense"), ([30, 25, 15], "flash"), ([12, 30, 3, 25], "dense")],
+)
+def test_kvr_on_hybrid_equals_one_device(checkpoints, tokens, one_device, partition, attention):
+  """Uneven chunks (the last of 3 tokens, the convolution's halo), full and linear layers
+  interleaved: the last rank's logits and its whole cache (K,V of the full layers from the
+  last hop and its chunk, each linear layer's state and halo) as one device computes them."""
+  from kvr_jax.inference.hybrid import prefill_hybrid
+
+  ours = checkpoints["qwen3_5-types"][2]
+  mesh = kvr_jax.make_mesh(len(partition))
+  result = prefill_hybrid(ours, tokens, mesh, partition, attention, max_new_tokens=4)
+  want_logits, want = one_device
+  assert_close(result.logits_BV, want_logits, "last logits")
+  assert_close(result.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  assert result.logits_BV.devices() == {mesh.devices.flat[-1]}
+
+
+def test_kvr_on_hybrid_decodes_transformers_greedy_tokens(checkpoints, tokens):
+  from kvr_jax.inference.hybrid import generate_hybrid
+
+  hf_model, _, ours = checkpoints["qwen3_5-default"]
+  got = generate_hybrid(ours, tokens[:1, :30], kvr_jax.make_mesh(2), [18, 12], 6)
+  np.testing.assert_array_equal(got, hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6))
+
+
+def _permute_shapes(model, partition) -> list[tuple[int, ...]]:
+  """The result shapes of every collective-permute in the compiled hybrid program."""
+  import re
+
+  from kvr_jax.runtime.mesh import AXIS
+  from kvr_jax.strategies import runahead
+  from kvr_jax.strategies.runahead.hybrid import compile_hybrid
+  from models.kernels import get_kernel
+
+  mesh = kvr_jax.make_mesh(len(partition))
+  program = compile_hybrid(model.graphdef, mesh, tuple(partition), get_kernel("dense"))
+  tokens_pBc = runahead.pad_chunks(np.zeros((2, sum(partition)), np.int32), partition)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
+  hlo = (
+    program.lower(model.state_on(replicated), jax.device_put(tokens_pBc, by_rank))
+    .compile()
+    .as_text()
+  )
+  pattern = r"= \w+\[([\d,]+)\]\{[\d,]*\} collective-permute(?:-start)?\("
+  return [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(pattern, hlo)]
+
+
+def test_linear_layers_hop_a_state_whose_size_does_not_follow_the_prompt(checkpoints):
+  """Compiled programs at two prompt lengths: the linear layers' collective-permutes (the
+  state [B, h, k, v] per hop and the halo [B, w, C]) are the same; only the full layers' K,V
+  hops [2, B, S_k, K, H] grow with the prompt."""
+  cfg = checkpoints["qwen3_5-types"][2].config
+  model = checkpoints["qwen3_5-types"][2]
+  B, h = 2, cfg.linear_num_value_heads
+  state = (B, h, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+  halo = (B, cfg.linear_conv_kernel - 1, cfg.conv_channels)
+  shapes = {n: _permute_shapes(model, [n, n, n]) for n in (16, 48)}
+  for n, found in shapes.items():
+    linear = sorted(s for s in found if s in (state, halo))
+    assert linear == sorted([state, state, halo]), (n, found)  # p-1 state hops, one halo shift
+    kv = sorted(s[2] for s in found if s not in (state, halo))
+    assert kv == [n, 2 * n], (n, found)  # the full layers' hops carry S_0 and S_1 keys
+
+
+def test_hybrid_prefill_refuses_by_name(checkpoints, tokens):
+  from kvr_jax.inference.hybrid import prefill_hybrid
+
+  ours = checkpoints["qwen3_5-types"][2]
+  with pytest.raises(ValueError, match="halo"):
+    prefill_hybrid(ours, tokens, kvr_jax.make_mesh(2), [68, 2])
+  with pytest.raises(ValueError, match="2 or more ranks"):
+    prefill_hybrid(ours, tokens, kvr_jax.make_mesh(1), [T])
+  with pytest.raises(ValueError, match="token ids"):
+    prefill_hybrid(ours, tokens + 1000, kvr_jax.make_mesh(2), [35, 35])
