@@ -306,3 +306,32 @@ def test_hybrid_prefill_refuses_by_name(checkpoints, tokens):
     prefill_hybrid(ours, tokens, kvr_jax.make_mesh(1), [T])
   with pytest.raises(ValueError, match="token ids"):
     prefill_hybrid(ours, tokens + 1000, kvr_jax.make_mesh(2), [35, 35])
+
+
+def test_qwen35_27b_preset_is_the_published_model():
+  """The preset's shape (Qwen/Qwen3.5-27B's text config) has transformers' own parameter
+  count, counted on the meta device."""
+  import torch
+  import transformers
+
+  from kvr_jax.runtime.loading import preset_config
+
+  cfg = preset_config("qwen3.5-27b")
+  hf = transformers.Qwen3_5TextConfig(
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.d_model,
+    intermediate_size=cfg.mlp_dim,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=cfg.num_heads,
+    num_key_value_heads=cfg.num_kv_heads,
+    head_dim=cfg.head_dim,
+    linear_num_key_heads=cfg.linear_num_key_heads,
+    linear_num_value_heads=cfg.linear_num_value_heads,
+    linear_key_head_dim=cfg.linear_key_head_dim,
+    linear_value_head_dim=cfg.linear_value_head_dim,
+    tie_word_embeddings=False,
+  )
+  with torch.device("meta"):
+    hf_model = transformers.Qwen3_5ForCausalLM(hf)
+  assert cfg.layer_types == tuple(hf.layer_types)
+  assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters()) == 26_895_998_464
