@@ -55,10 +55,8 @@ def config_from_dict(data: dict[str, Any], *, complete: bool = False) -> ModelCo
     if isinstance(data.get(key), dict):
       check_dict_fields(RopeConfig, data[key], complete, f"{arch} `{key}`")
       data[key] = RopeConfig(**data[key])
-  if isinstance(data.get("eos_token_id"), list):
-    data["eos_token_id"] = tuple(data["eos_token_id"])
-  if isinstance(data.get("layer_windows"), list):
-    data["layer_windows"] = tuple(data["layer_windows"])
+  # JSON lists are the tuple fields (eos ids, windows, layer types): a config is hashable.
+  data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
   return cls(**data)
 
 
