@@ -49,7 +49,6 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_chunks, check_ranks
-from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.runtime.roofline import (
   Collective,
   Compute,
@@ -69,7 +68,9 @@ from kvr_jax.runtime.roofline import (
   visible_keys,
 )
 from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies.linear_modelled import modelled_linear_layer
 from models.config import ModelConfig
+from models.layer_kinds import GatedDeltaNetKind
 
 __all__ = [
   "Collective",
@@ -345,6 +346,8 @@ def modelled_layer(
     chunks = check_chunks(partition, context_len, num_ranks)
   config = model_shard(config, setup.model_parallel)
   chunks = spec.layout(context_len, num_ranks, chunks)
+  if isinstance(config.kind, GatedDeltaNetKind):  # a hybrid model's linear layer
+    return modelled_linear_layer(spec.name, config, context_len, setup, chunks)
   return spec.modelled_layer(config, context_len, setup, chunks)
 
 
@@ -365,7 +368,6 @@ def simulate(
   mean over the layers).
   intervals: a list to append the modelled timeline to, (rank, layer, phase, start, end)
   (the Gantt chart beside a measured one; the cache move and the head not included)."""
-  check_layers_run(config, "the cost model")
   by_kind = {
     kind: modelled_layer(config.of_kind(kind), strategy, context_len, setup, num_ranks, partition)
     for kind in config.kinds

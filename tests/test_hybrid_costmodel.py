@@ -1,0 +1,83 @@
+"""The cost model on hybrid models (kvr_jax/strategies/linear_modelled.py): a linear layer's
+work is linear in its tokens, running ahead of the state costs the ranks that do it, and what
+each strategy sends on a linear layer does not follow the prompt. No devices, no compile."""
+
+import pytest
+
+from kvr_jax.planning import costmodel, presets
+from kvr_jax.runtime.loading import preset_config
+from kvr_jax.strategies import linear_modelled
+from models.layer_kinds import FULL_ATTENTION
+
+
+@pytest.fixture(scope="module")
+def qwen():
+  return preset_config("qwen3.5-27b")
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return presets.make_setup("h100-sxm", "10GBps", dtype_bytes=2, **costmodel.kernel_flags("flash"))
+
+
+def linear_layer(config, strategy, C, setup, p, partition=None):
+  return costmodel.modelled_layer(
+    config.of_kind(config.linear_kind), strategy, C, setup, num_ranks=p, partition=partition
+  )
+
+
+def test_linear_work_is_linear_in_tokens_and_the_entry_map_costs_extra(qwen, setup):
+  def flops(tokens, ahead):
+    phases = linear_modelled.linear_phases(qwen, tokens, setup, entry_map=ahead)
+    return sum(w.flops for w in phases.values())
+
+  for ahead in (False, True):
+    assert flops(2048, ahead) == pytest.approx(2 * flops(1024, ahead))  # no quadratic term
+  # Ahead of the state (k = v = 128): the step-matrix chain and Q_eff per chunk, then the
+  # correction per token; a sizeable share of the mixer, not of the layer's MLP.
+  extra = flops(1024, True) - flops(1024, False)
+  h, k = qwen.linear_num_value_heads, qwen.linear_key_head_dim
+  assert extra == pytest.approx(2 * 1024 * h * (k**3 / 64 + k * k + k * k))
+
+
+def test_kvr_rank_zero_runs_no_entry_map(qwen, setup):
+  layer = linear_layer(qwen, "kvr", 4096, setup, 2, [2048, 2048])
+  assert layer.flops[0] < layer.flops[1]
+  single = linear_layer(qwen, "single", 2048, setup, 1)
+  assert layer.flops[0] == pytest.approx(single.flops[0])
+
+
+def test_what_a_linear_layer_sends_does_not_follow_the_prompt(qwen, setup):
+  """KV-Runahead: p-1 hops of one float32 state; the peers: each rank's all-gather of its two
+  chunks' entry maps; both the same at 64k and 1M. A full layer's hops grow with the prompt."""
+  state = linear_modelled.state_bytes(qwen, 1)
+  assert state == 48 * 128 * 128 * 4
+  maps = linear_modelled.map_bytes(qwen, 1)
+  for C in (65536, 1048576):
+    even = [C // 8] * 8
+    assert linear_layer(qwen, "kvr", C, setup, 8, even).link_bytes == (state,) * 7
+    assert linear_layer(qwen, "ring", C, setup, 8).link_bytes == (7 * 2 * maps,) * 8
+  full = [
+    max(
+      costmodel.modelled_layer(
+        qwen.of_kind(FULL_ATTENTION), "kvr", C, setup, num_ranks=8, partition=[C // 8] * 8
+      ).link_bytes
+    )
+    for C in (65536, 1048576)
+  ]
+  assert full[1] == 16 * full[0]
+
+
+def test_simulate_models_each_kind_of_a_hybrid_as_its_own(qwen, setup):
+  """A hybrid's TTFT is its 48 linear and 16 full layers, each as its kind's: less than the
+  same model with every layer full (at 128k a full layer's attention is the larger cost), more
+  than its 16 full layers alone."""
+  import dataclasses
+
+  C, even = 131072, [131072 // 8] * 8
+  kw = dict(num_ranks=8, partition=even)
+  hybrid = costmodel.simulate(qwen, "kvr", C, setup, **kw).ttft
+  every_full = dataclasses.replace(qwen, layer_types=("full_attention",) * 64)
+  only_full = dataclasses.replace(qwen, num_layers=16, layer_types=("full_attention",) * 16)
+  assert costmodel.simulate(only_full, "kvr", C, setup, **kw).ttft < hybrid
+  assert hybrid < costmodel.simulate(every_full, "kvr", C, setup, **kw).ttft
