@@ -228,46 +228,62 @@ def one_device(checkpoints, tokens):
 
 
 @pytest.mark.parametrize(
-  "partition, attention",
-  [([40, 30], "dense"), ([30, 25, 15], "flash"), ([12, 30, 3, 25], "dense")],
+  "strategy, ranks, partition, attention",
+  [
+    ("kvr", 2, [40, 30], "dense"),
+    ("kvr", 3, [30, 25, 15], "flash"),
+    ("kvr", 4, [12, 30, 3, 25], "dense"),
+    ("ring", 3, None, "flash"),
+    ("allgather", 4, None, "dense"),
+  ],
 )
-def test_kvr_on_hybrid_equals_one_device(checkpoints, tokens, one_device, partition, attention):
-  """Uneven chunks (the last of 3 tokens, the convolution's halo), full and linear layers
-  interleaved: the last rank's logits and its whole cache (K,V of the full layers from the
-  last hop and its chunk, each linear layer's state and halo) as one device computes them."""
+def test_hybrid_prefill_equals_one_device(
+  checkpoints, tokens, one_device, strategy, ranks, partition, attention
+):
+  """KV-Runahead on uneven chunks (the last of 3 tokens, the convolution's halo) and the
+  peers on their zigzag chunks (the last 7 tokens long at 4 ranks), full and linear layers
+  interleaved: the last rank's logits and its whole cache (K,V of the full layers, each
+  linear layer's state and halo) as one device computes them; KV-Runahead's with no move."""
   from kvr_jax.inference.hybrid import prefill_hybrid
 
   ours = checkpoints["qwen3_5-types"][2]
-  mesh = kvr_jax.make_mesh(len(partition))
-  result = prefill_hybrid(ours, tokens, mesh, partition, attention, max_new_tokens=4)
+  mesh = kvr_jax.make_mesh(ranks)
+  result = prefill_hybrid(ours, tokens, mesh, partition, attention, 4, strategy)
   want_logits, want = one_device
   assert_close(result.logits_BV, want_logits, "last logits")
   assert_close(result.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
   assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
   assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
   assert result.logits_BV.devices() == {mesh.devices.flat[-1]}
+  assert result.moved == (strategy != "kvr")
 
 
 def test_kvr_on_hybrid_decodes_transformers_greedy_tokens(checkpoints, tokens):
   from kvr_jax.inference.hybrid import generate_hybrid
 
   hf_model, _, ours = checkpoints["qwen3_5-default"]
+  want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6)
   got = generate_hybrid(ours, tokens[:1, :30], kvr_jax.make_mesh(2), [18, 12], 6)
-  np.testing.assert_array_equal(got, hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6))
+  np.testing.assert_array_equal(got, want)
+  mesh = kvr_jax.make_mesh(2)
+  got = generate_hybrid(ours, tokens[:1, :30], mesh, None, 6, "flash", strategy="ring")
+  np.testing.assert_array_equal(got, want)
 
 
-def _permute_shapes(model, partition) -> list[tuple[int, ...]]:
-  """The result shapes of every collective-permute in the compiled hybrid program."""
+def _collective_shapes(model, strategy, partition, op="collective-permute"):
+  """The result shapes of every `op` in the compiled hybrid program of `strategy`."""
   import re
 
   from kvr_jax.runtime.mesh import AXIS
-  from kvr_jax.strategies import runahead
-  from kvr_jax.strategies.runahead.hybrid import compile_hybrid
+  from kvr_jax.strategies import get_strategy
+  from kvr_jax.strategies.hybrid import compile_hybrid
   from models.kernels import get_kernel
 
   mesh = kvr_jax.make_mesh(len(partition))
-  program = compile_hybrid(model.graphdef, mesh, tuple(partition), get_kernel("dense"))
-  tokens_pBc = runahead.pad_chunks(np.zeros((2, sum(partition)), np.int32), partition)
+  spec, partition = get_strategy(strategy), tuple(partition)
+  chunks = spec.layout(sum(partition), len(partition), partition)
+  program = compile_hybrid(strategy, model.graphdef, mesh, chunks, get_kernel("flash"))
+  tokens_pBc = spec.arrange(np.zeros((2, sum(partition)), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   hlo = (
@@ -275,7 +291,7 @@ def _permute_shapes(model, partition) -> list[tuple[int, ...]]:
     .compile()
     .as_text()
   )
-  pattern = r"= \w+\[([\d,]+)\]\{[\d,]*\} collective-permute(?:-start)?\("
+  pattern = rf"= \w+\[([\d,]+)\]\{{[\d,]*\}} {op}(?:-start)?\("
   return [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(pattern, hlo)]
 
 
@@ -288,12 +304,20 @@ def test_linear_layers_hop_a_state_whose_size_does_not_follow_the_prompt(checkpo
   B, h = 2, cfg.linear_num_value_heads
   state = (B, h, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
   halo = (B, cfg.linear_conv_kernel - 1, cfg.conv_channels)
-  shapes = {n: _permute_shapes(model, [n, n, n]) for n in (16, 48)}
+  shapes = {n: _collective_shapes(model, "kvr", [n, n, n]) for n in (16, 48)}
   for n, found in shapes.items():
     linear = sorted(s for s in found if s in (state, halo))
     assert linear == sorted([state, state, halo]), (n, found)  # p-1 state hops, one halo shift
     kv = sorted(s[2] for s in found if s not in (state, halo))
     assert kv == [n, 2 * n], (n, found)  # the full layers' hops carry S_0 and S_1 keys
+  # The peers: a linear layer all-gathers every rank's two entry maps (A [B, h, k, k] and
+  # B [B, h, k, v] per chunk): [p, 2, ...], the same at both lengths.
+  gathered = {
+    n: sorted(s for s in _collective_shapes(model, "ring", [n] * 3, "all-gather") if len(s) == 6)
+    for n in (24, 48)
+  }
+  d_k = cfg.linear_key_head_dim
+  assert gathered[24] == gathered[48] == sorted([(3, 2, *state[:3], d_k), (3, 2, *state)])
 
 
 def test_hybrid_prefill_refuses_by_name(checkpoints, tokens):

@@ -10,7 +10,7 @@ from models.layer_kinds import unbuilt_kinds
 def check_layers_run(config, what: str) -> None:
   """Refuses `what` (a prefill, tensor parallelism) on a model with layers prefill's
   strategies do not run yet (linear attention: KV-Runahead's state hop has its own program,
-  kvr_jax.strategies.runahead.hybrid)."""
+  kvr_jax.strategies.hybrid)."""
   unbuilt = unbuilt_kinds(config)
   if unbuilt:
     names = ", ".join(kind.name for kind in unbuilt)

@@ -1,10 +1,10 @@
-"""KV-Runahead prefill of a hybrid model (Qwen3.5: linear and full layers) on a 1-D mesh, and
-greedy decoding from the cache its last rank holds: `prefill_hybrid`, `generate_hybrid`.
+"""Prefill of a hybrid model (Qwen3.5: linear and full layers) on a 1-D mesh with KV-Runahead
+or a peer, and greedy decoding from the cache the last rank then holds: `prefill_hybrid`,
+`generate_hybrid` (kvr_jax/strategies/hybrid.py is the program).
 
 Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
-built for K,V caches): one process, rows of one length, cache on the last rank, KV-Runahead
-only (the peers need a state pass over their zigzag chunks: not built). Every argument is
-checked before anything compiles.
+built for K,V caches): one process, rows of one length, the cache whole on the last rank.
+Every argument is checked before anything compiles.
 """
 
 from __future__ import annotations
@@ -12,82 +12,161 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
-from kvr_jax.core.chunks import check_chunks
+from kvr_jax.core.chunks import check_chunks, check_ranks
+from kvr_jax.runtime.cache_layout import unfold_batch
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
-from kvr_jax.strategies.runahead import STRATEGY, pad_chunks
-from kvr_jax.strategies.runahead.hybrid import assemble_cache, compile_hybrid
+from kvr_jax.strategies import get_strategy, zigzag
+from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
 from models.kernels import get_kernel
 from models.layer_kinds import unbuilt_kinds
-from models.qwen3_5 import HybridCache
+from models.qwen3_5 import HybridCache, LinearState
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridPrefill:
   """logits_BV: the prompt's last position's logits (on the last rank's device). cache: the
-  model's `HybridCache` there, with room for `capacity` positions. chunks: the split."""
+  model's `HybridCache` there, with room for `capacity` positions. chunks: each rank's
+  tokens as the strategy laid them out. moved: whether the cache was moved onto the last
+  rank (the peers) or was there already (KV-Runahead's last hop and own chunk)."""
 
   logits_BV: jax.Array
   cache: HybridCache
   chunks: tuple[int, ...]
   capacity: int
+  moved: bool
 
 
 def prefill_hybrid(
-  model: Model, tokens, mesh, partition, attention="dense", max_new_tokens: int = 0
+  model: Model,
+  tokens,
+  mesh,
+  partition=None,
+  attention="dense",
+  max_new_tokens: int = 0,
+  strategy: str = "kvr",
 ) -> HybridPrefill:
-  """KV-Runahead over `mesh`'s ranks with rank i taking partition[i] tokens (contiguous, in
-  order); the last rank ends with the whole cache (no move). max_new_tokens: room the cache
-  keeps for decoding."""
+  """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
+  partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
+  max_new_tokens: room the cache keeps for decoding."""
   if not isinstance(model, Model) or not unbuilt_kinds(model.config):
     raise ValueError(
       "prefill_hybrid takes a loaded hybrid model (linear-attention layers, e.g. Qwen3.5); "
       "every other model runs through kvr_jax.prefill"
     )
-  tokens_BT = np.asarray(tokens)
-  cfg = model.config
-  if tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer) or tokens_BT.size == 0:
-    raise ValueError(f"tokens must be a non-empty [batch, length] integer array, got {tokens!r}")
-  if tokens_BT.min() < 0 or tokens_BT.max() >= cfg.vocab_size:
-    raise ValueError(f"token ids must be in [0, {cfg.vocab_size}) for this model")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
+  spec = get_strategy(strategy)
+  tokens_BT = _check_tokens(model, tokens)
   p = check_mesh(mesh)
   if p < 2:
     raise ValueError("prefill_hybrid runs on 2 or more ranks; on one device use model.module")
   if jax.process_count() > 1:
     raise ValueError("prefill_hybrid runs in one process (across processes: not built)")
   T = tokens_BT.shape[1]
-  chunks = check_chunks(partition, T, p)
-  halo = cfg.linear_conv_kernel - 1
-  if min(chunks) < halo:
-    raise ValueError(
-      f"every rank's chunk must hold at least {halo} tokens (the convolution's halo a linear "
-      f"layer passes on), got partition {chunks}"
-    )
+  chunks = _check_layout(model, spec, partition, T, p)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
     raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-  kernel = STRATEGY.check_attention(attention)
+  kernel = spec.check_attention(attention)
   if kernel == "auto":
-    kernel = get_kernel(STRATEGY.default_attention)
-  program = compile_hybrid(model.graphdef, mesh, chunks, kernel)
+    kernel = get_kernel(spec.default_attention)
+  program = compile_hybrid(strategy, model.graphdef, mesh, chunks, kernel)
   state = model.state_on(NamedSharding(mesh, jax.P()))
-  tokens_pBc = global_array(pad_chunks(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
+  tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
   owner = rank_device(mesh, p - 1)
-  out = {name: shard_on(value, owner) for name, value in out.items()}
   capacity = T + max_new_tokens
-  cache = jax.jit(assemble_cache, static_argnums=(1, 2))(out, chunks, capacity)
-  return HybridPrefill(shard_on(logits_pBV, owner), cache, chunks, capacity)
+  if strategy == "kvr":  # the last rank holds everything: no move
+    mine = jax.tree.map(lambda a: shard_on(a, owner), out)
+    cache = jax.jit(_kvr_cache, static_argnums=(1, 2))(mine, chunks, capacity)
+  else:  # the parts move to the last rank; the last chunk's halo is rank 0's
+    on_owner = jax.tree.map(lambda a: _gathered_on(a, mesh, owner), out)
+    cache = jax.jit(_zigzag_cache, static_argnums=(1, 2, 3))(on_owner, T, p, capacity)
+  return HybridPrefill(shard_on(logits_pBV, owner), cache, chunks, capacity, strategy != "kvr")
 
 
-def generate_hybrid(model: Model, tokens, mesh, partition, max_new_tokens: int, attention="dense"):
+def _gathered_on(array, mesh, device):
+  """A rank-sharded output [p, ...] whole on `device` (each rank's piece copied over)."""
+  pieces = [shard_on(array, rank_device(mesh, r)) for r in range(mesh.shape[AXIS])]
+  return jnp.stack([jax.device_put(piece, device) for piece in pieces])
+
+
+def _check_tokens(model: Model, tokens) -> np.ndarray:
+  tokens_BT = np.asarray(tokens)
+  if tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer) or tokens_BT.size == 0:
+    raise ValueError(f"tokens must be a non-empty [batch, length] integer array, got {tokens!r}")
+  vocab = model.config.vocab_size
+  if tokens_BT.min() < 0 or tokens_BT.max() >= vocab:
+    raise ValueError(f"token ids must be in [0, {vocab}) for this model")
+  return tokens_BT
+
+
+def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, ...]:
+  """The strategy's chunks, each long enough to pass the convolution's halo on."""
+  halo = model.config.linear_conv_kernel - 1
+  if spec.partitioned:
+    chunks = check_chunks(partition, T, p)
+    shortest = min(chunks)
+  else:
+    if partition is not None:
+      raise ValueError(f"strategy {spec.name!r} lays the prompt out itself: give no partition")
+    check_ranks(T, p)
+    chunks = spec.layout(T, p, None)
+    c = zigzag.chunk_len(T, p)
+    shortest = min(c, T - (2 * p - 1) * c)  # every zigzag chunk is c long but the last
+  if shortest < halo:
+    raise ValueError(
+      f"every chunk must hold at least {halo} tokens (the convolution's halo a linear layer "
+      f"passes on); {spec.name} on {p} ranks gives one of {shortest} for {T} tokens"
+    )
+  return chunks
+
+
+def _kvr_cache(out: dict, chunks: tuple[int, ...], capacity: int) -> HybridCache:
+  """The last rank's outputs as the hybrid cache: each full layer's last hop then its own
+  chunk, padded to `capacity` positions; each linear layer's state and halo as they are."""
+  c_last, prefix, c_max = chunks[-1], sum(chunks[:-1]), max(chunks)
+  own, last_hop = out["full"]
+  parts = [unfold_batch(own, c_max)[:, :, :, :c_last]]
+  if prefix:
+    parts.insert(0, unfold_batch(last_hop, prefix))
+  return _padded(jnp.concatenate(parts, axis=3), out["state"], out["halo"], capacity)
+
+
+def _zigzag_cache(out: dict, T: int, p: int, capacity: int) -> HybridCache:
+  """Every rank's zigzag parts [p, L_full, 2, B*2c, K, H] in prompt order; the final state
+  (every rank's is the same) and the last chunk's halo (rank 0's second chunk)."""
+  c = zigzag.chunk_len(T, p)
+  parts = unfold_batch(out["full"], 2 * c)  # [p, L, 2, B, 2c, K, H]
+  ranked = jnp.concatenate(list(parts), axis=3)  # rank order: rank 0's two chunks, then 1's...
+  kv = jnp.take(ranked, jnp.asarray(zigzag.prompt_order(T, p)), axis=3)[:, :, :, :T]
+  return _padded(kv, out["state"][p - 1], out["halo"][0], capacity)
+
+
+def _padded(kv_L2BTKH, state, halo, capacity: int) -> HybridCache:
+  pad = [(0, 0)] * 3 + [(0, capacity - kv_L2BTKH.shape[3])] + [(0, 0)] * 2
+  return HybridCache(jnp.pad(kv_L2BTKH, pad), LinearState(state, halo))
+
+
+def generate_hybrid(
+  model: Model,
+  tokens,
+  mesh,
+  partition=None,
+  max_new_tokens: int = 1,
+  attention="dense",
+  strategy: str = "kvr",
+):
   """Greedy decoding of `max_new_tokens` from `prefill_hybrid`'s cache on the last rank's
   device: [B, max_new_tokens] token ids."""
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-  result = prefill_hybrid(model, tokens, mesh, partition, attention, max_new_tokens)
+  result = prefill_hybrid(model, tokens, mesh, partition, attention, max_new_tokens, strategy)
   step = _decode_step(model.graphdef)
   state = model.state_on(result.logits_BV.sharding)
   positions_B = np.full(result.logits_BV.shape[0], sum(result.chunks), np.int32)
@@ -100,8 +179,6 @@ def generate_hybrid(model: Model, tokens, mesh, partition, max_new_tokens: int, 
 
 
 def _decode_step(graphdef):
-  from flax import nnx
-
   @jax.jit
   def step(state, tokens_B, positions_B, cache):
     return nnx.merge(graphdef, state).decode_step(tokens_B, positions_B, cache)

@@ -18,7 +18,8 @@ the chain of [k, k] step matrices (k^3) and Q_eff (c k^2), and per token the cor
               each rank its chunks, every chunk ahead (the entry map); an all-gather of every
               rank's maps (A [h, k, k] and B [h, k, v] per chunk, float32: a barrier), then
               each rank composes the maps before its chunks (a small matmul per earlier
-              chunk). The all-gather MaxText and SGLang use for Kimi's delta-rule layers.
+              chunk): kvr_jax/strategies/hybrid.py's `zigzag_linear_layer` (TSP's program
+              does not run hybrids; modelled the same way on its one chunk per rank).
   replicated  (not a strategy; `replicated_linear_layer`) every rank runs every token of the
               linear layer, as tpu-inference runs Qwen3.5 under context parallelism, after an
               all-gather of the hidden states where the previous layer was a full one.

@@ -1,0 +1,234 @@
+"""Hybrid models (Qwen3.5: Gated DeltaNet linear layers among softmax ones) under KV-Runahead
+and the peers: the full layers run the strategy's own rank layer (its `RankBody.layer`, as on
+every model); a linear layer passes a state, contiguous chunks by a chain, zigzag chunks by an
+all-gather.
+
+Every rank runs each of its spans (a KV-Runahead chunk, or a peer's two zigzag chunks) of a
+linear layer before the state entering it is known: models.gated_deltanet's entry map gives
+its outputs as o_0 + Q_eff S and its leaving state as A S + B. Then:
+
+  kvr         hop k sends rank k's leaving state A_k S_k + B_k to rank k+1 (one [B, h, k, v]
+              float32 state, whatever the prompt length, and one small matmul on the
+              receiver before it forwards: the chain's serial work); rank 0 enters with
+              zeros and runs the plain chunked form.
+  ring, allgather
+              one all-gather of every chunk's map (A and B), then every rank composes the maps
+              of the chunks before each of its own (2p small matmuls): the state pass MaxText
+              and SGLang use for delta-rule layers. Why not a chain over the zigzag chunks: it
+              would visit every rank twice, in the order 0..p-1, p-1..0, serialising 2p hops.
+
+The convolution's halo (the last w = W - 1 inputs of the span before) travels point to point
+in one collective-permute per direction, nothing waiting on anything (every span holds at
+least w tokens; refused otherwise). Rows past a span's real length are padding: g = beta = 0
+leaves the state as it is (exact), and their outputs are dropped.
+
+The program outputs each rank's full layers' K,V as the strategy emits them and each linear
+layer's leaving state and halo; `kvr_jax.inference.hybrid` joins them into the model's
+`HybridCache` on the last rank (KV-Runahead: its last hop and own chunk, no move; the peers:
+their parts moved and reordered).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvr_jax.core.caches import kept_cache
+from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies import zigzag
+from kvr_jax.strategies.allgather import allgather_body
+from kvr_jax.strategies.base import count_trace, logits_to_last_rank
+from kvr_jax.strategies.ring import ring_body
+from kvr_jax.strategies.runahead import kvr_body
+from models import gated_deltanet as gdn
+from models.base import no_reduce
+from models.layer_kinds import FULL_ATTENTION
+from models.qwen3_5 import FULL, LINEAR, scan_layers
+
+STRATEGIES = ("kvr", "ring", "allgather")
+# Each strategy's rank maker (strategy_compiler's body_of) and whether it keeps its last hop.
+_BODIES = {
+  "kvr": (functools.partial(kvr_body, body="per-rank"), True),
+  "ring": (ring_body, False),
+  "allgather": (allgather_body, False),
+}
+
+
+def state_chain(A_Bhkk, B_Bhkv, rank, num_ranks: int):
+  """The state each rank enters its chunk with: p-1 hops, hop k sends rank k's leaving state
+  A_k S_k + B_k to rank k+1 (rank 0 enters with zeros). Every rank computes the small matmul
+  at every hop (SPMD); only rank k's is sent."""
+  S_Bhkv = jnp.zeros_like(B_Bhkv)
+  for k in range(num_ranks - 1):
+    leaving = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, S_Bhkv) + B_Bhkv
+    message = jax.lax.ppermute(leaving, AXIS, perm=[(k, k + 1)])
+    S_Bhkv = jnp.where(rank == k + 1, message, S_Bhkv)  # zeros reach the ranks outside the pair
+  return S_Bhkv
+
+
+def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zeros):
+  """One span's convolution and entry map: (Q_eff-and-all maps, its last w real inputs).
+  from_zeros (traced bool): the span enters with a zero state (the prompt's first), so it
+  runs the plain chunked form."""
+  c = mixed_BcC.shape[1]
+  conv_BcC, _ = gdn.causal_conv(mixed_BcC, block.conv[...], halo_BwC)
+  real_c = jnp.arange(c) < real_rows
+  g_Bch, beta_Bch = (jnp.where(real_c[:, None], x, 0) for x in (g_Bch, beta_Bch))
+  q, k, v, g = block.heads(conv_BcC, g_Bch)
+
+  def plain(operands):
+    q = operands[0]
+    state_shape = (q.shape[0], q.shape[2], q.shape[3], operands[2].shape[3])
+    o_Bchv, B_Bhkv = gdn.chunked(*operands, gdn.zeros_as(q, state_shape))
+    A_Bhkk = gdn.zeros_as(q, (*B_Bhkv.shape[:2], q.shape[-1], q.shape[-1]))
+    return o_Bchv, jnp.zeros_like(q), A_Bhkk, B_Bhkv
+
+  maps = jax.lax.cond(
+    from_zeros, plain, lambda ops: gdn.chunked_with_entry_map(*ops), (q, k, v, g, beta_Bch)
+  )
+  w = halo_BwC.shape[1]
+  return maps, jax.lax.dynamic_slice_in_dim(mixed_BcC, real_rows - w, w, axis=1)
+
+
+def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
+  """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
+  (x [B, c_max, D], the state it leaves [B, h, k, v], the last w real rows of its input)."""
+  p = len(chunks)
+  c = jnp.asarray(chunks, jnp.int32)[rank]
+  mixed_BcC, z_Bchv, g_Bch, beta_Bch = block.inputs(x_BcD)
+  w = block.conv[...].shape[0] - 1
+  own_halo = jax.lax.dynamic_slice_in_dim(mixed_BcC, c - w, w, axis=1)
+  halo_BwC = jax.lax.ppermute(own_halo, AXIS, perm=[(i, i + 1) for i in range(p - 1)])
+  maps, own_halo = _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, c, rank == 0)
+  entering_Bhkv = state_chain(maps[2], maps[3], rank, p)
+  o_Bchv, leaving_Bhkv = gdn.apply_entry_state(*maps, entering_Bhkv)
+  return block.output(x_BcD, o_Bchv, z_Bchv), leaving_Bhkv, own_halo
+
+
+def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int):
+  """A peer's linear layer on rank `rank`'s two zigzag chunks r and 2p-1-r (module
+  docstring): (x [B, 2c, D], the prompt's final state [B, h, k, v] (the same on every rank),
+  the last w real inputs of the prompt's last chunk [B, w, C] (rank 0 holds it))."""
+  p, c = num_ranks, zigzag.chunk_len(context_len, num_ranks)
+  mixed, z_B2chv, g, beta = block.inputs(x_B2cD)
+  w = block.conv[...].shape[0] - 1
+  halves = [slice(0, c), slice(c, 2 * c)]
+  chunk_ids = (rank, 2 * p - 1 - rank)
+  reals = [jnp.clip(context_len - j * c, 0, c) for j in chunk_ids]
+  tails = [mixed[:, s][:, c - w :] for s in halves]  # every chunk but the last is whole
+  # Chunk r's halo is chunk r-1's tail (rank r-1's first half); chunk 2p-1-r's is chunk
+  # 2p-2-r's (rank r+1's second half), rank p-1's second chunk (p) takes its own first's.
+  first_halo = jax.lax.ppermute(tails[0], AXIS, perm=[(i, i + 1) for i in range(p - 1)])
+  second_halo = jax.lax.ppermute(tails[1], AXIS, perm=[(i + 1, i) for i in range(p - 1)])
+  second_halo = jnp.where(rank == p - 1, tails[0], second_halo)
+  spans = [
+    _span_maps(block, mixed[:, s], halo, g[:, s], beta[:, s], real, chunk == 0)
+    for s, halo, real, chunk in zip(
+      halves, (first_halo, second_halo), reals, chunk_ids, strict=True
+    )
+  ]
+  A_2Bhkk = jnp.stack([m[2] for m, _ in spans])
+  B_2Bhkv = jnp.stack([m[3] for m, _ in spans])
+  # Every chunk's map on every rank: [p, 2, ...] -> chunk order (rank r's halves are r and
+  # 2p-1-r), then the states entering each chunk by composing them in order.
+  A_all = jax.lax.all_gather(A_2Bhkk, AXIS)
+  B_all = jax.lax.all_gather(B_2Bhkv, AXIS)
+  order = [(j, 0) if j < p else (2 * p - 1 - j, 1) for j in range(2 * p)]
+  entering = [jnp.zeros_like(B_2Bhkv[0])]
+  for r, half in order:
+    entering.append(jnp.einsum("Bhkj,Bhjv->Bhkv", A_all[r, half], entering[-1]) + B_all[r, half])
+  entering_j = jnp.stack(entering)  # [2p + 1, ...]: entering[j] enters chunk j
+  outs = []
+  for (maps, _), chunk in zip(spans, chunk_ids, strict=True):
+    o_Bchv, _ = gdn.apply_entry_state(*maps, entering_j[chunk])
+    outs.append(o_Bchv)
+  x_B2cD = block.output(x_B2cD, jnp.concatenate(outs, axis=1), z_B2chv)
+  return x_B2cD, entering_j[-1], spans[1][1]
+
+
+@kept_cache(16)
+def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel):
+  """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
+  [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
+  the prompt's last position's, {"full": each full layer's K,V output as the strategy emits
+  it [p, L_full, ...], "state": [p, L_linear, B, h, k, v], "halo": [p, L_linear, B, w, C]})."""
+  if strategy not in STRATEGIES:
+    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
+  body_of, keep_last_hop = _BODIES[strategy]
+  make_body = body_of(graphdef, chunks, kernel, False, keep_last_hop)
+  p, context_len = len(chunks), sum(chunks)
+  P = jax.P
+
+  def program(state, tokens_1BT):
+    count_trace(f"{strategy}-hybrid")
+    model = nnx.merge(graphdef, state)
+    full_config = model.config.of_kind(FULL_ATTENTION)
+    rank = jax.lax.axis_index(AXIS)
+    # The strategy's rank sees a model of full layers (the ones it runs).
+    full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
+    body = make_body(full_model, rank, tokens_1BT[0], no_reduce)
+
+    def linear_layer(block, x):
+      if strategy == "kvr":
+        return chain_linear_layer(block, x, rank, chunks)
+      return zigzag_linear_layer(block, x, rank, context_len, p)
+
+    def full_layer(block, x, carry, i):
+      block.config = full_config
+      return body.layer(block, x, carry, i)
+
+    x = model.embed(body.tokens_BT)
+    out = _empty_outputs(model, body, full_layer, linear_layer, x)
+
+    def on_full(block, i, carry):
+      x, layer_carry, out = carry
+      x, layer_carry, kv_out = full_layer(block, x, layer_carry, i)
+      full = jax.tree.map(lambda s, new: s.at[i].set(new), out["full"], kv_out)
+      return x, layer_carry, dict(out, full=full)
+
+    def on_linear(block, i, carry):
+      x, layer_carry, out = carry
+      x, leaving, halo = linear_layer(block, x)
+      out = dict(out, state=out["state"].at[i].set(leaving), halo=out["halo"].at[i].set(halo))
+      return x, layer_carry, out
+
+    x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
+    logits_BV = model.logits(body.last_row(x)[:, None])[:, 0]
+    logits_BV = logits_to_last_rank(logits_BV, body.owner, p)
+    return jax.tree.map(lambda a: a[None], (logits_BV, out))
+
+  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
+  return jax.jit(body)
+
+
+def _empty_outputs(model, body, full_layer, linear_layer, x) -> dict:
+  """Zero buffers, varying over the ranks, for what every layer outputs: their shapes from
+  one full and one linear layer traced abstractly (`jax.eval_shape`) on the first rows of
+  the stacks."""
+  cfg = model.config
+  out = {}
+  for name, layer_type, stack, run in (
+    ("full", FULL, model.blocks, lambda b: full_layer(b, x, body.carry, 0)[2]),
+    ("linear", LINEAR, model.linear_blocks, lambda b: linear_layer(b, x)[1:]),
+  ):
+    count = len(cfg.layers_of(layer_type))
+    if not count:  # no layer of this kind: its branch never runs
+      out.update({"full": None} if name == "full" else {"state": None, "halo": None})
+      continue
+    graphdef, stacked = nnx.split(stack)
+    first_rows = jax.tree.map(lambda w: w[0], stacked)
+    # The block is made inside the abstract trace: a layer may set its config there.
+    shapes = jax.eval_shape(lambda: run(nnx.merge(graphdef, first_rows)))  # noqa: B023
+    zeros = jax.tree.map(
+      lambda s: jax.lax.pcast(jnp.zeros((count, *s.shape), s.dtype), (AXIS,), to="varying"),
+      shapes,
+    )
+    if name == "full":
+      out["full"] = zeros
+    else:
+      out["state"], out["halo"] = zeros
+  return out
