@@ -24,6 +24,9 @@ exact shapes and with the default length buckets: programs compiled, the stream 
 warm TTFT (the cost of padding), e.g.
   python -m launch.benchmark --mode=buckets --model=tiny-llama --num_devices=4 \
     --stream_lengths=1000,4096 --stream_prompts=20
+--mode=hybrid times a hybrid model (bench-qwen3.5: Gated DeltaNet and full layers) under
+KV-Runahead, ring and all-gather CP on p pinned processes, and single alone, e.g.
+  python -m launch.benchmark --mode=hybrid --model=bench-qwen3.5 --context_lens=8192,16384
 --link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
   python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=2gbit,500mbit
 The logic is in kvr_jax.tools (a module per job: sweep, transformers_baseline, kernel_timing,
@@ -49,6 +52,7 @@ from kvr_jax.strategies import get_strategy
 from kvr_jax.tools import (
   accelerator,
   bucket_stream,
+  hybrid_bench,
   kernel_timing,
   measured,
   memory_grid,
@@ -77,6 +81,7 @@ flags.DEFINE_enum(
     "timeline",
     "accelerator",
     "buckets",
+    "hybrid",
   ],
   "What to measure.",
 )
@@ -358,6 +363,31 @@ def multiprocess_mode():
   return 0
 
 
+def hybrid_mode():
+  common_flags = [
+    "--mode=hybrid",
+    f"--model={FLAGS.model}",
+    f"--context_lens={','.join(FLAGS.context_lens)}",
+    f"--repeats={FLAGS.repeats}",
+  ]
+  with common.user_errors():
+    if FLAGS.num_processes < 2:
+      raise ValueError("--num_processes must be >= 2 in hybrid mode")
+  rows = []
+  for processes in (FLAGS.num_processes, 1):  # the strategies, then single alone
+    outcomes = distributed.launch_local(
+      "launch.bench_worker", common_flags, processes, pin_cores=True, timeout=3600
+    )
+    rows += [row for o in outcomes for result in o.results() for row in result["rows"]]
+  table = hybrid_bench.hybrid_table(rows, FLAGS.model, FLAGS.num_processes)
+  table.print()
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  path = os.path.join(FLAGS.output_dir, f"hybrid_{FLAGS.model}.json")
+  table.write_json(path)
+  print(f"wrote {path}")
+  return 0
+
+
 def buckets_mode():
   """A stream of prompts of random new lengths, exact shapes against bucket ladders."""
   emulated = common.setup_devices(FLAGS.num_devices)
@@ -429,7 +459,7 @@ def accelerator_mode():
 # Modes that run ranks of several devices (tensor parallelism inside each rank).
 MODEL_PARALLEL_MODES = ("devices", "memory")
 # Modes that write files into --output_dir.
-WRITING_MODES = ("devices", "multiprocess", "timeline", "accelerator", "buckets")
+WRITING_MODES = ("devices", "multiprocess", "timeline", "accelerator", "buckets", "hybrid")
 
 
 def check_shared_flags():
@@ -486,6 +516,7 @@ MODES = {
   "timeline": timeline_mode,
   "accelerator": accelerator_mode,
   "buckets": buckets_mode,
+  "hybrid": hybrid_mode,
 }
 
 

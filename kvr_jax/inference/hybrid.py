@@ -3,7 +3,8 @@ or a peer, and greedy decoding from the cache the last rank then holds: `prefill
 `generate_hybrid` (kvr_jax/strategies/hybrid.py is the program).
 
 Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
-built for K,V caches): one process, rows of one length, the cache whole on the last rank.
+built for K,V caches): rows of one length, the cache whole on the last rank (the peers' only
+in one process).
 Every argument is checked before anything compiles.
 """
 
@@ -50,10 +51,15 @@ def prefill_hybrid(
   attention="dense",
   max_new_tokens: int = 0,
   strategy: str = "kvr",
+  join: bool = True,
 ) -> HybridPrefill:
   """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
-  max_new_tokens: room the cache keeps for decoding."""
+  max_new_tokens: room the cache keeps for decoding. join=False: return as soon as the last
+  rank's logits exist, the cache left where the program put it (`cache` None; what the
+  benchmark times). With a mesh over several processes only the last rank's process gets the
+  logits (and, for KV-Runahead, the cache); the peers' cache move across processes is not
+  built (join=False there)."""
   if not isinstance(model, Model) or not unbuilt_kinds(model.config):
     raise ValueError(
       "prefill_hybrid takes a loaded hybrid model (linear-attention layers, e.g. Qwen3.5); "
@@ -66,8 +72,11 @@ def prefill_hybrid(
   p = check_mesh(mesh)
   if p < 2:
     raise ValueError("prefill_hybrid runs on 2 or more ranks; on one device use model.module")
-  if jax.process_count() > 1:
-    raise ValueError("prefill_hybrid runs in one process (across processes: not built)")
+  if join and strategy != "kvr" and jax.process_count() > 1:
+    raise ValueError(
+      f"{strategy} on a hybrid model across processes: moving its cache onto the last rank "
+      "is not built; pass join=False (the cache stays where it was computed)"
+    )
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -81,13 +90,16 @@ def prefill_hybrid(
   logits_pBV, out = program(state, tokens_pBc)
   owner = rank_device(mesh, p - 1)
   capacity = T + max_new_tokens
+  logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
+  if not join or logits_BV is None:
+    return HybridPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds everything: no move
     mine = jax.tree.map(lambda a: shard_on(a, owner), out)
     cache = jax.jit(_kvr_cache, static_argnums=(1, 2))(mine, chunks, capacity)
   else:  # the parts move to the last rank; the last chunk's halo is rank 0's
     on_owner = jax.tree.map(lambda a: _gathered_on(a, mesh, owner), out)
     cache = jax.jit(_zigzag_cache, static_argnums=(1, 2, 3))(on_owner, T, p, capacity)
-  return HybridPrefill(shard_on(logits_pBV, owner), cache, chunks, capacity, strategy != "kvr")
+  return HybridPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
 
 
 def _gathered_on(array, mesh, device):

@@ -1,0 +1,126 @@
+"""The measured prefill of a hybrid model (`launch.benchmark --mode=hybrid`): KV-Runahead (its
+split from the cost model with this machine's `local` presets, and even), ring and all-gather
+CP over p processes, and the single device alone, every figure MEASURED here.
+
+A call ends when the last rank's logits of the prompt's last position are ready, the cache
+left where the program put it (`prefill_hybrid(join=False)`): KV-Runahead's last rank then
+already holds the whole cache, the peers' is spread over their ranks (their move onto the
+last rank is not in the figure: the comparison favours the peers). The variants of one
+length are called once each (their compiles), then `rounds` rounds time one call of each in
+a rotating order, as kvr_jax.tools.timing does for `prefill`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+from flax import nnx
+
+from kvr_jax.core.chunks import even_partition
+from kvr_jax.inference.hybrid import prefill_hybrid
+from kvr_jax.planning import costmodel, presets, search
+from kvr_jax.runtime.loading import load_model
+from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.tools.report import Table
+from kvr_jax.tools.timing import synthetic_prompt
+
+PEERS = ("ring", "allgather")
+
+
+def _variants(model, context_len: int, num_ranks: int) -> dict:
+  """name -> a call of one prefill (no arguments), for this length."""
+  tokens = synthetic_prompt(model.config.vocab_size, context_len)
+  if num_ranks == 1:
+    graphdef = model.graphdef
+
+    @jax.jit
+    def single(state, tokens_BT):
+      module = nnx.merge(graphdef, state)
+      x_BTD, _ = module.forward(tokens_BT, "flash")
+      return module.logits(x_BTD[:, -1:])[:, 0]
+
+    state = model.state
+    return {"single": lambda: single(state, tokens)}
+  mesh = make_mesh(num_ranks)
+  setup = presets.make_setup(dtype_bytes=4, **costmodel.kernel_flags("flash"))
+  searched = search.modelled_search(model.config, context_len, num_ranks, setup)
+  even = even_partition(context_len, num_ranks)
+
+  def call(strategy, partition=None):
+    return lambda: (
+      prefill_hybrid(
+        model, tokens, mesh, partition, "flash", strategy=strategy, join=False
+      ).logits_BV
+    )
+
+  variants = {
+    "kvr-search": call("kvr", searched),
+    "kvr-even": call("kvr", even),
+    **{peer: call(peer) for peer in PEERS},
+  }
+  return variants, {"kvr-search": searched, "kvr-even": even}
+
+
+def _timed(call) -> float:
+  start = time.perf_counter()
+  logits = call()
+  if logits is not None:  # the last rank's process; the others finish their part
+    logits.block_until_ready()
+  return time.perf_counter() - start
+
+
+def hybrid_bench_job(model_name: str, context_lens, rounds: int) -> list[dict] | None:
+  """Rows (variant, C, samples_s, split) on the process of the last rank; None elsewhere."""
+  model = load_model(model_name, dtype="float32")
+  p = jax.device_count()
+  rows = []
+  for C in context_lens:
+    made = _variants(model, C, p)
+    variants, splits = (made, {}) if p == 1 else made
+    for call in variants.values():
+      _timed(call)  # compile
+    samples = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+      for name in names[r % len(names) :] + names[: r % len(names)]:
+        samples[name].append(_timed(variants[name]))
+    for name in names:
+      split = splits.get(name)
+      rows.append({"variant": name, "context_len": C, "samples_s": samples[name], "split": split})
+  last = jax.devices()[-1]
+  return rows if last.process_index == jax.process_index() else None
+
+
+def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
+  """Median and min-max per variant and length, against the faster peer and single."""
+  by = {(r["context_len"], r["variant"]): r["samples_s"] for r in rows}
+  lines, records = [], []
+  for C in sorted({r["context_len"] for r in rows}):
+    peer = min((statistics.median(by[C, s]) for s in PEERS if (C, s) in by), default=None)
+    single = statistics.median(by[C, "single"]) if (C, "single") in by else None
+    for r in (r for r in rows if r["context_len"] == C):
+      median, low, high = (
+        statistics.median(r["samples_s"]),
+        min(r["samples_s"]),
+        max(r["samples_s"]),
+      )
+      vs_peer = "" if peer is None else f"{peer / median:.2f}x"
+      vs_single = "" if single is None else f"{single / median:.2f}x"
+      split = "" if r["split"] is None else ",".join(str(c) for c in r["split"])
+      lines.append(
+        f"{C:>7} {r['variant']:<11}{median:>9.3f} {low:>7.3f}-{high:<7.3f}{vs_peer:>8} "
+        f"{vs_single:>9}  {split}"
+      )
+      records.append(dict(r, median_s=median))
+  title = (
+    f"MEASURED, {model}: {num_processes} processes x 1 pinned core (single: 1 process, 1 "
+    "core), seconds to the last rank's logits (cache left where computed), median of the "
+    "rounds and min-max",
+  )
+  header = (
+    f"{'C':>7} {'variant':<11}{'median s':>9} {'min-max s':<15}{'vs peer':>8} {'vs single':>9}"
+    "  split"
+  )
+  return Table(title, header, tuple(lines), tuple(records))
