@@ -81,3 +81,25 @@ def test_simulate_models_each_kind_of_a_hybrid_as_its_own(qwen, setup):
   only_full = dataclasses.replace(qwen, num_layers=16, layer_types=("full_attention",) * 16)
   assert costmodel.simulate(only_full, "kvr", C, setup, **kw).ttft < hybrid
   assert hybrid < costmodel.simulate(every_full, "kvr", C, setup, **kw).ttft
+
+
+def test_hybrid_benchmark_table_compares_each_variant_with_the_faster_peer_and_single():
+  from kvr_jax.tools.hybrid_bench import hybrid_table
+
+  rows = [
+    {
+      "variant": "kvr-search",
+      "context_len": 8192,
+      "samples_s": [1.0, 1.2, 1.1],
+      "split": (5000, 3192),
+    },
+    {"variant": "ring", "context_len": 8192, "samples_s": [1.6, 1.5, 1.4], "split": None},
+    {"variant": "allgather", "context_len": 8192, "samples_s": [1.8, 1.7, 1.9], "split": None},
+    {"variant": "single", "context_len": 8192, "samples_s": [2.2, 2.2, 2.2], "split": None},
+  ]
+  table = hybrid_table(rows, "bench-qwen3.5", 2)
+  kvr = table.lines[0].split()
+  assert kvr[:4] == ["8192", "kvr-search", "1.100", "1.000-1.200"]
+  assert kvr[4:7] == ["1.36x", "2.00x", "5000,3192"]  # ring's median 1.5 / 1.1; single 2.2 / 1.1
+  assert table.lines[1].split()[4] == "1.00x"  # the faster peer against itself
+  assert [r["median_s"] for r in table.records] == [1.1, 1.5, 1.8, 2.2]
