@@ -91,6 +91,8 @@ def prefill_hybrid(
   owner = rank_device(mesh, p - 1)
   capacity = T + max_new_tokens
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
+  if logits_BV is None:  # another process's rank is last: this one returns when its part is done
+    jax.block_until_ready(out)
   if not join or logits_BV is None:
     return HybridPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds everything: no move
