@@ -17,6 +17,7 @@ import time
 
 import jax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from kvr_jax.core.chunks import even_partition
 from kvr_jax.inference.hybrid import prefill_hybrid
@@ -63,12 +64,18 @@ def _variants(model, context_len: int, num_ranks: int) -> dict:
   return variants, {"kvr-search": searched, "kvr-even": even}
 
 
-def _timed(call) -> float:
+def _timed(call) -> tuple[float, float]:
+  """(seconds to the last rank's logits, seconds until every process has finished its part).
+  Every call ends with all processes idle (a barrier), so no rank's leftover work (a rank
+  before the last still attends its own rows in the last layer, which the last rank's
+  logits do not wait for) runs into the next call."""
   start = time.perf_counter()
   logits = call()
   if logits is not None:  # the last rank's process; the others finish their part
     logits.block_until_ready()
-  return time.perf_counter() - start
+  first = time.perf_counter() - start
+  multihost_utils.sync_global_devices("hybrid_bench call")
+  return first, time.perf_counter() - start
 
 
 def hybrid_bench_job(model_name: str, context_lens, rounds: int) -> list[dict] | None:
@@ -87,8 +94,11 @@ def hybrid_bench_job(model_name: str, context_lens, rounds: int) -> list[dict] |
       for name in names[r % len(names) :] + names[: r % len(names)]:
         samples[name].append(_timed(variants[name]))
     for name in names:
+      ttft, done = zip(*samples[name], strict=True)
       split = splits.get(name)
-      rows.append({"variant": name, "context_len": C, "samples_s": samples[name], "split": split})
+      rows.append(
+        {"variant": name, "context_len": C, "samples_s": ttft, "done_s": done, "split": split}
+      )
   last = jax.devices()[-1]
   return rows if last.process_index == jax.process_index() else None
 
@@ -106,21 +116,22 @@ def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
         min(r["samples_s"]),
         max(r["samples_s"]),
       )
+      done = statistics.median(r.get("done_s") or r["samples_s"])
       vs_peer = "" if peer is None else f"{peer / median:.2f}x"
       vs_single = "" if single is None else f"{single / median:.2f}x"
       split = "" if r["split"] is None else ",".join(str(c) for c in r["split"])
       lines.append(
         f"{C:>7} {r['variant']:<11}{median:>9.3f} {low:>7.3f}-{high:<7.3f}{vs_peer:>8} "
-        f"{vs_single:>9}  {split}"
+        f"{vs_single:>9}{done:>10.3f}  {split}"
       )
-      records.append(dict(r, median_s=median))
+      records.append(dict(r, median_s=median, done_median_s=done))
   title = (
     f"MEASURED, {model}: {num_processes} processes x 1 pinned core (single: 1 process, 1 "
     "core), seconds to the last rank's logits (cache left where computed), median of the "
-    "rounds and min-max",
+    "rounds and min-max; all done: median seconds until every process finished its part",
   )
   header = (
     f"{'C':>7} {'variant':<11}{'median s':>9} {'min-max s':<15}{'vs peer':>8} {'vs single':>9}"
-    "  split"
+    f"{'all done':>10}  split"
   )
   return Table(title, header, tuple(lines), tuple(records))
