@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
 from kvr_jax.runtime.cache_layout import unfold_batch
 from kvr_jax.runtime.loading import Model
@@ -192,7 +193,10 @@ def generate_hybrid(
   return np.stack([np.asarray(t) for t in out], axis=1)
 
 
+@kept_cache(8)
 def _decode_step(graphdef):
+  """The jitted decode step of a model's structure, made once per graphdef (not per call)."""
+
   @jax.jit
   def step(state, tokens_B, positions_B, cache):
     return nnx.merge(graphdef, state).decode_step(tokens_B, positions_B, cache)
