@@ -17,6 +17,7 @@ from flax import nnx
 
 from models import gated_deltanet as gdn
 from models.base import no_reduce, normal_param, ones_param, zeros_param
+from models.experts import mixture_of_experts
 from models.norms import rms_norm_one_plus
 
 
@@ -27,18 +28,46 @@ def swiglu(h_BTD, w_gate_DF, w_up_DF, w_down_FD):
 
 
 class OnePlusNormMlp:
-  """The (1 + w) norm, SwiGLU MLP and residual every layer of Qwen3.5 ends with."""
+  """The (1 + w) norm, MLP and residual every layer of Qwen3.5 and Qwen3-Next ends with: a
+  SwiGLU MLP, or (`num_experts` > 0: Qwen3.5-MoE, Qwen3-Next) a mixture of SwiGLU experts
+  (models/experts.py) plus a shared SwiGLU expert that every token runs through, scaled by
+  sigmoid(h . shared_gate) (transformers' `shared_expert_gate`)."""
 
   def init_mlp(self, L: int, dtype, rngs: nnx.Rngs) -> None:
-    D, F = self.config.d_model, self.config.mlp_dim
+    cfg = self.config
+    D, F, E = cfg.d_model, cfg.mlp_dim, cfg.num_experts
     self.mlp_norm = zeros_param((L, D), dtype)  # x (1 + w): zero is the identity
-    self.w_gate = normal_param(rngs, (L, D, F), dtype)
-    self.w_up = normal_param(rngs, (L, D, F), dtype)
-    self.w_down = normal_param(rngs, (L, F, D), dtype)
+    experts = (L, E) if E else (L,)  # a dense MLP is one expert, without the axis
+    self.w_gate = normal_param(rngs, (*experts, D, F), dtype)
+    self.w_up = normal_param(rngs, (*experts, D, F), dtype)
+    self.w_down = normal_param(rngs, (*experts, F, D), dtype)
+    if E:
+      Fs = cfg.shared_expert_dim
+      self.router = normal_param(rngs, (L, D, E), dtype)
+      self.w_shared_gate = normal_param(rngs, (L, D, Fs), dtype)
+      self.w_shared_up = normal_param(rngs, (L, D, Fs), dtype)
+      self.w_shared_down = normal_param(rngs, (L, Fs, D), dtype)
+      self.shared_gate = normal_param(rngs, (L, D), dtype)
 
   def mlp(self, x_BTD, reduce=no_reduce):
-    h_BTD = rms_norm_one_plus(x_BTD, self.mlp_norm[...], self.config.norm_eps)
-    return x_BTD + reduce(swiglu(h_BTD, self.w_gate[...], self.w_up[...], self.w_down[...]))
+    cfg = self.config
+    h_BTD = rms_norm_one_plus(x_BTD, self.mlp_norm[...], cfg.norm_eps)
+    if not cfg.num_experts:
+      return x_BTD + reduce(swiglu(h_BTD, self.w_gate[...], self.w_up[...], self.w_down[...]))
+    routed_BTD = mixture_of_experts(
+      h_BTD,
+      self.router[...],
+      self.w_gate[...],
+      self.w_up[...],
+      self.w_down[...],
+      cfg.experts_per_token,
+      cfg.normalize_expert_weights,
+    )
+    shared_BTD = swiglu(
+      h_BTD, self.w_shared_gate[...], self.w_shared_up[...], self.w_shared_down[...]
+    )
+    scale_BT1 = jax.nn.sigmoid(jnp.einsum("BTD,D->BT", h_BTD, self.shared_gate[...]))[..., None]
+    return x_BTD + reduce(routed_BTD + scale_BT1.astype(shared_BTD.dtype) * shared_BTD)
 
 
 class LinearState(NamedTuple):

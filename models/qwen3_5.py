@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.base import Block, CausalLM, no_reduce, normal_param, zeros_param
@@ -58,9 +59,19 @@ class Qwen35Config(ModelConfig):
   linear_value_head_dim: int
   linear_conv_kernel: int = 4
   partial_rotary_factor: float = 0.25
+  # A mixture of experts in every layer's MLP (Qwen3.5-MoE, Qwen3-Next; 0: a dense MLP of
+  # `mlp_dim` columns): `num_experts` SwiGLU experts of `mlp_dim` columns, each token through
+  # its `experts_per_token` most probable (renormalised over them when
+  # `normalize_expert_weights`), plus one shared SwiGLU expert of `shared_expert_dim` columns
+  # scaled by its sigmoid gate.
+  num_experts: int = 0
+  experts_per_token: int = 0
+  normalize_expert_weights: bool = True
+  shared_expert_dim: int = 0
 
   def __post_init__(self):
     super().__post_init__()
+    self._check_experts()
     if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {LINEAR, FULL}:
       raise ValueError(
         f"`layer_types` must name {LINEAR!r} or {FULL!r} for each of the {self.num_layers} "
@@ -89,6 +100,44 @@ class Qwen35Config(ModelConfig):
       )
     if self.sliding_window is not None or self.layer_windows is not None:
       raise ValueError("Qwen3.5 has no sliding window")
+
+  def _check_experts(self) -> None:
+    E, k, Fs = self.num_experts, self.experts_per_token, self.shared_expert_dim
+    for name, value in (("num_experts", E), ("experts_per_token", k), ("shared_expert_dim", Fs)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"config field `{name}` must be an integer >= 0, got {value!r}")
+    if E and not 1 <= k <= E:
+      raise ValueError(f"`experts_per_token` must be in [1, num_experts={E}], got {k}")
+    if E and not Fs:
+      raise ValueError(
+        "`shared_expert_dim` must be > 0 with experts: Qwen3.5-MoE and Qwen3-Next add a "
+        "shared expert to every layer's mixture"
+      )
+    if not E and (k or Fs):
+      raise ValueError(
+        f"`experts_per_token`={k} and `shared_expert_dim`={Fs} need `num_experts` > 0 "
+        "(a dense MLP has neither)"
+      )
+
+  # What the cost model counts of the MLP: the routed experts' columns and the shared
+  # expert's; the router's E columns and the shared expert's one-column gate.
+  @property
+  def router_dim(self) -> int:
+    return self.num_experts + 1 if self.num_experts else 0
+
+  @property
+  def active_mlp_dim(self) -> int:
+    if not self.num_experts:
+      return self.mlp_dim
+    return self.mlp_dim * self.experts_per_token + self.shared_expert_dim
+
+  def mlp_weight_dim(self, num_tokens: float) -> float:
+    """MLP columns whose weights `num_tokens` tokens read (every routed expert some token
+    chooses, at most E and at most T k, and the shared one)."""
+    if not self.num_experts:
+      return self.mlp_dim
+    routed = min(self.num_experts, num_tokens * self.experts_per_token)
+    return self.mlp_dim * routed + self.shared_expert_dim
 
   @property
   def rotary_dim(self) -> int:
@@ -149,13 +198,21 @@ class Qwen35Config(ModelConfig):
     h, v = self.linear_num_value_heads, self.linear_value_head_dim
     return D * C + D * h * v + 2 * D * h + C * W + 2 * h + v + h * v * D
 
+  def mlp_params(self) -> int:
+    """A layer's MLP: the dense SwiGLU, or every expert, the shared one, the router and the
+    shared expert's gate."""
+    D, F, E = self.d_model, self.mlp_dim, self.num_experts
+    if not E:
+      return self.mlp_matrices * D * F
+    return self.mlp_matrices * D * (E * F + self.shared_expert_dim) + D * (E + 1)
+
   def num_params(self) -> int:
-    D, F = self.d_model, self.mlp_dim
+    D = self.d_model
     mixers = (
       len(self.layers_of(FULL)) * self.attention_params()
       + len(self.layers_of(LINEAR)) * self.linear_attention_params()
     )
-    per_layer = self.mlp_matrices * D * F + 2 * D
+    per_layer = self.mlp_params() + 2 * D
     head = 0 if self.tie_embeddings else self.vocab_size * D
     return self.vocab_size * D + mixers + self.num_layers * per_layer + D + head
 
@@ -335,16 +392,20 @@ def scan_layers(model: Qwen35, on_full, on_linear, carry):
 
 # --- Hugging Face config.json and tensor names
 
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+# The language-model configs this family reads, and the multimodal checkpoints whose
+# `text_config` is one (their vision tower is not loaded).
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
-  """A `qwen3_5` checkpoint's language model config (its `text_config`), else `hf` itself."""
-  if hf.get("model_type") == "qwen3_5":
+  """A multimodal checkpoint's language model config (its `text_config`), else `hf` itself."""
+  model_type = hf.get("model_type")
+  if model_type in _TEXT_MODEL_TYPE:
     text = hf.get("text_config")
     if not isinstance(text, dict):
-      raise ValueError("config.json: a `qwen3_5` checkpoint needs its `text_config` dict")
-    return {**text, "model_type": "qwen3_5_text"}
+      raise ValueError(f"config.json: a `{model_type}` checkpoint needs its `text_config` dict")
+    return {**text, "model_type": _TEXT_MODEL_TYPE[model_type]}
   return hf
 
 
@@ -384,7 +445,7 @@ def qwen35_from_hf(hf: dict[str, Any], model_type: str, common: dict[str, Any]) 
     params.pop(key, None)
   rope_hf["rope_parameters"] = params
   rope_hf.pop("partial_rotary_factor", None)
-  linear = {}
+  linear = _experts_from_hf(hf, model_type)
   for ours, theirs, default in (
     ("linear_num_key_heads", "linear_num_key_heads", 16),
     ("linear_num_value_heads", "linear_num_value_heads", 32),
@@ -397,7 +458,6 @@ def qwen35_from_hf(hf: dict[str, Any], model_type: str, common: dict[str, Any]) 
     **common,
     num_kv_heads=kv_heads_from_hf(hf, model_type, num_heads),
     head_dim=hf.get("head_dim") or 256,
-    mlp_dim=hf["intermediate_size"],
     norm_eps=or_default(hf, "rms_norm_eps", model_type, 1e-6),
     rope=rope_from_hf(rope_hf, common["max_position_embeddings"], model_type),
     tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -406,6 +466,49 @@ def qwen35_from_hf(hf: dict[str, Any], model_type: str, common: dict[str, Any]) 
     partial_rotary_factor=float(factor),
     **linear,
   )
+
+
+def _positive_int(hf: dict[str, Any], key: str, model_type: str) -> int:
+  value = or_default(hf, key, model_type)
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"config.json: `{key}` must be an integer >= 1, got {value!r} ({model_type})")
+  return value
+
+
+def _experts_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+  """The MLP fields as transformers reads them: Qwen3.5's dense `intermediate_size`;
+  Qwen3.5-MoE's experts (every layer; its router always renormalises the chosen weights);
+  Qwen3-Next's (`num_experts` 0: dense), whose layers with a dense MLP among the experts
+  (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused by name: one MLP per stack."""
+  if model_type == "qwen3_5_text" or (
+    model_type == "qwen3_next" and or_default(hf, "num_experts", model_type) == 0
+  ):
+    return {"mlp_dim": _positive_int(hf, "intermediate_size", model_type)}
+  if model_type == "qwen3_next":
+    L, step = hf["num_hidden_layers"], or_default(hf, "decoder_sparse_step", model_type)
+    only = hf.get("mlp_only_layers") or []
+    dense = [i for i in range(L) if i in only or not isinstance(step, int) or (i + 1) % step]
+    if dense:
+      raise ValueError(
+        f"config.json: dense MLP layers {dense} among the experts (`mlp_only_layers`={only!r}, "
+        f"`decoder_sparse_step`={step!r}) are not supported: every layer a mixture of experts"
+      )
+  experts = _positive_int(hf, "num_experts", model_type)
+  top_k = _positive_int(hf, "num_experts_per_tok", model_type)
+  if top_k > experts:
+    raise ValueError(
+      f"config.json: `num_experts_per_tok`={top_k} exceeds the {experts} experts ({model_type})"
+    )
+  normalize = or_default(hf, "norm_topk_prob", model_type)
+  if model_type == "qwen3_5_moe_text":
+    normalize = True  # its router renormalises whatever `norm_topk_prob` says
+  return {
+    "mlp_dim": _positive_int(hf, "moe_intermediate_size", model_type),
+    "num_experts": experts,
+    "experts_per_token": top_k,
+    "normalize_expert_weights": bool(normalize),
+    "shared_expert_dim": _positive_int(hf, "shared_expert_intermediate_size", model_type),
+  }
 
 
 # Where a `qwen3_5` checkpoint (with a vision tower) keeps the language model's tensors, and
@@ -444,13 +547,24 @@ def qwen35_targets(cfg: Qwen35Config, name: str) -> list[Target] | None:
   layer_type = cfg.layer_types[layer]
   stack = "blocks" if layer_type == FULL else "linear_blocks"
   row = cfg.layers_of(layer_type).index(layer)
+  if cfg.num_experts:
+    expert = _expert_target(cfg, stack, row, rest)
+    if expert is not None:
+      return expert
+  if layer_type == LINEAR and rest in _FUSED_LINEAR:
+    return _fused_linear_targets(cfg, row, rest)
   per_layer = {
     "input_layernorm.weight": ("attn_norm", same, (D,)),
     "post_attention_layernorm.weight": ("mlp_norm", same, (D,)),
-    "mlp.gate_proj.weight": linear_entry("w_gate", (D,), (F,)),
-    "mlp.up_proj.weight": linear_entry("w_up", (D,), (F,)),
-    "mlp.down_proj.weight": linear_entry("w_down", (F,), (D,)),
   }
+  if not cfg.num_experts:
+    per_layer.update(
+      {
+        "mlp.gate_proj.weight": linear_entry("w_gate", (D,), (F,)),
+        "mlp.up_proj.weight": linear_entry("w_up", (D,), (F,)),
+        "mlp.down_proj.weight": linear_entry("w_down", (F,), (D,)),
+      }
+    )
   if layer_type == FULL:
     if rest == "self_attn.q_proj.weight":  # per head: H query rows, then H gate rows
       split = lambda w, half: w.T.reshape(D, N, 2, H)[:, :, half]  # noqa: E731
@@ -489,6 +603,63 @@ def qwen35_targets(cfg: Qwen35Config, name: str) -> list[Target] | None:
   return [((stack, param), row, fn, hf_shape)]
 
 
+_FUSED_LINEAR = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")
+_EXPERT_PROJECTIONS = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+
+
+def _expert_target(cfg: Qwen35Config, stack: str, row: int, rest: str) -> list[Target] | None:
+  """A mixture's tensors: the router [E, D] -> [D, E]; expert e's gate, up, down -> its slice
+  of w_gate, w_up, w_down [L, E, ...] (index (row, e)); the shared expert's -> w_shared_*;
+  the shared expert's gate [1, D] -> [D]."""
+  D, F, E, Fs = cfg.d_model, cfg.mlp_dim, cfg.num_experts, cfg.shared_expert_dim
+  if rest == "mlp.gate.weight":
+    return [((stack, "router"), row, lambda w: w.T, (E, D))]
+  if rest == "mlp.shared_expert_gate.weight":
+    return [((stack, "shared_gate"), row, lambda w: w[0], (1, D))]
+  m = re.fullmatch(r"mlp\.experts\.(\d+)\.(\w+)\.weight", rest)
+  if m and int(m.group(1)) < E and m.group(2) in _EXPERT_PROJECTIONS:
+    param = _EXPERT_PROJECTIONS[m.group(2)]
+    hf_shape = (D, F) if param == "w_down" else (F, D)
+    return [((stack, param), (row, int(m.group(1))), lambda w: w.T, hf_shape)]
+  m = re.fullmatch(r"mlp\.shared_expert\.(\w+)\.weight", rest)
+  if m and m.group(1) in _EXPERT_PROJECTIONS:
+    param = _EXPERT_PROJECTIONS[m.group(1)].replace("w_", "w_shared_")
+    hf_shape = (D, Fs) if param == "w_shared_down" else (Fs, D)
+    return [((stack, param), row, lambda w: w.T, hf_shape)]
+  return None
+
+
+def _fused_linear_targets(cfg: Qwen35Config, row: int, rest: str) -> list[Target]:
+  """Qwen3-Next's fused in-projections, laid out per key head g: in_proj_qkvz rows [q (k),
+  k (k), v (r v), z (r v)] of each g (r = h / g value heads per key head), in_proj_ba rows
+  [b (r), a (r)] of each g; into Qwen3.5's layout: w_qkv's columns every head's q, then k,
+  then v (value head g r + j, as transformers' reshape orders them), w_z, w_b, w_a."""
+  D, g, d_k = cfg.d_model, cfg.linear_num_key_heads, cfg.linear_key_head_dim
+  h, d_v = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+  r = h // g
+  stack = "linear_blocks"
+  if rest == "linear_attn.in_proj_qkvz.weight":
+    per_head = 2 * d_k + 2 * r * d_v
+    pieces = lambda w: np.split(  # noqa: E731
+      w.T.reshape(D, g, per_head), [d_k, 2 * d_k, 2 * d_k + r * d_v], axis=-1
+    )
+
+    def qkv(w):
+      q, k, v, _ = pieces(w)
+      return np.concatenate([x.reshape(D, -1) for x in (q, k, v)], axis=-1)
+
+    hf_shape = (g * per_head, D)
+    return [
+      ((stack, "w_qkv"), row, qkv, hf_shape),
+      ((stack, "w_z"), row, lambda w: pieces(w)[3].reshape(D, h, d_v), hf_shape),
+    ]
+  split = lambda w, half: w.T.reshape(D, g, 2, r)[:, :, half].reshape(D, h)  # noqa: E731
+  return [
+    ((stack, "w_b"), row, lambda w: split(w, 0), (2 * h, D)),
+    ((stack, "w_a"), row, lambda w: split(w, 1), (2 * h, D)),
+  ]
+
+
 FAMILY = Family(
   architecture="qwen3_5",
   model_types=MODEL_TYPES,
@@ -496,7 +667,6 @@ FAMILY = Family(
   module_class=Qwen35,
   from_hf=qwen35_from_hf,
   tensor_targets=qwen35_targets,
-  required_hf_fields=("intermediate_size",),
   text_config=text_config,
   ignores=ignored_tensor,
 )

@@ -207,6 +207,52 @@ def make_qwen35_model(case: str, seed: int = 0):
   return model
 
 
+# The Qwen hybrids with a mixture of experts in every layer: Qwen3.5-MoE (its text model)
+# and Qwen3-Next (its fused in-projections), four experts of 24 columns, two per token, and a
+# shared expert of 40; the rest as QWEN35_CASES' "default" (Qwen3-Next's linear layers with
+# two value heads per key head, so that its per-key-head layout is not the identity).
+QWEN_MOE_CASES = {
+  "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+  "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+}
+
+
+def make_qwen_moe_model(case: str, seed: int = 0):
+  """A tiny random hybrid mixture of experts (`QWEN_MOE_CASES`), slow decays as
+  `make_qwen35_model`'s."""
+  config_name, model_name = QWEN_MOE_CASES[case]
+  config = getattr(transformers, config_name)(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+  )
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  model = randomize(getattr(transformers, model_name)(config), seed)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+        param.add_(-4.0)
+  return model
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
   with torch.no_grad():
     return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

@@ -255,6 +255,9 @@ def test_families_are_records_registered_in_one_place():
     "gemma3_text",
     "qwen3_5_text",
     "qwen3_5",
+    "qwen3_5_moe_text",
+    "qwen3_5_moe",
+    "qwen3_next",
   }
   assert {arch: cls.architecture for arch, cls in ARCHITECTURES.items()} == {
     "llama": "llama",

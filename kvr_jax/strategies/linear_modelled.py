@@ -36,7 +36,7 @@ STATE_BYTES = 4  # the state is float32
 def linear_phases(config, tokens: float, setup, entry_map: bool) -> dict[str, Work]:
   """{"linear": the projections, convolution and rule (with the entry map where it runs
   ahead), "rest": the correction, gated norm, out_proj and MLP} of `tokens` tokens."""
-  D, F, C, W = config.d_model, config.mlp_dim, config.conv_channels, config.linear_conv_kernel
+  D, C, W = config.d_model, config.conv_channels, config.linear_conv_kernel
   h, k, v = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
   B, db, T = setup.batch, setup.dtype_bytes, tokens
   projections = D * (C + h * v + 2 * h)
@@ -47,10 +47,13 @@ def linear_phases(config, tokens: float, setup, entry_map: bool) -> dict[str, Wo
     db * (projections + C * W) + db * B * T * (D + 2 * C + 2 * h * v),
   )
   correction = h * k * v if entry_map else 0.0
-  mlp = config.mlp_matrices * D * F
+  # The MLP as the roofline counts it: the columns a token runs through (a mixture's chosen
+  # and shared experts) and the router's; weights read of every column some token routes to.
+  F_active, F_read, E = config.active_mlp_dim, config.mlp_weight_dim(B * T), config.router_dim
   rest = Work(
-    2 * B * T * (correction + h * v * D + mlp),
-    db * (h * v * D + mlp) + db * B * T * (2 * h * v + 2 * D + 2 * F),
+    2 * B * T * (correction + h * v * D + config.mlp_matrices * D * F_active + D * E),
+    db * (h * v * D + config.mlp_matrices * D * F_read + D * E)
+    + db * B * T * (2 * h * v + 2 * D + 2 * F_active),
   )
   return {"linear": linear, "rest": rest}
 
