@@ -1,5 +1,6 @@
-"""A mixture of experts on arrays: the router, the top-k choice and the experts' grouped
-matmuls over the rows routed to them (no token dropped).
+"""MLPs on arrays: SwiGLU, and a mixture of experts: the routers (softmax top-k; DeepSeek's
+grouped sigmoid), the top-k choice and the experts' grouped matmuls over the rows routed to
+them (no token dropped).
 
 Dimension legend: T tokens, D model dim, E experts, F expert MLP dim, P = T x top-k pairs."""
 
@@ -15,6 +16,13 @@ import jax.numpy as jnp
 EXPERT_TILE = 128
 
 
+def swiglu(h_BTD, w_gate_DF, w_up_DF, w_down_FD) -> jax.Array:
+  """One SwiGLU MLP (a dense layer's, or a shared expert's): down(silu(gate h) * up h)."""
+  gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, w_gate_DF))
+  up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w_up_DF)
+  return jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, w_down_FD)
+
+
 def mixture_of_experts(
   h_BTD, router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, top_k: int, normalize: bool
 ) -> jax.Array:
@@ -22,6 +30,54 @@ def mixture_of_experts(
 
   The router's softmax is in float32 over all E experts; the top k are kept (renormalised
   over themselves when `normalize`), as transformers' Qwen3-MoE and Mixtral routers compute.
+  Returns [B, T, D] in h's dtype (`run_experts`)."""
+  logits_BTE = jnp.einsum("BTD,DE->BTE", h_BTD, router_DE).astype(jnp.float32)
+  weights_BTk, experts_BTk = jax.lax.top_k(jax.nn.softmax(logits_BTE, axis=-1), top_k)
+  if normalize:
+    weights_BTk = weights_BTk / weights_BTk.sum(axis=-1, keepdims=True)
+  return run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def route_grouped_sigmoid(
+  h_BTD,
+  router_DE,
+  choice_bias_E,
+  top_k: int,
+  num_groups: int,
+  groups_per_token: int,
+  normalize: bool,
+  scaling: float,
+) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V3's router, as transformers computes it: sigmoid scores of float32 logits;
+  the choice adds `choice_bias_E` (e_score_correction_bias) to them and is limited to the
+  `groups_per_token` groups (of E / num_groups experts) whose two best biased scores sum
+  highest; the chosen experts weigh by their unbiased scores, renormalised when `normalize`,
+  times `scaling` (routed_scaling_factor). Returns (weights [B, T, k] float32, experts
+  [B, T, k])."""
+  B, T, _ = h_BTD.shape
+  E = router_DE.shape[-1]
+  logits_BTE = jnp.einsum("BTD,DE->BTE", h_BTD.astype(jnp.float32), router_DE.astype(jnp.float32))
+  scores_BTE = jax.nn.sigmoid(logits_BTE)
+  choice_BTE = scores_BTE + choice_bias_E.astype(jnp.float32)
+  grouped_BTGe = choice_BTE.reshape(B, T, num_groups, E // num_groups)
+  group_scores_BTG = jax.lax.top_k(grouped_BTGe, 2)[0].sum(axis=-1)
+  _, groups_BTg = jax.lax.top_k(group_scores_BTG, groups_per_token)
+  kept_BTG = (
+    jnp.zeros((B, T, num_groups), bool)
+    .at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], groups_BTg]
+    .set(True)
+  )
+  kept_BTE = jnp.repeat(kept_BTG, E // num_groups, axis=-1)
+  _, experts_BTk = jax.lax.top_k(jnp.where(kept_BTE, choice_BTE, -jnp.inf), top_k)
+  weights_BTk = jnp.take_along_axis(scores_BTE, experts_BTk, axis=-1)
+  if normalize:
+    weights_BTk = weights_BTk / (weights_BTk.sum(axis=-1, keepdims=True) + 1e-20)
+  return weights_BTk * scaling, experts_BTk
+
+
+def run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD) -> jax.Array:
+  """Each token through its chosen SwiGLU experts, summed by their weights; no token dropped.
+
   FLOPs follow the active experts: the T k (token, expert) pairs are sorted by expert, each
   expert's run padded to whole tiles of EXPERT_TILE rows, and a loop whose trip count is the
   number of tiles in use runs one [tile, D] x [D, F] matmul of one expert per step (at most
@@ -29,14 +85,10 @@ def mixture_of_experts(
   on CPU). Returns [B, T, D] in h's dtype.
   """
   B, T, D = h_BTD.shape
-  E = router_DE.shape[-1]
+  E, top_k = w_gate_EDF.shape[0], experts_BTk.shape[-1]
   h_SD = h_BTD.reshape(B * T, D)  # S = B T tokens
-  logits_SE = jnp.einsum("SD,DE->SE", h_SD, router_DE).astype(jnp.float32)
-  weights_Sk, experts_Sk = jax.lax.top_k(jax.nn.softmax(logits_SE, axis=-1), top_k)
-  if normalize:
-    weights_Sk = weights_Sk / weights_Sk.sum(axis=-1, keepdims=True)
-  rows, tile = expert_rows(experts_Sk.reshape(-1), E, EXPERT_TILE)
-  pairs = experts_Sk.size  # P = S k (token, expert) pairs
+  rows, tile = expert_rows(experts_BTk.reshape(-1), E, EXPERT_TILE)
+  pairs = experts_BTk.size  # P = S k (token, expert) pairs
   token_P = jnp.arange(pairs) // top_k
   x_RD = jnp.zeros((rows.num_rows, D), h_SD.dtype).at[rows.row_P].set(h_SD[token_P])
 
@@ -48,7 +100,7 @@ def mixture_of_experts(
     return jax.lax.dynamic_update_slice_in_dim(y_RD, y_tD.astype(y_RD.dtype), t * tile, axis=0)
 
   y_RD = jax.lax.fori_loop(0, rows.tiles_used, one_tile, jnp.zeros_like(x_RD))
-  weighted_PD = y_RD[rows.row_P] * weights_Sk.reshape(-1)[:, None].astype(y_RD.dtype)
+  weighted_PD = y_RD[rows.row_P] * weights_BTk.reshape(-1)[:, None].astype(y_RD.dtype)
   out_SD = jnp.zeros_like(h_SD).at[token_P].add(weighted_PD)
   return out_SD.reshape(B, T, D)
 

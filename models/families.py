@@ -1,7 +1,7 @@
 """The model families, registered in one place: one `Family` record per family file
-(models/llama.py, falcon.py, gemma.py, qwen3_5.py), and what reads the registry: a config
-from a dict (presets, checkpoints) or from a Hugging Face `config.json`, a config's module
-class and its Hugging Face tensor names.
+(models/llama.py, falcon.py, gemma.py, qwen3_5.py, deepseek_v3.py), and what reads the
+registry: a config from a dict (presets, checkpoints) or from a Hugging Face `config.json`, a
+config's module class and its Hugging Face tensor names.
 
 A new family is its file (config class, module, config.json translation, tensor names, its
 `FAMILY` record), one line in FAMILIES and its tests.
@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from models import falcon, gemma, llama, qwen3_5
+from models import deepseek_v3, falcon, gemma, llama, qwen3_5
 from models.config import ModelConfig, RopeConfig, check_dict_fields
 from models.family import Family
 from models.hf_config import check_fields, or_default
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, falcon.FAMILY, gemma.FAMILY, qwen3_5.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+  llama.FAMILY,
+  falcon.FAMILY,
+  gemma.FAMILY,
+  qwen3_5.FAMILY,
+  deepseek_v3.FAMILY,
+)
 
 ARCHITECTURES: dict[str, type[ModelConfig]] = {f.architecture: f.config_class for f in FAMILIES}
 FAMILY_OF_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}

@@ -17,14 +17,8 @@ from flax import nnx
 
 from models import gated_deltanet as gdn
 from models.base import no_reduce, normal_param, ones_param, zeros_param
-from models.experts import mixture_of_experts
+from models.experts import mixture_of_experts, swiglu
 from models.norms import rms_norm_one_plus
-
-
-def swiglu(h_BTD, w_gate_DF, w_up_DF, w_down_FD):
-  gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, w_gate_DF))
-  up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w_up_DF)
-  return jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, w_down_FD)
 
 
 class OnePlusNormMlp:

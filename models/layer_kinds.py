@@ -10,11 +10,13 @@ one layer body per distinct kind (`ModelConfig.kinds`) and gives each its one-ki
   can keep it as its cache: `hop_keeps_whole_prefix`), which keys a query sees (`first_key`);
 - decode and the memory tool: how many positions of the past decode reads (`decode_keys`).
 
-Two kinds today: softmax attention over a K,V prefix, with or without a sliding window
-(`AttentionKind`), and Gated DeltaNet linear attention, whose past is a fixed-size state
-(`GatedDeltaNetKind`, Qwen3.5's linear layers: models/gated_deltanet.py). The strategies run
-the first; a model with the second runs on one device (kvr_jax refuses it by name before
-anything compiles, `unbuilt_kinds`) until its state hop is built.
+Three kinds today: softmax attention over a K,V prefix, with or without a sliding window
+(`AttentionKind`); Gated DeltaNet linear attention, whose past is a fixed-size state
+(`GatedDeltaNetKind`, Qwen3.5's linear layers: models/gated_deltanet.py); and multi-head
+latent attention, whose past is a compressed latent per token (`LatentAttentionKind`,
+DeepSeek-V3: models/latent_attention.py). prefill's strategies run the first; a model with
+another kind is refused by them by name before anything compiles (`unbuilt_kinds`) and runs
+as its kind's `runs_today` says.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class GatedDeltaNetKind:
   computes: ClassVar[str] = "Gated DeltaNet linear attention"
   past: ClassVar[str] = "recurrent state and convolution halo"
   window: ClassVar[None] = None  # no window: `narrowest_window` and the kernels ask it
+  # How a model with this kind runs while prefill's strategies do not run it.
+  runs_today: ClassVar[str] = (
+    "KV-Runahead and its peers run it through kvr_jax.inference.hybrid (prefill_hybrid, "
+    "generate_hybrid)"
+  )
 
   @property
   def name(self) -> str:
@@ -101,6 +108,36 @@ class GatedDeltaNetKind:
     state = self.value_heads * self.key_dim * self.value_dim * 4
     halo = (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
     return batch * (state + halo)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentAttentionKind:
+  """Multi-head latent attention (DeepSeek-V3, Kimi K2, Moonlight: models/latent_attention.py):
+  its past is one compressed latent per token, `latent_dim` numbers (kv_lora_rank) and the
+  `rope_dim` numbers of the rope key every head shares, whatever the head count. Each head's
+  K and V are expanded from it; a hop would carry the latent prefix (71x less than DeepSeek-V3's
+  128 heads of K and V)."""
+
+  latent_dim: int
+  rope_dim: int
+  computes: ClassVar[str] = "multi-head latent attention"
+  past: ClassVar[str] = "latent prefix"
+  window: ClassVar[None] = None
+  runs_today: ClassVar[str] = "it runs on one device"
+
+  @property
+  def name(self) -> str:
+    return "multi-head latent attention"
+
+  def hop_span(self, end: int) -> tuple[int, int]:
+    return 0, end
+
+  def hop_bytes(self, config, end: int, batch: int, dtype_bytes: int) -> int:
+    """Bytes of a hop into a chunk at `end`: the latent prefix, one headless copy."""
+    return batch * end * (self.latent_dim + self.rope_dim) * dtype_bytes
+
+  def decode_keys(self, length: int) -> int:
+    return length
 
 
 def kinds_in_order(kinds) -> tuple:

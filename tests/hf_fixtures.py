@@ -253,6 +253,68 @@ def make_qwen_moe_model(case: str, seed: int = 0):
   return model
 
 
+# DeepSeek-V3 (latent attention, DeepSeek's router): d_model 64, 4 heads of 16 no-rope and 8
+# rope features, values of 12, a latent of 16; 8 experts of 24 columns in 4 groups, 2 groups
+# and 3 experts per token, one shared expert; the first layer dense. "default" has the q
+# low-rank path and interleaved RoPE (DeepSeek's checkpoints); "direct-q" neither; "yarn"
+# YaRN with mscale_all_dim (the softmax scale's mscale squared). The router's correction
+# bias is random (zero at init, and a zero bias could not tell a lost one).
+DEEPSEEK_CASES = {
+  "deepseek-default": dict(),
+  "deepseek-direct-q": dict(q_lora_rank=None, rope_interleave=False),
+  "deepseek-yarn": dict(
+    rope_parameters=dict(
+      rope_type="yarn",
+      factor=4.0,
+      original_max_position_embeddings=64,
+      mscale=1.0,
+      mscale_all_dim=1.0,
+      rope_theta=10000.0,
+    )
+  ),
+}
+
+
+def make_deepseek_model(case: str, seed: int = 0):
+  """A tiny random `DeepseekV3ForCausalLM` (`DEEPSEEK_CASES`)."""
+  shape = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    qk_nope_head_dim=16,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+  )
+  config = transformers.DeepseekV3Config(**{**shape, **DEEPSEEK_CASES[case]})
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  model = randomize(transformers.DeepseekV3ForCausalLM(config), seed)
+  with torch.no_grad():
+    for name, buffer in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed)) / 10)
+  return model
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
   with torch.no_grad():
     return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

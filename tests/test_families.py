@@ -234,6 +234,7 @@ def test_families_are_records_registered_in_one_place():
   """A family is one record (models/family.py) in one registry line; what reads the registry
   (the model_types config.json may name, a config's module class and tensor names) follows."""
   from models import Falcon, Gemma, Llama, LlamaConfig
+  from models.deepseek_v3 import DeepseekV3
   from models.families import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES, family_of
   from models.family import Family
   from models.qwen3_5 import Qwen35
@@ -243,6 +244,7 @@ def test_families_are_records_registered_in_one_place():
     ("falcon", Falcon),
     ("gemma3", Gemma),
     ("qwen3_5", Qwen35),
+    ("deepseek_v3", DeepseekV3),
   ]
   assert set(SUPPORTED_MODEL_TYPES) == {
     "llama",
@@ -258,12 +260,14 @@ def test_families_are_records_registered_in_one_place():
     "qwen3_5_moe_text",
     "qwen3_5_moe",
     "qwen3_next",
+    "deepseek_v3",
   }
   assert {arch: cls.architecture for arch, cls in ARCHITECTURES.items()} == {
     "llama": "llama",
     "falcon": "falcon",
     "gemma3": "gemma3",
     "qwen3_5": "qwen3_5",
+    "deepseek_v3": "deepseek_v3",
   }
   config = _qwen2_config()
   assert family_of(config) is FAMILIES[0] and family_of(config).tensor_targets(

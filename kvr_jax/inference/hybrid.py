@@ -26,7 +26,7 @@ from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, sh
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
 from models.kernels import get_kernel
-from models.layer_kinds import unbuilt_kinds
+from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
 from models.qwen3_5 import HybridCache, LinearState
 
 
@@ -61,7 +61,10 @@ def prefill_hybrid(
   benchmark times). With a mesh over several processes only the last rank's process gets the
   logits (and, for KV-Runahead, the cache); the peers' cache move across processes is not
   built (join=False there)."""
-  if not isinstance(model, Model) or not unbuilt_kinds(model.config):
+  linear = isinstance(model, Model) and any(
+    isinstance(kind, GatedDeltaNetKind) for kind in unbuilt_kinds(model.config)
+  )
+  if not linear:
     raise ValueError(
       "prefill_hybrid takes a loaded hybrid model (linear-attention layers, e.g. Qwen3.5); "
       "every other model runs through kvr_jax.prefill"

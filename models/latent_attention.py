@@ -1,0 +1,117 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2, Moonlight) with its weights, as
+transformers 5 computes it (`DeepseekV3Attention`).
+
+Legend: B batch, T tokens, S cache positions, D d_model, N heads, Q the q low-rank dim, R the
+latent dim (kv_lora_rank), r the rope dim, n the no-rope key dim, v the value dim, C = R + r
+(one cache entry per token, shared by every head).
+
+A token's past is one latent: kv_a_proj_with_mqa gives R numbers (RMS-normed) and r numbers of
+a rope key every head shares (RoPE applied). Prefill expands the latent into each head's key
+(its n no-rope numbers from kv_b_proj, then the shared rope key) and value and attends as
+multi-head attention. Decode attends in the absorbed form: each head's no-rope query is taken
+into the latent space through kv_b_proj's key half, so the new token's query attends the C-wide
+cache as one key head shared by all N (an MQA over C = 576 numbers for DeepSeek-V3), and the
+latent-space output goes back through kv_b_proj's value half. Both forms are the same sums.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.base import normal_param, ones_param
+from models.masks import MASK_VALUE
+from models.norms import rms_norm
+from models.rope import apply_rope
+
+
+class LatentAttention(nnx.Module):
+  """The attention half of an MLA layer (weights stacked over L layers); `config` a
+  DeepSeek-V3 config (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+  v_head_dim, rope, rope_interleave, softmax_scale)."""
+
+  def init_attention(self, L: int, dtype, rngs: nnx.Rngs) -> None:
+    cfg = self.config
+    D, N, Q, R = cfg.d_model, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    self.attn_norm = ones_param((L, D), dtype)
+    if Q:  # q through a low-rank bottleneck with its own norm
+      self.wq_a = normal_param(rngs, (L, D, Q), dtype)
+      self.q_a_norm = ones_param((L, Q), dtype)
+      self.wq_b = normal_param(rngs, (L, Q, N, n + r), dtype)
+    else:
+      self.wq = normal_param(rngs, (L, D, N, n + r), dtype)
+    self.wkv_a = normal_param(rngs, (L, D, R + r), dtype)  # kv_a_proj_with_mqa
+    self.kv_a_norm = ones_param((L, R), dtype)
+    self.wk_b = normal_param(rngs, (L, R, N, n), dtype)  # kv_b_proj's key half
+    self.wv_b = normal_param(rngs, (L, R, N, v), dtype)  # and its value half
+    self.wo = normal_param(rngs, (L, N, v, D), dtype)
+
+  def queries(self, h_BTD, positions_BT):
+    """(no-rope queries [B, T, N, n], rope queries [B, T, N, r]) of the normed input."""
+    cfg = self.config
+    if cfg.q_lora_rank:
+      low_BTQ = jnp.einsum("BTD,DQ->BTQ", h_BTD, self.wq_a[...])
+      low_BTQ = rms_norm(low_BTQ, self.q_a_norm[...], cfg.norm_eps)
+      q_BTNh = jnp.einsum("BTQ,QNh->BTNh", low_BTQ, self.wq_b[...])
+    else:
+      q_BTNh = jnp.einsum("BTD,DNh->BTNh", h_BTD, self.wq[...])
+    q_nope, q_rope = jnp.split(q_BTNh, [cfg.qk_nope_head_dim], axis=-1)
+    return q_nope, rope(q_rope, positions_BT, cfg)
+
+  def latents(self, h_BTD, positions_BT):
+    """Each token's cache entry [B, T, C]: its normed latent, then its rope key (RoPE'd)."""
+    cfg = self.config
+    entry_BTC = jnp.einsum("BTD,DC->BTC", h_BTD, self.wkv_a[...])
+    latent_BTR, k_rope_BTr = jnp.split(entry_BTC, [cfg.kv_lora_rank], axis=-1)
+    latent_BTR = rms_norm(latent_BTR, self.kv_a_norm[...], cfg.norm_eps)
+    k_rope_BTr = rope(k_rope_BTr[:, :, None], positions_BT, cfg)[:, :, 0]
+    return jnp.concatenate([latent_BTR, k_rope_BTr], axis=-1)
+
+  def attend_expanded(self, q_nope_BTNn, q_rope_BTNr, cache_BSC, query_offset: int = 0):
+    """Prefill: the latents expanded into every head's keys and values, causal attention of
+    the T queries (at positions query_offset + t) over the S cache positions; [B, T, N, v]."""
+    cfg = self.config
+    latent_BSR, k_rope_BSr = jnp.split(cache_BSC, [cfg.kv_lora_rank], axis=-1)
+    k_nope_BSNn = jnp.einsum("BSR,RNn->BSNn", latent_BSR, self.wk_b[...])
+    v_BSNv = jnp.einsum("BSR,RNv->BSNv", latent_BSR, self.wv_b[...])
+    scores_BNTS = jnp.einsum("BTNn,BSNn->BNTS", q_nope_BTNn, k_nope_BSNn) + jnp.einsum(
+      "BTNr,BSr->BNTS", q_rope_BTNr, k_rope_BSr
+    )
+    T, S = q_nope_BTNn.shape[1], cache_BSC.shape[1]
+    visible_TS = (query_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
+    probs_BNTS = _softmax(scores_BNTS, visible_TS, cfg.softmax_scale)
+    return jnp.einsum("BNTS,BSNv->BTNv", probs_BNTS.astype(v_BSNv.dtype), v_BSNv)
+
+  def attend_absorbed(self, q_nope_BNn, q_rope_BNr, cache_BSC, positions_B):
+    """Decode: one query per row (row b at positions_B[b]) against the C-wide cache, each
+    head's query taken into the latent space; [B, N, v]."""
+    cfg = self.config
+    q_latent_BNR = jnp.einsum("BNn,RNn->BNR", q_nope_BNn, self.wk_b[...])
+    q_BNC = jnp.concatenate([q_latent_BNR, q_rope_BNr], axis=-1)
+    scores_BNS = jnp.einsum("BNC,BSC->BNS", q_BNC, cache_BSC)
+    visible_BS = jnp.arange(cache_BSC.shape[1])[None, :] <= positions_B[:, None]
+    probs_BNS = _softmax(scores_BNS, visible_BS[:, None], cfg.softmax_scale)
+    latent_BSR = cache_BSC[..., : cfg.kv_lora_rank]
+    out_BNR = jnp.einsum("BNS,BSR->BNR", probs_BNS.astype(latent_BSR.dtype), latent_BSR)
+    return jnp.einsum("BNR,RNv->BNv", out_BNR, self.wv_b[...])
+
+  def attention_output(self, attn_BTNv):
+    return jnp.einsum("BTNv,NvD->BTD", attn_BTNv, self.wo[...])
+
+
+def _softmax(scores, visible, scale: float):
+  """Softmax of scaled scores in float32, positions not `visible` masked."""
+  scaled = scores.astype(jnp.float32) * scale
+  return jax.nn.softmax(jnp.where(visible, scaled, MASK_VALUE), axis=-1)
+
+
+def rope(x_BTnr, positions_BT, config):
+  """RoPE on the rope part of each head. With `rope_interleave` (DeepSeek's checkpoints) the
+  pairs are adjacent features (x0, x1), (x2, x3), ...: transformers rotates them and returns
+  the even features' results then the odd ones', which is the `rotate_half` RoPE of the
+  de-interleaved vector (evens, then odds)."""
+  if config.rope_interleave:
+    x_BTnr = jnp.concatenate([x_BTnr[..., 0::2], x_BTnr[..., 1::2]], axis=-1)
+  return apply_rope(x_BTnr, positions_BT, config.rope)
