@@ -69,9 +69,10 @@ class LatentAttention(nnx.Module):
     k_rope_BTr = rope(k_rope_BTr[:, :, None], positions_BT, cfg)[:, :, 0]
     return jnp.concatenate([latent_BTR, k_rope_BTr], axis=-1)
 
-  def attend_expanded(self, q_nope_BTNn, q_rope_BTNr, cache_BSC, query_offset: int = 0):
-    """Prefill: the latents expanded into every head's keys and values, causal attention of
-    the T queries (at positions query_offset + t) over the S cache positions; [B, T, N, v]."""
+  def attend_expanded(self, q_nope_BTNn, q_rope_BTNr, cache_BSC, query_positions_T=None):
+    """Prefill: the latents (of positions 0..S-1) expanded into every head's keys and values,
+    causal attention of the T queries at `query_positions_T` (default 0..T-1; traced
+    positions are fine: a rank's chunk, a peer's zigzag chunks) over them; [B, T, N, v]."""
     cfg = self.config
     latent_BSR, k_rope_BSr = jnp.split(cache_BSC, [cfg.kv_lora_rank], axis=-1)
     k_nope_BSNn = jnp.einsum("BSR,RNn->BSNn", latent_BSR, self.wk_b[...])
@@ -80,7 +81,8 @@ class LatentAttention(nnx.Module):
       "BTNr,BSr->BNTS", q_rope_BTNr, k_rope_BSr
     )
     T, S = q_nope_BTNn.shape[1], cache_BSC.shape[1]
-    visible_TS = (query_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
+    positions_T = jnp.arange(T) if query_positions_T is None else query_positions_T
+    visible_TS = positions_T[:, None] >= jnp.arange(S)[None, :]
     probs_BNTS = _softmax(scores_BNTS, visible_TS, cfg.softmax_scale)
     return jnp.einsum("BNTS,BSNv->BTNv", probs_BNTS.astype(v_BSNv.dtype), v_BSNv)
 

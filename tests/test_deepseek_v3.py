@@ -189,3 +189,95 @@ def test_deepseek_v3_preset_is_the_published_model():
   # 71x: what a hop carries per token, the latent against every head's K and V
   per_head_kv = cfg.num_heads * (cfg.head_dim + cfg.v_head_dim)
   assert per_head_kv / cfg.cache_width == pytest.approx(71.1, abs=0.05)
+
+
+# --- KV-Runahead and all-gather CP on latent attention (kvr_jax.inference.latent)
+
+
+@pytest.fixture(scope="module")
+def one_device(checkpoints, tokens):
+  """The single-device reference of "deepseek-default": the last position's logits and the
+  latent cache (room for 2 more positions)."""
+  module = checkpoints["deepseek-default"][2].module
+  x_BTD, cache = jax.jit(lambda m, t: m.forward(t, capacity=T + 2))(module, tokens)
+  return module.logits(x_BTD)[:, -1], cache
+
+
+@pytest.mark.parametrize(
+  "strategy, ranks, partition",
+  [("kvr", 2, [25, 15]), ("kvr", 4, [5, 15, 12, 8]), ("allgather", 3, None)],
+)
+def test_latent_prefill_equals_one_device(
+  checkpoints, tokens, one_device, strategy, ranks, partition
+):
+  """KV-Runahead's hops carry the latent prefix (4 ranks: forwarding buffers), all-gather CP
+  gathers every rank's latents; each rank expands what it holds: the last rank's logits and
+  its whole latent cache as one device computes them, KV-Runahead's with no move."""
+  from kvr_jax.inference.latent import prefill_latent
+
+  ours = checkpoints["deepseek-default"][2]
+  mesh = kvr_jax.make_mesh(ranks)
+  result = prefill_latent(ours, tokens, mesh, partition, 2, strategy)
+  want_logits, want_cache = one_device
+  assert_close(result.logits_BV, want_logits, "last logits")
+  assert_close(result.cache, want_cache, "latent cache")
+  assert result.logits_BV.devices() == result.cache.devices() == {mesh.devices.flat[-1]}
+  assert result.moved == (strategy != "kvr")
+
+
+def test_kvr_on_latent_attention_decodes_transformers_greedy_tokens(checkpoints, tokens):
+  from kvr_jax.inference.latent import generate_latent
+
+  hf_model, _, ours = checkpoints["deepseek-default"]
+  want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :24], 6)
+  got = generate_latent(ours, tokens[:1, :24], kvr_jax.make_mesh(2), [14, 10], 6)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
+  """The compiled KV-Runahead program's collective-permutes (its hops) carry C = kv_lora_rank
+  + rope numbers per token (one headless latent), not N x (nope + rope + v) of per-head K,V:
+  the bytes per token read from the HLO's shapes."""
+  import re
+
+  from kvr_jax.runtime.mesh import AXIS
+  from kvr_jax.strategies import get_strategy
+  from kvr_jax.strategies.latent import compile_latent
+
+  ours = checkpoints["deepseek-default"][2]
+  cfg, chunks, B = ours.config, (16, 12, 12), 2
+  mesh = kvr_jax.make_mesh(3)
+  program = compile_latent("kvr", ours.graphdef, mesh, chunks)
+  tokens_pBc = get_strategy("kvr").arrange(np.zeros((B, sum(chunks)), np.int32), chunks)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
+  hlo = (
+    program.lower(ours.state_on(replicated), jax.device_put(tokens_pBc, by_rank))
+    .compile()
+    .as_text()
+  )
+  pattern = r"= f32\[([\d,]+)\]\{[\d,]*\} collective-permute(?:-start)?\("
+  shapes = [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(pattern, hlo)]
+  # Two stacks (dense, experts) of two hops each: [1, B, S_k, 1, C] with S_k = 16 and 28.
+  assert sorted(shapes) == sorted([(1, B, 16, 1, 24), (1, B, 28, 1, 24)] * 2), shapes
+  bytes_per_token = {4 * np.prod(s) // (B * s[2]) for s in shapes}
+  assert bytes_per_token == {4 * cfg.cache_width}
+  per_head = 4 * cfg.num_heads * (cfg.head_dim + cfg.v_head_dim)
+  assert per_head / (4 * cfg.cache_width) == 6  # 4 heads x (24 + 12) against 16 + 8
+
+
+def test_latent_prefill_refuses_by_name(checkpoints, tokens):
+  from kvr_jax.inference.latent import prefill_latent
+
+  ours = checkpoints["deepseek-default"][2]
+  with pytest.raises(ValueError, match="2 or more ranks"):
+    prefill_latent(ours, tokens, kvr_jax.make_mesh(1), [T])
+  with pytest.raises(ValueError, match="run under"):
+    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), None, strategy="ring")
+  with pytest.raises(ValueError, match="give no partition"):
+    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), [20, 20], strategy="allgather")
+  with pytest.raises(ValueError, match="token ids"):
+    prefill_latent(ours, tokens + 1000, kvr_jax.make_mesh(2), [20, 20])
+  with pytest.raises(ValueError, match="latent-attention model"):
+    llama = kvr_jax.load_model("tiny-llama")
+    prefill_latent(llama, tokens, kvr_jax.make_mesh(2), [20, 20])
