@@ -14,7 +14,7 @@ import time
 
 from absl import app, flags
 
-from kvr_jax.tools import hybrid_grid, paper
+from kvr_jax.tools import hybrid_grid, latent_grid, paper
 from kvr_jax.tools import tp_grid as tp_lib
 from launch import common
 
@@ -24,7 +24,8 @@ flags.DEFINE_list(
   "grids",
   ["paper", "tp"],
   "paper: the paper's figures; tp: the 70B tensor-parallel grid; gemma: Gemma 3 27B's "
-  "windowed layers on 8 GPUs; qwen3.5: Qwen3.5-27B's linear layers on 8 GPUs.",
+  "windowed layers on 8 GPUs; qwen3.5: Qwen3.5-27B's linear layers on 8 GPUs; mla: "
+  "DeepSeek-V3 and Moonlight's latent attention on 8 GPUs.",
 )
 flags.DEFINE_list(
   "tp_context_lens", [str(c) for c in tp_lib.TP_CONTEXT_LENS], "Prompt lengths of the tp grid."
@@ -36,9 +37,9 @@ def main(argv):
   start = time.perf_counter()
   with common.user_errors():
     common.check_output_dir(FLAGS.output_dir)
-    unknown = sorted(set(FLAGS.grids) - {"paper", "tp", "gemma", "qwen3.5"})
+    unknown = sorted(set(FLAGS.grids) - {"paper", "tp", "gemma", "qwen3.5", "mla"})
     if unknown or not FLAGS.grids:
-      raise ValueError(f"--grids takes paper, tp, gemma and/or qwen3.5, got {FLAGS.grids}")
+      raise ValueError(f"--grids takes paper, tp, gemma, qwen3.5 and/or mla, got {FLAGS.grids}")
     tp_lens = common.positive_ints(FLAGS.tp_context_lens, "--tp_context_lens")
     tp_lib.check_tp_context_lens(tp_lens)
   ok = True
@@ -52,6 +53,9 @@ def main(argv):
   if "qwen3.5" in FLAGS.grids:
     print()
     hybrid_grid.print_hybrid_grid()
+  if "mla" in FLAGS.grids:
+    print()
+    latent_grid.print_latent_grid()
   print(f"done in {time.perf_counter() - start:.1f}s")
   return 0 if ok else 1
 

@@ -68,9 +68,10 @@ from kvr_jax.runtime.roofline import (
   visible_keys,
 )
 from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies.latent_modelled import modelled_latent_layer
 from kvr_jax.strategies.linear_modelled import modelled_linear_layer
 from models.config import ModelConfig
-from models.layer_kinds import GatedDeltaNetKind
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 __all__ = [
   "Collective",
@@ -348,6 +349,8 @@ def modelled_layer(
   chunks = spec.layout(context_len, num_ranks, chunks)
   if isinstance(config.kind, GatedDeltaNetKind):  # a hybrid model's linear layer
     return modelled_linear_layer(spec.name, config, context_len, setup, chunks)
+  if isinstance(config.kind, LatentAttentionKind):  # latent attention: the latent travels
+    return modelled_latent_layer(spec.name, config, context_len, setup, chunks)
   return spec.modelled_layer(config, context_len, setup, chunks)
 
 

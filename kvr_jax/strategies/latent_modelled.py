@@ -1,0 +1,139 @@
+"""The modelled layer of a latent-attention model (DeepSeek-V3: kvr_jax/strategies/latent.py)
+per strategy, for the cost model: what each rank computes and moves.
+
+Per token, a rank projects its queries and its latent (C = R + r numbers). Every key position
+a rank attends is expanded from its latent into the N heads' no-rope keys and values (R x N x
+(n + v) per position: for DeepSeek-V3 R = 512, N = 128, n + v = 256: 16.8 MFLOP, about the
+projections of a whole token), then its queries attend (causal, flash: n + r key and v value
+numbers per head). So expansion is work that follows the keys a rank sees, like attention:
+
+  single      one rank: the prompt's C positions expanded once.
+  kvr         rank i receives the latent prefix [0, S_{i-1}) (S x C numbers: 71x fewer bytes
+              than DeepSeek-V3's per-head K,V), forwards it, expands S_i positions, attends its
+              c_i queries. The last rank expands the whole prompt: KV-Runahead's split must
+              weigh expansion beside attention, which this model lets KVR-S do.
+  allgather   an all-gather of every rank's 2c latents over the slowest link; every rank then
+              expands the whole (padded) prompt and attends its two zigzag chunks.
+"""
+
+from __future__ import annotations
+
+from kvr_jax.core.chunks import chunk_starts, prefix_ends
+from kvr_jax.runtime.roofline import Collective, Compute, ModelledLayer, Receive, Send, Work
+from kvr_jax.strategies import zigzag
+
+
+def latent_phases(config, queries: float, keys: float, scored: float, setup) -> dict[str, Work]:
+  """{"qkv": queries and latents of `queries` tokens, "expand": `keys` positions' keys and
+  values from their latents, "attention": `queries` x `scored` (the keys each sees, summed
+  over queries / queries) scores and sums, "rest": out-projection and MLP}."""
+  D, N, Q, R = config.d_model, config.num_heads, config.q_lora_rank, config.kv_lora_rank
+  n, r, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+  C = config.cache_width
+  B, db, T, S = setup.batch, setup.dtype_bytes, queries, keys
+  q_weights = D * Q + Q * N * (n + r) if Q else D * N * (n + r)
+  qkv = Work(
+    2 * B * T * (q_weights + D * C),
+    db * (q_weights + D * C) + db * B * T * (D + N * (n + r) + C),
+  )
+  expand = Work(2 * B * S * R * N * (n + v), db * R * N * (n + v) + db * B * S * (C + N * (n + v)))
+  attention = Work(
+    2 * B * N * T * scored * (n + r + v),
+    db * B * (T * N * (2 * (n + r) + v) + S * N * (n + r + v)),
+    fused_attention=True,
+  )
+  F_active, F_read, E = config.active_mlp_dim, config.mlp_weight_dim(B * T), config.router_dim
+  rest = Work(
+    2 * B * T * (N * v * D + config.mlp_matrices * D * F_active + D * E),
+    db * (N * v * D + config.mlp_matrices * D * F_read + D * E)
+    + db * B * T * (N * v + 2 * D + 2 * F_active),
+  )
+  return {"qkv": qkv, "expand": expand, "attention": attention, "rest": rest}
+
+
+def latent_bytes(config, positions: float, setup) -> float:
+  """One hop or gathered piece: `positions` latents, one headless copy."""
+  return setup.batch * positions * config.cache_width * setup.dtype_bytes
+
+
+def _causal_keys(start: int, c: int) -> float:
+  """Keys the queries [start, start + c) see on average (query q sees q + 1)."""
+  return start + (c + 1) / 2 if c else 0.0
+
+
+def _layer(steps, partition, works, link_bytes) -> ModelledLayer:
+  totals = [sum(w.values(), Work(0, 0)) for w in works]
+  return ModelledLayer(
+    tuple(tuple(s) for s in steps),
+    tuple(partition),
+    tuple(t.flops for t in totals),
+    tuple(t.bytes for t in totals),
+    tuple(float(b) for b in link_bytes),
+  )
+
+
+def _computes(work, hw, names) -> list:
+  return [Compute(name, work[name].time(hw)) for name in names]
+
+
+def single_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  C = chunks[0]
+  work = latent_phases(config, C, C, _causal_keys(0, C), setup)
+  steps = [_computes(work, setup.hardware, ("qkv", "expand", "attention", "rest"))]
+  return _layer(steps, chunks, [work], ())
+
+
+def kvr_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """Rank i: its queries and latents, the prefix received and forwarded, S_i positions
+  expanded, its c_i queries attended, the rest (module docstring)."""
+  p, hw, links = len(chunks), setup.hardware, setup.links
+  starts, ends = chunk_starts(chunks), prefix_ends(chunks)
+  works, steps, sent = [], [], []
+  for i, c in enumerate(chunks):
+    work = latent_phases(config, c, ends[i], _causal_keys(starts[i], c), setup)
+    rank = _computes(work, hw, ("qkv",))
+    if i > 0:
+      rank.append(Receive(i - 1))
+    if i < p - 1:
+      hop = latent_bytes(config, ends[i], setup)
+      rank.append(Send(i + 1, hop / links.link_bandwidth(i) + links.latency, f"hop{i}"))
+      sent.append(hop)
+    rank += _computes(work, hw, ("expand", "attention", "rest"))
+    works.append(work)
+    steps.append(rank)
+  return _layer(steps, chunks, works, sent)
+
+
+def allgather_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """Every rank: its two chunks' latents, the all-gather, the whole padded prompt expanded,
+  its two chunks attended (module docstring)."""
+  p, hw, links = len(chunks), setup.hardware, setup.links
+  c = zigzag.chunk_len(context_len, p)
+  piece = latent_bytes(config, 2 * c, setup)
+  gather = (p - 1) * (piece / links.slowest(p) + links.latency) if p > 1 else 0.0
+  works, steps = [], []
+  for rank in range(p):
+    first, second = zigzag.rank_chunks(rank, p)
+    scored = (_causal_keys(first * c, c) + _causal_keys(second * c, c)) / 2
+    work = latent_phases(config, 2 * c, 2 * p * c, scored, setup)
+    works.append(work)
+    rank_steps = _computes(work, hw, ("qkv",)) + [Collective("gather latents", gather)]
+    steps.append(rank_steps + _computes(work, hw, ("expand", "attention", "rest")))
+  return _layer(steps, chunks, works, [(p - 1) * piece] * p)
+
+
+# strategy name -> its modelled latent-attention layer (config, context_len, setup, chunks)
+MODELLED_LATENT = {
+  "single": single_latent_layer,
+  "kvr": kvr_latent_layer,
+  "allgather": allgather_latent_layer,
+}
+
+
+def modelled_latent_layer(strategy: str, config, context_len: int, setup, chunks):
+  if strategy not in MODELLED_LATENT:
+    raise ValueError(
+      f"latent-attention models run under {tuple(MODELLED_LATENT)}, not {strategy!r} "
+      "(ring attention and TSP on latents are not built)"
+    )
+  return MODELLED_LATENT[strategy](config, context_len, setup, chunks)

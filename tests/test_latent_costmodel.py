@@ -1,0 +1,61 @@
+"""The cost model on latent-attention models (kvr_jax/strategies/latent_modelled.py): a hop
+carries the latent prefix (C numbers per token), every rank pays for expanding what it
+attends, KVR-S weighs both, and what is not built is refused by name. No devices."""
+
+import pytest
+
+from kvr_jax.planning import costmodel, presets, search
+from kvr_jax.runtime.loading import preset_config
+from kvr_jax.strategies import latent_modelled
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+  return preset_config("deepseek-v3")
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return presets.make_setup("h100-sxm", "10GBps", dtype_bytes=2, **costmodel.kernel_flags("flash"))
+
+
+def test_kvr_hops_carry_latents_and_each_rank_expands_its_prefix(deepseek, setup):
+  chunks = (6000, 5000, 3000, 2384)
+  layer = costmodel.modelled_layer(
+    deepseek, "kvr", sum(chunks), setup, num_ranks=4, partition=chunks
+  )
+  # hop k: S_k latents of 576 bf16 numbers, batch 1 (not 128 x 320 numbers of K and V)
+  assert layer.link_bytes == tuple(2 * 576 * s for s in (6000, 11000, 14000))
+  ends = (6000, 11000, 14000, 16384)
+  for i, c in enumerate(chunks):
+    keys = sum(chunks[:i]) + (c + 1) / 2
+    phases = latent_modelled.latent_phases(deepseek, c, ends[i], keys, setup)
+    assert layer.flops[i] == pytest.approx(sum(w.flops for w in phases.values()))
+    # the expansion follows the positions a rank sees: 2 x S_i x 512 x 128 x (128 + 128)
+    assert phases["expand"].flops == 2 * ends[i] * 512 * 128 * 256
+
+
+def test_allgather_expands_the_whole_prompt_on_every_rank(deepseek, setup):
+  C, p = 16384, 4
+  layer = costmodel.modelled_layer(deepseek, "allgather", C, setup, num_ranks=p)
+  assert layer.link_bytes == ((p - 1) * 2 * 576 * (C // p),) * p
+  expand = latent_modelled.latent_phases(deepseek, C // p, C, 1.0, setup)["expand"].flops
+  assert expand == 2 * C * 512 * 128 * 256
+  assert min(layer.flops) > expand
+
+
+def test_kvr_s_balances_expansion_and_attention(deepseek, setup):
+  """KVR-S's split (MODELLED) beats the even one, and its last rank, which expands the whole
+  prompt, gets the shortest chunk."""
+  C, p = 32768, 8
+  chunks = search.modelled_search(deepseek, C, p, setup)
+  searched = costmodel.simulate(deepseek, "kvr", C, setup, num_ranks=p, partition=chunks).ttft
+  even = costmodel.simulate(deepseek, "kvr", C, setup, num_ranks=p, partition=(C // p,) * p).ttft
+  assert searched < 0.85 * even
+  assert chunks[-1] == min(chunks)
+
+
+def test_unbuilt_strategies_refused_by_name(deepseek, setup):
+  for strategy in ("ring", "tsp"):
+    with pytest.raises(ValueError, match="latent-attention models run under"):
+      costmodel.modelled_layer(deepseek, strategy, 4096, setup, num_ranks=2)
