@@ -172,20 +172,55 @@ def test_bad_configs_refused_by_name(checkpoints):
     dataclasses.replace(cfg, first_dense_layers=4)
 
 
-def test_deepseek_v3_preset_is_the_published_model():
-  """The preset's shape (DeepSeek-V3's config.json, its multi-token-prediction layer left out)
-  has transformers' own parameter count, counted on the meta device."""
+# Moonlight-16B-A3B's shape as transformers' keys: no q low-rank path, one expert group, 64
+# experts of 1408 columns (6 per token), 2 shared, the first layer dense.
+MOONLIGHT = dict(
+  vocab_size=163840,
+  hidden_size=2048,
+  num_hidden_layers=27,
+  num_attention_heads=16,
+  num_key_value_heads=16,
+  intermediate_size=11264,
+  moe_intermediate_size=1408,
+  n_routed_experts=64,
+  n_shared_experts=2,
+  num_experts_per_tok=6,
+  n_group=1,
+  topk_group=1,
+  first_k_dense_replace=1,
+  q_lora_rank=None,
+  routed_scaling_factor=2.446,
+)
+
+
+@pytest.mark.parametrize(
+  "preset, shape, params",
+  [("deepseek-v3", {}, 671_026_404_352), ("moonlight-16b-a3b", MOONLIGHT, 15_960_108_544)],
+)
+def test_latent_presets_are_the_published_models(preset, shape, params):
+  """The presets' shapes (DeepSeek-V3's config.json, its multi-token-prediction layer left
+  out: transformers' defaults; Moonlight-16B-A3B's) have transformers' own parameter count,
+  counted on the meta device."""
   import torch
   import transformers
 
   from kvr_jax.runtime.loading import preset_config
 
-  cfg = preset_config("deepseek-v3")
-  hf = transformers.DeepseekV3Config()  # transformers' defaults are DeepSeek-V3's shape
+  cfg = preset_config(preset)
+  hf = transformers.DeepseekV3Config(**shape)
   with torch.device("meta"):
     hf_model = transformers.DeepseekV3ForCausalLM(hf)
-  assert (cfg.num_layers, cfg.num_heads, cfg.kv_lora_rank, cfg.num_experts) == (61, 128, 512, 256)
-  assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters()) == 671_026_404_352
+  assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters()) == params
+  assert (cfg.first_dense_layers, cfg.num_experts) == (
+    hf.first_k_dense_replace,
+    hf.n_routed_experts,
+  )
+
+
+def test_deepseek_v3_hop_is_71x_smaller_than_per_head_kv():
+  from kvr_jax.runtime.loading import preset_config
+
+  cfg = preset_config("deepseek-v3")
   # 71x: what a hop carries per token, the latent against every head's K and V
   per_head_kv = cfg.num_heads * (cfg.head_dim + cfg.v_head_dim)
   assert per_head_kv / cfg.cache_width == pytest.approx(71.1, abs=0.05)
