@@ -31,6 +31,7 @@ from models.config import ModelConfig
 from models.experts import route_grouped_sigmoid, run_experts, swiglu
 from models.family import Family
 from models.hf_config import or_default, rope_from_hf
+from models.kernels import get_kernel
 from models.latent_attention import LatentAttention
 from models.layer_kinds import LatentAttentionKind
 from models.norms import rms_norm
@@ -276,9 +277,9 @@ class DeepseekV3(CausalLM):
   def forward(self, tokens_BT, attention="dense", reduce=no_reduce, capacity=None):
     """The whole prompt on one device: (final hidden states [B, T, D], the latent cache
     [L, B, capacity (default T), C] with the prompt's entries). Every head's keys and values
-    are expanded from the latents (`attend_expanded`); `attention` must be "dense"."""
-    if attention != "dense":
-      raise ValueError(f"latent attention runs dense attention on one device, not {attention!r}")
+    are expanded from the latents and attended with the kernel `attention`
+    (`attend_expanded`)."""
+    get_kernel(attention)  # an unknown kernel is refused by name before anything traces
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
 
@@ -287,7 +288,7 @@ class DeepseekV3(CausalLM):
       h_BTD = block.attention_input(x_BTD)
       q_nope, q_rope = block.queries(h_BTD, positions_BT)
       entry_BTC = block.latents(h_BTD, positions_BT)
-      attn_BTNv = block.attend_expanded(q_nope, q_rope, entry_BTC)
+      attn_BTNv = block.attend_expanded(q_nope, q_rope, entry_BTC, 0, attention)
       x_BTD = block.mlp(x_BTD + reduce(block.attention_output(attn_BTNv)), reduce)
       cache = jax.lax.dynamic_update_slice(cache, entry_BTC[None].astype(cache.dtype), (l, 0, 0, 0))
       return x_BTD, cache

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import attend_static
 from models.base import normal_param, ones_param
 from models.masks import MASK_VALUE
 from models.norms import rms_norm
@@ -69,22 +70,32 @@ class LatentAttention(nnx.Module):
     k_rope_BTr = rope(k_rope_BTr[:, :, None], positions_BT, cfg)[:, :, 0]
     return jnp.concatenate([latent_BTR, k_rope_BTr], axis=-1)
 
-  def attend_expanded(self, q_nope_BTNn, q_rope_BTNr, cache_BSC, query_positions_T=None):
-    """Prefill: the latents (of positions 0..S-1) expanded into every head's keys and values,
-    causal attention of the T queries at `query_positions_T` (default 0..T-1; traced
-    positions are fine: a rank's chunk, a peer's zigzag chunks) over them; [B, T, N, v]."""
+  def attend_expanded(
+    self, q_nope_BTNn, q_rope_BTNr, cache_BSC, query_offset: int = 0, attention="dense"
+  ):
+    """Prefill: the latents (of positions 0..S-1) expanded into every head's keys (no-rope
+    part from kv_b_proj, then the shared rope key) and values, and causal attention of the T
+    queries at positions query_offset + t (static) over them with the kernel `attention` (a
+    models.kernels record or name: dense, blocked, flash, ...); [B, T, N, v]. The kernels
+    take one head width, so the values are zero-padded to the keys' (an exact pad, cut from
+    the output), and the queries carry the model's softmax scale over the kernel's
+    1/sqrt(width)."""
     cfg = self.config
     latent_BSR, k_rope_BSr = jnp.split(cache_BSC, [cfg.kv_lora_rank], axis=-1)
     k_nope_BSNn = jnp.einsum("BSR,RNn->BSNn", latent_BSR, self.wk_b[...])
     v_BSNv = jnp.einsum("BSR,RNv->BSNv", latent_BSR, self.wv_b[...])
-    scores_BNTS = jnp.einsum("BTNn,BSNn->BNTS", q_nope_BTNn, k_nope_BSNn) + jnp.einsum(
-      "BTNr,BSr->BNTS", q_rope_BTNr, k_rope_BSr
+    N, v = v_BSNv.shape[2:]
+    k_rope_BSNr = jnp.broadcast_to(
+      k_rope_BSr[:, :, None], (*k_rope_BSr.shape[:2], N, k_rope_BSr.shape[-1])
     )
-    T, S = q_nope_BTNn.shape[1], cache_BSC.shape[1]
-    positions_T = jnp.arange(T) if query_positions_T is None else query_positions_T
-    visible_TS = positions_T[:, None] >= jnp.arange(S)[None, :]
-    probs_BNTS = _softmax(scores_BNTS, visible_TS, cfg.softmax_scale)
-    return jnp.einsum("BNTS,BSNv->BTNv", probs_BNTS.astype(v_BSNv.dtype), v_BSNv)
+    q_BTNh = jnp.concatenate([q_nope_BTNn, q_rope_BTNr], axis=-1)
+    k_BSNh = jnp.concatenate([k_nope_BSNn, k_rope_BSNr], axis=-1)
+    width = q_BTNh.shape[-1]
+    if v > width:
+      raise ValueError(f"latent attention's kernels need v_head_dim <= nope + rope, got {v}")
+    v_BSNh = jnp.pad(v_BSNv, ((0, 0), (0, 0), (0, 0), (0, width - v)))
+    q_BTNh = q_BTNh * jnp.asarray(cfg.softmax_scale * width**0.5, q_BTNh.dtype)
+    return attend_static(q_BTNh, k_BSNh, v_BSNh, query_offset, attention)[..., :v]
 
   def attend_absorbed(self, q_nope_BNn, q_rope_BNr, cache_BSC, positions_B):
     """Decode: one query per row (row b at positions_B[b]) against the C-wide cache, each

@@ -101,6 +101,18 @@ def decoded(checkpoints, tokens, forward):
   return np.stack(out, axis=1), np.stack(steps)
 
 
+@pytest.mark.parametrize("kernel", ["blocked", "flash"])
+def test_every_kernel_on_the_expanded_heads_equals_dense(checkpoints, tokens, forward, kernel):
+  """The blocked and flash kernels over the expanded heads (values zero-padded to the key
+  width, the YaRN scale carried by the queries) give the dense reference's logits and cache."""
+  _, _, ours = checkpoints["deepseek-yarn"]
+  logits, cache = forward(ours.module, tokens)
+  run = jax.jit(lambda m, t: m.forward(t, attention=kernel))
+  x_BTD, kernel_cache = run(ours.module, tokens)
+  assert_close(ours.module.logits(x_BTD), logits, f"{kernel} logits")
+  assert_close(kernel_cache, cache, f"{kernel} latent cache")
+
+
 def test_absorbed_decode_equals_the_expanded_forward(checkpoints, tokens, forward, decoded):
   """Each decode step (queries taken into the latent space, the C-wide cache as one key head)
   gives the logits of the forward over the prompt and the tokens so far (every head's K,V
@@ -152,8 +164,8 @@ def test_strategies_refuse_latent_attention_by_name(checkpoints, tokens):
     kvr_jax.generate(ours, tokens[:1, :8], max_new_tokens=2)
   with pytest.raises(ValueError, match="linear-attention layers"):
     prefill_hybrid(ours, tokens, kvr_jax.make_mesh(2), [20, 20])
-  with pytest.raises(ValueError, match="dense attention"):
-    ours.module.forward(jnp.asarray(tokens), attention="flash")
+  with pytest.raises(ValueError, match="'paged'"):
+    ours.module.forward(jnp.asarray(tokens), attention="paged")
 
 
 def test_bad_configs_refused_by_name(checkpoints):
@@ -239,11 +251,15 @@ def one_device(checkpoints, tokens):
 
 
 @pytest.mark.parametrize(
-  "strategy, ranks, partition",
-  [("kvr", 2, [25, 15]), ("kvr", 4, [5, 15, 12, 8]), ("allgather", 3, None)],
+  "strategy, ranks, partition, attention",
+  [
+    ("kvr", 2, [25, 15], "dense"),
+    ("kvr", 4, [5, 15, 12, 8], "flash"),
+    ("allgather", 3, None, "flash"),
+  ],
 )
 def test_latent_prefill_equals_one_device(
-  checkpoints, tokens, one_device, strategy, ranks, partition
+  checkpoints, tokens, one_device, strategy, ranks, partition, attention
 ):
   """KV-Runahead's hops carry the latent prefix (4 ranks: forwarding buffers), all-gather CP
   gathers every rank's latents; each rank expands what it holds: the last rank's logits and
@@ -252,7 +268,7 @@ def test_latent_prefill_equals_one_device(
 
   ours = checkpoints["deepseek-default"][2]
   mesh = kvr_jax.make_mesh(ranks)
-  result = prefill_latent(ours, tokens, mesh, partition, 2, strategy)
+  result = prefill_latent(ours, tokens, mesh, partition, 2, strategy, attention)
   want_logits, want_cache = one_device
   assert_close(result.logits_BV, want_logits, "last logits")
   assert_close(result.cache, want_cache, "latent cache")
@@ -278,11 +294,12 @@ def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
   from kvr_jax.runtime.mesh import AXIS
   from kvr_jax.strategies import get_strategy
   from kvr_jax.strategies.latent import compile_latent
+  from models.kernels import get_kernel
 
   ours = checkpoints["deepseek-default"][2]
   cfg, chunks, B = ours.config, (16, 12, 12), 2
   mesh = kvr_jax.make_mesh(3)
-  program = compile_latent("kvr", ours.graphdef, mesh, chunks)
+  program = compile_latent("kvr", ours.graphdef, mesh, chunks, get_kernel("flash"))
   tokens_pBc = get_strategy("kvr").arrange(np.zeros((B, sum(chunks)), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))

@@ -3,7 +3,8 @@ all-gather CP, and greedy decoding from the latent cache the last rank then hold
 `prefill_latent`, `generate_latent` (kvr_jax/strategies/latent.py is the program).
 
 Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
-built for K,V caches): one process, rows of one length, the cache whole on the last rank.
+built for K,V caches): rows of one length, the cache whole on the last rank (all-gather CP's
+only in one process).
 Every argument is checked before anything compiles.
 """
 
@@ -23,6 +24,7 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.latent import STRATEGIES, compile_latent
+from models.kernels import get_kernel
 from models.layer_kinds import LatentAttentionKind
 
 
@@ -41,11 +43,23 @@ class LatentPrefill:
 
 
 def prefill_latent(
-  model: Model, tokens, mesh, partition=None, max_new_tokens: int = 0, strategy: str = "kvr"
+  model: Model,
+  tokens,
+  mesh,
+  partition=None,
+  max_new_tokens: int = 0,
+  strategy: str = "kvr",
+  attention: str = "flash",
+  join: bool = True,
 ) -> LatentPrefill:
   """`strategy` ("kvr", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order; None: even), all-gather CP its zigzag chunks (no
-  partition). max_new_tokens: room the cache keeps for decoding."""
+  partition). max_new_tokens: room the cache keeps for decoding. attention: the expanded
+  heads' kernel (models.kernels: dense, blocked, flash, ...). join=False: return as soon as
+  the last rank's logits exist, the cache left where the program put it (`cache` None; what
+  the benchmark times).
+  With a mesh over several processes only the last rank's process gets the logits (and, for
+  KV-Runahead, the cache); all-gather CP's cache move across processes is not built."""
   latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
   if not latent:
     raise ValueError(
@@ -58,8 +72,12 @@ def prefill_latent(
   p = check_mesh(mesh)
   if p < 2:
     raise ValueError("prefill_latent runs on 2 or more ranks; on one device use model.module")
-  if jax.process_count() > 1:
-    raise ValueError("prefill_latent across processes is not built: one process, 2+ devices")
+  if join and strategy != "kvr" and jax.process_count() > 1:
+    raise ValueError(
+      f"{strategy} on a latent model across processes: moving its cache onto the last rank "
+      "is not built; pass join=False (the cache stays where it was computed)"
+    )
+  kernel = get_kernel(attention)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
     raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
   T = tokens_BT.shape[1]
@@ -71,13 +89,17 @@ def prefill_latent(
       raise ValueError(f"strategy {strategy!r} lays the prompt out itself: give no partition")
     check_ranks(T, p)
     chunks = spec.layout(T, p, None)
-  program = compile_latent(strategy, model.graphdef, mesh, chunks)
+  program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel)
   state = model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
   owner = rank_device(mesh, p - 1)
   capacity = T + max_new_tokens
-  logits_BV = shard_on(logits_pBV, owner)
+  logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
+  if logits_BV is None:  # another process's rank is last: this one returns when its part is done
+    jax.block_until_ready(out)
+  if not join or logits_BV is None:
+    return LatentPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds every position: its last hop and its own chunk
     last, own = shard_on(out["last"], owner), shard_on(out["own"], owner)
     cache = jax.jit(_joined, static_argnums=(2, 3))(last, own, chunks[-1], capacity)
@@ -109,13 +131,19 @@ def _check_tokens(model: Model, tokens) -> np.ndarray:
 
 
 def generate_latent(
-  model: Model, tokens, mesh, partition=None, max_new_tokens: int = 1, strategy: str = "kvr"
+  model: Model,
+  tokens,
+  mesh,
+  partition=None,
+  max_new_tokens: int = 1,
+  strategy: str = "kvr",
+  attention: str = "flash",
 ):
   """Greedy decoding of `max_new_tokens` from `prefill_latent`'s cache on the last rank's
   device (the absorbed form: each step reads the latents): [B, max_new_tokens] token ids."""
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-  result = prefill_latent(model, tokens, mesh, partition, max_new_tokens, strategy)
+  result = prefill_latent(model, tokens, mesh, partition, max_new_tokens, strategy, attention)
   step = _decode_step(model.graphdef)
   state = model.state_on(result.logits_BV.sharding)
   positions_B = np.full(result.logits_BV.shape[0], sum(result.chunks), np.int32)

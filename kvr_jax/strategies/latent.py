@@ -49,7 +49,7 @@ def _finish(block, x_BTD, attn_BTNv):
   return block.mlp(x_BTD + block.attention_output(attn_BTNv))
 
 
-def kvr_latent_layer(block, x_BcD, buffer_1BS1C, rank, chunks: tuple[int, ...]):
+def kvr_latent_layer(block, x_BcD, buffer_1BS1C, rank, chunks: tuple[int, ...], attention):
   """Rank `rank`'s layer (every phase a `lax.switch` whose branch i has rank i's static
   shapes): (x [B, c_max, D], the forwarding buffer, (its own latents [B, c_max, C], the last
   hop's message [B, S_{p-2}, C]))."""
@@ -82,8 +82,7 @@ def kvr_latent_layer(block, x_BcD, buffer_1BS1C, rank, chunks: tuple[int, ...]):
       keys_BSC = jnp.concatenate([last_1Bs1C[0, :, :, 0], own], axis=1)
     else:  # the buffer holds the prefix, then its own chunk at `start`
       keys_BSC = buffer_1BS1C[0, :, : start + c, 0]
-    positions_c = start + jnp.arange(c)
-    attn = block.attend_expanded(q_nope[:, :c], q_rope[:, :c], keys_BSC, positions_c)
+    attn = block.attend_expanded(q_nope[:, :c], q_rope[:, :c], keys_BSC, start, attention)
     out_BcD = _finish(block, x_BcD[:, :c], attn)
     return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
 
@@ -100,9 +99,10 @@ def kvr_latent_layer(block, x_BcD, buffer_1BS1C, rank, chunks: tuple[int, ...]):
   return x_BcD, buffer_1BS1C, (own_BcC, last_1Bs1C[0, :, :, 0])
 
 
-def allgather_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int):
+def allgather_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, attention):
   """A zigzag rank's layer: its two chunks' latents all-gathered with every rank's, the whole
-  prompt expanded, its queries attended causally: (x [B, 2c, D], its own latents)."""
+  prompt expanded, its queries attended causally (a `lax.switch` on the rank: each chunk's
+  offset static, as every kernel takes): (x [B, 2c, D], its own latents)."""
   B, p = x_B2cD.shape[0], num_ranks
   c = zigzag.chunk_len(context_len, p)
   positions_B2c = zigzag.positions(rank, c, p, B)
@@ -113,12 +113,24 @@ def allgather_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int
     every_pB2cC[j, :, :c] if j < p else every_pB2cC[2 * p - 1 - j, :, c:] for j in range(2 * p)
   ]
   prompt_BSC = jnp.concatenate(halves, axis=1)  # the padded prompt's latents, in order
-  attn = block.attend_expanded(q_nope, q_rope, prompt_BSC, positions_B2c[0])
+
+  def attend(q_nope, q_rope, prompt_BSC, r):
+    pieces = []
+    for rows, chunk in zip((slice(0, c), slice(c, 2 * c)), zigzag.rank_chunks(r, p), strict=True):
+      keys_BSC = prompt_BSC[:, : (chunk + 1) * c]  # a chunk's queries see up to its own end
+      pieces.append(
+        block.attend_expanded(q_nope[:, rows], q_rope[:, rows], keys_BSC, chunk * c, attention)
+      )
+    return jnp.concatenate(pieces, axis=1)
+
+  attn = jax.lax.switch(
+    rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
+  )
   return _finish(block, x_B2cD, attn), own_B2cC
 
 
 @kept_cache(16)
-def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...]):
+def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
   p-1's are the prompt's last position's, {"own": [p, L, B, T_rank, C], and for "kvr" "last":
@@ -130,6 +142,7 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...]):
 
   def program(state, tokens_1BT):
     count_trace(f"{strategy}-latent")
+    attention = kernel
     model = nnx.merge(graphdef, state)
     cfg = model.config
     rank = jax.lax.axis_index(AXIS)
@@ -148,10 +161,10 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...]):
     def layer(block, l, state):
       x_BTD, carry, out = state
       if strategy == "kvr":
-        x_BTD, carry, (own, last) = kvr_latent_layer(block, x_BTD, carry, rank, chunks)
+        x_BTD, carry, (own, last) = kvr_latent_layer(block, x_BTD, carry, rank, chunks, attention)
         out = {"own": out["own"].at[l].set(own), "last": out["last"].at[l].set(last)}
       else:
-        x_BTD, own = allgather_latent_layer(block, x_BTD, rank, context_len, p)
+        x_BTD, own = allgather_latent_layer(block, x_BTD, rank, context_len, p, attention)
         out = {"own": out["own"].at[l].set(own)}
       return x_BTD, carry, out
 
