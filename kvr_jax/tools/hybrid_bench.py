@@ -1,9 +1,11 @@
-"""The measured prefill of a hybrid model (`launch.benchmark --mode=hybrid`): KV-Runahead (its
-split from the cost model with this machine's `local` presets, and even), ring and all-gather
-CP over p processes, and the single device alone, every figure MEASURED here.
+"""The measured prefill of a model with its own context-parallel program
+(`launch.benchmark --mode=hybrid`): a hybrid model (kvr_jax.inference.hybrid: KV-Runahead,
+ring and all-gather CP) or a latent-attention one (kvr_jax.inference.latent: KV-Runahead and
+all-gather CP). KV-Runahead on its split from the cost model with this machine's `local`
+presets, and even; the peers; the single device alone; every figure MEASURED here.
 
 A call ends when the last rank's logits of the prompt's last position are ready, the cache
-left where the program put it (`prefill_hybrid(join=False)`): KV-Runahead's last rank then
+left where the program put it (`join=False`): KV-Runahead's last rank then
 already holds the whole cache, the peers' is spread over their ranks (their move onto the
 last rank is not in the figure: the comparison favours the peers). The variants of one
 length are called once each (their compiles), then `rounds` rounds time one call of each in
@@ -21,13 +23,22 @@ from jax.experimental import multihost_utils
 
 from kvr_jax.core.chunks import even_partition
 from kvr_jax.inference.hybrid import prefill_hybrid
+from kvr_jax.inference.latent import prefill_latent
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt
+from models.layer_kinds import LatentAttentionKind
 
 PEERS = ("ring", "allgather")
+
+
+def _prefill_and_peers(model):
+  """The model's own prefill entry point and the peers it runs."""
+  if isinstance(model.config.kinds[0], LatentAttentionKind):
+    return prefill_latent, ("allgather",)
+  return prefill_hybrid, PEERS
 
 
 def _variants(model, context_len: int, num_ranks: int) -> dict:
@@ -49,17 +60,19 @@ def _variants(model, context_len: int, num_ranks: int) -> dict:
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)
   even = even_partition(context_len, num_ranks)
 
+  prefill, peers = _prefill_and_peers(model)
+
   def call(strategy, partition=None):
     return lambda: (
-      prefill_hybrid(
-        model, tokens, mesh, partition, "flash", strategy=strategy, join=False
+      prefill(
+        model, tokens, mesh, partition, strategy=strategy, attention="flash", join=False
       ).logits_BV
     )
 
   variants = {
     "kvr-search": call("kvr", searched),
     "kvr-even": call("kvr", even),
-    **{peer: call(peer) for peer in PEERS},
+    **{peer: call(peer) for peer in peers},
   }
   return variants, {"kvr-search": searched, "kvr-even": even}
 
