@@ -14,12 +14,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
+from kvr_jax.inference.own_program import check_new_tokens, check_tokens, greedy_from
 from kvr_jax.runtime.cache_layout import unfold_batch
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
@@ -72,7 +70,7 @@ def prefill_hybrid(
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
   spec = get_strategy(strategy)
-  tokens_BT = _check_tokens(model, tokens)
+  tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh)
   if p < 2:
     raise ValueError("prefill_hybrid runs on 2 or more ranks; on one device use model.module")
@@ -83,8 +81,7 @@ def prefill_hybrid(
     )
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-    raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+  check_new_tokens(max_new_tokens, 0)
   kernel = spec.check_attention(attention)
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
@@ -112,16 +109,6 @@ def _gathered_on(array, mesh, device):
   """A rank-sharded output [p, ...] whole on `device` (each rank's piece copied over)."""
   pieces = [shard_on(array, rank_device(mesh, r)) for r in range(mesh.shape[AXIS])]
   return jnp.stack([jax.device_put(piece, device) for piece in pieces])
-
-
-def _check_tokens(model: Model, tokens) -> np.ndarray:
-  tokens_BT = np.asarray(tokens)
-  if tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer) or tokens_BT.size == 0:
-    raise ValueError(f"tokens must be a non-empty [batch, length] integer array, got {tokens!r}")
-  vocab = model.config.vocab_size
-  if tokens_BT.min() < 0 or tokens_BT.max() >= vocab:
-    raise ValueError(f"token ids must be in [0, {vocab}) for this model")
-  return tokens_BT
 
 
 def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, ...]:
@@ -182,26 +169,6 @@ def generate_hybrid(
 ):
   """Greedy decoding of `max_new_tokens` from `prefill_hybrid`'s cache on the last rank's
   device: [B, max_new_tokens] token ids."""
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  check_new_tokens(max_new_tokens, 1)
   result = prefill_hybrid(model, tokens, mesh, partition, attention, max_new_tokens, strategy)
-  step = _decode_step(model.graphdef)
-  state = model.state_on(result.logits_BV.sharding)
-  positions_B = np.full(result.logits_BV.shape[0], sum(result.chunks), np.int32)
-  next_B, cache, out = result.logits_BV.argmax(-1), result.cache, []
-  for _ in range(max_new_tokens):
-    out.append(next_B)
-    logits_BV, cache = step(state, next_B, positions_B, cache)
-    next_B, positions_B = logits_BV.argmax(-1), positions_B + 1
-  return np.stack([np.asarray(t) for t in out], axis=1)
-
-
-@kept_cache(8)
-def _decode_step(graphdef):
-  """The jitted decode step of a model's structure, made once per graphdef (not per call)."""
-
-  @jax.jit
-  def step(state, tokens_B, positions_B, cache):
-    return nnx.merge(graphdef, state).decode_step(tokens_B, positions_B, cache)
-
-  return step
+  return greedy_from(model, result.logits_BV, result.cache, sum(result.chunks), max_new_tokens)
