@@ -333,3 +333,12 @@ def test_latent_prefill_refuses_by_name(checkpoints, tokens):
   with pytest.raises(ValueError, match="latent-attention model"):
     llama = kvr_jax.load_model("tiny-llama")
     prefill_latent(llama, tokens, kvr_jax.make_mesh(2), [20, 20])
+
+
+def test_a_saved_model_restores_whole(checkpoints, tokens, tmp_path):
+  """Orbax: both stacks (dense and experts) and the router's correction bias come back."""
+  _, _, ours = checkpoints["deepseek-default"]
+  kvr_jax.save_model(ours, str(tmp_path / "checkpoint"))
+  restored = kvr_jax.load_model(str(tmp_path / "checkpoint"))
+  assert restored.config == ours.config
+  np.testing.assert_array_equal(restored.module(tokens[:, :8]), ours.module(tokens[:, :8]))
