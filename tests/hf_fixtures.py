@@ -197,9 +197,13 @@ def make_qwen35_model(case: str, seed: int = 0):
   config._attn_implementation = "eager"
   torch.manual_seed(seed)
   model = randomize(transformers.Qwen3_5ForCausalLM(config), seed)
-  # Slow decays, as trained models have: g = -exp(A_log) softplus(a + dt_bias) near -0.003
-  # per token, so a linear layer's state outlives a chunk (with randomize's values it halves
-  # every token and no test could see a state that arrived stale or not at all).
+  return with_slow_decays(model)
+
+
+def with_slow_decays(model):
+  """Slow decays, as trained models have: g = -exp(A_log) softplus(a + dt_bias) near -0.003
+  per token, so a linear layer's state outlives a chunk (with randomize's values it halves
+  every token and no test could see a state that arrived stale or not at all)."""
   with torch.no_grad():
     for name, param in model.named_parameters():
       if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
@@ -246,11 +250,7 @@ def make_qwen_moe_model(case: str, seed: int = 0):
   config._attn_implementation = "eager"
   torch.manual_seed(seed)
   model = randomize(getattr(transformers, model_name)(config), seed)
-  with torch.no_grad():
-    for name, param in model.named_parameters():
-      if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
-        param.add_(-4.0)
-  return model
+  return with_slow_decays(model)
 
 
 # DeepSeek-V3 (latent attention, DeepSeek's router): d_model 64, 4 heads of 16 no-rope and 8

@@ -21,6 +21,7 @@ from __future__ import annotations
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
 from kvr_jax.runtime.roofline import Collective, Compute, ModelledLayer, Receive, Send, Work
 from kvr_jax.strategies import zigzag
+from kvr_jax.strategies.linear_modelled import layer_of
 
 
 def latent_phases(config, queries: float, keys: float, scored: float, setup) -> dict[str, Work]:
@@ -61,17 +62,6 @@ def _causal_keys(start: int, c: int) -> float:
   return start + (c + 1) / 2 if c else 0.0
 
 
-def _layer(steps, partition, works, link_bytes) -> ModelledLayer:
-  totals = [sum(w.values(), Work(0, 0)) for w in works]
-  return ModelledLayer(
-    tuple(tuple(s) for s in steps),
-    tuple(partition),
-    tuple(t.flops for t in totals),
-    tuple(t.bytes for t in totals),
-    tuple(float(b) for b in link_bytes),
-  )
-
-
 def _computes(work, hw, names) -> list:
   return [Compute(name, work[name].time(hw)) for name in names]
 
@@ -80,7 +70,7 @@ def single_latent_layer(config, context_len: int, setup, chunks) -> ModelledLaye
   C = chunks[0]
   work = latent_phases(config, C, C, _causal_keys(0, C), setup)
   steps = [_computes(work, setup.hardware, ("qkv", "expand", "attention", "rest"))]
-  return _layer(steps, chunks, [work], ())
+  return layer_of(steps, chunks, [work], ())
 
 
 def kvr_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
@@ -101,7 +91,7 @@ def kvr_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
     rank += _computes(work, hw, ("expand", "attention", "rest"))
     works.append(work)
     steps.append(rank)
-  return _layer(steps, chunks, works, sent)
+  return layer_of(steps, chunks, works, sent)
 
 
 def allgather_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
@@ -119,7 +109,7 @@ def allgather_latent_layer(config, context_len: int, setup, chunks) -> ModelledL
     works.append(work)
     rank_steps = _computes(work, hw, ("qkv",)) + [Collective("gather latents", gather)]
     steps.append(rank_steps + _computes(work, hw, ("expand", "attention", "rest")))
-  return _layer(steps, chunks, works, [(p - 1) * piece] * p)
+  return layer_of(steps, chunks, works, [(p - 1) * piece] * p)
 
 
 # strategy name -> its modelled latent-attention layer (config, context_len, setup, chunks)

@@ -81,7 +81,8 @@ def _chain_work(config, setup) -> Work:
   return Work(2 * setup.batch * h * k * k * v, STATE_BYTES * setup.batch * h * k * (k + 2 * v))
 
 
-def _layer(steps, partition, works, link_bytes) -> ModelledLayer:
+def layer_of(steps, partition, works, link_bytes) -> ModelledLayer:
+  """A ModelledLayer from each rank's steps and its phases' work (summed per rank)."""
   totals = [sum(w.values(), Work(0, 0)) for w in works]
   return ModelledLayer(
     tuple(tuple(s) for s in steps),
@@ -96,7 +97,7 @@ def single_linear_layer(config, context_len: int, setup, chunks) -> ModelledLaye
   work = linear_phases(config, chunks[0], setup, entry_map=False)
   hw = setup.hardware
   steps = [(Compute("linear", work["linear"].time(hw)), Compute("rest", work["rest"].time(hw)))]
-  return _layer(steps, chunks, [work], ())
+  return layer_of(steps, chunks, [work], ())
 
 
 def kvr_linear_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
@@ -115,7 +116,7 @@ def kvr_linear_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
     rank.append(Compute("rest", work["rest"].time(hw)))
     works.append(work)
     steps.append(rank)
-  return _layer(steps, chunks, works, [hop] * (p - 1))
+  return layer_of(steps, chunks, works, [hop] * (p - 1))
 
 
 def gathered_maps_layer(pieces_per_rank: int):
@@ -139,7 +140,7 @@ def gathered_maps_layer(pieces_per_rank: int):
           Compute("rest", work["rest"].time(hw)),
         )
       )
-    return _layer(steps, chunks, works, [(p - 1) * maps] * p)
+    return layer_of(steps, chunks, works, [(p - 1) * maps] * p)
 
   return modelled
 
@@ -157,7 +158,7 @@ def replicated_linear_layer(
   if gather_hidden and p > 1:
     steps.insert(0, Collective("gather x", (p - 1) * (rows / links.slowest(p) + links.latency)))
   sent = [(p - 1) * rows if gather_hidden else 0.0] * p
-  return _layer([steps] * p, (context_len,) * p, [work] * p, sent)
+  return layer_of([steps] * p, (context_len,) * p, [work] * p, sent)
 
 
 # strategy name -> its modelled linear layer (config, context_len, setup, chunks); the
