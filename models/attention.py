@@ -18,22 +18,32 @@ import jax.numpy as jnp
 from models.flash import Lengths, attend_flash
 from models.kernels import KERNELS, AttentionKernel, get_kernel, kernels_where
 from models.masks import MASK_VALUE, causal_mask, window_start
+from models.sinks import add_sinks, sees_own_key
 
 
 def attend_static(
-  q_BTNH, k_BSKH, v_BSKH, query_offset: int, attention, window: int | None = None
+  q_BTNH,
+  k_BSKH,
+  v_BSKH,
+  query_offset: int,
+  attention,
+  window: int | None = None,
+  sinks_N=None,
 ) -> jax.Array:
   """Causal (optionally sliding-window) attention at a static offset with the kernel
   `attention` (a models.kernels record or its name). window=W: query q sees keys s with
-  q - W < s <= q (Mistral's convention)."""
+  q - W < s <= q (Mistral's convention). sinks_N: each head's learned sink logit (gpt-oss,
+  `add_sinks`), or None."""
   kernel = get_kernel(attention)
   _check_window(kernel, window)
   if kernel.computes == "blocked":
-    return attend_blocked(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.query_block, window=window)
+    return attend_blocked(
+      q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.query_block, window=window, sinks_N=sinks_N
+    )
   if kernel.returns_lse:  # flash, two-piece: their float32 partial, cast as the queries
-    out, _ = attend_partial(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel, window)
+    out, _ = attend_partial(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel, window, sinks_N=sinks_N)
     return out.astype(q_BTNH.dtype)
-  return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window)
+  return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, window=window, sinks_N=sinks_N)
 
 
 def attend_partial(
@@ -44,12 +54,14 @@ def attend_partial(
   attention,
   window: int | None = None,
   lengths: Lengths | None = None,
+  sinks_N=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Like `attend_static`, for the kernels that return their log-sum-exp (`returns_lse`),
   so that attentions over disjoint key sets merge exactly (`merge_partials`): returns (out
   [B, T, N, H] float32, lse [B, T, N] float32). A key set wholly in the past of every query
   (query_offset >= S) is attended unmasked. lengths: the real extent of padded inputs as
-  data (`flash.Lengths`), for the kernels with `lengths_as_data`."""
+  data (`flash.Lengths`), for the kernels with `lengths_as_data`. sinks_N: as `add_sinks`
+  (only the rows whose own key is among these keys take theirs, so partials still merge)."""
   kernel = get_kernel(attention)
   if not kernel.returns_lse:
     raise ValueError(
@@ -73,8 +85,12 @@ def attend_partial(
       key_block=kernel.key_block,
       out_dtype=jnp.float32,
       lengths=lengths,
+      sinks_N=sinks_N,
     )
-  return attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.implementation)
+  out, lse = attend_fused(q_BTNH, k_BSKH, v_BSKH, query_offset, kernel.implementation)
+  if sinks_N is None:
+    return out, lse
+  return add_sinks(out, lse, sinks_N, sees_own_key(q_BTNH.shape[1], query_offset, k_BSKH.shape[1]))
 
 
 def _check_window(kernel: AttentionKernel, window: int | None) -> None:
@@ -93,6 +109,7 @@ def attend(
   *,
   window: int | None = None,
   softmax_scale: float | None = None,
+  sinks_N=None,
 ) -> jax.Array:
   """Causal attention of T queries to an S-key prefix; returns [B, T, N, H] in q's dtype.
 
@@ -100,10 +117,16 @@ def attend(
   sliding `window` W each sees at most its W latest keys (itself included). Grouped-query
   attention is done by folding the N query heads into [K, G] so that the K key/value heads
   are never repeated.
-  Scores and softmax are in float32 whatever the input dtype.
+  Scores and softmax are in float32 whatever the input dtype. sinks_N: as `add_sinks`.
   """
   out, _ = attend_with_lse(
-    q_BTNH, k_BSKH, v_BSKH, query_offset, window=window, softmax_scale=softmax_scale
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    query_offset,
+    window=window,
+    softmax_scale=softmax_scale,
+    sinks_N=sinks_N,
   )
   return out.astype(q_BTNH.dtype)
 
@@ -117,11 +140,13 @@ def attend_with_lse(
   window: int | None = None,
   softmax_scale: float | None = None,
   num_valid_keys=None,
+  sinks_N=None,
 ) -> tuple[jax.Array, jax.Array]:
   """`attend` that also returns the log-sum-exp: (out [B, T, N, H] float32, lse [B, T, N]
   float32), so that attentions over disjoint key sets merge exactly (`merge_partials`).
   `query_offset` and `num_valid_keys` may be per row ([B], see `causal_mask`); a row whose
-  keys are all masked gets a finite lse near the mask value, so it weighs 0 in a merge."""
+  keys are all masked gets a finite lse near the mask value, so it weighs 0 in a merge.
+  sinks_N: as `add_sinks`, for the rows whose own key is among the valid keys."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -147,7 +172,11 @@ def attend_with_lse(
   )
   out_BTKGH = out_BTKGH / denominator_BTKG[..., None]
   lse_BTKG = jnp.einsum("BKGT->BTKG", max_BKGT1[..., 0]) + jnp.log(denominator_BTKG)
-  return out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
+  out_BTNH, lse_BTN = out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
+  if sinks_N is None:
+    return out_BTNH, lse_BTN
+  key_end = S if num_valid_keys is None else jnp.minimum(jnp.asarray(num_valid_keys), S)
+  return add_sinks(out_BTNH, lse_BTN, sinks_N, sees_own_key(T, query_offset, key_end))
 
 
 def attend_blocked(
@@ -159,6 +188,7 @@ def attend_blocked(
   *,
   window: int | None = None,
   softmax_scale: float | None = None,
+  sinks_N=None,
 ) -> jax.Array:
   """`attend` that skips the masked-out future: queries in static blocks of `block_size`, each
   attending only to the keys up to its last query's position.
@@ -170,7 +200,9 @@ def attend_blocked(
   """
   T, S = q_BTNH.shape[1], k_BSKH.shape[1]
   if T <= block_size and window is None:
-    return attend(q_BTNH, k_BSKH, v_BSKH, query_offset, softmax_scale=softmax_scale)
+    return attend(
+      q_BTNH, k_BSKH, v_BSKH, query_offset, softmax_scale=softmax_scale, sinks_N=sinks_N
+    )
   outputs = []
   for start in range(0, T, block_size):
     stop = min(start + block_size, T)
@@ -184,6 +216,7 @@ def attend_blocked(
         query_offset + start - first,
         window=window,
         softmax_scale=softmax_scale,
+        sinks_N=sinks_N,  # per row, as any call: a row whose own key is given
       )
     )
   return jnp.concatenate(outputs, axis=1)

@@ -82,6 +82,13 @@ class Block(nnx.Module):
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's H features, before RoPE
       self.q_norm = ones_param((L, H), dtype)
       self.k_norm = ones_param((L, H), dtype)
+    if cfg.attention_sinks:  # gpt-oss: one sink logit per query head (models/sinks.py)
+      self.sinks = normal_param(rngs, (L, N), dtype)
+
+  @property
+  def sinks_N(self) -> jax.Array | None:
+    """This layer's sink logits [N] (a tensor-parallel shard's own heads), or None."""
+    return self.sinks[...] if self.config.attention_sinks else None
 
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:  # pragma: no cover - interface
     raise NotImplementedError
@@ -106,7 +113,13 @@ class Block(nnx.Module):
     """This model's attention (causal, with its sliding window if any) at `query_offset`
     counted from the first key given; `attention` names the kernel (models.attention)."""
     return attend_static(
-      q_BTNH, k_BSKH, v_BSKH, query_offset, attention, self.config.sliding_window
+      q_BTNH,
+      k_BSKH,
+      v_BSKH,
+      query_offset,
+      attention,
+      self.config.sliding_window,
+      sinks_N=self.sinks_N,
     )
 
   def attend_partial(
@@ -129,6 +142,7 @@ class Block(nnx.Module):
       attention,
       self.config.sliding_window,
       lengths=lengths,
+      sinks_N=self.sinks_N,
     )
 
   def attention_output(self, attn_BTNH: jax.Array) -> jax.Array:

@@ -96,9 +96,11 @@ class ModelConfig:
   bos_token_id: int | None = None
   # Switches of the shared attention (models/base.Block), one per model family that needs it:
   # bias on the Q/K/V projections (Qwen2/2.5), per-head RMSNorm of q and k before RoPE
-  # (Qwen3), sliding-window attention: query q sees keys s with q - W < s <= q (Mistral).
+  # (Qwen3), sliding-window attention: query q sees keys s with q - W < s <= q (Mistral),
+  # a learned sink logit per head in every query's softmax (gpt-oss: models/sinks.py).
   qkv_bias: bool = False
   qk_norm: bool = False
+  attention_sinks: bool = False
   sliding_window: int | None = None
   # A window per layer where the layers differ (Qwen2/Qwen3's `max_window_layers`, mixed
   # `layer_types`): layer l attends through layer_windows[l] keys (None: every key), and
@@ -180,11 +182,12 @@ class ModelConfig:
     return dataclasses.replace(self, sliding_window=window, layer_windows=None)
 
   def attention_params(self) -> int:
-    """Parameters of one layer's attention: projections, Q/K/V biases, q/k norms."""
+    """Parameters of one layer's attention: projections, Q/K/V biases, q/k norms, sinks."""
     D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
     bias = (N + 2 * K) * H if self.qkv_bias else 0
     norms = 2 * H if self.qk_norm else 0
-    return D * (N + 2 * K) * H + N * H * D + bias + norms
+    sinks = N if self.attention_sinks else 0
+    return D * (N + 2 * K) * H + N * H * D + bias + norms + sinks
 
   @property
   def eos_ids(self) -> tuple[int, ...]:

@@ -31,11 +31,33 @@ def mixture_of_experts(
   The router's softmax is in float32 over all E experts; the top k are kept (renormalised
   over themselves when `normalize`), as transformers' Qwen3-MoE and Mixtral routers compute.
   Returns [B, T, D] in h's dtype (`run_experts`)."""
-  logits_BTE = jnp.einsum("BTD,DE->BTE", h_BTD, router_DE).astype(jnp.float32)
-  weights_BTk, experts_BTk = jax.lax.top_k(jax.nn.softmax(logits_BTE, axis=-1), top_k)
+  weights_BTk, experts_BTk = route_softmax_top_k(h_BTD, router_DE, None, top_k, normalize)
+  return run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def route_softmax_top_k(h_BTD, router_DE, router_bias_E, top_k: int, normalize: bool):
+  """The softmax router: float32 probabilities over all E experts (the logits with the
+  router's bias where it has one, gpt-oss), the top k kept, renormalised over themselves when
+  `normalize` (the same as gpt-oss's softmax over the top k logits). Returns (weights
+  [B, T, k] float32, experts [B, T, k])."""
+  logits_BTE = jnp.einsum("BTD,DE->BTE", h_BTD, router_DE)
+  if router_bias_E is not None:
+    logits_BTE = logits_BTE + router_bias_E
+  probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+  weights_BTk, experts_BTk = jax.lax.top_k(probs_BTE, top_k)
   if normalize:
     weights_BTk = weights_BTk / weights_BTk.sum(axis=-1, keepdims=True)
-  return run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
+  return weights_BTk, experts_BTk
+
+
+def clamped_swiglu(x_tD, w_gate_DF, b_gate_F, w_up_DF, b_up_F, w_down_FD, b_down_D, limit, alpha):
+  """gpt-oss's expert, as transformers computes it: gate and up with their biases, the gate
+  clamped above at `limit` and up to [-limit, limit], (up + 1) * gate * sigmoid(alpha gate),
+  then down with its bias."""
+  gate_tF = jnp.minimum(x_tD @ w_gate_DF + b_gate_F, limit)
+  up_tF = jnp.clip(x_tD @ w_up_DF + b_up_F, -limit, limit)
+  glu_tF = gate_tF * jax.nn.sigmoid(gate_tF * alpha)
+  return ((up_tF + 1) * glu_tF) @ w_down_FD + b_down_D
 
 
 def route_grouped_sigmoid(
@@ -76,7 +98,17 @@ def route_grouped_sigmoid(
 
 
 def run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD) -> jax.Array:
-  """Each token through its chosen SwiGLU experts, summed by their weights; no token dropped.
+  """Each token through its chosen SwiGLU experts, summed by their weights (`run_expert_mlps`)."""
+
+  def expert_swiglu(x_tD, e):
+    return (jax.nn.silu(x_tD @ w_gate_EDF[e]) * (x_tD @ w_up_EDF[e])) @ w_down_EFD[e]
+
+  return run_expert_mlps(h_BTD, weights_BTk, experts_BTk, w_gate_EDF.shape[0], expert_swiglu)
+
+
+def run_expert_mlps(h_BTD, weights_BTk, experts_BTk, num_experts: int, expert_mlp) -> jax.Array:
+  """Each token through its chosen experts, `expert_mlp(x [tile, D], e) -> [tile, D]` (expert
+  e's MLP on a tile of rows), summed by their weights; no token dropped.
 
   FLOPs follow the active experts: the T k (token, expert) pairs are sorted by expert, each
   expert's run padded to whole tiles of EXPERT_TILE rows, and a loop whose trip count is the
@@ -85,7 +117,7 @@ def run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EF
   on CPU). Returns [B, T, D] in h's dtype.
   """
   B, T, D = h_BTD.shape
-  E, top_k = w_gate_EDF.shape[0], experts_BTk.shape[-1]
+  E, top_k = num_experts, experts_BTk.shape[-1]
   h_SD = h_BTD.reshape(B * T, D)  # S = B T tokens
   rows, tile = expert_rows(experts_BTk.reshape(-1), E, EXPERT_TILE)
   pairs = experts_BTk.size  # P = S k (token, expert) pairs
@@ -94,9 +126,7 @@ def run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EF
 
   def one_tile(t, y_RD):
     x_tD = jax.lax.dynamic_slice_in_dim(x_RD, t * tile, tile)
-    e = rows.expert_of_tile[t]
-    gate_tF = jax.nn.silu(x_tD @ w_gate_EDF[e])
-    y_tD = (gate_tF * (x_tD @ w_up_EDF[e])) @ w_down_EFD[e]
+    y_tD = expert_mlp(x_tD, rows.expert_of_tile[t])
     return jax.lax.dynamic_update_slice_in_dim(y_RD, y_tD.astype(y_RD.dtype), t * tile, axis=0)
 
   y_RD = jax.lax.fori_loop(0, rows.tiles_used, one_tile, jnp.zeros_like(x_RD))

@@ -1,5 +1,5 @@
 """The model families, registered in one place: one `Family` record per family file
-(models/llama.py, falcon.py, gemma.py, qwen3_5.py, deepseek_v3.py), and what reads the
+(models/llama.py, falcon.py, gemma.py, qwen3_5.py, deepseek_v3.py, gpt_oss.py), and what reads the
 registry: a config from a dict (presets, checkpoints) or from a Hugging Face `config.json`, a
 config's module class and its Hugging Face tensor names.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models import deepseek_v3, falcon, gemma, llama, qwen3_5
+from models import deepseek_v3, falcon, gemma, gpt_oss, llama, qwen3_5
 from models.config import ModelConfig, RopeConfig, check_dict_fields
 from models.family import Family
 from models.hf_config import check_fields, or_default
@@ -22,6 +22,7 @@ FAMILIES: tuple[Family, ...] = (
   gemma.FAMILY,
   qwen3_5.FAMILY,
   deepseek_v3.FAMILY,
+  gpt_oss.FAMILY,
 )
 
 ARCHITECTURES: dict[str, type[ModelConfig]] = {f.architecture: f.config_class for f in FAMILIES}

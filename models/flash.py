@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from models.kernels import KERNELS
 from models.masks import MASK_VALUE
+from models.sinks import add_sinks
 
 
 def even_block(length: int, largest: int) -> int:
@@ -125,6 +126,7 @@ def attend_flash(
   softmax_scale: float | None = None,
   out_dtype=None,
   lengths: Lengths | None = None,
+  sinks_N=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Flash-style attention: returns (out [B, T, N, H] in `out_dtype`, default q's dtype; lse
   [B, T, N] float32). A partial that will be merged keeps float32 (out_dtype=jnp.float32):
@@ -147,6 +149,9 @@ def attend_flash(
   lengths: the real extent of padded inputs as data (`Lengths`): only the query blocks that
   hold its rows are visited (a `fori_loop` whose trip count is data), so padded blocks cost
   nothing.
+
+  sinks_N: each head's sink logit (gpt-oss), added once to the final sum of the rows whose
+  own key is among the keys they see here (models.sinks.add_sinks): never per key block.
   """
   lengths = lengths or Lengths()
   B, T, N, H = q_BTNH.shape
@@ -165,7 +170,23 @@ def attend_flash(
   # [nq, B, K, bq*G, H] -> [B, T, N, H]
   out = o_blocks.reshape(nq, B, K, bq, G, H).transpose(1, 0, 3, 2, 4, 5).reshape(B, nq * bq, N, H)
   lse = lse_blocks.reshape(nq, B, K, bq, G).transpose(1, 0, 3, 2, 4).reshape(B, nq * bq, N)
-  return out[:, :T].astype(out_dtype or q_BTNH.dtype), lse[:, :T]
+  out, lse = out[:, :T], lse[:, :T]
+  if sinks_N is not None:
+    out, lse = _add_sinks(out, lse, sinks_N, layout, lengths, T)
+  return out.astype(out_dtype or q_BTNH.dtype), lse
+
+
+def _add_sinks(out_BTNH, lse_BTN, sinks_N, layout: _FlashLayout, lengths: Lengths, T: int):
+  """The sinks of the rows that see their own key in this call: inside `query_rows`, their
+  position before their key end (the short rows' end, or `num_keys`)."""
+  t = jnp.arange(T)
+  key_end_T = jnp.broadcast_to(layout.num_keys, (T,))
+  if layout.short_rows is not None:
+    key_end_T = jnp.where(t < layout.short_rows[0], layout.short_rows[1], key_end_T)
+  rows_T = layout.query_offset + t < key_end_T
+  if lengths.query_rows is not None:  # rows outside are out 0, lse -inf: they stay so
+    rows_T &= (t >= lengths.query_rows[0]) & (t < lengths.query_rows[1])
+  return add_sinks(out_BTNH, lse_BTN, sinks_N, rows_T)
 
 
 def _lay_out(q_BTNH, k_BSKH, v_BSKH, query_offset, window, query_block, key_block, lengths):

@@ -125,10 +125,10 @@ def refuse(hf: dict[str, Any], field: str, bad: Any, why: str) -> None:
 # Defaults transformers (5.x) takes when config.json leaves a key out, where they are not the
 # generic ones: Qwen3's head_dim is a fixed 128 (not hidden_size / heads), Mistral's window is
 # 4096 (`sliding_window` absent is not `null`), and the position limits per family.
-HEAD_DIM_DEFAULTS = {"qwen3": 128}
+HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64}
 
 
-WINDOW_DEFAULTS = {"mistral": 4096}
+WINDOW_DEFAULTS = {"mistral": 4096, "gpt_oss": 128}
 
 
 # What transformers' config classes fill in for a key a config.json does not have, per family
@@ -163,6 +163,18 @@ FAMILY_DEFAULTS = {
     "num_experts_per_tok": 2,
   },
   "falcon": {"max_position_embeddings": 2048, "bos_token_id": 11, "eos_token_id": 11},
+  "gpt_oss": {
+    "max_position_embeddings": 131072,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 2880,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000.0,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "swiglu_limit": 7.0,
+    "swiglu_alpha": 1.702,
+  },
   "deepseek_v3": {
     "max_position_embeddings": 4096,
     "bos_token_id": 0,

@@ -170,12 +170,12 @@ def llama_from_hf(hf: dict[str, Any], model_type: str, common: dict[str, Any]):
     tie_embeddings=hf.get("tie_word_embeddings", False),
     qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always carry a bias
     qk_norm=model_type in ("qwen3", "qwen3_moe"),
-    **_sliding_window_from_hf(hf, model_type),
+    **windows_from_hf(hf, model_type),
     **_experts_from_hf(hf, model_type),
   )
 
 
-def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+def windows_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
   """{"sliding_window": W or None} (one window for every layer, or none), or
   {"layer_windows": (...)} where the layers differ, as transformers reads them.
 

@@ -193,8 +193,9 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
         prompt_lens_B,
       )
       # The decoded tokens sit at positions prompt_len + [0, M): the query at tail_index.
+      # The new token's own key is in the tail: its sink (gpt-oss) is added here, once.
       tail_out, tail_lse = attend_flash(
-        q_B1NH, tail_2BMKH[0], tail_2BMKH[1], tail_index, window=window
+        q_B1NH, tail_2BMKH[0], tail_2BMKH[1], tail_index, window=window, sinks_N=block.sinks_N
       )
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
       out, lse = merge_partials(out, lse, tail_out, tail_lse)

@@ -39,6 +39,7 @@ SPLIT_AXIS = {
   "bq": 1,  # [L, N, H]
   "bk": 1,  # [L, K, H]
   "bv": 1,
+  "sinks": 1,  # [L, N]: each shard's own heads' sinks
   "wo": 1,  # [L, N, H, D]
   "w_gate": 2,  # [L, D, F]
   "w_up": 2,

@@ -43,7 +43,9 @@ def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
         return jax.lax.dynamic_slice_in_dim(kv, src * 2 * c, 2 * c, axis=2)
 
       window = block.config.sliding_window
-      return zigzag.zigzag_attention(q_B2cNH, own_2B2cKH, rank, c, p, window, attention, gathered)
+      return zigzag.zigzag_attention(
+        q_B2cNH, own_2B2cKH, rank, c, p, window, attention, gathered, sinks_N=block.sinks_N
+      )
     kv = zigzag.in_prompt_order(kv, zigzag.padded_len(context_len, p), p, axis=2)
     outs = []
     for half, chunk in enumerate((rank, 2 * p - 1 - rank)):

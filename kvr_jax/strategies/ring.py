@@ -43,6 +43,7 @@ def ring_attention(
   timeline: bool = False,
   layer=-1,
   attention="flash",
+  sinks_N=None,
 ):
   """Rank's two query chunks against every rank's K,V, passed around the ring: at step s it
   receives the K,V of rank (r - s) mod p, and sends them on before attending to them (one
@@ -55,7 +56,7 @@ def ring_attention(
     return jax.lax.ppermute(kv, AXIS, perm=ring)
 
   return zigzag.zigzag_attention(
-    q_B2cNH, kv_own, rank, c, p, window, attention, passed_on, timeline, layer
+    q_B2cNH, kv_own, rank, c, p, window, attention, passed_on, timeline, layer, sinks_N
   )
 
 
@@ -68,7 +69,9 @@ def ring_body(graphdef, chunks, attention, timeline, keep_last_hop):
 
   def attend_chunks(block, q_B2cNH, own_2B2cKH, rank, l):
     window = block.config.sliding_window
-    return ring_attention(q_B2cNH, own_2B2cKH, rank, c, p, window, timeline, l, attention)
+    return ring_attention(
+      q_B2cNH, own_2B2cKH, rank, c, p, window, timeline, l, attention, block.sinks_N
+    )
 
   return zigzag.peer_body(chunks, timeline, attend_chunks)
 

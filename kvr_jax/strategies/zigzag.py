@@ -141,20 +141,23 @@ def peer_body(chunks: tuple[int, ...], timeline: bool, attend_chunks) -> Callabl
   return make_body
 
 
-def _chunk_partial(q_BcNH, query_chunk, kv, key_half, key_chunk, whole: bool, c, attention, window):
+def _chunk_partial(
+  q_BcNH, query_chunk, kv, key_half, key_chunk, whole: bool, c, attention, window, sinks_N
+):
   """One c-token query chunk over one key chunk (half `key_half` of a rank's [2, B, 2c, K, H]
   K,V): (out, lse) float32. `whole`: the key chunk lies wholly in the queries' past, else it
   is their own chunk (a causal diagonal); the peers meet no other case. The flash kernel
   takes the true relative offset (traced: a sliding window masks by true positions); a
   two-piece kernel (static offsets, no window) takes the piece's kind: offset c (every key
-  in the past) or 0 (the diagonal)."""
+  in the past) or 0 (the diagonal). sinks_N: the heads' sinks (gpt-oss), which the kernel adds
+  to the diagonal's rows only (models/sinks.py)."""
   k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
   kernel = get_kernel(attention)
   static = kernel.computes == "two-piece"
   offset = (c if whole else 0) if static else (query_chunk - key_chunk) * c
   # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
   # step against the other strategies.
-  return attend_partial(q_BcNH, k, v, offset, kernel, window)
+  return attend_partial(q_BcNH, k, v, offset, kernel, window, sinks_N=sinks_N)
 
 
 def zigzag_attention(
@@ -168,6 +171,7 @@ def zigzag_attention(
   source_kv: Callable,
   timeline: bool = False,
   layer=-1,
+  sinks_N=None,
 ):
   """Rank r's two query chunks (r and 2p-1-r) against every rank's K,V, one source rank per
   step, each piece a whole c x c block in the past or a causal diagonal, merged exactly by
@@ -182,7 +186,9 @@ def zigzag_attention(
   of the gathered K,V). Returns [B, 2c, N, H] in q's dtype."""
   first_query_chunk, second_query_chunk = rank, 2 * p - 1 - rank  # chunk indices
   q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
-  partial = functools.partial(_chunk_partial, c=c, attention=attention, window=window)
+  partial = functools.partial(
+    _chunk_partial, c=c, attention=attention, window=window, sinks_N=sinks_N
+  )
 
   out_first, lse_first = partial(q_first, first_query_chunk, kv_own, 0, first_query_chunk, False)
   out_second, lse_second = merge_partials(
