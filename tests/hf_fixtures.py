@@ -340,3 +340,54 @@ def save_word_tokenizer(directory) -> None:
   core.decoder = tokenizers.decoders.WordPiece()
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
   fast.save_pretrained(directory)
+
+
+GPT_OSS_CASES = {
+  # YaRN (as the published models), windows of 6 on even layers, a low clamp that binds.
+  "gpt-oss-yarn": dict(
+    num_key_value_heads=2,
+    sliding_window=6,
+    swiglu_limit=0.3,
+    rope_parameters=dict(
+      rope_type="yarn",
+      factor=4.0,
+      beta_fast=32.0,
+      beta_slow=1.0,
+      truncate=False,
+      original_max_position_embeddings=64,
+      rope_theta=150000.0,
+    ),
+  ),
+  # Plain RoPE, one KV head, every layer windowed but the last.
+  "gpt-oss-mqa": dict(
+    num_key_value_heads=1,
+    sliding_window=9,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+  ),
+}
+
+
+def make_gpt_oss_model(case: str, seed: int = 0):
+  """A tiny random `GptOssForCausalLM` (`GPT_OSS_CASES`): sinks, biases and router bias all
+  random (none of them zero), four experts, two per token."""
+  shape = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+  )
+  config = transformers.GptOssConfig(**{**shape, **GPT_OSS_CASES[case]})
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  model = randomize(transformers.GptOssForCausalLM(config), seed)
+  gen = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():  # sinks of the scale of the scores, so that they weigh
+    for layer in model.model.layers:
+      layer.self_attn.sinks.copy_(2.0 * torch.randn(layer.self_attn.sinks.shape, generator=gen))
+  return model
