@@ -24,8 +24,9 @@ flags.DEFINE_list(
   "grids",
   ["paper", "tp"],
   "paper: the paper's figures; tp: the 70B tensor-parallel grid; gemma: Gemma 3 27B's "
-  "windowed layers on 8 GPUs; qwen3.5: Qwen3.5-27B's linear layers on 8 GPUs; mla: "
-  "DeepSeek-V3 and Moonlight's latent attention on 8 GPUs.",
+  "windowed layers on 8 GPUs; gpt-oss: gpt-oss-120b's (windows and sinks) on 8 GPUs; "
+  "qwen3.5: Qwen3.5-27B's linear layers on 8 GPUs; mla: DeepSeek-V3 and Moonlight's latent "
+  "attention on 8 GPUs.",
 )
 flags.DEFINE_list(
   "tp_context_lens", [str(c) for c in tp_lib.TP_CONTEXT_LENS], "Prompt lengths of the tp grid."
@@ -37,9 +38,11 @@ def main(argv):
   start = time.perf_counter()
   with common.user_errors():
     common.check_output_dir(FLAGS.output_dir)
-    unknown = sorted(set(FLAGS.grids) - {"paper", "tp", "gemma", "qwen3.5", "mla"})
+    unknown = sorted(set(FLAGS.grids) - {"paper", "tp", "gemma", "gpt-oss", "qwen3.5", "mla"})
     if unknown or not FLAGS.grids:
-      raise ValueError(f"--grids takes paper, tp, gemma, qwen3.5 and/or mla, got {FLAGS.grids}")
+      raise ValueError(
+        f"--grids takes paper, tp, gemma, gpt-oss, qwen3.5 and/or mla, got {FLAGS.grids}"
+      )
     tp_lens = common.positive_ints(FLAGS.tp_context_lens, "--tp_context_lens")
     tp_lib.check_tp_context_lens(tp_lens)
   ok = True
@@ -47,9 +50,10 @@ def main(argv):
     ok = paper_grid()
   if "tp" in FLAGS.grids:
     tp_grid(tp_lens)
-  if "gemma" in FLAGS.grids:
-    print()
-    paper.print_gemma_grid()
+  for windowed in ("gemma", "gpt-oss"):
+    if windowed in FLAGS.grids:
+      print()
+      paper.print_windowed_grid(windowed)
   if "qwen3.5" in FLAGS.grids:
     print()
     hybrid_grid.print_hybrid_grid()

@@ -205,7 +205,11 @@ def test_partition_tables_user_errors_are_one_line(flags, message):
       "takes no sliding window",
     ),
     ("launch.paper", ["--output_dir=/proc/self"], "not writable"),
-    ("launch.paper", ["--grids=paper,2d"], "--grids takes paper, tp, gemma, qwen3.5 and/or mla"),
+    (
+      "launch.paper",
+      ["--grids=paper,2d"],
+      "--grids takes paper, tp, gemma, gpt-oss, qwen3.5 and/or mla",
+    ),
     ("launch.benchmark", ["--mode=hybrid", "--num_processes=1"], "must be >= 2 in hybrid mode"),
     ("launch.paper", ["--tp_context_lens=32k"], "--tp_context_lens"),
     ("launch.paper", ["--tp_context_lens=1000"], "tp grid lengths must lie in [1921, 131072]"),

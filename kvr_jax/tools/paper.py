@@ -322,19 +322,28 @@ def print_slow_links() -> None:
   print(f"  paper: {PAPER['slow link']}")
 
 
-# --- Gemma 3: windowed layers with hops bounded by the window (MODELLED) ----------------------
+# --- Windowed models: hops bounded by the window on their windowed layers (MODELLED) -----------
 
-GEMMA_MODEL = "gemma-3-27b"
-GEMMA_RANKS = 8
-GEMMA_LINKS = ("300GBps", "10GBps")
-GEMMA_CONTEXT_LENS = (32768, 65536, 131072)
+WINDOWED_RANKS = 8
+WINDOWED_LINKS = ("300GBps", "10GBps")
+WINDOWED_CONTEXT_LENS = (32768, 65536, 131072)
+# The windowed models of `--grids`: preset, and how its layers mix (for the table's title).
+WINDOWED_MODELS = {
+  "gemma": ("gemma-3-27b", "Gemma 3 27B", "five windowed layers of 1024 keys to one full"),
+  "gpt-oss": (
+    "gpt-oss-120b",
+    "gpt-oss-120b",
+    "windowed layers of 128 keys alternating with full ones, attention sinks, 128 experts",
+  ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaCell:
+class WindowedCell:
   """One MODELLED cell: TTFT of KVR-S, ring and all-gather CP (flash kernels, bf16, H100s)
   and the bytes each rank sends per layer kind (a windowed layer, a full one)."""
 
+  model: str
   links: str
   context_len: int
   ttft_s: dict
@@ -342,8 +351,10 @@ class GemmaCell:
   sent_full: dict
 
 
-def gemma_cell(context_len: int, links: str, num_ranks: int = GEMMA_RANKS) -> GemmaCell:
-  config = preset_config(GEMMA_MODEL)
+def windowed_cell(
+  model: str, context_len: int, links: str, num_ranks: int = WINDOWED_RANKS
+) -> WindowedCell:
+  config = preset_config(model)
   setup = presets.make_setup("h100-sxm", links, dtype_bytes=2, **costmodel.kernel_flags("flash"))
   chunks = search.modelled_search(config, context_len, num_ranks, setup)
   ttft, windowed, full = {}, {}, {}
@@ -355,13 +366,16 @@ def gemma_cell(context_len: int, links: str, num_ranks: int = GEMMA_RANKS) -> Ge
         config.with_window(window), strategy, context_len, setup, **kw
       )
       out[strategy] = max(layer.link_bytes)
-  return GemmaCell(links, context_len, ttft, windowed, full)
+  return WindowedCell(model, links, context_len, ttft, windowed, full)
 
 
-def print_gemma_grid(context_lens=GEMMA_CONTEXT_LENS, links=GEMMA_LINKS) -> list[GemmaCell]:
-  """Gemma 3 27B (five 1024-token windowed layers to one full) on 8 H100s, MODELLED."""
+def print_windowed_grid(
+  grid: str, context_lens=WINDOWED_CONTEXT_LENS, links=WINDOWED_LINKS
+) -> list[WindowedCell]:
+  """A windowed model of WINDOWED_MODELS (`grid`: "gemma" or "gpt-oss") on 8 H100s, MODELLED."""
+  model, title, layers = WINDOWED_MODELS[grid]
   print(
-    f"Gemma 3 27B on {GEMMA_RANKS} H100s (five windowed layers of 1024 keys to one full), bf16, "
+    f"{title} on {WINDOWED_RANKS} H100s ({layers}), bf16, "
     "flash kernels, MODELLED: TTFT, and MB each rank sends per layer (KVR: its largest hop; "
     "ring, all-gather: every rank's K,V to the others) on a windowed / a full layer"
   )
@@ -372,7 +386,7 @@ def print_gemma_grid(context_lens=GEMMA_CONTEXT_LENS, links=GEMMA_LINKS) -> list
   cells = []
   for name in links:
     for C in context_lens:
-      c = gemma_cell(C, name)
+      c = windowed_cell(model, C, name)
       cells.append(c)
       t = c.ttft_s
       peer = min(t["ring"], t["allgather"])
