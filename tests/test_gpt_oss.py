@@ -171,3 +171,12 @@ def test_absent_keys_take_transformers_defaults(checkpoints, tmp_path):
   assert cfg.layer_windows == (6, None, 6)
   assert (cfg.rope.type, cfg.rope.theta, cfg.rope.factor) == ("yarn", 150000.0, 32.0)
   assert cfg.rope.original_max_position_embeddings == 4096
+
+
+def test_saved_model_restores_whole(checkpoints, tokens, tmp_path):
+  """Orbax: the sinks, the biases and the experts come back, and the config with them."""
+  _, _, ours = checkpoints["gpt-oss-yarn"]
+  kvr_jax.save_model(ours, str(tmp_path / "checkpoint"))
+  restored = kvr_jax.load_model(str(tmp_path / "checkpoint"))
+  assert restored.config == ours.config
+  np.testing.assert_array_equal(restored.module(tokens[:, :8]), ours.module(tokens[:, :8]))
