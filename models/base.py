@@ -46,6 +46,14 @@ def no_reduce(partial_BTD: jax.Array) -> jax.Array:
   return partial_BTD
 
 
+def shard_index(reduce) -> jax.Array | int:
+  """This shard's place among the shards whose partial sums `reduce` adds (0 for a whole
+  model): a mixture whose experts are split holds the index-th E/m of them. A `reduce` that
+  splits experts carries it as `reduce.shard_index()` (kvr_jax's psum over the model axis)."""
+  index = getattr(reduce, "shard_index", None)
+  return 0 if index is None else index()
+
+
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
   return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
 

@@ -24,15 +24,25 @@ def swiglu(h_BTD, w_gate_DF, w_up_DF, w_down_FD) -> jax.Array:
 
 
 def mixture_of_experts(
-  h_BTD, router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, top_k: int, normalize: bool
+  h_BTD,
+  router_DE,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  top_k: int,
+  normalize: bool,
+  first_expert=None,
 ) -> jax.Array:
   """A mixture of SwiGLU experts, every token through its `top_k` experts, no token dropped.
 
   The router's softmax is in float32 over all E experts; the top k are kept (renormalised
   over themselves when `normalize`), as transformers' Qwen3-MoE and Mixtral routers compute.
-  Returns [B, T, D] in h's dtype (`run_experts`)."""
+  first_expert: where the weights hold a shard's experts [first, first + E_local) of the
+  router's E (`run_expert_mlps`). Returns [B, T, D] in h's dtype (`run_experts`)."""
   weights_BTk, experts_BTk = route_softmax_top_k(h_BTD, router_DE, None, top_k, normalize)
-  return run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
+  return run_experts(
+    h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert
+  )
 
 
 def route_softmax_top_k(h_BTD, router_DE, router_bias_E, top_k: int, normalize: bool):
@@ -97,18 +107,28 @@ def route_grouped_sigmoid(
   return weights_BTk * scaling, experts_BTk
 
 
-def run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD) -> jax.Array:
+def run_experts(
+  h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert=None
+) -> jax.Array:
   """Each token through its chosen SwiGLU experts, summed by their weights (`run_expert_mlps`)."""
 
   def expert_swiglu(x_tD, e):
     return (jax.nn.silu(x_tD @ w_gate_EDF[e]) * (x_tD @ w_up_EDF[e])) @ w_down_EFD[e]
 
-  return run_expert_mlps(h_BTD, weights_BTk, experts_BTk, w_gate_EDF.shape[0], expert_swiglu)
+  E = w_gate_EDF.shape[0]
+  return run_expert_mlps(h_BTD, weights_BTk, experts_BTk, E, expert_swiglu, first_expert)
 
 
-def run_expert_mlps(h_BTD, weights_BTk, experts_BTk, num_experts: int, expert_mlp) -> jax.Array:
+def run_expert_mlps(
+  h_BTD, weights_BTk, experts_BTk, num_experts: int, expert_mlp, first_expert=None
+) -> jax.Array:
   """Each token through its chosen experts, `expert_mlp(x [tile, D], e) -> [tile, D]` (expert
   e's MLP on a tile of rows), summed by their weights; no token dropped.
+
+  first_expert: None where `expert_mlp` holds every expert; else (maybe traced) the first of
+  the `num_experts` it holds, a tensor-parallel shard's [first, first + num_experts) of the
+  router's experts: only the pairs routed to them run (the others are sorted after them, never
+  computed, and weigh 0), and the shards' outputs add up to the whole mixture.
 
   FLOPs follow the active experts: the T k (token, expert) pairs are sorted by expert, each
   expert's run padded to whole tiles of EXPERT_TILE rows, and a loop whose trip count is the
@@ -119,7 +139,14 @@ def run_expert_mlps(h_BTD, weights_BTk, experts_BTk, num_experts: int, expert_ml
   B, T, D = h_BTD.shape
   E, top_k = num_experts, experts_BTk.shape[-1]
   h_SD = h_BTD.reshape(B * T, D)  # S = B T tokens
-  rows, tile = expert_rows(experts_BTk.reshape(-1), E, EXPERT_TILE)
+  expert_P, weight_P = experts_BTk.reshape(-1), weights_BTk.reshape(-1)
+  if first_expert is None:
+    rows, tile = expert_rows(expert_P, E, EXPERT_TILE)
+  else:  # the other shards' pairs: a group E after this shard's, whose tiles are not run
+    local_P = expert_P - first_expert
+    mine_P = (local_P >= 0) & (local_P < E)
+    rows, tile = expert_rows(jnp.where(mine_P, local_P, E), E + 1, EXPERT_TILE, real_experts=E)
+    weight_P = jnp.where(mine_P, weight_P, 0)
   pairs = experts_BTk.size  # P = S k (token, expert) pairs
   token_P = jnp.arange(pairs) // top_k
   x_RD = jnp.zeros((rows.num_rows, D), h_SD.dtype).at[rows.row_P].set(h_SD[token_P])
@@ -130,7 +157,7 @@ def run_expert_mlps(h_BTD, weights_BTk, experts_BTk, num_experts: int, expert_ml
     return jax.lax.dynamic_update_slice_in_dim(y_RD, y_tD.astype(y_RD.dtype), t * tile, axis=0)
 
   y_RD = jax.lax.fori_loop(0, rows.tiles_used, one_tile, jnp.zeros_like(x_RD))
-  weighted_PD = y_RD[rows.row_P] * weights_BTk.reshape(-1)[:, None].astype(y_RD.dtype)
+  weighted_PD = y_RD[rows.row_P] * weight_P[:, None].astype(y_RD.dtype)
   out_SD = jnp.zeros_like(h_SD).at[token_P].add(weighted_PD)
   return out_SD.reshape(B, T, D)
 
@@ -144,10 +171,15 @@ class ExpertRows(NamedTuple):
   num_rows: int  # rows allocated (static)
 
 
-def expert_rows(expert_P, num_experts: int, max_tile: int) -> tuple[ExpertRows, int]:
+def expert_rows(
+  expert_P, num_experts: int, max_tile: int, real_experts: int | None = None
+) -> tuple[ExpertRows, int]:
   """Pairs sorted by expert, each expert's run padded to whole tiles: each pair's row, each
   tile's expert, the tiles in use (data) and the rows allocated (static: enough for any
-  routing, P/tile + E tiles). The tile is `max_tile` or, for few pairs, P rounded up to 8."""
+  routing, P/tile + E tiles). The tile is `max_tile` or, for few pairs, P rounded up to 8.
+  real_experts: the experts [0, real_experts) whose tiles are in use (the later ones' pairs
+  are placed but not run: another shard's); default all."""
+  real_experts = num_experts if real_experts is None else real_experts
   pairs = expert_P.shape[0]
   tile = min(max_tile, -(-pairs // 8) * 8)
   counts_E = jnp.zeros(num_experts, jnp.int32).at[expert_P].add(1)
@@ -162,5 +194,6 @@ def expert_rows(expert_P, num_experts: int, max_tile: int) -> tuple[ExpertRows, 
   num_tiles = -(-pairs // tile) + num_experts
   tile_ends_E = jnp.cumsum(tiles_E)
   expert_of_tile = jnp.searchsorted(tile_ends_E, jnp.arange(num_tiles), side="right")
-  expert_of_tile = jnp.minimum(expert_of_tile, num_experts - 1)
-  return ExpertRows(row_P, expert_of_tile, tile_ends_E[-1], num_tiles * tile), tile
+  expert_of_tile = jnp.minimum(expert_of_tile, real_experts - 1)
+  tiles_used = tile_ends_E[real_experts - 1]
+  return ExpertRows(row_P, expert_of_tile, tiles_used, num_tiles * tile), tile

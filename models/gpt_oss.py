@@ -111,7 +111,9 @@ class GptOssBlock(LlamaBlock):
         cfg.swiglu_alpha,
       )
 
-    mlp_BTD = run_expert_mlps(h_BTD, weights_BTk, experts_BTk, cfg.num_experts, expert)
+    first = self.first_local_expert(reduce)  # experts split over a tensor-parallel group
+    local = self.w_gate[...].shape[0]
+    mlp_BTD = run_expert_mlps(h_BTD, weights_BTk, experts_BTk, local, expert, first)
     return x_BTD + reduce(mlp_BTD)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.base import Block, CausalLM, no_reduce, normal_param, ones_param
+from models.base import Block, CausalLM, no_reduce, normal_param, ones_param, shard_index
 from models.config import ModelConfig
 from models.experts import mixture_of_experts
 from models.family import Family
@@ -110,6 +110,14 @@ class LlamaBlock(Block):
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:
     return rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
+  def first_local_expert(self, reduce):
+    """None where this block holds every expert; else the first of the E/m this
+    tensor-parallel shard holds (its experts split over the model axis: w_gate [E/m, D, F])."""
+    local = self.w_gate[...].shape[0]
+    if local == self.config.num_experts:
+      return None
+    return shard_index(reduce) * local
+
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     x_BTD = x_BTD + reduce(self.attention_output(attn_BTNH))
     h_BTD = rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
@@ -122,6 +130,7 @@ class LlamaBlock(Block):
         *expert_weights,
         cfg.experts_per_token,
         cfg.normalize_expert_weights,
+        self.first_local_expert(reduce),
       )
       return x_BTD + reduce(mlp_BTD)
     gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))

@@ -6,11 +6,18 @@ On a 2-D mesh ("ranks", "model") every rank is a group of m devices that share e
   wo                              split by query head  (row-parallel: a partial sum)
   w_gate, w_up / w_in             split by MLP column  (column-parallel)
   w_down / w_out                  split by MLP column  (row-parallel: a partial sum)
-  norms, q/k norms, embedding, head    whole on every shard
+  a mixture's experts             split by expert      (E/m whole experts per shard: a partial
+    (w_gate, w_up, w_down [L, E, ...]  and their biases)   sum, the other shards' experts)
+  sinks                           split by query head
+  norms, q/k norms, embedding, head, router    whole on every shard
 
 so each shard runs the block's own maths on its heads and columns (models/ take every size
 from the weights) and adds the partial sums with one psum over "model" before each residual
-(`Block.finish(..., reduce=)`: two per Llama layer, one per Falcon layer). A model with fewer
+(`Block.finish(..., reduce=)`: two per Llama layer, one per Falcon layer). A mixture of
+experts needs no other collective: the MLP's input is whole on every shard of a group, so every
+shard routes every token alike (the router is whole) and runs only the rows routed to its own
+E/m experts (`models.base.shard_index(reduce)` tells it which); the psum that follows adds the
+experts' outputs as it adds a dense MLP's column sums. A model with fewer
 KV heads than shards has them repeated (`shard_ready_state`) to m, so that shard j holds the
 KV head its query heads use: query head n reads KV head n // (N/K), and shard j's query heads
 [jN/m, (j+1)N/m) all read KV head j // (m/K), which is what repeating each head m/K times
@@ -48,6 +55,18 @@ SPLIT_AXIS = {
   "w_out": 1,
 }
 KV_PARAMS = ("wk", "wv", "bk", "bv")
+# A mixture's experts, stacked [L, E, ...] (a dense MLP's are [L, D, F] / [L, F, D]): split
+# over their expert axis, E/m whole experts per shard.
+EXPERT_PARAMS = {"w_gate": 4, "w_up": 4, "w_down": 4, "b_gate": 3, "b_up": 3, "b_down": 3}
+EXPERT_AXIS = 1
+
+
+def split_axis(name: str | None, ndim: int) -> int | None:
+  """The axis of block parameter `name` (of `ndim` dimensions, with its [L] axis) split over
+  the model axis, or None where it is whole on every shard."""
+  if EXPERT_PARAMS.get(name) == ndim:
+    return EXPERT_AXIS
+  return SPLIT_AXIS.get(name)
 
 
 def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
@@ -58,16 +77,18 @@ def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
     raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
   if m > 1:
     check_layers_run(config, f"tensor parallelism (model_parallel={m})")
-  if m > 1 and getattr(config, "num_experts", 0):
+  E = getattr(config, "num_experts", 0)
+  if m > 1 and E and E % m:
     raise ValueError(
-      f"model_parallel={m}: tensor parallelism of a mixture of experts is not built (its "
-      "experts' columns are not split); run it with model_parallel=1"
+      f"model_parallel={m} must divide the {E} experts (each shard holds E/m whole experts; "
+      "splitting each expert's columns instead is not built)"
     )
-  N, K, F = config.num_heads, config.num_kv_heads, config.mlp_dim
-  if N % m or F % m or (K % m and m % K):
+  N, K = config.num_heads, config.num_kv_heads
+  columns_split = not E and config.mlp_dim % m  # experts are split whole, not by column
+  if N % m or columns_split or (K % m and m % K):
     raise ValueError(
-      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({F}), and divide or be a "
-      f"multiple of num_kv_heads ({K})"
+      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({config.mlp_dim}), and "
+      f"divide or be a multiple of num_kv_heads ({K})"
     )
 
 
@@ -94,7 +115,7 @@ def shard_ready_state(config: ModelConfig, state, model_parallel: int):
   def repeat(path, leaf):
     name = _block_param(path)
     if name in KV_PARAMS:
-      return jnp.repeat(leaf, repeats, axis=SPLIT_AXIS[name])
+      return jnp.repeat(leaf, repeats, axis=split_axis(name, leaf.ndim))
     return leaf
 
   return jax.tree_util.tree_map_with_path(repeat, state)
@@ -105,10 +126,11 @@ def param_spec(names: tuple[str, ...], ndim: int, axis: str = MODEL_AXIS, *, who
   ("blocks", "wq")) of `ndim` dimensions: its split axis over `axis`, or whole (replicated)
   outside the blocks' split parameters. whole_kv: the KV parameters whole too."""
   name = names[1] if len(names) > 1 and names[0] == "blocks" else None
-  if name not in SPLIT_AXIS or (whole_kv and name in KV_PARAMS):
+  split = split_axis(name, ndim)
+  if split is None or (whole_kv and name in KV_PARAMS):
     return PartitionSpec()
   dims = [None] * ndim
-  dims[SPLIT_AXIS[name]] = axis
+  dims[split] = axis
   return PartitionSpec(*dims)
 
 
@@ -149,10 +171,10 @@ def split_state(state, model_parallel: int):
   m = model_parallel
 
   def split(path, leaf):
+    axis = split_axis(_block_param(path), leaf.ndim)
     name = _block_param(path)
-    if name not in SPLIT_AXIS:
+    if axis is None:
       return jnp.broadcast_to(leaf, (m, *leaf.shape))
-    axis = SPLIT_AXIS[name]
     if leaf.shape[axis] % m:
       raise ValueError(f"{name} has {leaf.shape[axis]} entries on axis {axis}, not split by {m}")
     return jnp.stack(jnp.split(leaf, m, axis=axis))
@@ -161,5 +183,9 @@ def split_state(state, model_parallel: int):
 
 
 def psum_over_model(partial_BTD: jax.Array) -> jax.Array:
-  """The `reduce` of a shard inside a program mapped or sharded over MODEL_AXIS."""
+  """The `reduce` of a shard inside a program mapped or sharded over MODEL_AXIS (its
+  `shard_index`: the shard's place in its group, which E/m experts it holds)."""
   return jax.lax.psum(partial_BTD, MODEL_AXIS)
+
+
+psum_over_model.shard_index = lambda: jax.lax.axis_index(MODEL_AXIS)
