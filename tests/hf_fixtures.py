@@ -253,6 +253,31 @@ def make_qwen_moe_model(case: str, seed: int = 0):
   return with_slow_decays(model)
 
 
+def make_qwen3_moe_model(seed: int = 0):
+  """A tiny random `Qwen3MoeForCausalLM`: 4 experts of 24 columns, 2 per token, each expert
+  stored as its own tensors (as transformers 5 writes them)."""
+  config = transformers.Qwen3MoeConfig(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+  )
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  return randomize(transformers.Qwen3MoeForCausalLM(config), seed)
+
+
 # DeepSeek-V3 (latent attention, DeepSeek's router): d_model 64, 4 heads of 16 no-rope and 8
 # rope features, values of 12, a latent of 16; 8 experts of 24 columns in 4 groups, 2 groups
 # and 3 experts per token, one shared expert; the first layer dense. "default" has the q

@@ -209,6 +209,10 @@ class _SplitParams:
 
   def __init__(self, flat_abstract, np_dtype, config, mesh):
     self.np_dtype = np_dtype
+    self.shapes = {path: spec.shape for path, spec in flat_abstract.items()}
+    # A layer's experts stored one tensor each (Qwen3-MoE, Mixtral): gathered on the host
+    # until the layer is whole, then sent split like the layer (each device its experts).
+    self.expert_layers: dict[tuple, tuple[np.ndarray, set]] = {}
     whole_kv = tensor_parallel.stores_kv_whole(config, model_parallel(mesh))
     self.shardings = {
       path: jax.sharding.NamedSharding(
@@ -222,11 +226,29 @@ class _SplitParams:
   def put(self, param_path, layer, value) -> None:
     sharding = self.shardings[param_path]
     value = np.asarray(value, self.np_dtype)
+    if isinstance(layer, tuple):  # (layer, expert): one expert of a stacked [L, E, ...]
+      layer, value = self._expert_layer(param_path, layer, value)
+      if value is None:  # the layer still lacks experts
+        return
     if layer is None:
       self.unstacked[param_path] = jax.device_put(value, sharding)
     else:  # one layer of a stacked [L, ...] parameter: its spec without the layer axis
       one_layer = jax.sharding.NamedSharding(sharding.mesh, jax.P(*sharding.spec[1:]))
       self.layers[param_path][layer] = jax.device_put(value, one_layer)
+
+  def _expert_layer(self, param_path, index, value):
+    """(layer, the layer's [E, ...] experts) once all of them have come, else (layer, None)."""
+    layer, expert = index
+    key = (param_path, layer)
+    if key not in self.expert_layers:
+      self.expert_layers[key] = (np.empty(self.shapes[param_path][1:], self.np_dtype), set())
+    experts, seen = self.expert_layers[key]
+    experts[expert] = value
+    seen.add(expert)
+    if len(seen) < experts.shape[0]:
+      return layer, None
+    del self.expert_layers[key]
+    return layer, experts
 
   def finish(self, param_path) -> jax.Array:
     if param_path in self.unstacked:

@@ -1,0 +1,149 @@
+"""Mixtures of experts on a 2-D mesh ("ranks", "model"): each shard of a model group holds
+E/m whole experts (kvr_jax.runtime.tensor_parallel), routes every token alike and runs only
+the rows routed to its own experts; the psum over "model" adds the experts' outputs. Every
+strategy and both cache layouts against one device (1e-5), decode, loading straight into
+shards from Hugging Face directories (one tensor per expert, or a layer's experts in one),
+Orbax, XLA's memory per device, and what is refused by name."""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvr_jax
+from kvr_jax.inference.prefill import plan_prefill
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.loading import build_model, preset_config
+from tests import hf_fixtures
+from tests.tolerance import assert_close
+
+MOE = preset_config("tiny-moe")  # 8 experts, 2 per token; 4 heads, 2 KV heads
+PROMPT = np.random.RandomState(1).randint(0, MOE.vocab_size, (2, 37))
+MODEL_TOL = 1e-4  # whole models against transformers, float32
+
+
+@pytest.fixture(scope="module")
+def moe():
+  """tiny-moe with every weight moved off its initial value, and its single-device prefill."""
+  graphdef, state = nnx.split(build_model(MOE))
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(state))))
+  state = jax.tree.map(lambda w: w + 0.05 * jax.random.normal(next(keys), w.shape, w.dtype), state)
+  model = kvr_jax.Model(nnx.merge(graphdef, state), source="perturbed-tiny-moe")
+  return model, kvr_jax.prefill(model, PROMPT, "single")
+
+
+CASES = [
+  ("kvr", (2, 2), [25, 12]),
+  ("kvr", (2, 4), [23, 14]),
+  ("kvr", (4, 2), [13, 10, 8, 6]),
+  ("ring", (4, 2), None),
+  ("allgather", (2, 4), None),
+  ("tsp", (2, 2), None),
+]
+
+
+@pytest.mark.parametrize("strategy,shape,partition", CASES)
+def test_every_strategy_with_split_experts_matches_single(moe, strategy, shape, partition):
+  """Logits and the gathered cache within 1e-5 of one device's."""
+  model, oracle = moe
+  mesh = kvr_jax.make_mesh(*shape[:1], model=shape[1])
+  kw = {} if partition is None else {"partition": partition}
+  result = kvr_jax.prefill(model, PROMPT, strategy, mesh=mesh, cache="sharded", **kw)
+  assert_close(result.logits, oracle.logits, "logits")
+  k, v = result.gather_cache()
+  assert_close(k, oracle.k_cache, "K cache")
+  assert_close(v, oracle.v_cache, "V cache")
+
+
+def test_each_shard_holds_its_own_experts(moe):
+  """On 2 x 4 every device holds 2 of the 8 experts of every layer (the router whole), and
+  the shards of a group hold different experts."""
+  model, _ = moe
+  state = model.state_split_over(kvr_jax.make_mesh(2, model=4))
+  L, E, D, F = MOE.num_layers, MOE.num_experts, MOE.d_model, MOE.mlp_dim
+  for name, shard_shape in [
+    ("w_gate", (L, 2, D, F)),
+    ("w_up", (L, 2, D, F)),
+    ("w_down", (L, 2, F, D)),
+  ]:
+    leaf = state["blocks"][name]
+    assert {s.data.shape for s in leaf.addressable_shards} == {shard_shape}, name
+  router = state["blocks"]["router"]
+  assert {s.data.shape for s in router.addressable_shards} == {(L, D, E)}
+  whole = np.asarray(model.state["blocks"]["w_gate"][...])
+  first_row = [s for s in state["blocks"]["w_gate"].addressable_shards if s.index[1].start == 2]
+  np.testing.assert_array_equal(np.asarray(first_row[0].data), whole[:, 2:4])
+
+
+@pytest.mark.parametrize("cache", ["last", "sharded"])
+def test_greedy_decode_with_split_experts_is_single_devices(moe, cache):
+  model, _ = moe
+  want = kvr_jax.generate(model, PROMPT, max_new_tokens=6, strategy="single")
+  mesh = kvr_jax.make_mesh(2, model=4)
+  got = kvr_jax.generate(
+    model, PROMPT, max_new_tokens=6, strategy="kvr", mesh=mesh, partition=[23, 14], cache=cache
+  )
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  assert_close(got.last_logits, want.last_logits, "the last step's logits")
+
+
+def test_experts_not_divided_by_the_model_axis_are_refused_before_compiling(moe):
+  model, _ = moe
+  six = dataclasses.replace(MOE, num_experts=6)
+  with pytest.raises(ValueError, match=re.escape("model_parallel=4 must divide the 6 experts")):
+    tensor_parallel.check_model_parallel(six, 4)
+  tensor_parallel.check_model_parallel(six, 2)  # 3 experts per shard
+  with pytest.raises(ValueError, match="model_parallel=8 must divide num_heads"):
+    plan_prefill(model, PROMPT, "kvr", mesh=kvr_jax.make_mesh(1, model=8), cache="sharded")
+
+
+def test_compiled_memory_holds_one_shards_experts():
+  """XLA's per-device arguments of the 2-D program: every block matrix (attention's and the
+  experts') divided by m (the 2 KV heads one per shard at m = 4, repeated), the rest whole.
+  By hand for tiny-moe, float32, per layer: 2 D N H + 2 D K H attention, 3 E D F experts."""
+  kw = dict(context_len=512, num_ranks=2, cache="sharded")
+  whole = kvr_jax.compiled_memory("tiny-moe", "kvr", **kw)
+  D, N, K, H, F, E, L = 128, 4, 2, 32, 96, 8, 2
+  rest = whole["weights_bytes"] - L * (2 * D * N * H + 2 * D * K * H + 3 * E * D * F) * 4
+  for m in (2, 4):
+    shard = L * (2 * D * N * H // m + 2 * D * max(K // m, 1) * H + 3 * E * D * F // m) * 4
+    split = kvr_jax.compiled_memory("tiny-moe", "kvr", model_parallel=m, **kw)
+    assert split["weights_bytes"] == rest + shard, m
+
+
+@pytest.fixture(scope="module")
+def hf_moe_checkpoints(tmp_path_factory):
+  """A tiny Qwen3-MoE (one tensor per expert) and a tiny gpt-oss (a layer's experts in one
+  tensor, with biases) written by transformers: (torch model, directory)."""
+  out = {}
+  model = hf_fixtures.make_qwen3_moe_model()
+  out["qwen3_moe"] = (model, tmp_path_factory.mktemp("qwen3_moe"))
+  model.save_pretrained(out["qwen3_moe"][1])
+  model = hf_fixtures.make_gpt_oss_model("gpt-oss-yarn")
+  out["gpt_oss"] = (model, tmp_path_factory.mktemp("gpt_oss"))
+  model.save_pretrained(out["gpt_oss"][1])
+  return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_loaded_straight_into_shards_matches_transformers(hf_moe_checkpoints, family, tmp_path):
+  """load_model(mesh=) sends each device its own experts; KV-Runahead on 2 x 2 then gives
+  transformers' logits, and the split model saves and restores whole (Orbax)."""
+  hf_model, directory = hf_moe_checkpoints[family]
+  mesh = kvr_jax.make_mesh(2, model=2)
+  split = kvr_jax.load_model(str(directory), mesh=mesh)
+  w_gate = split.state["blocks"]["w_gate"]
+  E = split.config.num_experts
+  assert {s.data.shape[1] for s in w_gate.addressable_shards} == {E // 2}
+  tokens = PROMPT % hf_fixtures.VOCAB
+  want = hf_fixtures.hf_logits(hf_model, tokens)[:, -1]
+  got = kvr_jax.prefill(split, tokens, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
+  err = float(np.abs(np.asarray(got.logits) - want).max() / np.abs(want).max())
+  assert err <= MODEL_TOL, f"{family}: relative error {err:.2e}"
+  kvr_jax.save_model(split, str(tmp_path / "saved"))
+  restored = kvr_jax.load_model(str(tmp_path / "saved"))
+  assert restored.config == split.config
+  assert_close(kvr_jax.prefill(restored, tokens).logits, got.logits, "restored whole")
