@@ -90,11 +90,6 @@ def test_decode_through_the_experts_matches_single(moe_model, tokens):
   np.testing.assert_array_equal(kvr, single)
 
 
-def test_tensor_parallel_experts_are_refused_by_name(moe_model, tokens):
-  with pytest.raises(ValueError, match="tensor parallelism of a mixture of experts"):
-    kvr_jax.prefill(moe_model, tokens, "kvr", kvr_jax.make_mesh(2, model=2), "even")
-
-
 @pytest.mark.parametrize(
   "name,params,active",
   # transformers' own count of the published configs (Qwen3MoeForCausalLM, MixtralForCausalLM

@@ -237,6 +237,7 @@ def test_families_are_records_registered_in_one_place():
   from models.deepseek_v3 import DeepseekV3
   from models.families import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES, family_of
   from models.family import Family
+  from models.gpt_oss import GptOss
   from models.qwen3_5 import Qwen35
 
   assert [(f.architecture, f.module_class) for f in FAMILIES] == [
@@ -245,6 +246,7 @@ def test_families_are_records_registered_in_one_place():
     ("gemma3", Gemma),
     ("qwen3_5", Qwen35),
     ("deepseek_v3", DeepseekV3),
+    ("gpt_oss", GptOss),
   ]
   assert set(SUPPORTED_MODEL_TYPES) == {
     "llama",
@@ -258,6 +260,7 @@ def test_families_are_records_registered_in_one_place():
     "qwen3_5_text",
     "qwen3_5",
     "qwen3_5_moe_text",
+    "gpt_oss",
     "qwen3_5_moe",
     "qwen3_next",
     "deepseek_v3",
@@ -268,6 +271,7 @@ def test_families_are_records_registered_in_one_place():
     "gemma3": "gemma3",
     "qwen3_5": "qwen3_5",
     "deepseek_v3": "deepseek_v3",
+    "gpt_oss": "gpt_oss",
   }
   config = _qwen2_config()
   assert family_of(config) is FAMILIES[0] and family_of(config).tensor_targets(
