@@ -24,25 +24,15 @@ def swiglu(h_BTD, w_gate_DF, w_up_DF, w_down_FD) -> jax.Array:
 
 
 def mixture_of_experts(
-  h_BTD,
-  router_DE,
-  w_gate_EDF,
-  w_up_EDF,
-  w_down_EFD,
-  top_k: int,
-  normalize: bool,
-  first_expert=None,
+  h_BTD, router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, top_k: int, normalize: bool
 ) -> jax.Array:
   """A mixture of SwiGLU experts, every token through its `top_k` experts, no token dropped.
 
   The router's softmax is in float32 over all E experts; the top k are kept (renormalised
   over themselves when `normalize`), as transformers' Qwen3-MoE and Mixtral routers compute.
-  first_expert: where the weights hold a shard's experts [first, first + E_local) of the
-  router's E (`run_expert_mlps`). Returns [B, T, D] in h's dtype (`run_experts`)."""
+  Returns [B, T, D] in h's dtype (`run_experts`)."""
   weights_BTk, experts_BTk = route_softmax_top_k(h_BTD, router_DE, None, top_k, normalize)
-  return run_experts(
-    h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert
-  )
+  return run_experts(h_BTD, weights_BTk, experts_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
 def route_softmax_top_k(h_BTD, router_DE, router_bias_E, top_k: int, normalize: bool):

@@ -89,14 +89,22 @@ class GptOssBlock(LlamaBlock):
     self.b_up = zeros_param((L, E, F), dtype)
     self.b_down = zeros_param((L, E, D), dtype)
 
+  def route(self, h_BTD):
+    """The router with its bias: the top k logits, softmaxed over themselves."""
+    cfg = self.config
+    bias_E = self.router_bias[...]
+    return route_softmax_top_k(h_BTD, self.router[...], bias_E, cfg.experts_per_token, True)
+
+  def routed_experts(self, x_BTD, attn_BTNH) -> jax.Array:
+    x_BTD = x_BTD + self.attention_output(attn_BTNH) + self.bo[...]
+    return self.route(rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps))[1]
+
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     cfg = self.config
     # The o bias after the shards' sum: added once, not once per tensor-parallel shard.
     x_BTD = x_BTD + reduce(self.attention_output(attn_BTNH)) + self.bo[...]
     h_BTD = rms_norm(x_BTD, self.mlp_norm[...], cfg.norm_eps)
-    weights_BTk, experts_BTk = route_softmax_top_k(
-      h_BTD, self.router[...], self.router_bias[...], cfg.experts_per_token, True
-    )
+    weights_BTk, experts_BTk = self.route(h_BTD)
 
     def expert(x_tD, e):
       return clamped_swiglu(

@@ -16,7 +16,7 @@ from flax import nnx
 
 from models.base import Block, CausalLM, no_reduce, normal_param, ones_param, shard_index
 from models.config import ModelConfig
-from models.experts import mixture_of_experts
+from models.experts import route_softmax_top_k, run_experts
 from models.family import Family
 from models.hf_config import (
   HEAD_DIM_DEFAULTS,
@@ -110,6 +110,19 @@ class LlamaBlock(Block):
   def attention_input(self, x_BTD: jax.Array) -> jax.Array:
     return rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
+  def route(self, h_BTD):
+    """The router's choice for the MLP's input: (weights [B, T, k] float32, experts [B, T, k])."""
+    cfg = self.config
+    return route_softmax_top_k(
+      h_BTD, self.router[...], None, cfg.experts_per_token, cfg.normalize_expert_weights
+    )
+
+  def routed_experts(self, x_BTD, attn_BTNH) -> jax.Array:
+    """The experts [B, T, k] each token of this layer routes to, from the layer's input and its
+    attention (what `finish_rows` computes before its MLP; a whole model's, no shards)."""
+    x_BTD = x_BTD + self.attention_output(attn_BTNH)
+    return self.route(rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps))[1]
+
   def first_local_expert(self, reduce):
     """None where this block holds every expert; else the first of the E/m this
     tensor-parallel shard holds (its experts split over the model axis: w_gate [E/m, D, F])."""
@@ -123,13 +136,14 @@ class LlamaBlock(Block):
     h_BTD = rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
     cfg = self.config
     if cfg.num_experts:
-      expert_weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-      mlp_BTD = mixture_of_experts(
+      weights_BTk, experts_BTk = self.route(h_BTD)
+      mlp_BTD = run_experts(
         h_BTD,
-        self.router[...],
-        *expert_weights,
-        cfg.experts_per_token,
-        cfg.normalize_expert_weights,
+        weights_BTk,
+        experts_BTk,
+        self.w_gate[...],
+        self.w_up[...],
+        self.w_down[...],
         self.first_local_expert(reduce),
       )
       return x_BTD + reduce(mlp_BTD)

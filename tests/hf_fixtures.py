@@ -340,6 +340,20 @@ def make_deepseek_model(case: str, seed: int = 0):
   return model
 
 
+def saved_checkpoints(make, cases, tmp_path_factory) -> dict:
+  """case -> (torch model `make(case)`, the directory it was saved to with save_pretrained,
+  that directory loaded by kvr_jax's own loader)."""
+  import kvr_jax
+
+  out = {}
+  for case in cases:
+    hf_model = make(case)
+    directory = tmp_path_factory.mktemp(case)
+    hf_model.save_pretrained(directory)
+    out[case] = (hf_model, str(directory), kvr_jax.load_model(str(directory)))
+  return out
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
   with torch.no_grad():
     return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

@@ -15,7 +15,7 @@ import pytest
 import kvr_jax
 from models.families import config_from_hf
 from tests import hf_fixtures
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
 CASES = list(hf_fixtures.DEEPSEEK_CASES)
@@ -25,13 +25,7 @@ T = 40
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   """case -> (torch model, directory written with save_pretrained, our loaded model)."""
-  out = {}
-  for case in CASES:
-    hf_model = hf_fixtures.make_deepseek_model(case)
-    directory = tmp_path_factory.mktemp(case)
-    hf_model.save_pretrained(directory)
-    out[case] = (hf_model, str(directory), kvr_jax.load_model(str(directory)))
-  return out
+  return hf_fixtures.saved_checkpoints(hf_fixtures.make_deepseek_model, CASES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +45,6 @@ def forward():
   return lambda module, tokens, capacity=None: run(
     module, jnp.asarray(tokens), jnp.zeros(capacity or tokens.shape[1])
   )
-
-
-def relative_error(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  assert got.shape == want.shape, (got.shape, want.shape)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -18,7 +18,7 @@ from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import build_model, preset_config
 from tests import hf_fixtures
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, relative_error
 
 MOE = preset_config("tiny-moe")  # 8 experts, 2 per token; 4 heads, 2 KV heads
 PROMPT = np.random.RandomState(1).randint(0, MOE.vocab_size, (2, 37))
@@ -141,9 +141,38 @@ def test_loaded_straight_into_shards_matches_transformers(hf_moe_checkpoints, fa
   tokens = PROMPT % hf_fixtures.VOCAB
   want = hf_fixtures.hf_logits(hf_model, tokens)[:, -1]
   got = kvr_jax.prefill(split, tokens, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
-  err = float(np.abs(np.asarray(got.logits) - want).max() / np.abs(want).max())
+  err = relative_error(got.logits, want)
   assert err <= MODEL_TOL, f"{family}: relative error {err:.2e}"
   kvr_jax.save_model(split, str(tmp_path / "saved"))
   restored = kvr_jax.load_model(str(tmp_path / "saved"))
   assert restored.config == split.config
   assert_close(kvr_jax.prefill(restored, tokens).logits, got.logits, "restored whole")
+
+
+def test_expert_rows_per_device_count_every_pair_and_call_out_uneven_routing(
+  moe, hf_moe_checkpoints
+):
+  """Every layer's rows add up to B T k over the devices; a router biased to the first shard's
+  experts puts every row there, the line says UNEVEN, and the split prefill stays exact."""
+  from kvr_jax.tools import expert_load
+
+  model, _ = moe
+  rows = expert_load.expert_rows_per_device(model, PROMPT, 4)
+  assert rows.shape == (MOE.num_layers, 4)
+  assert (rows.sum(axis=1) == PROMPT.size * MOE.experts_per_token).all()
+  assert (rows > 0).all()  # a random router spreads the rows
+
+  _, directory = hf_moe_checkpoints["gpt_oss"]
+  loaded = kvr_jax.load_model(str(directory))
+  graphdef, state = nnx.split(loaded.module)
+  bias = state["blocks"]["router_bias"]
+  bias.value = bias.value.at[:, 2:].set(-1e4)  # experts 2 and 3 never chosen: shard 1's
+  biased = kvr_jax.Model(nnx.merge(graphdef, state), source="gpt-oss, biased router")
+  tokens = PROMPT % hf_fixtures.VOCAB
+  rows = expert_load.expert_rows_per_device(biased, tokens, 2)
+  assert (rows[:, 0] == tokens.size * 2).all() and (rows[:, 1] == 0).all(), rows
+  assert "UNEVEN" in expert_load.describe_expert_load(rows)
+  assert "UNEVEN" not in expert_load.describe_expert_load(np.array([[10, 9], [9, 10]]))
+  mesh = kvr_jax.make_mesh(2, model=2)
+  split = kvr_jax.prefill(biased, tokens, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
+  assert_close(split.logits, kvr_jax.prefill(biased, tokens).logits, "all rows on one shard")

@@ -11,6 +11,7 @@ import pytest
 
 import kvr_jax
 from tests import hf_fixtures
+from tests.tolerance import relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
 STRATEGY_TOL = 1e-5  # strategies against each other, float32
@@ -22,24 +23,12 @@ NEW_TOKENS = 18  # three windows of the yarn case's 6
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   """case -> (torch model, directory written with save_pretrained, our loaded model)."""
-  out = {}
-  for case in CASES:
-    hf_model = hf_fixtures.make_gpt_oss_model(case)
-    directory = tmp_path_factory.mktemp(case)
-    hf_model.save_pretrained(directory)
-    out[case] = (hf_model, str(directory), kvr_jax.load_model(str(directory)))
-  return out
+  return hf_fixtures.saved_checkpoints(hf_fixtures.make_gpt_oss_model, CASES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tokens():
   return np.random.RandomState(1).randint(0, hf_fixtures.VOCAB, (2, T))
-
-
-def relative_error(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  assert got.shape == want.shape, (got.shape, want.shape)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,7 +14,7 @@ import kvr_jax
 from models import qwen3_5
 from models.families import config_from_hf
 from tests import hf_fixtures
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
 CASES = list(hf_fixtures.QWEN35_CASES)
@@ -24,24 +24,12 @@ T = 70  # no multiple of the 64-token chunk, and longer than one
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   """case -> (torch model, directory written with save_pretrained, our loaded model)."""
-  out = {}
-  for case in CASES:
-    hf_model = hf_fixtures.make_qwen35_model(case)
-    directory = tmp_path_factory.mktemp(case)
-    hf_model.save_pretrained(directory)
-    out[case] = (hf_model, str(directory), kvr_jax.load_model(str(directory)))
-  return out
+  return hf_fixtures.saved_checkpoints(hf_fixtures.make_qwen35_model, CASES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tokens():
   return np.random.RandomState(1).randint(0, hf_fixtures.VOCAB, (2, T))
-
-
-def relative_error(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  assert got.shape == want.shape, (got.shape, want.shape)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.fixture(scope="module")

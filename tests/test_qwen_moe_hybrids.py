@@ -14,7 +14,7 @@ import pytest
 import kvr_jax
 from models.families import config_from_hf
 from tests import hf_fixtures
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
 CASES = list(hf_fixtures.QWEN_MOE_CASES)
@@ -24,13 +24,7 @@ T = 70  # no multiple of the 64-token chunk, and longer than one
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   """case -> (torch model, directory written with save_pretrained, our loaded model)."""
-  out = {}
-  for case in CASES:
-    hf_model = hf_fixtures.make_qwen_moe_model(case)
-    directory = tmp_path_factory.mktemp(case)
-    hf_model.save_pretrained(directory)
-    out[case] = (hf_model, str(directory), kvr_jax.load_model(str(directory)))
-  return out
+  return hf_fixtures.saved_checkpoints(hf_fixtures.make_qwen_moe_model, CASES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +37,6 @@ def logits_of():
   """Every position's logits, compiled once per model (graphdef static)."""
   run = jax.jit(lambda module, tokens_BT: module.logits(module.forward(tokens_BT)[0]))
   return lambda model, tokens: np.asarray(run(model.module, tokens))
-
-
-def relative_error(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  assert got.shape == want.shape, (got.shape, want.shape)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.mark.parametrize("case", CASES)
