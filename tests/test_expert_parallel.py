@@ -176,3 +176,15 @@ def test_expert_rows_per_device_count_every_pair_and_call_out_uneven_routing(
   mesh = kvr_jax.make_mesh(2, model=2)
   split = kvr_jax.prefill(biased, tokens, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
   assert_close(split.logits, kvr_jax.prefill(biased, tokens).logits, "all rows on one shard")
+
+
+def test_bfloat16_split_experts_decode_single_devices_tokens():
+  """tiny-moe in bfloat16: KV-Runahead on 2 x 2 with the experts split, then 6 greedy tokens
+  from its sharded cache, as one device decodes them."""
+  model = kvr_jax.load_model("tiny-moe", "bfloat16")
+  want = kvr_jax.generate(model, PROMPT, max_new_tokens=6).tokens
+  mesh = kvr_jax.make_mesh(2, model=2)
+  got = kvr_jax.generate(
+    model, PROMPT, 6, strategy="kvr", mesh=mesh, partition=[25, 12], cache="sharded"
+  ).tokens
+  np.testing.assert_array_equal(got, want)

@@ -169,3 +169,17 @@ def test_saved_model_restores_whole(checkpoints, tokens, tmp_path):
   restored = kvr_jax.load_model(str(tmp_path / "checkpoint"))
   assert restored.config == ours.config
   np.testing.assert_array_equal(restored.module(tokens[:, :8]), ours.module(tokens[:, :8]))
+
+
+def test_ragged_rows_in_a_bucket_decode_as_transformers(checkpoints, tokens):
+  """Two prompts of 40 and 27 tokens padded to a 48-token bucket, ring attention, the cache
+  left in the ranks' parts: each row decodes from its own length (its sinks at its own
+  positions) with transformers' greedy tokens for that row alone."""
+  hf_model, _, ours = checkpoints["gpt-oss-yarn"]
+  rows = [tokens[0], tokens[1, :27]]
+  got = kvr_jax.generate(
+    ours, rows, 8, strategy="ring", mesh=kvr_jax.make_mesh(4), cache="sharded", buckets=(48,)
+  ).tokens
+  for row, prompt in enumerate(rows):
+    want = hf_fixtures.hf_greedy(hf_model, np.asarray(prompt)[None], 8)[0]
+    np.testing.assert_array_equal(np.asarray(got[row]), want, err_msg=f"row {row}")
