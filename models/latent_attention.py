@@ -16,7 +16,6 @@ latent-space output goes back through kv_b_proj's value half. Both forms are the
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -100,24 +99,44 @@ class LatentAttention(nnx.Module):
   def attend_absorbed(self, q_nope_BNn, q_rope_BNr, cache_BSC, positions_B):
     """Decode: one query per row (row b at positions_B[b]) against the C-wide cache, each
     head's query taken into the latent space; [B, N, v]."""
-    cfg = self.config
-    q_latent_BNR = jnp.einsum("BNn,RNn->BNR", q_nope_BNn, self.wk_b[...])
-    q_BNC = jnp.concatenate([q_latent_BNR, q_rope_BNr], axis=-1)
-    scores_BNS = jnp.einsum("BNC,BSC->BNS", q_BNC, cache_BSC)
+    q_BNC = self.absorbed_query(q_nope_BNn, q_rope_BNr)
     visible_BS = jnp.arange(cache_BSC.shape[1])[None, :] <= positions_B[:, None]
-    probs_BNS = _softmax(scores_BNS, visible_BS[:, None], cfg.softmax_scale)
+    out_BNR, _ = self.absorbed_partial(q_BNC, cache_BSC, visible_BS)
+    return self.expand_values(out_BNR.astype(cache_BSC.dtype))
+
+  def absorbed_query(self, q_nope_BNn, q_rope_BNr):
+    """Each head's query in the latent space, then its rope part: [B, N, C]."""
+    q_latent_BNR = jnp.einsum("BNn,RNn->BNR", q_nope_BNn, self.wk_b[...])
+    return jnp.concatenate([q_latent_BNR, q_rope_BNr], axis=-1)
+
+  def absorbed_partial(self, q_BNC, cache_BSC, visible_BS):
+    """The absorbed attention over the `visible_BS` positions of `cache_BSC` alone: (its
+    latent-space output [B, N, R] float32, its log-sum-exp [B, N] float32; a row that sees
+    nothing: 0 and -inf), so that attentions over disjoint positions merge exactly
+    (models.attention.merge_partials; a sharded cache's parts)."""
+    cfg = self.config
+    scores_BNS = jnp.einsum("BNC,BSC->BNS", q_BNC, cache_BSC).astype(jnp.float32)
+    scores_BNS = jnp.where(visible_BS[:, None], scores_BNS * cfg.softmax_scale, MASK_VALUE)
+    max_BN = jnp.max(scores_BNS, axis=-1)
+    weights_BNS = jnp.where(visible_BS[:, None], jnp.exp(scores_BNS - max_BN[..., None]), 0.0)
+    total_BN = weights_BNS.sum(axis=-1)
     latent_BSR = cache_BSC[..., : cfg.kv_lora_rank]
-    out_BNR = jnp.einsum("BNS,BSR->BNR", probs_BNS.astype(latent_BSR.dtype), latent_BSR)
+    out_BNR = jnp.einsum(
+      "BNS,BSR->BNR",
+      weights_BNS.astype(latent_BSR.dtype),
+      latent_BSR,
+      preferred_element_type=jnp.float32,
+    )
+    seen_BN = total_BN > 0
+    total_BN = jnp.where(seen_BN, total_BN, 1.0)
+    return out_BNR / total_BN[..., None], jnp.where(seen_BN, max_BN + jnp.log(total_BN), -jnp.inf)
+
+  def expand_values(self, out_BNR):
+    """A latent-space attention output through kv_b_proj's value half: [B, N, v]."""
     return jnp.einsum("BNR,RNv->BNv", out_BNR, self.wv_b[...])
 
   def attention_output(self, attn_BTNv):
     return jnp.einsum("BTNv,NvD->BTD", attn_BTNv, self.wo[...])
-
-
-def _softmax(scores, visible, scale: float):
-  """Softmax of scaled scores in float32, positions not `visible` masked."""
-  scaled = scores.astype(jnp.float32) * scale
-  return jax.nn.softmax(jnp.where(visible, scaled, MASK_VALUE), axis=-1)
 
 
 def rope(x_BTnr, positions_BT, config):

@@ -273,6 +273,30 @@ def test_kvr_on_latent_attention_decodes_transformers_greedy_tokens(checkpoints,
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize(
+  ("strategy", "ranks", "partition", "length"),
+  [("kvr", 3, [10, 8, 6], 24), ("allgather", 4, None, 22)],  # 22: zigzag pads to 24
+)
+def test_sharded_latent_cache_decodes_in_place(
+  checkpoints, tokens, strategy, ranks, partition, length
+):
+  """cache="sharded": the ranks' latents stay where the prefill computed them (nothing moves),
+  each decode step merges every rank's absorbed partial over its own part (and the last
+  rank's over the decoded tokens): transformers' greedy tokens."""
+  from kvr_jax.inference.latent import generate_latent, prefill_latent
+  from kvr_jax.runtime.mesh import AXIS
+
+  hf_model, _, ours = checkpoints["deepseek-default"]
+  prompt = tokens[:, :length]
+  mesh = kvr_jax.make_mesh(ranks)
+  result = prefill_latent(ours, prompt, mesh, partition, 6, strategy, cache="sharded")
+  assert result.cache is None and result.parts.sharding.spec[0] == AXIS
+  assert {s.device for s in result.parts.addressable_shards} == set(mesh.devices.flat)
+  assert sorted(p for p in result.part_positions.flat if p >= 0) == list(range(length))
+  got = generate_latent(ours, prompt, mesh, partition, 6, strategy, cache="sharded")
+  np.testing.assert_array_equal(got, hf_fixtures.hf_greedy(hf_model, prompt, 6))
+
+
 def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
   """The compiled KV-Runahead program's collective-permutes (its hops) carry C = kv_lora_rank
   + rope numbers per token (one headless latent), not N x (nope + rope + v) of per-head K,V:
@@ -318,6 +342,8 @@ def test_latent_prefill_refuses_by_name(checkpoints, tokens):
     prefill_latent(ours, tokens, kvr_jax.make_mesh(2), [20, 20], strategy="allgather")
   with pytest.raises(ValueError, match="token ids"):
     prefill_latent(ours, tokens + 1000, kvr_jax.make_mesh(2), [20, 20])
+  with pytest.raises(ValueError, match="cache must be one of"):
+    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), [20, 20], cache="parts")
   with pytest.raises(ValueError, match="latent-attention model"):
     llama = kvr_jax.load_model("tiny-llama")
     prefill_latent(llama, tokens, kvr_jax.make_mesh(2), [20, 20])

@@ -1,10 +1,15 @@
 """Prefill of a latent-attention model (DeepSeek-V3) on a 1-D mesh with KV-Runahead or
-all-gather CP, and greedy decoding from the latent cache the last rank then holds:
-`prefill_latent`, `generate_latent` (kvr_jax/strategies/latent.py is the program).
+all-gather CP, and greedy decoding from its latent cache: `prefill_latent`, `generate_latent`
+(kvr_jax/strategies/latent.py is the program). The cache is joined on the last rank
+(cache="last": KV-Runahead's last hop and own chunk where they lie, all-gather CP's parts
+moved), or left in the ranks' parts (cache="sharded": each decode step attends every part
+where it lies in the absorbed form and merges the partials across the ranks, pass-Q as for
+K,V caches in kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted
+on the last).
 
 Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
-built for K,V caches): rows of one length, the cache whole on the last rank (all-gather CP's
-only in one process).
+built for K,V caches): rows of one length; all-gather CP's cache="last" and the sharded decode
+in one process only.
 Every argument is checked before anything compiles.
 """
 
@@ -14,16 +19,23 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
-from kvr_jax.core.chunks import check_chunks, check_ranks
+from kvr_jax.core.caches import kept_cache
+from kvr_jax.core.chunks import check_chunks, check_ranks, chunk_starts
+from kvr_jax.inference.decode import merge_across_ranks
 from kvr_jax.inference.own_program import check_new_tokens, check_tokens, greedy_from
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.latent import STRATEGIES, compile_latent
+from models.attention import merge_partials
 from models.kernels import get_kernel
 from models.layer_kinds import LatentAttentionKind
+
+CACHES = ("last", "sharded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +50,10 @@ class LatentPrefill:
   chunks: tuple[int, ...]
   capacity: int
   moved: bool
+  # cache="sharded": each rank's latents where the program left them, [p, L, B, T_rank, C]
+  # (sharded by rank), and the prompt position of each rank's rows, [p, T_rank] (-1: padding).
+  parts: jax.Array | None = None
+  part_positions: np.ndarray | None = None
 
 
 def prefill_latent(
@@ -49,13 +65,15 @@ def prefill_latent(
   strategy: str = "kvr",
   attention: str = "flash",
   join: bool = True,
+  cache: str = "last",
 ) -> LatentPrefill:
   """`strategy` ("kvr", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order; None: even), all-gather CP its zigzag chunks (no
   partition). max_new_tokens: room the cache keeps for decoding. attention: the expanded
   heads' kernel (models.kernels: dense, blocked, flash, ...). join=False: return as soon as
   the last rank's logits exist, the cache left where the program put it (`cache` None; what
-  the benchmark times).
+  the benchmark times). cache="sharded": the ranks' latents stay where they were computed
+  (`parts`; no move), for `generate_latent(cache="sharded")`.
   With a mesh over several processes only the last rank's process gets the logits (and, for
   KV-Runahead, the cache); all-gather CP's cache move across processes is not built."""
   latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
@@ -66,6 +84,13 @@ def prefill_latent(
     )
   if strategy not in STRATEGIES:
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
+  if cache not in CACHES:
+    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+  if cache == "sharded" and jax.process_count() > 1:
+    raise ValueError(
+      "cache='sharded' on a latent model across processes: its decode is built for one "
+      "process; use cache='last' (KV-Runahead's last rank holds the cache in any process)"
+    )
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh)
   if p < 2:
@@ -95,6 +120,9 @@ def prefill_latent(
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
+  if cache == "sharded":  # nothing moves: each rank keeps its own latents
+    positions = part_positions(strategy, chunks, out["own"].shape[3])
+    return LatentPrefill(logits_BV, None, chunks, capacity, False, out["own"], positions)
   if not join or logits_BV is None:
     return LatentPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds every position: its last hop and its own chunk
@@ -117,6 +145,25 @@ def _in_prompt_order(pieces, T: int, p: int, capacity: int):
   return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - T), (0, 0)))
 
 
+def part_positions(strategy: str, chunks: tuple[int, ...], rows: int) -> np.ndarray:
+  """[p, rows] int32: the prompt position of each row of each rank's part (-1: padding).
+  KV-Runahead's rank i holds [S_{i-1}, S_i) in its first c_i rows; all-gather CP's rank r
+  its two zigzag chunks, r and 2p-1-r (positions past the prompt are padding)."""
+  p, T = len(chunks), sum(chunks)
+  row = np.arange(rows)
+  if strategy == "kvr":
+    starts = chunk_starts(chunks)
+    table = [np.where(row < chunks[i], starts[i] + row, -1) for i in range(p)]
+  else:
+    c = zigzag.chunk_len(T, p)
+    table = []
+    for r in range(p):
+      first, second = zigzag.rank_chunks(r, p)
+      positions = np.concatenate([first * c + np.arange(c), second * c + np.arange(c)])
+      table.append(np.where(positions < T, positions, -1))
+  return np.asarray(table, np.int32)
+
+
 def generate_latent(
   model: Model,
   tokens,
@@ -125,9 +172,78 @@ def generate_latent(
   max_new_tokens: int = 1,
   strategy: str = "kvr",
   attention: str = "flash",
+  cache: str = "last",
 ):
-  """Greedy decoding of `max_new_tokens` from `prefill_latent`'s cache on the last rank's
-  device (the absorbed form: each step reads the latents): [B, max_new_tokens] token ids."""
+  """Greedy decoding of `max_new_tokens` in the absorbed form (each step reads the latents):
+  [B, max_new_tokens] token ids. cache="last": from the cache `prefill_latent` joins on the
+  last rank's device; cache="sharded": every step on every rank, over the parts where the
+  prefill left them (`latent_sharded_step`)."""
   check_new_tokens(max_new_tokens, 1)
-  result = prefill_latent(model, tokens, mesh, partition, max_new_tokens, strategy, attention)
-  return greedy_from(model, result.logits_BV, result.cache, sum(result.chunks), max_new_tokens)
+  result = prefill_latent(
+    model, tokens, mesh, partition, max_new_tokens, strategy, attention, cache=cache
+  )
+  T = sum(result.chunks)
+  if cache == "last":
+    return greedy_from(model, result.logits_BV, result.cache, T, max_new_tokens)
+  replicated = NamedSharding(mesh, jax.P())
+  step = latent_sharded_step(model.graphdef, mesh)
+  state = model.state_on(replicated)
+  positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
+  L, B, _, C = result.parts.shape[1:]
+  tail = jax.device_put(jnp.zeros((L, B, max_new_tokens, C), model.dtype), replicated)
+  next_B, out = jax.device_put(result.logits_BV.argmax(-1), replicated), []
+  for i in range(max_new_tokens):
+    out.append(np.asarray(next_B))
+    if i + 1 == max_new_tokens:
+      break
+    logits_BV, tail = step(state, next_B, T + i, result.parts, positions, tail, i)
+    next_B = logits_BV.argmax(-1)
+  return np.stack(out, axis=1)
+
+
+@kept_cache(8)
+def latent_sharded_step(graphdef, mesh):
+  """f(state, tokens_B, position, parts [p, L, B, T_rank, C], part positions [p, T_rank],
+  tail [L, B, M, C], tail_index) -> (logits [B, V], tail): one token per row at `position`
+  (every row one length), its latent written into the (donated, replicated) tail at
+  `tail_index`. Each layer, every rank attends the token's absorbed query to its own part
+  (`LatentAttention.absorbed_partial`) and, the last rank only, to the tail; the latent-space
+  partials merge across the ranks (`merge_across_ranks`, one collective per layer) and go
+  through kv_b_proj's value half once."""
+  P = jax.P
+
+  def step(state, tokens_B, position, parts_1LBTC, positions_1T, tail_LBMC, tail_index):
+    model = nnx.merge(graphdef, state)
+    rank, p = jax.lax.axis_index(AXIS), jax.lax.axis_size(AXIS)
+    B, M = tokens_B.shape[0], tail_LBMC.shape[2]
+    positions_B1 = jnp.full((B, 1), position, jnp.int32)
+    part_visible_BT = jnp.broadcast_to(positions_1T[0] >= 0, (B, positions_1T.shape[1]))
+    tail_visible_BM = jnp.broadcast_to(jnp.arange(M) <= tail_index, (B, M))
+
+    def layer(block, l, carry):
+      x_B1D, tail_LBMC = carry
+      h_B1D = block.attention_input(x_B1D)
+      q_nope, q_rope = block.queries(h_B1D, positions_B1)
+      entry_B11C = block.latents(h_B1D, positions_B1)[None].astype(tail_LBMC.dtype)
+      tail_LBMC = jax.lax.dynamic_update_slice(tail_LBMC, entry_B11C, (l, 0, tail_index, 0))
+      q_BNC = block.absorbed_query(q_nope[:, 0], q_rope[:, 0])
+      part = block.absorbed_partial(
+        jax.lax.pcast(q_BNC, (AXIS,), to="varying"), parts_1LBTC[0, l], part_visible_BT
+      )
+      tail_out, tail_lse = block.absorbed_partial(q_BNC, tail_LBMC[l], tail_visible_BM)
+      tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
+      out_BNR = merge_across_ranks(*merge_partials(*part, tail_out, tail_lse))
+      attn_BNv = block.expand_values(out_BNR.astype(x_B1D.dtype))
+      x_B1D = x_B1D + block.attention_output(attn_BNv[:, None])
+      return block.mlp(x_B1D), tail_LBMC
+
+    x_B1D, tail_LBMC = model.scan_layers(layer, (model.embed(tokens_B[:, None]), tail_LBMC))
+    return model.logits(x_B1D)[:, 0], tail_LBMC
+
+  sharded = jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(P(), P(), P(), P(AXIS), P(AXIS), P(), P()),
+    out_specs=(P(), P()),
+  )
+  return jax.jit(sharded, donate_argnums=(5,))
