@@ -21,3 +21,23 @@ os.environ["KVR_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvr_jax_test_cache_")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test file, drop every compiled program this worker keeps (JAX's caches and
+  kvr_jax's own). Each XLA:CPU executable holds memory mappings of its code; a worker that
+  kept every file's programs reached the kernel's limit of 65,530 mappings (one test file of
+  19 tests leaves about 7,600) and segfaulted inside XLA's compiler. Programs are shared
+  within a file; files build their own models, so few programs are compiled twice."""
+  yield
+  from kvr_jax.core.caches import clear_caches
+
+  clear_caches()
+  jax.clear_caches()
+  gc.collect()
