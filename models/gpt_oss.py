@@ -27,7 +27,14 @@ from models.base import no_reduce, zeros_param
 from models.experts import clamped_swiglu, route_softmax_top_k, run_expert_mlps
 from models.family import Family
 from models.hf_config import kv_heads_from_hf, or_default, refuse, rope_from_hf
-from models.llama import Llama, LlamaBlock, LlamaConfig, llama_targets, windows_from_hf
+from models.llama import (
+  Llama,
+  LlamaBlock,
+  LlamaConfig,
+  check_expert_counts,
+  llama_targets,
+  windows_from_hf,
+)
 from models.norms import rms_norm
 from models.tensor_names import same
 
@@ -95,14 +102,13 @@ class GptOssBlock(LlamaBlock):
     bias_E = self.router_bias[...]
     return route_softmax_top_k(h_BTD, self.router[...], bias_E, cfg.experts_per_token, True)
 
-  def routed_experts(self, x_BTD, attn_BTNH) -> jax.Array:
-    x_BTD = x_BTD + self.attention_output(attn_BTNH) + self.bo[...]
-    return self.route(rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps))[1]
+  def attention_residual(self, x_BTD, attn_BTNH, reduce=no_reduce) -> jax.Array:
+    # The o bias after the shards' sum: added once, not once per tensor-parallel shard.
+    return x_BTD + reduce(self.attention_output(attn_BTNH)) + self.bo[...]
 
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     cfg = self.config
-    # The o bias after the shards' sum: added once, not once per tensor-parallel shard.
-    x_BTD = x_BTD + reduce(self.attention_output(attn_BTNH)) + self.bo[...]
+    x_BTD = self.attention_residual(x_BTD, attn_BTNH, reduce)
     h_BTD = rms_norm(x_BTD, self.mlp_norm[...], cfg.norm_eps)
     weights_BTk, experts_BTk = self.route(h_BTD)
 
@@ -160,17 +166,13 @@ def gpt_oss_from_hf(hf: dict[str, Any], model_type: str, common: dict[str, Any])
     }
   experts = or_default(hf, "num_local_experts", model_type)
   top_k = or_default(hf, "num_experts_per_tok", model_type)
-  for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"config.json: `{name}` must be an integer >= 1, got {value!r}")
-  if top_k > experts:
-    raise ValueError(f"config.json: `num_experts_per_tok`={top_k} exceeds the {experts} experts")
+  check_expert_counts(experts, top_k, model_type, "num_local_experts")
   swiglu = {}
-  for key, field in (("swiglu_limit", "swiglu_limit"), ("swiglu_alpha", "swiglu_alpha")):
+  for key in ("swiglu_limit", "swiglu_alpha"):
     value = or_default(hf, key, model_type)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
       raise ValueError(f"config.json: `{key}` must be a positive number, got {value!r}")
-    swiglu[field] = float(value)
+    swiglu[key] = float(value)
   return GptOssConfig(
     **common,
     num_kv_heads=kv_heads_from_hf(hf, model_type, num_heads),

@@ -120,8 +120,12 @@ class LlamaBlock(Block):
   def routed_experts(self, x_BTD, attn_BTNH) -> jax.Array:
     """The experts [B, T, k] each token of this layer routes to, from the layer's input and its
     attention (what `finish_rows` computes before its MLP; a whole model's, no shards)."""
-    x_BTD = x_BTD + self.attention_output(attn_BTNH)
+    x_BTD = self.attention_residual(x_BTD, attn_BTNH)
     return self.route(rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps))[1]
+
+  def attention_residual(self, x_BTD, attn_BTNH, reduce=no_reduce) -> jax.Array:
+    """The residual stream after attention: the shards' output projections summed, added."""
+    return x_BTD + reduce(self.attention_output(attn_BTNH))
 
   def first_local_expert(self, reduce):
     """None where this block holds every expert; else the first of the E/m this
@@ -132,7 +136,7 @@ class LlamaBlock(Block):
     return shard_index(reduce) * local
 
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
-    x_BTD = x_BTD + reduce(self.attention_output(attn_BTNH))
+    x_BTD = self.attention_residual(x_BTD, attn_BTNH, reduce)
     h_BTD = rms_norm(x_BTD, self.mlp_norm[...], self.config.norm_eps)
     cfg = self.config
     if cfg.num_experts:
@@ -278,7 +282,18 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
       )
     experts = or_default(hf, "num_local_experts", model_type)
   top_k = or_default(hf, "num_experts_per_tok", model_type)
-  for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
+  check_expert_counts(experts, top_k, model_type)
+  normalize = True if model_type == "mixtral" else or_default(hf, "norm_topk_prob", model_type)
+  return {
+    "num_experts": experts,
+    "experts_per_token": top_k,
+    "normalize_expert_weights": bool(normalize),
+  }
+
+
+def check_expert_counts(experts, top_k, model_type: str, experts_key="num_experts") -> None:
+  """config.json's expert count and experts per token: integers >= 1, top_k <= experts."""
+  for name, value in ((experts_key, experts), ("num_experts_per_tok", top_k)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"config.json: `{name}` must be an integer >= 1, got {value!r}")
   if top_k > experts:
@@ -286,12 +301,6 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
       f"config.json: `num_experts_per_tok`={top_k} (absent: {model_type}'s default) exceeds "
       f"the {experts} experts"
     )
-  normalize = True if model_type == "mixtral" else or_default(hf, "norm_topk_prob", model_type)
-  return {
-    "num_experts": experts,
-    "experts_per_token": top_k,
-    "normalize_expert_weights": bool(normalize),
-  }
 
 
 def llama_targets(cfg: LlamaConfig, name: str) -> list[Target] | None:

@@ -171,8 +171,8 @@ def split_state(state, model_parallel: int):
   m = model_parallel
 
   def split(path, leaf):
-    axis = split_axis(_block_param(path), leaf.ndim)
     name = _block_param(path)
+    axis = split_axis(name, leaf.ndim)
     if axis is None:
       return jnp.broadcast_to(leaf, (m, *leaf.shape))
     if leaf.shape[axis] % m:
