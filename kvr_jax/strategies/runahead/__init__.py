@@ -91,6 +91,7 @@ from kvr_jax.strategies.base import (
   spmd,
   strategy_compiler,
 )
+from kvr_jax.strategies.runahead.bodies import one_body, one_body_as_data, per_rank_body
 from kvr_jax.strategies.runahead.hops import hop_chain, hop_chain_as_data, varying_axes
 from kvr_jax.strategies.runahead.modelled import (
   RankWork,
@@ -99,8 +100,7 @@ from kvr_jax.strategies.runahead.modelled import (
   modelled_layer,
   rank_work,
 )
-from kvr_jax.strategies.runahead.one_body import map_row_blocks, one_body, one_body_as_data
-from kvr_jax.strategies.runahead.per_rank import per_rank_body, rank_layer
+from kvr_jax.strategies.runahead.rank_layer import map_row_blocks, rank_layer
 from kvr_jax.strategies.runahead.schedule import (
   BODIES,
   HOP_GRANULE,

@@ -1,0 +1,359 @@
+"""KV-Runahead's rank layer, written once: rank i's phases (project its chunk, attend the
+first rows of its diagonal, pass the hops, attend, finish) as functions of its lengths
+(`RankLengths`: its real rows c, its start, its early rows).
+
+The two program bodies (kvr_jax.strategies.runahead.bodies) are this layer with the lengths
+given two ways:
+  per-rank  every phase is a `lax.switch` on the rank whose branch i runs the phase at rank i's
+            lengths as Python ints: static shapes, exactly c_i rows and S_i keys, for the
+            kernels whose bounds must be static (dense, blocked, fused, cudnn). Each branch is
+            compiled, so the program grows with p.
+  one body  every phase runs once at lengths that are traced scalars (read from the split's
+            table at the rank index): row loops whose trip count is c, and one flash call whose
+            lengths are data (`models.flash.Lengths`). The program does not grow with p.
+A phase whose maths differs between static and traced lengths says so in one `if` (how rows
+are visited, and how the kernel is told the bounds); everything else (the order of phases,
+the buffer, the hops, the probes, the outputs) is the same code for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvr_jax.runtime.cache_layout import fold_batch
+from kvr_jax.strategies.base import ordered_after
+from kvr_jax.strategies.probe import mark
+from kvr_jax.strategies.runahead.hops import hop_chain, hop_chain_as_data, varying_axes
+from models.attention import merge_partials
+from models.flash import Lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLengths:
+  """Rank i's lengths: Python ints (`index` set: one per-rank switch branch) or traced int32
+  scalars (`index` None: the one body). c: its real rows; start: the prompt position of its
+  first row (its prefix's length); early_rows: the rows of its own diagonal it attends before
+  its hop."""
+
+  index: int | None
+  c: Any
+  start: Any
+  early_rows: Any
+
+  @property
+  def static(self) -> bool:
+    return self.index is not None
+
+
+def map_row_blocks(fn, num_rows, block: int, inputs, outputs):
+  """For the blocks [j*block, (j+1)*block) that hold rows [0, num_rows) (num_rows may be
+  traced: a data-dependent trip count), writes fn(first_row, *input blocks) into `outputs` at
+  the same rows; rows of later blocks keep what `outputs` held. Every array has its rows on
+  axis 1, a whole number of blocks long."""
+
+  def step(j, outputs):
+    first_row = j * block
+    blocks = [jax.lax.dynamic_slice_in_dim(x, first_row, block, axis=1) for x in inputs]
+    results = fn(first_row, *blocks)
+    return tuple(
+      jax.lax.dynamic_update_slice_in_dim(out, result.astype(out.dtype), first_row, axis=1)
+      for out, result in zip(outputs, results, strict=True)
+    )
+
+  return jax.lax.fori_loop(0, -(-num_rows // block), step, tuple(outputs))
+
+
+def pad_rows(x, rows: int, axis: int = 1):
+  """x padded with zero rows on `axis` to `rows`."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, rows - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayer:
+  """One rank's layer, built inside the trace (`bodies` builds it). With `lengths` None every
+  phase is a switch over the split's static lengths (`chunks` then must be given); with
+  traced `lengths` every phase runs once at them.
+
+  chunks: the split where it is static (the hops' sizes then are too), else None (the split
+    is the program's operand and the hops are sized as data: `ends`, `context_len`).
+  rows: every rank's padded row count (c_max, or the one body's whole blocks); part_len: the
+    rows of the K,V part it outputs; buffer_len: its K,V buffer's rows (0: none); keys: the
+    buffer rows a traced attention reads; block: the row loops' block (traced lengths).
+  early_pad: the most early rows any rank attends (every switch branch returns that shape).
+  last_into_buffer: the last hop is written into the buffer (the traced attention reads every
+    prefix from there); otherwise the last rank attends the message where it arrived."""
+
+  chunks: tuple[int, ...] | None
+  num_ranks: int
+  kernel: Any
+  timeline: bool
+  reduce: Callable
+  config: Any
+  rank: Any
+  lengths: RankLengths | None
+  static_early_rows: tuple[int, ...]
+  diagonal_first: bool
+  rows: int
+  part_len: int
+  buffer_len: int
+  keys: int
+  block: int
+  last_into_buffer: bool
+  keep_last_hop: bool
+  ends: Any  # every rank's S_i (traced), where the hops are sized as data
+  context_len: int
+  dtype: Any
+  q_heads: int  # this shard's N and K
+  kv_heads: int
+
+  # The rank's lengths, and running a phase at them.
+
+  def static_lengths(self, i: int) -> RankLengths:
+    starts = [sum(self.chunks[:j]) for j in range(self.num_ranks)]
+    return RankLengths(i, self.chunks[i], starts[i], self.static_early_rows[i])
+
+  def each_rank(self, phase, *operands):
+    """phase(lengths, *operands) at this rank's lengths: once at the traced ones, or a switch
+    whose branch i runs it at rank i's static ones."""
+    if self.lengths is not None:
+      return phase(self.lengths, *operands)
+    branches = [functools.partial(phase, self.static_lengths(i)) for i in range(self.num_ranks)]
+    return jax.lax.switch(self.rank, branches, *operands)
+
+  def zeros(self, shape):  # varying over the ranks, like what it will hold
+    return jax.lax.pcast(jnp.zeros(shape, self.dtype), varying_axes(self.reduce), to="varying")
+
+  def empty_buffer(self, batch: int):
+    """[2, B, buffer_len, K, H]: the received prefix, then the rank's own chunk at its start;
+    carried over layers, never zero-filled again (each layer overwrites what it reads)."""
+    return self.zeros((2, batch, self.buffer_len, self.kv_heads, self.config.head_dim))
+
+  # The phases.
+
+  def project(self, lengths: RankLengths, block, x_BcD):
+    """q [B, rows, N, H] of its c real rows and its own K,V [2, B, rows, K, H] (K and V
+    travel as one message); rows past c zero (the part and the buffer hold only real keys)."""
+    B, H, c = x_BcD.shape[0], self.config.head_dim, lengths.c
+    if lengths.static:
+      positions_Bc = jnp.broadcast_to(lengths.start + jnp.arange(c), (B, c))
+      q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD[:, :c], positions_Bc)
+      return pad_rows(q_BcNH, self.rows), pad_rows(jnp.stack([k_BcKH, v_BcKH]), self.rows, 2)
+    R = self.block
+
+    def project_block(first_row, x_BRD):
+      positions_BR = jnp.broadcast_to(lengths.start + first_row + jnp.arange(R), (B, R))
+      return block.project_qkv(x_BRD, positions_BR)
+
+    zeros = tuple(
+      self.zeros((B, self.rows, heads, H)) for heads in (self.q_heads, self.kv_heads, self.kv_heads)
+    )
+    q_BcNH, k_BcKH, v_BcKH = map_row_blocks(project_block, c, R, (x_BcD,), zeros)
+    real_rows_c = jnp.arange(self.rows) < c
+    return q_BcNH, jnp.where(real_rows_c[:, None, None], jnp.stack([k_BcKH, v_BcKH]), 0)
+
+  def early_diagonal(self, lengths: RankLengths, block, q_BcNH, own_2BcKH):
+    """Its first early_rows queries against its own keys (causal, offset 0), before the hop:
+    a float32 partial (out, lse). Static: those rows only, padded to `early_pad` rows (rank 0,
+    or none early: zeros built from q, so that they carry its type); traced: every row, the
+    kernel visiting only the early ones."""
+    rows = lengths.early_rows
+    if not lengths.static:
+      return block.attend_partial(
+        q_BcNH,
+        own_2BcKH[0],
+        own_2BcKH[1],
+        0,
+        self.kernel,
+        lengths=Lengths(query_rows=(0, rows), key_end=lengths.c),
+      )
+    pad_to = max(1, *self.static_early_rows)  # never empty: probes and ordered_after read it
+    if lengths.index == 0 or rows == 0:
+      zeros_BrNH = jnp.zeros_like(q_BcNH[:, :pad_to], jnp.float32)
+      return zeros_BrNH, zeros_BrNH[..., 0]
+    out_BrNH, lse_BrN = block.attend_partial(
+      q_BcNH[:, :rows], own_2BcKH[0, :, :rows], own_2BcKH[1, :, :rows], 0, self.kernel
+    )
+    return pad_rows(out_BrNH, pad_to), pad_rows(lse_BrN, pad_to)
+
+  def attend(self, lengths: RankLengths, block, q_BcNH, own_2BcKH, buffer_2BSKH, message, diag):
+    """Its rows against the prefix it received and its own chunk, the early rows' diagonal
+    (`diag`, or None) merged in by lse: [B, rows, N, H] in q's dtype."""
+    if lengths.static:
+      prefix_2BsKH = self._static_prefix(block, lengths, buffer_2BSKH, message)
+      attn_BcNH = attend_static(block, q_BcNH, own_2BcKH, prefix_2BsKH, lengths, self.kernel, diag)
+      return pad_rows(attn_BcNH, self.rows)
+    c, start, early_rows = lengths.c, lengths.start, lengths.early_rows
+    # The buffer holds the prefix and, at `start`, the rank's own chunk: one flash call, not a
+    # prefix call and a diagonal call (one kernel walk and one merge less per layer). The early
+    # rows' own keys were attended before the hop: they see only the prefix.
+    keys_2BSKH = buffer_2BSKH[:, :, : self.keys] if self.num_ranks > 1 else own_2BcKH
+    late_BcNH, late_lse_BcN = block.attend_partial(
+      q_BcNH,
+      keys_2BSKH[0],
+      keys_2BSKH[1],
+      start,
+      self.kernel,
+      lengths=Lengths(query_rows=(0, c), key_end=start + c, short_rows=(early_rows, start)),
+    )
+    early = jnp.arange(self.rows) < early_rows
+    early_lse_BcN = jnp.where(early[:, None], diag[1], -jnp.inf)
+    attn_BcNH, _ = merge_partials(late_BcNH, late_lse_BcN, diag[0], early_lse_BcN)
+    return attn_BcNH.astype(q_BcNH.dtype)
+
+  def _static_prefix(self, block, lengths: RankLengths, buffer_2BSKH, message):
+    """Rank i's received keys [first, start): none on rank 0; the last hop's message on the
+    last rank where it was not written into the buffer; else the buffer's."""
+    i, start = lengths.index, lengths.start
+    first = block.config.kind.first_key(start)  # the first key its queries see (this layer's)
+    if i == 0:
+      return None
+    if i == self.num_ranks - 1 and not self.last_into_buffer:
+      return message
+    return buffer_2BSKH[:, :, first:start]
+
+  def finish(self, lengths: RankLengths, block, x_BcD, attn_BcNH):
+    """The block's rest (out-proj, MLP) of its c rows; `reduce` adds the tensor-parallel
+    shards' partial sums. Rows past c keep what they held (static: zero)."""
+    c = lengths.c
+    if lengths.static:
+      out_BcD = block.finish(x_BcD[:, :c], attn_BcNH[:, :c], reduce=self.reduce)
+      return pad_rows(out_BcD, self.rows)
+    (x_BcD,) = map_row_blocks(
+      lambda _, x_BRD, attn_BRNH: (block.finish(x_BRD, attn_BRNH, None, reduce=self.reduce),),
+      c,
+      self.block,
+      (x_BcD, attn_BcNH),
+      (x_BcD,),
+    )
+    return x_BcD
+
+  @staticmethod
+  def last_row_of(lengths: RankLengths, x_BcD):
+    return jax.lax.dynamic_index_in_dim(x_BcD, lengths.c - 1, axis=1, keepdims=False)
+
+  def last_row(self, x_BcD):
+    """The rank's last real row; on rank p-1 that is the prompt's last position."""
+    return self.each_rank(self.last_row_of, x_BcD)
+
+  # The layer.
+
+  def own_start(self):
+    """The prompt position of this rank's first row, traced (from the split's starts where
+    they are static: one write for every rank, no switch over the buffer)."""
+    if self.lengths is not None:
+      return self.lengths.start
+    return jnp.asarray([sum(self.chunks[:i]) for i in range(self.num_ranks)], jnp.int32)[self.rank]
+
+  def hops(self, buffer_2BSKH, own_2BcKH, kind, l, after):
+    """The hop chain of this layer's `kind`: sizes static (the split's) or data."""
+    if self.chunks is None:
+      buffer_2BSKH = hop_chain_as_data(
+        buffer_2BSKH, self.rank, self.ends, kind, self.context_len, after=after
+      )
+      return buffer_2BSKH, None
+    return hop_chain(
+      buffer_2BSKH,
+      own_2BcKH,
+      self.rank,
+      self.chunks,
+      kind,
+      self.timeline,
+      l,
+      self.last_into_buffer,
+      after,
+    )
+
+  def layer(self, block, x_BcD, buffer_2BSKH, l):
+    """One layer of the rank: project, early diagonal, hops, attend, finish (each phase at its
+    lengths); returns (x, buffer, what the layer outputs: its own K,V part, and the last
+    hop's message where it is kept)."""
+    timeline = self.timeline
+    q_BcNH, own_2BcKH = self.each_rank(self.project, block, x_BcD)
+    q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
+    diagonal = None
+    if self.diagonal_first:
+      early = self.each_rank(self.early_diagonal, block, q_BcNH, own_2BcKH)
+      # own K,V passes through the probe too: every hop's message is built from it, so no
+      # hop is recorded before the diagonal (an optimization barrier alone did not order them).
+      diagonal, own_2BcKH = mark(timeline, "diagonal", l, (early, own_2BcKH))
+    message = None
+    if self.num_ranks > 1:
+      if self.buffer_len:
+        # Own K,V after the received prefix: what this rank forwards (and, traced, attends).
+        buffer_2BSKH = jax.lax.dynamic_update_slice_in_dim(
+          buffer_2BSKH, own_2BcKH, self.own_start(), axis=2
+        )
+      # The hops' messages are computed after the early rows (their receivers wait less).
+      kind = block.config.kind  # this layer's (layers may differ)
+      buffer_2BSKH, message = self.hops(buffer_2BSKH, own_2BcKH, kind, l, diagonal)
+      # The attention (and so the rest of the layer) waits for the hops, on every rank: rank
+      # 0's reads only its own keys, and XLA may otherwise run it before the send, holding its
+      # receiver back by a whole attention. Only q carries the dependence (one fused select).
+      q_BcNH = ordered_after(q_BcNH, buffer_2BSKH, message)
+    attn_BcNH = self.each_rank(
+      self.attend, block, q_BcNH, own_2BcKH, buffer_2BSKH, message, diagonal
+    )
+    attn_BcNH = mark(timeline, "attention", l, attn_BcNH.astype(x_BcD.dtype))
+    x_BcD = self.each_rank(self.finish, block, x_BcD, attn_BcNH)
+    x_BcD = mark(timeline, "rest", l, x_BcD)
+    # Only this rank's chunk leaves the layer (and, kept, what the last hop brought), in
+    # parts of part_len rows whichever body ran (one cache layout).
+    own_out = fold_batch(own_2BcKH[:, :, : self.part_len])  # R = B * part_len rows
+    kept = (own_out, fold_batch(message)) if self.keep_last_hop else own_out  # B * S_{p-2}
+    return x_BcD, buffer_2BSKH, kept
+
+
+def attend_static(block, q_BcNH, own_2BcKH, prefix_2BsKH, lengths: RankLengths, kernel, diag):
+  """Rank i's attention at static lengths: its c queries against the prefix [first, start)
+  it received and its own chunk. With `diag` (the partial of its first early_rows rows
+  against its own keys, attended before the hop) the prefix and the rest of the diagonal are
+  attended here and the partials merge by log-sum-exp; without it (dense, blocked: the
+  paper's c x S rectangle) prefix and own keys are attended in one call."""
+  c, start = lengths.c, lengths.start
+  first = block.config.kind.first_key(start)  # the first key its queries see (this layer's)
+  q_BcNH, own_2BcKH = q_BcNH[:, :c], own_2BcKH[:, :, :c]
+  if first == start:  # rank 0, or a window of one key: no prefix
+    return block.attend(q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, kernel)
+  if diag is None:
+    keys_2BsKH = jnp.concatenate([prefix_2BsKH, own_2BcKH], axis=2)
+    return block.attend(q_BcNH, keys_2BsKH[0], keys_2BsKH[1], start - first, kernel)
+  out_BcNH, lse_BcN = block.attend_partial(
+    q_BcNH, prefix_2BsKH[0], prefix_2BsKH[1], start - first, kernel
+  )
+  # The diagonal's rows [rows, c) after the hop (offset `rows` against the chunk's c keys),
+  # appended to the `rows` attended before it.
+  rows = lengths.early_rows
+  own_out_BcNH, own_lse_BcN = diag[0][:, :rows], diag[1][:, :rows]
+  if rows < c:
+    late_BcNH, late_lse_BcN = block.attend_partial(
+      q_BcNH[:, rows:], own_2BcKH[0], own_2BcKH[1], rows, kernel
+    )
+    own_out_BcNH = jnp.concatenate([own_out_BcNH, late_BcNH], axis=1)
+    own_lse_BcN = jnp.concatenate([own_lse_BcN, late_lse_BcN], axis=1)
+  merged_BcNH, _ = merge_partials(out_BcNH, lse_BcN, own_out_BcNH, own_lse_BcN)
+  return merged_BcNH.astype(q_BcNH.dtype)
+
+
+def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attention="dense"):
+  """Rank i's whole layer given the K,V it receives ([2, B, >= start_i, K, H], prompt order),
+  the paper's rectangle (no early diagonal): the unit of per-rank cost. Used only to measure
+  one rank's compiled cost in isolation (cost analysis); the SPMD program runs the same
+  phases with the hop chain between them."""
+  start = sum(chunks[:i])
+  lengths = RankLengths(i, chunks[i], start, 0)
+  first = block.config.kind.first_key(start)  # the first key its queries see (this layer's)
+  B, c = x_BcD.shape[0], chunks[i]
+  positions_Bc = jnp.broadcast_to(start + jnp.arange(c), (B, c))
+  q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD[:, :c], positions_Bc)
+  own_2BcKH = jnp.stack([k_BcKH, v_BcKH])
+  prefix = None if i == 0 else kv_prefix[:, :, first:start]
+  attn_BcNH = attend_static(block, q_BcNH, own_2BcKH, prefix, lengths, attention, None)
+  return block.finish(x_BcD[:, :c], attn_BcNH)
