@@ -35,18 +35,14 @@ accelerator, bucket_stream, multiprocess_report, timeline, memory), kvr_jax.tool
 kvr_jax.runtime.distributed.
 """
 
-import dataclasses
-import json
 import os
 import sys
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 
 import kvr_jax
 from kvr_jax.core.chunks import check_chunks
-from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.runtime import distributed, loading
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.strategies import get_strategy
@@ -55,9 +51,9 @@ from kvr_jax.tools import (
   bucket_stream,
   hybrid_bench,
   kernel_timing,
-  measured,
   memory_grid,
   multiprocess_report,
+  phases,
   sweep,
   timeline,
   transformers_baseline,
@@ -69,23 +65,10 @@ from models.kernels import KERNEL_NAMES
 FLAGS = flags.FLAGS
 # Timeline mode's own partition: KVR-S with the cost model fitted to this model's phases.
 FITTED = ("fitted",)
-flags.DEFINE_enum(
-  "mode",
-  "devices",
-  [
-    "devices",
-    "multiprocess",
-    "kernels",
-    "long",
-    "phases",
-    "memory",
-    "timeline",
-    "accelerator",
-    "buckets",
-    "hybrid",
-  ],
-  "What to measure.",
-)
+# The modes, as --help lists them (MODES at the end maps each to its function).
+MODE_NAMES = ("devices", "multiprocess", "kernels", "long", "phases", "memory", "timeline")
+MODE_NAMES += ("accelerator", "buckets", "hybrid")
+flags.DEFINE_enum("mode", "devices", list(MODE_NAMES), "What to measure.")
 flags.DEFINE_integer(
   "threads", None, "XLA and PyTorch threads (devices, kernels, long modes; default: all cores)."
 )
@@ -243,7 +226,7 @@ def phases_mode():
     if not FLAGS.partitions:
       raise ValueError("--mode=phases needs --partitions, e.g. --partitions=2048/2048,2588/1508")
     threads = FLAGS.threads or os.cpu_count()
-    table = measured.phase_table(
+    table = phases.phase_table(
       model, FLAGS.model, FLAGS.partitions, FLAGS.kernels, FLAGS.repeats, threads
     )
   table.print()
@@ -274,18 +257,11 @@ def devices_mode():
     else "devices present"
   )
   sweep.sweep_table(rows, note, sweep.reports_device_memory(jax.devices())).print()
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  written = [os.path.join(FLAGS.output_dir, name) for name in ("devices.csv", "devices.png")]
-  sweep.write_csv(rows, written[0], note)
-  sweep.plot_sweep(rows, written[1], f"{FLAGS.model}: {note}")
+  written = sweep.write_sweep(rows, FLAGS.output_dir, FLAGS.model, note)
   if FLAGS.compare_transformers:
     with common.user_errors():
       comparison = transformers_baseline.compare_with_transformers(
-        model.config,
-        lens,
-        kernels=FLAGS.kernels,
-        repeats=FLAGS.repeats,
-        threads=FLAGS.threads,
+        model.config, lens, kernels=FLAGS.kernels, repeats=FLAGS.repeats, threads=FLAGS.threads
       )
     transformers_baseline.comparison_table(comparison).print()
     written.append(os.path.join(FLAGS.output_dir, "vs_transformers.csv"))
@@ -402,21 +378,15 @@ def buckets_mode():
     (count,) = common.positive_ints([FLAGS.stream_prompts], "--stream_prompts")
     (repeats,) = common.positive_ints([FLAGS.repeats], "--repeats")
     per_octave = common.positive_ints(FLAGS.ladders, "--ladders")
+    path = common.output_file_in(FLAGS.output_dir, "buckets.json")
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     max_position = model.config.max_position_embeddings
     if high > max_position:
       raise ValueError(f"--stream_lengths: {high} is past {FLAGS.model}'s {max_position} positions")
-    ladders = {
-      ("auto" if n == buckets_lib.BUCKETS_PER_OCTAVE else f"{n}/octave"): (
-        "auto"
-        if n == buckets_lib.BUCKETS_PER_OCTAVE
-        else buckets_lib.octave_ladder(n, max_position)
-      )
-      for n in per_octave
-    }
+    ladders = bucket_stream.named_ladders(per_octave, max_position)
     strategies = FLAGS.strategy if FLAGS["strategy"].present else ["single", "kvr", "ring"]
     strategies += [] if FLAGS["strategy"].present else ["allgather"]
-    lengths = [int(n) for n in np.random.RandomState(0).randint(low, high + 1, count)]
+    lengths = bucket_stream.random_lengths(low, high, count)
     rows = bucket_stream.bucket_stream(
       model, lengths, strategies, ladders=ladders, num_devices=FLAGS.num_devices, repeats=repeats
     )
@@ -425,10 +395,7 @@ def buckets_mode():
     f"{count} prompts of random lengths in [{low}, {high}] (seed 0), each new to the process:"
   )
   bucket_stream.bucket_table(rows, title).print()
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  path = os.path.join(FLAGS.output_dir, "buckets.json")
-  with open(path, "w") as f:
-    json.dump({"lengths": lengths, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+  bucket_stream.write_stream(path, lengths, rows)
   print(f"wrote {path}")
   return 0
 

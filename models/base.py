@@ -117,6 +117,17 @@ class Block(nnx.Module):
     k_BTKH = apply_rope(k_BTKH, positions_BT, self.config.rope)
     return q_BTNH, k_BTKH, v_BTKH
 
+  def project_entries(self, x_BTD: jax.Array, positions_BT: jax.Array):
+    """(queries, cache entries [M, B, T, K, H]) of rows at `positions_BT`: what the layer
+    keeps per position and what a strategy passes between ranks without knowing what it is.
+    Here K and V stacked (M = 2); a latent layer keeps one latent (models.latent_attention)."""
+    q_BTNH, k_BTKH, v_BTKH = self.project_qkv(x_BTD, positions_BT)
+    return q_BTNH, jnp.stack([k_BTKH, v_BTKH])
+
+  def attend_entries(self, queries, entries_MBSKH, query_offset, attention) -> jax.Array:
+    """`attend` of `queries` over cache entries as `project_entries` gives them."""
+    return self.attend(queries, entries_MBSKH[0], entries_MBSKH[1], query_offset, attention)
+
   def attend(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention) -> jax.Array:
     """This model's attention (causal, with its sliding window if any) at `query_offset`
     counted from the first key given; `attention` names the kernel (models.attention)."""

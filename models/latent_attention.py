@@ -96,6 +96,19 @@ class LatentAttention(nnx.Module):
     q_BTNh = q_BTNh * jnp.asarray(cfg.softmax_scale * width**0.5, q_BTNh.dtype)
     return attend_static(q_BTNh, k_BSNh, v_BSNh, query_offset, attention)[..., :v]
 
+  def project_entries(self, x_BTD, positions_BT):
+    """((no-rope queries, rope queries), cache entries [1, B, T, 1, C]): the latents as a
+    one-head entry, so that a strategy passes them as it passes K,V (`Block.project_entries`)."""
+    h_BTD = self.attention_input(x_BTD)
+    return self.queries(h_BTD, positions_BT), self.latents(h_BTD, positions_BT)[None, :, :, None]
+
+  def attend_entries(self, queries, entries_1BS1C, query_offset, attention):
+    """`attend_expanded` of `queries` over latents as `project_entries` gives them."""
+    q_nope_BTNn, q_rope_BTNr = queries
+    return self.attend_expanded(
+      q_nope_BTNn, q_rope_BTNr, entries_1BS1C[0, :, :, 0], query_offset, attention
+    )
+
   def attend_absorbed(self, q_nope_BNn, q_rope_BNr, cache_BSC, positions_B):
     """Decode: one query per row (row b at positions_B[b]) against the C-wide cache, each
     head's query taken into the latent space; [B, N, v]."""

@@ -129,6 +129,9 @@ class LatentAttentionKind:
   def name(self) -> str:
     return "multi-head latent attention"
 
+  def first_key(self, position: int) -> int:
+    return 0  # no window: every earlier latent
+
   def hop_span(self, end: int) -> tuple[int, int]:
     return 0, end
 

@@ -366,3 +366,11 @@ def test_a_report_table_prints_what_it_writes(tmp_path, capsys):
     "title": ["MEASURED something"],
     "rows": [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}],
   }
+
+
+def test_every_mode_name_runs_its_own_function():
+  """--mode's choices (MODE_NAMES, what --help lists) are exactly the modes MODES runs."""
+  from launch import benchmark
+
+  assert tuple(benchmark.MODES) == benchmark.MODE_NAMES
+  assert len(set(benchmark.MODES.values())) == len(benchmark.MODES)

@@ -20,7 +20,7 @@ from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import TRACE_COUNT, runahead
 from kvr_jax.strategies.runahead import schedule
-from kvr_jax.tools import measured
+from kvr_jax.tools import measured, phases
 from models.falcon import FalconConfig
 from models.kernels import get_kernel
 
@@ -489,7 +489,7 @@ def test_fitted_hardware_drives_an_exact_search(models, prompts, oracle):
   rates (the attention's as a fraction of the linear phases'), a split from them that runs
   exact, and a clear refusal for a kernel that writes its scores."""
   model = models["tiny-llama"]
-  hardware = measured.fitted_hardware(model, CONTEXT, num_ranks=2, repeats=1)
+  hardware = phases.fitted_hardware(model, CONTEXT, num_ranks=2, repeats=1)
   assert hardware.name == "fitted" and hardware.flops > 0
   assert hardware.fused_attention_flops > 0
   plan = kvr_jax.PartitionPlan("search", hardware=hardware)
@@ -499,7 +499,7 @@ def test_fitted_hardware_drives_an_exact_search(models, prompts, oracle):
   assert len(got.partition) == 2 and sum(got.partition) == CONTEXT
   assert_close(got.logits, oracle[("tiny-llama", 1)].logits, "logits")
   with pytest.raises(ValueError, match="fitted_hardware models kernels"):
-    measured.fitted_hardware(model, CONTEXT, attention="dense")
+    phases.fitted_hardware(model, CONTEXT, attention="dense")
 
 
 # --- the one-body program: one body for every rank, lengths as data --------------------------

@@ -202,13 +202,9 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
       attn_B1NH = merge_across_ranks(out, lse).astype(q_B1NH.dtype)
       return (block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH), None
 
-    L = tail_L2BMKH.shape[0]
-    (x_B1D, tail_L2BMKH), _ = scan_blocks(
-      model.blocks,
-      layer,
-      (model.embed(tokens_B[:, None]), tail_L2BMKH),
-      jnp.arange(L, dtype=jnp.int32),
-    )
+    layers_L = jnp.arange(tail_L2BMKH.shape[0], dtype=jnp.int32)
+    x_B1D = model.embed(tokens_B[:, None])
+    (x_B1D, tail_L2BMKH), _ = scan_blocks(model.blocks, layer, (x_B1D, tail_L2BMKH), layers_L)
     return model.logits(x_B1D)[:, 0], tail_L2BMKH
 
   return _sharded_step_over(step, mesh)

@@ -59,16 +59,7 @@ def prefill_hybrid(
   benchmark times). With a mesh over several processes only the last rank's process gets the
   logits (and, for KV-Runahead, the cache); the peers' cache move across processes is not
   built (join=False there)."""
-  linear = isinstance(model, Model) and any(
-    isinstance(kind, GatedDeltaNetKind) for kind in unbuilt_kinds(model.config)
-  )
-  if not linear:
-    raise ValueError(
-      "prefill_hybrid takes a loaded hybrid model (linear-attention layers, e.g. Qwen3.5); "
-      "every other model runs through kvr_jax.prefill"
-    )
-  if strategy not in STRATEGIES:
-    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
+  _check_model_and_strategy(model, strategy)
   spec = get_strategy(strategy)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh)
@@ -103,6 +94,20 @@ def prefill_hybrid(
     on_owner = jax.tree.map(lambda a: _gathered_on(a, mesh, owner), out)
     cache = jax.jit(_zigzag_cache, static_argnums=(1, 2, 3))(on_owner, T, p, capacity)
   return HybridPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
+
+
+def _check_model_and_strategy(model, strategy: str) -> None:
+  """A loaded hybrid model (linear-attention layers) and a strategy that runs it."""
+  linear = isinstance(model, Model) and any(
+    isinstance(kind, GatedDeltaNetKind) for kind in unbuilt_kinds(model.config)
+  )
+  if not linear:
+    raise ValueError(
+      "prefill_hybrid takes a loaded hybrid model (linear-attention layers, e.g. Qwen3.5); "
+      "every other model runs through kvr_jax.prefill"
+    )
+  if strategy not in STRATEGIES:
+    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
 
 
 def _gathered_on(array, mesh, device):

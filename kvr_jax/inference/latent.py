@@ -76,30 +76,11 @@ def prefill_latent(
   (`parts`; no move), for `generate_latent(cache="sharded")`.
   With a mesh over several processes only the last rank's process gets the logits (and, for
   KV-Runahead, the cache); all-gather CP's cache move across processes is not built."""
-  latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
-  if not latent:
-    raise ValueError(
-      "prefill_latent takes a loaded latent-attention model (DeepSeek-V3); every other model "
-      "runs through kvr_jax.prefill"
-    )
-  if strategy not in STRATEGIES:
-    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
-  if cache not in CACHES:
-    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-  if cache == "sharded" and jax.process_count() > 1:
-    raise ValueError(
-      "cache='sharded' on a latent model across processes: its decode is built for one "
-      "process; use cache='last' (KV-Runahead's last rank holds the cache in any process)"
-    )
+  _check_arguments(model, strategy, cache, join)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh)
   if p < 2:
     raise ValueError("prefill_latent runs on 2 or more ranks; on one device use model.module")
-  if join and strategy != "kvr" and jax.process_count() > 1:
-    raise ValueError(
-      f"{strategy} on a latent model across processes: moving its cache onto the last rank "
-      "is not built; pass join=False (the cache stays where it was computed)"
-    )
   kernel = get_kernel(attention)
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]
@@ -132,6 +113,30 @@ def prefill_latent(
     pieces = [jax.device_put(shard_on(out["own"], rank_device(mesh, r)), owner) for r in range(p)]
     cache = jax.jit(_in_prompt_order, static_argnums=(1, 2, 3))(pieces, T, p, capacity)
   return LatentPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
+
+
+def _check_arguments(model, strategy: str, cache: str, join: bool) -> None:
+  """prefill_latent's refusals that need no tokens or mesh, before anything compiles."""
+  latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
+  if not latent:
+    raise ValueError(
+      "prefill_latent takes a loaded latent-attention model (DeepSeek-V3); every other model "
+      "runs through kvr_jax.prefill"
+    )
+  if strategy not in STRATEGIES:
+    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
+  if cache not in CACHES:
+    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+  if cache == "sharded" and jax.process_count() > 1:
+    raise ValueError(
+      "cache='sharded' on a latent model across processes: its decode is built for one "
+      "process; use cache='last' (KV-Runahead's last rank holds the cache in any process)"
+    )
+  if join and strategy != "kvr" and jax.process_count() > 1:
+    raise ValueError(
+      f"{strategy} on a latent model across processes: moving its cache onto the last rank "
+      "is not built; pass join=False (the cache stays where it was computed)"
+    )
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):

@@ -70,7 +70,7 @@ def fold_batch(kv_2BPKH):
   size-1 axis to misplace and the loop writes the output buffer itself. Consumers unfold it
   (`unfold_batch`) inside their own programs, where the reshape is free.
   """
-  return kv_2BPKH.reshape(2, -1, *kv_2BPKH.shape[3:])
+  return kv_2BPKH.reshape(kv_2BPKH.shape[0], -1, *kv_2BPKH.shape[3:])  # or [1, ...]: latents
 
 
 def parts_spec(mesh):

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.core.chunks import chunk_starts
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import count_trace, logits_to_last_rank, ordered_after
-from kvr_jax.strategies.runahead.hops import hop_chain
+from kvr_jax.strategies.base import count_trace, logits_to_last_rank
+from kvr_jax.strategies.runahead.rank_layer import RankLayer
 from kvr_jax.strategies.runahead.schedule import buffer_len
+from models.base import no_reduce
 
 STRATEGIES = ("kvr", "allgather")
 
@@ -49,54 +49,37 @@ def _finish(block, x_BTD, attn_BTNv):
   return block.mlp(x_BTD + block.attention_output(attn_BTNv))
 
 
-def kvr_latent_layer(block, x_BcD, buffer_1BS1C, rank, chunks: tuple[int, ...], attention):
-  """Rank `rank`'s layer (every phase a `lax.switch` whose branch i has rank i's static
-  shapes): (x [B, c_max, D], the forwarding buffer, (its own latents [B, c_max, C], the last
-  hop's message [B, S_{p-2}, C]))."""
-  p, c_max = len(chunks), x_BcD.shape[1]
-  starts = chunk_starts(chunks)
-  B = x_BcD.shape[0]
-
-  def project(x_BcD, i):
-    c = chunks[i]
-    positions_Bc = jnp.broadcast_to(starts[i] + jnp.arange(c), (B, c))
-    pad = lambda a: jnp.pad(a, [(0, 0), (0, c_max - c)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-    return tuple(pad(a) for a in _project(block, x_BcD[:, :c], positions_Bc))
-
-  q_nope, q_rope, own_BcC = jax.lax.switch(
-    rank, [functools.partial(project, i=i) for i in range(p)], x_BcD
+def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention) -> RankLayer:
+  """KV-Runahead's rank layer (`runahead.rank_layer`, the per-rank program: static lengths)
+  on latent layers: its cache entries are the latents, one headless [1, C] per position
+  (`LatentAttention.project_entries`), which the hops carry as they carry K,V; no early
+  diagonal (the expanded attention returns no log-sum-exp), the last hop kept (the last rank
+  holds every position without a move)."""
+  p = len(chunks)
+  return RankLayer(
+    chunks=chunks,
+    num_ranks=p,
+    kernel=attention,
+    timeline=False,
+    reduce=no_reduce,
+    config=model.config,
+    rank=rank,
+    lengths=None,
+    static_early_rows=(0,) * p,
+    diagonal_first=False,
+    rows=max(chunks),
+    part_len=max(chunks),
+    buffer_len=buffer_len(chunks),
+    keys=0,
+    block=0,
+    last_into_buffer=False,
+    keep_last_hop=True,  # prefill_latent runs on 2 or more ranks
+    ends=None,
+    context_len=sum(chunks),
+    dtype=model.dtype,
+    q_heads=model.config.num_heads,
+    entry_shape=(1, 1, model.config.cache_width),
   )
-  own_1Bc1C = own_BcC[None, :, :, None]  # the latents as a one-head K,V message
-  if p > 2:  # own latents after the received prefix: what this rank forwards
-    at = jnp.asarray(starts, jnp.int32)[rank]
-    buffer_1BS1C = jax.lax.dynamic_update_slice_in_dim(buffer_1BS1C, own_1Bc1C, at, axis=2)
-  buffer_1BS1C, last_1Bs1C = hop_chain(buffer_1BS1C, own_1Bc1C, rank, chunks, block.config.kind)
-  q_nope = ordered_after(q_nope, (buffer_1BS1C, last_1Bs1C))  # attention waits for the hops
-
-  def attend_and_finish(x_BcD, q_nope, q_rope, own_BcC, buffer_1BS1C, last_1Bs1C, i):
-    c, start = chunks[i], starts[i]
-    own = own_BcC[:, :c]
-    if i == 0:
-      keys_BSC = own
-    elif i == p - 1:  # the last hop's message is its prefix
-      keys_BSC = jnp.concatenate([last_1Bs1C[0, :, :, 0], own], axis=1)
-    else:  # the buffer holds the prefix, then its own chunk at `start`
-      keys_BSC = buffer_1BS1C[0, :, : start + c, 0]
-    attn = block.attend_expanded(q_nope[:, :c], q_rope[:, :c], keys_BSC, start, attention)
-    out_BcD = _finish(block, x_BcD[:, :c], attn)
-    return jnp.pad(out_BcD, ((0, 0), (0, c_max - c), (0, 0)))
-
-  x_BcD = jax.lax.switch(
-    rank,
-    [functools.partial(attend_and_finish, i=i) for i in range(p)],
-    x_BcD,
-    q_nope,
-    q_rope,
-    own_BcC,
-    buffer_1BS1C,
-    last_1Bs1C,
-  )
-  return x_BcD, buffer_1BS1C, (own_BcC, last_1Bs1C[0, :, :, 0])
 
 
 def allgather_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, attention):
@@ -154,14 +137,16 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     out = {"own": varying((L, B, T_rank, C))}
     if strategy == "kvr":
       out["last"] = varying((L, B, sum(chunks[:-1]), C))
-      carry = varying((1, B, buffer_len(chunks), 1, C))
+      ranks = kvr_latent_rank(model, rank, chunks, attention)
+      carry = ranks.empty_buffer(B)
     else:
       carry = None
 
     def layer(block, l, state):
       x_BTD, carry, out = state
       if strategy == "kvr":
-        x_BTD, carry, (own, last) = kvr_latent_layer(block, x_BTD, carry, rank, chunks, attention)
+        x_BTD, carry, (own_1R1C, last_1R1C) = ranks.layer(block, x_BTD, carry, l)
+        own, last = own_1R1C.reshape(B, T_rank, C), last_1R1C.reshape(B, -1, C)
         out = {"own": out["own"].at[l].set(own), "last": out["last"].at[l].set(last)}
       else:
         x_BTD, own = allgather_latent_layer(block, x_BTD, rank, context_len, p, attention)

@@ -208,10 +208,9 @@ def zigzag_attention(
       *partial(q_second, second_query_chunk, kv, 0, src, True),
       *partial(q_second, second_query_chunk, kv, 1, 2 * p - 1 - src, True),
     )
-    nothing = jnp.zeros_like(out_b), jnp.full_like(lse_b, -jnp.inf)
-    return (
-      jnp.concatenate([nothing[0], out_b], axis=1),
-      jnp.concatenate([nothing[1], lse_b], axis=1),
+    return (  # the first query chunk sees nothing: zeros, lse -inf
+      jnp.concatenate([jnp.zeros_like(out_b), out_b], axis=1),
+      jnp.concatenate([jnp.full_like(lse_b, -jnp.inf), lse_b], axis=1),
     )
 
   kv = kv_own

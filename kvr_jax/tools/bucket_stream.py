@@ -5,6 +5,7 @@ MEASURED."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 
@@ -13,7 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvr_jax.core.caches import clear_caches
-from kvr_jax.inference.buckets import bucket_length
+from kvr_jax.inference.buckets import BUCKETS_PER_OCTAVE, bucket_length, octave_ladder
 from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import make_mesh
@@ -125,3 +126,25 @@ def bucket_table(rows: list[BucketStreamRow], title: str) -> Table:
     ),
     records=tuple(dataclasses.asdict(r) for r in rows),
   )
+
+
+def named_ladders(per_octave: list[int], max_position: int) -> dict:
+  """The ladders to compare, by name: "auto" (prefill's default, BUCKETS_PER_OCTAVE per
+  doubling) or "n/octave" (`octave_ladder(n)` up to the model's last position)."""
+  return {
+    ("auto" if n == BUCKETS_PER_OCTAVE else f"{n}/octave"): (
+      "auto" if n == BUCKETS_PER_OCTAVE else octave_ladder(n, max_position)
+    )
+    for n in per_octave
+  }
+
+
+def random_lengths(low: int, high: int, count: int, seed: int = 0) -> list[int]:
+  """`count` prompt lengths drawn uniformly from [low, high] (seeded: the same stream)."""
+  return [int(n) for n in np.random.RandomState(seed).randint(low, high + 1, count)]
+
+
+def write_stream(path: str, lengths: list[int], rows: list[BucketStreamRow]) -> None:
+  """The stream's lengths and rows as JSON."""
+  with open(path, "w") as f:
+    json.dump({"lengths": lengths, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)

@@ -25,7 +25,8 @@ from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
 from kvr_jax.strategies import runahead
 from kvr_jax.tools import timeline
-from kvr_jax.tools.measured import fitted_hardware, measured_partition
+from kvr_jax.tools.measured import measured_partition
+from kvr_jax.tools.phases import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_interleaved
 from kvr_jax.tools.variants import NAMES, Variant, get_variant
 
@@ -262,7 +263,7 @@ def _variant_arguments(
 
 def fitted_plan(model, context_len: int, num_ranks: int) -> PartitionPlan:
   """KVR-S from the cost model, its FLOP/s fitted to this model's phases on this device
-  (kvr_jax.tools.measured.fitted_hardware); with several processes process 0's split wins
+  (kvr_jax.tools.phases.fitted_hardware); with several processes process 0's split wins
   (prefill broadcasts it)."""
   return PartitionPlan("search", hardware=fitted_hardware(model, context_len, num_ranks))
 

@@ -69,7 +69,7 @@ def time_attention_kernels(
   return rows
 
 
-# Per-phase times of a KV-Runahead partition: kvr_jax.tools.measured.rank_phase_times.
+# Per-phase times of a KV-Runahead partition: kvr_jax.tools.phases.rank_phase_times.
 
 
 # --- one accelerator: every kernel against transformers, MFU, modelled multi-device TTFT -------

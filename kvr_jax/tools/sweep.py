@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import os
 import resource
 
 from tqdm.auto import tqdm
@@ -143,3 +144,12 @@ def sweep_table(rows: list[SweepRow], note: str, device_memory_reported: bool) -
     lines=tuple(lines),
     records=tuple(dataclasses.asdict(r) for r in rows),
   )
+
+
+def write_sweep(rows: list[SweepRow], output_dir: str, model_name: str, note: str) -> list[str]:
+  """The sweep as devices.csv and its chart devices.png in `output_dir`; their paths."""
+  os.makedirs(output_dir, exist_ok=True)
+  written = [os.path.join(output_dir, name) for name in ("devices.csv", "devices.png")]
+  write_csv(rows, written[0], note)
+  plot_sweep(rows, written[1], f"{model_name}: {note}")
+  return written

@@ -41,10 +41,11 @@ from models.kernels import get_kernel
 
 def _heads_and_dtype(model) -> dict:
   """This shard's N and K (the stacked projections [L, D, N, H]) and the K,V dtype."""
+  kv_heads = model.blocks.wk[...].shape[2]
   return dict(
     dtype=model.blocks.wk[...].dtype,
     q_heads=model.blocks.wq[...].shape[2],
-    kv_heads=model.blocks.wk[...].shape[2],
+    entry_shape=(2, kv_heads, model.config.head_dim),
   )
 
 

@@ -111,8 +111,10 @@ class RankLayer:
   ends: Any  # every rank's S_i (traced), where the hops are sized as data
   context_len: int
   dtype: Any
-  q_heads: int  # this shard's N and K
-  kv_heads: int
+  q_heads: int  # this shard's N (the traced project's queries)
+  # What a position's cache entry is (`Block.project_entries`): [entries, heads, width];
+  # K and V [2, K, H] on softmax layers, one headless latent [1, 1, C] on latent ones.
+  entry_shape: tuple[int, int, int]
 
   # The rank's lengths, and running a phase at them.
 
@@ -132,28 +134,33 @@ class RankLayer:
     return jax.lax.pcast(jnp.zeros(shape, self.dtype), varying_axes(self.reduce), to="varying")
 
   def empty_buffer(self, batch: int):
-    """[2, B, buffer_len, K, H]: the received prefix, then the rank's own chunk at its start;
-    carried over layers, never zero-filled again (each layer overwrites what it reads)."""
-    return self.zeros((2, batch, self.buffer_len, self.kv_heads, self.config.head_dim))
+    """[M, B, buffer_len, K, H] (`entry_shape`): the received prefix, then the rank's own
+    chunk at its start; carried over layers, never zero-filled again (each layer overwrites
+    what it reads)."""
+    M, heads, width = self.entry_shape
+    return self.zeros((M, batch, self.buffer_len, heads, width))
 
   # The phases.
 
   def project(self, lengths: RankLengths, block, x_BcD):
-    """q [B, rows, N, H] of its c real rows and its own K,V [2, B, rows, K, H] (K and V
-    travel as one message); rows past c zero (the part and the buffer hold only real keys)."""
-    B, H, c = x_BcD.shape[0], self.config.head_dim, lengths.c
+    """The queries [B, rows, ...] of its c real rows and its own cache entries [M, B, rows,
+    K, H] (K and V stacked: they travel as one message; or a latent layer's latents): what
+    `Block.project_entries` gives. Rows past c zero (the part and the buffer hold only real
+    keys). Traced lengths: K,V layers only (the one body runs the flash kernel)."""
+    B, c = x_BcD.shape[0], lengths.c
     if lengths.static:
       positions_Bc = jnp.broadcast_to(lengths.start + jnp.arange(c), (B, c))
-      q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD[:, :c], positions_Bc)
-      return pad_rows(q_BcNH, self.rows), pad_rows(jnp.stack([k_BcKH, v_BcKH]), self.rows, 2)
-    R = self.block
+      queries, own_MBcKH = block.project_entries(x_BcD[:, :c], positions_Bc)
+      queries = jax.tree.map(lambda q: pad_rows(q, self.rows), queries)
+      return queries, pad_rows(own_MBcKH, self.rows, 2)
+    R, (_, kv_heads, H) = self.block, self.entry_shape
 
     def project_block(first_row, x_BRD):
       positions_BR = jnp.broadcast_to(lengths.start + first_row + jnp.arange(R), (B, R))
       return block.project_qkv(x_BRD, positions_BR)
 
     zeros = tuple(
-      self.zeros((B, self.rows, heads, H)) for heads in (self.q_heads, self.kv_heads, self.kv_heads)
+      self.zeros((B, self.rows, heads, H)) for heads in (self.q_heads, kv_heads, kv_heads)
     )
     q_BcNH, k_BcKH, v_BcKH = map_row_blocks(project_block, c, R, (x_BcD,), zeros)
     real_rows_c = jnp.arange(self.rows) < c
@@ -185,7 +192,7 @@ class RankLayer:
 
   def attend(self, lengths: RankLengths, block, q_BcNH, own_2BcKH, buffer_2BSKH, message, diag):
     """Its rows against the prefix it received and its own chunk, the early rows' diagonal
-    (`diag`, or None) merged in by lse: [B, rows, N, H] in q's dtype."""
+    (`diag`, or None) merged in by lse: [B, rows, N, H] in the layer's dtype."""
     if lengths.static:
       prefix_2BsKH = self._static_prefix(block, lengths, buffer_2BSKH, message)
       attn_BcNH = attend_static(block, q_BcNH, own_2BcKH, prefix_2BsKH, lengths, self.kernel, diag)
@@ -319,12 +326,12 @@ def attend_static(block, q_BcNH, own_2BcKH, prefix_2BsKH, lengths: RankLengths, 
   paper's c x S rectangle) prefix and own keys are attended in one call."""
   c, start = lengths.c, lengths.start
   first = block.config.kind.first_key(start)  # the first key its queries see (this layer's)
-  q_BcNH, own_2BcKH = q_BcNH[:, :c], own_2BcKH[:, :, :c]
+  q_BcNH, own_2BcKH = jax.tree.map(lambda q: q[:, :c], q_BcNH), own_2BcKH[:, :, :c]
   if first == start:  # rank 0, or a window of one key: no prefix
-    return block.attend(q_BcNH, own_2BcKH[0], own_2BcKH[1], 0, kernel)
-  if diag is None:
+    return block.attend_entries(q_BcNH, own_2BcKH, 0, kernel)
+  if diag is None:  # a layer's cache entries: K and V, or its latents
     keys_2BsKH = jnp.concatenate([prefix_2BsKH, own_2BcKH], axis=2)
-    return block.attend(q_BcNH, keys_2BsKH[0], keys_2BsKH[1], start - first, kernel)
+    return block.attend_entries(q_BcNH, keys_2BsKH, start - first, kernel)
   out_BcNH, lse_BcN = block.attend_partial(
     q_BcNH, prefix_2BsKH[0], prefix_2BsKH[1], start - first, kernel
   )
@@ -352,8 +359,7 @@ def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attenti
   first = block.config.kind.first_key(start)  # the first key its queries see (this layer's)
   B, c = x_BcD.shape[0], chunks[i]
   positions_Bc = jnp.broadcast_to(start + jnp.arange(c), (B, c))
-  q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD[:, :c], positions_Bc)
-  own_2BcKH = jnp.stack([k_BcKH, v_BcKH])
+  q_BcNH, own_2BcKH = block.project_entries(x_BcD[:, :c], positions_Bc)
   prefix = None if i == 0 else kv_prefix[:, :, first:start]
   attn_BcNH = attend_static(block, q_BcNH, own_2BcKH, prefix, lengths, attention, None)
   return block.finish(x_BcD[:, :c], attn_BcNH)

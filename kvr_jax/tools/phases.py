@@ -1,0 +1,167 @@
+"""A KV-Runahead partition's per-rank compute phases timed apart (`rank_phase_times`), and
+`fitted_hardware`, which turns such a measurement into cost-model figures for this model on
+this device: the search then models what the layers actually cost here, not what a large
+matmul does. `phase_table` is launch.benchmark's phases mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvr_jax.core.chunks import chunk_starts, even_partition, prefix_ends
+from kvr_jax.planning import costmodel, presets
+from kvr_jax.runtime.loading import Model
+from kvr_jax.tools.report import Table
+from models.attention import attend_static
+from models.kernels import get_kernel, kernels_where
+from models.masks import window_start
+
+
+@dataclasses.dataclass
+class RankPhases:
+  """One rank's compute per prefill (all layers), measured on this process's first device."""
+
+  rank: int
+  chunk: int
+  prefix: int
+  qkv_s: float  # norm, Q/K/V projections, RoPE on the rank's c_i tokens
+  attention_s: float  # c_i queries over the S_i-key prefix, with `attention`
+  rest_s: float  # output projection, MLP, residuals
+
+  @property
+  def total_s(self) -> float:
+    return self.qkv_s + self.attention_s + self.rest_s
+
+
+def rank_phase_times(
+  model: Model, chunks, attention: str = "flash", *, repeats: int = 3
+) -> list[RankPhases]:
+  """Each rank's three compute phases of KV-Runahead with `chunks`, timed apart on one device
+  (layer 0's weights, times the number of layers): where a partition's time goes, next to the
+  measured TTFT. Communication is not included (it is what the TTFT adds on top)."""
+  cfg = model.config
+  graphdef, stacked = nnx.split(model.module.blocks)
+  # Layer 0 on this process's first device: with several processes the weights are global
+  # (replicated) arrays, whose local copy is the first addressable shard.
+  layer0 = jax.tree.map(lambda a: jnp.asarray(a.addressable_shards[0].data[0]), stacked)
+
+  def timed(fn, *args):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - start)
+    return statistics.median(times) * cfg.num_layers
+
+  rows = []
+  for i, (c, start, end) in enumerate(
+    zip(chunks, chunk_starts(chunks), prefix_ends(chunks), strict=True)
+  ):
+    x = jnp.ones((1, c, cfg.d_model), model.dtype)
+    positions = jnp.arange(start, end)[None]
+    qkv = jax.jit(lambda s, x, pos: nnx.merge(graphdef, s).project_qkv(x, pos))
+    q, k, v = qkv(layer0, x, positions)
+    # As the program does (strategies.runahead): keys from the chunk's window start.
+    first = window_start(start, cfg.sliding_window)
+    k_prefix = jnp.ones((1, end - first, cfg.num_kv_heads, cfg.head_dim), model.dtype)
+    attend = jax.jit(
+      lambda q, k, v, offset=start - first: attend_static(
+        q, k, v, offset, attention, cfg.sliding_window
+      )
+    )
+    attn = attend(q, k_prefix, k_prefix)
+    finish = jax.jit(lambda s, x, a: nnx.merge(graphdef, s).finish(x, a))
+    rows.append(
+      RankPhases(
+        i,
+        c,
+        end,
+        timed(qkv, layer0, x, positions),
+        timed(attend, q, k_prefix, k_prefix),
+        timed(finish, layer0, x, attn),
+      )
+    )
+  return rows
+
+
+def fitted_hardware(
+  model: Model,
+  context_len: int,
+  num_ranks: int = 2,
+  attention: str = "flash",
+  repeats: int = 3,
+  base: costmodel.Hardware | None = None,
+) -> costmodel.Hardware:
+  """Cost-model hardware fitted to what this model's layers cost on this process's device.
+
+  Times the per-rank phases of an even KV-Runahead split of `context_len` over `num_ranks`
+  (`rank_phase_times`, a few seconds) and sets the FLOP/s of the linear phases (qkv, rest) and
+  of the attention kernel to the measured FLOPs per second; memory bandwidth stays `base`'s
+  (default: the `local` calibration's). Why: the `local` calibration times a 1024^3 matmul
+  and one flash shape, and a small model's projections (norms, RoPE, narrow matmuls) run
+  several times slower than that while its attention runs faster, so the modelled split gave
+  the first rank too many tokens. Pass the result as `PartitionPlan("search", hardware=...)`.
+  """
+  kernel = get_kernel(attention)
+  if kernel.scores_in_memory:
+    raise ValueError(
+      "fitted_hardware models kernels that do not write their scores, "
+      f"{kernels_where(scores_in_memory=False)}; got {kernel.name!r}"
+    )
+  cfg, db = model.config, jnp.dtype(model.dtype).itemsize
+  chunks = even_partition(context_len, num_ranks)
+  rows = rank_phase_times(model, chunks, attention, repeats=repeats)
+  linear_flops = attention_flops = 0.0
+  for row in rows:
+    first = window_start(row.prefix - row.chunk, cfg.sliding_window)
+    work = costmodel.phase_work(
+      cfg, row.chunk, row.prefix - first, 1, db, **costmodel.kernel_flags(kernel)
+    )
+    linear_flops += cfg.num_layers * (work["qkv"].flops + work["rest"].flops)
+    attention_flops += cfg.num_layers * work["attention"].flops
+  linear_rate = linear_flops / sum(r.qkv_s + r.rest_s for r in rows)
+  attention_rate = attention_flops / sum(r.attention_s for r in rows)
+  base = base or presets.hardware_preset(presets.LOCAL)
+  return costmodel.Hardware(
+    "fitted",
+    linear_rate,
+    base.memory_bandwidth,
+    1.0,
+    1.0,
+    f"fitted to {cfg.num_layers}-layer phases at C={context_len}: linear "
+    f"{linear_rate / 1e9:.1f} GFLOP/s, attention {attention_rate / 1e9:.1f} GFLOP/s",
+    fused_attention_fraction=attention_rate / linear_rate,
+  )
+
+
+def phase_table(model: Model, model_name: str, partitions, kernels, repeats: int, threads: int):
+  """Each rank's compute phases of KV-Runahead for each partition ("2048/2048") and kernel, on
+  one device (launch.benchmark --mode=phases); communication not included."""
+  lines, records = [], []
+  for text in partitions:
+    chunks = tuple(int(x) for x in text.split("/"))
+    for kernel in kernels:  # every kernel asked for, each row naming its own
+      for r in rank_phase_times(model, chunks, kernel, repeats=repeats):
+        lines.append(
+          f"{text:<16}{kernel:<8}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s"
+          f"{r.attention_s:>10.3f}s{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
+        )
+        records.append(dict(partition=text, kernel=kernel, **dataclasses.asdict(r)))
+  return Table(
+    title=(
+      f"MEASURED per-rank compute of KV-Runahead, {model_name}, all layers, one device with "
+      f"{threads} thread(s); communication not included:",
+    ),
+    header=(
+      f"{'partition':<16}{'kernel':<8}{'rank':>5}{'c_i':>7}{'S_i':>7}  {'qkv':>8}"
+      f"{'attention':>11}{'rest':>8}{'total':>9}"
+    ),
+    lines=tuple(lines),
+    records=tuple(records),
+  )
