@@ -215,7 +215,7 @@ def memory_mode():
       max_chunk=FLAGS.max_chunk,
       decode_tokens=FLAGS.decode_tokens,
     )
-  memory_grid.print_memory_table(rows, FLAGS.model, FLAGS.cache)
+  memory_grid.memory_table(rows, FLAGS.model, FLAGS.cache).print()
   return 0
 
 
@@ -332,7 +332,7 @@ def multiprocess_mode():
       print(f"error: {e}", file=sys.stderr)
       return 1
   table = multiprocess_report.multiprocess_table(rows)
-  multiprocess_report.print_table(table, FLAGS.model, FLAGS.num_processes)
+  multiprocess_report.ttft_table(table, FLAGS.model, FLAGS.num_processes).print()
   written = multiprocess_report.write_files(
     table, FLAGS.output_dir, FLAGS.model, FLAGS.num_processes
   )

@@ -367,6 +367,25 @@ def hf_greedy(model, tokens: np.ndarray, n: int) -> np.ndarray:
   return out[:, tokens.shape[1] :].numpy()
 
 
+def hf_sampled(model, tokens: np.ndarray, n: int, temperature: float, top_k: int, seed: int):
+  """n tokens drawn from transformers' uncached logits as kvr_jax.generate draws them: step i
+  from (logits - max) / temperature, the top_k kept, with the key fold_in(key(seed), i).
+  [B, n]: what any strategy's cache must give with the same seed."""
+  import jax
+
+  out = np.asarray(tokens)
+  for i in range(n):
+    with torch.no_grad():
+      logits = model(torch.as_tensor(out, dtype=torch.long)).logits[:, -1].float().numpy()
+    scaled = (logits - logits.max(-1, keepdims=True)) / temperature
+    kth = np.sort(scaled, axis=-1)[:, -top_k][:, None]
+    scaled = np.where(scaled < kth, -np.inf, scaled)
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    drawn = np.asarray(jax.random.categorical(key, scaled, axis=-1), np.int64)
+    out = np.concatenate([out, drawn[:, None]], axis=1)
+  return out[:, tokens.shape[1] :]
+
+
 def save_word_tokenizer(directory) -> None:
   """A word-level tokenizer over "w0".."w{VOCAB-2}" (plus <unk>), saved as tokenizer files."""
   import tokenizers

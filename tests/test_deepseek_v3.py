@@ -273,6 +273,24 @@ def test_kvr_on_latent_attention_decodes_transformers_greedy_tokens(checkpoints,
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("cache", ["last", "sharded"])
+def test_latent_samples_transformers_draws_in_both_layouts(checkpoints, tokens, cache):
+  """Sampled decoding (temperature, top-k, seed) from KV-Runahead's latent cache, whole or in
+  the ranks' parts, draws the tokens that transformers' uncached logits give with
+  kvr_jax.generate's key schedule (not the greedy ones)."""
+  from kvr_jax.inference.latent import generate_latent
+
+  hf_model, _, ours = checkpoints["deepseek-default"]
+  prompt = tokens[:1, :24]
+  want = hf_fixtures.hf_sampled(hf_model, prompt, 6, temperature=1.5, top_k=40, seed=5)
+  assert not np.array_equal(want, hf_fixtures.hf_greedy(hf_model, prompt, 6))
+  mesh = kvr_jax.make_mesh(2)
+  got = generate_latent(
+    ours, prompt, mesh, [14, 10], 6, cache=cache, temperature=1.5, top_k=40, seed=5
+  )
+  np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize(
   ("strategy", "ranks", "partition", "length"),
   [("kvr", 3, [10, 8, 6], 24), ("allgather", 4, None, 22)],  # 22: zigzag pads to 24

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_chunks, check_ranks
-from kvr_jax.inference.own_program import check_new_tokens, check_tokens, greedy_from
+from kvr_jax.inference.generate import check_sampling
+from kvr_jax.inference.own_program import (
+  Sampling,
+  check_new_tokens,
+  check_tokens,
+  decode_from_cache,
+)
 from kvr_jax.runtime.cache_layout import unfold_batch
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
@@ -171,9 +177,17 @@ def generate_hybrid(
   max_new_tokens: int = 1,
   attention="dense",
   strategy: str = "kvr",
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
 ):
-  """Greedy decoding of `max_new_tokens` from `prefill_hybrid`'s cache on the last rank's
-  device: [B, max_new_tokens] token ids."""
+  """`max_new_tokens` decoded from `prefill_hybrid`'s cache on the last rank's device, greedy
+  (temperature 0) or sampled as `kvr_jax.generate` samples (temperature, top_k, top_p, seed):
+  [B, max_new_tokens] token ids."""
   check_new_tokens(max_new_tokens, 1)
+  check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
+  sampling = Sampling(temperature, top_k, top_p, seed)
   result = prefill_hybrid(model, tokens, mesh, partition, attention, max_new_tokens, strategy)
-  return greedy_from(model, result.logits_BV, result.cache, sum(result.chunks), max_new_tokens)
+  T = sum(result.chunks)
+  return decode_from_cache(model, result.logits_BV, result.cache, T, max_new_tokens, sampling)

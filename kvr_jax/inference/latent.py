@@ -26,7 +26,13 @@ from jax.sharding import NamedSharding
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks, chunk_starts
 from kvr_jax.inference.decode import merge_across_ranks
-from kvr_jax.inference.own_program import check_new_tokens, check_tokens, greedy_from
+from kvr_jax.inference.generate import check_sampling
+from kvr_jax.inference.own_program import (
+  Sampling,
+  check_new_tokens,
+  check_tokens,
+  decode_from_cache,
+)
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
 from kvr_jax.strategies import get_strategy, zigzag
@@ -178,31 +184,37 @@ def generate_latent(
   strategy: str = "kvr",
   attention: str = "flash",
   cache: str = "last",
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
 ):
-  """Greedy decoding of `max_new_tokens` in the absorbed form (each step reads the latents):
+  """`max_new_tokens` decoded in the absorbed form (each step reads the latents), greedy
+  (temperature 0) or sampled as `kvr_jax.generate` samples (temperature, top_k, top_p, seed):
   [B, max_new_tokens] token ids. cache="last": from the cache `prefill_latent` joins on the
   last rank's device; cache="sharded": every step on every rank, over the parts where the
   prefill left them (`latent_sharded_step`)."""
   check_new_tokens(max_new_tokens, 1)
+  check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
+  sampling = Sampling(temperature, top_k, top_p, seed)
   result = prefill_latent(
     model, tokens, mesh, partition, max_new_tokens, strategy, attention, cache=cache
   )
   T = sum(result.chunks)
   if cache == "last":
-    return greedy_from(model, result.logits_BV, result.cache, T, max_new_tokens)
+    return decode_from_cache(model, result.logits_BV, result.cache, T, max_new_tokens, sampling)
   replicated = NamedSharding(mesh, jax.P())
   step = latent_sharded_step(model.graphdef, mesh)
   state = model.state_on(replicated)
   positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
   L, B, _, C = result.parts.shape[1:]
   tail = jax.device_put(jnp.zeros((L, B, max_new_tokens, C), model.dtype), replicated)
-  next_B, out = jax.device_put(result.logits_BV.argmax(-1), replicated), []
+  logits_BV, out = jax.device_put(result.logits_BV, replicated), []
   for i in range(max_new_tokens):
+    next_B = sampling.token(logits_BV, i)
     out.append(np.asarray(next_B))
-    if i + 1 == max_new_tokens:
-      break
-    logits_BV, tail = step(state, next_B, T + i, result.parts, positions, tail, i)
-    next_B = logits_BV.argmax(-1)
+    if i + 1 < max_new_tokens:
+      logits_BV, tail = step(state, next_B, T + i, result.parts, positions, tail, i)
   return np.stack(out, axis=1)
 
 

@@ -1,15 +1,18 @@
 """What the models with their own context-parallel programs share (kvr_jax.inference.hybrid:
 Qwen3.5's hybrid layers; kvr_jax.inference.latent: DeepSeek-V3's latent attention): their
-prompt check and greedy decoding from the cache their prefill leaves on the last rank, with
-the model's own `decode_step`."""
+prompt check and decoding (greedy or sampled, as `kvr_jax.generate`) from the cache their
+prefill leaves on the last rank, with the model's own `decode_step`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
+from kvr_jax.inference import decode
 
 
 def check_tokens(model, tokens) -> np.ndarray:
@@ -30,18 +33,43 @@ def check_new_tokens(max_new_tokens, least: int) -> None:
     raise ValueError(f"max_new_tokens must be an integer >= {least}, got {max_new_tokens!r}")
 
 
-def greedy_from(model, logits_BV, cache, length: int, max_new_tokens: int) -> np.ndarray:
-  """Greedy decoding of `max_new_tokens` from a prefill's last logits and cache (`length`
-  positions filled), on the device that holds them: [B, max_new_tokens] token ids."""
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How each new token is chosen, as `kvr_jax.generate` chooses it: the most likely at
+  temperature 0; else the temperature, then top-k, then top-p, and step i drawn with the key
+  `fold_in(key(seed), i)` (`decode.sample`): the same logits and seed give the same tokens
+  whichever strategy made the cache. Checked by `generate.check_sampling`."""
+
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+  seed: int = 0
+
+  def token(self, logits_BV, index: int):
+    """Step `index`'s tokens [B] from its logits [B, V]."""
+    if self.temperature == 0:
+      return decode.greedy(logits_BV)
+    key = jax.random.fold_in(jax.random.key(self.seed), index)
+    top_p = None if self.top_p is None else float(self.top_p)
+    return decode.sample(logits_BV, key, float(self.temperature), top_k=self.top_k, top_p=top_p)
+
+
+def decode_from_cache(
+  model, logits_BV, cache, length: int, max_new_tokens: int, sampling: Sampling = Sampling()
+) -> np.ndarray:
+  """`max_new_tokens` chosen by `sampling` from a prefill's last logits and cache (`length`
+  positions filled), decoded with the model's `decode_step` on the device that holds them:
+  [B, max_new_tokens] token ids (no stop at an end-of-sequence token)."""
   step = _decode_step(model.graphdef)
   state = model.state_on(logits_BV.sharding)
   positions_B = np.full(logits_BV.shape[0], length, np.int32)
-  next_B, out = logits_BV.argmax(-1), []
-  for _ in range(max_new_tokens):
-    out.append(next_B)
-    logits_BV, cache = step(state, next_B, positions_B, cache)
-    next_B, positions_B = logits_BV.argmax(-1), positions_B + 1
-  return np.stack([np.asarray(t) for t in out], axis=1)
+  out = []
+  for index in range(max_new_tokens):
+    next_B = sampling.token(logits_BV, index)
+    out.append(np.asarray(next_B))
+    if index + 1 < max_new_tokens:
+      logits_BV, cache = step(state, next_B, positions_B + index, cache)
+  return np.stack(out, axis=1)
 
 
 @kept_cache(8)

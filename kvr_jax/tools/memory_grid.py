@@ -7,6 +7,7 @@ import dataclasses
 
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.memory import MEMORY_PARTITION, compiled_memory
+from kvr_jax.tools.report import Table
 from models.config import ModelConfig
 
 
@@ -59,12 +60,12 @@ def memory_grid(
   return rows
 
 
-def print_memory_table(rows: list[dict], model: str, cache: str) -> None:
+def memory_table(rows: list[dict], model: str, cache: str) -> Table:
   """The rows of `memory_grid`, GiB per device (the last columns: the cache and, for
   cache="last", what the move onto the last rank needs there)."""
   gib = 2**30
   dtype_name = rows[0]["dtype"] if rows else "float32"
-  print(
+  title = (
     f"XLA memory analysis (compiled from shapes, nothing allocated), {model}, "
     f"{dtype_name} shapes, per device, GiB; cache={cache}"
     + (
@@ -76,11 +77,10 @@ def print_memory_table(rows: list[dict], model: str, cache: str) -> None:
   header = f"{'strategy':<10}{'C':>9}{'ranks':>7}  {'weights':>8}{'outputs':>9}{'temps':>8}"
   header += f"{'out+tmp':>9}{'cache':>8}  {'(out+tmp)/cache':>15}"
   decodes = any("decode_temp_bytes" in r for r in rows)
-  print(
-    header
-    + (f"  {'move on last':>12}" if cache == "last" else "")
-    + (f"  {'decode step':>11}" if decodes else "")
+  header += (f"  {'move on last':>12}" if cache == "last" else "") + (
+    f"  {'decode step':>11}" if decodes else ""
   )
+  lines = []
   for r in rows:
     total = r["output_bytes"] + r["temp_bytes"]
     ranks = str(r["num_ranks"]) + (f"x{r['model_parallel']}" if r["model_parallel"] > 1 else "")
@@ -95,4 +95,5 @@ def print_memory_table(rows: list[dict], model: str, cache: str) -> None:
     if decodes:  # arguments (weights, cache or part, tail) + temporaries of one step
       step = r["decode_argument_bytes"] + r["decode_temp_bytes"] + r["decode_output_bytes"]
       line += f"  {step / gib:>11.2f}"
-    print(line)
+    lines.append(line)
+  return Table((title,), header, tuple(lines), tuple(rows))

@@ -12,6 +12,7 @@ import os
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.tools import sweep
+from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import interval_verdict
 
 NOTES = (
@@ -92,19 +93,21 @@ def _best_other(rows: list[dict], auto: dict) -> dict | None:
   return min(candidates, key=lambda r: r["ttft_s"], default=None)
 
 
-def print_table(table: list[dict], model: str, num_processes: int) -> None:
-  print(
+def ttft_table(table: list[dict], model: str, num_processes: int) -> Table:
+  """The rows of `run_over_links` as printed (median, min-max, move, speed-ups, verdict)."""
+  title = (
     f"\nMEASURED TTFT, {model}, {num_processes} processes x 1 core vs 1 process "
-    "x 1 core (median of warm runs):"
+    "x 1 core (median of warm runs):",
+    *NOTES,
   )
-  print("\n".join(NOTES))
-  print(
+  header = (
     f"{'variant':<20}{'link':>12}{'C':>7}  {'TTFT':>9}  {'min-max':>13}  {'move':>7}  "
     f"{'vs single':>9}  {'vs tsp':>7}  {'decode':>9}  {'kernel':<7} {'vs peer':<18}partition"
   )
+  lines = []
   for r in table:
     samples, vs_tsp = _samples(r), r["speedup_vs_tsp"]
-    print(
+    lines.append(
       f"{r['variant']:<20}{r['link']:>12}{r['context_len']:>7}  {r['ttft_s']:>8.3f}s  "
       f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
       f"{r['speedup_vs_single']:>8.2f}x  {'n/a' if vs_tsp is None else f'{vs_tsp:.2f}x':>7}  "
@@ -113,6 +116,7 @@ def print_table(table: list[dict], model: str, num_processes: int) -> None:
       + f"{r['partition'] or '-'}"
       + (f" (measured search took {r['search_s']:.0f}s)" if r.get("search_s") else "")
     )
+  return Table(title, header, tuple(lines), tuple(table))
 
 
 def _rate(row: dict) -> str:
