@@ -582,3 +582,20 @@ def test_one_body_refuses_static_kernels(models):
     runahead.compile_program(
       models["tiny-llama"].graphdef, kvr_jax.make_mesh(2), (7, 6), "fused", body="one"
     )
+
+
+def test_kvr_variants_are_one_record_with_frozen_options(models):
+  """KV-Runahead's variants are its one record with other `Options` (body, split as data),
+  made by `configured`; options it cannot run are refused by name."""
+  model = models["tiny-llama"]
+  assert runahead.configured(runahead.Options()) is runahead.STRATEGY
+  assert runahead.PER_RANK_STRATEGY.options == runahead.Options(body="per-rank")
+  assert runahead.with_body("one") is runahead.ONE_BODY_STRATEGY
+  shape = runahead.OneBodyShape.envelope(model.config, (32, 32), get_kernel("flash"), 48)
+  as_data = runahead.split_as_data_strategy(model.config, shape)
+  assert as_data.options == runahead.Options(split_shape=shape, config=model.config)
+  assert as_data.name == runahead.SPLIT_AS_DATA and not as_data.timeline_probes
+  with pytest.raises(ValueError, match="unknown KV-Runahead body"):
+    runahead.Options(body="two")
+  with pytest.raises(ValueError, match="needs the model's config"):
+    runahead.Options(split_shape=shape)

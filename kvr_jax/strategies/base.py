@@ -114,6 +114,9 @@ class Strategy:
   # Its kernel is part of its definition (TSP: dense masked scores): a kernel asked for in a
   # comparison is not passed, rather than refused (inference.prefill.prefill_arguments).
   fixed_kernel: bool = False
+  # The strategy's own frozen options, where it has variants of its program (KV-Runahead:
+  # runahead.Options, its body and whether the split is data); None where it has none.
+  options: Any = None
 
   def keeps_last_hop(self, cache: str, chunks: tuple[int, ...], kinds: tuple) -> bool:
     """cache="last" can come from what the last rank received (no move): this strategy's hops

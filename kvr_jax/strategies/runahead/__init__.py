@@ -74,6 +74,7 @@ decode masks by the window, so it never reads them. The cache parts hold every p
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -125,8 +126,10 @@ __all__ = [
   "SPLIT_AS_DATA",
   "STRATEGY",
   "OneBodyShape",
+  "Options",
   "RankWork",
   "compile_program",
+  "configured",
   "early_rows_in_blocks",
   "hop_chain",
   "hop_chain_as_data",
@@ -181,6 +184,27 @@ def layout(context_len: int, num_ranks: int, chunks: tuple[int, ...]) -> tuple[i
   return chunks  # the user's (validated) partition, rank 0 the earliest tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """KV-Runahead's own program options, frozen into its record (`Strategy.options`) and so
+  into every program's cache key. body: "one" (every rank runs one body, lengths as data),
+  "per-rank" (a switch branch per rank, every kernel), or None (`check_body`'s choice for the
+  kernel and rank count). split_shape: an envelope (`OneBodyShape.envelope`) whose one
+  program takes the split as data, with `config` (the model's, for the split's table); None:
+  the split is static, a program per split. Kept last hop and probes are per call
+  (`compile(keep_last_hop=, timeline=)`); the split as data refuses both."""
+
+  body: str | None = None
+  split_shape: OneBodyShape | None = None
+  config: Any = None
+
+  def __post_init__(self):
+    if self.body is not None and self.body not in BODIES:
+      raise ValueError(f"unknown KV-Runahead body {self.body!r}; expected one of {BODIES}")
+    if self.split_shape is not None and (self.body == "per-rank" or self.config is None):
+      raise ValueError("the split as data runs the one body and needs the model's config")
+
+
 STRATEGY = Strategy(
   name="kvr",
   auto_candidate=True,
@@ -193,37 +217,38 @@ STRATEGY = Strategy(
   modelled_layer=modelled_layer,
   timeline_probes=True,
   cache_from_last_hop=whole_prefix_hops,
+  options=Options(),
 )
 
 
-# The per-rank program with every kernel, flash included: the reference the one body was
-# measured against (launch.benchmark's kvr-per-rank-* variants); not in the registry.
-PER_RANK_STRATEGY = dataclasses.replace(
-  STRATEGY,
-  name="kvr-per-rank",
-  description="KV-Runahead's per-rank switch program (every kernel), for comparisons",
-  compile=strategy_compiler("kvr", kvr_body, "flash", body="per-rank"),
-)
+@kept_cache(16)
+def configured(options: Options) -> Strategy:
+  """KV-Runahead's record with these options: the registry's `STRATEGY` for the defaults; a
+  fixed body (launch.benchmark's kvr-per-rank-* and kvr-one-body-* variants, the reference
+  the one body was measured against); or one program for every split that fits a shape (what
+  the measured search times its candidates on). Not in the registry: `prefill` takes the
+  record itself."""
+  if options == STRATEGY.options:
+    return STRATEGY
+  if options.split_shape is not None:
+    return _split_as_data(options.config, options.split_shape, options)
+  body = options.body
+  return dataclasses.replace(
+    STRATEGY,
+    name=f"kvr-{'one-body' if body == 'one' else body}",
+    description=f"KV-Runahead's {body} program on every rank count, for comparisons",
+    compile=strategy_compiler("kvr", kvr_body, "flash", body=body),
+    options=options,
+  )
 
 
-# The one body on every rank count (the default only above PER_RANK_UP_TO ranks): the
-# benchmark's kvr-one-body-* variants.
-ONE_BODY_STRATEGY = dataclasses.replace(
-  STRATEGY,
-  name="kvr-one-body",
-  description="KV-Runahead's one-body program (lengths as data) on every rank count",
-  compile=strategy_compiler("kvr", kvr_body, "flash", body="one"),
-)
+PER_RANK_STRATEGY = configured(Options(body="per-rank"))
+ONE_BODY_STRATEGY = configured(Options(body="one"))
 
 
 def with_body(body: str | None) -> Strategy:
-  """KV-Runahead with its program body fixed (`BODIES`: "one" on every rank count, or
-  "per-rank" with every kernel), or its default choice (None: `check_body`)."""
-  if body is None:
-    return STRATEGY
-  if body not in BODIES:
-    raise ValueError(f"unknown KV-Runahead body {body!r}; expected one of {BODIES}")
-  return ONE_BODY_STRATEGY if body == "one" else PER_RANK_STRATEGY
+  """KV-Runahead with its program body fixed (`BODIES`), or its default choice (None)."""
+  return configured(Options(body=body))
 
 
 SPLIT_AS_DATA = "kvr-split-as-data"
@@ -250,9 +275,14 @@ def _table_on(mesh, config, shape: OneBodyShape, chunks: tuple[int, ...]):
 
 def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
   """KV-Runahead on one program for every split of `config`'s model that fits `shape`
-  (`OneBodyShape.envelope`): the split is the program's operand and its hops are sized as
-  data, so a new split compiles nothing. What the measured search times its candidates on.
-  Its parts are `shape.part_len` rows (the envelope's chunk); cache="last" moves them."""
+  (`OneBodyShape.envelope`): `configured(Options(split_shape=shape, config=config))`."""
+  return configured(Options(split_shape=shape, config=config))
+
+
+def _split_as_data(config, shape: OneBodyShape, options: Options) -> Strategy:
+  """The split is the program's operand and its hops are sized as data, so a new split
+  compiles nothing. Its parts are `shape.part_len` rows (the envelope's chunk); cache="last"
+  moves them."""
 
   def layout(context_len: int, num_ranks: int, chunks) -> tuple[int, ...]:
     shape.check_split(tuple(chunks))
@@ -281,4 +311,5 @@ def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
     cache_layout=lambda C, chunks: contiguous_layout(chunks, shape.part_len),
     timeline_probes=False,
     cache_from_last_hop=None,
+    options=options,
   )
