@@ -221,29 +221,33 @@ STRATEGY = Strategy(
 )
 
 
-@kept_cache(16)
 def configured(options: Options) -> Strategy:
   """KV-Runahead's record with these options: the registry's `STRATEGY` for the defaults; a
   fixed body (launch.benchmark's kvr-per-rank-* and kvr-one-body-* variants, the reference
-  the one body was measured against); or one program for every split that fits a shape (what
-  the measured search times its candidates on). Not in the registry: `prefill` takes the
-  record itself."""
+  the one body was measured against: one record each, made once); or one program for every
+  split that fits a shape (what the measured search times its candidates on). Not in the
+  registry: `prefill` takes the record itself."""
   if options == STRATEGY.options:
     return STRATEGY
   if options.split_shape is not None:
-    return _split_as_data(options.config, options.split_shape, options)
-  body = options.body
+    return _split_as_data(options)
+  return _FIXED_BODIES[options.body]
+
+
+def _with_fixed_body(body: str) -> Strategy:
+  name = "one-body" if body == "one" else body
   return dataclasses.replace(
     STRATEGY,
-    name=f"kvr-{'one-body' if body == 'one' else body}",
-    description=f"KV-Runahead's {body} program on every rank count, for comparisons",
+    name=f"kvr-{name}",
+    description=f"KV-Runahead's {name} program on every rank count, for comparisons",
     compile=strategy_compiler("kvr", kvr_body, "flash", body=body),
-    options=options,
+    options=Options(body=body),
   )
 
 
-PER_RANK_STRATEGY = configured(Options(body="per-rank"))
-ONE_BODY_STRATEGY = configured(Options(body="one"))
+_FIXED_BODIES = {body: _with_fixed_body(body) for body in BODIES}
+PER_RANK_STRATEGY = _FIXED_BODIES["per-rank"]
+ONE_BODY_STRATEGY = _FIXED_BODIES["one"]
 
 
 def with_body(body: str | None) -> Strategy:
@@ -279,10 +283,12 @@ def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
   return configured(Options(split_shape=shape, config=config))
 
 
-def _split_as_data(config, shape: OneBodyShape, options: Options) -> Strategy:
+@kept_cache(16)
+def _split_as_data(options: Options) -> Strategy:
   """The split is the program's operand and its hops are sized as data, so a new split
   compiles nothing. Its parts are `shape.part_len` rows (the envelope's chunk); cache="last"
   moves them."""
+  config, shape = options.config, options.split_shape
 
   def layout(context_len: int, num_ranks: int, chunks) -> tuple[int, ...]:
     shape.check_split(tuple(chunks))

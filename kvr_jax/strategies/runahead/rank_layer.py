@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvr_jax.core.chunks import chunk_starts
 from kvr_jax.runtime.cache_layout import fold_batch
 from kvr_jax.strategies.base import ordered_after
 from kvr_jax.strategies.probe import mark
@@ -119,8 +120,8 @@ class RankLayer:
   # The rank's lengths, and running a phase at them.
 
   def static_lengths(self, i: int) -> RankLengths:
-    starts = [sum(self.chunks[:j]) for j in range(self.num_ranks)]
-    return RankLengths(i, self.chunks[i], starts[i], self.static_early_rows[i])
+    start = chunk_starts(self.chunks)[i]
+    return RankLengths(i, self.chunks[i], start, self.static_early_rows[i])
 
   def each_rank(self, phase, *operands):
     """phase(lengths, *operands) at this rank's lengths: once at the traced ones, or a switch
@@ -257,7 +258,7 @@ class RankLayer:
     they are static: one write for every rank, no switch over the buffer)."""
     if self.lengths is not None:
       return self.lengths.start
-    return jnp.asarray([sum(self.chunks[:i]) for i in range(self.num_ranks)], jnp.int32)[self.rank]
+    return jnp.asarray(chunk_starts(self.chunks), jnp.int32)[self.rank]
 
   def hops(self, buffer_2BSKH, own_2BcKH, kind, l, after):
     """The hop chain of this layer's `kind`: sizes static (the split's) or data."""
@@ -354,7 +355,7 @@ def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attenti
   the paper's rectangle (no early diagonal): the unit of per-rank cost. Used only to measure
   one rank's compiled cost in isolation (cost analysis); the SPMD program runs the same
   phases with the hop chain between them."""
-  start = sum(chunks[:i])
+  start = chunk_starts(chunks)[i]
   lengths = RankLengths(i, chunks[i], start, 0)
   first = block.config.kind.first_key(start)  # the first key its queries see (this layer's)
   B, c = x_BcD.shape[0], chunks[i]
