@@ -49,6 +49,7 @@ from kvr_jax.strategies import get_strategy
 from kvr_jax.tools import (
   accelerator,
   bucket_stream,
+  expert_load,
   hybrid_bench,
   kernel_timing,
   memory_grid,
@@ -257,6 +258,11 @@ def devices_mode():
     else "devices present"
   )
   sweep.sweep_table(rows, note, sweep.reports_device_memory(jax.devices())).print()
+  # Experts split over the model axis: how evenly the longest prompt loads the devices.
+  prompt = timing_lib.synthetic_prompt(model.config.vocab_size, max(lens))
+  load = expert_load.expert_load_line(model, prompt, FLAGS.model_parallel)
+  if load:
+    print(load)
   written = sweep.write_sweep(rows, FLAGS.output_dir, FLAGS.model, note)
   if FLAGS.compare_transformers:
     with common.user_errors():

@@ -158,13 +158,10 @@ def main(argv):
       model_parallel=FLAGS.model_parallel,
     )
   _print_reports(model, tokens, buckets, reports, emulated, cache_dir)
-  if FLAGS.model_parallel > 1 and getattr(model.config, "num_experts", 0):
-    # The experts are split over the model axis: how evenly this prompt loads the devices.
-    if expert_load.fits_one_device(model):
-      rows = expert_load.expert_rows_per_device(model, tokens, FLAGS.model_parallel)
-      print(expert_load.describe_expert_load(rows))
-    else:
-      print("expert rows per device: not counted (the count runs the whole model on one device)")
+  # Experts split over the model axis: how evenly this prompt loads the devices.
+  load = expert_load.expert_load_line(model, tokens, FLAGS.model_parallel)
+  if load:
+    print(load)
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:
       json.dump([r.as_dict() for r in reports], f, indent=2)

@@ -173,6 +173,10 @@ def test_expert_rows_per_device_count_every_pair_and_call_out_uneven_routing(
   assert (rows[:, 0] == tokens.size * 2).all() and (rows[:, 1] == 0).all(), rows
   assert "UNEVEN" in expert_load.describe_expert_load(rows)
   assert "UNEVEN" not in expert_load.describe_expert_load(np.array([[10, 9], [9, 10]]))
+  # What launch.run and launch.benchmark's devices mode print: only for a split mixture.
+  assert "UNEVEN" in expert_load.expert_load_line(biased, tokens, 2)
+  assert expert_load.expert_load_line(biased, tokens, 1) is None
+  assert expert_load.expert_load_line(kvr_jax.load_model("tiny-llama"), PROMPT, 2) is None
   mesh = kvr_jax.make_mesh(2, model=2)
   split = kvr_jax.prefill(biased, tokens, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
   assert_close(split.logits, kvr_jax.prefill(biased, tokens).logits, "all rows on one shard")

@@ -75,3 +75,14 @@ def describe_expert_load(rows_Lm: np.ndarray) -> str:
   if ratio_L[worst] >= UNEVEN:
     line += f"; UNEVEN: that device sets the layer's pace (>= {UNEVEN}x the mean)"
   return line
+
+
+def expert_load_line(model, tokens, model_parallel: int) -> str | None:
+  """What launch.run and launch.benchmark print after a run whose mixture of experts was split
+  over the model axis: `describe_expert_load` of `tokens`, or why it was not counted; None
+  where nothing was split (a dense model, or one device per rank)."""
+  if model_parallel <= 1 or not getattr(model.config, "num_experts", 0):
+    return None
+  if not fits_one_device(model):
+    return "expert rows per device: not counted (the count runs the whole model on one device)"
+  return describe_expert_load(expert_rows_per_device(model, tokens, model_parallel))
