@@ -138,7 +138,8 @@ UNTHROTTLED = multiprocess_report.UNTHROTTLED
 flags.DEFINE_list(
   "link_rates",
   [UNTHROTTLED],
-  "Multiprocess mode: loopback rates to run the processes over, e.g. unthrottled,2gbit,500mbit "
+  "Multiprocess and hybrid modes: loopback rates to run the processes over, e.g. "
+  "unthrottled,2gbit,500mbit "
   "(tc tbf on lo, as root; restored after each, also on failure or interrupt).",
 )
 flags.DEFINE_list("ranks", ["2", "4", "8"], "Accelerator mode: modelled device counts.")
@@ -356,12 +357,9 @@ def hybrid_mode():
   with common.user_errors():
     if FLAGS.num_processes < 2:
       raise ValueError("--num_processes must be >= 2 in hybrid mode")
-  rows = []
-  for processes in (FLAGS.num_processes, 1):  # the strategies, then single alone
-    outcomes = distributed.launch_local(
-      "launch.bench_worker", common_flags, processes, pin_cores=True, timeout=3600
+    rows = hybrid_bench.run_over_links(
+      "launch.bench_worker", common_flags, FLAGS.num_processes, FLAGS.link_rates
     )
-    rows += [row for o in outcomes for result in o.results() for row in result["rows"]]
   table = hybrid_bench.hybrid_table(rows, FLAGS.model, FLAGS.num_processes)
   table.print()
   os.makedirs(FLAGS.output_dir, exist_ok=True)

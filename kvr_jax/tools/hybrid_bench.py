@@ -14,6 +14,7 @@ a rotating order, as kvr_jax.tools.timing does for `prefill`.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -25,6 +26,8 @@ from kvr_jax.core.chunks import even_partition
 from kvr_jax.inference.hybrid import prefill_hybrid
 from kvr_jax.inference.latent import prefill_latent
 from kvr_jax.planning import costmodel, presets, search
+from kvr_jax.runtime import distributed, links
+from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.report import Table
@@ -116,14 +119,45 @@ def hybrid_bench_job(model_name: str, context_lens, rounds: int) -> list[dict] |
   return rows if last.process_index == jax.process_index() else None
 
 
+def run_over_links(worker: str, worker_flags: list[str], num_processes: int, link_rates):
+  """The hybrid benchmark's runs, each process pinned to its own core: single in one process,
+  then the strategies over `num_processes` processes at each of `link_rates` (the loopback
+  throttled for each, restored after; every rate checked, and tc tried, before anything
+  runs). Rows of every run, each with its `link` ("-" for single)."""
+  throttled = [rate for rate in link_rates if rate != UNTHROTTLED]
+  for rate in throttled:
+    links.rate_bits(rate)
+  if throttled:
+    links.check_can_throttle()
+
+  def run(processes: int, link: str) -> list[dict]:
+    outcomes = distributed.launch_local(
+      worker, worker_flags, processes, pin_cores=True, timeout=3600
+    )
+    return [dict(row, link=link) for o in outcomes for r in o.results() for row in r["rows"]]
+
+  rows = run(1, "-")
+  for rate in link_rates:
+    print(f"{num_processes} processes, one core each, link {rate} ...", flush=True)
+    throttle = links.throttled_loopback(rate) if rate != UNTHROTTLED else None
+    with throttle or contextlib.nullcontext():
+      rows += run(num_processes, rate)
+  return rows
+
+
 def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
-  """Median and min-max per variant and length, against the faster peer and single."""
-  by = {(r["context_len"], r["variant"]): r["samples_s"] for r in rows}
+  """Median and min-max per variant, length and link, against the faster peer on the same
+  link and single (one process, no link)."""
+  by = {(r["context_len"], r.get("link", "-"), r["variant"]): r["samples_s"] for r in rows}
   lines, records = [], []
-  for C in sorted({r["context_len"] for r in rows}):
-    peer = min((statistics.median(by[C, s]) for s in PEERS if (C, s) in by), default=None)
-    single = statistics.median(by[C, "single"]) if (C, "single") in by else None
-    for r in (r for r in rows if r["context_len"] == C):
+  # Each length's runs in the order they ran (single, then the links as given).
+  runs = dict.fromkeys((r["context_len"], r.get("link", "-")) for r in rows)
+  runs = sorted(runs, key=lambda run: run[0])
+  for C, link in runs:
+    peers = [statistics.median(by[C, link, s]) for s in PEERS if (C, link, s) in by]
+    peer = min(peers, default=None)
+    single = statistics.median(by[C, "-", "single"]) if (C, "-", "single") in by else None
+    for r in (r for r in rows if r["context_len"] == C and r.get("link", "-") == link):
       median, low, high = (
         statistics.median(r["samples_s"]),
         min(r["samples_s"]),
@@ -134,17 +168,17 @@ def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
       vs_single = "" if single is None else f"{single / median:.2f}x"
       split = "" if r["split"] is None else ",".join(str(c) for c in r["split"])
       lines.append(
-        f"{C:>7} {r['variant']:<11}{median:>9.3f} {low:>7.3f}-{high:<7.3f}{vs_peer:>8} "
-        f"{vs_single:>9}{done:>10.3f}  {split}"
+        f"{C:>7} {link:>11} {r['variant']:<11}{median:>9.3f} {low:>7.3f}-{high:<7.3f}"
+        f"{vs_peer:>8} {vs_single:>9}{done:>10.3f}  {split}"
       )
-      records.append(dict(r, median_s=median, done_median_s=done))
+      records.append(dict(r, link=link, median_s=median, done_median_s=done))
   title = (
     f"MEASURED, {model}: {num_processes} processes x 1 pinned core (single: 1 process, 1 "
     "core), seconds to the last rank's logits (cache left where computed), median of the "
     "rounds and min-max; all done: median seconds until every process finished its part",
   )
   header = (
-    f"{'C':>7} {'variant':<11}{'median s':>9} {'min-max s':<15}{'vs peer':>8} {'vs single':>9}"
-    f"{'all done':>10}  split"
+    f"{'C':>7} {'link':>11} {'variant':<11}{'median s':>9} {'min-max s':<15}{'vs peer':>8} "
+    f"{'vs single':>9}{'all done':>10}  split"
   )
   return Table(title, header, tuple(lines), tuple(records))
