@@ -244,6 +244,7 @@ def one_device(checkpoints, tokens):
     ("kvr", 2, [25, 15], "dense"),
     ("kvr", 4, [5, 15, 12, 8], "flash"),
     ("allgather", 3, None, "flash"),
+    ("tsp", 3, None, "dense"),
   ],
 )
 def test_latent_prefill_equals_one_device(
@@ -293,7 +294,8 @@ def test_latent_samples_transformers_draws_in_both_layouts(checkpoints, tokens, 
 
 @pytest.mark.parametrize(
   ("strategy", "ranks", "partition", "length"),
-  [("kvr", 3, [10, 8, 6], 24), ("allgather", 4, None, 22)],  # 22: zigzag pads to 24
+  # 22: zigzag pads to 24; TSP's ranks hold 8, 8 and 6 (the last padded)
+  [("kvr", 3, [10, 8, 6], 24), ("allgather", 4, None, 22), ("tsp", 3, None, 22)],
 )
 def test_sharded_latent_cache_decodes_in_place(
   checkpoints, tokens, strategy, ranks, partition, length

@@ -1,8 +1,8 @@
-"""Prefill of a latent-attention model (DeepSeek-V3) on a 1-D mesh with KV-Runahead or
-all-gather CP, and greedy decoding from its latent cache: `prefill_latent`, `generate_latent`
-(kvr_jax/strategies/latent.py is the program). The cache is joined on the last rank
-(cache="last": KV-Runahead's last hop and own chunk where they lie, all-gather CP's parts
-moved), or left in the ranks' parts (cache="sharded": each decode step attends every part
+"""Prefill of a latent-attention model (DeepSeek-V3) on a 1-D mesh with KV-Runahead, all-gather
+CP or TSP, and decoding (greedy or sampled) from its latent cache: `prefill_latent`,
+`generate_latent` (kvr_jax/strategies/latent.py is the program). The cache is joined on the
+last rank (cache="last": KV-Runahead's last hop and own chunk where they lie, the peers'
+parts moved), or left in the ranks' parts (cache="sharded": each decode step attends every part
 where it lies in the absorbed form and merges the partials across the ranks, pass-Q as for
 K,V caches in kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted
 on the last).
@@ -73,9 +73,10 @@ def prefill_latent(
   join: bool = True,
   cache: str = "last",
 ) -> LatentPrefill:
-  """`strategy` ("kvr", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
-  partition[i] tokens (contiguous, in order; None: even), all-gather CP its zigzag chunks (no
-  partition). max_new_tokens: room the cache keeps for decoding. attention: the expanded
+  """`strategy` ("kvr", "allgather", "tsp") over `mesh`'s ranks; KV-Runahead's rank i takes
+  partition[i] tokens (contiguous, in order; None: even), all-gather CP its zigzag chunks, TSP
+  even contiguous chunks (no partition; its kernel is dense masked scores whatever
+  `attention` says). max_new_tokens: room the cache keeps for decoding. attention: the expanded
   heads' kernel (models.kernels: dense, blocked, flash, ...). join=False: return as soon as
   the last rank's logits exist, the cache left where the program put it (`cache` None; what
   the benchmark times). cache="sharded": the ranks' latents stay where they were computed
@@ -117,7 +118,8 @@ def prefill_latent(
     cache = jax.jit(_joined, static_argnums=(2, 3))(last, own, chunks[-1], capacity)
   else:  # every rank's parts move to the last rank, then into prompt order
     pieces = [jax.device_put(shard_on(out["own"], rank_device(mesh, r)), owner) for r in range(p)]
-    cache = jax.jit(_in_prompt_order, static_argnums=(1, 2, 3))(pieces, T, p, capacity)
+    order = _in_prompt_order if strategy == "allgather" else _contiguous
+    cache = jax.jit(order, static_argnums=(1, 2, 3))(pieces, T, p, capacity)
   return LatentPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
 
 
@@ -156,15 +158,24 @@ def _in_prompt_order(pieces, T: int, p: int, capacity: int):
   return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - T), (0, 0)))
 
 
+def _contiguous(pieces, T: int, p: int, capacity: int):
+  """TSP's parts, rank 0's chunk first: the prompt's positions in order (padding cut)."""
+  cache = jnp.concatenate(pieces, axis=2)[:, :, :T]
+  return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - T), (0, 0)))
+
+
 def part_positions(strategy: str, chunks: tuple[int, ...], rows: int) -> np.ndarray:
   """[p, rows] int32: the prompt position of each row of each rank's part (-1: padding).
   KV-Runahead's rank i holds [S_{i-1}, S_i) in its first c_i rows; all-gather CP's rank r
-  its two zigzag chunks, r and 2p-1-r (positions past the prompt are padding)."""
+  its two zigzag chunks, r and 2p-1-r; TSP's rank r [r c, (r+1) c) (positions past the
+  prompt are padding)."""
   p, T = len(chunks), sum(chunks)
   row = np.arange(rows)
   if strategy == "kvr":
     starts = chunk_starts(chunks)
     table = [np.where(row < chunks[i], starts[i] + row, -1) for i in range(p)]
+  elif strategy == "tsp":  # rank r: [r c, (r + 1) c), c = rows, the last ranks' padded
+    table = [np.where(r * rows + row < T, r * rows + row, -1) for r in range(p)]
   else:
     c = zigzag.chunk_len(T, p)
     table = []

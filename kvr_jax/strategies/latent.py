@@ -13,6 +13,8 @@ attention.
   allgather   the zigzag layout; one all-gather of every rank's latents, then every rank
               expands the whole prompt and attends its two chunks (what the engines' MLA
               context parallelism does).
+  tsp         the paper's baseline: even contiguous chunks, one all-gather of the latents,
+              every rank expands the whole prompt and computes dense masked scores.
 
 The program outputs each rank's own latents per layer (and, for KV-Runahead, the last hop's
 message, so the last rank holds every position without a move); `kvr_jax.inference.latent`
@@ -29,13 +31,13 @@ from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies import zigzag
+from kvr_jax.strategies import tsp, zigzag
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
 from kvr_jax.strategies.runahead.schedule import buffer_len
 from models.base import no_reduce
 
-STRATEGIES = ("kvr", "allgather")
+STRATEGIES = ("kvr", "allgather", "tsp")
 
 
 def _project(block, x_BTD, positions_BT):
@@ -112,6 +114,43 @@ def allgather_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int
   return _finish(block, x_B2cD, attn), own_B2cC
 
 
+def tsp_latent_layer(block, x_BcD, rank, context_len: int, num_ranks: int, attention):
+  """TSP's rank (the paper's baseline) on latents: its contiguous chunk of c = ceil(C/p) rows
+  (the last ranks' padded), every rank's latents all-gathered in prompt order, the whole
+  padded prompt expanded, and its queries attended with dense masked scores over every key
+  (a `lax.switch` on the rank: each offset static, as the kernels take it; TSP's kernel is
+  part of its definition, so `attention` is not used): (x [B, c, D], its own latents)."""
+  del attention
+  B, p = x_BcD.shape[0], num_ranks
+  c = tsp.shard_len(context_len, p)
+  positions_Bc = jnp.broadcast_to(rank * c + jnp.arange(c), (B, c))
+  q_nope, q_rope, own_BcC = _project(block, x_BcD, positions_Bc)
+  prompt_BSC = jax.lax.all_gather(own_BcC, AXIS, axis=1, tiled=True)  # [B, p c, C]
+
+  def attend(q_nope, q_rope, prompt_BSC, r):
+    return block.attend_expanded(q_nope, q_rope, prompt_BSC, r * c, "dense")
+
+  attn = jax.lax.switch(
+    rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
+  )
+  return _finish(block, x_BcD, attn), own_BcC
+
+
+# The peers' rank layers: (block, x, rank, context_len, num_ranks, attention) -> (x, own).
+PEER_LAYERS = {"allgather": allgather_latent_layer, "tsp": tsp_latent_layer}
+
+
+def last_position(strategy: str, chunks: tuple[int, ...]) -> tuple[int, int]:
+  """(the rank holding the prompt's last position, its row there) in `strategy`'s layout."""
+  p, context_len = len(chunks), sum(chunks)
+  if strategy == "kvr":
+    return p - 1, chunks[-1] - 1
+  if strategy == "tsp":
+    c = tsp.shard_len(context_len, p)
+    return (context_len - 1) // c, (context_len - 1) % c
+  return zigzag.last_position_owner(context_len, p)
+
+
 @kept_cache(16)
 def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
@@ -149,15 +188,12 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
         own, last = own_1R1C.reshape(B, T_rank, C), last_1R1C.reshape(B, -1, C)
         out = {"own": out["own"].at[l].set(own), "last": out["last"].at[l].set(last)}
       else:
-        x_BTD, own = allgather_latent_layer(block, x_BTD, rank, context_len, p, attention)
+        x_BTD, own = PEER_LAYERS[strategy](block, x_BTD, rank, context_len, p, attention)
         out = {"own": out["own"].at[l].set(own)}
       return x_BTD, carry, out
 
     x_BTD, _, out = model.scan_layers(layer, (x_BTD, carry, out))
-    if strategy == "kvr":
-      owner, row = p - 1, chunks[-1] - 1
-    else:
-      owner, row = zigzag.last_position_owner(context_len, p)
+    owner, row = last_position(strategy, chunks)
     logits_BV = model.logits(x_BTD[:, row : row + 1])[:, 0]
     logits_BV = logits_to_last_rank(logits_BV, owner, p)
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
