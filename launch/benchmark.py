@@ -422,7 +422,8 @@ def accelerator_mode():
       ranks=ranks,
       links=FLAGS.links,
     )
-  accelerator.print_report(rows, modelled, FLAGS.model, FLAGS.dtype, FLAGS.repeats)
+  for table in accelerator.report_tables(rows, modelled, FLAGS.model, FLAGS.dtype, FLAGS.repeats):
+    table.print()
   accelerator.write_report(rows, modelled, FLAGS.model, FLAGS.dtype, path)
   print(f"wrote {path}")
   return 0

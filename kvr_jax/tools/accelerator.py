@@ -17,6 +17,7 @@ from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, resolve_dtype
 from kvr_jax.strategies.base import AUTO_KERNELS
 from kvr_jax.tools.phases import fitted_hardware
+from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 from kvr_jax.tools.transformers_baseline import time_transformers, twin_models
 from models.kernels import KERNELS, get_kernel
@@ -190,35 +191,45 @@ def _modelled_rows(config, C, p, fitted, links_name, kernel, single_s, dtype_byt
 # --- length buckets: a stream of prompts of new lengths ----------------------------------------
 
 
-def print_report(rows, modelled, model_name: str, dtype, repeats: int) -> None:
+def report_tables(rows, modelled, model_name: str, dtype, repeats: int) -> tuple[Table, Table]:
   """The MEASURED rows (TTFT, TFLOP/s, MFU, logits against transformers) and the MODELLED
-  p-device TTFT of `accelerator_benchmark`."""
+  p-device TTFT of `accelerator_benchmark`, as two tables."""
   device = jax.local_devices()[0]
   dtype_name = jax.numpy.dtype(resolve_dtype(dtype)).name
-  print(
+  measured_title = (
     f"\nMEASURED single-device prefill, {model_name} ({dtype_name}), "
     f"{device.device_kind} ({device.platform}), median of {repeats} warm runs; MFU "
     "against the device's data-sheet peak (CPU: its measured matmul rate):"
   )
-  print(f"{'C':>7}  {'implementation':<20}{'TTFT':>11}{'TFLOP/s':>9}{'MFU':>7}  max |dlogit|")
+  lines = []
   for r in rows:
     mfu = "-" if r.mfu is None else f"{r.mfu:.0%}"
     diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.2e}"
-    print(
+    lines.append(
       f"{r.context_len:>7}  {r.implementation:<20}{r.ttft_s * 1e3:>9.1f}ms"
       f"{r.achieved_tflops:>9.2f}{mfu:>7}  {diff}"
     )
-  print(
+  measured = Table(
+    (measured_title,),
+    f"{'C':>7}  {'implementation':<20}{'TTFT':>11}{'TFLOP/s':>9}{'MFU':>7}  max |dlogit|",
+    tuple(lines),
+    tuple(dataclasses.asdict(r) for r in rows),
+  )
+  modelled_title = (
     "\nMODELLED p-device TTFT: per-rank compute fitted to KV-Runahead's per-rank programs timed "
     "one at a time on this device (fitted_hardware), links from the preset named; speed-up "
     "against the MEASURED best single-device TTFT above:"
   )
-  print(f"{'C':>7}{'p':>4}  {'links':<9}{'strategy':<11}{'TTFT':>11}{'speed-up':>10}  partition")
-  for r in modelled:
-    print(
-      f"{r.context_len:>7}{r.num_ranks:>4}  {r.links:<9}{r.strategy:<11}{r.ttft_s * 1e3:>9.1f}ms"
-      f"{r.speedup_vs_measured_single:>9.2f}x  {r.partition}"
-    )
+  lines = [
+    f"{r.context_len:>7}{r.num_ranks:>4}  {r.links:<9}{r.strategy:<11}{r.ttft_s * 1e3:>9.1f}ms"
+    f"{r.speedup_vs_measured_single:>9.2f}x  {r.partition}"
+    for r in modelled
+  ]
+  header = f"{'C':>7}{'p':>4}  {'links':<9}{'strategy':<11}{'TTFT':>11}{'speed-up':>10}  partition"
+  table = Table(
+    (modelled_title,), header, tuple(lines), tuple(dataclasses.asdict(r) for r in modelled)
+  )
+  return measured, table
 
 
 def write_report(rows, modelled, model_name: str, dtype, path: str) -> None:
