@@ -79,6 +79,22 @@ class LatentAttention(nnx.Module):
     take one head width, so the values are zero-padded to the keys' (an exact pad, cut from
     the output), and the queries carry the model's softmax scale over the kernel's
     1/sqrt(width)."""
+    q_BTNh = self.expanded_queries(q_nope_BTNn, q_rope_BTNr)
+    k_BSNh, v_BSNh = self.expanded_keys_values(cache_BSC)
+    out_BTNh = attend_static(q_BTNh, k_BSNh, v_BSNh, query_offset, attention)
+    return out_BTNh[..., : self.config.v_head_dim]
+
+  def expanded_queries(self, q_nope_BTNn, q_rope_BTNr):
+    """Each head's query as the kernels take it: no-rope then rope part [B, T, N, n + r],
+    scaled by the model's softmax scale over the kernel's 1/sqrt(n + r)."""
+    q_BTNh = jnp.concatenate([q_nope_BTNn, q_rope_BTNr], axis=-1)
+    width = q_BTNh.shape[-1]
+    return q_BTNh * jnp.asarray(self.config.softmax_scale * width**0.5, q_BTNh.dtype)
+
+  def expanded_keys_values(self, cache_BSC):
+    """Latents [B, S, C] expanded into every head's keys [B, S, N, n + r] (kv_b_proj's key
+    half, then the shared rope key) and values zero-padded to the keys' width (an exact pad:
+    cut the attention's output to v_head_dim)."""
     cfg = self.config
     latent_BSR, k_rope_BSr = jnp.split(cache_BSC, [cfg.kv_lora_rank], axis=-1)
     k_nope_BSNn = jnp.einsum("BSR,RNn->BSNn", latent_BSR, self.wk_b[...])
@@ -87,14 +103,11 @@ class LatentAttention(nnx.Module):
     k_rope_BSNr = jnp.broadcast_to(
       k_rope_BSr[:, :, None], (*k_rope_BSr.shape[:2], N, k_rope_BSr.shape[-1])
     )
-    q_BTNh = jnp.concatenate([q_nope_BTNn, q_rope_BTNr], axis=-1)
     k_BSNh = jnp.concatenate([k_nope_BSNn, k_rope_BSNr], axis=-1)
-    width = q_BTNh.shape[-1]
+    width = k_BSNh.shape[-1]
     if v > width:
       raise ValueError(f"latent attention's kernels need v_head_dim <= nope + rope, got {v}")
-    v_BSNh = jnp.pad(v_BSNv, ((0, 0), (0, 0), (0, 0), (0, width - v)))
-    q_BTNh = q_BTNh * jnp.asarray(cfg.softmax_scale * width**0.5, q_BTNh.dtype)
-    return attend_static(q_BTNh, k_BSNh, v_BSNh, query_offset, attention)[..., :v]
+    return k_BSNh, jnp.pad(v_BSNv, ((0, 0), (0, 0), (0, 0), (0, width - v)))
 
   def project_entries(self, x_BTD, positions_BT):
     """((no-rope queries, rope queries), cache entries [1, B, T, 1, C]): the latents as a

@@ -245,6 +245,7 @@ def one_device(checkpoints, tokens):
     ("kvr", 4, [5, 15, 12, 8], "flash"),
     ("allgather", 3, None, "flash"),
     ("tsp", 3, None, "dense"),
+    ("ring", 3, None, "flash"),
   ],
 )
 def test_latent_prefill_equals_one_device(
@@ -295,7 +296,12 @@ def test_latent_samples_transformers_draws_in_both_layouts(checkpoints, tokens, 
 @pytest.mark.parametrize(
   ("strategy", "ranks", "partition", "length"),
   # 22: zigzag pads to 24; TSP's ranks hold 8, 8 and 6 (the last padded)
-  [("kvr", 3, [10, 8, 6], 24), ("allgather", 4, None, 22), ("tsp", 3, None, 22)],
+  [
+    ("kvr", 3, [10, 8, 6], 24),
+    ("allgather", 4, None, 22),
+    ("tsp", 3, None, 22),
+    ("ring", 2, None, 22),
+  ],
 )
 def test_sharded_latent_cache_decodes_in_place(
   checkpoints, tokens, strategy, ranks, partition, length
@@ -357,7 +363,9 @@ def test_latent_prefill_refuses_by_name(checkpoints, tokens):
   with pytest.raises(ValueError, match="2 or more ranks"):
     prefill_latent(ours, tokens, kvr_jax.make_mesh(1), [T])
   with pytest.raises(ValueError, match="run under"):
-    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), None, strategy="ring")
+    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), None, strategy="zigzag")
+  with pytest.raises(ValueError, match="log-sum-exp"):
+    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), None, strategy="ring", attention="dense")
   with pytest.raises(ValueError, match="give no partition"):
     prefill_latent(ours, tokens, kvr_jax.make_mesh(2), [20, 20], strategy="allgather")
   with pytest.raises(ValueError, match="token ids"):

@@ -1,5 +1,5 @@
-"""Prefill of a latent-attention model (DeepSeek-V3) on a 1-D mesh with KV-Runahead, all-gather
-CP or TSP, and decoding (greedy or sampled) from its latent cache: `prefill_latent`,
+"""Prefill of a latent-attention model (DeepSeek-V3) on a 1-D mesh with KV-Runahead, ring,
+all-gather CP or TSP, and decoding (greedy or sampled) from its latent cache: `prefill_latent`,
 `generate_latent` (kvr_jax/strategies/latent.py is the program). The cache is joined on the
 last rank (cache="last": KV-Runahead's last hop and own chunk where they lie, the peers'
 parts moved), or left in the ranks' parts (cache="sharded": each decode step attends every part
@@ -73,8 +73,9 @@ def prefill_latent(
   join: bool = True,
   cache: str = "last",
 ) -> LatentPrefill:
-  """`strategy` ("kvr", "allgather", "tsp") over `mesh`'s ranks; KV-Runahead's rank i takes
-  partition[i] tokens (contiguous, in order; None: even), all-gather CP its zigzag chunks, TSP
+  """`strategy` ("kvr", "ring", "allgather", "tsp") over `mesh`'s ranks; KV-Runahead's rank i
+  takes partition[i] tokens (contiguous, in order; None: even), ring and all-gather CP their
+  zigzag chunks, TSP
   even contiguous chunks (no partition; its kernel is dense masked scores whatever
   `attention` says). max_new_tokens: room the cache keeps for decoding. attention: the expanded
   heads' kernel (models.kernels: dense, blocked, flash, ...). join=False: return as soon as
@@ -83,7 +84,7 @@ def prefill_latent(
   (`parts`; no move), for `generate_latent(cache="sharded")`.
   With a mesh over several processes only the last rank's process gets the logits (and, for
   KV-Runahead, the cache); all-gather CP's cache move across processes is not built."""
-  _check_arguments(model, strategy, cache, join)
+  _check_arguments(model, strategy, attention, cache, join)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh)
   if p < 2:
@@ -118,12 +119,12 @@ def prefill_latent(
     cache = jax.jit(_joined, static_argnums=(2, 3))(last, own, chunks[-1], capacity)
   else:  # every rank's parts move to the last rank, then into prompt order
     pieces = [jax.device_put(shard_on(out["own"], rank_device(mesh, r)), owner) for r in range(p)]
-    order = _in_prompt_order if strategy == "allgather" else _contiguous
+    order = _contiguous if strategy == "tsp" else _in_prompt_order  # zigzag: ring, allgather
     cache = jax.jit(order, static_argnums=(1, 2, 3))(pieces, T, p, capacity)
   return LatentPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
 
 
-def _check_arguments(model, strategy: str, cache: str, join: bool) -> None:
+def _check_arguments(model, strategy: str, attention, cache: str, join: bool) -> None:
   """prefill_latent's refusals that need no tokens or mesh, before anything compiles."""
   latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
   if not latent:
@@ -133,6 +134,11 @@ def _check_arguments(model, strategy: str, cache: str, join: bool) -> None:
     )
   if strategy not in STRATEGIES:
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
+  if strategy == "ring" and not get_kernel(attention).returns_lse:
+    raise ValueError(
+      f"ring attention merges partials by log-sum-exp: attention={attention!r} returns none "
+      "(use flash)"
+    )
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
   if cache == "sharded" and jax.process_count() > 1:
@@ -166,8 +172,8 @@ def _contiguous(pieces, T: int, p: int, capacity: int):
 
 def part_positions(strategy: str, chunks: tuple[int, ...], rows: int) -> np.ndarray:
   """[p, rows] int32: the prompt position of each row of each rank's part (-1: padding).
-  KV-Runahead's rank i holds [S_{i-1}, S_i) in its first c_i rows; all-gather CP's rank r
-  its two zigzag chunks, r and 2p-1-r; TSP's rank r [r c, (r+1) c) (positions past the
+  KV-Runahead's rank i holds [S_{i-1}, S_i) in its first c_i rows; ring's and all-gather
+  CP's rank r its two zigzag chunks, r and 2p-1-r; TSP's rank r [r c, (r+1) c) (positions past the
   prompt are padding)."""
   p, T = len(chunks), sum(chunks)
   row = np.arange(rows)

@@ -13,6 +13,8 @@ attention.
   allgather   the zigzag layout; one all-gather of every rank's latents, then every rank
               expands the whole prompt and attends its two chunks (what the engines' MLA
               context parallelism does).
+  ring        the zigzag layout; each rank's latents passed around the ring, every step's
+              received chunks expanded and attended as ring attention attends K,V.
   tsp         the paper's baseline: even contiguous chunks, one all-gather of the latents,
               every rank expands the whole prompt and computes dense masked scores.
 
@@ -35,9 +37,10 @@ from kvr_jax.strategies import tsp, zigzag
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
 from kvr_jax.strategies.runahead.schedule import buffer_len
+from models.attention import attend_partial
 from models.base import no_reduce
 
-STRATEGIES = ("kvr", "allgather", "tsp")
+STRATEGIES = ("kvr", "ring", "allgather", "tsp")
 
 
 def _project(block, x_BTD, positions_BT):
@@ -136,8 +139,39 @@ def tsp_latent_layer(block, x_BcD, rank, context_len: int, num_ranks: int, atten
   return _finish(block, x_BcD, attn), own_BcC
 
 
+def ring_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, attention):
+  """Ring attention's rank on latents: its two zigzag chunks' latents passed around the ring
+  (one ppermute per step of [B, 2c, C], the headless latent), and at each step the received
+  chunks expanded into its heads' K,V and attended as ring attention does with K,V
+  (`zigzag.zigzag_attention` over one-head entries; the kernel must return its log-sum-exp):
+  (x [B, 2c, D], its own latents)."""
+  B, p = x_B2cD.shape[0], num_ranks
+  c = zigzag.chunk_len(context_len, p)
+  q_nope, q_rope, own_B2cC = _project(block, x_B2cD, zigzag.positions(rank, c, p, B))
+  ring = [(i, (i + 1) % p) for i in range(p)]
+
+  def passed_on(latents, step):
+    del step
+    return jax.lax.ppermute(latents, AXIS, perm=ring)
+
+  def attend(q_BcNh, latents_1Bc1C, offset, kernel):
+    k_BcNh, v_BcNh = block.expanded_keys_values(latents_1Bc1C[0, :, :, 0])
+    return attend_partial(q_BcNh, k_BcNh, v_BcNh, offset, kernel)
+
+  q_B2cNh = block.expanded_queries(q_nope, q_rope)
+  own_1B2c1C = own_B2cC[None, :, :, None]
+  attn = zigzag.zigzag_attention(
+    q_B2cNh, own_1B2c1C, rank, c, p, None, attention, passed_on, attend=attend
+  )
+  return _finish(block, x_B2cD, attn[..., : block.config.v_head_dim]), own_B2cC
+
+
 # The peers' rank layers: (block, x, rank, context_len, num_ranks, attention) -> (x, own).
-PEER_LAYERS = {"allgather": allgather_latent_layer, "tsp": tsp_latent_layer}
+PEER_LAYERS = {
+  "allgather": allgather_latent_layer,
+  "ring": ring_latent_layer,
+  "tsp": tsp_latent_layer,
+}
 
 
 def last_position(strategy: str, chunks: tuple[int, ...]) -> tuple[int, int]:

@@ -124,6 +124,6 @@ def modelled_latent_layer(strategy: str, config, context_len: int, setup, chunks
   if strategy not in MODELLED_LATENT:
     raise ValueError(
       f"latent-attention models run under {tuple(MODELLED_LATENT)}, not {strategy!r} "
-      "(ring attention on latents is not built; TSP on latents runs but is not modelled)"
+      "(ring attention and TSP on latents run but are not modelled)"
     )
   return MODELLED_LATENT[strategy](config, context_len, setup, chunks)

@@ -142,7 +142,7 @@ def peer_body(chunks: tuple[int, ...], timeline: bool, attend_chunks) -> Callabl
 
 
 def _chunk_partial(
-  q_BcNH, query_chunk, kv, key_half, key_chunk, whole: bool, c, attention, window, sinks_N
+  q_BcNH, query_chunk, kv, key_half, key_chunk, whole: bool, c, attention, window, sinks_N, attend
 ):
   """One c-token query chunk over one key chunk (half `key_half` of a rank's [2, B, 2c, K, H]
   K,V): (out, lse) float32. `whole`: the key chunk lies wholly in the queries' past, else it
@@ -150,14 +150,17 @@ def _chunk_partial(
   takes the true relative offset (traced: a sliding window masks by true positions); a
   two-piece kernel (static offsets, no window) takes the piece's kind: offset c (every key
   in the past) or 0 (the diagonal). sinks_N: the heads' sinks (gpt-oss), which the kernel adds
-  to the diagonal's rows only (models/sinks.py)."""
-  k, v = kv[0, :, key_half * c : (key_half + 1) * c], kv[1, :, key_half * c : (key_half + 1) * c]
+  to the diagonal's rows only (models/sinks.py). attend(q, entries, offset, kernel): the
+  partial over other cache entries than K,V (a latent layer's), else None."""
+  chunk = kv[:, :, key_half * c : (key_half + 1) * c]  # [M, B, c, K, H]: K,V or entries
   kernel = get_kernel(attention)
   static = kernel.computes == "two-piece"
   offset = (c if whole else 0) if static else (query_chunk - key_chunk) * c
+  if attend is not None:
+    return attend(q_BcNH, chunk, offset, kernel)
   # float32 partials: rounding each to bfloat16 before the merges cost ring a bfloat16
   # step against the other strategies.
-  return attend_partial(q_BcNH, k, v, offset, kernel, window, sinks_N=sinks_N)
+  return attend_partial(q_BcNH, chunk[0], chunk[1], offset, kernel, window, sinks_N=sinks_N)
 
 
 def zigzag_attention(
@@ -172,10 +175,11 @@ def zigzag_attention(
   timeline: bool = False,
   layer=-1,
   sinks_N=None,
+  attend=None,
 ):
-  """Rank r's two query chunks (r and 2p-1-r) against every rank's K,V, one source rank per
-  step, each piece a whole c x c block in the past or a causal diagonal, merged exactly by
-  log-sum-exp (`merge_partials`):
+  """Rank r's two query chunks (r and 2p-1-r) against every rank's K,V (or cache entries, with
+  `attend`: `_chunk_partial`), one source rank per step, each piece a whole c x c block in the
+  past or a causal diagonal, merged exactly by log-sum-exp (`merge_partials`):
 
     step 0      own K,V: chunk r causally; chunk 2p-1-r sees chunk r whole and itself causally
     src < r     both query chunks see src's first chunk whole, its second not at all
@@ -186,9 +190,8 @@ def zigzag_attention(
   of the gathered K,V). Returns [B, 2c, N, H] in q's dtype."""
   first_query_chunk, second_query_chunk = rank, 2 * p - 1 - rank  # chunk indices
   q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
-  partial = functools.partial(
-    _chunk_partial, c=c, attention=attention, window=window, sinks_N=sinks_N
-  )
+  options = dict(c=c, attention=attention, window=window, sinks_N=sinks_N, attend=attend)
+  partial = functools.partial(_chunk_partial, **options)
 
   out_first, lse_first = partial(q_first, first_query_chunk, kv_own, 0, first_query_chunk, False)
   out_second, lse_second = merge_partials(
