@@ -267,6 +267,17 @@ def greedy(logits_BV):
   return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
 
+def next_token(logits_BV, key, index: int, temperature, top_k, top_p):
+  """Step `index`'s tokens [B]: the most likely at temperature 0, else drawn (`sample`) with
+  the key `fold_in(key, index)`; what `generate` and the models with their own programs
+  choose, so that the same logits and seed give the same tokens."""
+  if temperature == 0:
+    return greedy(logits_BV)
+  top_p = None if top_p is None else float(top_p)
+  step_key = jax.random.fold_in(key, index)
+  return sample(logits_BV, step_key, float(temperature), top_k=top_k, top_p=top_p)
+
+
 @functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
 def sample(logits_BV, key, temperature, *, top_k: int | None, top_p: float | None):
   """Temperature (> 0) scaling, then top-k, then top-p (nucleus) when given, then a draw.

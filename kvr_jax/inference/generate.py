@@ -271,17 +271,7 @@ def _decode_loop(
   done = np.zeros(B, bool)
   n = 0
   for index in range(max_new_tokens):
-    if temperature == 0:
-      token_B = decode.greedy(logits)
-    else:
-      token_B = decode.sample(
-        logits,
-        jax.random.fold_in(key, index),
-        float(temperature),
-        top_k=top_k,
-        top_p=None if top_p is None else float(top_p),
-      )
-    token_B = agree(token_B)
+    token_B = agree(decode.next_token(logits, key, index, temperature, top_k, top_p))
     token_np = np.asarray(token_B.addressable_shards[0].data)  # replicated: any copy
     out[:, index] = np.where(done, eos[0] if eos.size else 0, token_np)
     n = index + 1

@@ -47,11 +47,8 @@ class Sampling:
 
   def token(self, logits_BV, index: int):
     """Step `index`'s tokens [B] from its logits [B, V]."""
-    if self.temperature == 0:
-      return decode.greedy(logits_BV)
-    key = jax.random.fold_in(jax.random.key(self.seed), index)
-    top_p = None if self.top_p is None else float(self.top_p)
-    return decode.sample(logits_BV, key, float(self.temperature), top_k=self.top_k, top_p=top_p)
+    key = jax.random.key(self.seed)
+    return decode.next_token(logits_BV, key, index, self.temperature, self.top_k, self.top_p)
 
 
 def decode_from_cache(

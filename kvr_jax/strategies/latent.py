@@ -36,7 +36,6 @@ from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import tsp, zigzag
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
-from kvr_jax.strategies.runahead.schedule import buffer_len
 from models.attention import attend_partial
 from models.base import no_reduce
 
@@ -60,27 +59,15 @@ def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention) -> RankLaye
   (`LatentAttention.project_entries`), which the hops carry as they carry K,V; no early
   diagonal (the expanded attention returns no log-sum-exp), the last hop kept (the last rank
   holds every position without a move)."""
-  p = len(chunks)
-  return RankLayer(
-    chunks=chunks,
-    num_ranks=p,
-    kernel=attention,
-    timeline=False,
-    reduce=no_reduce,
-    config=model.config,
-    rank=rank,
-    lengths=None,
-    static_early_rows=(0,) * p,
+  return RankLayer.at_static_lengths(
+    chunks,
+    attention,
+    model.config,
+    rank,
+    no_reduce,
     diagonal_first=False,
-    rows=max(chunks),
-    part_len=max(chunks),
-    buffer_len=buffer_len(chunks),
-    keys=0,
-    block=0,
-    last_into_buffer=False,
+    timeline=False,
     keep_last_hop=True,  # prefill_latent runs on 2 or more ranks
-    ends=None,
-    context_len=sum(chunks),
     dtype=model.dtype,
     q_heads=model.config.num_heads,
     entry_shape=(1, 1, model.config.cache_width),

@@ -32,9 +32,7 @@ from kvr_jax.strategies.runahead.rank_layer import RankLayer, RankLengths
 from kvr_jax.strategies.runahead.schedule import (
   OneBodyShape,
   attends_diagonal_first,
-  buffer_len,
   check_keep_last_hop,
-  rows_before_hop,
 )
 from models.kernels import get_kernel
 
@@ -66,27 +64,15 @@ def per_rank_body(
   def make_body(model, rank, tokens_Bc, reduce):
     cfg = model.config
     check_keep_last_hop(keep_last_hop, chunks, cfg.kinds)
-    diagonal_first = attends_diagonal_first(attention, p)
-    layer = RankLayer(
-      chunks=chunks,
-      num_ranks=p,
-      kernel=attention,
+    layer = RankLayer.at_static_lengths(
+      chunks,
+      attention,
+      cfg,
+      rank,
+      reduce,
+      diagonal_first=attends_diagonal_first(attention, p),
       timeline=timeline,
-      reduce=reduce,
-      config=cfg,
-      rank=rank,
-      lengths=None,
-      static_early_rows=rows_before_hop(cfg, chunks) if diagonal_first else (0,) * p,
-      diagonal_first=diagonal_first,
-      rows=max(chunks),
-      part_len=max(chunks),
-      buffer_len=buffer_len(chunks),
-      keys=0,
-      block=0,
-      last_into_buffer=False,
       keep_last_hop=keep_last_hop,
-      ends=None,
-      context_len=sum(chunks),
       **_heads_and_dtype(model),
     )
     buffer = layer.empty_buffer(tokens_Bc.shape[0])

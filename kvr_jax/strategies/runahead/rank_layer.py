@@ -31,6 +31,7 @@ from kvr_jax.runtime.cache_layout import fold_batch
 from kvr_jax.strategies.base import ordered_after
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead.hops import hop_chain, hop_chain_as_data, varying_axes
+from kvr_jax.strategies.runahead.schedule import buffer_len, rows_before_hop
 from models.attention import merge_partials
 from models.flash import Lengths
 
@@ -116,6 +117,36 @@ class RankLayer:
   # What a position's cache entry is (`Block.project_entries`): [entries, heads, width];
   # K and V [2, K, H] on softmax layers, one headless latent [1, 1, C] on latent ones.
   entry_shape: tuple[int, int, int]
+
+  @classmethod
+  def at_static_lengths(
+    cls, chunks, kernel, config, rank, reduce, *, diagonal_first, timeline, keep_last_hop, **heads
+  ) -> RankLayer:
+    """The per-rank program's layer: every phase a switch over the split's static lengths,
+    the last hop attended where it arrives. heads: dtype, q_heads, entry_shape."""
+    p = len(chunks)
+    return cls(
+      chunks=chunks,
+      num_ranks=p,
+      kernel=kernel,
+      timeline=timeline,
+      reduce=reduce,
+      config=config,
+      rank=rank,
+      lengths=None,
+      static_early_rows=rows_before_hop(config, chunks) if diagonal_first else (0,) * p,
+      diagonal_first=diagonal_first,
+      rows=max(chunks),
+      part_len=max(chunks),
+      buffer_len=buffer_len(chunks),
+      keys=0,
+      block=0,
+      last_into_buffer=False,
+      keep_last_hop=keep_last_hop,
+      ends=None,
+      context_len=sum(chunks),
+      **heads,
+    )
 
   # The rank's lengths, and running a phase at them.
 
