@@ -1,0 +1,132 @@
+"""Window-sized decode caches (issue 54, item 3): from the whole cache on the last rank, a
+windowed layer keeps only its last W positions, a ring written at position mod W
+(decode.DecodeLayout), and decoding far past the window still gives the tokens of greedy
+decoding over transformers' uncached forward, for every strategy, with ragged rows."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import kvr_jax
+from kvr_jax.inference import decode
+from kvr_jax.tools.memory import compiled_memory
+from tests import hf_fixtures
+
+WINDOW = 6  # every case's window
+NEW_TOKENS = 3 * WINDOW + 2  # decoded past three whole windows
+LENGTHS = (40, 27, 3)  # ragged rows: rings wrapping at other slots, and one not yet full
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """case -> (torch model, directory, our loaded model)."""
+  out = hf_fixtures.saved_checkpoints(
+    hf_fixtures.make_hf_model, ["mistral-window", "gemma3-local-global"], tmp_path_factory
+  )
+  out.update(
+    hf_fixtures.saved_checkpoints(
+      hf_fixtures.make_gpt_oss_model, ["gpt-oss-yarn"], tmp_path_factory
+    )
+  )
+  return out
+
+
+@pytest.fixture(scope="module")
+def rows():
+  rng = np.random.RandomState(5)
+  return [rng.randint(0, hf_fixtures.VOCAB, n).astype(np.int32) for n in LENGTHS]
+
+
+def uncached_greedy(hf_model, row, n: int) -> np.ndarray:
+  """n tokens, each the argmax of transformers' whole forward over the row so far (no cache:
+  transformers' own cached windows are not the reference)."""
+  sequence = torch.as_tensor(row, dtype=torch.long)[None]
+  out = []
+  with torch.no_grad():
+    for _ in range(n):
+      token = hf_model(sequence).logits[0, -1].argmax()
+      out.append(int(token))
+      sequence = torch.cat([sequence, token.reshape(1, 1)], dim=1)
+  return np.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def want(checkpoints, rows):
+  return {
+    case: [uncached_greedy(hf_model, row, NEW_TOKENS) for row in rows]
+    for case, (hf_model, _, _) in checkpoints.items()
+  }
+
+
+def test_layout_keeps_a_ring_only_where_the_window_binds(checkpoints):
+  gemma = checkpoints["gemma3-local-global"][2].config  # layer 0 windowed (6), layer 1 full
+  mixed = decode.DecodeLayout.of(gemma, capacity=60)
+  assert mixed.rings == (WINDOW, None)
+  assert mixed.group_of_layer == (0, 1) and mixed.slot_of_layer == (0, 0)
+  # A window as long as the cache never binds: every position, one stack, as before.
+  assert decode.DecodeLayout.of(gemma, capacity=WINDOW) == decode.DecodeLayout.whole(2)
+  mistral = checkpoints["mistral-window"][2].config
+  assert decode.DecodeLayout.of(mistral, capacity=60).rings == (WINDOW,)
+
+
+def test_rings_hold_each_rows_last_window(checkpoints):
+  """Slot j of row b holds the row's latest position p < length with p = j (mod W); a row
+  shorter than the window leaves its later slots zero."""
+  config = checkpoints["gemma3-local-global"][2].config
+  L, B, C, K, H = 2, 2, 10, 2, 3
+  rng = np.random.RandomState(0)
+  k = rng.randn(L, B, C, K, H).astype(np.float32)
+  v = rng.randn(L, B, C, K, H).astype(np.float32)
+  layout = decode.DecodeLayout.of(config, capacity=12)
+  (k_ring, v_ring), (k_full, v_full) = decode.decode_caches(
+    k, v, np.asarray([10, 4], np.int32), layout, 12
+  )
+  assert k_ring.shape == (1, B, WINDOW, K, H) and k_full.shape == (1, B, 12, K, H)
+  for slot, position in zip(range(WINDOW), [6, 7, 8, 9, 4, 5], strict=True):
+    np.testing.assert_array_equal(k_ring[0, 0, slot], k[0, 0, position])
+    np.testing.assert_array_equal(v_ring[0, 0, slot], v[0, 0, position])
+  np.testing.assert_array_equal(k_ring[0, 1, :4], k[0, 1, :4])
+  np.testing.assert_array_equal(k_ring[0, 1, 4:], 0)
+  np.testing.assert_array_equal(k_full[0, :, :C], k[1])
+  np.testing.assert_array_equal(v_full[0, :, C:], 0)
+
+
+STRATEGY_RUNS = {
+  "single": {},
+  "kvr": {"partition": [16, 13, 11], "mesh": 3},
+  "ring": {"mesh": 2},
+  "allgather": {"mesh": 2},
+  "tsp": {"mesh": 2},
+}
+
+
+@pytest.mark.parametrize(
+  ("case", "strategy"),
+  [("gemma3-local-global", s) for s in STRATEGY_RUNS]
+  + [("mistral-window", "single"), ("gpt-oss-yarn", "single")],
+)
+def test_greedy_decode_far_past_the_window_matches_transformers(
+  checkpoints, rows, want, case, strategy
+):
+  """Prefill with `strategy` (cache="last"), then three windows and more decoded from the
+  rings: each row's tokens are those of transformers' uncached forward."""
+  _, _, ours = checkpoints[case]
+  run = dict(STRATEGY_RUNS[strategy])
+  mesh = kvr_jax.make_mesh(run.pop("mesh")) if "mesh" in run else None
+  out = kvr_jax.generate(ours, rows, NEW_TOKENS, strategy=strategy, mesh=mesh, cache="last", **run)
+  for b in range(len(rows)):
+    np.testing.assert_array_equal(out.tokens[b], want[case][b], err_msg=f"row {b}")
+
+
+def test_memory_counts_a_windowed_layers_window_only():
+  """tiny-gemma (three layers windowed at 64, one full) decoding past 1000 positions: the
+  step's arguments are the weights and the rings, not every position of every layer."""
+  figures = compiled_memory("tiny-gemma", "single", context_len=1000, num_ranks=1, decode_tokens=24)
+  config = kvr_jax.runtime.loading.config_of("tiny-gemma")
+  per_position = 2 * config.num_kv_heads * config.head_dim * 4  # K and V, float32
+  rings = 3 * 64 * per_position
+  assert figures["decode_cache_bytes"] == rings + 1 * 1024 * per_position
+  step_arguments = figures["decode_argument_bytes"] - figures["weights_bytes"]
+  assert figures["decode_cache_bytes"] <= step_arguments < figures["decode_cache_bytes"] + 64
+  assert jax.devices()[0].platform == "cpu"  # the suite's figures are XLA:CPU's
