@@ -18,6 +18,7 @@ Two steps, one per cache layout (kvr_jax.inference.kv_cache):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,38 +32,91 @@ from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from models import scan_blocks
-from models.attention import attend_with_lse, merge_partials
+from models.attention import attend_static, attend_with_lse, merge_partials
 from models.base import no_reduce
 from models.flash import attend_flash
 
 
-def _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache, reduce=no_reduce):
-  """`decode_step`'s body; `reduce` adds tensor-parallel shards' partial sums."""
+@dataclasses.dataclass(frozen=True)
+class DecodeLayout:
+  """How the whole-cache decode keeps each layer's K,V: layers stacked in groups, a group by
+  the positions it keeps. `rings[g]` None: every position (a full layer, or a window that
+  never binds within the cache's capacity), written at its position; W: a windowed layer's
+  last W positions only, a ring buffer written at position mod W (its queries see exactly
+  those W keys, so nothing before the window is kept or read). Layer l is slot
+  `slot_of_layer[l]` of group `group_of_layer[l]`."""
+
+  rings: tuple[int | None, ...]
+  group_of_layer: tuple[int, ...]
+  slot_of_layer: tuple[int, ...]
+
+  @classmethod
+  def whole(cls, num_layers: int) -> DecodeLayout:
+    """Every layer keeps every position, in one stack [L, B, S, K, H] (layer l at slot l)."""
+    return cls((None,), (0,) * num_layers, tuple(range(num_layers)))
+
+  @classmethod
+  def of(cls, config, capacity: int) -> DecodeLayout:
+    """`config`'s layers for a cache of `capacity` positions (prompt and new tokens): a
+    window shorter than the capacity keeps a ring of its size."""
+    ring_L = [w if w is not None and w < capacity else None for w in config.windows]
+    rings = tuple(dict.fromkeys(ring_L))
+    group_L = [rings.index(r) for r in ring_L]
+    slot_L = [group_L[:l].count(g) for l, g in enumerate(group_L)]
+    return cls(rings, tuple(group_L), tuple(slot_L))
+
+  def group_of_window(self, window: int | None) -> int:
+    """The group of a layer whose window is `window` (static inside a layer's body)."""
+    return self.rings.index(window if window in self.rings else None)
+
+  def layers_of(self, group: int) -> np.ndarray:
+    """The layers of `group`, in slot order."""
+    return np.flatnonzero(np.asarray(self.group_of_layer) == group)
+
+
+def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_reduce):
+  """The decode step's body over the cache `caches` (per group of `layout`, (k, v) [L_g, B,
+  S_g, K, H]); `reduce` adds tensor-parallel shards' partial sums."""
   model = nnx.merge(graphdef, state)
   B = tokens_B.shape[0]
   positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
-
   rows_B = jnp.arange(B)
 
-  def layer(block, carry, l):
-    # The whole cache [L, B, S_max, K, H] is carried through the layers and written where it
-    # lies (one token's row per sequence, by index): with the cache donated, no second copy
-    # of it exists during the step; attention reads layer l's [B, S_max, K, H] slice.
-    x_B1D, k_LBSKH, v_LBSKH = carry
+  def layer(block, carry, slot):
+    # The cache is carried through the layers and written where it lies (one token's row per
+    # sequence, by index): with it donated, no second copy exists during the step; attention
+    # reads this layer's [B, S_g, K, H] slice.
+    x_B1D, caches = carry
+    window = block.config.kind.window
+    group = layout.group_of_window(window)
+    ring = layout.rings[group]
+    k_LBSKH, v_LBSKH = caches[group]
     q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
-    k_LBSKH = k_LBSKH.at[l, rows_B, positions_B].set(k_B1KH[:, 0].astype(k_LBSKH.dtype))
-    v_LBSKH = v_LBSKH.at[l, rows_B, positions_B].set(v_B1KH[:, 0].astype(v_LBSKH.dtype))
-    attn_B1NH = block.attend(q_B1NH, k_LBSKH[l], v_LBSKH[l], positions_B, "dense")
-    return (block.finish(x_B1D, attn_B1NH, reduce=reduce), k_LBSKH, v_LBSKH), None
+    written_B = positions_B if ring is None else positions_B % ring
+    k_LBSKH = k_LBSKH.at[slot, rows_B, written_B].set(k_B1KH[:, 0].astype(k_LBSKH.dtype))
+    v_LBSKH = v_LBSKH.at[slot, rows_B, written_B].set(v_B1KH[:, 0].astype(v_LBSKH.dtype))
+    if ring is None:
+      attn_B1NH = block.attend(q_B1NH, k_LBSKH[slot], v_LBSKH[slot], positions_B, "dense")
+    else:
+      # The ring holds exactly the window's positions once it is full, in slot order (the
+      # softmax does not care which): nothing to mask then; before, slots past the token's
+      # position are empty, hidden as a causal offset hides them.
+      attn_B1NH = attend_static(
+        q_B1NH,
+        k_LBSKH[slot],
+        v_LBSKH[slot],
+        jnp.minimum(positions_B, ring - 1),
+        "dense",
+        sinks_N=block.sinks_N,
+      )
+    caches = (*caches[:group], (k_LBSKH, v_LBSKH), *caches[group + 1 :])
+    return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
 
-  L = k_cache.shape[0]
-  (x_B1D, k_cache, v_cache), _ = scan_blocks(
-    model.blocks,
-    layer,
-    (model.embed(tokens_B[:, None]), k_cache, v_cache),
-    jnp.arange(L, dtype=jnp.int32),
+  slots_L = jnp.asarray(layout.slot_of_layer, jnp.int32)
+  (x_B1D, caches), _ = scan_blocks(
+    model.blocks, layer, (model.embed(tokens_B[:, None]), tuple(caches)), slots_L
   )
-  return model.logits(x_B1D)[:, 0], k_cache, v_cache
+  return model.logits(x_B1D)[:, 0], caches
 
 
 @kept_cache(32)
@@ -75,7 +129,12 @@ def model_group_decode_step(graphdef, group_mesh):
   heads = P(None, None, None, MODEL_AXIS, None)
 
   def shard_step(state, tokens_B, positions_B, k_cache, v_cache):
-    return _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache, psum_over_model)
+    whole = DecodeLayout.whole(k_cache.shape[0])
+    caches = ((k_cache, v_cache),)
+    logits, ((k_cache, v_cache),) = _step(
+      graphdef, state, tokens_B, positions_B, caches, whole, psum_over_model
+    )
+    return logits, k_cache, v_cache
 
   @functools.partial(jax.jit, donate_argnums=(3, 4))
   def step(state, tokens_B, positions_B, k_cache, v_cache):
@@ -100,9 +159,50 @@ def decode_step(graphdef, state, tokens_B, positions_B, k_cache, v_cache):
   Keys past a row's position are hidden by its causal offset, so the unused tail of the cache
   (and a shorter row's padding, which its later tokens overwrite) needs no mask; with a
   sliding window W keys before position - W + 1 are masked (they may be zeros after a
-  windowed KV-Runahead prefill).
+  windowed KV-Runahead prefill). `ring_decode_step` keeps a windowed layer's window only.
   """
-  return _step(graphdef, state, tokens_B, positions_B, k_cache, v_cache)
+  caches = ((k_cache, v_cache),)
+  logits, ((k_cache, v_cache),) = _step(
+    graphdef, state, tokens_B, positions_B, caches, DecodeLayout.whole(k_cache.shape[0])
+  )
+  return logits, k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+def ring_decode_step(graphdef, layout: DecodeLayout, state, tokens_B, positions_B, caches):
+  """`decode_step` over a cache kept as `layout` says (`decode_caches`): per group (k, v)
+  [L_g, B, S_g, K, H], a windowed layer's a ring of its window; returns (logits [B, V],
+  caches)."""
+  return _step(graphdef, state, tokens_B, positions_B, caches, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def decode_caches(k_LBCKH, v_LBCKH, lengths_B, layout: DecodeLayout, capacity: int):
+  """A prompt-order cache [L, B, C, K, H] (row b's positions [0, lengths_B[b]) filled) as
+  `ring_decode_step` keeps it with room for `capacity` positions: per group of `layout`,
+  (k, v) [L_g, B, capacity, K, H] for layers that keep every position, and for a window W
+  [L_g, B, W, K, H] holding each row's last W positions at slot position mod W (zeros where
+  the row is shorter than the window)."""
+  C = k_LBCKH.shape[2]
+  caches = []
+  for group, ring in enumerate(layout.rings):
+    layers = layout.layers_of(group)
+    k, v = k_LBCKH[layers], v_LBCKH[layers]
+    if ring is None:
+      grow = ((0, 0), (0, 0), (0, capacity - C), (0, 0), (0, 0))
+      caches.append((jnp.pad(k, grow), jnp.pad(v, grow)))
+      continue
+    # Slot j holds the row's latest position p < length with p = j (mod W).
+    last_B1 = jnp.asarray(lengths_B, jnp.int32)[:, None] - 1
+    position_BW = last_B1 - jnp.mod(last_B1 - jnp.arange(ring), ring)
+    index = jnp.clip(position_BW, 0, C - 1)[None, :, :, None, None]
+    kept = (position_BW >= 0)[None, :, :, None, None]
+    caches.append(
+      tuple(
+        jnp.where(kept, jnp.take_along_axis(x, index, axis=2), 0).astype(x.dtype) for x in (k, v)
+      )
+    )
+  return tuple(caches)
 
 
 def part_attention(q_B1NH, part_2BPKH, positions_B, prompt_lens_B, runs, window: int | None):

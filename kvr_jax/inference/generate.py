@@ -239,20 +239,20 @@ def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
 
 def _whole_cache_stepper(model, result, lengths_B, max_new_tokens, seed):
   """cache="last": decode on the device holding the whole cache, grown there for the new
-  tokens."""
+  tokens; a windowed layer keeps only its window (a ring, decode.DecodeLayout) where the
+  window is shorter than the prompt and the new tokens."""
   device = result.device
   state = model.state_on(device)
-  grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
-  tail = jnp.pad(result.k_cache, grow), jnp.pad(result.v_cache, grow)
+  capacity = result.k_cache.shape[2] + max_new_tokens
+  layout = decode.DecodeLayout.of(model.config, capacity)
+  lengths_on_device = jax.device_put(lengths_B, device)
+  caches = decode.decode_caches(result.k_cache, result.v_cache, lengths_on_device, layout, capacity)
 
-  def step(token_B, index, tail):
+  def step(token_B, index, caches):
     positions_B = jax.device_put(lengths_B + index, device)
-    logits, k_cache, v_cache = decode.decode_step(
-      model.graphdef, state, token_B, positions_B, *tail
-    )
-    return logits, (k_cache, v_cache)
+    return decode.ring_decode_step(model.graphdef, layout, state, token_B, positions_B, caches)
 
-  return step, tail, result.logits, jax.device_put(jax.random.key(seed), device)
+  return step, caches, result.logits, jax.device_put(jax.random.key(seed), device)
 
 
 def _as_is(token_B):

@@ -194,10 +194,29 @@ def _decode_memory(config, graphdef, state, mesh, layout, cache, shape, dtype_na
   stats = step(config, graphdef, state, mesh, layout, shape, dtype_name).memory_analysis()
   # A donated argument's output reuses its buffer (the cache, the tail): counted once.
   return {
+    "decode_cache_bytes": _decode_cache_bytes(config, layout, cache, shape, dtype_name),
     "decode_argument_bytes": int(stats.argument_size_in_bytes),
     "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
     "decode_temp_bytes": int(stats.temp_size_in_bytes),
   }
+
+
+def _decode_cache_bytes(config, layout, cache, shape, dtype_name) -> int:
+  """The K,V one device decodes from (`decode_cache_bytes`): cache="sharded" its part and the
+  decoded tokens' K,V; cache="last" the whole cache with room for the new tokens, a windowed
+  layer's window only (decode.DecodeLayout; on a 2-D mesh every position, its heads)."""
+  context_len, batch, m, decode_tokens = shape
+  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
+  per_position = 2 * batch * K * H * np.dtype(dtype_name).itemsize
+  if cache == "sharded":
+    return L * (layout.part_len + decode_tokens) * per_position
+  capacity = context_len + decode_tokens
+  if m > 1:
+    return L * capacity * per_position
+  kept = decode.DecodeLayout.of(config, capacity)
+  return sum(
+    len(kept.layers_of(g)) * (ring or capacity) * per_position for g, ring in enumerate(kept.rings)
+  )
 
 
 _HEADS = jax.P(None, None, None, None, tensor_parallel.MODEL_AXIS, None)
@@ -238,11 +257,20 @@ def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
     program, arguments = decode.model_group_decode_step(graphdef, row), (state_shapes,)
     positions = _struct((batch,), np.int32, on_row)
   else:
+    # As generate keeps it: a windowed layer's window only (decode.DecodeLayout).
     last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
     state_shapes = jax.tree.map(lambda x: _struct(x.shape, x.dtype, last), state)
-    cache_shape = _struct(whole, dtype_name, last)
-    program, arguments = decode.decode_step, (graphdef, state_shapes)
+    capacity = context_len + decode_tokens
+    layout = decode.DecodeLayout.of(config, capacity)
+    caches = tuple(
+      (_struct((len(layout.layers_of(g)), batch, ring or capacity, K, H), dtype_name, last),) * 2
+      for g, ring in enumerate(layout.rings)
+    )
     positions = _struct((batch,), np.int32, last)
+    lowered = decode.ring_decode_step.lower(
+      graphdef, layout, state_shapes, positions, positions, caches
+    )
+    return _compile(lowered, dtype_name)
   # tokens and positions have the same shape and placement
   lowered = program.lower(*arguments, positions, positions, cache_shape, cache_shape)
   return _compile(lowered, dtype_name)
@@ -286,8 +314,9 @@ def compiled_memory(
   decode_tokens > 0: also `decode_argument_bytes`, `decode_output_bytes` (those not written
   into a donated argument's buffer), `decode_temp_bytes`: one decode step of the layout with
   room for that many new tokens (cache="last": on the last rank's device, the whole cache
-  grown by them among its arguments; cache="sharded": on every device, its part and the
-  decoded tokens' K,V among them).
+  grown by them among its arguments, a windowed layer's window only where it is shorter;
+  cache="sharded": on every device, its part and the decoded tokens' K,V among them); and
+  `decode_cache_bytes`, the K,V among those arguments.
   """
   config = _config(model)
   spec = get_strategy(strategy)
