@@ -235,15 +235,32 @@ def test_kvr_last_outputs_no_prompt_long_zeros_where_the_join_does_not_fit():
   assert two["output_bytes"] >= two["kv_cache_bytes"], two  # part + last hop: the whole cache
 
 
-def test_kvr_windowed_hops_move_the_parts(models, prompt, oracle):
-  """A window shorter than the prefix cuts the last hop: the parts move as for the peers,
-  and the cache is still whole."""
+def test_kvr_joins_its_last_hop_on_windowed_layers(models, prompt, oracle):
+  """A window shorter than the prefix cuts the last hop to its last W-1 keys: the last rank
+  still joins what it holds (no move), whole from S_{p-2} - W + 1 on (every key a query from
+  the prompt's end sees) and zeros before; decode from it gives single's greedy tokens. With
+  a padded row (its window may lie before the hop) the parts move and the cache is whole."""
   mesh, model = kvr_jax.make_mesh(2), models["window"]
-  kwargs = dict(strategy="kvr", mesh=mesh, partition=[20, 9])
-  assert not plan_prefill(model, prompt, **kwargs).keep_last_hop
-  assert plan_prefill(models["gqa"], prompt, **kwargs).keep_last_hop
+  kwargs = dict(strategy="kvr", mesh=mesh, partition=[20, 9], cache="last")
+  assert plan_prefill(model, prompt, **kwargs).keep_last_hop
   last = kvr_jax.prefill(model, prompt, **kwargs)
-  assert_close(last.k_cache, oracle["window"].k_cache, "K cache")
+  kept = 20 - WINDOW + 1
+  ref = oracle["window"]
+  for got, want in ((last.k_cache, ref.k_cache), (last.v_cache, ref.v_cache)):
+    assert_close(got[:, :, kept:], want[:, :, kept:], "the kept positions")
+    np.testing.assert_array_equal(got[:, :, :kept], 0)
+  greedy = kvr_jax.generate(model, prompt, 3 * WINDOW, **kwargs).tokens
+  want = kvr_jax.generate(model, prompt, 3 * WINDOW, cache="last").tokens
+  np.testing.assert_array_equal(greedy, want)
+  ragged = [prompt[0], prompt[1, :17]]  # row 1 ends before the hop's keys [15, 20)
+  assert not plan_prefill(model, ragged, **kwargs).keep_last_hop
+  moved = kvr_jax.prefill(model, ragged, **kwargs)
+  reference = kvr_jax.prefill(model, ragged)
+  assert_close(moved.k_cache, reference.k_cache, "K cache")
+  np.testing.assert_array_equal(
+    kvr_jax.generate(model, ragged, 3 * WINDOW, **kwargs).tokens,
+    kvr_jax.generate(model, ragged, 3 * WINDOW, cache="last").tokens,
+  )
 
 
 def test_cache_layout_refused_before_compiling(models, prompt):

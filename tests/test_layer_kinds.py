@@ -71,17 +71,18 @@ def test_a_models_kinds_in_compile_order():
   assert LlamaConfig(**TINY, sliding_window=6).kind == AttentionKind(6)
 
 
-def test_the_last_hop_is_kept_only_where_every_kind_carries_the_whole_prefix():
-  chunks = (40, 30, 20)  # the last hop carries [0, 70)
-  assert schedule.whole_prefix_hops(chunks, (FULL_ATTENTION,))
-  assert schedule.whole_prefix_hops(chunks, (AttentionKind(71), FULL_ATTENTION))
-  assert not schedule.whole_prefix_hops(chunks, (AttentionKind(70), FULL_ATTENTION))
-  assert not schedule.whole_prefix_hops((90,), (FULL_ATTENTION,))  # one rank: no hop
-  with pytest.raises(ValueError, match="layers of \\['attention, window 8'\\] kind cut it"):
-    schedule.check_keep_last_hop(True, chunks, (AttentionKind(8), FULL_ATTENTION))
+def test_the_last_hop_holds_the_cache_on_every_kind_past_one_rank():
+  """The last hop carries [0, 70) on a full layer, and on a windowed one its last W-1 keys,
+  which with the last chunk [70, 90) hold every key a query from position 89 on sees."""
+  chunks = (40, 30, 20)
+  for kinds in ((FULL_ATTENTION,), (AttentionKind(71), FULL_ATTENTION), (AttentionKind(8),)):
+    assert schedule.last_hop_holds_cache(chunks, kinds)
+  assert not schedule.last_hop_holds_cache((90,), (FULL_ATTENTION,))  # one rank: no hop
+  with pytest.raises(ValueError, match="one rank receives no hop"):
+    schedule.check_keep_last_hop(True, (90,), (AttentionKind(8), FULL_ATTENTION))
   spec = runahead.STRATEGY
-  assert spec.keeps_last_hop("last", chunks, (FULL_ATTENTION,))
-  assert not spec.keeps_last_hop("last", chunks, (AttentionKind(8),))
+  assert spec.keeps_last_hop("last", chunks, (AttentionKind(8),))
+  assert not spec.keeps_last_hop("sharded", chunks, (AttentionKind(8),))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -359,6 +359,11 @@ def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memor
   config, B = shape.config, shape.batch
   if model_parallel(mesh) > 1 or not spec.keeps_last_hop(cache, chunks, config.kinds):
     return False
+  hop_end = sum(chunks[:-1])
+  if shape.padded and not all(kind.hop_keeps_whole_prefix(hop_end) for kind in config.kinds):
+    # A padded row ends before the prompt does: its window may lie before what a windowed
+    # layer's last hop carries (only the prompt's last window), so the parts move.
+    return False
   hop_bytes = last_hop_bytes(config, chunks, B, shape.itemsize, config.num_kv_heads)
   if device_memory is None:
     device_memory = device_memory_bytes(mesh.devices.flat[0])

@@ -87,7 +87,9 @@ def _model_heads(k_LBSKH, v_LBSKH, kv_heads: int | None):
 class WholeCache(PrefillResult):
   """cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len,
   in prompt order on the last rank's device (`device`), where decode continues; None in a
-  process that does not hold them."""
+  process that does not hold them. A windowed layer's (W) positions before
+  prompt_len - W + 1 may be zeros: no query from the prompt's end on reads them, and
+  KV-Runahead's last hop does not carry them (its join keeps what decode reads)."""
 
   k_cache: jax.Array | None
   v_cache: jax.Array | None

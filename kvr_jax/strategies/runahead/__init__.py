@@ -68,7 +68,10 @@ W-1 keys of [0, S_k) and each rank attends to [start - W + 1, S_i): hop bytes an
 are bounded by W whatever the prompt length. The last rank then holds the K,V decode needs,
 positions [C - W + 1, C) and more; positions no rank passed on stay zero in its cache, and
 decode masks by the window, so it never reads them. The cache parts hold every position
-(each rank keeps its whole chunk).
+(each rank keeps its whole chunk). So cache="last" joins the last hop on windowed layers too
+(`last_hop_holds_cache`): the kept message is set at its positions, zeros before its window
+start, and the last rank's cache is whole where decode reads it (no move; generate then keeps
+each windowed layer's window only, kvr_jax.inference.decode.DecodeLayout).
 """
 
 from __future__ import annotations
@@ -110,9 +113,9 @@ from kvr_jax.strategies.runahead.schedule import (
   check_body,
   early_rows_in_blocks,
   hop_span,
+  last_hop_holds_cache,
   one_body_block,
   rows_before_hop,
-  whole_prefix_hops,
 )
 from models.kernels import get_kernel
 
@@ -146,7 +149,7 @@ __all__ = [
   "rows_before_hop",
   "split_as_data_strategy",
   "varying_axes",
-  "whole_prefix_hops",
+  "last_hop_holds_cache",
   "with_body",
 ]
 
@@ -159,7 +162,7 @@ def kvr_body(graphdef, chunks, attention, timeline, keep_last_hop, body=None):
 
   The compiled program: f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L,
   2, B*c_max, K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
-  keep_last_hop (only where `whole_prefix_hops`): the second output is (kv parts, last-hop
+  keep_last_hop (only where `last_hop_holds_cache`): the second output is (kv parts, last-hop
   messages [p, L, 2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's
   first S_{p-2} positions."""
   body = check_body(body, attention, len(chunks))
@@ -216,7 +219,7 @@ STRATEGY = Strategy(
   compile=compile_program,
   modelled_layer=modelled_layer,
   timeline_probes=True,
-  cache_from_last_hop=whole_prefix_hops,
+  cache_from_last_hop=last_hop_holds_cache,
   options=Options(),
 )
 

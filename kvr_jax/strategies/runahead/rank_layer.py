@@ -346,7 +346,14 @@ class RankLayer:
     # Only this rank's chunk leaves the layer (and, kept, what the last hop brought), in
     # parts of part_len rows whichever body ran (one cache layout).
     own_out = fold_batch(own_2BcKH[:, :, : self.part_len])  # R = B * part_len rows
-    kept = (own_out, fold_batch(message)) if self.keep_last_hop else own_out  # B * S_{p-2}
+    if not self.keep_last_hop:
+      return x_BcD, buffer_2BSKH, own_out
+    # A windowed layer's last hop carries only [S_{p-2} - W + 1, S_{p-2}): kept at those
+    # positions, zeros before (no query from the prompt's end on reads them), so that every
+    # layer's kept message has the prefix's S_{p-2} rows.
+    hop_start = chunk_starts(self.chunks)[-1] - message.shape[2]
+    message = jnp.pad(message, ((0, 0), (0, 0), (hop_start, 0), (0, 0), (0, 0)))
+    kept = (own_out, fold_batch(message))  # B * S_{p-2} rows
     return x_BcD, buffer_2BSKH, kept
 
 

@@ -77,26 +77,25 @@ def hop_span(k: int, chunks: tuple[int, ...], kind: AttentionKind) -> tuple[int,
   return kind.hop_span(prefix_ends(chunks)[k])
 
 
-def whole_prefix_hops(chunks: tuple[int, ...], kinds: tuple[AttentionKind, ...]) -> bool:
-  """On every layer kind the last hop carries every earlier position [0, S_{p-2}) (no window
-  cuts it): the last rank can then hold the whole cache without a move
-  (`compile_program(keep_last_hop=True)`)."""
+def last_hop_holds_cache(chunks: tuple[int, ...], kinds: tuple[AttentionKind, ...]) -> bool:
+  """The last hop's message and the last rank's own chunk hold every key that decode reads
+  from the prompt's last position on, on every layer kind: the last rank can keep them as the
+  cache (`compile_program(keep_last_hop=True)`), nothing moves. On a full layer the hop is
+  the whole prefix; on a windowed one (W) its last W-1 keys [S_{p-2} - W + 1, S_{p-2}),
+  whose window with the own chunk reaches back past the last position's (so the cache is
+  zeros before them). One rank has no hop."""
   if len(chunks) < 2:
     return False
-  return all(kind.hop_keeps_whole_prefix(prefix_ends(chunks)[-2]) for kind in kinds)
+  hop_end, last = prefix_ends(chunks)[-2], sum(chunks) - 1
+  return all(kind.first_key(hop_end) <= kind.first_key(last) for kind in kinds)
 
 
 def check_keep_last_hop(keep_last_hop: bool, chunks: tuple[int, ...], kinds) -> None:
-  """keep_last_hop only where the last hop carries the whole prefix (`whole_prefix_hops`)."""
-  if keep_last_hop and not whole_prefix_hops(chunks, kinds):
-    cut = [
-      k.name
-      for k in kinds
-      if len(chunks) > 1 and not k.hop_keeps_whole_prefix(prefix_ends(chunks)[-2])
-    ]
+  """keep_last_hop only where the last hop holds the cache (`last_hop_holds_cache`)."""
+  if keep_last_hop and not last_hop_holds_cache(chunks, kinds):
     raise ValueError(
-      f"keep_last_hop: the last hop of {chunks} does not carry the whole prefix (one rank, "
-      f"or layers of {cut or 'no'} kind cut it); move the parts instead"
+      f"keep_last_hop: the last hop of {chunks} does not hold the cache (one rank receives no "
+      "hop); move the parts instead"
     )
 
 
