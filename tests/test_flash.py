@@ -627,5 +627,8 @@ def test_early_diagonal_rows_under_a_window_qwen3_and_a_2d_mesh(form):
   one_body = runahead.ONE_BODY_STRATEGY  # two ranks run the per-rank program by default
   got = kvr_jax.prefill(model, tokens, one_body, mesh=mesh, partition=list(chunks))
   assert_close(got.logits, want.logits, "logits")
-  assert_close(got.k_cache, want.k_cache, "K cache")
-  assert_close(got.v_cache, want.v_cache, "V cache")
+  # What decode reads: the whole cache, or on a windowed layer from its last hop's first key
+  # on (KV-Runahead's join keeps no more there: zeros before it).
+  first = model.config.kind.first_key(chunks[0])
+  assert_close(got.k_cache[:, :, first:], want.k_cache[:, :, first:], "K cache")
+  assert_close(got.v_cache[:, :, first:], want.v_cache[:, :, first:], "V cache")
