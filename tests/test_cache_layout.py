@@ -313,16 +313,22 @@ def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p
   # Step by step, the same tokens fed to both: every step's logits within tolerance.
   tokens = [np.asarray(t, np.int32) for t in single.tokens.T[:-1]]
   want = single_decode_logits(model, ref, tokens)
-  program = decode.sharded_decode_program(model.graphdef, mesh, got.prefill.cache_layout)
+  L_f, K, H = got.prefill.kv_parts.shape[1], *got.prefill.kv_parts.shape[4:]
+  # A window shorter than the prompt keeps its ring only: no layer left in the parts.
+  kept = got.prefill.kept or decode.DecodeLayout.whole(L_f)
+  windowed = name == "window"
+  assert kept.rings == ((WINDOW,) if windowed else (None,))
+  assert L_f == (0 if windowed else model.config.num_layers)
+  program = decode.sharded_decode_program(model.graphdef, mesh, got.prefill.cache_layout, kept)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   state = model.state_on(replicated)
-  L, K, H = got.prefill.kv_parts.shape[1], *got.prefill.kv_parts.shape[4:]
   B = prompt.shape[0]
-  tail = jax.numpy.zeros((L, 2, B, len(tokens), K, H), device=replicated)
+  tail = jax.numpy.zeros((L_f, 2, B, len(tokens), K, H), device=replicated)
+  caches = jax.tree.map(jax.numpy.copy, got.prefill.rings[0]) if windowed else tail
   prompt_lens = jax.device_put(np.full(B, ref.prompt_len, np.int32), replicated)
   for i, token in enumerate(tokens):
     token = jax.device_put(token, replicated)
-    logits, tail = program(state, token, prompt_lens, got.prefill.kv_parts, tail, i)
+    logits, (caches,) = program(state, token, prompt_lens, got.prefill.kv_parts, (caches,), i)
     assert_close(logits, want[i], f"{name} {strategy} decode step {i}")
 
 

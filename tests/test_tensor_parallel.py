@@ -215,7 +215,7 @@ def cache_in_prompt_order(result):
   K, H], from the result's CacheLayout."""
   parts = np.asarray(result.kv_parts)
   L, K, H, P = parts.shape[1], parts.shape[-2], parts.shape[-1], result.cache_layout.part_len
-  parts = parts.reshape(parts.shape[0], L, 2, -1, P, K, H)
+  parts = parts.reshape(parts.shape[0], L, 2, parts.shape[3] // P, P, K, H)
   runs = result.cache_layout.runs_in_prompt_order()
   kv = np.concatenate([parts[r, :, :, :, row : row + n] for r, row, _, n in runs], axis=3)
   return kv[:, 0], kv[:, 1]
@@ -233,20 +233,37 @@ def test_strategies_on_a_2d_mesh_match_single(prefill_models, name, strategy, sh
   assert_close(result.logits, oracle.logits, "logits")
   assert result.kv_parts.sharding.spec == PartitionSpec(AXIS, None, None, None, MODEL_AXIS, None)
   config = model.config
+  # The parts hold the layers that keep every position: all of them, or none where a window
+  # shorter than the prompt keeps a ring instead (then zeros before it in prompt order).
+  in_parts = np.arange(config.num_layers) if result.kept is None else []
+  assert (result.kept is None) == (name != "window")
   k, v = cache_in_prompt_order(result)
-  assert_close(k, heads_as_sharded(oracle.k_cache, config, m), "K cache")
-  assert_close(v, heads_as_sharded(oracle.v_cache, config, m), "V cache")
+  assert k.shape[0] == len(in_parts)
+  if len(in_parts):
+    want_k, want_v = (np.asarray(x)[in_parts] for x in (oracle.k_cache, oracle.v_cache))
+    assert_close(k, heads_as_sharded(want_k, config, m), "K cache")
+    assert_close(v, heads_as_sharded(want_v, config, m), "V cache")
+  want_k, want_v = (as_kept(x, config.sliding_window) for x in (oracle.k_cache, oracle.v_cache))
   # cache="last": moved onto the last rank's row of devices, heads split over "model" (each
   # head repeated on m/K shards where K < m) as decode reads it; gather_cache() gives single's
   # K heads on that row.
   k, v = result.decode_cache()
   assert set(k.devices()) == set(mesh.devices[-1]) and k.sharding.spec[3] == MODEL_AXIS
-  assert_close(k, heads_as_sharded(oracle.k_cache, config, m), "K cache on the last rank")
-  assert_close(v, heads_as_sharded(oracle.v_cache, config, m), "V cache on the last rank")
+  assert_close(k, heads_as_sharded(want_k, config, m), "K cache on the last rank")
+  assert_close(v, heads_as_sharded(want_v, config, m), "V cache on the last rank")
   k, v = result.gather_cache()
   assert set(k.devices()) == set(mesh.devices[-1]) and k.shape == oracle.k_cache.shape
-  assert_close(k, oracle.k_cache, "gathered K cache")
-  assert_close(v, oracle.v_cache, "gathered V cache")
+  assert_close(k, want_k, "gathered K cache")
+  assert_close(v, want_v, "gathered V cache")
+
+
+def as_kept(cache_LBCKH, window: int | None) -> np.ndarray:
+  """Single's cache as a windowed model keeps it once the prompt outgrew the window (every
+  layer windowed, rows of one length): each layer's last W positions, zeros before."""
+  cache = np.array(cache_LBCKH)
+  if window is not None and window < cache.shape[2]:
+    cache[:, :, : cache.shape[2] - window] = 0
+  return cache
 
 
 def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):
@@ -315,6 +332,10 @@ def test_a_2d_program_compiles_once_per_shape(prefill_models):
     ("gqa", "kvr", (2, 4), "last"),
     ("mqa", "allgather", (4, 2), "sharded"),
     ("gqa", "kvr", (2, 4), "sharded"),
+    # Window 6 shorter than the prompt: rings of it, heads split, on the last row ("last") and
+    # replicated over the ranks ("sharded").
+    ("window", "allgather", (2, 4), "last"),
+    ("window", "kvr", (4, 2), "sharded"),
   ],
 )
 def test_greedy_decode_on_a_2d_mesh_is_single_devices(prefill_models, name, strategy, shape, cache):

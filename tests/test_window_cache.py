@@ -102,21 +102,53 @@ STRATEGY_RUNS = {
 
 
 @pytest.mark.parametrize(
-  ("case", "strategy"),
-  [("gemma3-local-global", s) for s in STRATEGY_RUNS]
-  + [("mistral-window", "single"), ("gpt-oss-yarn", "single")],
+  ("case", "strategy", "cache"),
+  [("gemma3-local-global", s, "last") for s in STRATEGY_RUNS]
+  + [("mistral-window", "single", "last"), ("gpt-oss-yarn", "single", "last")]
+  + [("gemma3-local-global", s, "sharded") for s in ("kvr", "ring", "tsp")]
+  + [("mistral-window", "allgather", "sharded"), ("gpt-oss-yarn", "kvr", "sharded")],
 )
 def test_greedy_decode_far_past_the_window_matches_transformers(
-  checkpoints, rows, want, case, strategy
+  checkpoints, rows, want, case, strategy, cache
 ):
-  """Prefill with `strategy` (cache="last"), then three windows and more decoded from the
-  rings: each row's tokens are those of transformers' uncached forward."""
+  """Prefill with `strategy`, then three windows and more decoded from the rings (cache="last":
+  on the last rank; "sharded": replicated beside the other layers' parts): each row's tokens
+  are those of transformers' uncached forward."""
   _, _, ours = checkpoints[case]
   run = dict(STRATEGY_RUNS[strategy])
   mesh = kvr_jax.make_mesh(run.pop("mesh")) if "mesh" in run else None
-  out = kvr_jax.generate(ours, rows, NEW_TOKENS, strategy=strategy, mesh=mesh, cache="last", **run)
+  out = kvr_jax.generate(ours, rows, NEW_TOKENS, strategy=strategy, mesh=mesh, cache=cache, **run)
   for b in range(len(rows)):
     np.testing.assert_array_equal(out.tokens[b], want[case][b], err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("strategy", ["kvr", "allgather"])
+def test_sharded_layout_keeps_a_windowed_layers_ring_only(checkpoints, rows, strategy):
+  """cache="sharded" on Gemma 3 mixed (layer 0 windowed at 6, layer 1 full), ragged rows: the
+  parts hold the full layer only; the windowed layer a replicated ring [1, B, W, K, H]; the
+  cache in prompt order equals single's where the ring keeps it (each row's last W
+  positions) and is zeros before."""
+  _, _, ours = checkpoints["gemma3-local-global"]
+  run = dict(STRATEGY_RUNS[strategy])
+  mesh = kvr_jax.make_mesh(run.pop("mesh"))
+  got = kvr_jax.prefill(ours, rows, strategy=strategy, mesh=mesh, cache="sharded", **run)
+  single = kvr_jax.prefill(ours, rows)
+  B = len(rows)
+  K, H = ours.config.num_kv_heads, ours.config.head_dim
+  assert got.kept.rings == (WINDOW, None) and got.kv_parts.shape[1] == 1
+  k_ring, v_ring = got.rings[0]
+  assert k_ring.shape == v_ring.shape == (1, B, WINDOW, K, H)
+  assert k_ring.sharding.is_fully_replicated
+  k_got, v_got = (np.asarray(x) for x in got.gather_cache())
+  k_want, v_want = (np.asarray(x) for x in single.gather_cache())
+  np.testing.assert_allclose(k_got[1], k_want[1], atol=1e-5, rtol=0)  # the full layer
+  for b, length in enumerate(LENGTHS):
+    start = max(0, length - WINDOW)
+    for got_x, want_x in ((k_got, k_want), (v_got, v_want)):
+      np.testing.assert_allclose(
+        got_x[0, b, start:length], want_x[0, b, start:length], atol=1e-5, rtol=0
+      )
+      np.testing.assert_array_equal(got_x[0, b, :start], 0)
 
 
 def test_memory_counts_a_windowed_layers_window_only():
@@ -130,6 +162,20 @@ def test_memory_counts_a_windowed_layers_window_only():
   step_arguments = figures["decode_argument_bytes"] - figures["weights_bytes"]
   assert figures["decode_cache_bytes"] <= step_arguments < figures["decode_cache_bytes"] + 64
   assert jax.devices()[0].platform == "cpu"  # the suite's figures are XLA:CPU's
+  # cache="sharded" on 4 ranks: the full layer's part (250 positions) and tail, and the rings,
+  # replicated on every rank (the prompt outgrew the window).
+  sharded = compiled_memory(
+    "tiny-gemma",
+    "kvr",
+    context_len=1000,
+    num_ranks=4,
+    partition="even",
+    cache="sharded",
+    decode_tokens=24,
+  )
+  assert sharded["decode_cache_bytes"] == rings + 1 * (250 + 24) * per_position
+  step_arguments = sharded["decode_argument_bytes"] - sharded["weights_bytes"]
+  assert sharded["decode_cache_bytes"] <= step_arguments < sharded["decode_cache_bytes"] + 64
 
 
 def test_gemma_270m_is_refused_by_name_without_its_wheels(monkeypatch, tmp_path):

@@ -87,29 +87,20 @@ def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_redu
     # sequence, by index): with it donated, no second copy exists during the step; attention
     # reads this layer's [B, S_g, K, H] slice.
     x_B1D, caches = carry
-    window = block.config.kind.window
-    group = layout.group_of_window(window)
+    group = layout.group_of_window(block.config.kind.window)
     ring = layout.rings[group]
-    k_LBSKH, v_LBSKH = caches[group]
     q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
-    written_B = positions_B if ring is None else positions_B % ring
-    k_LBSKH = k_LBSKH.at[slot, rows_B, written_B].set(k_B1KH[:, 0].astype(k_LBSKH.dtype))
-    v_LBSKH = v_LBSKH.at[slot, rows_B, written_B].set(v_B1KH[:, 0].astype(v_LBSKH.dtype))
     if ring is None:
+      k_LBSKH, v_LBSKH = caches[group]
+      k_LBSKH = k_LBSKH.at[slot, rows_B, positions_B].set(k_B1KH[:, 0].astype(k_LBSKH.dtype))
+      v_LBSKH = v_LBSKH.at[slot, rows_B, positions_B].set(v_B1KH[:, 0].astype(v_LBSKH.dtype))
       attn_B1NH = block.attend(q_B1NH, k_LBSKH[slot], v_LBSKH[slot], positions_B, "dense")
+      kept = (k_LBSKH, v_LBSKH)
     else:
-      # The ring holds exactly the window's positions once it is full, in slot order (the
-      # softmax does not care which): nothing to mask then; before, slots past the token's
-      # position are empty, hidden as a causal offset hides them.
-      attn_B1NH = attend_static(
-        q_B1NH,
-        k_LBSKH[slot],
-        v_LBSKH[slot],
-        jnp.minimum(positions_B, ring - 1),
-        "dense",
-        sinks_N=block.sinks_N,
+      attn_B1NH, kept = ring_attention(
+        block, q_B1NH, k_B1KH, v_B1KH, caches[group], slot, positions_B, ring
       )
-    caches = (*caches[:group], (k_LBSKH, v_LBSKH), *caches[group + 1 :])
+    caches = (*caches[:group], kept, *caches[group + 1 :])
     return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
 
   slots_L = jnp.asarray(layout.slot_of_layer, jnp.int32)
@@ -119,33 +110,51 @@ def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_redu
   return model.logits(x_B1D)[:, 0], caches
 
 
+def ring_attention(block, q_B1NH, k_B1KH, v_B1KH, ring_kv, slot, positions_B, ring: int):
+  """A windowed layer's decode attention over its ring (`DecodeLayout`): the new token's K,V
+  written at position mod W of layer `slot` of ring_kv ((k, v) [L_g, B, W, K, H]), where the
+  ring lies, then its queries attend the ring. Returns (attn [B, 1, N, H], ring_kv)."""
+  k_LBWKH, v_LBWKH = ring_kv
+  rows_B, written_B = jnp.arange(positions_B.shape[0]), positions_B % ring
+  k_LBWKH = k_LBWKH.at[slot, rows_B, written_B].set(k_B1KH[:, 0].astype(k_LBWKH.dtype))
+  v_LBWKH = v_LBWKH.at[slot, rows_B, written_B].set(v_B1KH[:, 0].astype(v_LBWKH.dtype))
+  # The ring holds exactly the window's positions once it is full, in slot order (the softmax
+  # does not care which): nothing to mask then; before, slots past the token's position are
+  # empty, hidden as a causal offset hides them.
+  attn_B1NH = attend_static(
+    q_B1NH,
+    k_LBWKH[slot],
+    v_LBWKH[slot],
+    jnp.minimum(positions_B, ring - 1),
+    "dense",
+    sinks_N=block.sinks_N,
+  )
+  return attn_B1NH, (k_LBWKH, v_LBWKH)
+
+
 @kept_cache(32)
-def model_group_decode_step(graphdef, group_mesh):
-  """`decode_step` on one rank's row of devices (a ("ranks", "model") mesh of one rank): the
-  weights split as the prefill split them (`Model.state_split_over(group_mesh)`), the cache
-  [L, B, S_max, K, H] with its heads split over "model", tokens and positions replicated;
-  returns (logits [B, V] replicated, k_cache, v_cache)."""
+def model_group_decode_step(graphdef, group_mesh, layout: DecodeLayout):
+  """`ring_decode_step` on one rank's row of devices (a ("ranks", "model") mesh of one rank):
+  the weights split as the prefill split them (`Model.state_split_over(group_mesh)`), the
+  caches as `layout` keeps them (`decode_caches`) with their heads split over "model", tokens
+  and positions replicated; returns (logits [B, V] replicated, caches)."""
   P = jax.P
   heads = P(None, None, None, MODEL_AXIS, None)
+  caches_spec = tuple((heads, heads) for _ in layout.rings)
 
-  def shard_step(state, tokens_B, positions_B, k_cache, v_cache):
-    whole = DecodeLayout.whole(k_cache.shape[0])
-    caches = ((k_cache, v_cache),)
-    logits, ((k_cache, v_cache),) = _step(
-      graphdef, state, tokens_B, positions_B, caches, whole, psum_over_model
-    )
-    return logits, k_cache, v_cache
+  def shard_step(state, tokens_B, positions_B, caches):
+    return _step(graphdef, state, tokens_B, positions_B, caches, layout, psum_over_model)
 
-  @functools.partial(jax.jit, donate_argnums=(3, 4))
-  def step(state, tokens_B, positions_B, k_cache, v_cache):
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def step(state, tokens_B, positions_B, caches):
     # check_vma=False as in strategies.base.spmd: the psummed logits are whole on every shard.
     return jax.shard_map(
       shard_step,
       mesh=group_mesh,
-      in_specs=(partition_specs(state), P(), P(), heads, heads),
-      out_specs=(P(), heads, heads),
+      in_specs=(partition_specs(state), P(), P(), caches_spec),
+      out_specs=(P(), caches_spec),
       check_vma=False,
-    )(state, tokens_B, positions_B, k_cache, v_cache)
+    )(state, tokens_B, positions_B, caches)
 
   return step
 
@@ -205,6 +214,76 @@ def decode_caches(k_LBCKH, v_LBCKH, lengths_B, layout: DecodeLayout, capacity: i
   return tuple(caches)
 
 
+@kept_cache(32)
+def sharded_rings_program(mesh, layout: CacheLayout, kept: DecodeLayout):
+  """f(kv_parts [p, L, 2, B*P, K, H], lengths_B) -> (parts [p, L_f, 2, B*P, K, H], rings): the
+  prefill's parts (`layout`) as the sharded decode keeps them (`kept`, `DecodeLayout.of` the
+  prompt): the layers of its every-position group stay in the parts; a windowed layer whose
+  window the prompt outgrew keeps only its ring, (k, v) [L_g, B, W, K, H] per ring group,
+  each row's last W prompt positions at slot position mod W (zeros where the row is shorter
+  than the window), replicated over the ranks (heads split over "model" on a 2-D mesh).
+  The ranks holding those positions contribute them, one psum of the window-sized rings:
+  nothing else moves."""
+  P = jax.P
+  p, C = layout.num_ranks, layout.context_len
+  # Which row of a rank's part holds each prompt position (-1: another rank's).
+  part_row_pC = np.full((p, C), -1, np.int32)
+  for rank, runs in enumerate(layout.segments):
+    for position, length, row in runs:
+      part_row_pC[rank, position : position + length] = np.arange(row, row + length)
+  every_position = [g for g, ring in enumerate(kept.rings) if ring is None]
+  full_layers = kept.layers_of(every_position[0]) if every_position else np.zeros(0, int)
+
+  def body(parts_1L2RKH, lengths_B):
+    part_row_C = jnp.asarray(part_row_pC)[jax.lax.axis_index(AXIS)]
+    part_L2BPKH = unfold_batch(parts_1L2RKH[0], layout.part_len)
+    rings = []
+    for group, ring in enumerate(kept.rings):
+      if ring is None:
+        rings.append(None)
+        continue
+      last_B1 = lengths_B[:, None] - 1
+      position_BW = last_B1 - jnp.mod(last_B1 - jnp.arange(ring), ring)
+      row_BW = jnp.where(position_BW >= 0, part_row_C[jnp.clip(position_BW, 0, C - 1)], -1)
+      index = jnp.clip(row_BW, 0)[None, None, :, :, None, None]
+      ring_L2BWKH = jnp.take_along_axis(part_L2BPKH[kept.layers_of(group)], index, axis=3)
+      ring_L2BWKH = jnp.where((row_BW >= 0)[None, None, :, :, None, None], ring_L2BWKH, 0)
+      # Each position is one rank's: the sum over ranks is each slot's own K,V, exactly.
+      ring_L2BWKH = jax.lax.psum(ring_L2BWKH, AXIS)
+      rings.append((ring_L2BWKH[:, 0], ring_L2BWKH[:, 1]))
+    return parts_1L2RKH[:, full_layers], tuple(rings)
+
+  split = model_parallel(mesh) > 1
+  ring_spec = P(None, None, None, MODEL_AXIS, None) if split else P()
+  rings_spec = tuple(None if w is None else (ring_spec, ring_spec) for w in kept.rings)
+  return jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(parts_spec(mesh), P()),
+      out_specs=(parts_spec(mesh), rings_spec),
+      check_vma=not split,
+    )
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def prompt_order_of_rings(k_LBWKH, v_LBWKH, lengths_B, context_len: int):
+  """A ring group ((k, v) [L_g, B, W, K, H], `sharded_rings_program`) in prompt order,
+  [L_g, B, C, K, H]: row b's positions [lengths_B[b] - W, lengths_B[b]) from their slots,
+  zeros elsewhere (what the ring no longer holds, and a padded row's padding)."""
+  W = k_LBWKH.shape[2]
+  position_C = jnp.arange(context_len)
+  lengths_B1 = jnp.asarray(lengths_B, jnp.int32)[:, None]
+  held_BC = (position_C >= lengths_B1 - W) & (position_C < lengths_B1)
+  index = jnp.broadcast_to(position_C % W, held_BC.shape)[None, :, :, None, None]
+  held = held_BC[None, :, :, None, None]
+  return tuple(
+    jnp.where(held, jnp.take_along_axis(x, index, axis=2), 0).astype(x.dtype)
+    for x in (k_LBWKH, v_LBWKH)
+  )
+
+
 def part_attention(q_B1NH, part_2BPKH, positions_B, prompt_lens_B, runs, window: int | None):
   """One rank's partial attention of the new tokens (row b at `positions_B[b]`) over its
   part: every run (prompt position, length, row) at its own offset, only the keys before the
@@ -251,35 +330,47 @@ def merge_across_ranks(out_B1NH, lse_B1N):
 
 
 @kept_cache(32)
-def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
-  """f(state, tokens_B, prompt_lens_B, kv_parts [p, L, 2, B*P, K, H], tail [L, 2, B, M, K, H],
-  tail_index) -> (logits [B, V], tail): one token per sequence from a sharded cache, row b at
-  position prompt_lens_B[b] + tail_index: the parts hold each row's prompt positions
-  [0, prompt_lens_B[b]) (and padding after them in a ragged batch), `tail` (donated) the
-  decoded tokens' K,V, this one's written at `tail_index`. Tokens, lengths and logits are
-  replicated; the parts stay sharded by rank. On a 1-D mesh the weights and the tail are
-  replicated; on a ("ranks", "model") mesh the weights are split as the prefill split them
-  (`Model.state_split_over(mesh)`) and the parts' and the tail's heads over "model"."""
+def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayout):
+  """f(state, tokens_B, prompt_lens_B, kv_parts [p, L_f, 2, B*P, K, H], caches, tail_index)
+  -> (logits [B, V], caches): one token per sequence from a sharded cache, row b at position
+  prompt_lens_B[b] + tail_index. `kept` (`sharded_rings`) says what each layer keeps: the
+  L_f layers of its every-position group have parts (rank r's holding each row's prompt
+  positions `layout.segments[r]`, padding after a ragged row's length) and a tail [L_f, 2, B,
+  M, K, H] of the decoded tokens' K,V, this one's written at `tail_index`; a windowed layer
+  whose window the prompt outgrew keeps a ring of it ((k, v) [L_g, B, W, K, H], replicated:
+  every rank attends it alike, no merge). `caches` (donated): per group of `kept`, the tail
+  or the ring. Tokens, lengths and logits are replicated; the parts stay sharded by rank. On
+  a 1-D mesh the weights are replicated; on a ("ranks", "model") mesh they are split as the
+  prefill split them (`Model.state_split_over(mesh)`) and every cache's heads over
+  "model"."""
   p = layout.num_ranks
   reduce = psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
-  def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, tail_L2BMKH, tail_index):
+  def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, caches, tail_index):
     model = nnx.merge(graphdef, state)
     rank = jax.lax.axis_index(AXIS)
     positions_B = prompt_lens_B + tail_index
 
-    def layer(block, carry, l):
-      # The tail [L, 2, B, M, K, H] is carried and written where it lies (this token's row of
-      # layer l, by index), the parts read a layer at a time: no second copy of either.
-      x_B1D, tail_L2BMKH = carry
+    def layer(block, carry, slot):
+      # Each cache is carried and written where it lies (this token's row of the layer's
+      # slot, by index), the parts read a layer at a time: no second copy of either.
+      x_B1D, caches = carry
       window = block.config.kind.window  # this layer's kind (they may differ)
-      part_2BPKH = unfold_batch(kv_parts_1L2BPKH[0, l], layout.part_len)
+      group = kept.group_of_window(window)
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
+      if kept.rings[group] is not None:
+        attn_B1NH, written = ring_attention(
+          block, q_B1NH, k_B1KH, v_B1KH, caches[group], slot, positions_B, kept.rings[group]
+        )
+        caches = (*caches[:group], written, *caches[group + 1 :])
+        return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
+      tail_L2BMKH = caches[group]
+      part_2BPKH = unfold_batch(kv_parts_1L2BPKH[0, slot], layout.part_len)
       new_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(tail_L2BMKH.dtype)
       tail_L2BMKH = jax.lax.dynamic_update_slice(
-        tail_L2BMKH, new_2B1KH[None], (l, 0, 0, tail_index, 0, 0)
+        tail_L2BMKH, new_2B1KH[None], (slot, 0, 0, tail_index, 0, 0)
       )
-      tail_2BMKH = tail_L2BMKH[l]
+      tail_2BMKH = tail_L2BMKH[slot]
       out, lse = jax.lax.switch(
         rank,
         [
@@ -300,34 +391,37 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout):
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
       out, lse = merge_partials(out, lse, tail_out, tail_lse)
       attn_B1NH = merge_across_ranks(out, lse).astype(q_B1NH.dtype)
-      return (block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH), None
+      caches = (*caches[:group], tail_L2BMKH, *caches[group + 1 :])
+      return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
 
-    layers_L = jnp.arange(tail_L2BMKH.shape[0], dtype=jnp.int32)
+    slots_L = jnp.asarray(kept.slot_of_layer, jnp.int32)
     x_B1D = model.embed(tokens_B[:, None])
-    (x_B1D, tail_L2BMKH), _ = scan_blocks(model.blocks, layer, (x_B1D, tail_L2BMKH), layers_L)
-    return model.logits(x_B1D)[:, 0], tail_L2BMKH
+    (x_B1D, caches), _ = scan_blocks(model.blocks, layer, (x_B1D, tuple(caches)), slots_L)
+    return model.logits(x_B1D)[:, 0], caches
 
-  return _sharded_step_over(step, mesh)
+  return _sharded_step_over(step, mesh, kept)
 
 
-def _sharded_step_over(step, mesh):
+def _sharded_step_over(step, mesh, kept: DecodeLayout):
   """The jitted SPMD program of the sharded step on `mesh`: the parts by rank, everything
   else replicated on a 1-D mesh; on a 2-D mesh the weights split (their partition specs from
-  the state at trace time) and the parts' and the tail's heads over "model"."""
+  the state at trace time) and the tail's and the rings' heads over "model"."""
   P = jax.P
   split = model_parallel(mesh) > 1
-  heads = P(None, None, None, None, MODEL_AXIS, None) if split else P()
+  tail = P(None, None, None, None, MODEL_AXIS, None) if split else P()
+  ring = P(None, None, None, MODEL_AXIS, None) if split else P()
+  caches_spec = tuple(tail if w is None else (ring, ring) for w in kept.rings)
 
-  def body(state, tokens_B, prompt_lens_B, kv_parts, tail, tail_index):
+  def body(state, tokens_B, prompt_lens_B, kv_parts, caches, tail_index):
     weights = partition_specs(state) if split else P()
     return jax.shard_map(
       step,
       mesh=mesh,
-      in_specs=(weights, P(), P(), parts_spec(mesh), heads, P()),
-      out_specs=(P(), heads),
+      in_specs=(weights, P(), P(), parts_spec(mesh), caches_spec, P()),
+      out_specs=(P(), caches_spec),
       # As in strategies.base.spmd on a 2-D mesh: the psummed logits are whole on every shard.
       check_vma=not split,
-    )(state, tokens_B, prompt_lens_B, kv_parts, tail, tail_index)
+    )(state, tokens_B, prompt_lens_B, kv_parts, caches, tail_index)
 
   return jax.jit(body, donate_argnums=(4,))
 
@@ -425,13 +519,13 @@ def last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B
   L, K, H = kv_parts.shape[1], *kv_parts.shape[4:]
   B = last_tokens_B.shape[0]
   tail = zeros_on((L, 2, B, 1, K, H), kv_parts.dtype, replicated)
-  program = sharded_decode_program(model.graphdef, mesh, layout)
+  program = sharded_decode_program(model.graphdef, mesh, layout, DecodeLayout.whole(L))
   logits, _ = program(
     state,
     global_array(np.asarray(last_tokens_B, np.int32), replicated),
     global_array(np.asarray(lengths_B - 1, np.int32), replicated),
     kv_parts,
-    tail,
+    (tail,),
     global_array(np.int32(0), replicated),
   )
   return logits

@@ -191,50 +191,63 @@ def decode_from(
 
 def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
   """Tensor parallelism, cache="last": the last rank's row of devices decodes as shards of
-  the model, from the cache in prompt order there, heads split."""
+  the model, from the cache there (heads split), a windowed layer keeping only its window
+  as on one device (`_whole_cache_stepper`)."""
   k_cache, v_cache = result.decode_cache()
   group = k_cache.sharding.mesh
   replicated = NamedSharding(group, jax.P())
   state = model.state_split_over(group)
-  program = decode.model_group_decode_step(model.graphdef, group)
-  grow = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0), (0, 0))
-  tail = jnp.pad(k_cache, grow), jnp.pad(v_cache, grow)
+  capacity = k_cache.shape[2] + max_new_tokens
+  layout = decode.DecodeLayout.of(model.config, capacity)
+  program = decode.model_group_decode_step(model.graphdef, group, layout)
+  lengths = jax.device_put(lengths_B, replicated)
+  caches = decode.decode_caches(k_cache, v_cache, lengths, layout, capacity)
+  heads = NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
+  caches = jax.device_put(caches, heads)  # where the step reads them (a no-op where they are)
 
-  def step(token_B, index, tail):
+  def step(token_B, index, caches):
     token_B = jax.device_put(token_B, replicated)
     positions_B = jax.device_put(lengths_B + index, replicated)
-    logits, k_cache, v_cache = program(state, token_B, positions_B, *tail)
-    return logits, (k_cache, v_cache)
+    return program(state, token_B, positions_B, caches)
 
   logits = jax.device_put(result.logits, replicated)
-  return step, tail, logits, jax.device_put(jax.random.key(seed), replicated)
+  return step, caches, logits, jax.device_put(jax.random.key(seed), replicated)
 
 
 def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
   """cache="sharded": every operand replicated over the prefill's mesh but the cache parts,
-  which stay put; each step attends every part where it lies (decode.sharded_decode_program).
-  Across processes every operand is a global array that every process builds alike."""
+  which stay put; each step attends every part where it lies (decode.sharded_decode_program),
+  and a windowed layer whose window the prompt outgrew its ring (`result.rings`, copied:
+  the steps write into theirs). Across processes every operand is a global array that every
+  process builds alike."""
   replicated = NamedSharding(result.mesh, jax.P())
-  B, (L, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
-  tail_shape = (L, 2, B, max_new_tokens, K, H)
+  B, (L_f, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
   if model_parallel(result.mesh) > 1:  # the weights and the tail's heads split over "model"
     state = model.state_split_over(result.mesh)
     heads = NamedSharding(result.mesh, jax.P(None, None, None, None, MODEL_AXIS, None))
   else:
     state, heads = model.state_on(replicated), replicated
-  tail = decode.zeros_on(tail_shape, result.kv_parts.dtype, heads)
-  program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout)
+  kept = result.kept or decode.DecodeLayout.whole(L_f)
+  tail = decode.zeros_on((L_f, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, heads)
+  caches = tuple(
+    tail if ring is None else _copied(result.rings[group]) for group, ring in enumerate(kept.rings)
+  )
+  program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout, kept)
   prompt_lens_B = global_array(lengths_B, replicated)
 
-  def step(token_B, index, tail):
+  def step(token_B, index, caches):
     index = global_array(np.int32(index), replicated)
-    return program(state, token_B, prompt_lens_B, result.kv_parts, tail, index)
+    return program(state, token_B, prompt_lens_B, result.kv_parts, caches, index)
 
   logits = result.replicated_logits
   if logits is None:
     logits = jax.device_put(result.logits, replicated)
   key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-  return step, tail, logits, jax.random.wrap_key_data(global_array(key_data, replicated))
+  return step, caches, logits, jax.random.wrap_key_data(global_array(key_data, replicated))
+
+
+# A fresh copy of arrays (global ones too), which a step then owns and donates.
+_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 def _whole_cache_stepper(model, result, lengths_B, max_new_tokens, seed):

@@ -419,6 +419,14 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     # In one process the owner's logits are every process's.
     replicated = replicated if spans_processes(mesh) else None
     parts = dict(kv_parts=kv_parts, mesh=mesh, last_hop=last_hop, replicated_logits=replicated)
+    kept = decode.DecodeLayout.of(model.config, T)
+    if cache == "sharded" and kept.rings != (None,):
+      # A window the prompt outgrew: its layers keep only their rings from here on (what
+      # decode reads), the parts only the other layers.
+      program = decode.sharded_rings_program(mesh, layout, kept)
+      lengths = global_array(np.asarray(lengths_B, np.int32), NamedSharding(mesh, jax.P()))
+      parts["kv_parts"], rings = program(kv_parts, lengths)
+      parts.update(kept=kept, rings=rings)
     return CacheParts(logits_BV, **common, **parts)
   k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
   if padded and k_LBSKH is not None:

@@ -7,13 +7,14 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from kvr_jax.inference.kv_cache import (
-  gather_on_last_rank,
-)
+from kvr_jax.inference.decode import DecodeLayout, prompt_order_of_rings
+from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime.cache_layout import CacheLayout
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,13 +117,60 @@ class CacheParts(PrefillResult):
   # [B, V] replicated over `mesh` when the mesh spans processes: every process holds the
   # logits, so every process can run the decode steps that read its parts (generate).
   replicated_logits: jax.Array | None = None
+  # What each layer keeps (cache="sharded" on a model with a window shorter than the prompt;
+  # else None: every layer in the parts): kv_parts holds only the layers of `kept`'s
+  # every-position group, [p, L_f, 2, B*P, K, H]; a windowed layer keeps a ring of its window,
+  # `rings[g]` = (k, v) [L_g, B, W, K, H] replicated over `mesh` (None for the every-position
+  # group), each row's last W prompt positions at slot position mod W
+  # (decode.sharded_rings_program).
+  kept: DecodeLayout | None = None
+  rings: tuple = ()
 
   cache: ClassVar[str] = "sharded"
 
   def decode_cache(self) -> tuple[jax.Array, jax.Array]:
     if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
       return None, None
-    return gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop)
+    if self.kept is None:
+      return gather_on_last_rank(
+        self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop
+      )
+    return self._with_rings_in_prompt_order()
+
+  def _with_rings_in_prompt_order(self) -> tuple[jax.Array, jax.Array]:
+    """decode_cache() where windowed layers keep rings: the parts' layers gathered as ever,
+    each ring's positions in prompt order (zeros before its window), stacked by layer."""
+    last_row = self.mesh.devices.reshape(self.mesh.shape[AXIS], -1)[-1]
+    if last_row[0].process_index != jax.process_index():
+      return None, None  # another process holds the last rank
+    if model_parallel(self.mesh) > 1:
+      group = rank_row_mesh(self.mesh, self.mesh.shape[AXIS] - 1)
+      target = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
+    else:
+      target = jax.sharding.SingleDeviceSharding(last_row[0])
+
+    def on_last_row(x):  # a ring's copy on the last rank's devices (its heads' shards)
+      shards = {s.device: s.data for s in x.addressable_shards}
+      if model_parallel(self.mesh) == 1:
+        return shards[last_row[0]]
+      return jax.make_array_from_single_device_arrays(
+        x.shape, target, [shards[d] for d in last_row]
+      )
+
+    pieces = []
+    for group, ring in enumerate(self.kept.rings):
+      if ring is None:
+        kv = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
+      else:
+        ring_kv = [on_last_row(x) for x in self.rings[group]]
+        kv = prompt_order_of_rings(*ring_kv, self.lengths, self.prompt_len)
+      pieces.append(jax.device_put(kv, target))
+    order = np.concatenate([self.kept.layers_of(g) for g in range(len(self.kept.rings))])
+    in_layer_order = np.argsort(order)
+    return tuple(
+      jax.device_put(jnp.concatenate([kv[i] for kv in pieces])[in_layer_order], target)
+      for i in (0, 1)
+    )
 
   def whole(self, k_cache, v_cache) -> WholeCache:
     """This prefill with its cache gathered (`decode_cache()`'s output) as cache="last"."""

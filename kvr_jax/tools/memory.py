@@ -203,77 +203,101 @@ def _decode_memory(config, graphdef, state, mesh, layout, cache, shape, dtype_na
 
 def _decode_cache_bytes(config, layout, cache, shape, dtype_name) -> int:
   """The K,V one device decodes from (`decode_cache_bytes`): cache="sharded" its part and the
-  decoded tokens' K,V; cache="last" the whole cache with room for the new tokens, a windowed
-  layer's window only (decode.DecodeLayout; on a 2-D mesh every position, its heads)."""
+  decoded tokens' K,V; cache="last" the whole cache with room for the new tokens; a windowed
+  layer's window only (decode.DecodeLayout, `_kept`)."""
   context_len, batch, m, decode_tokens = shape
-  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
+  K, H = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim
   per_position = 2 * batch * K * H * np.dtype(dtype_name).itemsize
-  if cache == "sharded":
-    return L * (layout.part_len + decode_tokens) * per_position
-  capacity = context_len + decode_tokens
-  if m > 1:
-    return L * capacity * per_position
-  kept = decode.DecodeLayout.of(config, capacity)
+  kept, every_position = _kept(config, cache, shape, layout)
   return sum(
-    len(kept.layers_of(g)) * (ring or capacity) * per_position for g, ring in enumerate(kept.rings)
+    len(kept.layers_of(g)) * (ring or every_position) * per_position
+    for g, ring in enumerate(kept.rings)
   )
+
+
+def _kept(config, cache, shape, layout) -> tuple[decode.DecodeLayout, int]:
+  """What `generate` keeps per layer (decode.DecodeLayout) and how many positions a layer
+  that keeps every position holds on one device: cache="last" the prompt and the new tokens
+  (rings of the windows shorter than that); cache="sharded" a part and the new tokens (rings
+  of the windows shorter than the prompt)."""
+  context_len, _, _, decode_tokens = shape
+  if cache == "sharded":
+    return decode.DecodeLayout.of(config, context_len), layout.part_len + decode_tokens
+  capacity = context_len + decode_tokens
+  return decode.DecodeLayout.of(config, capacity), capacity
 
 
 _HEADS = jax.P(None, None, None, None, tensor_parallel.MODEL_AXIS, None)
 
 
+def _ring_structs(config, kept, shape, dtype_name, sharding, every_position) -> tuple:
+  """Per group of `kept`, (k, v) shapes [L_g, B, S, K, H]: a ring of its window, or
+  `every_position` positions."""
+  _, batch, m, _ = shape
+  K, H = tensor_parallel.kv_heads_per_shard(config, m) * m, config.head_dim
+  return tuple(
+    (_struct((len(kept.layers_of(g)), batch, ring or every_position, K, H), dtype_name, sharding),)
+    * 2
+    for g, ring in enumerate(kept.rings)
+  )
+
+
 def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
-  """decode.sharded_decode_program compiled from shapes: every device's part and the tail."""
+  """decode.sharded_decode_program compiled from shapes: every device's part, the tail, and
+  the rings of windows the prompt outgrew."""
   _, batch, m, decode_tokens = shape
-  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
+  K, H = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim
   replicated = NamedSharding(mesh, jax.P())
   state_shapes, _ = _placed_state(config, state, mesh, m, np.dtype(dtype_name).itemsize)
-  parts = (layout.num_ranks, L, 2, batch * layout.part_len, K * m, H)
-  tail = (L, 2, batch, decode_tokens, K * m, H)
+  kept, _ = _kept(config, "sharded", shape, layout)
+  every = kept.rings.index(None) if None in kept.rings else None
+  L_f = 0 if every is None else len(kept.layers_of(every))
+  parts = (layout.num_ranks, L_f, 2, batch * layout.part_len, K * m, H)
+  tail = _struct(
+    (L_f, 2, batch, decode_tokens, K * m, H),
+    dtype_name,
+    NamedSharding(mesh, _HEADS) if m > 1 else replicated,
+  )
+  ring_sharding = NamedSharding(mesh, jax.P(*_HEADS[1:])) if m > 1 else replicated
+  rings = _ring_structs(config, kept, shape, dtype_name, ring_sharding, 0)
+  caches = tuple(tail if g == every else rings[g] for g in range(len(kept.rings)))
   arguments = (
     state_shapes,
     _struct((batch,), np.int32, replicated),
     _struct((batch,), np.int32, replicated),
     _struct(parts, dtype_name, NamedSharding(mesh, parts_spec(mesh))),
-    _struct(tail, dtype_name, NamedSharding(mesh, _HEADS) if m > 1 else replicated),
+    caches,
     _struct((), np.int32, replicated),
   )
-  return _compile(
-    decode.sharded_decode_program(graphdef, mesh, layout).lower(*arguments), dtype_name
-  )
+  program = decode.sharded_decode_program(graphdef, mesh, layout, kept)
+  return _compile(program.lower(*arguments), dtype_name)
 
 
 def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
   """The whole-cache decode step compiled from shapes on the last rank's device, or as model
-  shards on its row (generate's model-group step)."""
-  context_len, batch, m, decode_tokens = shape
-  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
-  whole = (L, batch, context_len + decode_tokens, K * m, H)
+  shards on its row (generate's model-group step), a windowed layer keeping its window only
+  as generate keeps it (decode.DecodeLayout)."""
+  _, batch, m, _ = shape
+  kept, capacity = _kept(config, "last", shape, layout)
   if m > 1:
     row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
-    on_row = NamedSharding(row, jax.P())
+    on = NamedSharding(row, jax.P())
     state_shapes, _ = _placed_state(config, state, row, m, np.dtype(dtype_name).itemsize)
-    cache_shape = _struct(whole, dtype_name, NamedSharding(row, jax.P(*_HEADS[1:])))
-    program, arguments = decode.model_group_decode_step(graphdef, row), (state_shapes,)
-    positions = _struct((batch,), np.int32, on_row)
-  else:
-    # As generate keeps it: a windowed layer's window only (decode.DecodeLayout).
-    last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
-    state_shapes = jax.tree.map(lambda x: _struct(x.shape, x.dtype, last), state)
-    capacity = context_len + decode_tokens
-    layout = decode.DecodeLayout.of(config, capacity)
-    caches = tuple(
-      (_struct((len(layout.layers_of(g)), batch, ring or capacity, K, H), dtype_name, last),) * 2
-      for g, ring in enumerate(layout.rings)
+    caches = _ring_structs(
+      config, kept, shape, dtype_name, NamedSharding(row, jax.P(*_HEADS[1:])), capacity
     )
-    positions = _struct((batch,), np.int32, last)
-    lowered = decode.ring_decode_step.lower(
-      graphdef, layout, state_shapes, positions, positions, caches
-    )
-    return _compile(lowered, dtype_name)
-  # tokens and positions have the same shape and placement
-  lowered = program.lower(*arguments, positions, positions, cache_shape, cache_shape)
-  return _compile(lowered, dtype_name)
+    program = decode.model_group_decode_step(graphdef, row, kept)
+    positions = _struct((batch,), np.int32, on)
+    # tokens and positions have the same shape and placement
+    return _compile(program.lower(state_shapes, positions, positions, caches), dtype_name)
+  last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
+  state_shapes = jax.tree.map(lambda x: _struct(x.shape, x.dtype, last), state)
+  caches = _ring_structs(config, kept, shape, dtype_name, last, capacity)
+  positions = _struct((batch,), np.int32, last)
+  program = decode.ring_decode_step
+  return _compile(
+    program.lower(graphdef, kept, state_shapes, positions, positions, caches), dtype_name
+  )
 
 
 def compiled_memory(
