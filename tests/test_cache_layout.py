@@ -446,6 +446,13 @@ def test_the_layout_chooser_on_hand_worked_memory():
   assert (at_128k, at_1m) == (16 * 2**30, 128 * 2**30)
   assert kv_cache.choose_cache_layout(at_128k, weights, 80e9) == "last"
   assert kv_cache.choose_cache_layout(at_1m, weights, 80e9) == "sharded"
+  # A window shorter than the prompt keeps its ring only: Gemma-3-27B (62 layers: 10 full, 52
+  # windowed at 1024; 16 KV heads of 128) at 128k holds 10 x 131072 + 52 x 1024 positions of
+  # 8 KiB (K and V, bfloat16): 10.4 GiB, not 62 GiB, so it fits "last" on a 141 GB H200.
+  gemma = preset_config("gemma-3-27b")
+  at_128k = kv_cache.whole_cache_bytes(gemma, 131072, 1, 2, gemma.num_kv_heads)
+  assert at_128k == (10 * 131072 + 52 * 1024) * 8192
+  assert kv_cache.choose_cache_layout(at_128k, gemma.num_params() * 2, 141e9) == "last"
 
 
 def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkeypatch):

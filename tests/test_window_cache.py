@@ -190,3 +190,55 @@ def test_gemma_270m_is_refused_by_name_without_its_wheels(monkeypatch, tmp_path)
   with pytest.raises(ValueError, match="exists and is not empty"):
     gemma_270m.write_gemma_270m(str(tmp_path))
   assert (tmp_path / "kept.txt").read_text() == "the user's"
+
+
+@pytest.mark.parametrize(
+  "partition",
+  [[16, 13, 11], [16, 20, 4]],  # the last chunk longer than the window, and shorter
+  ids=["ring-from-own-chunk", "ring-from-hop-and-chunk"],
+)
+def test_kvr_joins_rings_from_its_last_hop_and_chunk(checkpoints, monkeypatch, partition):
+  """cache="last" on Gemma 3 mixed (layer 0 windowed at 6, layer 1 full), rows of one length:
+  the result keeps the full layer in prompt order and the windowed layer's ring only,
+  [1, B, W, K, H], slot j holding the prompt's position p in [C - W, C) with p = j (mod W),
+  equal to the program's own K,V there. KV-Runahead joins them from its last hop and its
+  own chunk on the last rank (the moves and the peers' ring program are made to fail), also
+  where its chunk is shorter than the window; all-gather moves the full layer and the rings
+  and keeps the same."""
+  _, _, ours = checkpoints["gemma3-local-global"]
+  C = sum(partition)
+  rng = np.random.RandomState(9)
+  prompt = rng.randint(0, hf_fixtures.VOCAB, (2, C)).astype(np.int32)
+  K, H = ours.config.num_kv_heads, ours.config.head_dim
+  # The program's own K,V in prompt order: single's parts, before anything is kept or cut.
+  plan = kvr_jax.inference.prefill.plan_prefill(ours, prompt, cache="last", buckets=None)
+  parts = kvr_jax.inference.prefill.run_prefill(ours, plan, prompt, move_cache=False)
+  k_all, v_all = (np.asarray(x) for x in parts.gather_cache())
+  assert k_all.shape == (2, 2, C, K, H)
+  slots = {p % WINDOW: p for p in range(C - WINDOW, C)}
+
+  def check(result):
+    assert result.kept.rings == (WINDOW, None)
+    assert result.k_layers.shape == (1, 2, C, K, H)
+    np.testing.assert_allclose(np.asarray(result.k_layers[0]), k_all[1], atol=1e-5, rtol=0)
+    k_ring, v_ring = (np.asarray(x) for x in result.rings[0])
+    assert k_ring.shape == (1, 2, WINDOW, K, H)
+    for slot, position in slots.items():
+      np.testing.assert_allclose(k_ring[0, :, slot], k_all[0, :, position], atol=1e-5, rtol=0)
+      np.testing.assert_allclose(v_ring[0, :, slot], v_all[0, :, position], atol=1e-5, rtol=0)
+
+  gathered = kvr_jax.prefill(
+    ours, prompt, strategy="allgather", mesh=kvr_jax.make_mesh(2), cache="last", buckets=None
+  )
+  check(gathered)
+
+  def no_move(*args, **kwargs):
+    raise AssertionError("KV-Runahead's last rank joins what it holds: nothing moves")
+
+  kwargs = dict(strategy="kvr", mesh=kvr_jax.make_mesh(3), partition=partition, cache="last")
+  assert kvr_jax.inference.prefill.plan_prefill(ours, prompt, buckets=None, **kwargs).keep_last_hop
+  monkeypatch.setattr(kvr_jax.inference.kv_cache, "gather_on_last_rank", no_move)
+  monkeypatch.setattr(kvr_jax.inference.kv_cache, "send_onto_last_rank", no_move)
+  monkeypatch.setattr(decode, "sharded_rings_program", no_move)
+  joined = kvr_jax.prefill(ours, prompt, buckets=None, **kwargs)
+  check(joined)

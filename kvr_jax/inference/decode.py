@@ -73,6 +73,31 @@ class DecodeLayout:
     """The layers of `group`, in slot order."""
     return np.flatnonzero(np.asarray(self.group_of_layer) == group)
 
+  @property
+  def every_position_group(self) -> int | None:
+    """The group of the layers that keep every position (None where every layer keeps a
+    ring)."""
+    return self.rings.index(None) if None in self.rings else None
+
+  @property
+  def every_position_layers(self) -> np.ndarray:
+    """The layers that keep every position, in slot order (none where all keep rings)."""
+    group = self.every_position_group
+    return np.zeros(0, int) if group is None else self.layers_of(group)
+
+  def in_layer_order(self, per_group: list) -> jax.Array:
+    """Arrays per group [L_g, ...] (same trailing shape) stacked back into layer order."""
+    order = np.concatenate([self.layers_of(g) for g in range(len(self.rings))])
+    return jnp.concatenate(per_group)[np.argsort(order)]
+
+
+def ring_positions(lengths_B, ring: int):
+  """[B, W]: the prompt position slot j of a ring of W holds after a row of lengths_B[b]
+  positions, the latest p < length with p = j (mod W); negative where the row is shorter
+  than the window (an empty slot)."""
+  last_B1 = jnp.asarray(lengths_B, jnp.int32)[:, None] - 1
+  return last_B1 - jnp.mod(last_B1 - jnp.arange(ring), ring)
+
 
 def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_reduce):
   """The decode step's body over the cache `caches` (per group of `layout`, (k, v) [L_g, B,
@@ -185,30 +210,41 @@ def ring_decode_step(graphdef, layout: DecodeLayout, state, tokens_B, positions_
   return _step(graphdef, state, tokens_B, positions_B, caches, layout)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def decode_caches(k_LBCKH, v_LBCKH, lengths_B, layout: DecodeLayout, capacity: int):
-  """A prompt-order cache [L, B, C, K, H] (row b's positions [0, lengths_B[b]) filled) as
-  `ring_decode_step` keeps it with room for `capacity` positions: per group of `layout`,
-  (k, v) [L_g, B, capacity, K, H] for layers that keep every position, and for a window W
-  [L_g, B, W, K, H] holding each row's last W positions at slot position mod W (zeros where
-  the row is shorter than the window)."""
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def decode_caches(
+  k_LBCKH, v_LBCKH, lengths_B, layout: DecodeLayout, capacity: int, kept=None, rings=()
+):
+  """A prompt's cache as `ring_decode_step` keeps it with room for `capacity` positions: per
+  group of `layout`, (k, v) [L_g, B, capacity, K, H] for layers that keep every position, and
+  for a window W [L_g, B, W, K, H] holding each row's last W positions at slot position mod W
+  (zeros where the row is shorter than the window).
+
+  The prompt's cache as cache="last" holds it (`kept`, `DecodeLayout.of` the prompt: None for
+  every layer in prompt order): k_LBCKH, v_LBCKH [L_f, B, C, K, H] the layers of its
+  every-position group (row b's positions [0, lengths_B[b]) filled), `rings` per group of
+  `kept` the (k, v) rings of its windows (None for that group). A ring it holds is taken as
+  it is (copied: the steps donate theirs); a window that binds only once the new tokens come
+  is cut from the every-position layers."""
+  kept = kept or DecodeLayout.whole(k_LBCKH.shape[0])
   C = k_LBCKH.shape[2]
+  row_of_layer = {int(layer): i for i, layer in enumerate(kept.every_position_layers)}
   caches = []
   for group, ring in enumerate(layout.rings):
-    layers = layout.layers_of(group)
-    k, v = k_LBCKH[layers], v_LBCKH[layers]
+    if ring is not None and ring in kept.rings:
+      caches.append(tuple(jnp.copy(x) for x in rings[kept.rings.index(ring)]))
+      continue
+    rows = [row_of_layer[int(layer)] for layer in layout.layers_of(group)]
+    k, v = k_LBCKH[np.asarray(rows, int)], v_LBCKH[np.asarray(rows, int)]
     if ring is None:
       grow = ((0, 0), (0, 0), (0, capacity - C), (0, 0), (0, 0))
       caches.append((jnp.pad(k, grow), jnp.pad(v, grow)))
       continue
-    # Slot j holds the row's latest position p < length with p = j (mod W).
-    last_B1 = jnp.asarray(lengths_B, jnp.int32)[:, None] - 1
-    position_BW = last_B1 - jnp.mod(last_B1 - jnp.arange(ring), ring)
+    position_BW = ring_positions(lengths_B, ring)
     index = jnp.clip(position_BW, 0, C - 1)[None, :, :, None, None]
-    kept = (position_BW >= 0)[None, :, :, None, None]
+    held = (position_BW >= 0)[None, :, :, None, None]
     caches.append(
       tuple(
-        jnp.where(kept, jnp.take_along_axis(x, index, axis=2), 0).astype(x.dtype) for x in (k, v)
+        jnp.where(held, jnp.take_along_axis(x, index, axis=2), 0).astype(x.dtype) for x in (k, v)
       )
     )
   return tuple(caches)
@@ -231,8 +267,7 @@ def sharded_rings_program(mesh, layout: CacheLayout, kept: DecodeLayout):
   for rank, runs in enumerate(layout.segments):
     for position, length, row in runs:
       part_row_pC[rank, position : position + length] = np.arange(row, row + length)
-  every_position = [g for g, ring in enumerate(kept.rings) if ring is None]
-  full_layers = kept.layers_of(every_position[0]) if every_position else np.zeros(0, int)
+  full_layers = kept.every_position_layers
 
   def body(parts_1L2RKH, lengths_B):
     part_row_C = jnp.asarray(part_row_pC)[jax.lax.axis_index(AXIS)]
@@ -242,8 +277,7 @@ def sharded_rings_program(mesh, layout: CacheLayout, kept: DecodeLayout):
       if ring is None:
         rings.append(None)
         continue
-      last_B1 = lengths_B[:, None] - 1
-      position_BW = last_B1 - jnp.mod(last_B1 - jnp.arange(ring), ring)
+      position_BW = ring_positions(lengths_B, ring)
       row_BW = jnp.where(position_BW >= 0, part_row_C[jnp.clip(position_BW, 0, C - 1)], -1)
       index = jnp.clip(row_BW, 0)[None, None, :, :, None, None]
       ring_L2BWKH = jnp.take_along_axis(part_L2BPKH[kept.layers_of(group)], index, axis=3)
@@ -497,17 +531,18 @@ def sample(logits_BV, key, temperature, *, top_k: int | None, top_p: float | Non
 # --- the logits of padded rows' last real tokens (kvr_jax.inference.prefill)
 
 
-def last_real_logits(model, k_LBSKH, v_LBSKH, last_tokens_B, lengths_B):
+def last_real_logits(model, layout: DecodeLayout, caches, last_tokens_B, lengths_B):
   """One decode step of each row's last real token at its own position, where the whole
-  cache lies: its logits (its K,V, already in the cache, are written again identically)."""
-  cache_device = next(iter(k_LBSKH.devices()))
-  return decode_step(
+  cache lies (per group of `layout`, as cache="last" keeps it): (its logits, the caches). Its
+  K,V, already in the cache (a ring's slot holds it too), are written again identically."""
+  cache_device = next(iter(caches[0][0].devices()))
+  return ring_decode_step(
     model.graphdef,
+    layout,
     model.state_on(cache_device),
     jax.device_put(last_tokens_B, cache_device),
     jax.device_put(lengths_B - 1, cache_device),
-    k_LBSKH,
-    v_LBSKH,
+    caches,
   )
 
 

@@ -140,7 +140,7 @@ def _on_model_groups(result: PrefillResult) -> bool:
   split over "model" (a result rebuilt around a gathered cache, as timing does)."""
   if isinstance(result, CacheParts):
     return model_parallel(result.mesh) > 1
-  spec = getattr(getattr(result.k_cache, "sharding", None), "spec", ())
+  spec = getattr(getattr(result.k_layers, "sharding", None), "spec", ())
   return MODEL_AXIS in tuple(spec)
 
 
@@ -193,15 +193,16 @@ def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
   """Tensor parallelism, cache="last": the last rank's row of devices decodes as shards of
   the model, from the cache there (heads split), a windowed layer keeping only its window
   as on one device (`_whole_cache_stepper`)."""
-  k_cache, v_cache = result.decode_cache()
-  group = k_cache.sharding.mesh
+  group = result.k_layers.sharding.mesh
   replicated = NamedSharding(group, jax.P())
   state = model.state_split_over(group)
-  capacity = k_cache.shape[2] + max_new_tokens
+  capacity = result.prompt_len + max_new_tokens
   layout = decode.DecodeLayout.of(model.config, capacity)
   program = decode.model_group_decode_step(model.graphdef, group, layout)
   lengths = jax.device_put(lengths_B, replicated)
-  caches = decode.decode_caches(k_cache, v_cache, lengths, layout, capacity)
+  caches = decode.decode_caches(
+    result.k_layers, result.v_layers, lengths, layout, capacity, result.kept, result.rings
+  )
   heads = NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
   caches = jax.device_put(caches, heads)  # where the step reads them (a no-op where they are)
 
@@ -256,10 +257,12 @@ def _whole_cache_stepper(model, result, lengths_B, max_new_tokens, seed):
   window is shorter than the prompt and the new tokens."""
   device = result.device
   state = model.state_on(device)
-  capacity = result.k_cache.shape[2] + max_new_tokens
+  capacity = result.prompt_len + max_new_tokens
   layout = decode.DecodeLayout.of(model.config, capacity)
   lengths_on_device = jax.device_put(lengths_B, device)
-  caches = decode.decode_caches(result.k_cache, result.v_cache, lengths_on_device, layout, capacity)
+  caches = decode.decode_caches(
+    result.k_layers, result.v_layers, lengths_on_device, layout, capacity, result.kept, result.rings
+  )
 
   def step(token_B, index, caches):
     positions_B = jax.device_put(lengths_B + index, device)

@@ -36,10 +36,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvr_jax.core.caches import kept_cache
+from kvr_jax.inference import decode
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel, rank_row_mesh
 
 CACHE_LAYOUTS = ("last", "sharded")
 # cache="auto" puts the whole cache on the last rank only while the weights and it take at
@@ -88,9 +90,11 @@ def check_cache(cache, allow_auto: bool = False) -> str:
 
 
 def whole_cache_bytes(config, context_len: int, batch: int, itemsize: int, kv_heads: int) -> int:
-  """K and V of every layer and position of the prompt: what cache="last" puts on one device
-  (kv_heads: the heads one device holds, a tensor-parallel shard's)."""
-  return 2 * config.num_layers * batch * context_len * kv_heads * config.head_dim * itemsize
+  """K and V of what cache="last" puts on one device (kv_heads: the heads one device holds, a
+  tensor-parallel shard's): every position of the prompt on a layer, a window shorter than
+  the prompt's W positions only (its ring, decode.DecodeLayout)."""
+  positions = sum(context_len if w is None else min(w, context_len) for w in config.windows)
+  return 2 * positions * batch * kv_heads * config.head_dim * itemsize
 
 
 def choose_cache_layout(cache_bytes: int, weights_bytes: int, device_memory: int) -> str:
@@ -272,18 +276,91 @@ def join_on_device(last_hop_1L2RKH, part_1L2RKH, prefix_len: int, part_len: int,
   )
 
 
-def join_last_hop(kv_parts, last_hop, layout: CacheLayout, mesh):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def join_rings_on_device(
+  last_hop_1L2RKH, part_1L2RKH, prefix_len: int, part_len: int, own_len: int, kept, lengths_B
+):
+  """`join_on_device` where windowed layers keep rings (`kept`, decode.DecodeLayout of the
+  prompt): (k, v) [L_f, B, C, K, H] of the layers that keep every position, joined as ever,
+  and per group of `kept` a window's ring (k, v) [L_g, B, W, K, H] (None for the every-position
+  group), each row's last W positions at slot position mod W: taken from the own chunk, and
+  from the last hop's last positions where the chunk is shorter than the window. No
+  prompt-long buffer of a windowed layer is built."""
+  hop_L2BSKH = unfold_batch(last_hop_1L2RKH[0], prefix_len)
+  own_L2BcKH = unfold_batch(part_1L2RKH[0], part_len)[:, :, :, :own_len]
+  full = kept.every_position_layers
+  k, v = (jnp.concatenate([hop_L2BSKH[full, i], own_L2BcKH[full, i]], axis=2) for i in (0, 1))
+  rings = []
+  for group, ring in enumerate(kept.rings):
+    if ring is None:
+      rings.append(None)
+      continue
+    layers = kept.layers_of(group)
+    position_BW = decode.ring_positions(lengths_B, ring)
+    in_hop_BW = position_BW < prefix_len
+    from_hop = jnp.clip(position_BW, 0, prefix_len - 1)[None, None, :, :, None, None]
+    from_own = jnp.clip(position_BW - prefix_len, 0, own_len - 1)[None, None, :, :, None, None]
+    ring_L2BWKH = jnp.where(
+      in_hop_BW[None, None, :, :, None, None],
+      jnp.take_along_axis(hop_L2BSKH[layers], from_hop, axis=3),
+      jnp.take_along_axis(own_L2BcKH[layers], from_own, axis=3),
+    )
+    ring_L2BWKH = jnp.where((position_BW >= 0)[None, None, :, :, None, None], ring_L2BWKH, 0)
+    rings.append((ring_L2BWKH[:, 0], ring_L2BWKH[:, 1]))
+  return k, v, tuple(rings)
+
+
+def join_last_hop(kv_parts, last_hop, layout: CacheLayout, mesh, kept=None, lengths_B=None):
   """(k, v) [L, B, C, K, H] on the last rank's device from what it already holds: the last
   hop's messages (positions [0, S_{p-2})) and its own part; (None, None) in a process that
-  does not hold it."""
+  does not hold it. With `kept` (windows shorter than the prompt, decode.DecodeLayout):
+  (k, v, rings) as `join_rings_on_device` joins them, (None, None, ()) elsewhere."""
   owner = mesh.devices.reshape(-1)[-1]
   ((position, own_len, row),) = layout.segments[-1]
   assert row == 0 and last_hop.shape[3] * layout.part_len == position * kv_parts.shape[3]
   hop = [s.data for s in last_hop.addressable_shards if s.device == owner]
   part = [s.data for s in kv_parts.addressable_shards if s.device == owner]
   if not hop:
-    return None, None
-  return join_on_device(hop[0], part[0], position, layout.part_len, own_len)
+    return (None, None) if kept is None else (None, None, ())
+  if kept is None:
+    return join_on_device(hop[0], part[0], position, layout.part_len, own_len)
+  lengths_B = jax.device_put(np.asarray(lengths_B, np.int32), owner)
+  return join_rings_on_device(hop[0], part[0], position, layout.part_len, own_len, kept, lengths_B)
+
+
+def on_last_row(x, mesh):
+  """A replicated array's copy (on a 2-D mesh: its heads' shards, axis 3 split over "model")
+  on the last rank's device (its row of devices); None in a process that does not hold it."""
+  last_row = list(mesh.devices.reshape(mesh.shape[AXIS], -1)[-1])
+  shards = {s.device: s.data for s in x.addressable_shards}
+  if last_row[0] not in shards:
+    return None
+  if model_parallel(mesh) == 1:
+    return shards[last_row[0]]
+  group = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
+  heads = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
+  return jax.make_array_from_single_device_arrays(x.shape, heads, [shards[d] for d in last_row])
+
+
+def kept_on_last_rank(kv_parts, layout: CacheLayout, mesh, kept, lengths_B, last_hop=None):
+  """cache="last" where windowed layers keep rings (`kept`, decode.DecodeLayout of the prompt):
+  (k, v) [L_f, B, C, K, H] of the layers that keep every position and the rings per group of
+  `kept` (None for the every-position group), on the last rank's device (its row on a 2-D
+  mesh); (None, None, ()) in a process that does not hold it.
+
+  KV-Runahead with its last hop joins them where they lie (`join_rings_on_device`). The peers'
+  parts move only the every-position layers; each window's ring is cut where its positions
+  lie and summed over the ranks (decode.sharded_rings_program: one psum of the window), and
+  the last rank keeps its copy."""
+  if last_hop is not None:
+    return join_last_hop(kv_parts, last_hop, layout, mesh, kept, lengths_B)
+  lengths = global_array(np.asarray(lengths_B, np.int32), jax.sharding.NamedSharding(mesh, jax.P()))
+  full_parts, rings = decode.sharded_rings_program(mesh, layout, kept)(kv_parts, lengths)
+  k, v = gather_on_last_rank(full_parts, layout, mesh)
+  if k is None:
+    return None, None, ()
+  rings = tuple(None if r is None else tuple(on_last_row(x, mesh) for x in r) for r in rings)
+  return k, v, rings
 
 
 def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto", last_hop=None):

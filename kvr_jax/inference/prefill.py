@@ -21,7 +21,6 @@ from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_c
 from kvr_jax.inference.kv_cache import (
   check_cache,
   device_memory_bytes,
-  gather_on_last_rank,
   join_affordable,
   last_hop_bytes,
 )
@@ -428,14 +427,14 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
       parts["kv_parts"], rings = program(kv_parts, lengths)
       parts.update(kept=kept, rings=rings)
     return CacheParts(logits_BV, **common, **parts)
-  k_LBSKH, v_LBSKH = gather_on_last_rank(kv_parts, layout, mesh, last_hop=last_hop)
-  if padded and k_LBSKH is not None:
-    logits_BV, k_LBSKH, v_LBSKH = decode.last_real_logits(
-      model, k_LBSKH, v_LBSKH, last_tokens_B, lengths_B
-    )
-  elif padded:
-    logits_BV = None  # another process holds the cache and the logits
-  return WholeCache(logits_BV, **common, k_cache=k_LBSKH, v_cache=v_LBSKH)
+  parts = CacheParts(logits_BV, **common, kv_parts=kv_parts, mesh=mesh, last_hop=last_hop)
+  whole = parts.moved_to_last_rank(model.config)
+  if padded and whole.k_layers is not None:
+    logits_BV, caches = decode.last_real_logits(model, *whole.groups(), last_tokens_B, lengths_B)
+    whole = whole.with_groups(logits_BV, caches)
+  elif padded:  # another process holds the cache and the logits
+    whole = dataclasses.replace(whole, logits=None)
+  return whole
 
 
 def _result_fields(plan: PrefillPlan, lengths_B) -> dict:
@@ -457,7 +456,7 @@ def _held_elsewhere(plan: PrefillPlan, lengths_B, move_cache: bool) -> PrefillRe
   common = _result_fields(plan, lengths_B)
   if plan.cache == "sharded" or not move_cache:
     return CacheParts(None, **common, kv_parts=None, mesh=plan.mesh)
-  return WholeCache(None, **common, k_cache=None, v_cache=None)
+  return WholeCache(None, **common, k_layers=None, v_layers=None)
 
 
 def _placed_state(model: Model, mesh):

@@ -7,11 +7,10 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvr_jax.inference.decode import DecodeLayout, prompt_order_of_rings
-from kvr_jax.inference.kv_cache import gather_on_last_rank
+from kvr_jax.inference.kv_cache import gather_on_last_rank, kept_on_last_rank, on_last_row
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime.cache_layout import CacheLayout
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
@@ -84,21 +83,75 @@ def _model_heads(k_LBSKH, v_LBSKH, kv_heads: int | None):
   return once(k_LBSKH), once(v_LBSKH)
 
 
+def prompt_order(k_full, v_full, kept: DecodeLayout | None, rings, lengths, prompt_len: int):
+  """(k, v) [L, B, C, K, H] in prompt order from what is kept where windowed layers keep
+  rings (`kept`; None: k_full, v_full already hold every layer): the every-position layers
+  [L_f, B, C, K, H] as they are, each ring's positions in prompt order (zeros before the
+  window), stacked by layer."""
+  if kept is None:
+    return k_full, v_full
+  pieces = [
+    (k_full, v_full) if ring is None else prompt_order_of_rings(*rings[g], lengths, prompt_len)
+    for g, ring in enumerate(kept.rings)
+  ]
+  return tuple(kept.in_layer_order([kv[i] for kv in pieces]) for i in (0, 1))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class WholeCache(PrefillResult):
-  """cache="last" (the paper's layout): k_cache, v_cache [L, B, S, K, H] with S = prompt_len,
-  in prompt order on the last rank's device (`device`), where decode continues; None in a
-  process that does not hold them. A windowed layer's (W) positions before
-  prompt_len - W + 1 may be zeros: no query from the prompt's end on reads them, and
-  KV-Runahead's last hop does not carry them (its join keeps what decode reads)."""
+  """cache="last" (the paper's layout): the cache on the last rank's device (`device`; its
+  row of devices on a 2-D mesh, heads split over "model"), where decode continues; None in a
+  process that does not hold it.
 
-  k_cache: jax.Array | None
-  v_cache: jax.Array | None
+  k_layers, v_layers: [L_f, B, S, K, H], S = prompt_len, in prompt order: every layer, or
+  where a window is shorter than the prompt (`kept`, decode.DecodeLayout of the prompt) only
+  the layers that keep every position; such a window's layers keep only a ring, `rings[g]` =
+  (k, v) [L_g, B, W, K, H] per group of `kept` (None for the every-position group), each
+  row's last W prompt positions at slot position mod W: what decode reads, all that moved or
+  was joined. `k_cache` / `v_cache` give every layer in prompt order (zeros before a ring's
+  window)."""
+
+  k_layers: jax.Array | None
+  v_layers: jax.Array | None
+  kept: DecodeLayout | None = None
+  rings: tuple = ()
 
   cache: ClassVar[str] = "last"
 
+  @property
+  def k_cache(self) -> jax.Array | None:
+    return self.decode_cache()[0]
+
+  @property
+  def v_cache(self) -> jax.Array | None:
+    return self.decode_cache()[1]
+
   def decode_cache(self) -> tuple[jax.Array, jax.Array]:
-    return self.k_cache, self.v_cache
+    if self.k_layers is None:
+      return None, None
+    return prompt_order(
+      self.k_layers, self.v_layers, self.kept, self.rings, self.lengths, self.prompt_len
+    )
+
+  def groups(self) -> tuple[DecodeLayout, tuple]:
+    """(layout, caches): the cache as decode's whole-cache step reads it, per group of the
+    layout (the every-position layers, then each ring), with no copy."""
+    kept = self.kept or DecodeLayout.whole(self.k_layers.shape[0])
+    caches = tuple(
+      (self.k_layers, self.v_layers) if ring is None else self.rings[g]
+      for g, ring in enumerate(kept.rings)
+    )
+    return kept, caches
+
+  def with_groups(self, logits, caches) -> WholeCache:
+    """This result with `logits` and the caches per group of `groups()`'s layout."""
+    kept, _ = self.groups()
+    every = kept.every_position_group
+    k, v = (self.k_layers, self.v_layers) if every is None else caches[every]
+    rings = tuple(None if ring is None else caches[g] for g, ring in enumerate(kept.rings))
+    return dataclasses.replace(
+      self, logits=logits, k_layers=k, v_layers=v, rings=rings if self.kept else ()
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -148,31 +201,42 @@ class CacheParts(PrefillResult):
       target = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
     else:
       target = jax.sharding.SingleDeviceSharding(last_row[0])
-
-    def on_last_row(x):  # a ring's copy on the last rank's devices (its heads' shards)
-      shards = {s.device: s.data for s in x.addressable_shards}
-      if model_parallel(self.mesh) == 1:
-        return shards[last_row[0]]
-      return jax.make_array_from_single_device_arrays(
-        x.shape, target, [shards[d] for d in last_row]
-      )
-
-    pieces = []
-    for group, ring in enumerate(self.kept.rings):
-      if ring is None:
-        kv = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
-      else:
-        ring_kv = [on_last_row(x) for x in self.rings[group]]
-        kv = prompt_order_of_rings(*ring_kv, self.lengths, self.prompt_len)
-      pieces.append(jax.device_put(kv, target))
-    order = np.concatenate([self.kept.layers_of(g) for g in range(len(self.kept.rings))])
-    in_layer_order = np.argsort(order)
-    return tuple(
-      jax.device_put(jnp.concatenate([kv[i] for kv in pieces])[in_layer_order], target)
-      for i in (0, 1)
+    k, v = None, None
+    if self.kept.every_position_group is not None:
+      k, v = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
+    rings = tuple(
+      None if ring is None else tuple(on_last_row(x, self.mesh) for x in ring)
+      for ring in self.rings
     )
+    kv = prompt_order(k, v, self.kept, rings, self.lengths, self.prompt_len)
+    return tuple(jax.device_put(x, target) for x in kv)
 
-  def whole(self, k_cache, v_cache) -> WholeCache:
-    """This prefill with its cache gathered (`decode_cache()`'s output) as cache="last"."""
+  def moved_to_last_rank(self, config) -> WholeCache:
+    """This prefill as cache="last" (`config`: the model's, which says its windows): the cache
+    brought onto the last rank as prefill(cache="last") brings it, from the parts that
+    run_prefill(move_cache=False) leaves. Every layer in prompt order, or where a window is
+    shorter than the prompt the every-position layers and each window's ring only
+    (kv_cache.kept_on_last_rank: KV-Runahead joins its last hop, the peers move only the
+    rings' windows)."""
     common = {f.name: getattr(self, f.name) for f in dataclasses.fields(PrefillResult)}
-    return WholeCache(**common, k_cache=k_cache, v_cache=v_cache)
+    if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
+      return WholeCache(**common, k_layers=None, v_layers=None)
+    if self.kept is not None:  # cut already (cache="sharded"): gather the parts, keep rings
+      k = v = None
+      if self.kept.every_position_group is not None:
+        k, v = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
+      rings = tuple(
+        None if ring is None else tuple(on_last_row(x, self.mesh) for x in ring)
+        for ring in self.rings
+      )
+      return WholeCache(**common, k_layers=k, v_layers=v, kept=self.kept, rings=rings)
+    kept = DecodeLayout.of(config, self.prompt_len)
+    if kept.rings == (None,):
+      k, v = gather_on_last_rank(
+        self.kv_parts, self.cache_layout, self.mesh, last_hop=self.last_hop
+      )
+      return WholeCache(**common, k_layers=k, v_layers=v)
+    k, v, rings = kept_on_last_rank(
+      self.kv_parts, self.cache_layout, self.mesh, kept, self.lengths, self.last_hop
+    )
+    return WholeCache(**common, k_layers=k, v_layers=v, kept=kept, rings=rings)

@@ -30,6 +30,7 @@ from kvr_jax.inference import decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
   join_on_device,
+  join_rings_on_device,
   place,
 )
 from kvr_jax.inference.prefill import check_partition_applies, plan_from_shape
@@ -153,29 +154,48 @@ def _placed_state(config, state, mesh, m: int, itemsize: int):
 def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m) -> dict:
   """What bringing the cache onto the last rank needs there (`move_argument_bytes`,
   `move_temp_bytes`; none for cache="sharded"): KVR's join of its last hops, the move of the
-  parts run by run (on a 2-D mesh into each device of the last rank's row, its heads)."""
+  parts run by run (on a 2-D mesh into each device of the last rank's row, its heads). A
+  window shorter than the prompt keeps its ring only (kv_cache.kept_on_last_rank): the rings
+  join the arguments, the every-position layers alone are joined or moved."""
   K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
   context_len = sum(chunks)
   on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
+  kept = decode.DecodeLayout.of(config, context_len)
+  L_f = len(kept.every_position_layers)
+  ring_bytes = sum(
+    2 * len(kept.layers_of(g)) * batch * ring * K * H * np.dtype(dtype_name).itemsize
+    for g, ring in enumerate(kept.rings)
+    if ring is not None
+  )
   if joined:
-    # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device).
+    # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device;
+    # join_rings_on_device where windows keep rings: its output holds them).
     prefix_len = context_len - chunks[-1]
     hop = jax.ShapeDtypeStruct((1, L, 2, batch * prefix_len, K, H), dtype_name, sharding=on_last)
     part = jax.ShapeDtypeStruct(
       (1, L, 2, batch * layout.part_len, K, H), dtype_name, sharding=on_last
     )
-    move = _analysis(
-      join_on_device.lower(hop, part, prefix_len, layout.part_len, chunks[-1]).compile()
-    )
+    args = (hop, part, prefix_len, layout.part_len, chunks[-1])
+    if kept.rings == (None,):
+      move = _analysis(join_on_device.lower(*args).compile())
+    else:
+      lengths = jax.ShapeDtypeStruct((batch,), np.int32, sharding=on_last)
+      move = _analysis(join_rings_on_device.lower(*args, kept, lengths).compile())
   elif cache == "last":
     # The move onto the last rank: its device (each of its row's, its heads on a 2-D mesh)
-    # holds the whole cache and, at a time, one run's real rows beside it (kv_cache.copy_onto,
-    # send_onto_last_rank); XLA's analysis of writing the longest run.
-    longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
-    cache_shape = jax.ShapeDtypeStruct((L, batch, context_len, K, H), dtype_name, sharding=on_last)
-    piece = jax.ShapeDtypeStruct((L, 2, batch, longest, K, H), dtype_name, sharding=on_last)
-    position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)
-    move = _analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
+    # holds the cache (the every-position layers and the rings) and, at a time, one run's
+    # real rows beside it (kv_cache.copy_onto, send_onto_last_rank); XLA's analysis of
+    # writing the longest run.
+    move = {"argument_bytes": ring_bytes, "temp_bytes": 0}
+    if L_f:
+      longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
+      cache_shape = jax.ShapeDtypeStruct(
+        (L_f, batch, context_len, K, H), dtype_name, sharding=on_last
+      )
+      piece = jax.ShapeDtypeStruct((L_f, 2, batch, longest, K, H), dtype_name, sharding=on_last)
+      position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)
+      placed = _analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
+      move = {**placed, "argument_bytes": placed["argument_bytes"] + ring_bytes}
   else:
     return {}
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}

@@ -48,9 +48,8 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
   moved = time.perf_counter()
   if cache == "last":
-    k, v = result.decode_cache()
-    jax.block_until_ready((k, v))
-    result = result.whole(k, v)
+    result = result.moved_to_last_rank(model.config)
+    jax.block_until_ready((result.k_layers, result.v_layers, result.rings))
   end = time.perf_counter()
   return result, end - start, end - moved
 
