@@ -70,8 +70,9 @@ positions [C - W + 1, C) and more; positions no rank passed on stay zero in its 
 decode masks by the window, so it never reads them. The cache parts hold every position
 (each rank keeps its whole chunk). So cache="last" joins the last hop on windowed layers too
 (`last_hop_holds_cache`): the kept message is set at its positions, zeros before its window
-start, and the last rank's cache is whole where decode reads it (no move; generate then keeps
-each windowed layer's window only, kvr_jax.inference.decode.DecodeLayout).
+start, and the last rank's cache is whole where decode reads it (no move; where the window is
+shorter than the prompt the last rank keeps that layer's ring only, cut from the message and
+its own chunk: kvr_jax.inference.kv_cache.join_rings_on_device).
 """
 
 from __future__ import annotations
