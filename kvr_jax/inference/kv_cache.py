@@ -356,11 +356,24 @@ def kept_on_last_rank(kv_parts, layout: CacheLayout, mesh, kept, lengths_B, last
     return join_last_hop(kv_parts, last_hop, layout, mesh, kept, lengths_B)
   lengths = global_array(np.asarray(lengths_B, np.int32), jax.sharding.NamedSharding(mesh, jax.P()))
   full_parts, rings = decode.sharded_rings_program(mesh, layout, kept)(kv_parts, lengths)
-  k, v = gather_on_last_rank(full_parts, layout, mesh)
-  if k is None:
-    return None, None, ()
+  return cut_on_last_rank(full_parts, rings, layout, mesh, kept)
+
+
+def cut_on_last_rank(full_parts, rings, layout: CacheLayout, mesh, kept):
+  """`kept_on_last_rank` from parts already cut (`decode.sharded_rings_program`'s outputs:
+  the every-position layers' parts [p, L_f, 2, B*P, K, H] and the replicated rings): those
+  parts moved onto the last rank, the rings' copies there. Where every layer keeps a ring
+  nothing moves: the every-position layers are an empty [0, B, C, K, H] there."""
   rings = tuple(None if r is None else tuple(on_last_row(x, mesh) for x in r) for r in rings)
-  return k, v, rings
+  if kept.every_position_group is not None:
+    k, v = gather_on_last_rank(full_parts, layout, mesh)
+    return (None, None, ()) if k is None else (k, v, rings)
+  ring_k = next(r[0] for r in rings if r is not None)
+  if ring_k is None:
+    return None, None, ()  # another process holds the last rank
+  _, B, _, K, H = ring_k.shape
+  none = jnp.zeros((0, B, layout.context_len, K, H), ring_k.dtype, device=ring_k.sharding)
+  return none, none, rings
 
 
 def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto", last_hop=None):

@@ -10,10 +10,9 @@ import jax
 import numpy as np
 
 from kvr_jax.inference.decode import DecodeLayout, prompt_order_of_rings
-from kvr_jax.inference.kv_cache import gather_on_last_rank, kept_on_last_rank, on_last_row
+from kvr_jax.inference.kv_cache import cut_on_last_rank, gather_on_last_rank, kept_on_last_rank
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime.cache_layout import CacheLayout
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -192,24 +191,15 @@ class CacheParts(PrefillResult):
 
   def _with_rings_in_prompt_order(self) -> tuple[jax.Array, jax.Array]:
     """decode_cache() where windowed layers keep rings: the parts' layers gathered as ever,
-    each ring's positions in prompt order (zeros before its window), stacked by layer."""
-    last_row = self.mesh.devices.reshape(self.mesh.shape[AXIS], -1)[-1]
-    if last_row[0].process_index != jax.process_index():
-      return None, None  # another process holds the last rank
-    if model_parallel(self.mesh) > 1:
-      group = rank_row_mesh(self.mesh, self.mesh.shape[AXIS] - 1)
-      target = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
-    else:
-      target = jax.sharding.SingleDeviceSharding(last_row[0])
-    k, v = None, None
-    if self.kept.every_position_group is not None:
-      k, v = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
-    rings = tuple(
-      None if ring is None else tuple(on_last_row(x, self.mesh) for x in ring)
-      for ring in self.rings
+    each ring's positions in prompt order (zeros before its window), stacked by layer, where
+    the every-position layers lie (the last rank's device, or its row's heads)."""
+    k, v, rings = cut_on_last_rank(
+      self.kv_parts, self.rings, self.cache_layout, self.mesh, self.kept
     )
+    if k is None:
+      return None, None  # another process holds the last rank
     kv = prompt_order(k, v, self.kept, rings, self.lengths, self.prompt_len)
-    return tuple(jax.device_put(x, target) for x in kv)
+    return tuple(jax.device_put(x, k.sharding) for x in kv)
 
   def moved_to_last_rank(self, config) -> WholeCache:
     """This prefill as cache="last" (`config`: the model's, which says its windows): the cache
@@ -222,12 +212,8 @@ class CacheParts(PrefillResult):
     if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
       return WholeCache(**common, k_layers=None, v_layers=None)
     if self.kept is not None:  # cut already (cache="sharded"): gather the parts, keep rings
-      k = v = None
-      if self.kept.every_position_group is not None:
-        k, v = gather_on_last_rank(self.kv_parts, self.cache_layout, self.mesh)
-      rings = tuple(
-        None if ring is None else tuple(on_last_row(x, self.mesh) for x in ring)
-        for ring in self.rings
+      k, v, rings = cut_on_last_rank(
+        self.kv_parts, self.rings, self.cache_layout, self.mesh, self.kept
       )
       return WholeCache(**common, k_layers=k, v_layers=v, kept=self.kept, rings=rings)
     kept = DecodeLayout.of(config, self.prompt_len)

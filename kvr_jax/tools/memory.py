@@ -270,8 +270,7 @@ def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
   replicated = NamedSharding(mesh, jax.P())
   state_shapes, _ = _placed_state(config, state, mesh, m, np.dtype(dtype_name).itemsize)
   kept, _ = _kept(config, "sharded", shape, layout)
-  every = kept.rings.index(None) if None in kept.rings else None
-  L_f = 0 if every is None else len(kept.layers_of(every))
+  every, L_f = kept.every_position_group, len(kept.every_position_layers)
   parts = (layout.num_ranks, L_f, 2, batch * layout.part_len, K * m, H)
   tail = _struct(
     (L_f, 2, batch, decode_tokens, K * m, H),
