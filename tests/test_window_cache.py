@@ -176,6 +176,14 @@ def test_memory_counts_a_windowed_layers_window_only():
   assert sharded["decode_cache_bytes"] == rings + 1 * (250 + 24) * per_position
   step_arguments = sharded["decode_argument_bytes"] - sharded["weights_bytes"]
   assert sharded["decode_cache_bytes"] <= step_arguments < sharded["decode_cache_bytes"] + 64
+  # cache="last", all-gather CP on 4 ranks (zigzag: 8 runs of 125): what the move holds on the
+  # last rank is the full layer's cache (1000 positions), one run (125) beside it, and the
+  # rings; no windowed layer's every position (3 x 1000 more) reaches it.
+  moved = compiled_memory(
+    "tiny-gemma", "allgather", context_len=1000, num_ranks=4, cache="last", decode_tokens=24
+  )
+  held = rings + (1000 + 125) * per_position
+  assert held <= moved["move_argument_bytes"] < held + 64
 
 
 def test_gemma_270m_is_refused_by_name_without_its_wheels(monkeypatch, tmp_path):
