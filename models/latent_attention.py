@@ -16,6 +16,7 @@ latent-space output goes back through kv_b_proj's value half. Both forms are the
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -129,6 +130,34 @@ class LatentAttention(nnx.Module):
     visible_BS = jnp.arange(cache_BSC.shape[1])[None, :] <= positions_B[:, None]
     out_BNR, _ = self.absorbed_partial(q_BNC, cache_BSC, visible_BS)
     return self.expand_values(out_BNR.astype(cache_BSC.dtype))
+
+  def attend_absorbed_chunk(self, q_nope_BTNn, q_rope_BTNr, cache_BSC, query_offset: int = 0):
+    """The absorbed form for T queries at positions query_offset + t (static) over the latents
+    of positions 0..S-1, causal: each head's no-rope query taken into the latent space, dense
+    float32 scores against the C-wide latents (an MQA), the output back through kv_b_proj's
+    value half; [B, T, N, v]. The same sums as `attend_expanded`, with no per-head keys or
+    values built: it costs N (R + r + R) multiply-adds per query and key against the expanded
+    form's N (n + r + v), but nothing per key beyond that, where expanding costs R N (n + v)
+    per key. What a rank with few queries over a long prefix might run instead of expanding
+    (kvr_jax.tools.latent_forms measures which is faster; prefill expands, docs/models.md)."""
+    cfg = self.config
+    q_latent_BTNR = jnp.einsum("BTNn,RNn->BTNR", q_nope_BTNn, self.wk_b[...])
+    q_BTNC = jnp.concatenate([q_latent_BTNR, q_rope_BTNr], axis=-1)
+    scores_BTNS = jnp.einsum(
+      "BTNC,BSC->BTNS", q_BTNC, cache_BSC, preferred_element_type=jnp.float32
+    )
+    T, S = q_BTNC.shape[1], cache_BSC.shape[1]
+    visible_TS = jnp.arange(S)[None, :] <= query_offset + jnp.arange(T)[:, None]
+    scores_BTNS = jnp.where(visible_TS[:, None], scores_BTNS * cfg.softmax_scale, MASK_VALUE)
+    weights_BTNS = jax.nn.softmax(scores_BTNS, axis=-1)
+    latent_BSR = cache_BSC[..., : cfg.kv_lora_rank]
+    out_BTNR = jnp.einsum(
+      "BTNS,BSR->BTNR",
+      weights_BTNS.astype(latent_BSR.dtype),
+      latent_BSR,
+      preferred_element_type=jnp.float32,
+    )
+    return jnp.einsum("BTNR,RNv->BTNv", out_BTNR.astype(cache_BSC.dtype), self.wv_b[...])
 
   def absorbed_query(self, q_nope_BNn, q_rope_BNr):
     """Each head's query in the latent space, then its rope part: [B, N, C]."""

@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import kvr_jax
+from kvr_jax.tools import latent_forms
 from models.families import config_from_hf
 from tests import hf_fixtures
 from tests.tolerance import assert_close, relative_error
@@ -384,3 +386,40 @@ def test_a_saved_model_restores_whole(checkpoints, tokens, tmp_path):
   restored = kvr_jax.load_model(str(tmp_path / "checkpoint"))
   assert restored.config == ours.config
   np.testing.assert_array_equal(restored.module(tokens[:, :8]), ours.module(tokens[:, :8]))
+
+
+def test_the_absorbed_form_of_a_chunk_is_the_expanded_one():
+  """A rank's 24 queries after a 40-position prefix (bench-deepseek's shapes, random weights
+  and inputs, float32): the absorbed form (queries into the latent space, an MQA over the
+  latents) gives the expanded form's outputs (every head's K,V built) within 1e-5, causal
+  from the queries' offset."""
+  config = kvr_jax.runtime.loading.preset_config("bench-deepseek")
+  graphdef, state = latent_forms.one_latent_layer(config, seed=3)
+  layer = nnx.merge(graphdef, state)
+  rng = np.random.RandomState(4)
+  N, n, r = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+  q_nope = jnp.asarray(rng.randn(2, 24, N, n), jnp.float32)
+  q_rope = jnp.asarray(rng.randn(2, 24, N, r), jnp.float32)
+  cache = jnp.asarray(rng.randn(2, 64, config.kv_lora_rank + r), jnp.float32)
+  absorbed = layer.attend_absorbed_chunk(q_nope, q_rope, cache, 40)
+  expanded = layer.attend_expanded(q_nope, q_rope, cache, 40, "dense")
+  assert absorbed.shape == (2, 24, N, config.v_head_dim)
+  assert_close(absorbed, expanded, "absorbed against expanded")
+
+
+def test_latent_forms_are_timed_beside_their_modelled_sums():
+  """The tool times both forms and counts their multiply-adds, hand-worked for bench-deepseek
+  (N 4, R 128, n 64, r 32, v 64) at c = 8 after S = 256: expanded 264 x 128 x 4 x 128 + 8 x
+  264 x 4 x 160, absorbed 8 x 4 x 64 x 128 + 8 x 4 x 128 x 64 + 8 x 264 x 4 x 288."""
+  (row,) = latent_forms.time_latent_forms(
+    "bench-deepseek", prefix_len=256, chunk_lens=[8], repeats=1
+  )
+  assert (row.chunk_len, row.prefix_len) == (8, 256)
+  assert row.expanded_macs == 264 * 128 * 4 * 128 + 8 * 264 * 4 * 160
+  assert row.absorbed_macs == 8 * 4 * 64 * 128 + 8 * 4 * 128 * 64 + 8 * 264 * 4 * 288
+  assert min(row.expanded_flash_s, row.expanded_dense_s, row.absorbed_s) > 0
+  assert "absorbed/expanded" in latent_forms.latent_forms_table([row])
+  with pytest.raises(ValueError, match="no latent attention"):
+    latent_forms.time_latent_forms("tiny-llama")
+  with pytest.raises(ValueError, match="must be positive"):
+    latent_forms.time_latent_forms("bench-deepseek", chunk_lens=[0])
