@@ -99,6 +99,32 @@ def test_every_process_decodes_from_the_sharded_cache_like_single():
     assert [len(row) for row in run["tokens"]] == [8, 8], name
 
 
+def test_windowed_layers_keep_rings_on_the_last_rank_across_processes():
+  """cache="last" across two processes of two ranks each on a model with windowed (64) and
+  full layers, 300 tokens: KV-Runahead joins its rings from its last hop and its chunk (50
+  tokens, shorter than the window) in the last rank's process; all-gather CP sums each ring
+  over the ranks and sends only the full layer's parts across. Both decode single's tokens
+  from the last rank's rings, and the last step's logits agree."""
+  proc, _ = run_launcher(
+    "--num_processes=2",
+    "--devices_per_process=2",
+    "--model=tiny-gemma",
+    "--context_len=300",
+    "--partition=110,80,60,50",
+    "--strategy=kvr,allgather",
+    "--cache=last",
+    "--max_new_tokens=70",
+    "--json",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+  for name, run in result["strategies"].items():
+    assert run["cache"] == "last", name
+    assert run["relative_logit_error"] <= 1e-5, name
+    assert run["relative_last_step_error"] <= 1e-5, name
+    assert run["tokens"] == result["single_tokens"], name
+
+
 def test_a_process_whose_decode_fails_ends_every_process_with_its_error():
   """Process 0 fails between its prefill and its decode while process 1 waits for it in a
   sharded decode step's collective: the launcher names process 0 and its error, promptly
