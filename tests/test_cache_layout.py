@@ -235,11 +235,12 @@ def test_kvr_last_outputs_no_prompt_long_zeros_where_the_join_does_not_fit():
   assert two["output_bytes"] >= two["kv_cache_bytes"], two  # part + last hop: the whole cache
 
 
-def test_kvr_joins_its_last_hop_on_windowed_layers(models, prompt, oracle):
+def test_kvr_joins_its_last_hop_on_windowed_layers(models, prompt, oracle, monkeypatch):
   """A window shorter than the prefix cuts the last hop to its last W-1 keys: the last rank
   still joins what it holds (no move), whole from S_{p-2} - W + 1 on (every key a query from
   the prompt's end sees) and zeros before; decode from it gives single's greedy tokens. With
-  a padded row (its window may lie before the hop) the parts move and the cache is whole."""
+  a padded row that ends before the last chunk (its window lies before the hop) that run's
+  parts move; padded rows that all reach into the last chunk still join."""
   mesh, model = kvr_jax.make_mesh(2), models["window"]
   kwargs = dict(strategy="kvr", mesh=mesh, partition=[20, 9], cache="last")
   assert plan_prefill(model, prompt, **kwargs).keep_last_hop
@@ -252,14 +253,32 @@ def test_kvr_joins_its_last_hop_on_windowed_layers(models, prompt, oracle):
   greedy = kvr_jax.generate(model, prompt, 3 * WINDOW, **kwargs).tokens
   want = kvr_jax.generate(model, prompt, 3 * WINDOW, cache="last").tokens
   np.testing.assert_array_equal(greedy, want)
-  ragged = [prompt[0], prompt[1, :17]]  # row 1 ends before the hop's keys [15, 20)
-  assert not plan_prefill(model, ragged, **kwargs).keep_last_hop
+  ragged = [prompt[0], prompt[1, :20]]  # row 1 ends where the last chunk starts: its window
+  # [20 - W, 20) begins one key before what the hop carries [21 - W, 20)
+  assert plan_prefill(model, ragged, **kwargs).keep_last_hop  # decided per run
   moved = kvr_jax.prefill(model, ragged, **kwargs)
   reference = kvr_jax.prefill(model, ragged)
   assert_close(moved.k_cache, reference.k_cache, "K cache")
   np.testing.assert_array_equal(
     kvr_jax.generate(model, ragged, 3 * WINDOW, **kwargs).tokens,
     kvr_jax.generate(model, ragged, 3 * WINDOW, cache="last").tokens,
+  )
+  # Row 1 ends at 24, inside the last chunk [20, 29): the hop and the chunk hold its window,
+  # so the padded run joins with nothing moved, and decodes single's tokens.
+  reaching = [prompt[0], prompt[1, :24]]
+
+  def no_move(*args, **kwargs):
+    raise AssertionError("the hop holds every row's window: nothing moves")
+
+  want_tokens = kvr_jax.generate(model, reaching, 3 * WINDOW, cache="last").tokens
+  want_logits = kvr_jax.prefill(model, reaching).logits
+  monkeypatch.setattr(kv_cache, "gather_on_last_rank", no_move)
+  monkeypatch.setattr(kv_cache, "send_onto_last_rank", no_move)
+  monkeypatch.setattr(kv_cache.decode, "sharded_rings_program", no_move)
+  joined = kvr_jax.prefill(model, reaching, **kwargs)
+  assert_close(joined.logits, want_logits, "a padded row's logits")
+  np.testing.assert_array_equal(
+    kvr_jax.generate(model, reaching, 3 * WINDOW, **kwargs).tokens, want_tokens
   )
 
 

@@ -358,16 +358,24 @@ def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memor
   config, B = shape.config, shape.batch
   if model_parallel(mesh) > 1 or not spec.keeps_last_hop(cache, chunks, config.kinds):
     return False
-  hop_end = sum(chunks[:-1])
-  if shape.padded and not all(kind.hop_keeps_whole_prefix(hop_end) for kind in config.kinds):
-    # A padded row ends before the prompt does: its window may lie before what a windowed
-    # layer's last hop carries (only the prompt's last window), so the parts move.
-    return False
+  # With padded rows whether the hop holds every row's window is known per run, from the
+  # lengths (`_hop_holds_rows`): a run whose rows it does not hold moves its parts.
   hop_bytes = last_hop_bytes(config, chunks, B, shape.itemsize, config.num_kv_heads)
   if device_memory is None:
     device_memory = device_memory_bytes(mesh.devices.flat[0])
   joins = join_affordable(hop_bytes, device_memory=device_memory)
   return bool(agreed("join", (shape.model_key, chunks, B), mesh, int(joins)))
+
+
+def _hop_holds_rows(config, chunks, lengths_B) -> bool:
+  """Whether KV-Runahead's last hop and the last chunk hold what every row decodes from. A
+  windowed layer's hop carries only the W-1 keys before the last chunk (the prompt's last
+  window): a row that ends at or before that chunk's start (a padded row) reads keys before
+  them, so the parts move for that run. Layers whose hop carries the whole prefix hold any
+  row."""
+  hop_end = sum(chunks[:-1])
+  whole = all(kind.hop_keeps_whole_prefix(hop_end) for kind in config.kinds)
+  return whole or int(np.min(lengths_B)) > hop_end
 
 
 def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True):
@@ -399,6 +407,8 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
   last_hop = None
   if plan.keep_last_hop:
     kv_parts, last_hop = kv_parts
+    if not _hop_holds_rows(model.config, chunks, lengths_B):
+      last_hop = None  # a row's window lies before the windowed layers' last hop: move
   layout = plan.cache_layout
   owner = rank_device(mesh, last_rank(chunks))
   logits_BV = shard_on(logits, owner)
