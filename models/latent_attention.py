@@ -16,7 +16,6 @@ latent-space output goes back through kv_b_proj's value half. Both forms are the
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -128,7 +127,7 @@ class LatentAttention(nnx.Module):
     head's query taken into the latent space; [B, N, v]."""
     q_BNC = self.absorbed_query(q_nope_BNn, q_rope_BNr)
     visible_BS = jnp.arange(cache_BSC.shape[1])[None, :] <= positions_B[:, None]
-    out_BNR, _ = self.absorbed_partial(q_BNC, cache_BSC, visible_BS)
+    out_BNR, _ = self.absorbed_partial(q_BNC, cache_BSC, visible_BS[:, None])
     return self.expand_values(out_BNR.astype(cache_BSC.dtype))
 
   def attend_absorbed_chunk(self, q_nope_BTNn, q_rope_BTNr, cache_BSC, query_offset: int = 0):
@@ -140,40 +139,31 @@ class LatentAttention(nnx.Module):
     form's N (n + r + v), but nothing per key beyond that, where expanding costs R N (n + v)
     per key. What a rank with few queries over a long prefix might run instead of expanding
     (kvr_jax.tools.latent_forms measures which is faster; prefill expands, docs/models.md)."""
-    cfg = self.config
-    q_latent_BTNR = jnp.einsum("BTNn,RNn->BTNR", q_nope_BTNn, self.wk_b[...])
-    q_BTNC = jnp.concatenate([q_latent_BTNR, q_rope_BTNr], axis=-1)
-    scores_BTNS = jnp.einsum(
-      "BTNC,BSC->BTNS", q_BTNC, cache_BSC, preferred_element_type=jnp.float32
-    )
-    T, S = q_BTNC.shape[1], cache_BSC.shape[1]
-    visible_TS = jnp.arange(S)[None, :] <= query_offset + jnp.arange(T)[:, None]
-    scores_BTNS = jnp.where(visible_TS[:, None], scores_BTNS * cfg.softmax_scale, MASK_VALUE)
-    weights_BTNS = jax.nn.softmax(scores_BTNS, axis=-1)
-    latent_BSR = cache_BSC[..., : cfg.kv_lora_rank]
-    out_BTNR = jnp.einsum(
-      "BTNS,BSR->BTNR",
-      weights_BTNS.astype(latent_BSR.dtype),
-      latent_BSR,
-      preferred_element_type=jnp.float32,
-    )
-    return jnp.einsum("BTNR,RNv->BTNv", out_BTNR.astype(cache_BSC.dtype), self.wv_b[...])
+    q_BTNC = self.absorbed_query(q_nope_BTNn, q_rope_BTNr)
+    B, T, N, C = q_BTNC.shape
+    visible_TS = jnp.arange(cache_BSC.shape[1])[None, :] <= query_offset + jnp.arange(T)[:, None]
+    # The T queries as T x N heads of one row, each (t, n) seeing query t's keys.
+    visible_1XS = jnp.repeat(visible_TS, N, axis=0)[None]
+    out_BXR, _ = self.absorbed_partial(q_BTNC.reshape(B, T * N, C), cache_BSC, visible_1XS)
+    return self.expand_values(out_BXR.reshape(B, T, N, -1).astype(cache_BSC.dtype))
 
   def absorbed_query(self, q_nope_BNn, q_rope_BNr):
-    """Each head's query in the latent space, then its rope part: [B, N, C]."""
-    q_latent_BNR = jnp.einsum("BNn,RNn->BNR", q_nope_BNn, self.wk_b[...])
+    """Each head's query in the latent space, then its rope part: [B, N, C] (any leading
+    axes before the heads: [B, T, N, C] for a chunk)."""
+    q_latent_BNR = jnp.einsum("...Nn,RNn->...NR", q_nope_BNn, self.wk_b[...])
     return jnp.concatenate([q_latent_BNR, q_rope_BNr], axis=-1)
 
-  def absorbed_partial(self, q_BNC, cache_BSC, visible_BS):
-    """The absorbed attention over the `visible_BS` positions of `cache_BSC` alone: (its
+  def absorbed_partial(self, q_BNC, cache_BSC, visible_BNS):
+    """The absorbed attention over the `visible_BNS` positions of `cache_BSC` alone (a mask
+    broadcast over the heads: [B, 1, S] for a row's positions): (its
     latent-space output [B, N, R] float32, its log-sum-exp [B, N] float32; a row that sees
     nothing: 0 and -inf), so that attentions over disjoint positions merge exactly
     (models.attention.merge_partials; a sharded cache's parts)."""
     cfg = self.config
     scores_BNS = jnp.einsum("BNC,BSC->BNS", q_BNC, cache_BSC).astype(jnp.float32)
-    scores_BNS = jnp.where(visible_BS[:, None], scores_BNS * cfg.softmax_scale, MASK_VALUE)
+    scores_BNS = jnp.where(visible_BNS, scores_BNS * cfg.softmax_scale, MASK_VALUE)
     max_BN = jnp.max(scores_BNS, axis=-1)
-    weights_BNS = jnp.where(visible_BS[:, None], jnp.exp(scores_BNS - max_BN[..., None]), 0.0)
+    weights_BNS = jnp.where(visible_BNS, jnp.exp(scores_BNS - max_BN[..., None]), 0.0)
     total_BN = weights_BNS.sum(axis=-1)
     latent_BSR = cache_BSC[..., : cfg.kv_lora_rank]
     out_BNR = jnp.einsum(
@@ -188,7 +178,7 @@ class LatentAttention(nnx.Module):
 
   def expand_values(self, out_BNR):
     """A latent-space attention output through kv_b_proj's value half: [B, N, v]."""
-    return jnp.einsum("BNR,RNv->BNv", out_BNR, self.wv_b[...])
+    return jnp.einsum("...NR,RNv->...Nv", out_BNR, self.wv_b[...])
 
   def attention_output(self, attn_BTNv):
     return jnp.einsum("BTNv,NvD->BTD", attn_BTNv, self.wo[...])

@@ -262,9 +262,9 @@ def latent_sharded_step(graphdef, mesh):
       tail_LBMC = jax.lax.dynamic_update_slice(tail_LBMC, entry_B11C, (l, 0, tail_index, 0))
       q_BNC = block.absorbed_query(q_nope[:, 0], q_rope[:, 0])
       part = block.absorbed_partial(
-        jax.lax.pcast(q_BNC, (AXIS,), to="varying"), parts_1LBTC[0, l], part_visible_BT
+        jax.lax.pcast(q_BNC, (AXIS,), to="varying"), parts_1LBTC[0, l], part_visible_BT[:, None]
       )
-      tail_out, tail_lse = block.absorbed_partial(q_BNC, tail_LBMC[l], tail_visible_BM)
+      tail_out, tail_lse = block.absorbed_partial(q_BNC, tail_LBMC[l], tail_visible_BM[:, None])
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
       out_BNR = merge_across_ranks(*merge_partials(*part, tail_out, tail_lse))
       attn_BNv = block.expand_values(out_BNR.astype(x_B1D.dtype))
