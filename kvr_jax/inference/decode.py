@@ -91,6 +91,17 @@ class DecodeLayout:
     return jnp.concatenate(per_group)[np.argsort(order)]
 
 
+def take_slots(x, index_BW, axis: int):
+  """x's entries at index_BW[b, j] along its positions `axis` (the batch axis just before
+  it), zeros where the index is negative: a ring's slots gathered from where their positions
+  lie. Returns x with that axis W long."""
+  shape = [1] * x.ndim
+  shape[axis - 1 : axis + 1] = index_BW.shape
+  index = jnp.clip(index_BW, 0, x.shape[axis] - 1).reshape(shape)
+  taken = jnp.take_along_axis(x, index, axis=axis)
+  return jnp.where((index_BW >= 0).reshape(shape), taken, 0).astype(x.dtype)
+
+
 def ring_positions(lengths_B, ring: int):
   """[B, W]: the prompt position slot j of a ring of W holds after a row of lengths_B[b]
   positions, the latest p < length with p = j (mod W); negative where the row is shorter
@@ -240,13 +251,7 @@ def decode_caches(
       caches.append((jnp.pad(k, grow), jnp.pad(v, grow)))
       continue
     position_BW = ring_positions(lengths_B, ring)
-    index = jnp.clip(position_BW, 0, C - 1)[None, :, :, None, None]
-    held = (position_BW >= 0)[None, :, :, None, None]
-    caches.append(
-      tuple(
-        jnp.where(held, jnp.take_along_axis(x, index, axis=2), 0).astype(x.dtype) for x in (k, v)
-      )
-    )
+    caches.append(tuple(take_slots(x, position_BW, axis=2) for x in (k, v)))
   return tuple(caches)
 
 
@@ -279,9 +284,7 @@ def sharded_rings_program(mesh, layout: CacheLayout, kept: DecodeLayout):
         continue
       position_BW = ring_positions(lengths_B, ring)
       row_BW = jnp.where(position_BW >= 0, part_row_C[jnp.clip(position_BW, 0, C - 1)], -1)
-      index = jnp.clip(row_BW, 0)[None, None, :, :, None, None]
-      ring_L2BWKH = jnp.take_along_axis(part_L2BPKH[kept.layers_of(group)], index, axis=3)
-      ring_L2BWKH = jnp.where((row_BW >= 0)[None, None, :, :, None, None], ring_L2BWKH, 0)
+      ring_L2BWKH = take_slots(part_L2BPKH[kept.layers_of(group)], row_BW, axis=3)
       # Each position is one rank's: the sum over ranks is each slot's own K,V, exactly.
       ring_L2BWKH = jax.lax.psum(ring_L2BWKH, AXIS)
       rings.append((ring_L2BWKH[:, 0], ring_L2BWKH[:, 1]))

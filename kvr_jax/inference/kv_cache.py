@@ -297,15 +297,13 @@ def join_rings_on_device(
       continue
     layers = kept.layers_of(group)
     position_BW = decode.ring_positions(lengths_B, ring)
+    # Each slot from the hop (positions before prefix_len) or from the own chunk, not both.
     in_hop_BW = position_BW < prefix_len
-    from_hop = jnp.clip(position_BW, 0, prefix_len - 1)[None, None, :, :, None, None]
-    from_own = jnp.clip(position_BW - prefix_len, 0, own_len - 1)[None, None, :, :, None, None]
-    ring_L2BWKH = jnp.where(
-      in_hop_BW[None, None, :, :, None, None],
-      jnp.take_along_axis(hop_L2BSKH[layers], from_hop, axis=3),
-      jnp.take_along_axis(own_L2BcKH[layers], from_own, axis=3),
+    ring_L2BWKH = decode.take_slots(
+      hop_L2BSKH[layers], jnp.where(in_hop_BW, position_BW, -1), axis=3
+    ) + decode.take_slots(
+      own_L2BcKH[layers], jnp.where(in_hop_BW, -1, position_BW - prefix_len), axis=3
     )
-    ring_L2BWKH = jnp.where((position_BW >= 0)[None, None, :, :, None, None], ring_L2BWKH, 0)
     rings.append((ring_L2BWKH[:, 0], ring_L2BWKH[:, 1]))
   return k, v, tuple(rings)
 
