@@ -327,6 +327,42 @@ def test_linear_layers_hop_a_state_whose_size_does_not_follow_the_prompt(checkpo
   assert gathered[24] == gathered[48] == sorted([(3, 2, *state[:3], d_k), (3, 2, *state)])
 
 
+def _scans(jaxpr) -> set[tuple[int, int]]:
+  """(length, carries) of every `lax.scan` in a jaxpr and the jaxprs inside it."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      found.add((eqn.params["length"], eqn.params["num_carry"]))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found |= _scans(inner)
+  return found
+
+
+def test_kvr_runs_each_linear_layer_at_its_ranks_own_length(checkpoints):
+  """On a split of 66 and 4 tokens, rank 0 runs the plain chunked form over its two 64-token
+  chunks and rank 1 its entry map over one chunk: not over the longest rank's rows (the
+  padding a searched split's short rank would otherwise pay in full). The entry map's scan
+  carries two states (P, R), the plain form's one."""
+  from kvr_jax.runtime.mesh import AXIS
+  from kvr_jax.strategies import get_strategy
+  from kvr_jax.strategies.hybrid import compile_hybrid
+  from models.kernels import get_kernel
+
+  model = checkpoints["qwen3_5-types"][2]
+  mesh, chunks = kvr_jax.make_mesh(2), (66, 4)
+  program = compile_hybrid("kvr", model.graphdef, mesh, chunks, get_kernel("flash"))
+  tokens_pBc = get_strategy("kvr").arrange(np.zeros((1, 70), np.int32), chunks)
+  jaxpr = jax.make_jaxpr(program)(
+    model.state_on(jax.sharding.NamedSharding(mesh, jax.P())),
+    jax.device_put(tokens_pBc, jax.sharding.NamedSharding(mesh, jax.P(AXIS))),
+  )
+  chunk_scans = {scan for scan in _scans(jaxpr.jaxpr) if scan[1] in (1, 2)}
+  assert chunk_scans == {(2, 1), (1, 2)}, chunk_scans
+
+
 def test_hybrid_prefill_refuses_by_name(checkpoints, tokens):
   from kvr_jax.inference.hybrid import prefill_hybrid
 

@@ -44,6 +44,7 @@ from kvr_jax.strategies.allgather import allgather_body
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank
 from kvr_jax.strategies.ring import ring_body
 from kvr_jax.strategies.runahead import kvr_body
+from kvr_jax.strategies.runahead.rank_layer import pad_rows
 from models import gated_deltanet as gdn
 from models.base import no_reduce
 from models.layer_kinds import FULL_ATTENTION
@@ -79,34 +80,77 @@ def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zero
   real_c = jnp.arange(c) < real_rows
   g_Bch, beta_Bch = (jnp.where(real_c[:, None], x, 0) for x in (g_Bch, beta_Bch))
   q, k, v, g = block.heads(conv_BcC, g_Bch)
-
-  def plain(operands):
-    q = operands[0]
-    state_shape = (q.shape[0], q.shape[2], q.shape[3], operands[2].shape[3])
-    o_Bchv, B_Bhkv = gdn.chunked(*operands, gdn.zeros_as(q, state_shape))
-    A_Bhkk = gdn.zeros_as(q, (*B_Bhkv.shape[:2], q.shape[-1], q.shape[-1]))
-    return o_Bchv, jnp.zeros_like(q), A_Bhkk, B_Bhkv
-
   maps = jax.lax.cond(
-    from_zeros, plain, lambda ops: gdn.chunked_with_entry_map(*ops), (q, k, v, g, beta_Bch)
+    from_zeros, _plain_maps, lambda ops: gdn.chunked_with_entry_map(*ops), (q, k, v, g, beta_Bch)
   )
   w = halo_BwC.shape[1]
   return maps, jax.lax.dynamic_slice_in_dim(mixed_BcC, real_rows - w, w, axis=1)
 
 
+def _plain_maps(operands):
+  """The maps of a span entered with zeros: its plain chunked pass (Q_eff and A zero)."""
+  q = operands[0]
+  state_shape = (q.shape[0], q.shape[2], q.shape[3], operands[2].shape[3])
+  o_Bchv, B_Bhkv = gdn.chunked(*operands, gdn.zeros_as(q, state_shape))
+  A_Bhkk = gdn.zeros_as(q, (*B_Bhkv.shape[:2], q.shape[-1], q.shape[-1]))
+  return o_Bchv, jnp.zeros_like(q), A_Bhkk, B_Bhkv
+
+
+def _at_own_length(rank, chunks: tuple[int, ...], phase):
+  """phase(i, c_i, *operands) -> (arrays with rows on axis 1, arrays without) on rank
+  `rank`'s own static length: a `lax.switch` whose branch i runs rank i's c_i rows, the
+  rowed outputs padded back to the longest chunk's rows. The rows past a rank's chunk are
+  never computed: a searched split's short rank does its own tokens' work, not the longest
+  rank's (padded rows would cost it the projections, the entry map and the MLP of tokens it
+  does not hold)."""
+  c_max = max(chunks)
+
+  def branch(i, *operands):
+    rowed, whole = phase(i, chunks[i], *operands)
+    return jax.tree.map(lambda a: pad_rows(a, c_max), rowed), whole
+
+  return lambda *operands: jax.lax.switch(
+    rank, [functools.partial(branch, i) for i in range(len(chunks))], *operands
+  )
+
+
 def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
   """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
-  (x [B, c_max, D], the state it leaves [B, h, k, v], the last w real rows of its input)."""
-  p = len(chunks)
-  c = jnp.asarray(chunks, jnp.int32)[rank]
-  mixed_BcC, z_Bchv, g_Bch, beta_Bch = block.inputs(x_BcD)
-  w = block.conv[...].shape[0] - 1
-  own_halo = jax.lax.dynamic_slice_in_dim(mixed_BcC, c - w, w, axis=1)
+  (x [B, c_max, D], the state it leaves [B, h, k, v], the last w real rows of its input).
+  Each rank's phases run at its own length (`_at_own_length`); rank 0 enters with zeros
+  and runs the plain chunked form, the others their entry maps."""
+  p, w = len(chunks), block.conv[...].shape[0] - 1
+
+  def inputs(i, c, x_BcD):
+    mixed_BcC, z_Bchv, g_Bch, beta_Bch = block.inputs(x_BcD[:, :c])
+    return (mixed_BcC, z_Bchv, g_Bch, beta_Bch), mixed_BcC[:, c - w :]
+
+  (mixed_BcC, z_Bchv, g_Bch, beta_Bch), own_halo = _at_own_length(rank, chunks, inputs)(x_BcD)
   halo_BwC = jax.lax.ppermute(own_halo, AXIS, perm=[(i, i + 1) for i in range(p - 1)])
-  maps, own_halo = _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, c, rank == 0)
-  entering_Bhkv = state_chain(maps[2], maps[3], rank, p)
-  o_Bchv, leaving_Bhkv = gdn.apply_entry_state(*maps, entering_Bhkv)
-  return block.output(x_BcD, o_Bchv, z_Bchv), leaving_Bhkv, own_halo
+
+  def span_maps(i, c, mixed_BcC, halo_BwC, g_Bch, beta_Bch):
+    conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv[...], halo_BwC)
+    operands = (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
+    # The prompt's first chunk: the zero state enters it.
+    o_Bchv, q_eff_Bchk, A_Bhkk, B_Bhkv = (
+      _plain_maps(operands) if i == 0 else gdn.chunked_with_entry_map(*operands)
+    )
+    return (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv)
+
+  (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = _at_own_length(rank, chunks, span_maps)(
+    mixed_BcC, halo_BwC, g_Bch, beta_Bch
+  )
+  entering_Bhkv = state_chain(A_Bhkk, B_Bhkv, rank, p)
+
+  def finish(i, c, x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, entering_Bhkv):
+    o_Bchv = o_Bchv[:, :c]
+    if i > 0:  # rank 0 entered with zeros: its outputs need no correction
+      o_Bchv = o_Bchv + jnp.einsum("BThk,Bhkv->BThv", q_eff_Bchk[:, :c], entering_Bhkv)
+    return block.output(x_BcD[:, :c], o_Bchv, z_Bchv[:, :c]), ()
+
+  x_BcD, _ = _at_own_length(rank, chunks, finish)(x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, entering_Bhkv)
+  leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, entering_Bhkv) + B_Bhkv
+  return x_BcD, leaving_Bhkv, own_halo
 
 
 def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int):
