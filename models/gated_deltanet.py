@@ -78,6 +78,40 @@ def recurrent(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, state_Bhkv):
   return jnp.moveaxis(o_TBhv, 0, 1), final
 
 
+def unit_lower_inverse(lower_NN):
+  """The inverse of unit lower-triangular matrices [..., N, N] (N a power of two), by blocks
+  in matmuls: with the inverses X_A, X_D of a block's two diagonal halves known, its
+  lower-left block is -X_D C X_A (C the matrix's own lower-left block). Bottom up from the
+  1 x 1 blocks (ones), log2(N) batched levels.
+
+  Why not `jax.scipy.linalg.solve_triangular`: on CPU, jaxlib's batched LAPACK solve splits
+  the batch over XLA's intra-op thread pool and waits for it from inside that pool; with as
+  many pool threads as waiting solves (a 2-core machine, one device) the program hangs (seen
+  with JAX 0.10.2: about one run in three of the chunked form never returned)."""
+  N = lower_NN.shape[-1]
+  if N & (N - 1):
+    raise ValueError(f"unit_lower_inverse takes a power-of-two size, not {N}")
+  batch = lower_NN.shape[:-2]
+  inverse = jnp.broadcast_to(jnp.eye(1, dtype=lower_NN.dtype), (*batch, N, 1, 1))
+  half = 1
+  while half < N:
+    blocks = N // (2 * half)
+    # The matrix's diagonal blocks of size 2 * half: [..., blocks, 2 * half, 2 * half].
+    diag = lower_NN.reshape(*batch, blocks, 2 * half, blocks, 2 * half)
+    diag = jnp.diagonal(diag, axis1=-4, axis2=-2)  # [..., 2 * half, 2 * half, blocks]
+    diag = jnp.moveaxis(diag, -1, -3)
+    C = diag[..., half:, :half]
+    pairs = inverse.reshape(*batch, blocks, 2, half, half)
+    X_A, X_D = pairs[..., 0, :, :], pairs[..., 1, :, :]
+    lower_left = -jnp.einsum("...ij,...jk,...kl->...il", X_D, C, X_A)
+    zeros = jnp.zeros_like(lower_left)
+    top = jnp.concatenate([X_A, zeros], axis=-1)
+    bottom = jnp.concatenate([lower_left, X_D], axis=-1)
+    inverse = jnp.concatenate([top, bottom], axis=-2)  # [..., blocks, 2 * half, 2 * half]
+    half *= 2
+  return inverse[..., 0, :, :]
+
+
 def _chunk_terms(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, chunk: int):
   """The within-chunk quantities of transformers' chunked form, chunks on axis 2 ([B, h, n,
   c, ...]; T padded to n c with g = beta = 0, which leave the state as it is):
@@ -107,11 +141,9 @@ def _chunk_terms(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, chunk: int):
   k_beta = k * beta[..., None]
   system = jnp.einsum("Bhncd,Bhned->Bhnce", k_beta, k) * decay_cc
   system = jnp.where(jnp.tril(lower, -1), system, 0) + jnp.eye(chunk)
-  solve = lambda b: jax.scipy.linalg.solve_triangular(  # noqa: E731
-    system, b, lower=True, unit_diagonal=True
-  )
-  U = solve(v * beta[..., None])
-  W = solve(k_beta * jnp.exp(cum_g)[..., None])
+  inverse = unit_lower_inverse(system)
+  U = jnp.einsum("...ce,...ed->...cd", inverse, v * beta[..., None])
+  W = jnp.einsum("...ce,...ed->...cd", inverse, k_beta * jnp.exp(cum_g)[..., None])
   intra = jnp.einsum("Bhncd,Bhned->Bhnce", q, k) * decay_cc
   q_dec = q * jnp.exp(cum_g)[..., None]
   k_dec = k * jnp.exp(cum_g[..., -1:] - cum_g)[..., None]

@@ -125,3 +125,19 @@ def test_causal_conv_matches_transformers_and_chains_by_halo():
   first, first_halo = gdn.causal_conv(x[:, :2], kernel_WC, zeros)  # shorter than the halo
   second, _ = gdn.causal_conv(x[:, 2:], kernel_WC, first_halo)
   assert_close(jnp.concatenate([first, second], axis=1), whole, "convolution in two pieces")
+
+
+def test_unit_lower_inverse_inverts_and_the_chunked_form_calls_no_lapack_solve(inputs):
+  """The chunk's triangular system is inverted by blocks in matmuls (numpy's inverse within
+  float32's 1e-5), never by jaxlib's batched LAPACK solve, which can hang on a CPU whose
+  thread pool it waits in (see `unit_lower_inverse`); a size that is no power of two is
+  refused by name."""
+  rng = np.random.RandomState(3)
+  for n in (1, 2, 16, 64):
+    lower = np.tril(rng.randn(2, 3, n, n) * 0.3, -1) + np.eye(n)
+    got = gdn.unit_lower_inverse(jnp.asarray(lower, jnp.float32))
+    assert_close(got, np.linalg.inv(lower), f"inverse of {n} x {n}")
+  with pytest.raises(ValueError, match="power-of-two"):
+    gdn.unit_lower_inverse(jnp.eye(48))
+  jaxpr = jax.make_jaxpr(gdn.chunked)(*inputs)
+  assert "triangular_solve" not in str(jaxpr)
