@@ -650,6 +650,8 @@ def test_local_calibration_measures_positive_numbers():
   hw, links = presets.hardware_preset("local"), presets.links_preset("local")
   assert hw.flops > 1e8 and hw.bandwidth > 1e8
   assert links.bandwidth > 1e6 and links.latency > 0
+  # The chunked linear-attention rule is measured too, and is no faster than a large matmul.
+  assert 0 < hw.linear_rule_flops <= 1.5 * hw.flops
 
 
 @pytest.mark.parametrize(
@@ -658,6 +660,7 @@ def test_local_calibration_measures_positive_numbers():
     lambda c: c["hardware"].update(peak_flops=0),
     lambda c: c["hardware"].update(memory_bandwidth=float("nan")),
     lambda c: c["links"].update(bandwidth=-1.0),
+    lambda c: c["hardware"].update(linear_rule_fraction=0.0),
   ],
 )
 def test_a_calibration_file_with_nonsense_figures_counts_as_absent(tmp_path, edit):

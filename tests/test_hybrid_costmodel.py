@@ -40,6 +40,26 @@ def test_linear_work_is_linear_in_tokens_and_the_entry_map_costs_extra(qwen, set
   assert extra == pytest.approx(2 * 1024 * h * (k**3 / 64 + k * k + k * k))
 
 
+def test_the_rule_runs_at_the_hardwares_linear_rule_rate(qwen, setup):
+  """A linear layer's mixer step is its projections at the matmul rate plus its rule at the
+  linear-rule rate (the `local` calibration measures it apart: far below a matmul's on a
+  CPU); at a lower rate the step grows by exactly the rule's extra seconds."""
+  import dataclasses
+
+  hw = setup.hardware
+  slow = dataclasses.replace(setup, hardware=dataclasses.replace(hw, linear_rule_fraction=0.06))
+  phases = linear_modelled.linear_phases(qwen, 4096, setup, entry_map=False)
+  assert phases["rule"].linear_rule and not phases["linear"].linear_rule
+  step = {
+    name: linear_layer(qwen, "single", 4096, s, 1).steps[0][0].seconds
+    for name, s in (("fast", setup), ("slow", slow))
+  }
+  rule_flops = phases["rule"].flops
+  assert step["fast"] == pytest.approx(phases["linear"].time(hw) + rule_flops / hw.flops)
+  extra = rule_flops / hw.peak_flops * (1 / 0.06 - 1 / hw.flops_fraction)
+  assert step["slow"] - step["fast"] == pytest.approx(extra)
+
+
 def test_kvr_rank_zero_runs_no_entry_map(qwen, setup):
   layer = linear_layer(qwen, "kvr", 4096, setup, 2, [2048, 2048])
   assert layer.flops[0] < layer.flops[1]

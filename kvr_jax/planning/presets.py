@@ -1,6 +1,7 @@
 """Hardware and link presets for the cost model, and the `local` ones measured on this machine.
 
-`local` times a float32 matmul (FLOP/s), a large elementwise pass (memory bandwidth) and a
+`local` times a float32 matmul (FLOP/s), a large elementwise pass (memory bandwidth), the flash
+kernel and the chunked linear-attention rule (their own rates beside the matmul's) and a
 ppermute between two devices (link bandwidth and latency). On emulated CPU devices the "link"
 is a memory copy inside one process; across processes (launch.multiprocess) it is gloo over
 TCP. Measurements move by 5-10% from run to run, and a searched partition moves with them, so
@@ -28,6 +29,8 @@ from jax.experimental import multihost_utils
 from kvr_jax.core import resources
 from kvr_jax.planning.costmodel import Hardware, Links, Setup
 from kvr_jax.runtime.mesh import AXIS, global_array, make_mesh
+from kvr_jax.strategies.linear_modelled import rule_flops_per_token
+from models import gated_deltanet as gdn
 from models.flash import attend_flash
 
 HARDWARE = {
@@ -60,7 +63,7 @@ LINKS = {
 
 LOCAL = "local"
 # Part of the cache key: a new version (what is measured changed) measures again.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 
 def check_preset_names(hardware: str | Hardware, links: str | Links) -> None:
@@ -188,6 +191,7 @@ def _read(path: str | None) -> tuple[Hardware, Links] | None:
   # make the file count as absent: it is measured again and replaced.
   rates = [hardware.peak_flops, hardware.memory_bandwidth, links.bandwidth]
   rates += [hardware.fused_attention_fraction or 1.0, hardware.flops_fraction]
+  rates += [hardware.linear_rule_fraction or 1.0]
   if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in rates):
     return None
   if not (isinstance(links.latency, (int, float)) and math.isfinite(links.latency)):
@@ -230,13 +234,18 @@ def _measure_and_store(path: str | None) -> tuple[Hardware, Links]:
         hardware.peak_flops,
         hardware.memory_bandwidth,
         hardware.fused_attention_fraction,
+        hardware.linear_rule_fraction,
         links.bandwidth,
         links.latency,
       ]
     )
-    f, m, a, b, lat = (float(x) for x in multihost_utils.broadcast_one_to_all(figures))
+    f, m, a, r, b, lat = (float(x) for x in multihost_utils.broadcast_one_to_all(figures))
     hardware = dataclasses.replace(
-      hardware, peak_flops=f, memory_bandwidth=m, fused_attention_fraction=a
+      hardware,
+      peak_flops=f,
+      memory_bandwidth=m,
+      fused_attention_fraction=a,
+      linear_rule_fraction=r,
     )
     links = Links(b, lat, held_send=True)
   if jax.process_index() == 0 and path is not None:
@@ -271,6 +280,7 @@ def measure_hardware() -> Hardware:
   qkv = jnp.ones((1, C, N, H), jnp.float32)
   flash = jax.jit(lambda x: attend_flash(x, x, x, 0)[0])
   attention_flops = 4 * N * H * C * (C + 1) / 2 / _best_time(flash, qkv)
+  rule_flops = _linear_rule_flops()
   return Hardware(
     LOCAL,
     flops,
@@ -278,9 +288,23 @@ def measure_hardware() -> Hardware:
     1.0,
     1.0,
     f"measured on {jax.devices()[0].device_kind}: {flops / 1e9:.1f} GFLOP/s, "
-    f"{bandwidth / 1e9:.1f} GB/s, flash attention {attention_flops / 1e9:.1f} GFLOP/s",
+    f"{bandwidth / 1e9:.1f} GB/s, flash attention {attention_flops / 1e9:.1f} GFLOP/s, "
+    f"linear-attention rule {rule_flops / 1e9:.1f} GFLOP/s",
     fused_attention_fraction=attention_flops / flops,
+    linear_rule_fraction=rule_flops / flops,
   )
+
+
+def _linear_rule_flops() -> float:
+  """The chunked Gated DeltaNet rule's FLOP/s (as linear_modelled counts its FLOPs): 2048
+  tokens, 4 value heads of 64 x 64 (bench-qwen3.5's), a slow decay."""
+  T, h, d = 2048, 4, 64
+  q_BThk = gdn.l2_normalize(jnp.ones((1, T, h, d), jnp.float32)) * d**-0.5
+  g_BTh, beta_BTh = jnp.full((1, T, h), -0.01), jnp.full((1, T, h), 0.5)
+  state_Bhkv = jnp.zeros((1, h, d, d), jnp.float32)
+  rule = jax.jit(lambda q, g, beta, s: gdn.chunked(q, q, q, g, beta, s)[0])
+  seconds = _best_time(rule, q_BThk, g_BTh, beta_BTh, state_Bhkv)
+  return T * rule_flops_per_token(h, d, d, entry_map=False) / seconds
 
 
 def measure_links(hardware: Hardware) -> Links:

@@ -33,6 +33,10 @@ class Hardware:
   # rescaling make it slower than a plain matmul; None: the same as flops_fraction.
   fused_attention_fraction: float | None = None
   memory_bytes: float | None = None  # device memory, where known (what fits: device_memory)
+  # Achievable fraction of the peak in a linear-attention layer's chunked rule (Gated
+  # DeltaNet: 64 x 64 blocks, a triangular inverse, exps and a scan over the chunks), far
+  # below a large matmul's on a CPU; None: the same as flops_fraction.
+  linear_rule_fraction: float | None = None
 
   @property
   def flops(self) -> float:
@@ -41,6 +45,11 @@ class Hardware:
   @property
   def fused_attention_flops(self) -> float:
     fraction = self.fused_attention_fraction
+    return self.peak_flops * (self.flops_fraction if fraction is None else fraction)
+
+  @property
+  def linear_rule_flops(self) -> float:
+    fraction = self.linear_rule_fraction
     return self.peak_flops * (self.flops_fraction if fraction is None else fraction)
 
   @property
@@ -138,13 +147,20 @@ class Work:
   flops: float
   bytes: float
   fused_attention: bool = False  # runs at the hardware's fused-attention FLOP/s
+  linear_rule: bool = False  # runs at the hardware's linear-rule FLOP/s
 
   def __add__(self, other: Work) -> Work:
-    fused = self.fused_attention and other.fused_attention  # two fused-kernel pieces stay one
-    return Work(self.flops + other.flops, self.bytes + other.bytes, fused)
+    # Two pieces of one kind of kernel stay that kind; mixed kinds run at the matmul rate.
+    fused = self.fused_attention and other.fused_attention
+    rule = self.linear_rule and other.linear_rule
+    return Work(self.flops + other.flops, self.bytes + other.bytes, fused, rule)
 
   def time(self, hw: Hardware) -> float:
-    flops = hw.fused_attention_flops if self.fused_attention else hw.flops
+    flops = hw.flops
+    if self.fused_attention:
+      flops = hw.fused_attention_flops
+    elif self.linear_rule:
+      flops = hw.linear_rule_flops
     return max(self.flops / flops, self.bytes / hw.bandwidth)
 
 

@@ -33,19 +33,29 @@ RULE_CHUNK = 64  # the chunked form's chunk (models.gated_deltanet.CHUNK)
 STATE_BYTES = 4  # the state is float32
 
 
+def rule_flops_per_token(heads: int, d_k: int, d_v: int, entry_map: bool) -> float:
+  """The chunked rule's FLOPs per token (all value heads): the intra-chunk scores and the
+  triangular system applied to values and keys, c (k + v) each, and the state's reads and
+  write, 3 k v; ahead of the state (the entry map) also the chain of [k, k] step matrices
+  (k^3 per chunk) and Q_eff (k^2 per token)."""
+  rule = RULE_CHUNK * (d_k + d_v) * 2 + 3 * d_k * d_v
+  ahead = d_k**3 / RULE_CHUNK + d_k * d_k if entry_map else 0.0
+  return 2 * heads * (rule + ahead)
+
+
 def linear_phases(config, tokens: float, setup, entry_map: bool) -> dict[str, Work]:
-  """{"linear": the projections, convolution and rule (with the entry map where it runs
-  ahead), "rest": the correction, gated norm, out_proj and MLP} of `tokens` tokens."""
+  """{"linear": the projections and convolution, "rule": the chunked rule (with the entry
+  map where it runs ahead; at the hardware's linear-rule rate), "rest": the correction,
+  gated norm, out_proj and MLP} of `tokens` tokens."""
   D, C, W = config.d_model, config.conv_channels, config.linear_conv_kernel
   h, k, v = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
   B, db, T = setup.batch, setup.dtype_bytes, tokens
   projections = D * (C + h * v + 2 * h)
-  rule = h * (RULE_CHUNK * (k + v) * 2 + 3 * k * v)  # per token: intra scores, solve, state
-  ahead = h * (k**3 / RULE_CHUNK + k * k) if entry_map else 0.0
   linear = Work(
-    2 * B * T * (projections + C * W + rule + ahead),
+    2 * B * T * (projections + C * W),
     db * (projections + C * W) + db * B * T * (D + 2 * C + 2 * h * v),
   )
+  rule = Work(B * T * rule_flops_per_token(h, k, v, entry_map), 0.0, linear_rule=True)
   correction = h * k * v if entry_map else 0.0
   # The MLP as the roofline counts it: the columns a token runs through (a mixture's chosen
   # and shared experts) and the router's; weights read of every column some token routes to.
@@ -55,7 +65,12 @@ def linear_phases(config, tokens: float, setup, entry_map: bool) -> dict[str, Wo
     db * (h * v * D + config.mlp_matrices * D * F_read + D * E)
     + db * B * T * (2 * h * v + 2 * D + 2 * F_active),
   )
-  return {"linear": linear, "rest": rest}
+  return {"linear": linear, "rule": rule, "rest": rest}
+
+
+def _mixer_time(work: dict[str, Work], hw) -> float:
+  """The projections' and the rule's seconds: one step, each at its own rate."""
+  return work["linear"].time(hw) + work["rule"].time(hw)
 
 
 def state_bytes(config, batch: int) -> int:
@@ -96,7 +111,7 @@ def layer_of(steps, partition, works, link_bytes) -> ModelledLayer:
 def single_linear_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   work = linear_phases(config, chunks[0], setup, entry_map=False)
   hw = setup.hardware
-  steps = [(Compute("linear", work["linear"].time(hw)), Compute("rest", work["rest"].time(hw)))]
+  steps = [(Compute("linear", _mixer_time(work, hw)), Compute("rest", work["rest"].time(hw)))]
   return layer_of(steps, chunks, [work], ())
 
 
@@ -108,7 +123,7 @@ def kvr_linear_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   works, steps = [], []
   for i, c in enumerate(chunks):
     work = linear_phases(config, c, setup, entry_map=i > 0)
-    rank = [Compute("linear", work["linear"].time(hw))]
+    rank = [Compute("linear", _mixer_time(work, hw))]
     if i > 0:
       rank += [Receive(i - 1), Compute("chain", chain)]
     if i < p - 1:
@@ -134,7 +149,7 @@ def gathered_maps_layer(pieces_per_rank: int):
       works.append(work)
       steps.append(
         (
-          Compute("linear", work["linear"].time(hw)),
+          Compute("linear", _mixer_time(work, hw)),
           Collective("gather maps", gather),
           Compute("chain", compose),
           Compute("rest", work["rest"].time(hw)),
@@ -154,7 +169,7 @@ def replicated_linear_layer(
   p, hw, links = num_ranks, setup.hardware, setup.links
   work = linear_phases(config, context_len, setup, entry_map=False)
   rows = setup.batch * (context_len / p) * config.d_model * setup.dtype_bytes
-  steps = [Compute("linear", work["linear"].time(hw)), Compute("rest", work["rest"].time(hw))]
+  steps = [Compute("linear", _mixer_time(work, hw)), Compute("rest", work["rest"].time(hw))]
   if gather_hidden and p > 1:
     steps.insert(0, Collective("gather x", (p - 1) * (rows / links.slowest(p) + links.latency)))
   sent = [(p - 1) * rows if gather_hidden else 0.0] * p
