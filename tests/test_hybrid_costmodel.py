@@ -128,3 +128,21 @@ def test_hybrid_benchmark_table_compares_each_variant_with_the_faster_peer_and_s
   assert table.lines[2].split()[5] == "1.00x"  # the faster peer against itself
   assert table.lines[4].split()[5:7] == ["0.50x", "2.20x"]  # unthrottled: ring's 0.5 s
   assert [r["median_s"] for r in table.records] == [2.2, 1.1, 1.5, 1.8, 1.0, 0.5]
+
+
+def test_hybrid_rates_fitted_to_the_model_on_this_device():
+  """fitted_hybrid_hardware times a linear layer, its output phase and the flash kernel of
+  bench-qwen3.5 here: positive rates, the rule's no faster than the model's matmuls (its
+  floor), and a KVR-S search on them gives an exact split of the prompt."""
+  from kvr_jax.planning import search
+  from kvr_jax.runtime.loading import load_model
+  from kvr_jax.tools import phases
+
+  model = load_model("bench-qwen3.5", dtype="float32")
+  hardware = phases.fitted_hybrid_hardware(model, 1024, repeats=1)
+  assert hardware.flops > 0 and hardware.fused_attention_flops > 0
+  assert 0 < hardware.linear_rule_flops <= hardware.flops * (1 + 1e-9)
+  assert "linear rule" in hardware.note
+  setup = presets.make_setup(hardware, dtype_bytes=4, **costmodel.kernel_flags("flash"))
+  split = search.modelled_search(model.config, 1024, 2, setup)
+  assert sum(split) == 1024 and len(split) == 2 and min(split) > 0

@@ -255,7 +255,8 @@ def _measure_and_store(path: str | None) -> tuple[Hardware, Links]:
   return hardware, links
 
 
-def _best_time(fn, *args, repeats: int = 5) -> float:
+def best_time(fn, *args, repeats: int = 5) -> float:
+  """The fastest of `repeats` timed calls of fn(*args), after one that compiles."""
   jax.block_until_ready(fn(*args))  # compile and warm up
   times = []
   for _ in range(repeats):
@@ -271,15 +272,15 @@ def measure_hardware() -> Hardware:
   n = 1024
   a = jnp.ones((n, n), jnp.float32)
   matmul = jax.jit(lambda x, y: x @ y)
-  flops = 2 * n**3 / _best_time(matmul, a, a)
+  flops = 2 * n**3 / best_time(matmul, a, a)
   big = jnp.ones((16 * 1024 * 1024,), jnp.float32)  # 64 MB
   scale = jax.jit(lambda x: x * 1.5)
-  bandwidth = 2 * big.nbytes / _best_time(scale, big)  # one read and one write
+  bandwidth = 2 * big.nbytes / best_time(scale, big)  # one read and one write
   # The flash kernel's own throughput: causal self-attention of 2048 tokens, 4 heads x 64.
   C, N, H = 2048, 4, 64
   qkv = jnp.ones((1, C, N, H), jnp.float32)
   flash = jax.jit(lambda x: attend_flash(x, x, x, 0)[0])
-  attention_flops = 4 * N * H * C * (C + 1) / 2 / _best_time(flash, qkv)
+  attention_flops = 4 * N * H * C * (C + 1) / 2 / best_time(flash, qkv)
   rule_flops = _linear_rule_flops()
   return Hardware(
     LOCAL,
@@ -303,7 +304,7 @@ def _linear_rule_flops() -> float:
   g_BTh, beta_BTh = jnp.full((1, T, h), -0.01), jnp.full((1, T, h), 0.5)
   state_Bhkv = jnp.zeros((1, h, d, d), jnp.float32)
   rule = jax.jit(lambda q, g, beta, s: gdn.chunked(q, q, q, g, beta, s)[0])
-  seconds = _best_time(rule, q_BThk, g_BTh, beta_BTh, state_Bhkv)
+  seconds = best_time(rule, q_BThk, g_BTh, beta_BTh, state_Bhkv)
   return T * rule_flops_per_token(h, d, d, entry_map=False) / seconds
 
 
@@ -323,8 +324,8 @@ def measure_links(hardware: Hardware) -> Links:
   p = mesh.devices.size
   small = global_array(np.zeros((p, 8), np.float32), sharding)
   large = global_array(np.zeros((p, 4 * 1024 * 1024), np.float32), sharding)  # 16 MB per rank
-  latency = _best_time(fn, small)
-  seconds = max(_best_time(fn, large) - latency, 1e-9)
+  latency = best_time(fn, small)
+  seconds = max(best_time(fn, large) - latency, 1e-9)
   # A ppermute completes on both ends together (gloo on CPU holds the send until the receive
   # is posted; the per-rank timelines showed it): the `local` links are rendezvous.
   return Links(large.nbytes / p / seconds, latency, held_send=True)

@@ -1,8 +1,9 @@
 """The measured prefill of a model with its own context-parallel program
 (`launch.benchmark --mode=hybrid`): a hybrid model (kvr_jax.inference.hybrid: KV-Runahead,
 ring and all-gather CP) or a latent-attention one (kvr_jax.inference.latent: KV-Runahead and
-all-gather CP). KV-Runahead on its split from the cost model with this machine's `local`
-presets, and even; the peers; the single device alone; every figure MEASURED here.
+all-gather CP). KV-Runahead on its split from the cost model (a hybrid's rates fitted to its own
+layers on this core, `phases.fitted_hybrid_hardware`; a latent model's from this machine's
+`local` presets), and even; the peers; the single device alone; every figure MEASURED here.
 
 A call ends when the last rank's logits of the prompt's last position are ready, the cache
 left where the program put it (`join=False`): KV-Runahead's last rank then
@@ -27,12 +28,14 @@ from kvr_jax.inference.hybrid import prefill_hybrid
 from kvr_jax.inference.latent import prefill_latent
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.runtime import distributed, links
+from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.tools.phases import fitted_hybrid_hardware
 from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt
-from models.layer_kinds import LatentAttentionKind
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 PEERS = ("ring", "allgather")
 
@@ -59,8 +62,7 @@ def _variants(model, context_len: int, num_ranks: int) -> dict:
     state = model.state
     return {"single": lambda: single(state, tokens)}
   mesh = make_mesh(num_ranks)
-  setup = presets.make_setup(dtype_bytes=4, **costmodel.kernel_flags("flash"))
-  searched = search.modelled_search(model.config, context_len, num_ranks, setup)
+  searched = _searched_split(model, context_len, num_ranks, mesh)
   even = even_partition(context_len, num_ranks)
 
   prefill, peers = _prefill_and_peers(model)
@@ -78,6 +80,20 @@ def _variants(model, context_len: int, num_ranks: int) -> dict:
     **{peer: call(peer) for peer in peers},
   }
   return variants, {"kvr-search": searched, "kvr-even": even}
+
+
+def _searched_split(model, context_len: int, num_ranks: int, mesh) -> tuple[int, ...]:
+  """KVR-S's split: the cost model's search, on a hybrid model with rates fitted to its own
+  layers on this process's core (`phases.fitted_hybrid_hardware`; the `local` calibration's
+  large matmul misjudges a small hybrid's linear layers against its attention), on a latent
+  one with the `local` calibration. Process 0's split on every process (each fits its own
+  core, and every process must compile the same program)."""
+  hardware = presets.LOCAL
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds):
+    hardware = fitted_hybrid_hardware(model, context_len)
+  setup = presets.make_setup(hardware, dtype_bytes=4, **costmodel.kernel_flags("flash"))
+  searched = search.modelled_search(model.config, context_len, num_ranks, setup)
+  return agreed("hybrid-bench split", (model.config, context_len), mesh, tuple(searched))
 
 
 def _timed(call) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """A KV-Runahead partition's per-rank compute phases timed apart (`rank_phase_times`), and
 `fitted_hardware`, which turns such a measurement into cost-model figures for this model on
 this device: the search then models what the layers actually cost here, not what a large
-matmul does. `phase_table` is launch.benchmark's phases mode."""
+matmul does (`fitted_hybrid_hardware`: the same for a hybrid model's two kinds of layer).
+`phase_table` is launch.benchmark's phases mode."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from flax import nnx
 from kvr_jax.core.chunks import chunk_starts, even_partition, prefix_ends
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime.loading import Model
+from kvr_jax.strategies import linear_modelled
 from kvr_jax.tools.report import Table
 from models.attention import attend_static
+from models.flash import attend_flash
+from models.gated_deltanet_layer import LinearState
 from models.kernels import get_kernel, kernels_where
+from models.layer_kinds import FULL_ATTENTION
 from models.masks import window_start
 
 
@@ -137,6 +142,70 @@ def fitted_hardware(
     f"fitted to {cfg.num_layers}-layer phases at C={context_len}: linear "
     f"{linear_rate / 1e9:.1f} GFLOP/s, attention {attention_rate / 1e9:.1f} GFLOP/s",
     fused_attention_fraction=attention_rate / linear_rate,
+  )
+
+
+def fitted_hybrid_hardware(
+  model: Model, context_len: int, repeats: int = 3, base: costmodel.Hardware | None = None
+) -> costmodel.Hardware:
+  """Cost-model hardware fitted to a hybrid model's layers (linear and full attention) on
+  this process's first device, at `context_len` tokens on one device:
+    matmul rate       a linear layer's output phase (gated norm, out_proj, MLP) timed apart:
+                      the model's own narrow matmuls, which the full layers share;
+    linear-rule rate  what the rest of a whole linear layer takes, its projections at the
+                      matmul rate taken off;
+    attention rate    the flash kernel over the full layers' heads, causal.
+  Why: the `local` calibration's 1024^3 matmul and its one flash and rule shape put a small
+  hybrid's linear layers at well under their real cost beside its attention (measured for
+  bench-qwen3.5 at 8k on one core: a linear layer 0.25 s against 0.15 modelled, the
+  attention 0.60 s against 0.75), so the search gave the first rank nearly every token."""
+  cfg = model.config
+  linear_cfg, full_cfg = cfg.of_kind(cfg.linear_kind), cfg.of_kind(FULL_ATTENTION)
+  T, db = context_len, jnp.dtype(model.dtype).itemsize
+  graphdef, stacked = nnx.split(model.module.linear_blocks)
+  first = jax.tree.map(lambda w: w[0], stacked)
+  x_BTD = jnp.ones((1, T, cfg.d_model), model.dtype)
+  h, d_k, d_v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  past = LinearState(
+    jnp.zeros((1, h, d_k, d_v), jnp.float32),
+    jnp.zeros((1, cfg.linear_conv_kernel - 1, cfg.conv_channels), model.dtype),
+  )
+  o_BThv = jnp.ones((1, T, h, d_v), jnp.float32)
+
+  @jax.jit
+  def whole_layer(state, x_BTD):
+    return nnx.merge(graphdef, state).run(x_BTD, past)[0]
+
+  @jax.jit
+  def output(state, x_BTD, o_BThv):
+    return nnx.merge(graphdef, state).output(x_BTD, o_BThv, o_BThv)
+
+  N, K, H = full_cfg.num_heads, full_cfg.num_kv_heads, full_cfg.head_dim
+  q_BTNH, kv_BTKH = jnp.ones((1, T, N, H), model.dtype), jnp.ones((1, T, K, H), model.dtype)
+  flash = jax.jit(lambda q, kv: attend_flash(q, kv, kv, 0)[0])
+  base = base or presets.hardware_preset(presets.LOCAL)
+  setup = costmodel.Setup(base, presets.links_preset(presets.LOCAL), dtype_bytes=db)
+  work = linear_modelled.linear_phases(linear_cfg, T, setup, entry_map=False)
+  output_s = presets.best_time(output, first, x_BTD, o_BThv, repeats=repeats)
+  layer_s = presets.best_time(whole_layer, first, x_BTD, repeats=repeats)
+  flash_s = presets.best_time(flash, q_BTNH, kv_BTKH, repeats=repeats)
+  matmul_rate = work["rest"].flops / output_s
+  rule_s = layer_s - (work["linear"].flops + work["rest"].flops) / matmul_rate
+  # A rule faster than the matmuls (noise on a tiny model) is taken at the matmul rate.
+  rule_rate = work["rule"].flops / max(rule_s, work["rule"].flops / matmul_rate)
+  attention = costmodel.phase_work(full_cfg, T, T, 1, db, **costmodel.kernel_flags("flash"))
+  attention_rate = attention["attention"].flops / flash_s
+  return costmodel.Hardware(
+    "fitted",
+    matmul_rate,
+    base.memory_bandwidth,
+    1.0,
+    1.0,
+    f"fitted to one linear layer and the flash kernel at C={T}: matmul "
+    f"{matmul_rate / 1e9:.1f} GFLOP/s, linear rule {rule_rate / 1e9:.1f} GFLOP/s, "
+    f"attention {attention_rate / 1e9:.1f} GFLOP/s",
+    fused_attention_fraction=attention_rate / matmul_rate,
+    linear_rule_fraction=rule_rate / matmul_rate,
   )
 
 
