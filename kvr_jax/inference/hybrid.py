@@ -184,7 +184,7 @@ def generate_hybrid(
 ):
   """`max_new_tokens` decoded from `prefill_hybrid`'s cache on the last rank's device, greedy
   (temperature 0) or sampled as `kvr_jax.generate` samples (temperature, top_k, top_p, seed):
-  [B, max_new_tokens] token ids."""
+  [B, max_new_tokens] token ids; None in the processes that do not hold the last rank."""
   check_new_tokens(max_new_tokens, 1)
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   sampling = Sampling(temperature, top_k, top_p, seed)

@@ -53,10 +53,22 @@ class Sampling:
 
 def decode_from_cache(
   model, logits_BV, cache, length: int, max_new_tokens: int, sampling: Sampling = Sampling()
-) -> np.ndarray:
+) -> np.ndarray | None:
   """`max_new_tokens` chosen by `sampling` from a prefill's last logits and cache (`length`
   positions filled), decoded with the model's `decode_step` on the device that holds them:
-  [B, max_new_tokens] token ids (no stop at an end-of-sequence token)."""
+  [B, max_new_tokens] token ids (no stop at an end-of-sequence token). None in a process
+  that does not hold them (logits_BV None: another process holds the last rank)."""
+  decoded = decode_with_last_logits(model, logits_BV, cache, length, max_new_tokens, sampling)
+  return None if decoded is None else decoded[0]
+
+
+def decode_with_last_logits(
+  model, logits_BV, cache, length: int, max_new_tokens: int, sampling: Sampling = Sampling()
+) -> tuple[np.ndarray, jax.Array] | None:
+  """`decode_from_cache`'s tokens and the logits the last of them was drawn from (what
+  every decode step's cache and inputs led to: the launchers compare it with single's)."""
+  if logits_BV is None:
+    return None
   step = _decode_step(model.graphdef)
   state = model.state_on(logits_BV.sharding)
   positions_B = np.full(logits_BV.shape[0], length, np.int32)
@@ -66,7 +78,7 @@ def decode_from_cache(
     out.append(np.asarray(next_B))
     if index + 1 < max_new_tokens:
       logits_BV, cache = step(state, next_B, positions_B + index, cache)
-  return np.stack(out, axis=1)
+  return np.stack(out, axis=1), logits_BV
 
 
 @kept_cache(8)
