@@ -661,6 +661,7 @@ def test_local_calibration_measures_positive_numbers():
     lambda c: c["hardware"].update(memory_bandwidth=float("nan")),
     lambda c: c["links"].update(bandwidth=-1.0),
     lambda c: c["hardware"].update(linear_rule_fraction=0.0),
+    lambda c: c["hardware"].update(fused_attention_fraction=0.0),
   ],
 )
 def test_a_calibration_file_with_nonsense_figures_counts_as_absent(tmp_path, edit):

@@ -190,8 +190,13 @@ def _read(path: str | None) -> tuple[Hardware, Links] | None:
   # Figures that would model nonsense (a zero or NaN rate divides by zero, or by nothing)
   # make the file count as absent: it is measured again and replaced.
   rates = [hardware.peak_flops, hardware.memory_bandwidth, links.bandwidth]
-  rates += [hardware.fused_attention_fraction or 1.0, hardware.flops_fraction]
-  rates += [hardware.linear_rule_fraction or 1.0]
+  rates += [hardware.flops_fraction]
+  # A kernel's own fraction may be absent (None: the matmul's), never zero or NaN.
+  rates += [
+    fraction
+    for fraction in (hardware.fused_attention_fraction, hardware.linear_rule_fraction)
+    if fraction is not None
+  ]
   if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in rates):
     return None
   if not (isinstance(links.latency, (int, float)) and math.isfinite(links.latency)):
