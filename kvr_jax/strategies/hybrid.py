@@ -7,19 +7,24 @@ Every rank runs each of its spans (a KV-Runahead chunk, or a peer's two zigzag c
 linear layer before the state entering it is known: models.gated_deltanet's entry map gives
 its outputs as o_0 + Q_eff S and its leaving state as A S + B. Then:
 
-  kvr         hop k sends rank k's leaving state A_k S_k + B_k to rank k+1 (one [B, h, k, v]
-              float32 state, whatever the prompt length, and one small matmul on the
-              receiver before it forwards: the chain's serial work); rank 0 enters with
-              zeros and runs the plain chunked form.
+  kvr         hop k sends rank k's leaving state and its last w input rows (the halo) to
+              rank k+1: one [B, h, k, v] float32 state and [B, w, C], whatever the prompt
+              length. Each rank runs its chunk but the first w rows ahead; the receiver
+              runs those w rows from the state and halo (their convolution needs the
+              halo), then applies its map (a small matmul) before it forwards: the chain's
+              serial work. Rank 0 enters with zeros and runs the plain chunked form. The
+              halo rides the chain rather than a hop of its own at the layer's start,
+              where each rank would wait for its successor to reach the layer (a
+              collective-permute is a rendezvous on gloo).
   ring, allgather
               one all-gather of every chunk's map (A and B), then every rank composes the maps
               of the chunks before each of its own (2p small matmuls): the state pass MaxText
               and SGLang use for delta-rule layers. Why not a chain over the zigzag chunks: it
               would visit every rank twice, in the order 0..p-1, p-1..0, serialising 2p hops.
 
-The convolution's halo (the last w = W - 1 inputs of the span before) travels point to point
-in one collective-permute per direction, nothing waiting on anything (every span holds at
-least w tokens; refused otherwise). Rows past a span's real length are padding: g = beta = 0
+The peers' convolution halos (the last w = W - 1 inputs of the span before) travel point to
+point in one collective-permute per direction (every span holds at least w tokens; refused
+otherwise). Rows past a span's real length are padding: g = beta = 0
 leaves the state as it is (exact), and their outputs are dropped.
 
 The program outputs each rank's full layers' K,V as the strategy emits them and each linear
@@ -59,16 +64,17 @@ _BODIES = {
 }
 
 
-def state_chain(A_Bhkk, B_Bhkv, rank, num_ranks: int):
-  """The state each rank enters its chunk with: p-1 hops, hop k sends rank k's leaving state
-  A_k S_k + B_k to rank k+1 (rank 0 enters with zeros). Every rank computes the small matmul
-  at every hop (SPMD); only rank k's is sent."""
-  S_Bhkv = jnp.zeros_like(B_Bhkv)
+def state_chain(leave, first_message, own_halo_BwC, rank, num_ranks: int):
+  """What each rank enters its chunk with: (state [B, h, k, v], the w input rows before its
+  chunk [B, w, C]); rank 0 enters with zeros. p-1 hops: hop k sends rank k's leaving state,
+  leave(what rank k entered with), and its own last w input rows to rank k+1. Every rank
+  computes `leave` at every hop (SPMD: small work); only rank k's is sent."""
+  entering = first_message
   for k in range(num_ranks - 1):
-    leaving = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, S_Bhkv) + B_Bhkv
-    message = jax.lax.ppermute(leaving, AXIS, perm=[(k, k + 1)])
-    S_Bhkv = jnp.where(rank == k + 1, message, S_Bhkv)  # zeros reach the ranks outside the pair
-  return S_Bhkv
+    message = jax.lax.ppermute((leave(*entering), own_halo_BwC), AXIS, perm=[(k, k + 1)])
+    # zeros reach the ranks outside the pair
+    entering = jax.tree.map(lambda new, old: jnp.where(rank == k + 1, new, old), message, entering)
+  return entering
 
 
 def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zeros):
@@ -117,8 +123,13 @@ def _at_own_length(rank, chunks: tuple[int, ...], phase):
 def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
   """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
   (x [B, c_max, D], the state it leaves [B, h, k, v], the last w real rows of its input).
-  Each rank's phases run at its own length (`_at_own_length`); rank 0 enters with zeros
-  and runs the plain chunked form, the others their entry maps."""
+  Each rank's phases run at its own length (`_at_own_length`). Rank 0 enters with zeros and
+  runs the plain chunked form. Rank i > 0 splits its chunk into a head (its first w rows,
+  whose convolution needs the rows before the chunk) and the rest (convolved from the
+  chunk's own rows): it runs the rest ahead as an entry map before anything arrives, then
+  one hop brings the entering state and the halo together, the head runs its w tokens
+  recurrently from them, and the rest's map is applied to the state the head leaves. One
+  message per hop, on the chain: no rank waits at a layer's start for its successor."""
   p, w = len(chunks), block.conv[...].shape[0] - 1
 
   def inputs(i, c, x_BcD):
@@ -126,31 +137,61 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
     return (mixed_BcC, z_Bchv, g_Bch, beta_Bch), mixed_BcC[:, c - w :]
 
   (mixed_BcC, z_Bchv, g_Bch, beta_Bch), own_halo = _at_own_length(rank, chunks, inputs)(x_BcD)
-  halo_BwC = jax.lax.ppermute(own_halo, AXIS, perm=[(i, i + 1) for i in range(p - 1)])
 
-  def span_maps(i, c, mixed_BcC, halo_BwC, g_Bch, beta_Bch):
-    conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv[...], halo_BwC)
-    operands = (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
-    # The prompt's first chunk: the zero state enters it.
-    o_Bchv, q_eff_Bchk, A_Bhkk, B_Bhkv = (
-      _plain_maps(operands) if i == 0 else gdn.chunked_with_entry_map(*operands)
-    )
-    return (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv)
+  def span_maps(i, c, mixed_BcC, g_Bch, beta_Bch):
+    if i == 0:  # the prompt's first chunk: zeros enter it, halo included
+      zero_halo = jnp.zeros_like(mixed_BcC[:, :w])
+      conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv[...], zero_halo)
+      o_Bchv, q_eff, A_Bhkk, B_Bhkv = _plain_maps(
+        (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
+      )
+      return (o_Bchv, q_eff), (A_Bhkk, B_Bhkv)
+    # The rest: rows w..c, their convolution's halo the chunk's own first w rows.
+    conv_BrC, _ = gdn.causal_conv(mixed_BcC[:, w:c], block.conv[...], mixed_BcC[:, :w])
+    operands = (*block.heads(conv_BrC, g_Bch[:, w:c]), beta_Bch[:, w:c])
+    if c == w:  # no rest: the identity map
+      q_Brhk, v_Brhv = operands[0], operands[2]
+      B, h, d_k, d_v = q_Brhk.shape[0], q_Brhk.shape[2], q_Brhk.shape[3], v_Brhv.shape[3]
+      A_Bhkk = gdn.zeros_as(g_Bch, (B, h, d_k, d_k)) + jnp.eye(d_k)  # (q has no rows)
+      o_Brhv, q_eff_Brhk, B_Bhkv = v_Brhv, q_Brhk, gdn.zeros_as(g_Bch, (B, h, d_k, d_v))
+    else:
+      o_Brhv, q_eff_Brhk, A_Bhkk, B_Bhkv = gdn.chunked_with_entry_map(*operands)
+    head = jnp.zeros_like(o_Brhv[:, :w])  # the head's rows, filled once the hop arrives
+    return (
+      jnp.concatenate([head, o_Brhv], axis=1),
+      jnp.concatenate([jnp.zeros_like(q_eff_Brhk[:, :w]), q_eff_Brhk], axis=1),
+    ), (A_Bhkk, B_Bhkv)
 
   (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = _at_own_length(rank, chunks, span_maps)(
-    mixed_BcC, halo_BwC, g_Bch, beta_Bch
+    mixed_BcC, g_Bch, beta_Bch
   )
-  entering_Bhkv = state_chain(A_Bhkk, B_Bhkv, rank, p)
 
-  def finish(i, c, x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, entering_Bhkv):
+  def head(entering_Bhkv, halo_BwC):
+    """The head's w outputs and the state it leaves, from what the hop brought."""
+    conv_BwC, _ = gdn.causal_conv(mixed_BcC[:, :w], block.conv[...], halo_BwC)
+    q, k, v, g = block.heads(conv_BwC, g_Bch[:, :w])
+    return gdn.recurrent(q, k, v, g, beta_Bch[:, :w], entering_Bhkv)
+
+  def leave(entering_Bhkv, halo_BwC):  # rank 0's A is zero: it leaves B
+    _, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
+    return jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
+
+  zeros = (jnp.zeros_like(B_Bhkv), jnp.zeros_like(own_halo))
+  entering_Bhkv, halo_BwC = state_chain(leave, zeros, own_halo, rank, p)
+  o_head_Bwhv, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
+  leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
+
+  def finish(i, c, x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv):
     o_Bchv = o_Bchv[:, :c]
     if i > 0:  # rank 0 entered with zeros: its outputs need no correction
-      o_Bchv = o_Bchv + jnp.einsum("BThk,Bhkv->BThv", q_eff_Bchk[:, :c], entering_Bhkv)
+      rest_Brhv = o_Bchv[:, w:] + jnp.einsum("BThk,Bhkv->BThv", q_eff_Bchk[:, w:c], after_head_Bhkv)
+      o_Bchv = jnp.concatenate([o_head_Bwhv.astype(o_Bchv.dtype), rest_Brhv], axis=1)
     return block.output(x_BcD[:, :c], o_Bchv, z_Bchv[:, :c]), ()
 
-  x_BcD, _ = _at_own_length(rank, chunks, finish)(x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, entering_Bhkv)
-  leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, entering_Bhkv) + B_Bhkv
-  return x_BcD, leaving_Bhkv, own_halo
+  x_BcD, _ = _at_own_length(rank, chunks, finish)(
+    x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv
+  )
+  return x_BcD, leaving_Bhkv, own_halo  # rank 0's A is zero: it leaves B
 
 
 def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int):
