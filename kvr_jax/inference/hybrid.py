@@ -74,7 +74,8 @@ def prefill_hybrid(
   if join and strategy != "kvr" and jax.process_count() > 1:
     raise ValueError(
       f"{strategy} on a hybrid model across processes: moving its cache onto the last rank "
-      "is not built; pass join=False (the cache stays where it was computed)"
+      "is not built; run strategy='kvr' (its last rank holds the cache, in any process), or "
+      "pass join=False to time the prefill alone (the cache stays where it was computed)"
     )
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)

@@ -149,7 +149,8 @@ def _check_arguments(model, strategy: str, attention, cache: str, join: bool) ->
   if join and strategy != "kvr" and jax.process_count() > 1:
     raise ValueError(
       f"{strategy} on a latent model across processes: moving its cache onto the last rank "
-      "is not built; pass join=False (the cache stays where it was computed)"
+      "is not built; run strategy='kvr' (its last rank holds the cache, in any process), or "
+      "pass join=False to time the prefill alone (the cache stays where it was computed)"
     )
 
 
