@@ -21,9 +21,10 @@ import re
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from models.base import no_reduce, zeros_param
+from models.base import no_reduce, shard_index, zeros_param
 from models.experts import clamped_swiglu, route_softmax_top_k, run_expert_mlps
 from models.family import Family
 from models.hf_config import kv_heads_from_hf, or_default, refuse, rope_from_hf
@@ -111,6 +112,11 @@ class GptOssBlock(LlamaBlock):
     x_BTD = self.attention_residual(x_BTD, attn_BTNH, reduce)
     h_BTD = rms_norm(x_BTD, self.mlp_norm[...], cfg.norm_eps)
     weights_BTk, experts_BTk = self.route(h_BTD)
+    b_down_ED = self.b_down[...]
+    if self.w_gate[...].shape[-1] < cfg.mlp_dim:
+      # Each expert's columns split over a tensor-parallel group (m does not divide E): the
+      # shards' partial sums add up to the expert's output, whose bias one shard adds.
+      b_down_ED = jnp.where(shard_index(reduce) == 0, b_down_ED, 0)
 
     def expert(x_tD, e):
       return clamped_swiglu(
@@ -120,7 +126,7 @@ class GptOssBlock(LlamaBlock):
         self.w_up[...][e],
         self.b_up[...][e],
         self.w_down[...][e],
-        self.b_down[...][e],
+        b_down_ED[e],
         cfg.swiglu_limit,
         cfg.swiglu_alpha,
       )

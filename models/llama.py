@@ -128,8 +128,9 @@ class LlamaBlock(Block):
     return x_BTD + reduce(self.attention_output(attn_BTNH))
 
   def first_local_expert(self, reduce):
-    """None where this block holds every expert; else the first of the E/m this
-    tensor-parallel shard holds (its experts split over the model axis: w_gate [E/m, D, F])."""
+    """None where this block holds every expert (whole, or F/m columns of each where a
+    tensor-parallel group's m does not divide E); else the first of the E/m this shard holds
+    (its experts split over the model axis: w_gate [E/m, D, F])."""
     local = self.w_gate[...].shape[0]
     if local == self.config.num_experts:
       return None

@@ -426,9 +426,9 @@ GPT_OSS_CASES = {
 }
 
 
-def make_gpt_oss_model(case: str, seed: int = 0):
+def make_gpt_oss_model(case: str, seed: int = 0, **shape_overrides):
   """A tiny random `GptOssForCausalLM` (`GPT_OSS_CASES`): sinks, biases and router bias all
-  random (none of them zero), four experts, two per token."""
+  random (none of them zero), four experts (or `num_local_experts=`), two per token."""
   shape = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -440,7 +440,7 @@ def make_gpt_oss_model(case: str, seed: int = 0):
     num_experts_per_tok=2,
     max_position_embeddings=256,
   )
-  config = transformers.GptOssConfig(**{**shape, **GPT_OSS_CASES[case]})
+  config = transformers.GptOssConfig(**{**shape, **shape_overrides, **GPT_OSS_CASES[case]})
   config._attn_implementation = "eager"
   torch.manual_seed(seed)
   model = randomize(transformers.GptOssForCausalLM(config), seed)

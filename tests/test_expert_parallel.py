@@ -90,14 +90,53 @@ def test_greedy_decode_with_split_experts_is_single_devices(moe, cache):
   assert_close(got.last_logits, want.last_logits, "the last step's logits")
 
 
-def test_experts_not_divided_by_the_model_axis_are_refused_before_compiling(moe):
+def test_a_model_axis_dividing_neither_experts_nor_columns_is_refused_before_compiling(moe):
+  """m must divide E (whole experts per shard) or F (columns of every expert); else refused by
+  name. tiny-moe's F is 96: six experts split by column on 4 shards, not on 64."""
   model, _ = moe
   six = dataclasses.replace(MOE, num_experts=6)
-  with pytest.raises(ValueError, match=re.escape("model_parallel=4 must divide the 6 experts")):
-    tensor_parallel.check_model_parallel(six, 4)
   tensor_parallel.check_model_parallel(six, 2)  # 3 experts per shard
+  tensor_parallel.check_model_parallel(six, 4)  # 24 columns of each of the 6 experts
+  odd = dataclasses.replace(six, mlp_dim=90)
+  with pytest.raises(
+    ValueError, match=re.escape("model_parallel=4 must divide the 6 experts (each shard")
+  ):
+    tensor_parallel.check_model_parallel(odd, 4)
   with pytest.raises(ValueError, match="model_parallel=8 must divide num_heads"):
     plan_prefill(model, PROMPT, "kvr", mesh=kvr_jax.make_mesh(1, model=8), cache="sharded")
+
+
+@pytest.fixture(scope="module")
+def six_experts():
+  """tiny-moe with six experts (not divided by m = 4), perturbed, and its one-device prefill."""
+  config = dataclasses.replace(MOE, num_experts=6)
+  graphdef, state = nnx.split(build_model(config))
+  keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(state))))
+  state = jax.tree.map(lambda w: w + 0.05 * jax.random.normal(next(keys), w.shape, w.dtype), state)
+  model = kvr_jax.Model(nnx.merge(graphdef, state), source="six-expert tiny-moe")
+  return model, kvr_jax.prefill(model, PROMPT, "single")
+
+
+def test_experts_not_divided_by_the_model_axis_split_their_columns(six_experts):
+  """Six experts on 2 x 4: every device holds all six with 24 of their 96 columns; KV-Runahead
+  within 1e-5 of one device, and greedy decode from its sharded cache gives single's tokens."""
+  model, oracle = six_experts
+  mesh = kvr_jax.make_mesh(2, model=4)
+  state = model.state_split_over(mesh)
+  L, D, F = MOE.num_layers, MOE.d_model, MOE.mlp_dim
+  for name, shard_shape in [("w_gate", (L, 6, D, F // 4)), ("w_down", (L, 6, F // 4, D))]:
+    assert {s.data.shape for s in state["blocks"][name].addressable_shards} == {shard_shape}
+  result = kvr_jax.prefill(model, PROMPT, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
+  assert_close(result.logits, oracle.logits, "logits")
+  want = kvr_jax.generate(model, PROMPT, max_new_tokens=4, strategy="single")
+  got = kvr_jax.generate(
+    model, PROMPT, max_new_tokens=4, strategy="kvr", mesh=mesh, partition=[23, 14]
+  )
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  assert_close(got.last_logits, want.last_logits, "the last step's logits")
+  from kvr_jax.tools import expert_load
+
+  assert "every device runs every row" in expert_load.expert_load_line(model, PROMPT, 4)
 
 
 def test_compiled_memory_holds_one_shards_experts():
@@ -126,6 +165,24 @@ def hf_moe_checkpoints(tmp_path_factory):
   out["gpt_oss"] = (model, tmp_path_factory.mktemp("gpt_oss"))
   model.save_pretrained(out["gpt_oss"][1])
   return out
+
+
+def test_gpt_oss_experts_split_by_column_add_their_down_bias_once(tmp_path):
+  """A tiny gpt-oss with six experts (random biases) loaded straight into 2 x 4, where 4 does
+  not divide 6: each device reads 6 of every expert's 24 columns, and KV-Runahead gives
+  transformers' logits (the experts' down bias added by one shard, not by four)."""
+  hf_model = hf_fixtures.make_gpt_oss_model("gpt-oss-yarn", num_local_experts=6)
+  hf_model.save_pretrained(tmp_path)
+  mesh = kvr_jax.make_mesh(2, model=4)
+  split = kvr_jax.load_model(str(tmp_path), mesh=mesh)
+  blocks = split.state["blocks"]
+  assert {s.data.shape[1:] for s in blocks["w_gate"].addressable_shards} == {(6, 32, 6)}
+  assert {s.data.shape[1:] for s in blocks["b_down"].addressable_shards} == {(6, 32)}
+  tokens = PROMPT % hf_fixtures.VOCAB
+  want = hf_fixtures.hf_logits(hf_model, tokens)[:, -1]
+  got = kvr_jax.prefill(split, tokens, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
+  err = relative_error(got.logits, want)
+  assert err <= MODEL_TOL, f"relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

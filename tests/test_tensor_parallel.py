@@ -131,7 +131,7 @@ def test_a_2d_mesh_reduces_once_per_partial_sum_and_gathers_no_weight(whole, nam
   ranks, m = shape
   mesh = mesh_2d(ranks, m)
   ready = tensor_parallel.shard_ready_state(config, state, m)
-  specs = tensor_parallel.partition_specs(ready)
+  specs = tensor_parallel.partition_specs(ready, m)
   kv_spec = PartitionSpec(AXIS, None, None, None, MODEL_AXIS, None)
 
   def run(shard_state, tokens_1BT):

@@ -187,7 +187,7 @@ def model_group_decode_step(graphdef, group_mesh, layout: DecodeLayout):
     return jax.shard_map(
       shard_step,
       mesh=group_mesh,
-      in_specs=(partition_specs(state), P(), P(), caches_spec),
+      in_specs=(partition_specs(state, group_mesh.shape[MODEL_AXIS]), P(), P(), caches_spec),
       out_specs=(P(), caches_spec),
       check_vma=False,
     )(state, tokens_B, positions_B, caches)
@@ -450,7 +450,7 @@ def _sharded_step_over(step, mesh, kept: DecodeLayout):
   caches_spec = tuple(tail if w is None else (ring, ring) for w in kept.rings)
 
   def body(state, tokens_B, prompt_lens_B, kv_parts, caches, tail_index):
-    weights = partition_specs(state) if split else P()
+    weights = partition_specs(state, model_parallel(mesh)) if split else P()
     return jax.shard_map(
       step,
       mesh=mesh,

@@ -216,7 +216,7 @@ class _SplitParams:
     whole_kv = tensor_parallel.stores_kv_whole(config, model_parallel(mesh))
     self.shardings = {
       path: jax.sharding.NamedSharding(
-        mesh, tensor_parallel.param_spec(path, len(spec.shape), whole_kv=whole_kv)
+        mesh, tensor_parallel.param_spec(path, spec.shape, model_parallel(mesh), whole_kv=whole_kv)
       )
       for path, spec in flat_abstract.items()
     }

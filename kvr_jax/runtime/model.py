@@ -106,7 +106,7 @@ class Model:
       ready = jax.eval_shape(
         lambda state: tensor_parallel.shard_ready_state(self.config, state, m), self.state
       )
-      specs = tensor_parallel.partition_specs(ready)
+      specs = tensor_parallel.partition_specs(ready, m)
       held = self._split_holding(mesh)
 
       def place(leaf, ready_leaf, spec, held_leaf=None):

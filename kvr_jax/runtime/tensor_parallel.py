@@ -8,6 +8,8 @@ On a 2-D mesh ("ranks", "model") every rank is a group of m devices that share e
   w_down / w_out                  split by MLP column  (row-parallel: a partial sum)
   a mixture's experts             split by expert      (E/m whole experts per shard: a partial
     (w_gate, w_up, w_down [L, E, ...]  and their biases)   sum, the other shards' experts)
+    where m does not divide E:    split by column      (F/m columns of every expert, as a
+                                                        dense MLP's; the down bias whole)
   sinks                           split by query head
   norms, q/k norms, embedding, head, router    whole on every shard
 
@@ -17,7 +19,10 @@ from the weights) and adds the partial sums with one psum over "model" before ea
 experts needs no other collective: the MLP's input is whole on every shard of a group, so every
 shard routes every token alike (the router is whole) and runs only the rows routed to its own
 E/m experts (`models.base.shard_index(reduce)` tells it which); the psum that follows adds the
-experts' outputs as it adds a dense MLP's column sums. A model with fewer
+experts' outputs as it adds a dense MLP's column sums. Where m does not divide E (six experts
+on four shards) each shard holds F/m columns of every expert instead and runs every routed row
+through them: the same psum adds the columns' partial sums, and an expert's down bias is added
+by shard 0 alone (models see the split in their weights' shapes). A model with fewer
 KV heads than shards has them repeated (`shard_ready_state`) to m, so that shard j holds the
 KV head its query heads use: query head n reads KV head n // (N/K), and shard j's query heads
 [jN/m, (j+1)N/m) all read KV head j // (m/K), which is what repeating each head m/K times
@@ -56,16 +61,28 @@ SPLIT_AXIS = {
 }
 KV_PARAMS = ("wk", "wv", "bk", "bv")
 # A mixture's experts, stacked [L, E, ...] (a dense MLP's are [L, D, F] / [L, F, D]): split
-# over their expert axis, E/m whole experts per shard.
+# over their expert axis, E/m whole experts per shard, where m divides E.
 EXPERT_PARAMS = {"w_gate": 4, "w_up": 4, "w_down": 4, "b_gate": 3, "b_up": 3, "b_down": 3}
 EXPERT_AXIS = 1
+# Where m does not divide E: each expert's F columns split (w_gate, w_up [L, E, D, F], w_down
+# [L, E, F, D], b_gate, b_up [L, E, F]); b_down [L, E, D] stays whole (added by one shard).
+EXPERT_COLUMN_AXIS = {"w_gate": 3, "w_up": 3, "w_down": 2, "b_gate": 2, "b_up": 2}
 
 
-def split_axis(name: str | None, ndim: int) -> int | None:
-  """The axis of block parameter `name` (of `ndim` dimensions, with its [L] axis) split over
-  the model axis, or None where it is whole on every shard."""
-  if EXPERT_PARAMS.get(name) == ndim:
-    return EXPERT_AXIS
+def experts_split_whole(num_experts: int, model_parallel: int) -> bool:
+  """Whether m shards hold E/m whole experts each (m divides E), rather than F/m columns of
+  every expert."""
+  return num_experts % model_parallel == 0
+
+
+def split_axis(name: str | None, shape: tuple[int, ...], model_parallel: int) -> int | None:
+  """The axis of block parameter `name` (of `shape`, with its [L] axis) split over a model
+  axis of `model_parallel` shards, or None where it is whole on every shard. A mixture's
+  experts split by expert where m divides their count (shape[1]), else by column."""
+  if EXPERT_PARAMS.get(name) == len(shape):
+    if experts_split_whole(shape[EXPERT_AXIS], model_parallel):
+      return EXPERT_AXIS
+    return EXPERT_COLUMN_AXIS.get(name)
   return SPLIT_AXIS.get(name)
 
 
@@ -77,17 +94,18 @@ def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
     raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
   if m > 1:
     check_layers_run(config, f"tensor parallelism (model_parallel={m})")
-  E = getattr(config, "num_experts", 0)
-  if m > 1 and E and E % m:
+  E, F = getattr(config, "num_experts", 0), config.mlp_dim
+  if m > 1 and E and E % m and F % m:
     raise ValueError(
-      f"model_parallel={m} must divide the {E} experts (each shard holds E/m whole experts; "
-      "splitting each expert's columns instead is not built)"
+      f"model_parallel={m} must divide the {E} experts (each shard then holds E/m whole "
+      f"experts) or each expert's {F} columns (each shard then holds F/m columns of every "
+      "expert)"
     )
   N, K = config.num_heads, config.num_kv_heads
-  columns_split = not E and config.mlp_dim % m  # experts are split whole, not by column
+  columns_split = F % m and not (E and experts_split_whole(E, m))
   if N % m or columns_split or (K % m and m % K):
     raise ValueError(
-      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({config.mlp_dim}), and "
+      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({F}), and "
       f"divide or be a multiple of num_kv_heads ({K})"
     )
 
@@ -115,21 +133,29 @@ def shard_ready_state(config: ModelConfig, state, model_parallel: int):
   def repeat(path, leaf):
     name = _block_param(path)
     if name in KV_PARAMS:
-      return jnp.repeat(leaf, repeats, axis=split_axis(name, leaf.ndim))
+      return jnp.repeat(leaf, repeats, axis=SPLIT_AXIS[name])
     return leaf
 
   return jax.tree_util.tree_map_with_path(repeat, state)
 
 
-def param_spec(names: tuple[str, ...], ndim: int, axis: str = MODEL_AXIS, *, whole_kv=False):
+def param_spec(
+  names: tuple[str, ...],
+  shape: tuple[int, ...],
+  model_parallel: int,
+  axis: str = MODEL_AXIS,
+  *,
+  whole_kv=False,
+):
   """The PartitionSpec of the parameter at `names` (its path in the state, such as
-  ("blocks", "wq")) of `ndim` dimensions: its split axis over `axis`, or whole (replicated)
-  outside the blocks' split parameters. whole_kv: the KV parameters whole too."""
+  ("blocks", "wq")) of `shape`, on `model_parallel` shards: its split axis over `axis`, or
+  whole (replicated) outside the blocks' split parameters. whole_kv: the KV parameters whole
+  too."""
   name = names[1] if len(names) > 1 and names[0] == "blocks" else None
-  split = split_axis(name, ndim)
+  split = split_axis(name, tuple(shape), model_parallel)
   if split is None or (whole_kv and name in KV_PARAMS):
     return PartitionSpec()
-  dims = [None] * ndim
+  dims = [None] * len(shape)
   dims[split] = axis
   return PartitionSpec(*dims)
 
@@ -139,11 +165,11 @@ def path_names(path) -> tuple[str, ...]:
   return tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
 
 
-def partition_specs(state, axis: str = MODEL_AXIS):
-  """A PartitionSpec per leaf of a shard-ready state (`shard_ready_state`): the split axis of
-  the block parameters over `axis`, everything else whole (replicated)."""
+def partition_specs(state, model_parallel: int, axis: str = MODEL_AXIS):
+  """A PartitionSpec per leaf of a shard-ready state (`shard_ready_state`) on `model_parallel`
+  shards: the split axis of the block parameters over `axis`, everything else whole."""
   return jax.tree_util.tree_map_with_path(
-    lambda path, leaf: param_spec(path_names(path), leaf.ndim, axis), state
+    lambda path, leaf: param_spec(path_names(path), leaf.shape, model_parallel, axis), state
   )
 
 
@@ -161,7 +187,10 @@ def own_state_specs(config: ModelConfig, state, model_parallel: int, axis: str =
   weights are loaded into over a mesh; every leaf keeps its logical shape."""
   whole_kv = stores_kv_whole(config, model_parallel)
   return jax.tree_util.tree_map_with_path(
-    lambda path, leaf: param_spec(path_names(path), leaf.ndim, axis, whole_kv=whole_kv), state
+    lambda path, leaf: param_spec(
+      path_names(path), leaf.shape, model_parallel, axis, whole_kv=whole_kv
+    ),
+    state,
   )
 
 
@@ -172,7 +201,7 @@ def split_state(state, model_parallel: int):
 
   def split(path, leaf):
     name = _block_param(path)
-    axis = split_axis(name, leaf.ndim)
+    axis = split_axis(name, leaf.shape, m)
     if axis is None:
       return jnp.broadcast_to(leaf, (m, *leaf.shape))
     if leaf.shape[axis] % m:

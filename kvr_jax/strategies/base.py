@@ -213,7 +213,7 @@ def spmd(rank_program, mesh, with_table: bool = False):
 
   @jax.jit
   def body_2d(state, tokens_pBc):
-    state_specs = tensor_parallel.partition_specs(state)
+    state_specs = tensor_parallel.partition_specs(state, model_parallel(mesh))
     # check_vma=False: the hidden states and logits are whole on every shard of a rank (the
     # psums make them so), but KV-Runahead's per-rank lax.switch joins its operands' types
     # and marks them varying over "model", which the type check would then refuse as a

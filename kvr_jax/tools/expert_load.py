@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvr_jax.runtime import tensor_parallel
 from models.base import scan_blocks
 
 # A device running this many times the mean rows of its group is called out.
@@ -81,8 +82,14 @@ def expert_load_line(model, tokens, model_parallel: int) -> str | None:
   """What launch.run and launch.benchmark print after a run whose mixture of experts was split
   over the model axis: `describe_expert_load` of `tokens`, or why it was not counted; None
   where nothing was split (a dense model, or one device per rank)."""
-  if model_parallel <= 1 or not getattr(model.config, "num_experts", 0):
+  E = getattr(model.config, "num_experts", 0)
+  if model_parallel <= 1 or not E:
     return None
+  if not tensor_parallel.experts_split_whole(E, model_parallel):
+    return (
+      f"expert rows per device: every device runs every row ({model_parallel} does not divide "
+      f"the {E} experts: each device holds 1/{model_parallel} of every expert's columns)"
+    )
   if not fits_one_device(model):
     return "expert rows per device: not counted (the count runs the whole model on one device)"
   return describe_expert_load(expert_rows_per_device(model, tokens, model_parallel))

@@ -134,7 +134,7 @@ def _placed_state(config, state, mesh, m: int, itemsize: int):
   "model", KV heads repeated to m first where fewer), and one device's bytes of them."""
   state = jax.eval_shape(lambda s: tensor_parallel.shard_ready_state(config, s, m), state)
   specs = (
-    tensor_parallel.partition_specs(state) if m > 1 else jax.tree.map(lambda _: jax.P(), state)
+    tensor_parallel.partition_specs(state, m) if m > 1 else jax.tree.map(lambda _: jax.P(), state)
   )
   shapes = jax.tree.map(
     lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
