@@ -31,6 +31,18 @@ flags.DEFINE_list(
 flags.DEFINE_list(
   "tp_context_lens", [str(c) for c in tp_lib.TP_CONTEXT_LENS], "Prompt lengths of the tp grid."
 )
+flags.DEFINE_string(
+  "tp_model",
+  tp_lib.TP_MODEL,
+  "Preset of the tp grid (a mixture of experts, e.g. qwen3-30b-a3b or mixtral-8x7b, splits its "
+  "experts over each model group).",
+)
+flags.DEFINE_float(
+  "expert_imbalance",
+  1.0,
+  "tp grid, a mixture split by expert: the busiest GPU's routed rows over its group's mean "
+  "(kvr_jax.tools.expert_load.routing_imbalance measures it on a prompt); 1: balanced.",
+)
 
 
 def main(argv):
@@ -44,7 +56,9 @@ def main(argv):
         f"--grids takes paper, tp, gemma, gpt-oss, qwen3.5 and/or mla, got {FLAGS.grids}"
       )
     tp_lens = common.positive_ints(FLAGS.tp_context_lens, "--tp_context_lens")
-    tp_lib.check_tp_context_lens(tp_lens)
+    tp_lib.check_tp_context_lens(tp_lens, model=FLAGS.tp_model)
+    if not FLAGS.expert_imbalance >= 1:
+      raise ValueError(f"--expert_imbalance must be >= 1, got {FLAGS.expert_imbalance}")
   ok = True
   if "paper" in FLAGS.grids:
     ok = paper_grid()
@@ -98,7 +112,7 @@ def paper_grid() -> bool:
 def tp_grid(context_lens) -> None:
   print()
   print(
-    f"KV-Runahead x tensor parallelism, MODELLED: {tp_lib.TP_MODEL}, bf16, {tp_lib.TP_HARDWARE} "
+    f"KV-Runahead x tensor parallelism, MODELLED: {FLAGS.tp_model}, bf16, {tp_lib.TP_HARDWARE} "
     f"({tp_lib.TP_DEVICES_PER_NODE} per node, {tp_lib.TP_INSIDE / 1e9:.0f} GB/s per GPU inside a "
     "node), flash kernels, batch 1. p x m: p ranks (model groups) of m GPUs; TP-only is 1 x "
     "all. GB/GPU: weights and the whole prompt's cache on one GPU of the last rank; '!' does "
@@ -118,7 +132,14 @@ def tp_grid(context_lens) -> None:
       f"{c.device_memory_bytes / 1e9:>7.1f}{'' if c.fits else '!'}"
     )
 
-  cells = tp_lib.tp_grid(context_lens=context_lens, progress=show)
+  if FLAGS.expert_imbalance != 1:
+    print(f"Experts split whole: the busiest GPU runs {FLAGS.expert_imbalance}x its share.")
+  cells = tp_lib.tp_grid(
+    context_lens=context_lens,
+    progress=show,
+    model=FLAGS.tp_model,
+    expert_imbalance=FLAGS.expert_imbalance,
+  )
   print()
   print("Best factorization of each strategy that fits (MODELLED):")
   groups = {}
@@ -139,7 +160,7 @@ def tp_grid(context_lens) -> None:
       f"{describe('ring')}, all-gather CP {describe('allgather')}: KVR-S {tp / kvr:.2f}x "
       f"TP-only, {peer / kvr:.3f}x the faster peer"
     )
-  target = groups.get((16, 50e9, 32768))
+  target = groups.get((16, 50e9, 32768)) if FLAGS.tp_model == tp_lib.TP_MODEL else None
   if target:
     best = tp_lib.best_by_strategy(target)
     kvr = best["kvr"].ttft_s["kvr"]

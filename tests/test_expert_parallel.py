@@ -229,6 +229,8 @@ def test_expert_rows_per_device_count_every_pair_and_call_out_uneven_routing(
   rows = expert_load.expert_rows_per_device(biased, tokens, 2)
   assert (rows[:, 0] == tokens.size * 2).all() and (rows[:, 1] == 0).all(), rows
   assert "UNEVEN" in expert_load.describe_expert_load(rows)
+  assert expert_load.routing_imbalance(biased, tokens, 2) == 2.0  # the cost model's figure
+  assert expert_load.routing_imbalance(biased, tokens, 1) == 1.0
   assert "UNEVEN" not in expert_load.describe_expert_load(np.array([[10, 9], [9, 10]]))
   # What launch.run and launch.benchmark's devices mode print: only for a split mixture.
   assert "UNEVEN" in expert_load.expert_load_line(biased, tokens, 2)
@@ -237,6 +239,102 @@ def test_expert_rows_per_device_count_every_pair_and_call_out_uneven_routing(
   mesh = kvr_jax.make_mesh(2, model=2)
   split = kvr_jax.prefill(biased, tokens, "kvr", mesh=mesh, partition=[23, 14], cache="sharded")
   assert_close(split.logits, kvr_jax.prefill(biased, tokens).logits, "all rows on one shard")
+
+
+def test_auto_on_a_2d_mesh_models_each_rank_as_its_model_group(moe):
+  """strategy="auto" on 2 x 2 plans with the cost model's shards (m = 2, the links preset
+  inside a group too): every candidate's modelled TTFT is that of a Setup with
+  model_parallel=2, not the 1-D mesh's; one device's pick runs on the last rank's group (its
+  two devices), and the logits are single's."""
+  from kvr_jax.planning import presets
+  from kvr_jax.planning.choice import choose_strategy
+  from kvr_jax.planning.costmodel import kernel_flags
+
+  model, oracle = moe
+  mesh = kvr_jax.make_mesh(2, model=2)
+  plan = plan_prefill(model, PROMPT, "auto", mesh=mesh, cache="sharded")
+  T, B = PROMPT.shape[1], PROMPT.shape[0]
+  kw = dict(dtype_bytes=4, batch=B, **kernel_flags("flash"))
+  split = choose_strategy(MOE, T, 2, presets.make_setup(model_parallel=2, **kw))
+  whole = choose_strategy(MOE, T, 2, presets.make_setup(**kw))
+  assert dict(plan.choice.predicted_s) == dict(split.predicted_s)
+  # The group's all-reduces are modelled: at 37 tokens their latency outweighs the halved work.
+  assert split.predicted_s["kvr"] > whole.predicted_s["kvr"]
+  if plan.strategy.max_ranks == 1:
+    assert list(plan.mesh.devices.reshape(-1)) == list(mesh.devices[-1])
+  else:
+    assert plan.mesh is mesh
+  result = kvr_jax.prefill(model, PROMPT, "auto", mesh=mesh, cache="sharded")
+  assert_close(result.logits, oracle.logits, "logits")
+
+
+def test_the_cost_model_runs_the_busiest_devices_expert_rows():
+  """Setup.expert_imbalance u: each rank's modelled MLP FLOPs grow by exactly (u - 1) times
+  its even share of the routed rows (2 B c D k F/m per matrix), the router's do not; given
+  only where the experts are split whole (six experts on four devices split their columns:
+  every device runs every row); a KVR-S split on heavier experts gives rank 0 fewer tokens
+  (its cheap attention weighs less against the MLP); u < 1 is refused by name."""
+  from kvr_jax.planning import costmodel, presets
+  from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+  from kvr_jax.runtime.roofline import shard_expert_imbalance
+
+  config, T, chunks = preset_config("qwen3-30b-a3b"), 4096, [2560, 1536]
+  D, F, k, m = config.d_model, config.mlp_dim, config.experts_per_token, 4
+  kw = dict(dtype_bytes=2, batch=1, model_parallel=m)
+  sims = [
+    costmodel.simulate(
+      config,
+      "kvr",
+      T,
+      presets.make_setup("h100-sxm", "300GBps", expert_imbalance=u, **kw),
+      num_ranks=2,
+      partition=chunks,
+    )
+    for u in (1.0, 1.5)
+  ]
+  for c, even, heavy in zip(chunks, sims[0].rank_flops, sims[1].rank_flops, strict=True):
+    assert heavy - even == pytest.approx(0.5 * 2 * c * D * k * (F // m) * 3, rel=1e-9)
+  assert sims[1].ttft > sims[0].ttft
+  assert shard_expert_imbalance(config, m, 1.5) == 1.5
+  assert shard_expert_imbalance(dataclasses.replace(MOE, num_experts=6), 4, 1.5) == 1.0
+  assert shard_expert_imbalance(config, 1, 1.5) == 1.0
+  splits = [
+    resolve_partition(
+      PartitionPlan("search", "h100-sxm", "300GBps", expert_imbalance=u),
+      T,
+      2,
+      config=config,
+      dtype_bytes=2,
+      model_parallel=m,
+    )
+    for u in (1.0, 4.0)
+  ]
+  assert splits[1][0] < splits[0][0], splits
+  with pytest.raises(ValueError, match="expert_imbalance` must be a number >= 1"):
+    PartitionPlan("search", expert_imbalance=0.5)
+
+
+def test_the_tp_grid_plans_mixtures_on_every_model_group_they_split_over():
+  """launch.paper's tp grid on a mixture (MODELLED): Mixtral-8x7B on 16 H100s includes model
+  groups of 16 (8 experts split by column) and none the heads refuse; an expert imbalance
+  slows only the cells whose experts split whole over m > 1."""
+  from kvr_jax.tools import tp_grid
+
+  def grid(model, u):
+    cells = tp_grid.tp_grid(
+      gpus=(16,), context_lens=(8192,), betweens=(50e9,), model=model, expert_imbalance=u
+    )
+    return {(c.num_ranks, c.model_parallel): c for c in cells}
+
+  mixtral = grid("mixtral-8x7b", 1.0)
+  assert sorted(mixtral) == [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)]
+  even, heavy = grid("qwen3-30b-a3b", 1.0), grid("qwen3-30b-a3b", 1.5)
+  for shape, cell in even.items():
+    for strategy, seconds in cell.ttft_s.items():
+      if shape[1] == 1:
+        assert heavy[shape].ttft_s[strategy] == seconds, (shape, strategy)
+      else:
+        assert heavy[shape].ttft_s[strategy] > seconds, (shape, strategy)
 
 
 def test_bfloat16_split_experts_decode_single_devices_tokens():

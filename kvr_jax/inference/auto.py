@@ -23,7 +23,9 @@ from kvr_jax.runtime.mesh import (
   make_mesh,
   model_parallel,
   rank_device,
+  rank_row_mesh,
 )
+from kvr_jax.runtime.roofline import shard_expert_imbalance
 from kvr_jax.strategies import REGISTRY, STRATEGIES
 from kvr_jax.strategies.base import AUTO
 
@@ -51,7 +53,10 @@ def auto_one_device(shape: PrefillShape, mesh, cache: str):
   mesh = make_mesh() if mesh is None else mesh
   if cache == AUTO:
     cache = plan_cache(shape, mesh)
-  return make_mesh(1, devices=[rank_device(mesh, mesh.shape[AXIS] - 1)]), cache
+  last = mesh.shape[AXIS] - 1
+  if model_parallel(mesh) > 1:  # the last rank's model group: tensor parallelism alone
+    return rank_row_mesh(mesh, last), cache
+  return make_mesh(1, devices=[rank_device(mesh, last)]), cache
 
 
 def choose_auto_strategy(shape: PrefillShape, mesh, partition, attention):
@@ -70,7 +75,10 @@ def choose_auto_strategy(shape: PrefillShape, mesh, partition, attention):
     )
   plan = partition or PartitionPlan("search")
   mesh = make_mesh() if mesh is None else mesh
-  p = check_mesh(mesh)  # 1-D: the choice among 2-D layouts is not modelled here yet
+  # On a ("ranks", "model") mesh every candidate runs on p ranks of m devices (single: one
+  # rank's group), as the cost model's shards (Setup.model_parallel) model them.
+  p, m = check_mesh(mesh, allow_model=True), model_parallel(mesh)
+  tensor_parallel.check_model_parallel(shape.config, m)
   device = mesh.devices.flat[0]
   T, B = shape.prompt_len, shape.batch
   # The kernel the cost model plans with: that of the partitioned candidate (its split is
@@ -78,7 +86,13 @@ def choose_auto_strategy(shape: PrefillShape, mesh, partition, attention):
   planned = next(REGISTRY[s] for s in AUTO_CANDIDATES if REGISTRY[s].partitioned)
   kernel = planned.resolve_attention(None, device, shape.dtype, shape.config.narrowest_window)
   setup = presets.make_setup(
-    plan.hardware, plan.links, dtype_bytes=shape.itemsize, batch=B, **kernel_flags(kernel)
+    plan.hardware,
+    plan.links,
+    dtype_bytes=shape.itemsize,
+    batch=B,
+    model_parallel=m,
+    expert_imbalance=shard_expert_imbalance(shape.config, m, plan.expert_imbalance),
+    **kernel_flags(kernel),
   )
   choice = choose_strategy(shape.config, T, p, setup, multiple=plan.multiple)
   # Calibrations are per process: every process runs process 0's pick (and, for kvr, its

@@ -342,6 +342,7 @@ def _plan_partition(shape: PrefillShape, partition, mesh, kernel) -> tuple[int, 
     batch=B,
     dtype_bytes=shape.itemsize,
     model_name=shape.preset,
+    model_parallel=model_parallel(mesh),
     **kernel_flags(kernel),
   )
   # Cost-model partitions use per-process measurements: every process takes process 0's.

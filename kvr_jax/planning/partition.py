@@ -12,6 +12,7 @@ import dataclasses
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks, even_partition, round_to_multiple
 from kvr_jax.planning import presets, search, tables
+from kvr_jax.runtime.roofline import shard_expert_imbalance
 
 METHODS = ("even", "search", "balanced", "predict")
 
@@ -31,6 +32,9 @@ class PartitionPlan:
   max_chunk: no chunk longer than this many tokens ("balanced" and "search"; any answer is
     checked against it): a per-device memory cap, since every rank's cache part and
     activations are as long as the longest chunk (kvr_jax.compiled_memory measures them).
+  expert_imbalance: on a 2-D mesh whose mixture of experts is split by expert, the busiest
+    device's routed rows over its group's mean (costmodel.Setup.expert_imbalance; measure it
+    with kvr_jax.tools.expert_load.routing_imbalance); 1: balanced routing.
   """
 
   method: str = "even"
@@ -41,6 +45,7 @@ class PartitionPlan:
   objective: str = "modelled"
   cache_path: str | None = None
   max_chunk: int | None = None
+  expert_imbalance: float = 1.0
 
   def __post_init__(self):
     if self.objective not in ("modelled", "measured"):
@@ -56,6 +61,12 @@ class PartitionPlan:
       isinstance(self.max_chunk, bool) or not isinstance(self.max_chunk, int) or self.max_chunk < 1
     ):
       raise ValueError(f"`max_chunk` must be a positive integer, got {self.max_chunk!r}")
+    u = self.expert_imbalance
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 1 <= u < float("inf"):
+      raise ValueError(
+        "`expert_imbalance` must be a number >= 1 (the busiest device's expert rows over its "
+        f"group's mean), got {u!r}"
+      )
 
 
 def resolve_partition(
@@ -69,9 +80,11 @@ def resolve_partition(
   model_name: str | None = None,
   scores_in_memory: bool = True,
   causal_skip: bool = False,
+  model_parallel: int = 1,
 ) -> tuple[int, ...]:
   """`"even"`, `"search"`, `"balanced"`, `"predict"`, a PartitionPlan or explicit lengths ->
-  a validated tuple of p chunk lengths (rank 0 first).
+  a validated tuple of p chunk lengths (rank 0 first). model_parallel: the devices of each
+  rank (a 2-D mesh), whose shards the modelled methods model.
 
   scores_in_memory: whether the attention kernel that will run writes its scores to memory
   (dense, blocked) or not (flash, fused), and whether it skips the masked future of a rank's
@@ -86,7 +99,9 @@ def resolve_partition(
       )
     partition = PartitionPlan(partition)
   if isinstance(partition, PartitionPlan):
-    setup = _plan_setup(partition, config, dtype_bytes, batch, scores_in_memory, causal_skip)
+    setup = _plan_setup(
+      partition, config, dtype_bytes, batch, scores_in_memory, causal_skip, model_parallel
+    )
     cap = partition.max_chunk
     if cap is not None and cap < -(-context_len // num_ranks):
       raise ValueError(
@@ -104,7 +119,7 @@ def resolve_partition(
   return check_chunks(partition, context_len, num_ranks)
 
 
-def _plan_setup(plan, config, dtype_bytes, batch, scores_in_memory, causal_skip):
+def _plan_setup(plan, config, dtype_bytes, batch, scores_in_memory, causal_skip, model_parallel):
   """The cost-model setup a modelled plan runs on (None for the methods that need none);
   refuses a measured plan (it runs prefills, above this layer) and a plan without a config."""
   if plan.objective == "measured":
@@ -124,6 +139,8 @@ def _plan_setup(plan, config, dtype_bytes, batch, scores_in_memory, causal_skip)
     batch=batch,
     scores_in_memory=scores_in_memory,
     causal_skip=causal_skip,
+    model_parallel=model_parallel,
+    expert_imbalance=shard_expert_imbalance(config, model_parallel, plan.expert_imbalance),
   )
 
 

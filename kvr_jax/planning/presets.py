@@ -98,16 +98,25 @@ def make_setup(
   batch: int = 1,
   scores_in_memory: bool = True,
   causal_skip: bool = False,
+  model_parallel: int = 1,
+  expert_imbalance: float = 1.0,
 ) -> Setup:
-  """A cost-model Setup from preset names (the one default: this machine, `local`)."""
+  """A cost-model Setup from preset names (the one default: this machine, `local`).
+  model_parallel: devices per rank (a 2-D mesh), whose group all-reduces over the same links
+  preset as the ranks' hops (a mesh of one kind of link; `cluster_links` models nodes).
+  expert_imbalance: see Setup."""
   check_preset_names(hardware, links)
+  links = links_preset(links)
   return Setup(
     hardware_preset(hardware),
-    links_preset(links),
+    links,
     dtype_bytes=dtype_bytes,
     batch=batch,
     scores_in_memory=scores_in_memory,
     causal_skip=causal_skip,
+    model_parallel=model_parallel,
+    model_links=links if model_parallel > 1 else None,
+    expert_imbalance=expert_imbalance,
   )
 
 

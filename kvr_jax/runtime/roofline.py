@@ -100,6 +100,11 @@ class Setup:
   causal_skip: the kernel skips the masked future inside a rank's own diagonal block (flash,
     blocked, fused): T queries at the end of an S-key prefix then see S - (T-1)/2 keys on
     average instead of S (the paper's dense accounting).
+  expert_imbalance: with model_parallel > 1, a mixture split by expert (E/m whole experts per
+    device) runs on each device only the rows routed to its experts, and the busiest device
+    sets the layer's pace: its rows over its group's mean (>= 1; 1: the routing balanced,
+    and the figure to give where the experts' columns are split instead, as every device then
+    runs every row). kvr_jax.tools.expert_load measures it from a model's router on a prompt.
   """
 
   hardware: Hardware
@@ -112,6 +117,7 @@ class Setup:
   # the links between them (required when model_parallel > 1).
   model_parallel: int = 1
   model_links: Links | None = None
+  expert_imbalance: float = 1.0
 
   @property
   def diagonal_first(self) -> bool:
@@ -132,6 +138,12 @@ class Setup:
     m = self.model_parallel
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
       raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
+    u = self.expert_imbalance
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 1 <= u < float("inf"):
+      raise ValueError(
+        f"expert_imbalance must be a number >= 1 (the busiest device's expert rows over its "
+        f"group's mean), got {u!r}"
+      )
     if m > 1 and not isinstance(self.model_links, Links):
       raise ValueError(
         f"model_parallel={m} needs `model_links` (a Links: the links inside a rank's model "
@@ -187,6 +199,7 @@ def phase_work(
   scores_in_memory: bool = True,
   causal_skip: bool = False,
   scored_keys: float | None = None,
+  expert_rows_scale: float = 1.0,
 ) -> dict[str, Work]:
   """Work of the three phases of one layer for `num_queries` tokens over `num_keys` keys.
 
@@ -195,6 +208,8 @@ def phase_work(
   (flash) kernel. causal_skip: see Setup; the T queries sit at the end of the S keys and, with
   the model's sliding window, see at most W keys each. scored_keys: keys each query scores
   on average, when the caller knows better (the zigzag layouts); default from the above.
+  expert_rows_scale: a mixture's routed rows on this device over its even share (see
+  Setup.expert_imbalance; ignored by a dense MLP).
   """
   D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
   T, S, B, db = num_queries, num_keys, batch, dtype_bytes
@@ -217,7 +232,11 @@ def phase_work(
   )
   # The MLP: FLOPs of the columns each token runs through (a mixture of experts: its k
   # experts', plus the router's [D, E]), weights read of every column some token routes to.
-  F_active, F_read, E = config.active_mlp_dim, config.mlp_weight_dim(B * T), config.router_dim
+  # A device of a group that splits the experts whole runs `expert_rows_scale` times its
+  # share of the routed rows (Setup.expert_imbalance: the busiest device); routing is whole.
+  E = config.router_dim
+  u = expert_rows_scale if E else 1.0
+  F_active, F_read = config.active_mlp_dim * u, config.mlp_weight_dim(B * T * u)
   rest = Work(
     2 * B * T * N * H * D + 2 * B * T * D * (F_active * mlp_matrices + E),
     db * (N * H * D + mlp_matrices * D * F_read + D * E + B * T * (N * H + 2 * D + 2 * F_active)),
@@ -252,6 +271,17 @@ def model_shard(config: ModelConfig, model_parallel: int) -> ModelConfig:
     mlp_dim=config.mlp_dim // m,
     vocab_size=-(-config.vocab_size // m),
   )
+
+
+def shard_expert_imbalance(config: ModelConfig, model_parallel: int, imbalance: float) -> float:
+  """The Setup.expert_imbalance of `config` on `model_parallel` devices per rank: `imbalance`
+  (the busiest device's routed rows over its group's mean) where the experts are split whole
+  (tensor_parallel.experts_split_whole), else 1: a dense model, one device per rank, or the
+  experts' columns split (every device runs every row)."""
+  E = getattr(config, "num_experts", 0)
+  if model_parallel > 1 and E and tensor_parallel.experts_split_whole(E, model_parallel):
+    return imbalance
+  return 1.0
 
 
 def model_reduce_time(config: ModelConfig, num_tokens: float, setup: Setup) -> float:
@@ -347,6 +377,7 @@ def work_kwargs(setup: Setup) -> dict:
     dtype_bytes=setup.dtype_bytes,
     scores_in_memory=setup.scores_in_memory,
     causal_skip=setup.causal_skip,
+    expert_rows_scale=setup.expert_imbalance if setup.model_parallel > 1 else 1.0,
   )
 
 

@@ -61,11 +61,26 @@ def fits_one_device(model) -> bool:
   return limit is None or weights <= limit // 2
 
 
+def routing_imbalance(model, tokens, model_parallel: int) -> float:
+  """The cost model's expert_imbalance (costmodel.Setup, PartitionPlan) for `tokens` on
+  `model_parallel` devices per rank: the busiest device's rows over its group's mean in each
+  layer (that device sets the layer's pace), averaged over the layers, as the modelled layers
+  are. 1.0 where nothing is split by expert (a dense model, m = 1, or the columns split)."""
+  E = getattr(model.config, "num_experts", 0)
+  if model_parallel <= 1 or not E or not tensor_parallel.experts_split_whole(E, model_parallel):
+    return 1.0
+  return float(_busiest_over_mean(expert_rows_per_device(model, tokens, model_parallel)).mean())
+
+
+def _busiest_over_mean(rows_Lm: np.ndarray) -> np.ndarray:
+  """[L]: each layer's busiest device's rows over its group's mean."""
+  return rows_Lm.max(axis=1) / np.maximum(rows_Lm.mean(axis=1), 1e-9)
+
+
 def describe_expert_load(rows_Lm: np.ndarray) -> str:
   """One line: the busiest device's rows over the mean of its group, at the worst layer and
   over the layers; "UNEVEN" where the worst reaches UNEVEN times the mean."""
-  mean_L = rows_Lm.mean(axis=1)
-  ratio_L = rows_Lm.max(axis=1) / np.maximum(mean_L, 1e-9)
+  ratio_L = _busiest_over_mean(rows_Lm)
   worst = int(ratio_L.argmax())
   m = rows_Lm.shape[1]
   line = (

@@ -1,7 +1,8 @@
-"""KV-Runahead x tensor parallelism: a 70B model on H100 nodes, MODELLED with
-kvr_jax.planning.costmodel. Every factorization of the GPUs into ranks x model groups, each
-strategy's TTFT and whether its memory fits; `launch.paper --grids=tp` prints and writes it.
-Nothing here is measured."""
+"""KV-Runahead x tensor parallelism: a 70B model (or any preset: a mixture of experts splits its
+experts over each model group) on H100 nodes, MODELLED with kvr_jax.planning.costmodel. Every
+factorization of the GPUs into ranks x model groups, each strategy's TTFT and whether its
+memory fits; `launch.paper --grids=tp [--tp_model=...]` prints and writes it. Nothing here is
+measured."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import csv
 import dataclasses
 
 from kvr_jax.planning import costmodel, presets, search
+from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import preset_config
+from kvr_jax.runtime.roofline import shard_expert_imbalance
 
 MODELS = ("llama-2-7b", "falcon-7b")
 RANKS = (2, 4, 8)
@@ -57,20 +60,23 @@ class TPCell:
   fits: bool
 
 
-def check_tp_context_lens(context_lens, gpus=TP_GPUS) -> None:
+def check_tp_context_lens(context_lens, gpus=TP_GPUS, model: str = TP_MODEL) -> None:
   """Every length must hold a chunk of TP_MULTIPLE tokens per rank and fit the model."""
   shortest = (max(gpus) - 1) * TP_MULTIPLE + 1
-  longest = preset_config(TP_MODEL).max_position_embeddings
+  longest = preset_config(model).max_position_embeddings
   for C in context_lens:
     if not shortest <= C <= longest:
       raise ValueError(
         f"tp grid lengths must lie in [{shortest}, {longest}] ({max(gpus)} ranks of "
-        f"{TP_MULTIPLE}-token multiples, {TP_MODEL}'s positions), got {C}"
+        f"{TP_MULTIPLE}-token multiples, {model}'s positions), got {C}"
       )
 
 
-def tp_setup(gpus: int, num_ranks: int, between: float) -> costmodel.Setup:
-  """bf16 on H100s with flash kernels, `gpus` // num_ranks GPUs per model group."""
+def tp_setup(
+  gpus: int, num_ranks: int, between: float, expert_imbalance: float = 1.0
+) -> costmodel.Setup:
+  """bf16 on H100s with flash kernels, `gpus` // num_ranks GPUs per model group;
+  expert_imbalance: a mixture split by expert (Setup.expert_imbalance)."""
   model_parallel = gpus // num_ranks
   ranks, model = presets.cluster_links(
     num_ranks,
@@ -86,12 +92,22 @@ def tp_setup(gpus: int, num_ranks: int, between: float) -> costmodel.Setup:
     **costmodel.kernel_flags("flash"),
     model_parallel=model_parallel,
     model_links=model,
+    expert_imbalance=expert_imbalance,
   )
 
 
-def tp_cell(gpus: int, num_ranks: int, context_len: int, between: float) -> TPCell:
-  config = preset_config(TP_MODEL)
-  setup = tp_setup(gpus, num_ranks, between)
+def tp_cell(
+  gpus: int,
+  num_ranks: int,
+  context_len: int,
+  between: float,
+  model: str = TP_MODEL,
+  expert_imbalance: float = 1.0,
+) -> TPCell:
+  config = preset_config(model)
+  m = gpus // num_ranks
+  imbalance = shard_expert_imbalance(config, m, expert_imbalance)
+  setup = tp_setup(gpus, num_ranks, between, imbalance)
   partition = None
   if num_ranks == 1:
     ttft = {"tp": costmodel.simulate(config, "single", context_len, setup).ttft}
@@ -112,20 +128,35 @@ def tp_cell(gpus: int, num_ranks: int, context_len: int, between: float) -> TPCe
 
 
 def tp_grid(
-  gpus=TP_GPUS, context_lens=TP_CONTEXT_LENS, betweens=TP_BETWEEN, progress=None
+  gpus=TP_GPUS,
+  context_lens=TP_CONTEXT_LENS,
+  betweens=TP_BETWEEN,
+  progress=None,
+  model: str = TP_MODEL,
+  expert_imbalance: float = 1.0,
 ) -> list[TPCell]:
-  """Every factorization num_ranks x model_parallel of each GPU count (model_parallel a
-  divisor of the model's heads), at every length and link between nodes."""
-  heads = preset_config(TP_MODEL).num_heads
+  """Every factorization num_ranks x model_parallel of each GPU count (every model_parallel
+  the model splits over: tensor_parallel.check_model_parallel), at every length and link
+  between nodes. expert_imbalance: see costmodel.Setup (where the experts split whole)."""
+  config = preset_config(model)
   cells = []
   for n in gpus:
     for between in betweens if n > TP_DEVICES_PER_NODE else betweens[:1]:
       for C in context_lens:
-        for p in (p for p in range(1, n + 1) if n % p == 0 and heads % (n // p) == 0):
-          cells.append(tp_cell(n, p, C, between))
+        for p in (p for p in range(1, n + 1) if n % p == 0 and _splits(config, n // p)):
+          cells.append(tp_cell(n, p, C, between, model, expert_imbalance))
           if progress:
             progress(cells[-1])
   return cells
+
+
+def _splits(config, model_parallel: int) -> bool:
+  """Whether the model runs on model groups of `model_parallel` devices."""
+  try:
+    tensor_parallel.check_model_parallel(config, model_parallel)
+  except ValueError:
+    return False
+  return True
 
 
 def best_by_strategy(cells: list[TPCell]) -> dict[str, TPCell]:
