@@ -54,6 +54,15 @@ def shard_index(reduce) -> jax.Array | int:
   return 0 if index is None else index()
 
 
+def first_local_expert(local_experts: int, num_experts: int, reduce) -> jax.Array | int | None:
+  """None where a block holds all `num_experts` experts (whole, or F/m columns of each where a
+  tensor-parallel group's m does not divide E); else the first of the `local_experts` (E/m)
+  this shard holds: its experts split over the model axis (w_gate [E/m, D, F])."""
+  if local_experts == num_experts:
+    return None
+  return shard_index(reduce) * local_experts
+
+
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
   return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
 

@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.base import CausalLM, no_reduce, normal_param, ones_param, zeros_param
+from models.base import (
+  CausalLM,
+  first_local_expert,
+  no_reduce,
+  normal_param,
+  ones_param,
+  zeros_param,
+)
 from models.deepseek_v3_config import MODEL_TYPES, DeepseekV3Config, deepseek_v3_from_hf
 from models.experts import route_grouped_sigmoid, run_experts, swiglu
 from models.family import Family
@@ -83,8 +90,10 @@ class DeepseekV3Block(LatentAttention):
       cfg.normalize_expert_weights,
       cfg.routed_scaling_factor,
     )
+    w_gate = self.w_gate[...]
+    first = first_local_expert(w_gate.shape[0], cfg.num_experts, reduce)  # experts split
     out_BTD = run_experts(
-      h_BTD, weights_BTk, experts_BTk, self.w_gate[...], self.w_up[...], self.w_down[...]
+      h_BTD, weights_BTk, experts_BTk, w_gate, self.w_up[...], self.w_down[...], first
     )
     if cfg.shared_experts:
       shared = (self.w_shared_gate[...], self.w_shared_up[...], self.w_shared_down[...])

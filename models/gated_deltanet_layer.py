@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import gated_deltanet as gdn
-from models.base import no_reduce, normal_param, ones_param, zeros_param
-from models.experts import mixture_of_experts, swiglu
+from models.base import first_local_expert, no_reduce, normal_param, ones_param, zeros_param
+from models.experts import route_softmax_top_k, run_experts, swiglu
 from models.norms import rms_norm_one_plus
 
 
@@ -48,14 +48,13 @@ class OnePlusNormMlp:
     h_BTD = rms_norm_one_plus(x_BTD, self.mlp_norm[...], cfg.norm_eps)
     if not cfg.num_experts:
       return x_BTD + reduce(swiglu(h_BTD, self.w_gate[...], self.w_up[...], self.w_down[...]))
-    routed_BTD = mixture_of_experts(
-      h_BTD,
-      self.router[...],
-      self.w_gate[...],
-      self.w_up[...],
-      self.w_down[...],
-      cfg.experts_per_token,
-      cfg.normalize_expert_weights,
+    weights_BTk, experts_BTk = route_softmax_top_k(
+      h_BTD, self.router[...], None, cfg.experts_per_token, cfg.normalize_expert_weights
+    )
+    w_gate = self.w_gate[...]
+    first = first_local_expert(w_gate.shape[0], cfg.num_experts, reduce)  # experts split
+    routed_BTD = run_experts(
+      h_BTD, weights_BTk, experts_BTk, w_gate, self.w_up[...], self.w_down[...], first
     )
     shared_BTD = swiglu(
       h_BTD, self.w_shared_gate[...], self.w_shared_up[...], self.w_shared_down[...]

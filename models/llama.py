@@ -14,7 +14,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.base import Block, CausalLM, no_reduce, normal_param, ones_param, shard_index
+from models.base import (
+  Block,
+  CausalLM,
+  first_local_expert,
+  no_reduce,
+  normal_param,
+  ones_param,
+)
 from models.config import ModelConfig
 from models.experts import route_softmax_top_k, run_experts
 from models.family import Family
@@ -128,13 +135,8 @@ class LlamaBlock(Block):
     return x_BTD + reduce(self.attention_output(attn_BTNH))
 
   def first_local_expert(self, reduce):
-    """None where this block holds every expert (whole, or F/m columns of each where a
-    tensor-parallel group's m does not divide E); else the first of the E/m this shard holds
-    (its experts split over the model axis: w_gate [E/m, D, F])."""
-    local = self.w_gate[...].shape[0]
-    if local == self.config.num_experts:
-      return None
-    return shard_index(reduce) * local
+    """`models.base.first_local_expert` of this block's experts."""
+    return first_local_expert(self.w_gate[...].shape[0], self.config.num_experts, reduce)
 
   def finish_rows(self, x_BTD: jax.Array, attn_BTNH: jax.Array, reduce=no_reduce) -> jax.Array:
     x_BTD = self.attention_residual(x_BTD, attn_BTNH, reduce)

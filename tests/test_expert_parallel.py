@@ -17,6 +17,7 @@ import kvr_jax
 from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import build_model, preset_config
+from kvr_jax.runtime.mesh import MODEL_AXIS
 from tests import hf_fixtures
 from tests.tolerance import assert_close, relative_error
 
@@ -335,6 +336,64 @@ def test_the_tp_grid_plans_mixtures_on_every_model_group_they_split_over():
         assert heavy[shape].ttft_s[strategy] == seconds, (shape, strategy)
       else:
         assert heavy[shape].ttft_s[strategy] > seconds, (shape, strategy)
+
+
+def _mlp_split_over(blocks, x_BTD, m):
+  """Layer 0's MLP of stacked `blocks` (its weights split over a "model" axis of m devices as
+  tensor_parallel splits them, the shards' outputs added by psum_over_model), and the whole
+  block's on one device."""
+  graphdef, state = nnx.split(blocks)
+  specs = tensor_parallel.partition_specs({"blocks": state}, m)["blocks"]
+  mesh = jax.make_mesh((m,), (MODEL_AXIS,), devices=jax.devices()[:m])
+
+  def layer0_mlp(state, reduce):
+    block = nnx.merge(graphdef, jax.tree.map(lambda w: w[0], state))
+    return block.mlp(x_BTD, reduce)
+
+  split = jax.shard_map(
+    lambda s: layer0_mlp(s, tensor_parallel.psum_over_model),
+    mesh=mesh,
+    in_specs=(specs,),
+    out_specs=jax.P(),
+    check_vma=False,
+  )
+  from models.base import no_reduce
+
+  shardings = jax.tree.map(
+    lambda spec: jax.NamedSharding(mesh, spec),
+    specs,
+    is_leaf=lambda x: isinstance(x, jax.P),
+  )
+  return jax.jit(split)(jax.device_put(state, shardings)), layer0_mlp(state, no_reduce)
+
+
+@pytest.mark.parametrize(
+  "family,num_experts,m", [("deepseek_v3", 8, 4), ("qwen3_5_moe", 8, 2), ("qwen3_5_moe", 6, 4)]
+)
+def test_routed_and_shared_experts_split_over_a_model_group(family, num_experts, m):
+  """DeepSeek-V3's and Qwen3.5-MoE's mixtures (routed experts, a shared expert, DeepSeek's
+  grouped sigmoid router, Qwen's gated shared expert) split over m devices: 8 experts whole
+  (E/m per device), 6 on 4 devices by column; the shared expert by column: within 1e-5 of the
+  whole MLP. (Their attention runs no tensor parallelism yet: this is the MLP it will run.)"""
+  if family == "deepseek_v3":
+    config = dataclasses.replace(
+      preset_config("bench-deepseek"), num_layers=2, num_experts=num_experts
+    )
+  else:
+    config = dataclasses.replace(
+      preset_config("bench-qwen3.5"),
+      num_experts=num_experts,
+      experts_per_token=2,
+      mlp_dim=176,
+      shared_expert_dim=176,
+    )
+  graphdef, state = nnx.split(build_model(config))
+  keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(state))))
+  state = jax.tree.map(lambda w: w + 0.05 * jax.random.normal(next(keys), w.shape, w.dtype), state)
+  blocks = nnx.merge(graphdef, state).blocks
+  x_BTD = jax.random.normal(jax.random.key(4), (2, 40, config.d_model))
+  split, whole = _mlp_split_over(blocks, x_BTD, m)
+  assert_close(split, whole, f"{family}, {num_experts} experts on {m}")
 
 
 def test_bfloat16_split_experts_decode_single_devices_tokens():

@@ -363,8 +363,9 @@ def test_compiled_memory_on_a_2d_mesh_is_one_devices_share():
   """XLA's analysis of the 2-D program sees one device's shard: tiny-llama over 2 shards holds
   the whole embedding, head and norms but half of every block matrix (by hand: per layer
   2*D*N*H + 2*D*K*H + 3*D*F = 184,320 parameters, 4 bytes each, 4 layers), its arguments are
-  those weights plus the same tokens, and each K,V part holds one of the two KV heads."""
-  kw = dict(context_len=512, num_ranks=2, cache="sharded")
+  those weights plus the same tokens, and each K,V part holds one of the two KV heads. One
+  split for both (the searched one models the shards' all-reduces, so it differs with m)."""
+  kw = dict(context_len=512, num_ranks=2, cache="sharded", partition=[265, 247])
   whole = kvr_jax.compiled_memory("tiny-llama", "kvr", **kw)
   split = kvr_jax.compiled_memory("tiny-llama", "kvr", model_parallel=2, **kw)
   D, N, K, H, F, L = 128, 4, 2, 32, 352, 4

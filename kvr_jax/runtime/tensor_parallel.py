@@ -58,6 +58,11 @@ SPLIT_AXIS = {
   "w_in": 2,
   "w_down": 1,  # [L, F, D]
   "w_out": 1,
+  # A shared expert (DeepSeek-V3, Qwen3.5-MoE, Qwen3-Next): a dense SwiGLU beside the routed
+  # experts, split by column like one; its sigmoid gate (shared_gate [L, D]) whole.
+  "w_shared_gate": 2,  # [L, D, Fs]
+  "w_shared_up": 2,
+  "w_shared_down": 1,  # [L, Fs, D]
 }
 KV_PARAMS = ("wk", "wv", "bk", "bv")
 # A mixture's experts, stacked [L, E, ...] (a dense MLP's are [L, D, F] / [L, F, D]): split
