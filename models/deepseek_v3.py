@@ -71,9 +71,10 @@ class DeepseekV3Block(LatentAttention):
     return rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
   def finish(self, x_BTD, attn_BTNv, row_block=None, reduce=no_reduce):
-    """Output projection, MLP and residuals (`Block.finish`'s signature; rows unblocked)."""
+    """Output projection, MLP and residuals (`Block.finish`'s signature; rows unblocked): the
+    shards' output projections summed by `reduce` (a tensor-parallel group's heads)."""
     del row_block
-    return self.mlp(x_BTD + self.attention_output(attn_BTNv), reduce)
+    return self.mlp(x_BTD + reduce(self.attention_output(attn_BTNv)), reduce)
 
   def mlp(self, x_BTD, reduce=no_reduce):
     cfg = self.config
@@ -157,9 +158,11 @@ class DeepseekV3(CausalLM):
     x_BTD, _ = self.forward(tokens_BT)
     return self.logits(x_BTD)
 
-  def decode_step(self, tokens_B, positions_B, cache):
+  def decode_step(self, tokens_B, positions_B, cache, reduce=no_reduce):
     """One token per row, row b at `positions_B[b]` (its length so far): (logits [B, V], the
-    cache with the token's latent written at its position), attending in the absorbed form."""
+    cache with the token's latent written at its position), attending in the absorbed form.
+    reduce: a tensor-parallel shard's sum over its group (its heads and experts; the latent
+    cache is whole on every shard)."""
     B = tokens_B.shape[0]
     positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
     rows_B = jnp.arange(B)
@@ -171,8 +174,7 @@ class DeepseekV3(CausalLM):
       entry_BC = block.latents(h_B1D, positions_B[:, None])[:, 0]
       cache = cache.at[l, rows_B, positions_B].set(entry_BC.astype(cache.dtype))
       attn_BNv = block.attend_absorbed(q_nope[:, 0], q_rope[:, 0], cache[l], positions_B)
-      x_B1D = x_B1D + block.attention_output(attn_BNv[:, None])
-      return block.mlp(x_B1D), cache
+      return block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), cache
 
     x_B1D, cache = self.scan_layers(layer, (self.embed(tokens_B[:, None]), cache))
     return self.logits(x_B1D)[:, 0], cache

@@ -34,6 +34,7 @@ class AttentionKind:
   window: int | None = None
   computes: ClassVar[str] = "softmax attention"
   past: ClassVar[str] = "K,V prefix"
+  splits_over_model: ClassVar[bool] = True  # heads split over "model" (runtime.tensor_parallel)
 
   def __post_init__(self):
     bad = isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
@@ -94,6 +95,7 @@ class GatedDeltaNetKind:
     "KV-Runahead and its peers run it through kvr_jax.inference.hybrid (prefill_hybrid, "
     "generate_hybrid)"
   )
+  splits_over_model: ClassVar[bool] = False  # no program splits its heads over "model" yet
 
   @property
   def name(self) -> str:
@@ -123,7 +125,11 @@ class LatentAttentionKind:
   computes: ClassVar[str] = "multi-head latent attention"
   past: ClassVar[str] = "latent prefix"
   window: ClassVar[None] = None
-  runs_today: ClassVar[str] = "it runs on one device"
+  runs_today: ClassVar[str] = (
+    "KV-Runahead and its peers run it through kvr_jax.inference.latent (prefill_latent, "
+    "generate_latent), on a 1-D mesh or a 2-D one (heads and experts split over 'model')"
+  )
+  splits_over_model: ClassVar[bool] = True  # in its own programs (kvr_jax.strategies.latent)
 
   @property
   def name(self) -> str:

@@ -358,6 +358,87 @@ def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
   assert per_head / (4 * cfg.cache_width) == 6  # 4 heads x (24 + 12) against 16 + 8
 
 
+# --- latent attention and DeepSeek's mixture on a 2-D mesh (heads and experts over "model")
+
+
+@pytest.mark.parametrize(
+  "strategy, shape, partition, attention",
+  [
+    ("kvr", (2, 2), [25, 15], "flash"),
+    ("kvr", (2, 4), [22, 18], "dense"),
+    ("allgather", (2, 4), None, "flash"),
+    ("ring", (2, 2), None, "flash"),
+    ("tsp", (2, 2), None, "dense"),
+  ],
+)
+def test_latent_prefill_on_a_2d_mesh_equals_one_device(
+  checkpoints, tokens, one_device, strategy, shape, partition, attention
+):
+  """Each rank a model group: the query heads and kv_b_proj split over "model", the 8 routed
+  experts E/m whole per device, the shared expert and the dense first layer by column, the
+  latent (headless) whole on every shard, and what the hops carry: the last rank's logits and
+  its whole latent cache as one device computes them."""
+  from kvr_jax.inference.latent import prefill_latent
+
+  ours = checkpoints["deepseek-default"][2]
+  mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
+  result = prefill_latent(ours, tokens, mesh, partition, 2, strategy, attention)
+  want_logits, want_cache = one_device
+  assert_close(result.logits_BV, want_logits, "last logits")
+  assert_close(result.cache, want_cache, "latent cache")
+
+
+def test_a_latent_model_loads_split_and_decodes_on_its_model_groups(checkpoints, tokens):
+  """load_model(mesh=) on 2 x 4 sends each device its heads (wq_b, wk_b, wv_b, wo [.., N/m, ..]),
+  its 2 of the 8 experts and its quarter of the shared expert's and dense layer's columns;
+  KV-Runahead then decodes transformers' greedy tokens from the last rank's group (the cache
+  whole there) and from the ranks' parts."""
+  from kvr_jax.inference.latent import generate_latent
+
+  hf_model, directory, _ = checkpoints["deepseek-default"]
+  mesh = kvr_jax.make_mesh(2, model=4)
+  split = kvr_jax.load_model(str(directory), mesh=mesh)
+  cfg, m = split.config, 4
+  local = {
+    ("blocks", "wk_b"): 2,
+    ("blocks", "wo"): 1,
+    ("blocks", "w_gate"): 1,
+    ("blocks", "w_shared_gate"): 2,
+    ("dense_blocks", "w_gate"): 2,
+  }
+  whole = {
+    ("blocks", "wk_b"): cfg.num_heads,
+    ("blocks", "wo"): cfg.num_heads,
+    ("blocks", "w_gate"): cfg.num_experts,
+    ("blocks", "w_shared_gate"): cfg.expert_dim * cfg.shared_experts,
+    ("dense_blocks", "w_gate"): cfg.mlp_dim,
+  }
+  for (stack, name), axis in local.items():
+    leaf = split.state[stack][name]
+    assert {s.data.shape[axis] for s in leaf.addressable_shards} == {whole[stack, name] // m}
+  latent = split.state["blocks"]["wkv_a"]
+  assert {s.data.shape for s in latent.addressable_shards} == {latent.shape}  # whole
+  prompt = tokens[:, :24]
+  want = hf_fixtures.hf_greedy(hf_model, prompt, 5)
+  for cache in ("last", "sharded"):
+    got = generate_latent(split, prompt, mesh, [14, 10], 5, cache=cache)
+    np.testing.assert_array_equal(got, want, err_msg=cache)
+
+
+def test_tensor_parallelism_refuses_linear_attention_and_prefill_latents_by_name(checkpoints):
+  """A hybrid's linear layers split over no model axis yet: refused by name before anything
+  compiles; a latent model on a 2-D mesh runs through prefill_latent, not prefill."""
+  from kvr_jax.runtime import tensor_parallel
+  from kvr_jax.runtime.loading import preset_config
+
+  with pytest.raises(ValueError, match="linear attention .Gated DeltaNet.*1-D mesh"):
+    tensor_parallel.check_model_parallel(preset_config("bench-qwen3.5"), 2)
+  ours = checkpoints["deepseek-default"][2]
+  tensor_parallel.check_model_parallel(ours.config, 4)
+  with pytest.raises(ValueError, match="multi-head latent attention"):
+    kvr_jax.prefill(ours, np.zeros((1, 8), np.int32), "kvr", kvr_jax.make_mesh(2, model=2))
+
+
 def test_latent_prefill_refuses_by_name(checkpoints, tokens):
   from kvr_jax.inference.latent import prefill_latent
 

@@ -59,3 +59,34 @@ def test_unbuilt_strategies_refused_by_name(deepseek, setup):
   for strategy in ("ring", "tsp"):
     with pytest.raises(ValueError, match="latent-attention models run under"):
       costmodel.modelled_layer(deepseek, strategy, 4096, setup, num_ranks=2)
+
+
+def test_a_latent_model_group_computes_its_share_and_all_reduces():
+  """On model groups of 4 (heads, kv_b_proj, experts and shared experts split; the latent's
+  projection and the router whole on every device) each rank's modelled FLOPs per layer are
+  the whole ones W over 4 plus 3/4 of the whole parts A = 2 c D (C + E) (Moonlight: no q
+  low-rank half); its all-reduces over a slow group link lengthen the TTFT; the busiest
+  device's routed rows (imbalance 1.5) add half its routed share, not the shared experts'."""
+  config, chunks = preset_config("moonlight-16b-a3b"), (5000, 3192)
+  D, C, E, k, f = config.d_model, config.cache_width, config.num_experts, 6, config.expert_dim
+  kw = dict(dtype_bytes=2, **costmodel.kernel_flags("flash"))
+
+  def simulate(m, model_bw=1e30, imbalance=1.0):
+    setup = costmodel.Setup(
+      presets.hardware_preset("h100-sxm"),
+      presets.links_preset("300GBps"),
+      model_parallel=m,
+      model_links=costmodel.Links(model_bw, 0.0),
+      expert_imbalance=imbalance,
+      **kw,
+    )
+    return costmodel.simulate(config, "kvr", sum(chunks), setup, num_ranks=2, partition=chunks)
+
+  whole, split = simulate(1), simulate(4)
+  for c, w, s in zip(chunks, whole.rank_flops, split.rank_flops, strict=True):
+    shared = 2 * c * D * (C + E)
+    assert s == pytest.approx(shared + (w - shared) / 4, rel=1e-9)
+  assert simulate(4, model_bw=1e9).ttft > split.ttft
+  heavy = simulate(4, imbalance=1.5)
+  for c, even, busy in zip(chunks, split.rank_flops, heavy.rank_flops, strict=True):
+    assert busy - even == pytest.approx(0.5 * 2 * c * D * 3 * k * (f // 4), rel=1e-9)

@@ -1,21 +1,22 @@
-"""Prefill of a latent-attention model (DeepSeek-V3) on a 1-D mesh with KV-Runahead, ring,
-all-gather CP or TSP, and decoding (greedy or sampled) from its latent cache: `prefill_latent`,
-`generate_latent` (kvr_jax/strategies/latent.py is the program). The cache is joined on the
-last rank (cache="last": KV-Runahead's last hop and own chunk where they lie, the peers'
-parts moved), or left in the ranks' parts (cache="sharded": each decode step attends every part
-where it lies in the absorbed form and merges the partials across the ranks, pass-Q as for
-K,V caches in kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted
-on the last).
+"""Prefill of a latent-attention model (DeepSeek-V3) with KV-Runahead, ring, all-gather CP or TSP
+over a 1-D mesh, or a 2-D one whose ranks are model groups (heads and experts split over
+"model": kvr_jax.runtime.tensor_parallel; the latent whole on every shard), and decoding (greedy
+or sampled) from its latent cache: `prefill_latent`, `generate_latent`
+(kvr_jax/strategies/latent.py is the program). The cache is joined on the last rank
+(cache="last": KV-Runahead's last hop and own chunk where they lie, the peers' parts moved), or
+left in the ranks' parts (cache="sharded": each decode step attends every part where it lies in
+the absorbed form and merges the partials across the ranks, pass-Q as for K,V caches in
+kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted on the last).
 
 Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
-built for K,V caches): rows of one length; all-gather CP's cache="last" and the sharded decode
-in one process only.
-Every argument is checked before anything compiles.
+built for K,V caches): rows of one length; all-gather CP's cache="last", the sharded decode and
+2-D meshes in one process only. Every argument is checked before anything compiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +34,21 @@ from kvr_jax.inference.own_program import (
   check_tokens,
   decode_from_cache,
 )
+from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
+from kvr_jax.runtime.mesh import (
+  AXIS,
+  check_mesh,
+  global_array,
+  model_parallel,
+  rank_device,
+  rank_row_mesh,
+  shard_on,
+)
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.latent import STRATEGIES, compile_latent
 from models.attention import merge_partials
+from models.base import no_reduce
 from models.kernels import get_kernel
 from models.layer_kinds import LatentAttentionKind
 
@@ -86,9 +97,17 @@ def prefill_latent(
   KV-Runahead, the cache); all-gather CP's cache move across processes is not built."""
   _check_arguments(model, strategy, attention, cache, join)
   tokens_BT = check_tokens(model, tokens)
-  p = check_mesh(mesh)
+  p = check_mesh(mesh, allow_model=True)
   if p < 2:
     raise ValueError("prefill_latent runs on 2 or more ranks; on one device use model.module")
+  m = model_parallel(mesh)
+  if m > 1:
+    tensor_parallel.check_model_parallel(model.config, m)
+    if jax.process_count() > 1:
+      raise ValueError(
+        f"a latent model on a mesh with model={m} runs in one process so far; across "
+        "processes use a 1-D mesh (make_mesh(p))"
+      )
   kernel = get_kernel(attention)
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]
@@ -101,7 +120,7 @@ def prefill_latent(
     check_ranks(T, p)
     chunks = spec.layout(T, p, None)
   program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel)
-  state = model.state_on(NamedSharding(mesh, jax.P()))
+  state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
   owner = rank_device(mesh, p - 1)
@@ -219,11 +238,15 @@ def generate_latent(
     model, tokens, mesh, partition, max_new_tokens, strategy, attention, cache=cache
   )
   T = sum(result.chunks)
+  m = model_parallel(mesh)
+  if cache == "last" and m > 1:  # the last rank's model group decodes, its weights split
+    row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
+    return _group_decode(model, result, row, max_new_tokens, sampling)
   if cache == "last":
     return decode_from_cache(model, result.logits_BV, result.cache, T, max_new_tokens, sampling)
   replicated = NamedSharding(mesh, jax.P())
   step = latent_sharded_step(model.graphdef, mesh)
-  state = model.state_on(replicated)
+  state = model.state_split_over(mesh) if m > 1 else model.state_on(replicated)
   positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
   L, B, _, C = result.parts.shape[1:]
   tail = jax.device_put(jnp.zeros((L, B, max_new_tokens, C), model.dtype), replicated)
@@ -236,6 +259,49 @@ def generate_latent(
   return np.stack(out, axis=1)
 
 
+def _group_decode(model, result: LatentPrefill, row_mesh, max_new_tokens: int, sampling):
+  """`decode_from_cache` on the last rank's model group: the joined latent cache whole on each
+  of its devices (it is headless), the weights split as the prefill split them, each step's
+  shards summed over "model"."""
+  replicated = NamedSharding(row_mesh, jax.P())
+  step = latent_group_step(model.graphdef, row_mesh)
+  state = model.state_split_over(row_mesh)
+  cache, logits_BV = jax.device_put((result.cache, result.logits_BV), replicated)
+  positions_B = np.full(logits_BV.shape[0], sum(result.chunks), np.int32)
+  out = []
+  for index in range(max_new_tokens):
+    next_B = sampling.token(logits_BV, index)
+    out.append(np.asarray(next_B))
+    if index + 1 < max_new_tokens:
+      logits_BV, cache = step(state, next_B, positions_B + index, cache)
+  return np.stack(out, axis=1)
+
+
+@kept_cache(8)
+def latent_group_step(graphdef, row_mesh):
+  """The model's decode step (absorbed, from the whole latent cache) on one rank's model group
+  (a ("ranks", "model") mesh of one rank): (state split over "model", tokens [B], positions
+  [B], cache [L, B, S, C] replicated) -> (logits [B, V], cache), both replicated."""
+  P = jax.P
+
+  def shard_step(state, tokens_B, positions_B, cache):
+    model = nnx.merge(graphdef, state)
+    return model.decode_step(tokens_B, positions_B, cache, reduce=tensor_parallel.psum_over_model)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def step(state, tokens_B, positions_B, cache):
+    # check_vma=False: the psums make the logits and the cache whole on every shard.
+    return jax.shard_map(
+      shard_step,
+      mesh=row_mesh,
+      in_specs=(tensor_parallel.partition_specs(state, model_parallel(row_mesh)), P(), P(), P()),
+      out_specs=(P(), P()),
+      check_vma=False,
+    )(state, tokens_B, positions_B, cache)
+
+  return step
+
+
 @kept_cache(8)
 def latent_sharded_step(graphdef, mesh):
   """f(state, tokens_B, position, parts [p, L, B, T_rank, C], part positions [p, T_rank],
@@ -244,8 +310,12 @@ def latent_sharded_step(graphdef, mesh):
   `tail_index`. Each layer, every rank attends the token's absorbed query to its own part
   (`LatentAttention.absorbed_partial`) and, the last rank only, to the tail; the latent-space
   partials merge across the ranks (`merge_across_ranks`, one collective per layer) and go
-  through kv_b_proj's value half once."""
+  through kv_b_proj's value half once. On a ("ranks", "model") mesh each rank's group splits
+  the heads and experts (its shards' sums over "model"); the parts and tail are whole on every
+  shard of a rank."""
   P = jax.P
+  m = model_parallel(mesh)
+  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
 
   def step(state, tokens_B, position, parts_1LBTC, positions_1T, tail_LBMC, tail_index):
     model = nnx.merge(graphdef, state)
@@ -269,16 +339,29 @@ def latent_sharded_step(graphdef, mesh):
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
       out_BNR = merge_across_ranks(*merge_partials(*part, tail_out, tail_lse))
       attn_BNv = block.expand_values(out_BNR.astype(x_B1D.dtype))
-      x_B1D = x_B1D + block.attention_output(attn_BNv[:, None])
-      return block.mlp(x_B1D), tail_LBMC
+      return block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), tail_LBMC
 
     x_B1D, tail_LBMC = model.scan_layers(layer, (model.embed(tokens_B[:, None]), tail_LBMC))
     return model.logits(x_B1D)[:, 0], tail_LBMC
 
-  sharded = jax.shard_map(
-    step,
-    mesh=mesh,
-    in_specs=(P(), P(), P(), P(AXIS), P(AXIS), P(), P()),
-    out_specs=(P(), P()),
-  )
-  return jax.jit(sharded, donate_argnums=(5,))
+  if m == 1:
+    sharded = jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(), P(), P(), P(AXIS), P(AXIS), P(), P()),
+      out_specs=(P(), P()),
+    )
+    return jax.jit(sharded, donate_argnums=(5,))
+
+  @functools.partial(jax.jit, donate_argnums=(5,))
+  def split(state, *args):
+    # check_vma=False: the psums over "model" make the logits and tail whole on every shard.
+    return jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(tensor_parallel.partition_specs(state, m), P(), P(), P(AXIS), P(AXIS), P(), P()),
+      out_specs=(P(), P()),
+      check_vma=False,
+    )(state, *args)
+
+  return split

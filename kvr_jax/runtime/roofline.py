@@ -235,8 +235,7 @@ def phase_work(
   # A device of a group that splits the experts whole runs `expert_rows_scale` times its
   # share of the routed rows (Setup.expert_imbalance: the busiest device); routing is whole.
   E = config.router_dim
-  u = expert_rows_scale if E else 1.0
-  F_active, F_read = config.active_mlp_dim * u, config.mlp_weight_dim(B * T * u)
+  F_active, F_read = busiest_mlp_dims(config, B * T, expert_rows_scale)
   rest = Work(
     2 * B * T * N * H * D + 2 * B * T * D * (F_active * mlp_matrices + E),
     db * (N * H * D + mlp_matrices * D * F_read + D * E + B * T * (N * H + 2 * D + 2 * F_active)),
@@ -264,13 +263,36 @@ def model_shard(config: ModelConfig, model_parallel: int) -> ModelConfig:
   m = model_parallel
   if m == 1:
     return config
-  return dataclasses.replace(
-    config,
+  split = dict(
     num_heads=config.num_heads // m,
     num_kv_heads=tensor_parallel.kv_heads_per_shard(config, m),
     mlp_dim=config.mlp_dim // m,
     vocab_size=-(-config.vocab_size // m),
   )
+  # DeepSeek-V3's experts (expert_dim: E/m whole, the same FLOPs and weights as F/m columns of
+  # each when the routing is balanced) and its shared experts; Qwen3.5-MoE's shared expert.
+  for name in ("expert_dim", "shared_expert_dim"):
+    if getattr(config, name, 0):
+      split[name] = getattr(config, name) // m
+  return dataclasses.replace(config, **split)
+
+
+def shared_mlp_dim(config: ModelConfig) -> int:
+  """Columns of the shared experts every token runs through beside its routed ones."""
+  return getattr(config, "shared_expert_dim", 0) or getattr(config, "expert_dim", 0) * getattr(
+    config, "shared_experts", 0
+  )
+
+
+def busiest_mlp_dims(config: ModelConfig, num_tokens: float, rows_scale: float):
+  """(MLP columns a token runs through, columns whose weights `num_tokens` tokens read) on the
+  device of a model group that runs `rows_scale` times its share of the routed rows
+  (Setup.expert_imbalance); the shared experts' and a dense MLP's columns are not routed."""
+  if not config.router_dim or rows_scale == 1:
+    return config.active_mlp_dim, config.mlp_weight_dim(num_tokens)
+  shared = shared_mlp_dim(config)
+  active = (config.active_mlp_dim - shared) * rows_scale + shared
+  return active, config.mlp_weight_dim(num_tokens * rows_scale)
 
 
 def shard_expert_imbalance(config: ModelConfig, model_parallel: int, imbalance: float) -> float:

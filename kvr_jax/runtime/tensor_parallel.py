@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.runtime.mesh import MODEL_AXIS
 from models.config import ModelConfig
 
@@ -53,6 +52,13 @@ SPLIT_AXIS = {
   "bv": 1,
   "sinks": 1,  # [L, N]: each shard's own heads' sinks
   "wo": 1,  # [L, N, H, D]
+  # Latent attention (DeepSeek-V3): the q projection (wq above, or wq_b [L, Q, N, n + r] after
+  # its whole low-rank half) and kv_b_proj's halves (wk_b [L, R, N, n], wv_b [L, R, N, v]) by
+  # head; the latent's projection and norm (wkv_a, kv_a_norm) whole: every shard of a group
+  # computes the same headless latent, what the hops carry and the cache holds.
+  "wq_b": 2,
+  "wk_b": 2,
+  "wv_b": 2,
   "w_gate": 2,  # [L, D, F]
   "w_up": 2,
   "w_in": 2,
@@ -65,6 +71,9 @@ SPLIT_AXIS = {
   "w_shared_down": 1,  # [L, Fs, D]
 }
 KV_PARAMS = ("wk", "wv", "bk", "bv")
+# The state's stacks of layers whose parameters split (DeepSeek-V3 keeps its dense first
+# layers in a stack of their own).
+BLOCK_STACKS = ("blocks", "dense_blocks")
 # A mixture's experts, stacked [L, E, ...] (a dense MLP's are [L, D, F] / [L, F, D]): split
 # over their expert axis, E/m whole experts per shard, where m divides E.
 EXPERT_PARAMS = {"w_gate": 4, "w_up": 4, "w_down": 4, "b_gate": 3, "b_up": 3, "b_down": 3}
@@ -97,22 +106,49 @@ def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
   m = model_parallel
   if isinstance(m, bool) or not isinstance(m, int) or m < 1:
     raise ValueError(f"model_parallel must be an integer >= 1, got {m!r}")
-  if m > 1:
-    check_layers_run(config, f"tensor parallelism (model_parallel={m})")
-  E, F = getattr(config, "num_experts", 0), config.mlp_dim
-  if m > 1 and E and E % m and F % m:
+  unsplit = [kind for kind in config.kinds if not kind.splits_over_model]
+  if m > 1 and unsplit:
+    names = ", ".join(dict.fromkeys(kind.name for kind in unsplit))
+    raise ValueError(
+      f"tensor parallelism (model_parallel={m}) of a {config.architecture} model is not built: "
+      f"its layers include {names}, which no program splits over a model axis yet; run it on "
+      "a 1-D mesh (make_mesh(p))"
+    )
+  E = getattr(config, "num_experts", 0)
+  expert_F = getattr(config, "expert_dim", 0) or config.mlp_dim  # one expert's columns
+  if m > 1 and E and E % m and expert_F % m:
     raise ValueError(
       f"model_parallel={m} must divide the {E} experts (each shard then holds E/m whole "
-      f"experts) or each expert's {F} columns (each shard then holds F/m columns of every "
-      "expert)"
+      f"experts) or each expert's {expert_F} columns (each shard then holds F/m columns of "
+      "every expert)"
     )
   N, K = config.num_heads, config.num_kv_heads
-  columns_split = F % m and not (E and experts_split_whole(E, m))
-  if N % m or columns_split or (K % m and m % K):
+  if N % m or (K % m and m % K):
     raise ValueError(
-      f"model_parallel={m} must divide num_heads ({N}) and mlp_dim ({F}), and "
-      f"divide or be a multiple of num_kv_heads ({K})"
+      f"model_parallel={m} must divide num_heads ({N}), and divide or be a multiple of "
+      f"num_kv_heads ({K})"
     )
+  for name, columns in _columns_split(config, m).items():
+    if columns % m:
+      raise ValueError(f"model_parallel={m} must divide {name} ({columns}): split by column")
+
+
+def _columns_split(config: ModelConfig, m: int) -> dict[str, int]:
+  """The MLP widths split by column over m shards: a dense MLP's (every dense layer: Llama's,
+  DeepSeek-V3's first layers), the experts' where m does not divide E, a shared expert's."""
+  E = getattr(config, "num_experts", 0)
+  widths = {}
+  if not E or getattr(config, "first_dense_layers", 0):
+    widths["mlp_dim"] = config.mlp_dim
+  if E and not experts_split_whole(E, m):
+    expert_dim = getattr(config, "expert_dim", 0)
+    widths["expert_dim" if expert_dim else "mlp_dim"] = expert_dim or config.mlp_dim
+  shared = getattr(config, "shared_expert_dim", 0) or getattr(config, "expert_dim", 0) * getattr(
+    config, "shared_experts", 0
+  )
+  if E and shared:
+    widths["the shared experts' columns"] = shared
+  return widths
 
 
 def kv_heads_per_shard(config: ModelConfig, model_parallel: int) -> int:
@@ -124,7 +160,7 @@ def kv_heads_per_shard(config: ModelConfig, model_parallel: int) -> int:
 def _block_param(path) -> str | None:
   """The block parameter a state leaf belongs to ('wq', ...), or None outside the blocks."""
   keys = path_names(path)
-  return keys[1] if len(keys) > 1 and keys[0] == "blocks" else None
+  return keys[1] if len(keys) > 1 and keys[0] in BLOCK_STACKS else None
 
 
 def shard_ready_state(config: ModelConfig, state, model_parallel: int):
@@ -156,7 +192,7 @@ def param_spec(
   ("blocks", "wq")) of `shape`, on `model_parallel` shards: its split axis over `axis`, or
   whole (replicated) outside the blocks' split parameters. whole_kv: the KV parameters whole
   too."""
-  name = names[1] if len(names) > 1 and names[0] == "blocks" else None
+  name = names[1] if len(names) > 1 and names[0] in BLOCK_STACKS else None
   split = split_axis(name, tuple(shape), model_parallel)
   if split is None or (whole_kv and name in KV_PARAMS):
     return PartitionSpec()

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies import tsp, zigzag
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
@@ -49,32 +50,41 @@ def _project(block, x_BTD, positions_BT):
   return q_nope, q_rope, block.latents(h_BTD, positions_BT)
 
 
-def _finish(block, x_BTD, attn_BTNv):
-  return block.mlp(x_BTD + block.attention_output(attn_BTNv))
+def _finish(block, x_BTD, attn_BTNv, reduce):
+  return block.finish(x_BTD, attn_BTNv, reduce=reduce)
 
 
-def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention) -> RankLayer:
+def local_heads(model) -> int:
+  """The query heads this shard's weights hold (all N on a 1-D mesh, N/m in a model group)."""
+  stack = model.blocks if model.blocks is not None else model.dense_blocks
+  return stack.wk_b[...].shape[2]
+
+
+def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention, reduce=no_reduce):
   """KV-Runahead's rank layer (`runahead.rank_layer`, the per-rank program: static lengths)
   on latent layers: its cache entries are the latents, one headless [1, C] per position
   (`LatentAttention.project_entries`), which the hops carry as they carry K,V; no early
   diagonal (the expanded attention returns no log-sum-exp), the last hop kept (the last rank
-  holds every position without a move)."""
+  holds every position without a move). reduce: a model group's sum (its heads and experts
+  split; every shard of a rank computes, sends and receives the same whole latent)."""
   return RankLayer.at_static_lengths(
     chunks,
     attention,
     model.config,
     rank,
-    no_reduce,
+    reduce,
     diagonal_first=False,
     timeline=False,
     keep_last_hop=True,  # prefill_latent runs on 2 or more ranks
     dtype=model.dtype,
-    q_heads=model.config.num_heads,
+    q_heads=local_heads(model),
     entry_shape=(1, 1, model.config.cache_width),
   )
 
 
-def allgather_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, attention):
+def allgather_latent_layer(
+  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce
+):
   """A zigzag rank's layer: its two chunks' latents all-gathered with every rank's, the whole
   prompt expanded, its queries attended causally (a `lax.switch` on the rank: each chunk's
   offset static, as every kernel takes): (x [B, 2c, D], its own latents)."""
@@ -101,10 +111,12 @@ def allgather_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int
   attn = jax.lax.switch(
     rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
   )
-  return _finish(block, x_B2cD, attn), own_B2cC
+  return _finish(block, x_B2cD, attn, reduce), own_B2cC
 
 
-def tsp_latent_layer(block, x_BcD, rank, context_len: int, num_ranks: int, attention):
+def tsp_latent_layer(
+  block, x_BcD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce
+):
   """TSP's rank (the paper's baseline) on latents: its contiguous chunk of c = ceil(C/p) rows
   (the last ranks' padded), every rank's latents all-gathered in prompt order, the whole
   padded prompt expanded, and its queries attended with dense masked scores over every key
@@ -123,10 +135,12 @@ def tsp_latent_layer(block, x_BcD, rank, context_len: int, num_ranks: int, atten
   attn = jax.lax.switch(
     rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
   )
-  return _finish(block, x_BcD, attn), own_BcC
+  return _finish(block, x_BcD, attn, reduce), own_BcC
 
 
-def ring_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, attention):
+def ring_latent_layer(
+  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce
+):
   """Ring attention's rank on latents: its two zigzag chunks' latents passed around the ring
   (one ppermute per step of [B, 2c, C], the headless latent), and at each step the received
   chunks expanded into its heads' K,V and attended as ring attention does with K,V
@@ -150,10 +164,11 @@ def ring_latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, att
   attn = zigzag.zigzag_attention(
     q_B2cNh, own_1B2c1C, rank, c, p, None, attention, passed_on, attend=attend
   )
-  return _finish(block, x_B2cD, attn[..., : block.config.v_head_dim]), own_B2cC
+  return _finish(block, x_B2cD, attn[..., : block.config.v_head_dim], reduce), own_B2cC
 
 
-# The peers' rank layers: (block, x, rank, context_len, num_ranks, attention) -> (x, own).
+# The peers' rank layers: (block, x, rank, context_len, num_ranks, attention, reduce) ->
+# (x, own).
 PEER_LAYERS = {
   "allgather": allgather_latent_layer,
   "ring": ring_latent_layer,
@@ -177,11 +192,16 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
   """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
   p-1's are the prompt's last position's, {"own": [p, L, B, T_rank, C], and for "kvr" "last":
-  [p, L, B, S_{p-2}, C], the last hop's message})."""
+  [p, L, B, S_{p-2}, C], the last hop's message}). On a ("ranks", "model") mesh the state is
+  split over each rank's group (runtime.tensor_parallel: heads, experts, MLP columns) and
+  the shards' partial sums added by psum_over_model; the latents, hops and outputs are whole
+  on every shard of a rank."""
   if strategy not in STRATEGIES:
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
   p, context_len = len(chunks), sum(chunks)
   P = jax.P
+  m = model_parallel(mesh)
+  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
 
   def program(state, tokens_1BT):
     count_trace(f"{strategy}-latent")
@@ -197,7 +217,7 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     out = {"own": varying((L, B, T_rank, C))}
     if strategy == "kvr":
       out["last"] = varying((L, B, sum(chunks[:-1]), C))
-      ranks = kvr_latent_rank(model, rank, chunks, attention)
+      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce)
       carry = ranks.empty_buffer(B)
     else:
       carry = None
@@ -209,7 +229,7 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
         own, last = own_1R1C.reshape(B, T_rank, C), last_1R1C.reshape(B, -1, C)
         out = {"own": out["own"].at[l].set(own), "last": out["last"].at[l].set(last)}
       else:
-        x_BTD, own = PEER_LAYERS[strategy](block, x_BTD, rank, context_len, p, attention)
+        x_BTD, own = PEER_LAYERS[strategy](block, x_BTD, rank, context_len, p, attention, reduce)
         out = {"own": out["own"].at[l].set(own)}
       return x_BTD, carry, out
 
@@ -219,5 +239,20 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     logits_BV = logits_to_last_rank(logits_BV, owner, p)
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
-  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
-  return jax.jit(body)
+  if m == 1:
+    body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
+    return jax.jit(body)
+
+  @jax.jit
+  def body_2d(state, tokens_pBc):
+    # check_vma=False as in strategies.base.spmd: the psums make the hidden states, latents
+    # and logits whole on every shard of a rank, which the type check cannot see.
+    return jax.shard_map(
+      program,
+      mesh=mesh,
+      in_specs=(tensor_parallel.partition_specs(state, m), P(AXIS)),
+      out_specs=P(AXIS),
+      check_vma=False,
+    )(state, tokens_pBc)
+
+  return body_2d

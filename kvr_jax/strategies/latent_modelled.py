@@ -19,7 +19,16 @@ numbers per head). So expansion is work that follows the keys a rank sees, like 
 from __future__ import annotations
 
 from kvr_jax.core.chunks import chunk_starts, prefix_ends
-from kvr_jax.runtime.roofline import Collective, Compute, ModelledLayer, Receive, Send, Work
+from kvr_jax.runtime.roofline import (
+  Collective,
+  Compute,
+  ModelledLayer,
+  Receive,
+  Send,
+  Work,
+  busiest_mlp_dims,
+  model_reduce_time,
+)
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.linear_modelled import layer_of
 
@@ -43,7 +52,9 @@ def latent_phases(config, queries: float, keys: float, scored: float, setup) -> 
     db * B * (T * N * (2 * (n + r) + v) + S * N * (n + r + v)),
     fused_attention=True,
   )
-  F_active, F_read, E = config.active_mlp_dim, config.mlp_weight_dim(B * T), config.router_dim
+  E = config.router_dim
+  rows_scale = setup.expert_imbalance if setup.model_parallel > 1 else 1.0
+  F_active, F_read = busiest_mlp_dims(config, B * T, rows_scale)
   rest = Work(
     2 * B * T * (N * v * D + config.mlp_matrices * D * F_active + D * E),
     db * (N * v * D + config.mlp_matrices * D * F_read + D * E)
@@ -62,14 +73,19 @@ def _causal_keys(start: int, c: int) -> float:
   return start + (c + 1) / 2 if c else 0.0
 
 
-def _computes(work, hw, names) -> list:
-  return [Compute(name, work[name].time(hw)) for name in names]
+def _computes(work, hw, names, reduce_s: float = 0.0) -> list:
+  """The phases `names` as Computes; `reduce_s`: the model group's all-reduces of the rows
+  (`model_reduce_time`), added to the rest."""
+  return [
+    Compute(name, work[name].time(hw) + (reduce_s if name == "rest" else 0)) for name in names
+  ]
 
 
 def single_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   C = chunks[0]
   work = latent_phases(config, C, C, _causal_keys(0, C), setup)
-  steps = [_computes(work, setup.hardware, ("qkv", "expand", "attention", "rest"))]
+  reduce_s = model_reduce_time(config, C, setup)
+  steps = [_computes(work, setup.hardware, ("qkv", "expand", "attention", "rest"), reduce_s)]
   return layer_of(steps, chunks, [work], ())
 
 
@@ -88,7 +104,9 @@ def kvr_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
       hop = latent_bytes(config, ends[i], setup)
       rank.append(Send(i + 1, hop / links.link_bandwidth(i) + links.latency, f"hop{i}"))
       sent.append(hop)
-    rank += _computes(work, hw, ("expand", "attention", "rest"))
+    rank += _computes(
+      work, hw, ("expand", "attention", "rest"), model_reduce_time(config, c, setup)
+    )
     works.append(work)
     steps.append(rank)
   return layer_of(steps, chunks, works, sent)
@@ -108,7 +126,8 @@ def allgather_latent_layer(config, context_len: int, setup, chunks) -> ModelledL
     work = latent_phases(config, 2 * c, 2 * p * c, scored, setup)
     works.append(work)
     rank_steps = _computes(work, hw, ("qkv",)) + [Collective("gather latents", gather)]
-    steps.append(rank_steps + _computes(work, hw, ("expand", "attention", "rest")))
+    reduce_s = model_reduce_time(config, 2 * c, setup)
+    steps.append(rank_steps + _computes(work, hw, ("expand", "attention", "rest"), reduce_s))
   return layer_of(steps, chunks, works, [(p - 1) * piece] * p)
 
 
