@@ -439,6 +439,33 @@ def test_tensor_parallelism_refuses_linear_attention_and_prefill_latents_by_name
     kvr_jax.prefill(ours, np.zeros((1, 8), np.int32), "kvr", kvr_jax.make_mesh(2, model=2))
 
 
+def test_compiled_memory_of_a_latent_model_splits_its_weights_not_its_latents():
+  """XLA's per-device memory (from shapes) of bench-deepseek's KV-Runahead program on 2 x 1 and
+  2 x 2: one device holds half of every head's and expert's weights (by hand: the q
+  projection, kv_b_proj's halves and wo per head; the dense layer's, the routed and the
+  shared experts' matrices), the latent projection, router and norms whole; the latent cache
+  is the same on both (headless: whole on every shard), and the last rank's decode step
+  holds the weights and that cache grown by the new tokens."""
+  from kvr_jax.runtime.loading import preset_config
+
+  cfg = preset_config("bench-deepseek")
+  kw = dict(context_len=512, num_ranks=2, partition="even", decode_tokens=4)
+  whole = kvr_jax.compiled_memory(cfg, "kvr", **kw)
+  split = kvr_jax.compiled_memory(cfg, "kvr", model_parallel=2, **kw)
+  D, N, R, L = cfg.d_model, cfg.num_heads, cfg.kv_lora_rank, cfg.num_layers
+  n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+  heads = L * (D * N * (n + r) + R * N * (n + v) + N * v * D)
+  f, E = cfg.expert_dim, cfg.num_experts
+  mlps = cfg.first_dense_layers * 3 * D * cfg.mlp_dim
+  mlps += cfg.moe_layers * 3 * D * f * (E + cfg.shared_experts)
+  assert whole["weights_bytes"] - split["weights_bytes"] == (heads + mlps) * 4 // 2
+  latents = L * 512 * cfg.cache_width * 4
+  assert whole["latent_cache_bytes"] == split["latent_cache_bytes"] == latents
+  grown = L * (512 + 4) * cfg.cache_width * 4
+  assert split["decode_argument_bytes"] >= split["weights_bytes"] + grown
+  assert split["decode_argument_bytes"] < split["weights_bytes"] + grown + 1024
+
+
 def test_latent_prefill_refuses_by_name(checkpoints, tokens):
   from kvr_jax.inference.latent import prefill_latent
 

@@ -35,16 +35,19 @@ from kvr_jax.inference.kv_cache import (
 )
 from kvr_jax.inference.prefill import check_partition_applies, plan_from_shape
 from kvr_jax.inference.shape import PrefillShape
-from kvr_jax.planning.partition import PartitionPlan
+from kvr_jax.planning.costmodel import kernel_flags
+from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies.latent import compile_latent
 from models.config import ModelConfig
 from models.families import config_from_dict
-from models.kernels import AttentionKernel
+from models.kernels import AttentionKernel, get_kernel
+from models.layer_kinds import LatentAttentionKind
 
 # KVR's split for the memory report: equal modelled compute on a GPU node (the issue's
 # "balanced" partition), not this machine's calibration (which would measure the CPU).
@@ -360,6 +363,10 @@ def compiled_memory(
   grown by them among its arguments, a windowed layer's window only where it is shorter;
   cache="sharded": on every device, its part and the decoded tokens' K,V among them); and
   `decode_cache_bytes`, the K,V among those arguments.
+
+  A latent-attention model (DeepSeek-V3) is measured in the programs prefill_latent and
+  generate_latent run (`_measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
+  (its cache is headless, so whole on every device of a model group), no move figures.
   """
   config = _config(model)
   spec = get_strategy(strategy)
@@ -388,6 +395,8 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
+  if isinstance(config.kinds[0], LatentAttentionKind):  # its own programs (prefill_latent)
+    return _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, mesh)
   # The plan prefill would make for this shape (one process: no answer to agree on).
   prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
   plan = plan_from_shape(
@@ -423,6 +432,89 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
       _decode_memory(config, graphdef, state, mesh, layout, cache, decode_shape, dtype_name)
     )
   return result
+
+
+def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, mesh) -> dict:
+  """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
+  (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
+  layer: whole on every device of a model group, whatever m), and with decode_tokens the step
+  generate_latent runs: cache="last" on the last rank's group over the joined cache grown by
+  them, cache="sharded" on every device over its part and the decoded tokens' latents."""
+  from kvr_jax.inference import latent, own_program
+
+  context_len, num_ranks, batch, m, decode_tokens = shape
+  graphdef, state = nnx.split(abstract_model(config, dtype_name))
+  # The kernels prefill_latent runs: flash on the expanded heads (or the one named), TSP's
+  # dense masked scores.
+  named = attention if attention not in (None, "auto") else "flash"
+  kernel = get_kernel("dense" if spec.name == "tsp" else named)
+  if spec.name == "kvr":
+    plan = MEMORY_PARTITION if partition is None else partition
+    chunks = resolve_partition(
+      plan,
+      context_len,
+      num_ranks,
+      config=config,
+      batch=batch,
+      dtype_bytes=np.dtype(dtype_name).itemsize,
+      model_parallel=m,
+      **kernel_flags(kernel),
+    )
+  else:
+    chunks = spec.layout(context_len, num_ranks, None)
+  itemsize = np.dtype(dtype_name).itemsize
+  program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel)
+  state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
+  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
+  tokens = _struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
+  L, C = config.num_layers, config.cache_width
+  result = {
+    **({"cpu_compile": HOISTING_NOTE} if _unhoisted(dtype_name) else {}),
+    "strategy": spec.name,
+    "context_len": context_len,
+    "num_ranks": num_ranks,
+    "dtype": dtype_name,
+    "cache": cache,
+    "model_parallel": m,
+    "chunks": list(chunks),
+    "attention": kernel.name,
+    **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
+    "weights_bytes": weights_bytes,
+    "latent_cache_bytes": L * batch * context_len * C * itemsize,
+  }
+  if not decode_tokens:
+    return result
+  dtype = np.dtype(dtype_name)
+  if cache == "last":
+    row = rank_row_mesh(mesh, num_ranks - 1)
+    step = latent.latent_group_step(graphdef, row) if m > 1 else None
+    row_state, _ = _placed_state(config, state, row, m, itemsize)
+    replicated = NamedSharding(row, jax.P())
+    vector = _struct((batch,), np.int32, replicated)
+    grown = _struct((L, batch, context_len + decode_tokens, C), dtype, replicated)
+    if step is None:  # one device: the model's own decode step, as generate_latent runs it
+      step = own_program._decode_step(graphdef)
+    lowered = step.lower(row_state, vector, vector, grown)
+  else:
+    step = latent.latent_sharded_step(graphdef, mesh)
+    rows = tokens_shape[-1]
+    by_rank, replicated = NamedSharding(mesh, jax.P(AXIS)), NamedSharding(mesh, jax.P())
+    lowered = step.lower(
+      state_shapes,
+      _struct((batch,), np.int32, replicated),
+      _struct((), np.int32, replicated),
+      _struct((num_ranks, L, batch, rows, C), dtype, by_rank),
+      _struct((num_ranks, rows), np.int32, by_rank),
+      _struct((L, batch, decode_tokens, C), dtype, replicated),
+      _struct((), np.int32, replicated),
+    )
+  stats = _compile(lowered, dtype_name).memory_analysis()
+  return {
+    **result,
+    "decode_argument_bytes": int(stats.argument_size_in_bytes),
+    "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
+    "decode_temp_bytes": int(stats.temp_size_in_bytes),
+  }
 
 
 def _in_subprocess(
