@@ -24,8 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.base import (
+  ROW_BLOCK,
   CausalLM,
   first_local_expert,
+  in_row_blocks,
   no_reduce,
   normal_param,
   ones_param,
@@ -70,11 +72,16 @@ class DeepseekV3Block(LatentAttention):
   def attention_input(self, x_BTD):
     return rms_norm(x_BTD, self.attn_norm[...], self.config.norm_eps)
 
-  def finish(self, x_BTD, attn_BTNv, row_block=None, reduce=no_reduce):
-    """Output projection, MLP and residuals (`Block.finish`'s signature; rows unblocked): the
-    shards' output projections summed by `reduce` (a tensor-parallel group's heads)."""
-    del row_block
+  def finish_rows(self, x_BTD, attn_BTNv, reduce=no_reduce):
+    """Output projection, MLP and residuals of every row: the shards' output projections
+    summed by `reduce` (a tensor-parallel group's heads)."""
     return self.mlp(x_BTD + reduce(self.attention_output(attn_BTNv)), reduce)
+
+  def finish(self, x_BTD, attn_BTNv, row_block=ROW_BLOCK, reduce=no_reduce):
+    """`finish_rows` over blocks of at most `row_block` rows (`Block.finish`'s signature: a
+    rank's 131k rows of a 1M-token prompt route 1M (token, expert) rows of D; a block's at a
+    time)."""
+    return in_row_blocks(self.finish_rows, x_BTD, attn_BTNv, row_block, reduce)
 
   def mlp(self, x_BTD, reduce=no_reduce):
     cfg = self.config

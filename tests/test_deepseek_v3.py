@@ -466,6 +466,19 @@ def test_compiled_memory_of_a_latent_model_splits_its_weights_not_its_latents():
   assert split["decode_argument_bytes"] < split["weights_bytes"] + grown + 1024
 
 
+def test_a_latent_layers_rest_runs_in_row_blocks_as_whole(checkpoints, tokens):
+  """DeepSeek's out-projection and mixture in blocks of 16 rows (what the strategies run with
+  ROW_BLOCK = 8192 on long chunks: one block's routed rows at a time) equal the whole 40 rows."""
+  module = checkpoints["deepseek-default"][2].module
+  block = nnx.merge(*nnx.split(module.blocks))  # the stacked experts' layers
+  layer = nnx.merge(nnx.split(block)[0], jax.tree.map(lambda w: w[0], nnx.split(block)[1]))
+  rng = np.random.RandomState(5)
+  cfg = module.config
+  x = jnp.asarray(rng.randn(2, T, cfg.d_model), jnp.float32)
+  attn = jnp.asarray(rng.randn(2, T, cfg.num_heads, cfg.v_head_dim), jnp.float32)
+  assert_close(layer.finish(x, attn, row_block=16), layer.finish(x, attn, None), "row blocks")
+
+
 def test_latent_prefill_refuses_by_name(checkpoints, tokens):
   from kvr_jax.inference.latent import prefill_latent
 

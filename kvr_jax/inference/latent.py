@@ -119,7 +119,9 @@ def prefill_latent(
       raise ValueError(f"strategy {strategy!r} lays the prompt out itself: give no partition")
     check_ranks(T, p)
     chunks = spec.layout(T, p, None)
-  program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel)
+  # KV-Runahead's last hop leaves the program only where cache="last" joins it.
+  keep_last = strategy == "kvr" and cache == "last"
+  program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last)
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)

@@ -188,14 +188,18 @@ def last_position(strategy: str, chunks: tuple[int, ...]) -> tuple[int, int]:
 
 
 @kept_cache(16)
-def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel):
+def compile_latent(
+  strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel, keep_last: bool = True
+):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
   p-1's are the prompt's last position's, {"own": [p, L, B, T_rank, C], and for "kvr" "last":
-  [p, L, B, S_{p-2}, C], the last hop's message}). On a ("ranks", "model") mesh the state is
-  split over each rank's group (runtime.tensor_parallel: heads, experts, MLP columns) and
-  the shards' partial sums added by psum_over_model; the latents, hops and outputs are whole
-  on every shard of a rank."""
+  [p, L, B, S_{p-2}, C], the last hop's message, where `keep_last`: what cache="last" joins
+  on the last rank; without it no rank writes out a prefix-long buffer per layer, which at 1M
+  tokens is the size of the whole latent cache on every device}). On a ("ranks", "model")
+  mesh the state is split over each rank's group (runtime.tensor_parallel: heads, experts,
+  MLP columns) and the shards' partial sums added by psum_over_model; the latents, hops and
+  outputs are whole on every shard of a rank."""
   if strategy not in STRATEGIES:
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
   p, context_len = len(chunks), sum(chunks)
@@ -215,8 +219,9 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     L, C = cfg.num_layers, cfg.cache_width
     varying = lambda shape: jax.lax.pcast(jnp.zeros(shape, model.dtype), (AXIS,), to="varying")  # noqa: E731
     out = {"own": varying((L, B, T_rank, C))}
-    if strategy == "kvr":
+    if strategy == "kvr" and keep_last:
       out["last"] = varying((L, B, sum(chunks[:-1]), C))
+    if strategy == "kvr":
       ranks = kvr_latent_rank(model, rank, chunks, attention, reduce)
       carry = ranks.empty_buffer(B)
     else:
@@ -226,8 +231,10 @@ def compile_latent(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
       x_BTD, carry, out = state
       if strategy == "kvr":
         x_BTD, carry, (own_1R1C, last_1R1C) = ranks.layer(block, x_BTD, carry, l)
-        own, last = own_1R1C.reshape(B, T_rank, C), last_1R1C.reshape(B, -1, C)
-        out = {"own": out["own"].at[l].set(own), "last": out["last"].at[l].set(last)}
+        own = own_1R1C.reshape(B, T_rank, C)
+        out = {**out, "own": out["own"].at[l].set(own)}
+        if keep_last:
+          out["last"] = out["last"].at[l].set(last_1R1C.reshape(B, -1, C))
       else:
         x_BTD, own = PEER_LAYERS[strategy](block, x_BTD, rank, context_len, p, attention, reduce)
         out = {"own": out["own"].at[l].set(own)}

@@ -463,7 +463,7 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
   else:
     chunks = spec.layout(context_len, num_ranks, None)
   itemsize = np.dtype(dtype_name).itemsize
-  program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel)
+  program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
   state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = _struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
