@@ -464,6 +464,10 @@ def test_compiled_memory_of_a_latent_model_splits_its_weights_not_its_latents():
   grown = L * (512 + 4) * cfg.cache_width * 4
   assert split["decode_argument_bytes"] >= split["weights_bytes"] + grown
   assert split["decode_argument_bytes"] < split["weights_bytes"] + grown + 1024
+  # cache="sharded" keeps no last hop: each device's outputs lose its [L, B, 256, C] buffer.
+  sharded = kvr_jax.compiled_memory(cfg, "kvr", model_parallel=2, cache="sharded", **kw)
+  hop = L * 256 * cfg.cache_width * 4
+  assert 0 <= split["output_bytes"] - sharded["output_bytes"] - hop < 64  # XLA's few bytes
 
 
 def test_a_latent_layers_rest_runs_in_row_blocks_as_whole(checkpoints, tokens):
