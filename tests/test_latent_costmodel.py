@@ -55,10 +55,30 @@ def test_kvr_s_balances_expansion_and_attention(deepseek, setup):
   assert chunks[-1] == min(chunks)
 
 
-def test_unbuilt_strategies_refused_by_name(deepseek, setup):
-  for strategy in ("ring", "tsp"):
-    with pytest.raises(ValueError, match="latent-attention models run under"):
-      costmodel.modelled_layer(deepseek, strategy, 4096, setup, num_ranks=2)
+def test_ring_passes_latents_around_and_tsp_scores_every_key(deepseek, setup):
+  """Ring attention on latents (MODELLED): each rank sends p-1 pieces of 2c latents, expands
+  and attends what all-gather CP does (the same FLOPs per rank), and overlaps the passing with
+  its steps, so on a 10 GB/s link it beats all-gather CP, which waits for its gather. TSP:
+  c latents gathered, every query scored against all p c keys (more attention FLOPs than the
+  zigzag peers' causal ones). A strategy with no modelled latent layer is refused by name."""
+  C, p = 32768, 8
+  ring = costmodel.modelled_layer(deepseek, "ring", C, setup, num_ranks=p)
+  gather = costmodel.modelled_layer(deepseek, "allgather", C, setup, num_ranks=p)
+  assert ring.link_bytes == ((p - 1) * 2 * 576 * (C // p),) * p
+  assert ring.flops == pytest.approx(gather.flops, rel=1e-12)
+  simulate = costmodel.simulate
+  assert (
+    simulate(deepseek, "ring", C, setup, num_ranks=p).ttft
+    < simulate(deepseek, "allgather", C, setup, num_ranks=p).ttft
+  )
+  tsp = costmodel.modelled_layer(deepseek, "tsp", C, setup, num_ranks=p)
+  assert tsp.link_bytes == ((p - 1) * 2 * 576 * (C // p),) * p
+  c, N, h = C // p, deepseek.num_heads, deepseek.qk_nope_head_dim + deepseek.qk_rope_head_dim
+  dense = latent_modelled.latent_phases(deepseek, c, C, C, setup)["attention"].flops
+  assert dense == 2 * N * c * C * (h + deepseek.v_head_dim)
+  assert min(tsp.flops) > max(gather.flops)
+  with pytest.raises(ValueError, match="latent-attention models run under"):
+    latent_modelled.modelled_latent_layer("zigzag", deepseek, C, setup, (C,))
 
 
 def test_a_latent_model_group_computes_its_share_and_all_reduces():

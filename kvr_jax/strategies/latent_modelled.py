@@ -14,6 +14,12 @@ numbers per head). So expansion is work that follows the keys a rank sees, like 
               weigh expansion beside attention, which this model lets KVR-S do.
   allgather   an all-gather of every rank's 2c latents over the slowest link; every rank then
               expands the whole (padded) prompt and attends its two zigzag chunks.
+  ring        the zigzag layout; p steps, each expanding and attending the 2c latents that
+              arrived (the whole padded prompt over the p steps, as all-gather CP expands it)
+              while the next 2c pass to the next rank: a step takes the longer of the two.
+  tsp         even contiguous chunks of c = ceil(C/p); an all-gather of every rank's c
+              latents, the whole padded prompt expanded on every rank, dense masked scores
+              (every query against all p c keys; their memory traffic is not modelled here).
 """
 
 from __future__ import annotations
@@ -131,18 +137,54 @@ def allgather_latent_layer(config, context_len: int, setup, chunks) -> ModelledL
   return layer_of(steps, chunks, works, [(p - 1) * piece] * p)
 
 
+def ring_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """Every rank: its two chunks' latents, then p steps of (expand and attend the 2c latents
+  held, pass them on), the rest (module docstring)."""
+  p, hw, links = len(chunks), setup.hardware, setup.links
+  c = zigzag.chunk_len(context_len, p)
+  piece = latent_bytes(config, 2 * c, setup)
+  message = piece / links.slowest(p) + links.latency
+  works, steps = [], []
+  for rank in range(p):
+    first, second = zigzag.rank_chunks(rank, p)
+    scored = (_causal_keys(first * c, c) + _causal_keys(second * c, c)) / 2
+    work = latent_phases(config, 2 * c, 2 * p * c, scored, setup)
+    works.append(work)
+    step = (work["expand"].time(hw) + work["attention"].time(hw)) / p
+    passing = step + message if links.held_send else max(step, message)
+    reduce_s = model_reduce_time(config, 2 * c, setup)
+    rank_steps = _computes(work, hw, ("qkv",)) + [Compute("steps", (p - 1) * passing + step)]
+    steps.append(rank_steps + _computes(work, hw, ("rest",), reduce_s))
+  return layer_of(steps, chunks, works, [(p - 1) * piece] * p)
+
+
+def tsp_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
+  """Every rank: its contiguous chunk's latents, the all-gather, the whole padded prompt
+  expanded, every query scored against every key (module docstring)."""
+  p, hw, links = len(chunks), setup.hardware, setup.links
+  c = -(-context_len // p)
+  piece = latent_bytes(config, c, setup)
+  gather = (p - 1) * (piece / links.slowest(p) + links.latency) if p > 1 else 0.0
+  work = latent_phases(config, c, p * c, p * c, setup)
+  reduce_s = model_reduce_time(config, c, setup)
+  rank_steps = _computes(work, hw, ("qkv",)) + [Collective("gather latents", gather)]
+  rank_steps += _computes(work, hw, ("expand", "attention", "rest"), reduce_s)
+  return layer_of([rank_steps] * p, chunks, [work] * p, [(p - 1) * piece] * p)
+
+
 # strategy name -> its modelled latent-attention layer (config, context_len, setup, chunks)
 MODELLED_LATENT = {
   "single": single_latent_layer,
   "kvr": kvr_latent_layer,
   "allgather": allgather_latent_layer,
+  "ring": ring_latent_layer,
+  "tsp": tsp_latent_layer,
 }
 
 
 def modelled_latent_layer(strategy: str, config, context_len: int, setup, chunks):
   if strategy not in MODELLED_LATENT:
     raise ValueError(
-      f"latent-attention models run under {tuple(MODELLED_LATENT)}, not {strategy!r} "
-      "(ring attention and TSP on latents run but are not modelled)"
+      f"latent-attention models run under {tuple(MODELLED_LATENT)}, not {strategy!r}"
     )
   return MODELLED_LATENT[strategy](config, context_len, setup, chunks)

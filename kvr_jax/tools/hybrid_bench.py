@@ -1,9 +1,9 @@
 """The measured prefill of a model with its own context-parallel program
 (`launch.benchmark --mode=hybrid`): a hybrid model (kvr_jax.inference.hybrid: KV-Runahead,
-ring and all-gather CP) or a latent-attention one (kvr_jax.inference.latent: KV-Runahead and
-all-gather CP). KV-Runahead on its split from the cost model (a hybrid's rates fitted to its own
-layers on this core, `phases.fitted_hybrid_hardware`; a latent model's from this machine's
-`local` presets), and even; the peers; the single device alone; every figure MEASURED here.
+ring and all-gather CP) or a latent-attention one (kvr_jax.inference.latent: the same three).
+KV-Runahead on its split from the cost model (a hybrid's rates fitted to its own layers on
+this core, `phases.fitted_hybrid_hardware`; a latent model's from this machine's `local`
+presets), and even; the peers; the single device alone; every figure MEASURED here.
 
 A call ends when the last rank's logits of the prompt's last position are ready, the cache
 left where the program put it (`join=False`): KV-Runahead's last rank then
@@ -41,9 +41,9 @@ PEERS = ("ring", "allgather")
 
 
 def _prefill_and_peers(model):
-  """The model's own prefill entry point and the peers it runs."""
+  """The model's own prefill entry point; the peers are the same for both (PEERS)."""
   if isinstance(model.config.kinds[0], LatentAttentionKind):
-    return prefill_latent, ("allgather",)
+    return prefill_latent, PEERS
   return prefill_hybrid, PEERS
 
 
