@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference import decode
+from kvr_jax.inference import decode, latent, own_program
 from kvr_jax.inference.kv_cache import (
   check_cache,
   join_on_device,
@@ -440,8 +440,6 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
   layer: whole on every device of a model group, whatever m), and with decode_tokens the step
   generate_latent runs: cache="last" on the last rank's group over the joined cache grown by
   them, cache="sharded" on every device over its part and the decoded tokens' latents."""
-  from kvr_jax.inference import latent, own_program
-
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   # The kernels prefill_latent runs: flash on the expanded heads (or the one named), TSP's
