@@ -110,3 +110,19 @@ def test_a_latent_model_group_computes_its_share_and_all_reduces():
   heavy = simulate(4, imbalance=1.5)
   for c, even, busy in zip(chunks, split.rank_flops, heavy.rank_flops, strict=True):
     assert busy - even == pytest.approx(0.5 * 2 * c * D * 3 * k * (f // 4), rel=1e-9)
+
+
+def test_latent_rates_fitted_to_the_model_on_this_device():
+  """fitted_latent_hardware times bench-deepseek's experts layer (projections, expansion,
+  out-projection and mixture) and the flash kernel over its expanded heads here: positive
+  rates, and a KVR-S search on them gives an exact split of the prompt."""
+  from kvr_jax.runtime.loading import load_model
+  from kvr_jax.tools import phases
+
+  model = load_model("bench-deepseek", dtype="float32")
+  hardware = phases.fitted_latent_hardware(model, 512, repeats=1)
+  assert hardware.flops > 0 and hardware.fused_attention_flops > 0
+  assert "latent layer" in hardware.note
+  setup = presets.make_setup(hardware, dtype_bytes=4, **costmodel.kernel_flags("flash"))
+  split = search.modelled_search(model.config, 512, 2, setup)
+  assert sum(split) == 512 and len(split) == 2 and min(split) > 0

@@ -1,9 +1,9 @@
 """The measured prefill of a model with its own context-parallel program
 (`launch.benchmark --mode=hybrid`): a hybrid model (kvr_jax.inference.hybrid: KV-Runahead,
 ring and all-gather CP) or a latent-attention one (kvr_jax.inference.latent: the same three).
-KV-Runahead on its split from the cost model (a hybrid's rates fitted to its own layers on
-this core, `phases.fitted_hybrid_hardware`; a latent model's from this machine's `local`
-presets), and even; the peers; the single device alone; every figure MEASURED here.
+KV-Runahead on its split from the cost model (rates fitted to the model's own layers on this
+core: `phases.fitted_hybrid_hardware`, `phases.fitted_latent_hardware`), and even; the
+peers; the single device alone; every figure MEASURED here.
 
 A call ends when the last rank's logits of the prompt's last position are ready, the cache
 left where the program put it (`join=False`): KV-Runahead's last rank then
@@ -32,7 +32,7 @@ from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
-from kvr_jax.tools.phases import fitted_hybrid_hardware
+from kvr_jax.tools.phases import fitted_hybrid_hardware, fitted_latent_hardware
 from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
@@ -83,14 +83,15 @@ def _variants(model, context_len: int, num_ranks: int) -> dict:
 
 
 def _searched_split(model, context_len: int, num_ranks: int, mesh) -> tuple[int, ...]:
-  """KVR-S's split: the cost model's search, on a hybrid model with rates fitted to its own
-  layers on this process's core (`phases.fitted_hybrid_hardware`; the `local` calibration's
-  large matmul misjudges a small hybrid's linear layers against its attention), on a latent
-  one with the `local` calibration. Process 0's split on every process (each fits its own
-  core, and every process must compile the same program)."""
-  hardware = presets.LOCAL
+  """KVR-S's split: the cost model's search with rates fitted to the model's own layers on
+  this process's core (`phases.fitted_hybrid_hardware`, `phases.fitted_latent_hardware`: the
+  `local` calibration's large matmul misjudges a small model's narrow matmuls against its
+  attention). Process 0's split on every process (each fits its own core, and every process
+  must compile the same program)."""
   if any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds):
     hardware = fitted_hybrid_hardware(model, context_len)
+  else:  # a latent-attention model
+    hardware = fitted_latent_hardware(model, context_len)
   setup = presets.make_setup(hardware, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)
   return agreed("hybrid-bench split", (model.config, context_len), mesh, tuple(searched))

@@ -17,7 +17,7 @@ from flax import nnx
 from kvr_jax.core.chunks import chunk_starts, even_partition, prefix_ends
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime.loading import Model
-from kvr_jax.strategies import linear_modelled
+from kvr_jax.strategies import latent_modelled, linear_modelled
 from kvr_jax.tools.report import Table
 from models.attention import attend_static
 from models.flash import attend_flash
@@ -206,6 +206,75 @@ def fitted_hybrid_hardware(
     f"attention {attention_rate / 1e9:.1f} GFLOP/s",
     fused_attention_fraction=attention_rate / matmul_rate,
     linear_rule_fraction=rule_rate / matmul_rate,
+  )
+
+
+def fitted_latent_hardware(
+  model: Model, context_len: int, repeats: int = 3, base: costmodel.Hardware | None = None
+) -> costmodel.Hardware:
+  """Cost-model hardware fitted to a latent-attention model's layer (DeepSeek-V3's: an
+  experts layer, its first) on this process's first device, at `context_len` tokens:
+    matmul rate      its queries and latents, the expansion of every latent into the heads'
+                     K,V and the out-projection and mixture, timed apart, against their
+                     modelled FLOPs (`latent_modelled.latent_phases`);
+    attention rate   the flash kernel over the expanded heads, causal.
+  Why: as for the hybrids (`fitted_hybrid_hardware`), the `local` calibration's 1024^3 matmul
+  is not what a small model's narrow matmuls and grouped experts run at, so KVR-S split
+  bench-deepseek by rates it does not run at (stop 65: KV-Runahead 5-7% behind the peers)."""
+  cfg = model.config
+  T, db = context_len, jnp.dtype(model.dtype).itemsize
+  stack = model.module.blocks if model.module.blocks is not None else model.module.dense_blocks
+  graphdef, stacked = nnx.split(stack)
+  first = jax.tree.map(lambda w: w[0], stacked)
+  x_BTD = jax.random.normal(jax.random.key(0), (1, T, cfg.d_model), model.dtype)
+  positions_BT = jnp.arange(T)[None]
+
+  @jax.jit
+  def project(state, x_BTD):
+    block = nnx.merge(graphdef, state)
+    h_BTD = block.attention_input(x_BTD)
+    return block.queries(h_BTD, positions_BT), block.latents(h_BTD, positions_BT)
+
+  (q_nope, q_rope), latents_BTC = project(first, x_BTD)
+
+  @jax.jit
+  def expand(state, latents_BTC):
+    return nnx.merge(graphdef, state).expanded_keys_values(latents_BTC)
+
+  k_BTNh, v_BTNh = expand(first, latents_BTC)
+  q_BTNh = jax.jit(lambda s, a, b: nnx.merge(graphdef, s).expanded_queries(a, b))(
+    first, q_nope, q_rope
+  )
+  flash = jax.jit(lambda q, k, v: attend_flash(q, k, v, 0)[0])
+  attn_BTNv = flash(q_BTNh, k_BTNh, v_BTNh)[..., : cfg.v_head_dim]
+
+  @jax.jit
+  def rest(state, x_BTD, attn_BTNv):
+    return nnx.merge(graphdef, state).finish(x_BTD, attn_BTNv)
+
+  base = base or presets.hardware_preset(presets.LOCAL)
+  setup = costmodel.Setup(base, presets.links_preset(presets.LOCAL), dtype_bytes=db)
+  work = latent_modelled.latent_phases(cfg, T, T, (T + 1) / 2, setup)
+  matmul_s = sum(
+    presets.best_time(fn, *args, repeats=repeats)
+    for fn, args in (
+      (project, (first, x_BTD)),
+      (expand, (first, latents_BTC)),
+      (rest, (first, x_BTD, attn_BTNv)),
+    )
+  )
+  flash_s = presets.best_time(flash, q_BTNh, k_BTNh, v_BTNh, repeats=repeats)
+  matmul_rate = sum(work[name].flops for name in ("qkv", "expand", "rest")) / matmul_s
+  attention_rate = work["attention"].flops / flash_s
+  return costmodel.Hardware(
+    "fitted",
+    matmul_rate,
+    base.memory_bandwidth,
+    1.0,
+    1.0,
+    f"fitted to one latent layer at C={T}: matmul {matmul_rate / 1e9:.1f} GFLOP/s, "
+    f"attention {attention_rate / 1e9:.1f} GFLOP/s",
+    fused_attention_fraction=attention_rate / matmul_rate,
   )
 
 
