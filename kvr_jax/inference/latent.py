@@ -33,6 +33,7 @@ from kvr_jax.inference.own_program import (
   check_new_tokens,
   check_tokens,
   decode_from_cache,
+  sample_steps,
 )
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import Model
@@ -269,14 +270,8 @@ def _group_decode(model, result: LatentPrefill, row_mesh, max_new_tokens: int, s
   step = latent_group_step(model.graphdef, row_mesh)
   state = model.state_split_over(row_mesh)
   cache, logits_BV = jax.device_put((result.cache, result.logits_BV), replicated)
-  positions_B = np.full(logits_BV.shape[0], sum(result.chunks), np.int32)
-  out = []
-  for index in range(max_new_tokens):
-    next_B = sampling.token(logits_BV, index)
-    out.append(np.asarray(next_B))
-    if index + 1 < max_new_tokens:
-      logits_BV, cache = step(state, next_B, positions_B + index, cache)
-  return np.stack(out, axis=1)
+  T = sum(result.chunks)
+  return sample_steps(step, state, logits_BV, cache, T, max_new_tokens, sampling)[0]
 
 
 @kept_cache(8)

@@ -69,8 +69,15 @@ def decode_with_last_logits(
   every decode step's cache and inputs led to: the launchers compare it with single's)."""
   if logits_BV is None:
     return None
-  step = _decode_step(model.graphdef)
   state = model.state_on(logits_BV.sharding)
+  step = _decode_step(model.graphdef)
+  return sample_steps(step, state, logits_BV, cache, length, max_new_tokens, sampling)
+
+
+def sample_steps(step, state, logits_BV, cache, length: int, max_new_tokens: int, sampling):
+  """The decode loop: a token drawn from `logits_BV` by `sampling`, then `step(state, tokens,
+  positions, cache) -> (logits, cache)` at position `length` + i, `max_new_tokens` times (no
+  step after the last): ([B, max_new_tokens] token ids, the last token's logits)."""
   positions_B = np.full(logits_BV.shape[0], length, np.int32)
   out = []
   for index in range(max_new_tokens):

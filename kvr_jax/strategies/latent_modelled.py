@@ -118,6 +118,14 @@ def kvr_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   return layer_of(steps, chunks, works, sent)
 
 
+def _zigzag_rank_work(config, rank: int, c: int, p: int, setup) -> dict[str, Work]:
+  """A zigzag rank's phases: its two chunks' 2c queries over the whole padded prompt, every
+  position expanded, the keys its two chunks see causally scored (ring and all-gather CP)."""
+  first, second = zigzag.rank_chunks(rank, p)
+  scored = (_causal_keys(first * c, c) + _causal_keys(second * c, c)) / 2
+  return latent_phases(config, 2 * c, 2 * p * c, scored, setup)
+
+
 def allgather_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   """Every rank: its two chunks' latents, the all-gather, the whole padded prompt expanded,
   its two chunks attended (module docstring)."""
@@ -125,14 +133,12 @@ def allgather_latent_layer(config, context_len: int, setup, chunks) -> ModelledL
   c = zigzag.chunk_len(context_len, p)
   piece = latent_bytes(config, 2 * c, setup)
   gather = (p - 1) * (piece / links.slowest(p) + links.latency) if p > 1 else 0.0
+  reduce_s = model_reduce_time(config, 2 * c, setup)
   works, steps = [], []
   for rank in range(p):
-    first, second = zigzag.rank_chunks(rank, p)
-    scored = (_causal_keys(first * c, c) + _causal_keys(second * c, c)) / 2
-    work = latent_phases(config, 2 * c, 2 * p * c, scored, setup)
+    work = _zigzag_rank_work(config, rank, c, p, setup)
     works.append(work)
     rank_steps = _computes(work, hw, ("qkv",)) + [Collective("gather latents", gather)]
-    reduce_s = model_reduce_time(config, 2 * c, setup)
     steps.append(rank_steps + _computes(work, hw, ("expand", "attention", "rest"), reduce_s))
   return layer_of(steps, chunks, works, [(p - 1) * piece] * p)
 
@@ -144,15 +150,13 @@ def ring_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   c = zigzag.chunk_len(context_len, p)
   piece = latent_bytes(config, 2 * c, setup)
   message = piece / links.slowest(p) + links.latency
+  reduce_s = model_reduce_time(config, 2 * c, setup)
   works, steps = [], []
   for rank in range(p):
-    first, second = zigzag.rank_chunks(rank, p)
-    scored = (_causal_keys(first * c, c) + _causal_keys(second * c, c)) / 2
-    work = latent_phases(config, 2 * c, 2 * p * c, scored, setup)
+    work = _zigzag_rank_work(config, rank, c, p, setup)
     works.append(work)
     step = (work["expand"].time(hw) + work["attention"].time(hw)) / p
     passing = step + message if links.held_send else max(step, message)
-    reduce_s = model_reduce_time(config, 2 * c, setup)
     rank_steps = _computes(work, hw, ("qkv",)) + [Compute("steps", (p - 1) * passing + step)]
     steps.append(rank_steps + _computes(work, hw, ("rest",), reduce_s))
   return layer_of(steps, chunks, works, [(p - 1) * piece] * p)

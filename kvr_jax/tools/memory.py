@@ -396,7 +396,8 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
   if isinstance(config.kinds[0], LatentAttentionKind):  # its own programs (prefill_latent)
-    return _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, mesh)
+    model = (graphdef, state, mesh)
+    return _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model)
   # The plan prefill would make for this shape (one process: no answer to agree on).
   prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
   plan = plan_from_shape(
@@ -410,15 +411,7 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
   K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
   result = {
-    **({"cpu_compile": HOISTING_NOTE} if _unhoisted(dtype_name) else {}),
-    "strategy": spec.name,
-    "context_len": context_len,
-    "num_ranks": num_ranks,
-    "dtype": dtype_name,
-    "cache": cache,
-    "model_parallel": m,
-    "chunks": list(chunks),
-    "attention": attention.name,
+    **_report_head(spec, shape, dtype_name, cache, chunks, attention),
     "joins_last_hop": joined,
     **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
     "weights_bytes": weights_bytes,
@@ -434,14 +427,32 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   return result
 
 
-def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, mesh) -> dict:
+def _report_head(spec, shape, dtype_name: str, cache: str, chunks, kernel) -> dict:
+  """What every report starts with: the program measured and how it was compiled."""
+  context_len, num_ranks, _, m, _ = shape
+  return {
+    **({"cpu_compile": HOISTING_NOTE} if _unhoisted(dtype_name) else {}),
+    "strategy": spec.name,
+    "context_len": context_len,
+    "num_ranks": num_ranks,
+    "dtype": dtype_name,
+    "cache": cache,
+    "model_parallel": m,
+    "chunks": list(chunks),
+    "attention": kernel.name,
+  }
+
+
+def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
   """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
   (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
   layer: whole on every device of a model group, whatever m), and with decode_tokens the step
   generate_latent runs: cache="last" on the last rank's group over the joined cache grown by
-  them, cache="sharded" on every device over its part and the decoded tokens' latents."""
+  them, cache="sharded" on every device over its part and the decoded tokens' latents.
+  model: (graphdef, abstract state, mesh)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
-  graphdef, state = nnx.split(abstract_model(config, dtype_name))
+  graphdef, state, mesh = model
+  itemsize = np.dtype(dtype_name).itemsize
   # The kernels prefill_latent runs: flash on the expanded heads (or the one named), TSP's
   # dense masked scores.
   named = attention if attention not in (None, "auto") else "flash"
@@ -454,28 +465,19 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
       num_ranks,
       config=config,
       batch=batch,
-      dtype_bytes=np.dtype(dtype_name).itemsize,
+      dtype_bytes=itemsize,
       model_parallel=m,
       **kernel_flags(kernel),
     )
   else:
     chunks = spec.layout(context_len, num_ranks, None)
-  itemsize = np.dtype(dtype_name).itemsize
   program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
   state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = _struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
   L, C = config.num_layers, config.cache_width
   result = {
-    **({"cpu_compile": HOISTING_NOTE} if _unhoisted(dtype_name) else {}),
-    "strategy": spec.name,
-    "context_len": context_len,
-    "num_ranks": num_ranks,
-    "dtype": dtype_name,
-    "cache": cache,
-    "model_parallel": m,
-    "chunks": list(chunks),
-    "attention": kernel.name,
+    **_report_head(spec, shape, dtype_name, cache, chunks, kernel),
     **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
     "weights_bytes": weights_bytes,
     "latent_cache_bytes": L * batch * context_len * C * itemsize,

@@ -195,17 +195,30 @@ def fitted_hybrid_hardware(
   rule_rate = work["rule"].flops / max(rule_s, work["rule"].flops / matmul_rate)
   attention = costmodel.phase_work(full_cfg, T, T, 1, db, **costmodel.kernel_flags("flash"))
   attention_rate = attention["attention"].flops / flash_s
+  return _fitted(
+    base,
+    f"one linear layer and the flash kernel at C={T}",
+    matmul_rate,
+    attention_rate,
+    rule_rate,
+  )
+
+
+def _fitted(base, what: str, matmul_rate, attention_rate, rule_rate=None) -> costmodel.Hardware:
+  """Hardware running at the fitted rates (FLOP/s): the matmul rate as its peak at fraction 1,
+  attention's (and a linear rule's) as fractions of it; `base`'s memory bandwidth."""
+  rates = f"matmul {matmul_rate / 1e9:.1f} GFLOP/s, "
+  if rule_rate is not None:
+    rates += f"linear rule {rule_rate / 1e9:.1f} GFLOP/s, "
   return costmodel.Hardware(
     "fitted",
     matmul_rate,
     base.memory_bandwidth,
     1.0,
     1.0,
-    f"fitted to one linear layer and the flash kernel at C={T}: matmul "
-    f"{matmul_rate / 1e9:.1f} GFLOP/s, linear rule {rule_rate / 1e9:.1f} GFLOP/s, "
-    f"attention {attention_rate / 1e9:.1f} GFLOP/s",
+    f"fitted to {what}: {rates}attention {attention_rate / 1e9:.1f} GFLOP/s",
     fused_attention_fraction=attention_rate / matmul_rate,
-    linear_rule_fraction=rule_rate / matmul_rate,
+    linear_rule_fraction=None if rule_rate is None else rule_rate / matmul_rate,
   )
 
 
@@ -266,16 +279,7 @@ def fitted_latent_hardware(
   flash_s = presets.best_time(flash, q_BTNh, k_BTNh, v_BTNh, repeats=repeats)
   matmul_rate = sum(work[name].flops for name in ("qkv", "expand", "rest")) / matmul_s
   attention_rate = work["attention"].flops / flash_s
-  return costmodel.Hardware(
-    "fitted",
-    matmul_rate,
-    base.memory_bandwidth,
-    1.0,
-    1.0,
-    f"fitted to one latent layer at C={T}: matmul {matmul_rate / 1e9:.1f} GFLOP/s, "
-    f"attention {attention_rate / 1e9:.1f} GFLOP/s",
-    fused_attention_fraction=attention_rate / matmul_rate,
-  )
+  return _fitted(base, f"one latent layer at C={T}", matmul_rate, attention_rate)
 
 
 def phase_table(model: Model, model_name: str, partitions, kernels, repeats: int, threads: int):
