@@ -77,11 +77,19 @@ class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
 
   def __init__(self, config, *, num_layers: int, dtype, rngs: nnx.Rngs):
     self.config = config
-    L, D, C, W = num_layers, config.d_model, config.conv_channels, config.linear_conv_kernel
+    L, D, W = num_layers, config.d_model, config.linear_conv_kernel
     h, v = config.linear_num_value_heads, config.linear_value_head_dim
+    g, d_k = config.linear_num_key_heads, config.linear_key_head_dim
     self.attn_norm = zeros_param((L, D), dtype)
-    self.w_qkv = normal_param(rngs, (L, D, C), dtype)  # q, k, v of every head, fused
-    self.conv = normal_param(rngs, (L, W, C), dtype)
+    # q, k, v (transformers' fused in_proj_qkv) and their depthwise convolution kept per head,
+    # so that a model axis splits them by head like any projection (runtime.tensor_parallel);
+    # `conv_input` and `conv_kernel` lay a shard's heads out as transformers' fused channels.
+    self.w_q = normal_param(rngs, (L, D, g, d_k), dtype)
+    self.w_k = normal_param(rngs, (L, D, g, d_k), dtype)
+    self.w_v = normal_param(rngs, (L, D, h, v), dtype)
+    self.conv_q = normal_param(rngs, (L, W, g, d_k), dtype)
+    self.conv_k = normal_param(rngs, (L, W, g, d_k), dtype)
+    self.conv_v = normal_param(rngs, (L, W, h, v), dtype)
     self.w_z = normal_param(rngs, (L, D, h, v), dtype)
     self.w_b = normal_param(rngs, (L, D, h), dtype)
     self.w_a = normal_param(rngs, (L, D, h), dtype)
@@ -91,11 +99,21 @@ class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
     self.w_out = normal_param(rngs, (L, h, v, D), dtype)
     self.init_mlp(L, dtype, rngs)
 
+  def conv_kernel(self):
+    """The convolution's kernel [W, C] over this layer's channels: its q, k, then v heads'."""
+    W = self.conv_q.shape[0]
+    parts = (self.conv_q[...], self.conv_k[...], self.conv_v[...])
+    return jnp.concatenate([c.reshape(W, -1) for c in parts], axis=-1)
+
   def inputs(self, x_BTD):
-    """(the convolution's input [B, T, C], z [B, T, h, v], decay g and beta [B, T, h] float32)."""
+    """(the convolution's input [B, T, C], z [B, T, h, v], decay g and beta [B, T, h] float32).
+    C is this layer's q, k, then v channels (of every head, or of a shard's)."""
     cfg = self.config
     h_BTD = rms_norm_one_plus(x_BTD, self.attn_norm[...], cfg.norm_eps)
-    mixed_BTC = jnp.einsum("BTD,DC->BTC", h_BTD, self.w_qkv[...])
+    D = h_BTD.shape[-1]
+    w_qkv = (self.w_q[...], self.w_k[...], self.w_v[...])
+    w_DC = jnp.concatenate([w.reshape(D, -1) for w in w_qkv], axis=-1)  # one matmul
+    mixed_BTC = jnp.einsum("BTD,DC->BTC", h_BTD, w_DC)
     z_BThv = jnp.einsum("BTD,Dhv->BThv", h_BTD, self.w_z[...])
     a_BTh = jnp.einsum("BTD,Dh->BTh", h_BTD, self.w_a[...]).astype(jnp.float32)
     b_BTh = jnp.einsum("BTD,Dh->BTh", h_BTD, self.w_b[...]).astype(jnp.float32)
@@ -106,10 +124,9 @@ class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
   def heads(self, conv_BTC, g_BTh):
     """The convolved channels as q, k [B, T, h, k] (each key head repeated for its group of
     value heads, as transformers' repeat_interleave) and v [B, T, h, v], ready for the rule."""
-    cfg = self.config
     B, T, _ = conv_BTC.shape
-    g_heads, d_k = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-    h, d_v = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    _, g_heads, d_k = self.w_q.shape  # this layer's heads (a shard's on a model axis)
+    _, h, d_v = self.w_v.shape
     q, k, v = jnp.split(conv_BTC, [g_heads * d_k, 2 * g_heads * d_k], axis=-1)
     group = h // g_heads
     q_BThk = jnp.repeat(q.reshape(B, T, g_heads, d_k), group, axis=2)
@@ -118,7 +135,8 @@ class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
     return q_BThk, k_BThk, v.reshape(B, T, h, d_v), g_BTh
 
   def output(self, x_BTD, o_BThv, z_BThv, reduce=no_reduce):
-    """The gated RMSNorm, out_proj and residual, then the MLP."""
+    """The gated RMSNorm, out_proj and residual, then the MLP. reduce: a model group's sum of
+    its shards' partial out_proj and MLP outputs (each shard holds some heads)."""
     o32 = o_BThv.astype(jnp.float32)
     normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.config.norm_eps)
     normed = self.out_norm[...] * normed.astype(x_BTD.dtype)
@@ -126,13 +144,14 @@ class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
     x_BTD = x_BTD + reduce(jnp.einsum("BThv,hvD->BTD", gated_BThv, self.w_out[...]))
     return self.mlp(x_BTD, reduce)
 
-  def run(self, x_BTD, past: LinearState, lengths_B=None, chunk: int = gdn.CHUNK):
+  def run(self, x_BTD, past: LinearState, lengths_B=None, chunk: int = gdn.CHUNK, reduce=no_reduce):
     """The layer over T tokens entered with `past` (chunked form): (x [B, T, D], the past
     it leaves). lengths_B: each row's real length (right padding past it); the rows past it
-    leave the state as it is (g = beta = 0) and the halo is the last w real rows."""
+    leave the state as it is (g = beta = 0) and the halo is the last w real rows. reduce: see
+    `output` (the past is the shard's heads' and channels')."""
     mixed_BTC, z_BThv, g_BTh, beta_BTh = self.inputs(x_BTD)
     B, T, _ = mixed_BTC.shape
-    conv_BTC, halo_BwC = gdn.causal_conv(mixed_BTC, self.conv[...], past.halo_BwC)
+    conv_BTC, halo_BwC = gdn.causal_conv(mixed_BTC, self.conv_kernel(), past.halo_BwC)
     if lengths_B is not None:
       real_BT = jnp.arange(T) < lengths_B[:, None]
       g_BTh, beta_BTh = (jnp.where(real_BT[..., None], x, 0) for x in (g_BTh, beta_BTh))
@@ -142,12 +161,12 @@ class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
       halo_BwC = jnp.take_along_axis(full_BwTC, rows_Bw[..., None], axis=1)
     q, k, v, g = self.heads(conv_BTC, g_BTh)
     o_BThv, state_Bhkv = gdn.chunked(q, k, v, g, beta_BTh, past.state_Bhkv, chunk)
-    return self.output(x_BTD, o_BThv, z_BThv), LinearState(state_Bhkv, halo_BwC)
+    return self.output(x_BTD, o_BThv, z_BThv, reduce), LinearState(state_Bhkv, halo_BwC)
 
-  def step(self, x_B1D, past: LinearState):
+  def step(self, x_B1D, past: LinearState, reduce=no_reduce):
     """One token per row (the recurrent form): (x [B, 1, D], the past it leaves)."""
     mixed_B1C, z_B1hv, g_B1h, beta_B1h = self.inputs(x_B1D)
-    conv_B1C, halo_BwC = gdn.causal_conv(mixed_B1C, self.conv[...], past.halo_BwC)
+    conv_B1C, halo_BwC = gdn.causal_conv(mixed_B1C, self.conv_kernel(), past.halo_BwC)
     q, k, v, g = self.heads(conv_B1C, g_B1h)
     o_B1hv, state_Bhkv = gdn.recurrent(q, k, v, g, beta_B1h, past.state_Bhkv)
-    return self.output(x_B1D, o_B1hv, z_B1hv), LinearState(state_Bhkv, halo_BwC)
+    return self.output(x_B1D, o_B1hv, z_B1hv, reduce), LinearState(state_Bhkv, halo_BwC)

@@ -95,7 +95,7 @@ class GatedDeltaNetKind:
     "KV-Runahead and its peers run it through kvr_jax.inference.hybrid (prefill_hybrid, "
     "generate_hybrid)"
   )
-  splits_over_model: ClassVar[bool] = False  # no program splits its heads over "model" yet
+  splits_over_model: ClassVar[bool] = True  # by key head (kvr_jax.strategies.hybrid)
 
   @property
   def name(self) -> str:

@@ -123,15 +123,16 @@ class Qwen35(CausalLM):
 
   def empty_cache(self, batch: int, capacity: int) -> HybridCache:
     """A zero past for `batch` rows and `capacity` positions (the prompt and what decode adds)."""
-    cfg = self.config
-    L_full, L_linear = len(cfg.layers_of(FULL)), len(cfg.layers_of(LINEAR))
-    K, H = cfg.num_kv_heads, cfg.head_dim
-    h, d_k, d_v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    # Sizes from the weights: a shard's heads and channels where a model axis splits them.
+    L_full, _, K, H = self.blocks.wk.shape
+    L_linear, W, g, d_k = self.linear_blocks.conv_q.shape
+    h, d_v = self.linear_blocks.conv_v.shape[2:]
+    C = 2 * g * d_k + h * d_v
     return HybridCache(
       jnp.zeros((L_full, 2, batch, capacity, K, H), self.dtype),
       LinearState(
         jnp.zeros((L_linear, batch, h, d_k, d_v), jnp.float32),
-        jnp.zeros((L_linear, batch, cfg.linear_conv_kernel - 1, cfg.conv_channels), self.dtype),
+        jnp.zeros((L_linear, batch, W - 1, C), self.dtype),
       ),
     )
 
@@ -153,7 +154,7 @@ class Qwen35(CausalLM):
     def linear(block, i, carry):
       x_BTD, cache = carry
       past = jax.tree.map(lambda s: s[i], cache.linear)
-      x_BTD, past = block.run(x_BTD, past, lengths_B)
+      x_BTD, past = block.run(x_BTD, past, lengths_B, reduce=reduce)
       stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), cache.linear, past)
       return x_BTD, cache._replace(linear=LinearState(*stacked))
 
@@ -164,10 +165,11 @@ class Qwen35(CausalLM):
     x_BTD, _ = self.forward(tokens_BT)
     return self.logits(x_BTD)
 
-  def decode_step(self, tokens_B, positions_B, cache: HybridCache):
+  def decode_step(self, tokens_B, positions_B, cache: HybridCache, reduce=no_reduce):
     """One token per row, row b at `positions_B[b]` (its length so far): (logits [B, V], the
     cache with the token's K,V written at its position and every linear layer's past moved
-    on)."""
+    on). reduce: a model group's sum over its shards (each holds some heads, their cache and
+    states: runtime.tensor_parallel)."""
     B = tokens_B.shape[0]
     positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
     rows_B = jnp.arange(B)
@@ -179,11 +181,11 @@ class Qwen35(CausalLM):
       kv = kv.at[i, 0, rows_B, positions_B].set(k_B1KH[:, 0].astype(kv.dtype))
       kv = kv.at[i, 1, rows_B, positions_B].set(v_B1KH[:, 0].astype(kv.dtype))
       attn_B1NH = block.attend(q_B1NH, kv[i, 0], kv[i, 1], positions_B, "dense")
-      return block.finish(x_B1D, attn_B1NH), cache._replace(kv_2BSKH=kv)
+      return block.finish(x_B1D, attn_B1NH, reduce=reduce), cache._replace(kv_2BSKH=kv)
 
     def linear(block, i, carry):
       x_B1D, cache = carry
-      x_B1D, past = block.step(x_B1D, jax.tree.map(lambda s: s[i], cache.linear))
+      x_B1D, past = block.step(x_B1D, jax.tree.map(lambda s: s[i], cache.linear), reduce)
       stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), cache.linear, past)
       return x_B1D, cache._replace(linear=LinearState(*stacked))
 
@@ -302,15 +304,12 @@ def _layer_entries(cfg: Qwen35Config, layer_type: str) -> dict:
       }
     )
   else:
-    C, W = cfg.conv_channels, cfg.linear_conv_kernel
     h, v = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     per_layer.update(
       {
-        "linear_attn.in_proj_qkv.weight": linear_entry("w_qkv", (D,), (C,)),
         "linear_attn.in_proj_z.weight": linear_entry("w_z", (D,), (h, v)),
         "linear_attn.in_proj_b.weight": linear_entry("w_b", (D,), (h,)),
         "linear_attn.in_proj_a.weight": linear_entry("w_a", (D,), (h,)),
-        "linear_attn.conv1d.weight": ("conv", lambda w: w[:, 0].T, (C, 1, W)),
         "linear_attn.dt_bias": ("dt_bias", same, (h,)),
         "linear_attn.A_log": ("A_log", same, (h,)),
         "linear_attn.norm.weight": ("out_norm", same, (v,)),
@@ -320,7 +319,12 @@ def _layer_entries(cfg: Qwen35Config, layer_type: str) -> dict:
   return per_layer
 
 
-_FUSED_LINEAR = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")
+_FUSED_LINEAR = (
+  "linear_attn.in_proj_qkv.weight",
+  "linear_attn.conv1d.weight",
+  "linear_attn.in_proj_qkvz.weight",
+  "linear_attn.in_proj_ba.weight",
+)
 _EXPERT_PROJECTIONS = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 
 
@@ -347,27 +351,46 @@ def _expert_target(cfg: Qwen35Config, stack: str, row: int, rest: str) -> list[T
 
 
 def _fused_linear_targets(cfg: Qwen35Config, row: int, rest: str) -> list[Target]:
-  """Qwen3-Next's fused in-projections, laid out per key head g: in_proj_qkvz rows [q (k),
-  k (k), v (r v), z (r v)] of each g (r = h / g value heads per key head), in_proj_ba rows
-  [b (r), a (r)] of each g; into Qwen3.5's layout: w_qkv's columns every head's q, then k,
-  then v (value head g r + j, as transformers' reshape orders them), w_z, w_b, w_a."""
+  """The fused tensors of a linear layer, into per-head q, k, v weights (w_q, w_k [D, g, k],
+  w_v [D, h, v]) and convolution kernels (conv_q, conv_k [W, g, k], conv_v [W, h, v]).
+  Qwen3.5: in_proj_qkv's rows and conv1d's channels every key head's q, then k, then every
+  value head's v. Qwen3-Next: in_proj_qkvz laid out per key head g, rows [q (k), k (k),
+  v (r v), z (r v)] of each g (r = h / g value heads per key head: value head g r + j, as
+  transformers' reshape orders them), in_proj_ba rows [b (r), a (r)] of each g."""
   D, g, d_k = cfg.d_model, cfg.linear_num_key_heads, cfg.linear_key_head_dim
-  h, d_v = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+  h, d_v, W = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel
   r = h // g
   stack = "linear_blocks"
-  if rest == "linear_attn.in_proj_qkvz.weight":
-    per_head = 2 * d_k + 2 * r * d_v
-    pieces = lambda w: np.split(  # noqa: E731
-      w.T.reshape(D, g, per_head), [d_k, 2 * d_k, 2 * d_k + r * d_v], axis=-1
-    )
+  qkv_shapes = ((g, d_k), (g, d_k), (h, d_v))
+  bounds = [g * d_k, 2 * g * d_k]
 
-    def qkv(w):
-      q, k, v, _ = pieces(w)
-      return np.concatenate([x.reshape(D, -1) for x in (q, k, v)], axis=-1)
+  C = 2 * g * d_k + h * d_v
 
-    hf_shape = (g * per_head, D)
+  def per_head(params, columns, hf_shape):  # columns(w) -> [rows, C]: q, k, v channels
     return [
-      ((stack, "w_qkv"), row, qkv, hf_shape),
+      (
+        (stack, param),
+        row,
+        lambda w, i=i, shape=shape: _part(columns(w), bounds, i, shape),
+        hf_shape,
+      )
+      for i, (param, shape) in enumerate(zip(params, qkv_shapes, strict=True))
+    ]
+
+  if rest == "linear_attn.in_proj_qkv.weight":
+    return per_head(("w_q", "w_k", "w_v"), lambda w: w.T, (C, D))
+  if rest == "linear_attn.conv1d.weight":
+    return per_head(("conv_q", "conv_k", "conv_v"), lambda w: w[:, 0].T, (C, 1, W))
+  if rest == "linear_attn.in_proj_qkvz.weight":
+    per_key_head = 2 * d_k + 2 * r * d_v
+    pieces = lambda w: np.split(  # noqa: E731
+      w.T.reshape(D, g, per_key_head), [d_k, 2 * d_k, 2 * d_k + r * d_v], axis=-1
+    )
+    hf_shape = (g * per_key_head, D)
+    return [
+      ((stack, "w_q"), row, lambda w: pieces(w)[0], hf_shape),
+      ((stack, "w_k"), row, lambda w: pieces(w)[1], hf_shape),
+      ((stack, "w_v"), row, lambda w: pieces(w)[2].reshape(D, h, d_v), hf_shape),
       ((stack, "w_z"), row, lambda w: pieces(w)[3].reshape(D, h, d_v), hf_shape),
     ]
   split = lambda w, half: w.T.reshape(D, g, 2, r)[:, :, half].reshape(D, h)  # noqa: E731
@@ -375,6 +398,12 @@ def _fused_linear_targets(cfg: Qwen35Config, row: int, rest: str) -> list[Target
     ((stack, "w_b"), row, lambda w: split(w, 0), (2 * h, D)),
     ((stack, "w_a"), row, lambda w: split(w, 1), (2 * h, D)),
   ]
+
+
+def _part(columns_RC, bounds, index: int, shape: tuple[int, int]):
+  """Part `index` (q, k or v) of fused channels [R, C] split at `bounds`, as [R, *shape]."""
+  part = np.split(columns_RC, bounds, axis=-1)[index]
+  return part.reshape(part.shape[0], *shape)
 
 
 FAMILY = Family(

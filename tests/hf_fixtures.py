@@ -221,11 +221,11 @@ QWEN_MOE_CASES = {
 }
 
 
-def make_qwen_moe_model(case: str, seed: int = 0):
+def make_qwen_moe_model(case: str, seed: int = 0, **overrides):
   """A tiny random hybrid mixture of experts (`QWEN_MOE_CASES`), slow decays as
-  `make_qwen35_model`'s."""
+  `make_qwen35_model`'s; `overrides` replace config fields."""
   config_name, model_name = QWEN_MOE_CASES[case]
-  config = getattr(transformers, config_name)(
+  fields = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     num_hidden_layers=4,
@@ -247,6 +247,7 @@ def make_qwen_moe_model(case: str, seed: int = 0):
     pad_token_id=None,
     tie_word_embeddings=False,
   )
+  config = getattr(transformers, config_name)(**{**fields, **overrides})
   config._attn_implementation = "eager"
   torch.manual_seed(seed)
   model = randomize(getattr(transformers, model_name)(config), seed)

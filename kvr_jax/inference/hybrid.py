@@ -1,21 +1,27 @@
-"""Prefill of a hybrid model (Qwen3.5: linear and full layers) on a 1-D mesh with KV-Runahead
-or a peer, and greedy decoding from the cache the last rank then holds: `prefill_hybrid`,
-`generate_hybrid` (kvr_jax/strategies/hybrid.py is the program).
+"""Prefill of a hybrid model (Qwen3.5: linear and full layers) with KV-Runahead or a peer over a
+1-D mesh, or a 2-D one whose ranks are model groups (heads, key heads, experts and MLP columns
+split over "model": kvr_jax.runtime.tensor_parallel), and greedy or sampled decoding from the
+cache the last rank then holds (on a 2-D mesh split over its group, each shard its own heads'
+K,V, states and channels): `prefill_hybrid`, `generate_hybrid` (kvr_jax/strategies/hybrid.py
+is the program).
 
 Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
 built for K,V caches): rows of one length, the cache whole on the last rank (the peers' only
-in one process).
+in one process; 2-D meshes in one process).
 Every argument is checked before anything compiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
 from kvr_jax.inference.generate import check_sampling
 from kvr_jax.inference.own_program import (
@@ -23,10 +29,21 @@ from kvr_jax.inference.own_program import (
   check_new_tokens,
   check_tokens,
   decode_from_cache,
+  sample_steps,
 )
+from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import unfold_batch
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import AXIS, check_mesh, global_array, rank_device, shard_on
+from kvr_jax.runtime.mesh import (
+  AXIS,
+  MODEL_AXIS,
+  check_mesh,
+  global_array,
+  model_parallel,
+  rank_device,
+  rank_row_mesh,
+  shard_on,
+)
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
 from models.kernels import get_kernel
@@ -39,7 +56,9 @@ class HybridPrefill:
   """logits_BV: the prompt's last position's logits (on the last rank's device). cache: the
   model's `HybridCache` there, with room for `capacity` positions. chunks: each rank's
   tokens as the strategy laid them out. moved: whether the cache was moved onto the last
-  rank (the peers) or was there already (KV-Runahead's last hop and own chunk)."""
+  rank (the peers) or was there already (KV-Runahead's last hop and own chunk). On a 2-D
+  mesh every leaf of the cache has a leading [m] axis split over the last rank's group:
+  shard j's KV heads, value heads' states and convolution channels (its q, k, v heads')."""
 
   logits_BV: jax.Array
   cache: HybridCache
@@ -68,9 +87,17 @@ def prefill_hybrid(
   _check_model_and_strategy(model, strategy)
   spec = get_strategy(strategy)
   tokens_BT = check_tokens(model, tokens)
-  p = check_mesh(mesh)
+  p = check_mesh(mesh, allow_model=True)
   if p < 2:
     raise ValueError("prefill_hybrid runs on 2 or more ranks; on one device use model.module")
+  m = model_parallel(mesh)
+  if m > 1:
+    tensor_parallel.check_model_parallel(model.config, m)
+    if jax.process_count() > 1:
+      raise ValueError(
+        f"a hybrid model on a mesh with model={m} runs in one process so far; across "
+        "processes use a 1-D mesh (make_mesh(p))"
+      )
   if join and strategy != "kvr" and jax.process_count() > 1:
     raise ValueError(
       f"{strategy} on a hybrid model across processes: moving its cache onto the last rank "
@@ -84,7 +111,7 @@ def prefill_hybrid(
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
   program = compile_hybrid(strategy, model.graphdef, mesh, chunks, kernel)
-  state = model.state_on(NamedSharding(mesh, jax.P()))
+  state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
   owner = rank_device(mesh, p - 1)
@@ -95,11 +122,14 @@ def prefill_hybrid(
   if not join or logits_BV is None:
     return HybridPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds everything: no move
-    mine = jax.tree.map(lambda a: shard_on(a, owner), out)
-    cache = jax.jit(_kvr_cache, static_argnums=(1, 2))(mine, chunks, capacity)
+    join_parts = functools.partial(_kvr_cache, chunks=chunks, capacity=capacity)
+    mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
   else:  # the parts move to the last rank; the last chunk's halo is rank 0's
-    on_owner = jax.tree.map(lambda a: _gathered_on(a, mesh, owner), out)
-    cache = jax.jit(_zigzag_cache, static_argnums=(1, 2, 3))(on_owner, T, p, capacity)
+    join_parts = functools.partial(_zigzag_cache, T=T, p=p, capacity=capacity)
+    mine = jax.tree.map(lambda a: _gathered_on_last_rank(a, mesh), out)
+  if m > 1:  # each shard joins its own heads' parts, where they lie
+    join_parts = jax.vmap(join_parts)
+  cache = jax.jit(join_parts)(mine)
   return HybridPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
 
 
@@ -117,10 +147,44 @@ def _check_model_and_strategy(model, strategy: str) -> None:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
 
 
-def _gathered_on(array, mesh, device):
-  """A rank-sharded output [p, ...] whole on `device` (each rank's piece copied over)."""
-  pieces = [shard_on(array, rank_device(mesh, r)) for r in range(mesh.shape[AXIS])]
-  return jnp.stack([jax.device_put(piece, device) for piece in pieces])
+def _last_rank_part(array, mesh):
+  """The last rank's piece of an output [p, ...] on its device (1-D mesh), or [p, m, ...]'s
+  pieces as [m, ...] split over the last rank's group (2-D: each shard's where it lies)."""
+  p, m = mesh.shape[AXIS], model_parallel(mesh)
+  if m == 1:
+    return shard_on(array, rank_device(mesh, p - 1))
+  return _on_last_row(array, mesh, lambda pieces_pm, j: pieces_pm[p - 1][j])
+
+
+def _gathered_on_last_rank(array, mesh):
+  """Every rank's piece of an output [p, ...] stacked on the last rank's device (1-D mesh),
+  or of [p, m, ...] as [m, p, ...] split over the last rank's group (shard j's from every
+  rank's shard j)."""
+  p, m = mesh.shape[AXIS], model_parallel(mesh)
+  if m == 1:
+    owner = rank_device(mesh, p - 1)
+    pieces = [shard_on(array, rank_device(mesh, r)) for r in range(p)]
+    return jnp.stack([jax.device_put(piece, owner) for piece in pieces])
+  devices_pm = mesh.devices.reshape(p, m)
+  return _on_last_row(
+    array,
+    mesh,
+    lambda pieces_pm, j: jnp.stack(
+      [jax.device_put(pieces_pm[r][j], devices_pm[p - 1, j]) for r in range(p)]
+    ),
+  )
+
+
+def _on_last_row(array, mesh, piece_of):
+  """An [m, ...] array split over the last rank's group whose shard j is piece_of(pieces,
+  j), pieces[r][j] the piece (r, j) of `array` [p, m, ...] (on its own device)."""
+  p, m = mesh.shape[AXIS], model_parallel(mesh)
+  devices_pm = mesh.devices.reshape(p, m)
+  by_device = {shard.device: shard.data[0, 0] for shard in array.addressable_shards}
+  pieces_pm = [[by_device[devices_pm[r, j]] for j in range(m)] for r in range(p)]
+  shards = [piece_of(pieces_pm, j)[None] for j in range(m)]
+  row = NamedSharding(rank_row_mesh(mesh, p - 1), jax.P(MODEL_AXIS))
+  return jax.make_array_from_single_device_arrays((m, *shards[0].shape[1:]), row, shards)
 
 
 def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, ...]:
@@ -191,4 +255,46 @@ def generate_hybrid(
   sampling = Sampling(temperature, top_k, top_p, seed)
   result = prefill_hybrid(model, tokens, mesh, partition, attention, max_new_tokens, strategy)
   T = sum(result.chunks)
-  return decode_from_cache(model, result.logits_BV, result.cache, T, max_new_tokens, sampling)
+  if model_parallel(mesh) == 1:
+    return decode_from_cache(model, result.logits_BV, result.cache, T, max_new_tokens, sampling)
+  # The last rank's model group decodes: the weights split as the prefill split them, the
+  # cache where the join left it, each step's shards summed over "model".
+  row_mesh = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
+  logits_BV = jax.device_put(result.logits_BV, NamedSharding(row_mesh, jax.P()))
+  step = hybrid_group_step(model.graphdef, row_mesh)
+  state = model.state_split_over(row_mesh)
+  return sample_steps(step, state, logits_BV, result.cache, T, max_new_tokens, sampling)[0]
+
+
+@kept_cache(8)
+def hybrid_group_step(graphdef, row_mesh):
+  """The model's decode step on one rank's model group (a ("ranks", "model") mesh of one
+  rank): (state split over "model", tokens [B], positions [B], cache: every leaf [m, ...]
+  split over "model", donated) -> (logits [B, V] replicated, the cache moved on)."""
+  P = jax.P
+
+  def shard_step(state, tokens_B, positions_B, cache_1):
+    model = nnx.merge(graphdef, state)
+    own = jax.tree.map(lambda a: a[0], cache_1)
+    logits_BV, own = model.decode_step(
+      tokens_B, positions_B, own, reduce=tensor_parallel.psum_over_model
+    )
+    return logits_BV, jax.tree.map(lambda a: a[None], own)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def step(state, tokens_B, positions_B, cache):
+    # check_vma=False: the psums make the logits whole on every shard.
+    return jax.shard_map(
+      shard_step,
+      mesh=row_mesh,
+      in_specs=(
+        tensor_parallel.partition_specs(state, model_parallel(row_mesh)),
+        P(),
+        P(),
+        P(MODEL_AXIS),
+      ),
+      out_specs=(P(), P(MODEL_AXIS)),
+      check_vma=False,
+    )(state, tokens_B, positions_B, cache)
+
+  return step

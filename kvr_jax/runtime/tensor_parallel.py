@@ -11,6 +11,8 @@ On a 2-D mesh ("ranks", "model") every rank is a group of m devices that share e
     where m does not divide E:    split by column      (F/m columns of every expert, as a
                                                         dense MLP's; the down bias whole)
   sinks                           split by query head
+  Gated DeltaNet (q, k, v, their    split by key head with its value heads (state and halo
+    convolution, z, a, b, decay)    per shard); out_proj row-parallel (a partial sum)
   norms, q/k norms, embedding, head, router    whole on every shard
 
 so each shard runs the block's own maths on its heads and columns (models/ take every size
@@ -52,6 +54,24 @@ SPLIT_AXIS = {
   "bv": 1,
   "sinks": 1,  # [L, N]: each shard's own heads' sinks
   "wo": 1,  # [L, N, H, D]
+  "wq_gate": 2,  # [L, D, N, H]: Qwen3.5's output gate, per query head
+  # Gated DeltaNet (Qwen3.5, Qwen3-Next) by key head and its value heads: q, k, v and their
+  # convolution per head (w_q, w_k [L, D, g, k], w_v [L, D, h, v], conv_* [L, W, ...]), z, a,
+  # b, the decay's parameters; out_proj row-parallel (w_out [L, h, v, D]); the gated norm's
+  # weight ([L, v], shared by the heads) whole. Key head j's value heads are [j r, (j+1) r)
+  # (r = h / g), so a shard's g/m key heads and h/m value heads are the same group: its state
+  # [h/m, k, v] and its halo (its heads' channels) are its own, what a hop carries.
+  "w_q": 2,
+  "w_k": 2,
+  "w_v": 2,
+  "conv_q": 2,
+  "conv_k": 2,
+  "conv_v": 2,
+  "w_z": 2,  # [L, D, h, v]
+  "w_a": 2,  # [L, D, h]
+  "w_b": 2,
+  "dt_bias": 1,  # [L, h]
+  "A_log": 1,
   # Latent attention (DeepSeek-V3): the q projection (wq above, or wq_b [L, Q, N, n + r] after
   # its whole low-rank half) and kv_b_proj's halves (wk_b [L, R, N, n], wv_b [L, R, N, v]) by
   # head; the latent's projection and norm (wkv_a, kv_a_norm) whole: every shard of a group
@@ -73,7 +93,7 @@ SPLIT_AXIS = {
 KV_PARAMS = ("wk", "wv", "bk", "bv")
 # The state's stacks of layers whose parameters split (DeepSeek-V3 keeps its dense first
 # layers in a stack of their own).
-BLOCK_STACKS = ("blocks", "dense_blocks")
+BLOCK_STACKS = ("blocks", "dense_blocks", "linear_blocks")
 # A mixture's experts, stacked [L, E, ...] (a dense MLP's are [L, D, F] / [L, F, D]): split
 # over their expert axis, E/m whole experts per shard, where m divides E.
 EXPERT_PARAMS = {"w_gate": 4, "w_up": 4, "w_down": 4, "b_gate": 3, "b_up": 3, "b_down": 3}
@@ -127,6 +147,12 @@ def check_model_parallel(config: ModelConfig, model_parallel: int) -> None:
     raise ValueError(
       f"model_parallel={m} must divide num_heads ({N}), and divide or be a multiple of "
       f"num_kv_heads ({K})"
+    )
+  key_heads = getattr(config, "linear_num_key_heads", 0)
+  if m > 1 and key_heads and key_heads % m:
+    raise ValueError(
+      f"model_parallel={m} must divide linear_num_key_heads ({key_heads}): the linear "
+      "layers split by key head, each with its value heads"
     )
   for name, columns in _columns_split(config, m).items():
     if columns % m:

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.allgather import allgather_body
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank
@@ -82,7 +83,7 @@ def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zero
   from_zeros (traced bool): the span enters with a zero state (the prompt's first), so it
   runs the plain chunked form."""
   c = mixed_BcC.shape[1]
-  conv_BcC, _ = gdn.causal_conv(mixed_BcC, block.conv[...], halo_BwC)
+  conv_BcC, _ = gdn.causal_conv(mixed_BcC, block.conv_kernel(), halo_BwC)
   real_c = jnp.arange(c) < real_rows
   g_Bch, beta_Bch = (jnp.where(real_c[:, None], x, 0) for x in (g_Bch, beta_Bch))
   q, k, v, g = block.heads(conv_BcC, g_Bch)
@@ -120,7 +121,7 @@ def _at_own_length(rank, chunks: tuple[int, ...], phase):
   )
 
 
-def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
+def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_reduce):
   """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
   (x [B, c_max, D], the state it leaves [B, h, k, v], the last w real rows of its input).
   Each rank's phases run at its own length (`_at_own_length`). Rank 0 enters with zeros and
@@ -129,8 +130,10 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
   chunk's own rows): it runs the rest ahead as an entry map before anything arrives, then
   one hop brings the entering state and the halo together, the head runs its w tokens
   recurrently from them, and the rest's map is applied to the state the head leaves. One
-  message per hop, on the chain: no rank waits at a layer's start for its successor."""
-  p, w = len(chunks), block.conv[...].shape[0] - 1
+  message per hop, on the chain: no rank waits at a layer's start for its successor.
+  reduce: a model group's sum (each shard holds some key heads, their state and channels:
+  what its hops carry)."""
+  p, w = len(chunks), block.conv_q.shape[0] - 1
 
   def inputs(i, c, x_BcD):
     mixed_BcC, z_Bchv, g_Bch, beta_Bch = block.inputs(x_BcD[:, :c])
@@ -141,13 +144,13 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
   def span_maps(i, c, mixed_BcC, g_Bch, beta_Bch):
     if i == 0:  # the prompt's first chunk: zeros enter it, halo included
       zero_halo = jnp.zeros_like(mixed_BcC[:, :w])
-      conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv[...], zero_halo)
+      conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv_kernel(), zero_halo)
       o_Bchv, q_eff, A_Bhkk, B_Bhkv = _plain_maps(
         (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
       )
       return (o_Bchv, q_eff), (A_Bhkk, B_Bhkv)
     # The rest: rows w..c, their convolution's halo the chunk's own first w rows.
-    conv_BrC, _ = gdn.causal_conv(mixed_BcC[:, w:c], block.conv[...], mixed_BcC[:, :w])
+    conv_BrC, _ = gdn.causal_conv(mixed_BcC[:, w:c], block.conv_kernel(), mixed_BcC[:, :w])
     operands = (*block.heads(conv_BrC, g_Bch[:, w:c]), beta_Bch[:, w:c])
     if c == w:  # no rest: the identity map
       q_Brhk, v_Brhv = operands[0], operands[2]
@@ -168,7 +171,7 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
 
   def head(entering_Bhkv, halo_BwC):
     """The head's w outputs and the state it leaves, from what the hop brought."""
-    conv_BwC, _ = gdn.causal_conv(mixed_BcC[:, :w], block.conv[...], halo_BwC)
+    conv_BwC, _ = gdn.causal_conv(mixed_BcC[:, :w], block.conv_kernel(), halo_BwC)
     q, k, v, g = block.heads(conv_BwC, g_Bch[:, :w])
     return gdn.recurrent(q, k, v, g, beta_Bch[:, :w], entering_Bhkv)
 
@@ -186,7 +189,7 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
     if i > 0:  # rank 0 entered with zeros: its outputs need no correction
       rest_Brhv = o_Bchv[:, w:] + jnp.einsum("BThk,Bhkv->BThv", q_eff_Bchk[:, w:c], after_head_Bhkv)
       o_Bchv = jnp.concatenate([o_head_Bwhv.astype(o_Bchv.dtype), rest_Brhv], axis=1)
-    return block.output(x_BcD[:, :c], o_Bchv, z_Bchv[:, :c]), ()
+    return block.output(x_BcD[:, :c], o_Bchv, z_Bchv[:, :c], reduce), ()
 
   x_BcD, _ = _at_own_length(rank, chunks, finish)(
     x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv
@@ -194,13 +197,13 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...]):
   return x_BcD, leaving_Bhkv, own_halo  # rank 0's A is zero: it leaves B
 
 
-def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int):
+def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, reduce=no_reduce):
   """A peer's linear layer on rank `rank`'s two zigzag chunks r and 2p-1-r (module
   docstring): (x [B, 2c, D], the prompt's final state [B, h, k, v] (the same on every rank),
   the last w real inputs of the prompt's last chunk [B, w, C] (rank 0 holds it))."""
   p, c = num_ranks, zigzag.chunk_len(context_len, num_ranks)
   mixed, z_B2chv, g, beta = block.inputs(x_B2cD)
-  w = block.conv[...].shape[0] - 1
+  w = block.conv_q.shape[0] - 1
   halves = [slice(0, c), slice(c, 2 * c)]
   chunk_ids = (rank, 2 * p - 1 - rank)
   reals = [jnp.clip(context_len - j * c, 0, c) for j in chunk_ids]
@@ -231,7 +234,7 @@ def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int):
   for (maps, _), chunk in zip(spans, chunk_ids, strict=True):
     o_Bchv, _ = gdn.apply_entry_state(*maps, entering_j[chunk])
     outs.append(o_Bchv)
-  x_B2cD = block.output(x_B2cD, jnp.concatenate(outs, axis=1), z_B2chv)
+  x_B2cD = block.output(x_B2cD, jnp.concatenate(outs, axis=1), z_B2chv, reduce)
   return x_B2cD, entering_j[-1], spans[1][1]
 
 
@@ -240,13 +243,19 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
   """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
   the prompt's last position's, {"full": each full layer's K,V output as the strategy emits
-  it [p, L_full, ...], "state": [p, L_linear, B, h, k, v], "halo": [p, L_linear, B, w, C]})."""
+  it [p, L_full, ...], "state": [p, L_linear, B, h, k, v], "halo": [p, L_linear, B, w, C]}).
+  On a ("ranks", "model") mesh the state is split over each rank's group
+  (runtime.tensor_parallel: heads, key heads with their value heads, experts, MLP columns),
+  the shards' partial sums added by psum_over_model, and each output is per shard, [p, m,
+  ...]: shard j's K,V heads, states and convolution channels."""
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
   body_of, keep_last_hop = _BODIES[strategy]
   make_body = body_of(graphdef, chunks, kernel, False, keep_last_hop)
   p, context_len = len(chunks), sum(chunks)
   P = jax.P
+  m = model_parallel(mesh)
+  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
 
   def program(state, tokens_1BT):
     count_trace(f"{strategy}-hybrid")
@@ -255,12 +264,12 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     rank = jax.lax.axis_index(AXIS)
     # The strategy's rank sees a model of full layers (the ones it runs).
     full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
-    body = make_body(full_model, rank, tokens_1BT[0], no_reduce)
+    body = make_body(full_model, rank, tokens_1BT[0], reduce)
 
     def linear_layer(block, x):
       if strategy == "kvr":
-        return chain_linear_layer(block, x, rank, chunks)
-      return zigzag_linear_layer(block, x, rank, context_len, p)
+        return chain_linear_layer(block, x, rank, chunks, reduce)
+      return zigzag_linear_layer(block, x, rank, context_len, p, reduce)
 
     def full_layer(block, x, carry, i):
       block.config = full_config
@@ -284,10 +293,26 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
     logits_BV = model.logits(body.last_row(x)[:, None])[:, 0]
     logits_BV = logits_to_last_rank(logits_BV, body.owner, p)
-    return jax.tree.map(lambda a: a[None], (logits_BV, out))
+    per_shard = (lambda a: a[None, None]) if m > 1 else (lambda a: a[None])
+    return logits_BV[None], jax.tree.map(per_shard, out)
 
-  body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
-  return jax.jit(body)
+  if m == 1:
+    body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
+    return jax.jit(body)
+
+  @jax.jit
+  def body_2d(state, tokens_pBc):
+    # check_vma=False as in strategies.base.spmd: the psums make the hidden states and logits
+    # whole on every shard of a rank, which the type check cannot see.
+    return jax.shard_map(
+      program,
+      mesh=mesh,
+      in_specs=(tensor_parallel.partition_specs(state, m), P(AXIS)),
+      out_specs=(P(AXIS), P(AXIS, MODEL_AXIS)),
+      check_vma=False,
+    )(state, tokens_pBc)
+
+  return body_2d
 
 
 def _empty_outputs(model, body, full_layer, linear_layer, x) -> dict:
