@@ -258,7 +258,8 @@ def kv_message_bytes(config: ModelConfig, num_tokens: int, batch: int, dtype_byt
 def model_shard(config: ModelConfig, model_parallel: int) -> ModelConfig:
   """What one of a rank's `model_parallel` tensor-parallel shards holds and computes: N/m query
   heads, K/m KV heads (one, replicated, on every shard when K < m: the least each shard's
-  queries need), F/m MLP columns and V/m of the vocabulary (rounded up: the head's matmul is
+  queries need), a linear layer's g/m key and h/m value heads, F/m MLP columns and V/m of the
+  vocabulary (rounded up: the head's matmul is
   split by rows, the last shard padded). m = 1 is the config itself."""
   m = model_parallel
   if m == 1:
@@ -271,7 +272,8 @@ def model_shard(config: ModelConfig, model_parallel: int) -> ModelConfig:
   )
   # DeepSeek-V3's experts (expert_dim: E/m whole, the same FLOPs and weights as F/m columns of
   # each when the routing is balanced) and its shared experts; Qwen3.5-MoE's shared expert.
-  for name in ("expert_dim", "shared_expert_dim"):
+  # Gated DeltaNet's layers (Qwen3.5, Qwen3-Next): g/m key heads with their h/m value heads.
+  for name in ("expert_dim", "shared_expert_dim", "linear_num_key_heads", "linear_num_value_heads"):
     if getattr(config, name, 0):
       split[name] = getattr(config, name) // m
   return dataclasses.replace(config, **split)

@@ -27,7 +27,16 @@ the chain of [k, k] step matrices (k^3) and Q_eff (c k^2), and per token the cor
 
 from __future__ import annotations
 
-from kvr_jax.runtime.roofline import Collective, Compute, ModelledLayer, Receive, Send, Work
+from kvr_jax.runtime.roofline import (
+  Collective,
+  Compute,
+  ModelledLayer,
+  Receive,
+  Send,
+  Work,
+  busiest_mlp_dims,
+  model_reduce_time,
+)
 
 RULE_CHUNK = 64  # the chunked form's chunk (models.gated_deltanet.CHUNK)
 STATE_BYTES = 4  # the state is float32
@@ -58,8 +67,11 @@ def linear_phases(config, tokens: float, setup, entry_map: bool) -> dict[str, Wo
   rule = Work(B * T * rule_flops_per_token(h, k, v, entry_map), 0.0, linear_rule=True)
   correction = h * k * v if entry_map else 0.0
   # The MLP as the roofline counts it: the columns a token runs through (a mixture's chosen
-  # and shared experts) and the router's; weights read of every column some token routes to.
-  F_active, F_read, E = config.active_mlp_dim, config.mlp_weight_dim(B * T), config.router_dim
+  # and shared experts) and the router's; weights read of every column some token routes to;
+  # on a model group, the busiest device's routed rows (Setup.expert_imbalance).
+  rows_scale = setup.expert_imbalance if setup.model_parallel > 1 else 1.0
+  F_active, F_read = busiest_mlp_dims(config, B * T, rows_scale)
+  E = config.router_dim
   rest = Work(
     2 * B * T * (correction + h * v * D + config.mlp_matrices * D * F_active + D * E),
     db * (h * v * D + config.mlp_matrices * D * F_read + D * E)
@@ -71,6 +83,14 @@ def linear_phases(config, tokens: float, setup, entry_map: bool) -> dict[str, Wo
 def _mixer_time(work: dict[str, Work], hw) -> float:
   """The projections' and the rule's seconds: one step, each at its own rate."""
   return work["linear"].time(hw) + work["rule"].time(hw)
+
+
+def _rest(config, tokens: float, work: dict[str, Work], setup) -> Compute:
+  """The correction, gated norm, out_proj and MLP, with a model group's all-reduces of their
+  partial sums (`model_reduce_time`: none on one device)."""
+  return Compute(
+    "rest", work["rest"].time(setup.hardware) + model_reduce_time(config, tokens, setup)
+  )
 
 
 def state_bytes(config, batch: int) -> int:
@@ -111,7 +131,7 @@ def layer_of(steps, partition, works, link_bytes) -> ModelledLayer:
 def single_linear_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   work = linear_phases(config, chunks[0], setup, entry_map=False)
   hw = setup.hardware
-  steps = [(Compute("linear", _mixer_time(work, hw)), Compute("rest", work["rest"].time(hw)))]
+  steps = [(Compute("linear", _mixer_time(work, hw)), _rest(config, chunks[0], work, setup))]
   return layer_of(steps, chunks, [work], ())
 
 
@@ -128,7 +148,7 @@ def kvr_linear_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
       rank += [Receive(i - 1), Compute("chain", chain)]
     if i < p - 1:
       rank.append(Send(i + 1, hop / links.link_bandwidth(i) + links.latency, f"hop{i}"))
-    rank.append(Compute("rest", work["rest"].time(hw)))
+    rank.append(_rest(config, c, work, setup))
     works.append(work)
     steps.append(rank)
   return layer_of(steps, chunks, works, [hop] * (p - 1))
@@ -152,7 +172,7 @@ def gathered_maps_layer(pieces_per_rank: int):
           Compute("linear", _mixer_time(work, hw)),
           Collective("gather maps", gather),
           Compute("chain", compose),
-          Compute("rest", work["rest"].time(hw)),
+          _rest(config, c, work, setup),
         )
       )
     return layer_of(steps, chunks, works, [(p - 1) * maps] * p)
@@ -169,7 +189,7 @@ def replicated_linear_layer(
   p, hw, links = num_ranks, setup.hardware, setup.links
   work = linear_phases(config, context_len, setup, entry_map=False)
   rows = setup.batch * (context_len / p) * config.d_model * setup.dtype_bytes
-  steps = [Compute("linear", _mixer_time(work, hw)), Compute("rest", work["rest"].time(hw))]
+  steps = [Compute("linear", _mixer_time(work, hw)), _rest(config, context_len, work, setup)]
   if gather_hidden and p > 1:
     steps.insert(0, Collective("gather x", (p - 1) * (rows / links.slowest(p) + links.latency)))
   sent = [(p - 1) * rows if gather_hidden else 0.0] * p
