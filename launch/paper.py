@@ -37,6 +37,12 @@ flags.DEFINE_string(
   "Preset of the tp grid (a mixture of experts, e.g. qwen3-30b-a3b or mixtral-8x7b, splits its "
   "experts over each model group).",
 )
+flags.DEFINE_list(
+  "tp_gpus",
+  [str(n) for n in tp_lib.TP_GPUS],
+  f"GPU counts of the tp grid ({tp_lib.TP_DEVICES_PER_NODE} per node; more than one node is "
+  "linked between nodes at each of the grid's speeds).",
+)
 flags.DEFINE_float(
   "expert_imbalance",
   1.0,
@@ -56,14 +62,15 @@ def main(argv):
         f"--grids takes paper, tp, gemma, gpt-oss, qwen3.5 and/or mla, got {FLAGS.grids}"
       )
     tp_lens = common.positive_ints(FLAGS.tp_context_lens, "--tp_context_lens")
-    tp_lib.check_tp_context_lens(tp_lens, model=FLAGS.tp_model)
+    tp_gpus = tuple(common.positive_ints(FLAGS.tp_gpus, "--tp_gpus"))
+    tp_lib.check_tp_context_lens(tp_lens, gpus=tp_gpus, model=FLAGS.tp_model)
     if not FLAGS.expert_imbalance >= 1:
       raise ValueError(f"--expert_imbalance must be >= 1, got {FLAGS.expert_imbalance}")
   ok = True
   if "paper" in FLAGS.grids:
     ok = paper_grid()
   if "tp" in FLAGS.grids:
-    tp_grid(tp_lens)
+    tp_grid(tp_lens, tp_gpus)
   for windowed in ("gemma", "gpt-oss"):
     if windowed in FLAGS.grids:
       print()
@@ -109,7 +116,7 @@ def paper_grid() -> bool:
   return ok_faster
 
 
-def tp_grid(context_lens) -> None:
+def tp_grid(context_lens, gpus) -> None:
   print()
   print(
     f"KV-Runahead x tensor parallelism, MODELLED: {FLAGS.tp_model}, bf16, {tp_lib.TP_HARDWARE} "
@@ -135,6 +142,7 @@ def tp_grid(context_lens) -> None:
   if FLAGS.expert_imbalance != 1:
     print(f"Experts split whole: the busiest GPU runs {FLAGS.expert_imbalance}x its share.")
   cells = tp_lib.tp_grid(
+    gpus=gpus,
     context_lens=context_lens,
     progress=show,
     model=FLAGS.tp_model,
@@ -149,17 +157,23 @@ def tp_grid(context_lens) -> None:
     best = tp_lib.best_by_strategy(group)
 
     def describe(strategy, best=best):
+      if strategy not in best:
+        return "no factorization fits"
       c = best[strategy]
       return f"{c.ttft_s[strategy] * 1e3:.0f}ms ({c.num_ranks}x{c.model_parallel})"
 
-    kvr, tp = best["kvr"].ttft_s["kvr"], best["tp"].ttft_s["tp"]
-    peer = min(best[s].ttft_s[s] for s in tp_lib.PEERS)
     where = f"{between / 1e9:.0f}GB/s" if n > tp_lib.TP_DEVICES_PER_NODE else "1 node"
-    print(
+    line = (
       f"  {n} GPUs {where} C={C}: TP-only {describe('tp')}, KVR-S {describe('kvr')}, ring "
-      f"{describe('ring')}, all-gather CP {describe('allgather')}: KVR-S {tp / kvr:.2f}x "
-      f"TP-only, {peer / kvr:.3f}x the faster peer"
+      f"{describe('ring')}, all-gather CP {describe('allgather')}"
     )
+    if "kvr" in best:
+      kvr = best["kvr"].ttft_s["kvr"]
+      if "tp" in best:
+        line += f": KVR-S {best['tp'].ttft_s['tp'] / kvr:.2f}x TP-only"
+      peer = min(best[s].ttft_s[s] for s in tp_lib.PEERS if s in best)
+      line += f", {peer / kvr:.3f}x the faster peer"
+    print(line)
   target = groups.get((16, 50e9, 32768)) if FLAGS.tp_model == tp_lib.TP_MODEL else None
   if target:
     best = tp_lib.best_by_strategy(target)

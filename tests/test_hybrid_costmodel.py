@@ -146,3 +146,41 @@ def test_hybrid_rates_fitted_to_the_model_on_this_device():
   setup = presets.make_setup(hardware, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   split = search.modelled_search(model.config, 1024, 2, setup)
   assert sum(split) == 1024 and len(split) == 2 and min(split) > 0
+
+
+def test_a_model_group_splits_a_linear_layer_by_key_head(qwen):
+  """On m = 2 shards a linear layer's hop is each shard's own state (B h/2 k v, float32:
+  half the bytes), its mixer and MLP FLOPs halve (the rule's work is per value head), and
+  its step ends in the group's all-reduces (out_proj and the MLP: two of [B, c, D])."""
+  flash = costmodel.kernel_flags("flash")
+  one, two = (
+    presets.make_setup("h100-sxm", "10GBps", dtype_bytes=2, model_parallel=m, **flash)
+    for m in (1, 2)
+  )
+  whole, split = (linear_layer(qwen, "kvr", 8192, s, 2, [4608, 3584]) for s in (one, two))
+  h, k, v = qwen.linear_num_value_heads, qwen.linear_key_head_dim, qwen.linear_value_head_dim
+  assert whole.link_bytes == (h * k * v * 4,)
+  assert split.link_bytes == (h // 2 * k * v * 4,)
+  # The last rank's work: everything but the (whole) norms and the router splits.
+  assert split.flops[1] == pytest.approx(whole.flops[1] / 2, rel=1e-3)
+  reduce_s = costmodel.model_reduce_time(qwen, 3584, two)
+  assert reduce_s > 0
+  rest = lambda layer: next(s for s in layer.steps[1] if getattr(s, "phase", "") == "rest")  # noqa: E731
+  shard = costmodel.model_shard(qwen.of_kind(qwen.linear_kind), 2)
+  work = linear_modelled.linear_phases(shard, 3584, two, entry_map=True)["rest"]
+  assert rest(split).seconds == pytest.approx(work.time(two.hardware) + reduce_s)
+
+
+def test_device_memory_of_a_hybrid_counts_states_not_kv_on_linear_layers(qwen):
+  """Qwen3.5-27B over 2 shards, bf16, 32768 tokens: half of every weight, the full layers'
+  K,V (2 of 4 KV heads per shard) and each linear layer's state (float32) and halo (its
+  heads' channels): not K,V of every layer."""
+  setup = presets.make_setup("h100-sxm", "10GBps", dtype_bytes=2, model_parallel=2)
+  C, B = 32768, 1
+  full = len(qwen.layers_of("full_attention"))
+  linear = qwen.num_layers - full
+  kv = 2 * C * (qwen.num_kv_heads // 2) * qwen.head_dim * 2
+  h, k, v = qwen.linear_num_value_heads // 2, qwen.linear_key_head_dim, qwen.linear_value_head_dim
+  state = h * k * v * 4 + (qwen.linear_conv_kernel - 1) * (qwen.conv_channels // 2) * 2
+  expected = qwen.num_params() / 2 * 2 + B * (full * kv + linear * state)
+  assert costmodel.device_memory(qwen, C, setup) == expected

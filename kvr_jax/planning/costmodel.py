@@ -128,12 +128,14 @@ def layer_flops(config: ModelConfig, num_queries: int, num_keys: int, batch: int
 
 def device_memory(config: ModelConfig, context_len: int, setup: Setup) -> float:
   """Bytes one device of the rank that decodes holds after the prefill: its shard of the
-  weights (1/m of every matrix, the norms whole) and its shard of the whole prompt's KV cache
-  (every strategy leaves the cache on the last rank, cache="last"). Activations of the
-  prefill are left out: they are per-chunk, a few percent at these sizes."""
+  weights (1/m of every matrix, the norms whole) and its shard of the whole prompt's past
+  (every strategy leaves the cache on the last rank, cache="last"): each layer's as its kind
+  keeps it (`hop_bytes` of the whole prompt: K,V of every position, a window's last W-1, a
+  linear layer's state and halo, a latent per position). Activations of the prefill are
+  left out: they are per-chunk, a few percent at these sizes."""
   m, db = setup.model_parallel, setup.dtype_bytes
   shard = model_shard(config, m)
-  cache = kv_message_bytes(shard, context_len, setup.batch, db) * config.num_layers
+  cache = sum(kind.hop_bytes(shard, context_len, setup.batch, db) for kind in shard.layer_kinds)
   return config.num_params() / m * db + cache
 
 
