@@ -192,18 +192,22 @@ class Block(nnx.Module):
 def in_row_blocks(finish_rows, x_BTD, attn_BTNH, row_block: int | None, reduce) -> jax.Array:
   """`finish_rows(x, attn, reduce)` over blocks of at most `row_block` tokens (a `lax.map`: one
   block's intermediates live at a time: an MLP's, a mixture's routed rows); None or a short
-  input runs it whole. The blocks are equal (T = 10,000 with 8192 is two blocks of 5000), so
-  padding is at most 7 rows per block."""
+  input runs it whole. attn: [B, T, ...], or a tuple of such (every per-row input the rows
+  need). The blocks are equal (T = 10,000 with 8192 is two blocks of 5000), so padding is at
+  most 7 rows per block."""
   B, T, D = x_BTD.shape
   if row_block is None or T <= row_block:
     return finish_rows(x_BTD, attn_BTNH, reduce)
   n = -(-T // row_block)
   size = -(-T // n)
   pad = n * size - T
-  x_nBsD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, size, D).swapaxes(0, 1)
-  attn = jnp.pad(attn_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  attn_nBsNH = attn.reshape(B, n, size, *attn.shape[2:]).swapaxes(0, 1)
-  out_nBsD = jax.lax.map(lambda xa: finish_rows(*xa, reduce), (x_nBsD, attn_nBsNH))
+
+  def blocks(rows_BT):  # [B, T, ...] -> [n, B, size, ...]
+    padded = jnp.pad(rows_BT, [(0, 0), (0, pad)] + [(0, 0)] * (rows_BT.ndim - 2))
+    return padded.reshape(B, n, size, *rows_BT.shape[2:]).swapaxes(0, 1)
+
+  x_nBsD, attn_nBs = blocks(x_BTD), jax.tree.map(blocks, attn_BTNH)
+  out_nBsD = jax.lax.map(lambda xa: finish_rows(*xa, reduce), (x_nBsD, attn_nBs))
   return out_nBsD.swapaxes(0, 1).reshape(B, n * size, D)[:, :T]
 
 

@@ -16,7 +16,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import gated_deltanet as gdn
-from models.base import first_local_expert, no_reduce, normal_param, ones_param, zeros_param
+from models.base import (
+  ROW_BLOCK,
+  first_local_expert,
+  in_row_blocks,
+  no_reduce,
+  normal_param,
+  ones_param,
+  zeros_param,
+)
 from models.experts import route_softmax_top_k, run_experts, swiglu
 from models.norms import rms_norm_one_plus
 
@@ -134,9 +142,15 @@ class GatedDeltaNetBlock(nnx.Module, OnePlusNormMlp):
     q_BThk, k_BThk, g_BTh = gdn.prepare(q_BThk, k_BThk, g_BTh)
     return q_BThk, k_BThk, v.reshape(B, T, h, d_v), g_BTh
 
-  def output(self, x_BTD, o_BThv, z_BThv, reduce=no_reduce):
-    """The gated RMSNorm, out_proj and residual, then the MLP. reduce: a model group's sum of
-    its shards' partial out_proj and MLP outputs (each shard holds some heads)."""
+  def output(self, x_BTD, o_BThv, z_BThv, reduce=no_reduce, row_block: int | None = ROW_BLOCK):
+    """The gated RMSNorm, out_proj and residual, then the MLP, over blocks of at most
+    `row_block` rows (`in_row_blocks`: one block's MLP intermediates, a mixture's routed rows,
+    live at a time). reduce: a model group's sum of its shards' partial out_proj and MLP
+    outputs (each shard holds some heads)."""
+    return in_row_blocks(self._output_rows, x_BTD, (o_BThv, z_BThv), row_block, reduce)
+
+  def _output_rows(self, x_BTD, oz, reduce):
+    o_BThv, z_BThv = oz
     o32 = o_BThv.astype(jnp.float32)
     normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.config.norm_eps)
     normed = self.out_norm[...] * normed.astype(x_BTD.dtype)

@@ -93,7 +93,8 @@ class GatedDeltaNetKind:
   # How a model with this kind runs while prefill's strategies do not run it.
   runs_today: ClassVar[str] = (
     "KV-Runahead and its peers run it through kvr_jax.inference.hybrid (prefill_hybrid, "
-    "generate_hybrid)"
+    "generate_hybrid), on a 1-D mesh or a 2-D one (key heads, heads and experts split over "
+    "'model')"
   )
   splits_over_model: ClassVar[bool] = True  # by key head (kvr_jax.strategies.hybrid)
 

@@ -17,7 +17,7 @@ def check_layers_run(config, what: str) -> None:
     runs = "; ".join(dict.fromkeys(kind.runs_today for kind in unbuilt))
     raise ValueError(
       f"{what} of a {config.architecture} model is not built: its layers include {names}, "
-      f"which prefill's strategies, decode and tensor parallelism do not run yet. {runs}; "
+      f"which prefill's own strategies and decode do not run yet. {runs}; "
       "one device through its own module: `model.module(tokens)` for logits, "
       "`.forward(tokens, capacity=...)` for the cache, `.decode_step(...)`"
     )

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
 from kvr_jax.inference import decode, latent, own_program
+from kvr_jax.inference import hybrid as hybrid_inference
 from kvr_jax.inference.kv_cache import (
   check_cache,
   join_on_device,
@@ -40,14 +41,15 @@ from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
-from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
-from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies import get_strategy, hybrid
 from kvr_jax.strategies.latent import compile_latent
 from models.config import ModelConfig
 from models.families import config_from_dict
 from models.kernels import AttentionKernel, get_kernel
-from models.layer_kinds import LatentAttentionKind
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
+from models.qwen3_5 import HybridCache, LinearState
 
 # KVR's split for the memory report: equal modelled compute on a GPU node (the issue's
 # "balanced" partition), not this machine's calibration (which would measure the CPU).
@@ -367,6 +369,9 @@ def compiled_memory(
   A latent-attention model (DeepSeek-V3) is measured in the programs prefill_latent and
   generate_latent run (`_measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
   (its cache is headless, so whole on every device of a model group), no move figures.
+  A hybrid model (Qwen3.5, Qwen3-Next) in those prefill_hybrid and generate_hybrid run
+  (`_measure_hybrid`): `kv_cache_bytes` its full layers' K,V and `state_cache_bytes` its
+  linear layers' states and halos (one device's heads of each), no move figures.
   """
   config = _config(model)
   spec = get_strategy(strategy)
@@ -398,6 +403,9 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   if isinstance(config.kinds[0], LatentAttentionKind):  # its own programs (prefill_latent)
     model = (graphdef, state, mesh)
     return _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model)
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):  # prefill_hybrid's
+    model = (graphdef, state, mesh)
+    return _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model)
   # The plan prefill would make for this shape (one process: no answer to agree on).
   prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
   plan = plan_from_shape(
@@ -515,6 +523,91 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
     "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
     "decode_temp_bytes": int(stats.temp_size_in_bytes),
   }
+
+
+def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
+  """compiled_memory of a hybrid model (Qwen3.5, Qwen3-Next): the program prefill_hybrid runs
+  (strategies.hybrid.compile_hybrid; its weights split over "model" on a 2-D mesh), its cache
+  in two parts, one device's share of each: `kv_cache_bytes` the full layers' K,V of every
+  position, `state_cache_bytes` the linear layers' float32 states and convolution halos,
+  whatever the prompt length; with decode_tokens the step generate_hybrid runs on the last
+  rank's device or group over the joined cache grown by them. model: (graphdef, abstract
+  state, mesh)."""
+  context_len, num_ranks, batch, m, decode_tokens = shape
+  graphdef, state, mesh = model
+  if spec.name not in hybrid.STRATEGIES:
+    raise ValueError(f"hybrid models run under {hybrid.STRATEGIES}, not {spec.name!r}")
+  if cache != "last":
+    raise ValueError("a hybrid model's cache is joined on the last rank: cache='last'")
+  itemsize = np.dtype(dtype_name).itemsize
+  kernel = get_kernel(spec.default_attention if attention == "auto" else attention)
+  if spec.partitioned:
+    plan = MEMORY_PARTITION if partition is None else partition
+    chunks = resolve_partition(
+      plan,
+      context_len,
+      num_ranks,
+      config=config,
+      batch=batch,
+      dtype_bytes=itemsize,
+      model_parallel=m,
+      **kernel_flags(kernel),
+    )
+  else:
+    chunks = spec.layout(context_len, num_ranks, None)
+  program = hybrid.compile_hybrid(spec.name, graphdef, mesh, tuple(chunks), kernel)
+  state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
+  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
+  tokens = _struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
+  past = _hybrid_cache_shapes(config, batch, context_len + decode_tokens, m, dtype_name)
+  full_kv, states = (
+    int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(part)) // m)
+    for part in (past.kv_2BSKH, past.linear)
+  )
+  result = {
+    **_report_head(spec, shape, dtype_name, cache, chunks, kernel),
+    **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
+    "weights_bytes": weights_bytes,
+    # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
+    "kv_cache_bytes": full_kv * context_len // (context_len + decode_tokens),
+    "state_cache_bytes": states,
+  }
+  if not decode_tokens:
+    return result
+  row = rank_row_mesh(mesh, num_ranks - 1)
+  row_state, _ = _placed_state(config, state, row, m, itemsize)
+  vector = _struct((batch,), np.int32, NamedSharding(row, jax.P()))
+  split = NamedSharding(row, jax.P(MODEL_AXIS) if m > 1 else jax.P())
+  grown = jax.tree.map(lambda x: _struct(x.shape, x.dtype, split), past)
+  if m > 1:
+    step = hybrid_inference.hybrid_group_step(graphdef, row)
+  else:  # one device: the model's own decode step, as generate_hybrid runs it
+    step = own_program._decode_step(graphdef)
+  stats = _compile(step.lower(row_state, vector, vector, grown), dtype_name).memory_analysis()
+  return {
+    **result,
+    "decode_argument_bytes": int(stats.argument_size_in_bytes),
+    "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
+    "decode_temp_bytes": int(stats.temp_size_in_bytes),
+  }
+
+
+def _hybrid_cache_shapes(config, batch: int, capacity: int, m: int, dtype_name: str):
+  """The HybridCache generate_hybrid decodes from, as shapes: whole (m = 1), or every leaf
+  [m, ...] with each shard's KV heads, value heads' states and channels (m > 1)."""
+  K = tensor_parallel.kv_heads_per_shard(config, m)
+  h, d_k = config.linear_num_value_heads // m, config.linear_key_head_dim
+  d_v, w = config.linear_value_head_dim, config.linear_conv_kernel - 1
+  L_full, L_linear = (len(config.layers_of(t)) for t in ("full_attention", "linear_attention"))
+  lead = (m,) if m > 1 else ()
+  dtype = np.dtype(dtype_name)
+  return HybridCache(
+    jax.ShapeDtypeStruct((*lead, L_full, 2, batch, capacity, K, config.head_dim), dtype),
+    LinearState(
+      jax.ShapeDtypeStruct((*lead, L_linear, batch, h, d_k, d_v), np.float32),
+      jax.ShapeDtypeStruct((*lead, L_linear, batch, w, config.conv_channels // m), dtype),
+    ),
+  )
 
 
 def _in_subprocess(
