@@ -188,3 +188,33 @@ def test_a_group_that_does_not_split_the_key_heads_is_refused(checkpoints, token
   model = checkpoints["next"][2]
   with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\)"):
     prefill_hybrid(model, tokens, kvr_jax.make_mesh(2, model=4), [40, 30], "flash")
+
+
+def test_compiled_memory_of_a_hybrid_splits_heads_states_and_columns():
+  """XLA's per-device memory (from shapes) of bench-qwen3.5's KV-Runahead program on 2 x 1 and
+  2 x 2: one device holds half of every weight but the embedding, head and norms (by hand),
+  half of the full layers' K,V and half of the linear layers' states and halos (their value
+  heads and channels: float32 [h, k, v] and [w, C] per layer, whatever the prompt length), and
+  the last rank's decode step holds its weights and that cache grown by the new tokens."""
+  from kvr_jax.runtime.loading import preset_config
+
+  cfg = preset_config("bench-qwen3.5")
+  kw = dict(context_len=512, num_ranks=2, partition="even", decode_tokens=4)
+  whole = kvr_jax.compiled_memory(cfg, "kvr", **kw)
+  split = kvr_jax.compiled_memory(cfg, "kvr", model_parallel=2, **kw)
+  V, D, H = cfg.vocab_size, cfg.d_model, cfg.head_dim
+  L_full = len(cfg.layers_of("full_attention"))
+  L_linear = cfg.num_layers - L_full
+  unsplit = (
+    2 * V * D + D + L_full * (2 * D + 2 * H) + L_linear * (2 * D + cfg.linear_value_head_dim)
+  )
+  total = cfg.num_params()
+  assert whole["weights_bytes"] == 4 * total
+  assert split["weights_bytes"] == 4 * (unsplit + (total - unsplit) // 2)
+  h, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  states = L_linear * (h * k * v + (cfg.linear_conv_kernel - 1) * cfg.conv_channels) * 4
+  assert whole["state_cache_bytes"] == states == 2 * split["state_cache_bytes"]
+  kv = L_full * 2 * 512 * cfg.num_kv_heads * H * 4
+  assert whole["kv_cache_bytes"] == kv == 2 * split["kv_cache_bytes"]
+  grown = (kv * (512 + 4) // 512 + states) // 2
+  assert split["decode_argument_bytes"] >= split["weights_bytes"] + grown
