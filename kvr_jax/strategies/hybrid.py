@@ -44,6 +44,7 @@ from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.allgather import allgather_body
@@ -246,8 +247,9 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
   it [p, L_full, ...], "state": [p, L_linear, B, h, k, v], "halo": [p, L_linear, B, w, C]}).
   On a ("ranks", "model") mesh the state is split over each rank's group
   (runtime.tensor_parallel: heads, key heads with their value heads, experts, MLP columns),
-  the shards' partial sums added by psum_over_model, and each output is per shard, [p, m,
-  ...]: shard j's K,V heads, states and convolution channels."""
+  the shards' partial sums added by psum_over_model, and every output's heads split over
+  "model" (`output_specs`: shard j's K,V heads, value heads' states and its q, k, v heads'
+  convolution channels, so a halo's channels are in shard order)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
   body_of, keep_last_hop = _BODIES[strategy]
@@ -293,8 +295,7 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
     logits_BV = model.logits(body.last_row(x)[:, None])[:, 0]
     logits_BV = logits_to_last_rank(logits_BV, body.owner, p)
-    per_shard = (lambda a: a[None, None]) if m > 1 else (lambda a: a[None])
-    return logits_BV[None], jax.tree.map(per_shard, out)
+    return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
   if m == 1:
     body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
@@ -308,11 +309,25 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
       program,
       mesh=mesh,
       in_specs=(tensor_parallel.partition_specs(state, m), P(AXIS)),
-      out_specs=(P(AXIS), P(AXIS, MODEL_AXIS)),
+      out_specs=(P(AXIS), output_specs(mesh)),
       check_vma=False,
     )(state, tokens_pBc)
 
   return body_2d
+
+
+def output_specs(mesh) -> dict:
+  """compile_hybrid's outputs by rank, their heads over "model" on a 2-D mesh: the full
+  layers' K,V [p, L, 2, rows, K, H] (every array the strategy emits), the linear layers'
+  states [p, L, B, h, k, v] and halos [p, L, B, w, C]."""
+  P = jax.P
+  if model_parallel(mesh) == 1:
+    return {"full": P(AXIS), "state": P(AXIS), "halo": P(AXIS)}
+  return {
+    "full": parts_spec(mesh),
+    "state": P(AXIS, None, None, MODEL_AXIS),
+    "halo": P(AXIS, None, None, None, MODEL_AXIS),
+  }
 
 
 def _empty_outputs(model, body, full_layer, linear_layer, x) -> dict:

@@ -41,7 +41,7 @@ from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, make_mesh, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy, hybrid
 from kvr_jax.strategies.latent import compile_latent
@@ -577,8 +577,10 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
   row = rank_row_mesh(mesh, num_ranks - 1)
   row_state, _ = _placed_state(config, state, row, m, itemsize)
   vector = _struct((batch,), np.int32, NamedSharding(row, jax.P()))
-  split = NamedSharding(row, jax.P(MODEL_AXIS) if m > 1 else jax.P())
-  grown = jax.tree.map(lambda x: _struct(x.shape, x.dtype, split), past)
+  specs = hybrid_inference.CACHE_SPECS if m > 1 else jax.tree.map(lambda _: jax.P(), past)
+  grown = jax.tree.map(
+    lambda x, spec: _struct(x.shape, x.dtype, NamedSharding(row, spec)), past, specs
+  )
   if m > 1:
     step = hybrid_inference.hybrid_group_step(graphdef, row)
   else:  # one device: the model's own decode step, as generate_hybrid runs it
@@ -593,19 +595,18 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
 
 
 def _hybrid_cache_shapes(config, batch: int, capacity: int, m: int, dtype_name: str):
-  """The HybridCache generate_hybrid decodes from, as shapes: whole (m = 1), or every leaf
-  [m, ...] with each shard's KV heads, value heads' states and channels (m > 1)."""
-  K = tensor_parallel.kv_heads_per_shard(config, m)
-  h, d_k = config.linear_num_value_heads // m, config.linear_key_head_dim
+  """The HybridCache generate_hybrid decodes from, as shapes (the whole group's: m devices'
+  KV heads, repeated to m where the model has fewer, as the shards hold them)."""
+  K = tensor_parallel.kv_heads_per_shard(config, m) * m
+  h, d_k = config.linear_num_value_heads, config.linear_key_head_dim
   d_v, w = config.linear_value_head_dim, config.linear_conv_kernel - 1
   L_full, L_linear = (len(config.layers_of(t)) for t in ("full_attention", "linear_attention"))
-  lead = (m,) if m > 1 else ()
   dtype = np.dtype(dtype_name)
   return HybridCache(
-    jax.ShapeDtypeStruct((*lead, L_full, 2, batch, capacity, K, config.head_dim), dtype),
+    jax.ShapeDtypeStruct((L_full, 2, batch, capacity, K, config.head_dim), dtype),
     LinearState(
-      jax.ShapeDtypeStruct((*lead, L_linear, batch, h, d_k, d_v), np.float32),
-      jax.ShapeDtypeStruct((*lead, L_linear, batch, w, config.conv_channels // m), dtype),
+      jax.ShapeDtypeStruct((L_linear, batch, h, d_k, d_v), np.float32),
+      jax.ShapeDtypeStruct((L_linear, batch, w, config.conv_channels), dtype),
     ),
   )
 
