@@ -137,6 +137,11 @@ class Block(nnx.Module):
     """`attend` of `queries` over cache entries as `project_entries` gives them."""
     return self.attend(queries, entries_MBSKH[0], entries_MBSKH[1], query_offset, attention)
 
+  def attend_entries_partial(self, queries, entries_MBSKH, query_offset, attention):
+    """`attend_partial` of `queries` over cache entries as `project_entries` gives them:
+    (out float32, lse float32), to merge with the same queries' partial over other keys."""
+    return self.attend_partial(queries, entries_MBSKH[0], entries_MBSKH[1], query_offset, attention)
+
   def attend(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention) -> jax.Array:
     """This model's attention (causal, with its sliding window if any) at `query_offset`
     counted from the first key given; `attention` names the kernel (models.attention)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import attend_static
+from models.attention import attend_partial, attend_static
 from models.base import normal_param, ones_param
 from models.masks import MASK_VALUE
 from models.norms import rms_norm
@@ -121,6 +121,16 @@ class LatentAttention(nnx.Module):
     return self.attend_expanded(
       q_nope_BTNn, q_rope_BTNr, entries_1BS1C[0, :, :, 0], query_offset, attention
     )
+
+  def attend_entries_partial(self, queries, entries_1BS1C, query_offset, attention):
+    """`attend_entries` for the kernels that return their log-sum-exp (flash): (out [B, T,
+    N, v] float32, lse [B, T, N] float32) over the latents given (expanded here), to merge
+    with the same queries' partial over other latents (KV-Runahead's early diagonal)."""
+    q_nope_BTNn, q_rope_BTNr = queries
+    q_BTNh = self.expanded_queries(q_nope_BTNn, q_rope_BTNr)
+    k_BSNh, v_BSNh = self.expanded_keys_values(entries_1BS1C[0, :, :, 0])
+    out_BTNh, lse_BTN = attend_partial(q_BTNh, k_BSNh, v_BSNh, query_offset, attention)
+    return out_BTNh[..., : self.config.v_head_dim], lse_BTN
 
   def attend_absorbed(self, q_nope_BNn, q_rope_BNr, cache_BSC, positions_B):
     """Decode: one query per row (row b at positions_B[b]) against the C-wide cache, each

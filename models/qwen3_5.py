@@ -172,14 +172,17 @@ class Qwen35(CausalLM):
     states: runtime.tensor_parallel)."""
     B = tokens_B.shape[0]
     positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
-    rows_B = jnp.arange(B)
 
     def full(block, i, carry):
       x_B1D, cache = carry
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
       kv = cache.kv_2BSKH
-      kv = kv.at[i, 0, rows_B, positions_B].set(k_B1KH[:, 0].astype(kv.dtype))
-      kv = kv.at[i, 1, rows_B, positions_B].set(v_B1KH[:, 0].astype(kv.dtype))
+      # Each row's K,V written where it lies: a dynamic-update-slice per row, not a scatter
+      # (XLA:CPU runs a bfloat16 scatter in float32 over the whole stack of layers).
+      kv_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(kv.dtype)
+      for b in range(B):
+        row_21KH = kv_2B1KH[None, :, b : b + 1]
+        kv = jax.lax.dynamic_update_slice(kv, row_21KH, (i, 0, b, positions_B[b], 0, 0))
       attn_B1NH = block.attend(q_B1NH, kv[i, 0], kv[i, 1], positions_B, "dense")
       return block.finish(x_B1D, attn_B1NH, reduce=reduce), cache._replace(kv_2BSKH=kv)
 

@@ -37,6 +37,7 @@ from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies import tsp, zigzag
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
+from kvr_jax.strategies.runahead.schedule import attends_diagonal_first
 from models.attention import attend_partial
 from models.base import no_reduce
 
@@ -63,17 +64,19 @@ def local_heads(model) -> int:
 def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention, reduce=no_reduce):
   """KV-Runahead's rank layer (`runahead.rank_layer`, the per-rank program: static lengths)
   on latent layers: its cache entries are the latents, one headless [1, C] per position
-  (`LatentAttention.project_entries`), which the hops carry as they carry K,V; no early
-  diagonal (the expanded attention returns no log-sum-exp), the last hop kept (the last rank
-  holds every position without a move). reduce: a model group's sum (its heads and experts
-  split; every shard of a rank computes, sends and receives the same whole latent)."""
+  (`LatentAttention.project_entries`), which the hops carry as they carry K,V; with a
+  kernel that returns its log-sum-exp (flash) each rank i > 0 attends its first rows' own
+  latents (expanded) before its hop lands, as on K,V layers (`attend_entries_partial`, merged
+  by lse); the last hop kept (the last rank holds every position without a move). reduce: a
+  model group's sum (its heads and experts split; every shard of a rank computes, sends and
+  receives the same whole latent)."""
   return RankLayer.at_static_lengths(
     chunks,
     attention,
     model.config,
     rank,
     reduce,
-    diagonal_first=False,
+    diagonal_first=attends_diagonal_first(attention, len(chunks)),
     timeline=False,
     keep_last_hop=True,  # prefill_latent runs on 2 or more ranks
     dtype=model.dtype,

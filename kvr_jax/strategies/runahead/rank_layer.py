@@ -214,11 +214,11 @@ class RankLayer:
         lengths=Lengths(query_rows=(0, rows), key_end=lengths.c),
       )
     pad_to = max(1, *self.static_early_rows)  # never empty: probes and ordered_after read it
+    first_rows = lambda n: jax.tree.map(lambda q: q[:, :n], q_BcNH)  # noqa: E731
     if lengths.index == 0 or rows == 0:
-      zeros_BrNH = jnp.zeros_like(q_BcNH[:, :pad_to], jnp.float32)
-      return zeros_BrNH, zeros_BrNH[..., 0]
-    out_BrNH, lse_BrN = block.attend_partial(
-      q_BcNH[:, :rows], own_2BcKH[0, :, :rows], own_2BcKH[1, :, :rows], 0, self.kernel
+      return _zero_partial(block, first_rows(pad_to), own_2BcKH, self.kernel)
+    out_BrNH, lse_BrN = block.attend_entries_partial(
+      first_rows(rows), own_2BcKH[:, :, :rows], 0, self.kernel
     )
     return pad_rows(out_BrNH, pad_to), pad_rows(lse_BrN, pad_to)
 
@@ -357,6 +357,20 @@ class RankLayer:
     return x_BcD, buffer_2BSKH, kept
 
 
+def _zero_partial(block, q_BrNH, entries_MBcKH, kernel):
+  """A partial (out, lse) of zeros for the queries q (rank 0's, or a rank with no early rows:
+  never merged), shaped as the block's partial is (its out width: H, or a latent layer's
+  value width) and built from q, so that it carries q's type."""
+  out_shape = jax.eval_shape(
+    lambda q, e: block.attend_entries_partial(q, e, 0, kernel)[0],
+    jax.tree.map(lambda q: q[:, :1], q_BrNH),
+    entries_MBcKH[:, :, :1],
+  ).shape
+  q0_BrN1 = jax.tree.leaves(q_BrNH)[0][..., :1]
+  zeros_BrN1 = jnp.zeros_like(q0_BrN1, jnp.float32)
+  return zeros_BrN1 + jnp.zeros(out_shape[-1], jnp.float32), zeros_BrN1[..., 0]
+
+
 def attend_static(block, q_BcNH, own_2BcKH, prefix_2BsKH, lengths: RankLengths, kernel, diag):
   """Rank i's attention at static lengths: its c queries against the prefix [first, start)
   it received and its own chunk. With `diag` (the partial of its first early_rows rows
@@ -371,21 +385,18 @@ def attend_static(block, q_BcNH, own_2BcKH, prefix_2BsKH, lengths: RankLengths, 
   if diag is None:  # a layer's cache entries: K and V, or its latents
     keys_2BsKH = jnp.concatenate([prefix_2BsKH, own_2BcKH], axis=2)
     return block.attend_entries(q_BcNH, keys_2BsKH, start - first, kernel)
-  out_BcNH, lse_BcN = block.attend_partial(
-    q_BcNH, prefix_2BsKH[0], prefix_2BsKH[1], start - first, kernel
-  )
+  out_BcNH, lse_BcN = block.attend_entries_partial(q_BcNH, prefix_2BsKH, start - first, kernel)
   # The diagonal's rows [rows, c) after the hop (offset `rows` against the chunk's c keys),
   # appended to the `rows` attended before it.
   rows = lengths.early_rows
   own_out_BcNH, own_lse_BcN = diag[0][:, :rows], diag[1][:, :rows]
   if rows < c:
-    late_BcNH, late_lse_BcN = block.attend_partial(
-      q_BcNH[:, rows:], own_2BcKH[0], own_2BcKH[1], rows, kernel
-    )
+    late_queries = jax.tree.map(lambda q: q[:, rows:], q_BcNH)
+    late_BcNH, late_lse_BcN = block.attend_entries_partial(late_queries, own_2BcKH, rows, kernel)
     own_out_BcNH = jnp.concatenate([own_out_BcNH, late_BcNH], axis=1)
     own_lse_BcN = jnp.concatenate([own_lse_BcN, late_lse_BcN], axis=1)
   merged_BcNH, _ = merge_partials(out_BcNH, lse_BcN, own_out_BcNH, own_lse_BcN)
-  return merged_BcNH.astype(q_BcNH.dtype)
+  return merged_BcNH.astype(jax.tree.leaves(q_BcNH)[0].dtype)
 
 
 def rank_layer(block, x_BcD, kv_prefix, i: int, chunks: tuple[int, ...], attention="dense"):
