@@ -194,6 +194,21 @@ class Block(nnx.Module):
     return in_row_blocks(self.finish_rows, x_BTD, attn_BTNH, row_block, reduce)
 
 
+def write_rows(cache, lead: tuple, positions_B, new_B1X):
+  """Each row's new entry (new_B1X[b], [1, ...]) written into `cache` [*lead axes, B, S, ...]
+  at (*lead, b, positions_B[b]): a dynamic-update-slice per row, where the cache lies. Not a
+  scatter: XLA:CPU runs a bfloat16 scatter in float32 over the whole array, converting every
+  layer's cache in each decode step (Llama-3.1-8B at 64k: 6.9 GiB of temporaries against
+  2.9 this way)."""
+  new_B1X = new_B1X.astype(cache.dtype)
+  ones = (1,) * len(lead)
+  for b in range(new_B1X.shape[0]):
+    start = (*lead, b, positions_B[b]) + (0,) * (new_B1X.ndim - 2)
+    row = new_B1X[b : b + 1]
+    cache = jax.lax.dynamic_update_slice(cache, row.reshape(ones + row.shape), start)
+  return cache
+
+
 def in_row_blocks(finish_rows, x_BTD, attn_BTNH, row_block: int | None, reduce) -> jax.Array:
   """`finish_rows(x, attn, reduce)` over blocks of at most `row_block` tokens (a `lax.map`: one
   block's intermediates live at a time: an MLP's, a mixture's routed rows); None or a short

@@ -31,6 +31,7 @@ from models.base import (
   no_reduce,
   normal_param,
   ones_param,
+  write_rows,
   zeros_param,
 )
 from models.deepseek_v3_config import MODEL_TYPES, DeepseekV3Config, deepseek_v3_from_hf
@@ -172,14 +173,13 @@ class DeepseekV3(CausalLM):
     cache is whole on every shard)."""
     B = tokens_B.shape[0]
     positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
-    rows_B = jnp.arange(B)
 
     def layer(block, l, carry):
       x_B1D, cache = carry
       h_B1D = block.attention_input(x_B1D)
       q_nope, q_rope = block.queries(h_B1D, positions_B[:, None])
       entry_BC = block.latents(h_B1D, positions_B[:, None])[:, 0]
-      cache = cache.at[l, rows_B, positions_B].set(entry_BC.astype(cache.dtype))
+      cache = write_rows(cache, (l,), positions_B, entry_BC[:, None])
       attn_BNv = block.attend_absorbed(q_nope[:, 0], q_rope[:, 0], cache[l], positions_B)
       return block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), cache
 

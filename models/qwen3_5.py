@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.base import Block, CausalLM, no_reduce, normal_param, zeros_param
+from models.base import Block, CausalLM, no_reduce, normal_param, write_rows, zeros_param
 from models.family import Family
 from models.gated_deltanet_layer import GatedDeltaNetBlock, LinearState, OnePlusNormMlp
 from models.norms import rms_norm_one_plus
@@ -177,12 +177,8 @@ class Qwen35(CausalLM):
       x_B1D, cache = carry
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
       kv = cache.kv_2BSKH
-      # Each row's K,V written where it lies: a dynamic-update-slice per row, not a scatter
-      # (XLA:CPU runs a bfloat16 scatter in float32 over the whole stack of layers).
-      kv_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(kv.dtype)
-      for b in range(B):
-        row_21KH = kv_2B1KH[None, :, b : b + 1]
-        kv = jax.lax.dynamic_update_slice(kv, row_21KH, (i, 0, b, positions_B[b], 0, 0))
+      kv = write_rows(kv, (i, 0), positions_B, k_B1KH)
+      kv = write_rows(kv, (i, 1), positions_B, v_B1KH)
       attn_B1NH = block.attend(q_B1NH, kv[i, 0], kv[i, 1], positions_B, "dense")
       return block.finish(x_B1D, attn_B1NH, reduce=reduce), cache._replace(kv_2BSKH=kv)
 

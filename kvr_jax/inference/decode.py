@@ -33,7 +33,7 @@ from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from models import scan_blocks
 from models.attention import attend_static, attend_with_lse, merge_partials
-from models.base import no_reduce
+from models.base import no_reduce, write_rows
 from models.flash import attend_flash
 
 
@@ -116,7 +116,6 @@ def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_redu
   model = nnx.merge(graphdef, state)
   B = tokens_B.shape[0]
   positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
-  rows_B = jnp.arange(B)
 
   def layer(block, carry, slot):
     # The cache is carried through the layers and written where it lies (one token's row per
@@ -128,8 +127,8 @@ def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_redu
     q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
     if ring is None:
       k_LBSKH, v_LBSKH = caches[group]
-      k_LBSKH = k_LBSKH.at[slot, rows_B, positions_B].set(k_B1KH[:, 0].astype(k_LBSKH.dtype))
-      v_LBSKH = v_LBSKH.at[slot, rows_B, positions_B].set(v_B1KH[:, 0].astype(v_LBSKH.dtype))
+      k_LBSKH = write_rows(k_LBSKH, (slot,), positions_B, k_B1KH)
+      v_LBSKH = write_rows(v_LBSKH, (slot,), positions_B, v_B1KH)
       attn_B1NH = block.attend(q_B1NH, k_LBSKH[slot], v_LBSKH[slot], positions_B, "dense")
       kept = (k_LBSKH, v_LBSKH)
     else:
@@ -151,9 +150,9 @@ def ring_attention(block, q_B1NH, k_B1KH, v_B1KH, ring_kv, slot, positions_B, ri
   written at position mod W of layer `slot` of ring_kv ((k, v) [L_g, B, W, K, H]), where the
   ring lies, then its queries attend the ring. Returns (attn [B, 1, N, H], ring_kv)."""
   k_LBWKH, v_LBWKH = ring_kv
-  rows_B, written_B = jnp.arange(positions_B.shape[0]), positions_B % ring
-  k_LBWKH = k_LBWKH.at[slot, rows_B, written_B].set(k_B1KH[:, 0].astype(k_LBWKH.dtype))
-  v_LBWKH = v_LBWKH.at[slot, rows_B, written_B].set(v_B1KH[:, 0].astype(v_LBWKH.dtype))
+  written_B = positions_B % ring
+  k_LBWKH = write_rows(k_LBWKH, (slot,), written_B, k_B1KH)
+  v_LBWKH = write_rows(v_LBWKH, (slot,), written_B, v_B1KH)
   # The ring holds exactly the window's positions once it is full, in slot order (the softmax
   # does not care which): nothing to mask then; before, slots past the token's position are
   # empty, hidden as a causal offset hides them.
