@@ -268,6 +268,22 @@ def test_latent_prefill_equals_one_device(
   assert result.moved == (strategy != "kvr")
 
 
+def test_latent_kvr_attends_its_early_diagonal_before_the_hop(checkpoints):
+  """With flash (it returns its log-sum-exp) KV-Runahead's ranks attend their first rows'
+  own latents before the prefix lands, as on K,V layers; the split [5, 15, 12, 8] that
+  test_latent_prefill_equals_one_device checks gives ranks 2 and 3 early rows; dense, none."""
+  from kvr_jax.strategies.latent import kvr_latent_rank
+  from models.kernels import get_kernel
+
+  ours = checkpoints["deepseek-default"][2]
+  chunks = (5, 15, 12, 8)
+  flash = kvr_latent_rank(ours.module, 0, chunks, get_kernel("flash"))
+  assert flash.diagonal_first and flash.static_early_rows[0] == 0
+  assert flash.static_early_rows[2] > 0 and flash.static_early_rows[3] > 0
+  dense = kvr_latent_rank(ours.module, 0, chunks, get_kernel("dense"))
+  assert not dense.diagonal_first and dense.static_early_rows == (0, 0, 0, 0)
+
+
 def test_kvr_on_latent_attention_decodes_transformers_greedy_tokens(checkpoints, tokens):
   from kvr_jax.inference.latent import generate_latent
 
