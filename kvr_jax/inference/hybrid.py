@@ -18,10 +18,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
 from kvr_jax.inference.generate import check_sampling
 from kvr_jax.inference.own_program import (
@@ -29,6 +27,7 @@ from kvr_jax.inference.own_program import (
   check_new_tokens,
   check_tokens,
   decode_from_cache,
+  group_decode_step,
   sample_steps,
 )
 from kvr_jax.runtime import tensor_parallel
@@ -265,48 +264,17 @@ def generate_hybrid(
   # cache where the join left it, each step's shards summed over "model".
   row_mesh = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
   logits_BV = jax.device_put(result.logits_BV, NamedSharding(row_mesh, jax.P()))
-  step = hybrid_group_step(model.graphdef, row_mesh)
+  step = group_decode_step(model.graphdef, row_mesh, CACHE_SPECS)
   state = model.state_split_over(row_mesh)
   return sample_steps(step, state, logits_BV, result.cache, T, max_new_tokens, sampling)[0]
 
 
 # A hybrid cache split over a model group by head: K,V [L, 2, B, S, K, H] by KV head, the
 # states [L, B, h, k, v] by value head, the halos [L, B, w, C] by channel (each device's q, k,
-# v heads' channels in turn).
+# v heads' channels in turn). On the heads' axes, not a leading [m] axis: with one, XLA:CPU's
+# analysis showed a copy of the whole cache in every decode step (161.7 MiB of temporaries
+# against 65.7 for bench-qwen3.5's 128 MiB per device at 64k on 1 x 2).
 CACHE_SPECS = HybridCache(
   jax.P(None, None, None, None, MODEL_AXIS, None),
   LinearState(jax.P(None, None, MODEL_AXIS), jax.P(None, None, None, MODEL_AXIS)),
 )
-
-
-@kept_cache(8)
-def hybrid_group_step(graphdef, row_mesh):
-  """The model's decode step on one rank's model group (a ("ranks", "model") mesh of one
-  rank): (state split over "model", tokens [B], positions [B], cache split by head
-  (`CACHE_SPECS`), donated) -> (logits [B, V] replicated, the cache moved on). The heads'
-  axes carry the split, not a leading [m] axis: with one, XLA:CPU's analysis showed a copy of
-  the whole cache in every step (161.7 MiB of temporaries against 65.7 for bench-qwen3.5's
-  128 MiB per device at 64k on 1 x 2)."""
-  P = jax.P
-
-  def shard_step(state, tokens_B, positions_B, cache):
-    model = nnx.merge(graphdef, state)
-    return model.decode_step(tokens_B, positions_B, cache, reduce=tensor_parallel.psum_over_model)
-
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def step(state, tokens_B, positions_B, cache):
-    # check_vma=False: the psums make the logits whole on every shard.
-    return jax.shard_map(
-      shard_step,
-      mesh=row_mesh,
-      in_specs=(
-        tensor_parallel.partition_specs(state, model_parallel(row_mesh)),
-        P(),
-        P(),
-        CACHE_SPECS,
-      ),
-      out_specs=(P(), CACHE_SPECS),
-      check_vma=False,
-    )(state, tokens_B, positions_B, cache)
-
-  return step

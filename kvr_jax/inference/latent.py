@@ -33,6 +33,7 @@ from kvr_jax.inference.own_program import (
   check_new_tokens,
   check_tokens,
   decode_from_cache,
+  group_decode_step,
   sample_steps,
 )
 from kvr_jax.runtime import tensor_parallel
@@ -267,36 +268,11 @@ def _group_decode(model, result: LatentPrefill, row_mesh, max_new_tokens: int, s
   of its devices (it is headless), the weights split as the prefill split them, each step's
   shards summed over "model"."""
   replicated = NamedSharding(row_mesh, jax.P())
-  step = latent_group_step(model.graphdef, row_mesh)
+  step = group_decode_step(model.graphdef, row_mesh, jax.P())
   state = model.state_split_over(row_mesh)
   cache, logits_BV = jax.device_put((result.cache, result.logits_BV), replicated)
   T = sum(result.chunks)
   return sample_steps(step, state, logits_BV, cache, T, max_new_tokens, sampling)[0]
-
-
-@kept_cache(8)
-def latent_group_step(graphdef, row_mesh):
-  """The model's decode step (absorbed, from the whole latent cache) on one rank's model group
-  (a ("ranks", "model") mesh of one rank): (state split over "model", tokens [B], positions
-  [B], cache [L, B, S, C] replicated) -> (logits [B, V], cache), both replicated."""
-  P = jax.P
-
-  def shard_step(state, tokens_B, positions_B, cache):
-    model = nnx.merge(graphdef, state)
-    return model.decode_step(tokens_B, positions_B, cache, reduce=tensor_parallel.psum_over_model)
-
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def step(state, tokens_B, positions_B, cache):
-    # check_vma=False: the psums make the logits and the cache whole on every shard.
-    return jax.shard_map(
-      shard_step,
-      mesh=row_mesh,
-      in_specs=(tensor_parallel.partition_specs(state, model_parallel(row_mesh)), P(), P(), P()),
-      out_specs=(P(), P()),
-      check_vma=False,
-    )(state, tokens_B, positions_B, cache)
-
-  return step
 
 
 @kept_cache(8)

@@ -14,6 +14,8 @@ from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import model_parallel
 
 
 def check_tokens(model, tokens) -> np.ndarray:
@@ -99,5 +101,37 @@ def _decode_step(graphdef):
   @functools.partial(jax.jit, donate_argnums=(3,))
   def step(state, tokens_B, positions_B, cache):
     return nnx.merge(graphdef, state).decode_step(tokens_B, positions_B, cache)
+
+  return step
+
+
+@kept_cache(8)
+def group_decode_step(graphdef, row_mesh, cache_spec):
+  """The model's decode step on one rank's model group (a ("ranks", "model") mesh of one
+  rank): (state split over "model", tokens [B], positions [B], cache placed by `cache_spec`
+  (a PartitionSpec, or a pytree of them: a latent cache whole on every shard, a hybrid's split
+  by head), donated) -> (logits [B, V] replicated, the cache moved on). Each shard runs its
+  heads and experts; the psums over "model" add their partial sums."""
+  P = jax.P
+
+  def shard_step(state, tokens_B, positions_B, cache):
+    model = nnx.merge(graphdef, state)
+    return model.decode_step(tokens_B, positions_B, cache, reduce=tensor_parallel.psum_over_model)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def step(state, tokens_B, positions_B, cache):
+    # check_vma=False: the psums make the logits (and a whole cache) whole on every shard.
+    return jax.shard_map(
+      shard_step,
+      mesh=row_mesh,
+      in_specs=(
+        tensor_parallel.partition_specs(state, model_parallel(row_mesh)),
+        P(),
+        P(),
+        cache_spec,
+      ),
+      out_specs=(P(), cache_spec),
+      check_vma=False,
+    )(state, tokens_B, positions_B, cache)
 
   return step

@@ -229,6 +229,32 @@ def spmd(rank_program, mesh, with_table: bool = False):
   return body_2d
 
 
+def own_spmd(rank_program, mesh, out_specs):
+  """The programs of the models with their own (hybrid, latent): (state, tokens [p, B,
+  T_rank]) -> rank_program's outputs placed by `out_specs`. The weights whole on every rank
+  (1-D mesh) or split over each rank's "model" row (2-D: `tensor_parallel`'s specs, from the
+  state's structure at trace time)."""
+  P = jax.P
+  m = model_parallel(mesh)
+  if m == 1:
+    body = jax.shard_map(rank_program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=out_specs)
+    return jax.jit(body)
+
+  @jax.jit
+  def body_2d(state, tokens_pBc):
+    # check_vma=False as in `spmd`: the psums make the hidden states (and what is computed
+    # from them) whole on every shard of a rank, which the type check cannot see.
+    return jax.shard_map(
+      rank_program,
+      mesh=mesh,
+      in_specs=(tensor_parallel.partition_specs(state, m), P(AXIS)),
+      out_specs=out_specs,
+      check_vma=False,
+    )(state, tokens_pBc)
+
+  return body_2d
+
+
 def logits_to_last_rank(logits_BV, owner: int, num_ranks: int):
   """The prompt's last position's logits, computed on rank `owner`, moved to rank p-1 where
   decode continues (B x V values, once); unchanged when the owner is already p-1."""

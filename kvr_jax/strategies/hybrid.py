@@ -48,7 +48,7 @@ from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.allgather import allgather_body
-from kvr_jax.strategies.base import count_trace, logits_to_last_rank
+from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd
 from kvr_jax.strategies.ring import ring_body
 from kvr_jax.strategies.runahead import kvr_body
 from kvr_jax.strategies.runahead.rank_layer import pad_rows
@@ -297,23 +297,7 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
     logits_BV = logits_to_last_rank(logits_BV, body.owner, p)
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
-  if m == 1:
-    body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
-    return jax.jit(body)
-
-  @jax.jit
-  def body_2d(state, tokens_pBc):
-    # check_vma=False as in strategies.base.spmd: the psums make the hidden states and logits
-    # whole on every shard of a rank, which the type check cannot see.
-    return jax.shard_map(
-      program,
-      mesh=mesh,
-      in_specs=(tensor_parallel.partition_specs(state, m), P(AXIS)),
-      out_specs=(P(AXIS), output_specs(mesh)),
-      check_vma=False,
-    )(state, tokens_pBc)
-
-  return body_2d
+  return own_spmd(program, mesh, (P(AXIS), output_specs(mesh)))
 
 
 def output_specs(mesh) -> dict:

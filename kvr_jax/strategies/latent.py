@@ -35,7 +35,7 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies import tsp, zigzag
-from kvr_jax.strategies.base import count_trace, logits_to_last_rank
+from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
 from kvr_jax.strategies.runahead.schedule import attends_diagonal_first
 from models.attention import attend_partial
@@ -249,20 +249,4 @@ def compile_latent(
     logits_BV = logits_to_last_rank(logits_BV, owner, p)
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
-  if m == 1:
-    body = jax.shard_map(program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
-    return jax.jit(body)
-
-  @jax.jit
-  def body_2d(state, tokens_pBc):
-    # check_vma=False as in strategies.base.spmd: the psums make the hidden states, latents
-    # and logits whole on every shard of a rank, which the type check cannot see.
-    return jax.shard_map(
-      program,
-      mesh=mesh,
-      in_specs=(tensor_parallel.partition_specs(state, m), P(AXIS)),
-      out_specs=P(AXIS),
-      check_vma=False,
-    )(state, tokens_pBc)
-
-  return body_2d
+  return own_spmd(program, mesh, P(AXIS))

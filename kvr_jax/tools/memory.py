@@ -451,6 +451,28 @@ def _report_head(spec, shape, dtype_name: str, cache: str, chunks, kernel) -> di
   }
 
 
+def _own_program_chunks(config, spec, shape, itemsize: int, kernel, partition) -> tuple:
+  """The chunks a model with its own programs (latent, hybrid) prefills on: KV-Runahead's
+  `partition` resolved (MEMORY_PARTITION by default) on a model group of m devices, the
+  peers' own layout."""
+  context_len, num_ranks, batch, m, _ = shape
+  if not spec.partitioned:
+    return tuple(spec.layout(context_len, num_ranks, None))
+  plan = MEMORY_PARTITION if partition is None else partition
+  return tuple(
+    resolve_partition(
+      plan,
+      context_len,
+      num_ranks,
+      config=config,
+      batch=batch,
+      dtype_bytes=itemsize,
+      model_parallel=m,
+      **kernel_flags(kernel),
+    )
+  )
+
+
 def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
   """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
   (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
@@ -465,20 +487,7 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
   # dense masked scores.
   named = attention if attention not in (None, "auto") else "flash"
   kernel = get_kernel("dense" if spec.name == "tsp" else named)
-  if spec.name == "kvr":
-    plan = MEMORY_PARTITION if partition is None else partition
-    chunks = resolve_partition(
-      plan,
-      context_len,
-      num_ranks,
-      config=config,
-      batch=batch,
-      dtype_bytes=itemsize,
-      model_parallel=m,
-      **kernel_flags(kernel),
-    )
-  else:
-    chunks = spec.layout(context_len, num_ranks, None)
+  chunks = _own_program_chunks(config, spec, shape, itemsize, kernel, partition)
   program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
   state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
@@ -495,7 +504,7 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
   dtype = np.dtype(dtype_name)
   if cache == "last":
     row = rank_row_mesh(mesh, num_ranks - 1)
-    step = latent.latent_group_step(graphdef, row) if m > 1 else None
+    step = own_program.group_decode_step(graphdef, row, jax.P()) if m > 1 else None
     row_state, _ = _placed_state(config, state, row, m, itemsize)
     replicated = NamedSharding(row, jax.P())
     vector = _struct((batch,), np.int32, replicated)
@@ -541,20 +550,7 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
     raise ValueError("a hybrid model's cache is joined on the last rank: cache='last'")
   itemsize = np.dtype(dtype_name).itemsize
   kernel = get_kernel(spec.default_attention if attention == "auto" else attention)
-  if spec.partitioned:
-    plan = MEMORY_PARTITION if partition is None else partition
-    chunks = resolve_partition(
-      plan,
-      context_len,
-      num_ranks,
-      config=config,
-      batch=batch,
-      dtype_bytes=itemsize,
-      model_parallel=m,
-      **kernel_flags(kernel),
-    )
-  else:
-    chunks = spec.layout(context_len, num_ranks, None)
+  chunks = _own_program_chunks(config, spec, shape, itemsize, kernel, partition)
   program = hybrid.compile_hybrid(spec.name, graphdef, mesh, tuple(chunks), kernel)
   state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
@@ -582,7 +578,7 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
     lambda x, spec: _struct(x.shape, x.dtype, NamedSharding(row, spec)), past, specs
   )
   if m > 1:
-    step = hybrid_inference.hybrid_group_step(graphdef, row)
+    step = own_program.group_decode_step(graphdef, row, hybrid_inference.CACHE_SPECS)
   else:  # one device: the model's own decode step, as generate_hybrid runs it
     step = own_program._decode_step(graphdef)
   stats = _compile(step.lower(row_state, vector, vector, grown), dtype_name).memory_analysis()
