@@ -14,9 +14,9 @@ Three kinds today: softmax attention over a K,V prefix, with or without a slidin
 (`AttentionKind`); Gated DeltaNet linear attention, whose past is a fixed-size state
 (`GatedDeltaNetKind`, Qwen3.5's linear layers: models/gated_deltanet.py); and multi-head
 latent attention, whose past is a compressed latent per token (`LatentAttentionKind`,
-DeepSeek-V3: models/latent_attention.py). prefill's strategies run the first; a model with
-another kind is refused by them by name before anything compiles (`unbuilt_kinds`) and runs
-as its kind's `runs_today` says.
+DeepSeek-V3: models/latent_attention.py). prefill's K,V strategies run the first; a model
+with another kind (`unbuilt_kinds`) runs under the same prefill and generate through its
+family's own programs (kvr_jax.inference.own_families), as its kind's `runs_today` says.
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ class GatedDeltaNetKind:
   window: ClassVar[None] = None  # no window: `narrowest_window` and the kernels ask it
   # How a model with this kind runs while prefill's strategies do not run it.
   runs_today: ClassVar[str] = (
-    "KV-Runahead and its peers run it through kvr_jax.inference.hybrid (prefill_hybrid, "
-    "generate_hybrid), on a 1-D mesh or a 2-D one (key heads, heads and experts split over "
-    "'model')"
+    "kvr_jax.prefill and generate run it with its own programs (kvr_jax.inference.hybrid: "
+    "single, KV-Runahead, ring, all-gather), on a 1-D mesh or a 2-D one (key heads, heads and "
+    "experts split over 'model')"
   )
   splits_over_model: ClassVar[bool] = True  # by key head (kvr_jax.strategies.hybrid)
 
@@ -127,8 +127,9 @@ class LatentAttentionKind:
   past: ClassVar[str] = "latent prefix"
   window: ClassVar[None] = None
   runs_today: ClassVar[str] = (
-    "KV-Runahead and its peers run it through kvr_jax.inference.latent (prefill_latent, "
-    "generate_latent), on a 1-D mesh or a 2-D one (heads and experts split over 'model')"
+    "kvr_jax.prefill and generate run it with its own programs (kvr_jax.inference.latent: "
+    "single, KV-Runahead, ring, all-gather, TSP), on a 1-D mesh or a 2-D one (heads and "
+    "experts split over 'model')"
   )
   splits_over_model: ClassVar[bool] = True  # in its own programs (kvr_jax.strategies.latent)
 

@@ -144,14 +144,10 @@ def test_multi_token_prediction_layers_ignored_and_said(checkpoints, tmp_path):
   np.testing.assert_array_equal(loaded.module.embedding[...], ours.module.embedding[...])
 
 
-def test_strategies_refuse_latent_attention_by_name(checkpoints, tokens):
+def test_hybrid_programs_and_unknown_kernels_refuse_latent_models_by_name(checkpoints, tokens):
   from kvr_jax.inference.hybrid import prefill_hybrid
 
   _, _, ours = checkpoints["deepseek-default"]
-  with pytest.raises(ValueError, match="multi-head latent attention.*one device"):
-    kvr_jax.prefill(ours, tokens[:, :8], strategy="single")
-  with pytest.raises(ValueError, match="multi-head latent attention"):
-    kvr_jax.generate(ours, tokens[:1, :8], max_new_tokens=2)
   with pytest.raises(ValueError, match="linear-attention layers"):
     prefill_hybrid(ours, tokens, kvr_jax.make_mesh(2), [20, 20])
   with pytest.raises(ValueError, match="'paged'"):
@@ -439,17 +435,6 @@ def test_a_latent_model_loads_split_and_decodes_on_its_model_groups(checkpoints,
   for cache in ("last", "sharded"):
     got = generate_latent(split, prompt, mesh, [14, 10], 5, cache=cache)
     np.testing.assert_array_equal(got, want, err_msg=cache)
-
-
-def test_prefill_refuses_latents_on_a_2d_mesh_by_name(checkpoints):
-  """A latent model on a 2-D mesh runs through prefill_latent, not prefill: refused by name
-  before anything compiles."""
-  from kvr_jax.runtime import tensor_parallel
-
-  ours = checkpoints["deepseek-default"][2]
-  tensor_parallel.check_model_parallel(ours.config, 4)
-  with pytest.raises(ValueError, match="multi-head latent attention"):
-    kvr_jax.prefill(ours, np.zeros((1, 8), np.int32), "kvr", kvr_jax.make_mesh(2, model=2))
 
 
 def test_compiled_memory_of_a_latent_model_splits_its_weights_not_its_latents():

@@ -168,14 +168,6 @@ def test_multimodal_checkpoint_loads_its_language_model_and_says_what_it_ignores
   np.testing.assert_array_equal(multimodal.module(tokens[:, :8]), ours.module(tokens[:, :8]))
 
 
-def test_strategies_refuse_hybrid_models_by_name(checkpoints, tokens):
-  _, _, ours = checkpoints["qwen3_5-default"]
-  with pytest.raises(ValueError, match="linear attention"):
-    kvr_jax.prefill(ours, tokens[:, :8], strategy="single")
-  with pytest.raises(ValueError, match="linear attention"):
-    kvr_jax.generate(ours, tokens[:1, :8], max_new_tokens=2)
-
-
 def test_bad_linear_config_refused_by_name():
   base = qwen3_5.Qwen35Config(
     vocab_size=8,

@@ -8,16 +8,16 @@ from models.layer_kinds import unbuilt_kinds
 
 
 def check_layers_run(config, what: str) -> None:
-  """Refuses `what` (a prefill, tensor parallelism) on a model with layers prefill's
-  strategies do not run yet (each kind says how it runs today: linear attention's state hop
-  has its own program, kvr_jax.strategies.hybrid; latent attention runs on one device)."""
+  """Refuses `what` (a prefill's K,V strategies, tensor parallelism) on a model with layers
+  they do not run (each kind says how it runs: linear and latent attention through their
+  families' own programs, kvr_jax.inference.own_families, which prefill calls for them)."""
   unbuilt = unbuilt_kinds(config)
   if unbuilt:
     names = ", ".join(kind.name for kind in unbuilt)
     runs = "; ".join(dict.fromkeys(kind.runs_today for kind in unbuilt))
     raise ValueError(
       f"{what} of a {config.architecture} model is not built: its layers include {names}, "
-      f"which prefill's own strategies and decode do not run yet. {runs}; "
+      f"which prefill's K,V strategies and decode do not run. {runs}; "
       "one device through its own module: `model.module(tokens)` for logits, "
       "`.forward(tokens, capacity=...)` for the cache, `.decode_step(...)`"
     )

@@ -4,7 +4,6 @@ it already lives (the last rank's device after KV-Runahead), with greedy or samp
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +15,8 @@ from jax.sharding import NamedSharding
 from kvr_jax.inference import decode
 from kvr_jax.inference.buckets import check_prompts
 from kvr_jax.inference.kv_cache import check_cache
+from kvr_jax.inference.own_families import ModelCache, own_stepper
+from kvr_jax.inference.own_program import check_sampling
 from kvr_jax.inference.prefill import prefill
 from kvr_jax.inference.results import CacheParts, PrefillResult
 from kvr_jax.runtime.loading import Model
@@ -31,7 +32,7 @@ class GenerationResult:
 
   tokens: np.ndarray | None
   text: list[str] | None
-  prefill: PrefillResult
+  prefill: PrefillResult | ModelCache
   # [B, V] float32: the logits the last token of `tokens` was drawn from (None where tokens
   # are); after one token, the prefill's.
   last_logits: np.ndarray | None = None
@@ -53,41 +54,6 @@ def _encode_prompt(model: Model, prompt) -> np.ndarray:
     # Rows of different lengths are a ragged batch (prefill pads them; see its `buckets`).
     return [np.asarray(model.tokenizer(t)["input_ids"], np.int32) for t in texts]
   return prompt
-
-
-def _is_integer(value) -> bool:
-  """Python and numpy integers, not bools."""
-  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-# Sampling divides float32 logits by the temperature: below float32's smallest normal number
-# the division is no longer a temperature (it underflows), so such values are refused.
-MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
-
-
-def check_sampling(model: Model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
-  """The decoding arguments `generate` takes, refused by name (also called by the command
-  lines before anything compiles)."""
-  if not _is_integer(max_new_tokens) or max_new_tokens < 1:
-    raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
-  if not _is_real(temperature) or not temperature >= 0 or not np.isfinite(temperature):
-    raise ValueError(f"`temperature` must be a finite number >= 0, got {temperature!r}")
-  if 0 < temperature < MIN_TEMPERATURE:
-    raise ValueError(
-      f"`temperature`={temperature!r} is below float32's smallest normal number "
-      f"({MIN_TEMPERATURE:.3g}); use temperature=0 for greedy decoding"
-    )
-  vocab = model.config.vocab_size
-  if top_k is not None and (not _is_integer(top_k) or not 1 <= top_k <= vocab):
-    raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
-  if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
-    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
-  if not _is_integer(seed) or not -(2**63) <= seed < 2**63:
-    raise ValueError(f"`seed` must be an integer in [-2**63, 2**63), got {seed!r}")
 
 
 def _check_length(model: Model, prompt_len: int, max_new_tokens: int) -> None:
@@ -160,7 +126,9 @@ def decode_from(
   _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
   agree = _as_is
-  if result.cache == "sharded":
+  if isinstance(result, ModelCache):  # a hybrid or latent model: its own decode step
+    stepper = own_stepper
+  elif result.cache == "sharded":
     # Every process runs every step over the parts where they lie, and all of them take the
     # token the last rank sampled, so that they run the same next step and stop together.
     stepper = _sharded_stepper

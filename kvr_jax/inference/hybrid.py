@@ -5,9 +5,10 @@ cache the last rank then holds (on a 2-D mesh split over its group, each device 
 K,V, states and channels): `prefill_hybrid`, `generate_hybrid` (kvr_jax/strategies/hybrid.py
 is the program).
 
-Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
-built for K,V caches): rows of one length, the cache whole on the last rank (the peers' only
-in one process; 2-D meshes in one process).
+kvr_jax.prefill / generate run these for a hybrid model (kvr_jax.inference.own_families: the
+plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
+family's own entry points (and `join=False`, what the benchmark times). Rows of one length,
+the cache whole on the last rank (the peers' only in one process; 2-D meshes in one process).
 Every argument is checked before anything compiles.
 """
 
@@ -21,10 +22,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_chunks, check_ranks
-from kvr_jax.inference.generate import check_sampling
 from kvr_jax.inference.own_program import (
   Sampling,
   check_new_tokens,
+  check_sampling,
   check_tokens,
   decode_from_cache,
   group_decode_step,
@@ -278,3 +279,16 @@ CACHE_SPECS = HybridCache(
   jax.P(None, None, None, None, MODEL_AXIS, None),
   LinearState(jax.P(None, None, MODEL_AXIS), jax.P(None, None, None, MODEL_AXIS)),
 )
+
+
+def one_device_layout(config, cache: HybridCache, m: int) -> HybridCache:
+  """A cache split over a model group of m (`CACHE_SPECS`) in one device's layout, as the
+  model's own forward makes it: each KV head once (a group with more devices than KV heads
+  holds each repeated), and the halo's channels in q, k, v order (the group's are in device
+  order, each device's q, k, v heads' channels in turn). The states are in head order already."""
+  kv = cache.kv_2BSKH
+  kv = kv[:, :, :, :, :: kv.shape[4] // config.num_kv_heads]
+  qk = config.linear_num_key_heads * config.linear_key_head_dim // m  # one device's q (or k)
+  blocks = [jnp.split(b, [qk, 2 * qk], axis=-1) for b in jnp.split(cache.linear.halo_BwC, m, -1)]
+  halo = jnp.concatenate([block[part] for part in range(3) for block in blocks], axis=-1)
+  return HybridCache(kv, LinearState(cache.linear.state_Bhkv, halo))

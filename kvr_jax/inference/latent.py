@@ -8,9 +8,11 @@ left in the ranks' parts (cache="sharded": each decode step attends every part w
 the absorbed form and merges the partials across the ranks, pass-Q as for K,V caches in
 kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted on the last).
 
-Not yet through `prefill`/`generate` (their results, cache layouts, buckets and planning are
-built for K,V caches): rows of one length; all-gather CP's cache="last", the sharded decode and
-2-D meshes in one process only. Every argument is checked before anything compiles.
+kvr_jax.prefill / generate run these for a latent model (kvr_jax.inference.own_families: the
+plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
+family's own entry points (and `join=False`, what the benchmark times). Rows of one length;
+the peers' cache="last", the sharded decode and 2-D meshes in one process only. Every
+argument is checked before anything compiles.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from jax.sharding import NamedSharding
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks, chunk_starts
 from kvr_jax.inference.decode import merge_across_ranks
-from kvr_jax.inference.generate import check_sampling
 from kvr_jax.inference.own_program import (
   Sampling,
   check_new_tokens,
+  check_sampling,
   check_tokens,
   decode_from_cache,
   group_decode_step,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import numpy as np
@@ -29,6 +30,41 @@ def check_tokens(model, tokens) -> np.ndarray:
   return tokens_BT
 
 
+def _is_integer(value) -> bool:
+  """Python and numpy integers, not bools."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+# Sampling divides float32 logits by the temperature: below float32's smallest normal number
+# the division is no longer a temperature (it underflows), so such values are refused.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
+def check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
+  """The decoding arguments `generate` takes, refused by name (also called by the command
+  lines before anything compiles)."""
+  if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+  if not _is_real(temperature) or not temperature >= 0 or not np.isfinite(temperature):
+    raise ValueError(f"`temperature` must be a finite number >= 0, got {temperature!r}")
+  if 0 < temperature < MIN_TEMPERATURE:
+    raise ValueError(
+      f"`temperature`={temperature!r} is below float32's smallest normal number "
+      f"({MIN_TEMPERATURE:.3g}); use temperature=0 for greedy decoding"
+    )
+  vocab = model.config.vocab_size
+  if top_k is not None and (not _is_integer(top_k) or not 1 <= top_k <= vocab):
+    raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
+  if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+  if not _is_integer(seed) or not -(2**63) <= seed < 2**63:
+    raise ValueError(f"`seed` must be an integer in [-2**63, 2**63), got {seed!r}")
+
+
 def check_new_tokens(max_new_tokens, least: int) -> None:
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
     raise ValueError(f"max_new_tokens must be an integer >= {least}, got {max_new_tokens!r}")
@@ -41,7 +77,7 @@ class Sampling:
   """How each new token is chosen, as `kvr_jax.generate` chooses it: the most likely at
   temperature 0; else the temperature, then top-k, then top-p, and step i drawn with the key
   `fold_in(key(seed), i)` (`decode.sample`): the same logits and seed give the same tokens
-  whichever strategy made the cache. Checked by `generate.check_sampling`."""
+  whichever strategy made the cache. Checked by `check_sampling`."""
 
   temperature: float = 0.0
   top_k: int | None = None
@@ -74,7 +110,7 @@ def decode_with_last_logits(
   if logits_BV is None:
     return None
   state = model.state_on(logits_BV.sharding)
-  step = _decode_step(model.graphdef)
+  step = decode_step_of(model.graphdef)
   return sample_steps(step, state, logits_BV, cache, length, max_new_tokens, sampling)
 
 
@@ -93,7 +129,7 @@ def sample_steps(step, state, logits_BV, cache, length: int, max_new_tokens: int
 
 
 @kept_cache(8)
-def _decode_step(graphdef):
+def decode_step_of(graphdef):
   """The jitted decode step of a model's structure, made once per graphdef (not per call).
   The cache is donated: each step writes the new token into it where it lies (without, XLA
   outputs a second cache every step: bench-qwen3.5 at 16k, 65.1 MiB beside its 64 MiB)."""

@@ -24,6 +24,7 @@ from kvr_jax.inference.kv_cache import (
   join_affordable,
   last_hop_bytes,
 )
+from kvr_jax.inference.own_families import ModelCache, check_own_plan, own_family, run_own_prefill
 from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.choice import StrategyChoice
@@ -138,9 +139,13 @@ def prefill(
   attention: str | None = None,
   cache: str = "auto",
   buckets=None,
-) -> PrefillResult:
+) -> PrefillResult | ModelCache:
   """Runs the prompt phase and returns each row's last-position logits and the KV cache:
-  `run_prefill(model, plan_prefill(model, tokens, ...), tokens)`.
+  `run_prefill(model, plan_prefill(model, tokens, ...), tokens)`. A model with its own
+  programs (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: own_families.own_family) runs
+  them under the same arguments and returns a `ModelCache` (its cache in its own form): rows
+  of one length, strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models)
+  or "auto", cache "last" (or "sharded" on latent models in one process).
 
   tokens: [B, T] (or [T]) token ids, or a list of rows of different lengths (a ragged
     batch: each row is padded at its end, see `buckets`; `lengths` in the result).
@@ -220,25 +225,34 @@ def plan_from_shape(
   kvr_jax.tools.memory compiles from shapes. device_memory: the bytes of the device planned
   for (KV-Runahead's join of its last hops), default the mesh's own."""
   T, choice = shape.prompt_len, None
+  family = own_family(shape.config)  # a hybrid or latent model: its own programs run the plan
   if isinstance(strategy, str) and strategy == AUTO:
     strategy, partition, choice = choose_auto_strategy(shape, mesh, partition, attention)
   spec = get_strategy(strategy)
   cache = check_cache(cache, allow_auto=True)
-  kernel = _check_model_and_kernel(shape.config, spec, attention, timeline)
+  kernel = _check_model_and_kernel(shape.config, spec, attention, timeline, family)
   if choice is not None and spec.max_ranks == 1:
     mesh, cache = auto_one_device(shape, mesh, cache)
   mesh = _plan_mesh(spec, mesh, T, elsewhere=choice is not None)
   if cache == AUTO:
-    cache = plan_cache(shape, mesh)
+    # A model with its own programs joins its cache on the last rank: a hybrid's only layout,
+    # a latent cache 71x smaller than K,V (DeepSeek-V3).
+    cache = plan_cache(shape, mesh) if family is None else "last"
   _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
+  if family is not None:
+    check_own_plan(family, shape.config, spec, cache, mesh, T if shape.padded else 0, timeline)
   if model_parallel(mesh) > 1:
     _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
+  if family is not None and kernel == AUTO:
+    kernel = get_kernel(spec.default_attention)  # what the family's programs are tested with
   kernel = _plan_kernel(shape, spec, kernel, mesh.devices.flat[0])
   user_chunks = None
   if spec.partitioned:
     user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
-  keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
+  keep_last_hop = False
+  if family is None:
+    keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
   return PrefillPlan(
     spec,
     mesh,
@@ -256,10 +270,11 @@ def plan_from_shape(
   )
 
 
-def _check_model_and_kernel(config, spec, attention, timeline):
-  """The model's layer kinds, the probes and the kernel named (or "auto") against the
-  strategy and the model's window."""
-  check_layers_run(config, "prefill")
+def _check_model_and_kernel(config, spec, attention, timeline, family=None):
+  """The model's layer kinds (those of a model with its own programs: `family`), the probes
+  and the kernel named (or "auto") against the strategy and the model's window."""
+  if family is None:
+    check_layers_run(config, "prefill")
   if timeline and not spec.timeline_probes:
     raise ValueError(
       f"strategy {spec.name!r} has no timeline probes; they are placed in "
@@ -396,6 +411,8 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
       f"are {len(rows)} row(s) padded to {T}: plan them with plan_prefill"
     )
   tokens_BT = buckets_lib.pad_rows(rows, T)
+  if own_family(model.config) is not None:
+    return run_own_prefill(model, plan, tokens_BT, lengths_B)
   B, padded = plan.batch, bool((lengths_B < T).any())
   if padded and not plan.padded:
     raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")

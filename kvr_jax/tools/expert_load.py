@@ -13,6 +13,7 @@ from flax import nnx
 
 from kvr_jax.runtime import tensor_parallel
 from models.base import scan_blocks
+from models.layer_kinds import unbuilt_kinds
 
 # A device running this many times the mean rows of its group is called out.
 UNEVEN = 1.25
@@ -104,6 +105,11 @@ def expert_load_line(model, tokens, model_parallel: int) -> str | None:
     return (
       f"expert rows per device: every device runs every row ({model_parallel} does not divide "
       f"the {E} experts: each device holds 1/{model_parallel} of every expert's columns)"
+    )
+  if unbuilt_kinds(model.config):
+    return (
+      f"expert rows per device: not counted for a {model.config.architecture} model (the count "
+      "walks softmax-attention layers; its linear or latent layers are not walked yet)"
     )
   if not fits_one_device(model):
     return "expert rows per device: not counted (the count runs the whole model on one device)"

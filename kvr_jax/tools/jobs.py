@@ -16,9 +16,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from kvr_jax.inference.generate import decode_from, generate
-from kvr_jax.inference.hybrid import prefill_hybrid
-from kvr_jax.inference.latent import prefill_latent
-from kvr_jax.inference.own_program import Sampling, decode_with_last_logits
 from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning import presets
 from kvr_jax.planning.partition import PartitionPlan
@@ -26,14 +23,12 @@ from kvr_jax.runtime import faults
 from kvr_jax.runtime.links import UNTHROTTLED, rate_bits
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
-from kvr_jax.runtime.mesh import model_parallel as devices_per_rank
 from kvr_jax.strategies import runahead
 from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_interleaved
 from kvr_jax.tools.variants import NAMES, Variant, get_variant
-from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
 
 
 def check_job(
@@ -73,8 +68,6 @@ def check_job(
   tokens = _check_prompt(model.config.vocab_size, context_len, batch, row_lengths, seed)
   owner = jax.process_index() == mesh.devices.flat[-1].process_index
   decoding = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=sampling_seed)
-  if unbuilt_kinds(model.config):  # a hybrid or latent model: its own programs
-    return _own_program_job(model, tokens, mesh, strategies, caches, partition, decoding)
   runs = {}
   for name, cache in itertools.product(strategies, caches):
     run = _prefill_and_decode(model, tokens, mesh, name, partition, cache, before_decode, decoding)
@@ -112,60 +105,6 @@ def _prefill_and_decode(model, tokens, mesh, name, partition, cache, before_deco
     gathered = multihost_utils.process_allgather(out.tokens)  # [processes, B, n]
     everywhere = bool((gathered == gathered[0]).all())
   return out, everywhere
-
-
-def _own_program_job(model, tokens, mesh, strategies, caches, partition, decoding):
-  """check_job for a model with its own prefill and decode (a hybrid: kvr_jax.inference.hybrid;
-  latent attention: kvr_jax.inference.latent), the cache joined on the last rank's device
-  (cache="last"; KV-Runahead's without a move, so across processes too) and decoded there;
-  the oracle is the model's own forward and decode step on the owner's device."""
-  if tuple(caches) not in (("auto",), ("last",)):
-    raise ValueError(
-      f"a {model.config.architecture} model across processes decodes from the cache on the "
-      f"last rank (cache='last'), not {list(caches)}"
-    )
-  if devices_per_rank(mesh) > 1 or not isinstance(tokens, np.ndarray):
-    raise ValueError(
-      f"a {model.config.architecture} model runs on a 1-D mesh with rows of one length "
-      "(its own programs: no model parallelism, no ragged rows)"
-    )
-  hybrid = any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds)
-  prefill_own = prefill_hybrid if hybrid else prefill_latent
-  T, n = tokens.shape[1], decoding["max_new_tokens"]
-  sampling = Sampling(decoding["temperature"], seed=decoding["seed"])
-  runs = {}
-  for name in strategies:
-    with faults.stage(f"prefill {name}, cache=last"):
-      ran = prefill_own(
-        model, tokens, mesh, partition if name == "kvr" else None,
-        max_new_tokens=n, strategy=name, attention="flash",
-      )  # fmt: skip
-    with faults.stage(f"decode {name}, cache=last"):
-      decoded = decode_with_last_logits(model, ran.logits_BV, ran.cache, T, n, sampling)
-    runs[name] = (ran, decoded)
-  if jax.process_index() != mesh.devices.flat[-1].process_index:
-    return None
-  x_BTD, cache = jax.jit(lambda m, t: m.forward(t, "flash", capacity=T + n))(model.module, tokens)
-  logits_BV = model.module.logits(x_BTD[:, -1:])[:, 0]
-  single_tokens, single_last = decode_with_last_logits(model, logits_BV, cache, T, n, sampling)
-  return {
-    "process_index": jax.process_index(),
-    "process_count": jax.process_count(),
-    "num_ranks": int(mesh.shape["ranks"]),
-    "model_parallel": 1,
-    "single_tokens": single_tokens.tolist(),
-    "strategies": {
-      name: {
-        "partition": list(ran.chunks) if name == "kvr" else None,
-        "cache": "last",
-        "relative_logit_error": _relative_error(ran.logits_BV, logits_BV),
-        "relative_last_step_error": _relative_error(decoded[1], single_last),
-        "tokens": decoded[0].tolist(),
-        "tokens_on_every_process": None,
-      }
-      for name, (ran, decoded) in runs.items()
-    },
-  }
 
 
 def _check_prompt(vocab_size: int, context_len: int, batch: int, row_lengths, seed: int):

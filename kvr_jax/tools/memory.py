@@ -510,7 +510,7 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
     vector = _struct((batch,), np.int32, replicated)
     grown = _struct((L, batch, context_len + decode_tokens, C), dtype, replicated)
     if step is None:  # one device: the model's own decode step, as generate_latent runs it
-      step = own_program._decode_step(graphdef)
+      step = own_program.decode_step_of(graphdef)
     lowered = step.lower(row_state, vector, vector, grown)
   else:
     step = latent.latent_sharded_step(graphdef, mesh)
@@ -580,7 +580,7 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
   if m > 1:
     step = own_program.group_decode_step(graphdef, row, hybrid_inference.CACHE_SPECS)
   else:  # one device: the model's own decode step, as generate_hybrid runs it
-    step = own_program._decode_step(graphdef)
+    step = own_program.decode_step_of(graphdef)
   stats = _compile(step.lower(row_state, vector, vector, grown), dtype_name).memory_analysis()
   return {
     **result,

@@ -10,6 +10,7 @@ import time
 import jax
 import numpy as np
 
+from kvr_jax.inference.own_families import ModelCache
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import PrefillResult
 from kvr_jax.runtime.loading import Model
@@ -45,6 +46,9 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   plan = plan_prefill(model, tokens, cache=cache, **kwargs)
   cache = plan.cache  # "auto" resolved
   result = run_prefill(model, plan, tokens, move_cache=cache != "last")
+  if isinstance(result, ModelCache):  # a hybrid or latent model: its join is part of its call
+    jax.block_until_ready((result.logits, result.model_cache, result.parts))
+    return result, time.perf_counter() - start, 0.0
   jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
   moved = time.perf_counter()
   if cache == "last":

@@ -1,0 +1,360 @@
+"""`kvr_jax.prefill`, `generate` and `decode_from` for the models with their own context-parallel
+programs: the hybrids (Qwen3.5, Qwen3-Next: Gated DeltaNet and full layers,
+kvr_jax.inference.hybrid) and latent attention (DeepSeek-V3, Kimi K2, Moonlight,
+kvr_jax.inference.latent).
+
+Such a model is planned as any other (kvr_jax.inference.prefill: the strategy or "auto", the
+mesh, KV-Runahead's split by name, list or PartitionPlan, the kernel, every argument checked
+before anything compiles); its family (`OwnFamily`) then says what its programs run, the plan
+runs them (`run_own_prefill`), and the result (`ModelCache`) holds the cache in the model's
+own form. `decode_from` decodes from it with the model's own step (`own_stepper`), in the same
+token loop as a K,V cache (end-of-sequence stops, sampling, text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from kvr_jax.core.caches import kept_cache
+from kvr_jax.inference import hybrid, latent
+from kvr_jax.inference.own_program import decode_step_of, group_decode_step
+from kvr_jax.planning.choice import StrategyChoice
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import (
+  AXIS,
+  global_array,
+  model_parallel,
+  rank_device,
+  rank_row_mesh,
+  spans_processes,
+)
+from models.base import no_reduce
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
+from models.qwen3_5 import HybridCache
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnFamily:
+  """What one family's own programs run. strategies: the parallel ones (with "single", the
+  model's own forward on one device or one rank's model group). caches: the layouts its
+  decode reads ("last": joined on the last rank; "sharded": left in the ranks' parts).
+  group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a pytree
+  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache) -> (logits
+  [B, V] on the last rank's first device, the joined cache or None, the ranks' parts or None,
+  their prompt positions or None). grown(cache, capacity) -> the cache with room for
+  `capacity` positions (a fresh buffer: the decode steps donate theirs)."""
+
+  name: str
+  strategies: tuple[str, ...]
+  caches: tuple[str, ...]
+  group_cache_spec: Any
+  run: Callable
+  grown: Callable
+  one_device_layout: Callable  # (config, cache split over m, m) -> the model's own layout
+
+
+def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache):
+  del cache  # "last" only: checked by `check_own_plan`
+  ran = hybrid.prefill_hybrid(model, tokens_BT, mesh, partition, attention, 0, strategy)
+  return ran.logits_BV, ran.cache, None, None
+
+
+def _run_latent(model, tokens_BT, mesh, partition, strategy, attention, cache):
+  ran = latent.prefill_latent(
+    model, tokens_BT, mesh, partition, 0, strategy, attention, cache=cache
+  )
+  return ran.logits_BV, ran.cache, ran.parts, ran.part_positions
+
+
+def _padded_positions(array, axis: int, capacity: int):
+  pad = [(0, 0)] * array.ndim
+  pad[axis] = (0, capacity - array.shape[axis])
+  return jnp.pad(array, pad)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _grown_hybrid(cache: HybridCache, capacity: int) -> HybridCache:
+  # K,V [L_full, 2, B, S, K, H] grow along S; a linear layer's state and halo do not grow.
+  return cache._replace(
+    kv_2BSKH=_padded_positions(cache.kv_2BSKH, 3, capacity),
+    linear=jax.tree.map(jnp.copy, cache.linear),
+  )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _grown_latent(cache_LBSC, capacity: int):
+  return _padded_positions(cache_LBSC, 2, capacity)
+
+
+HYBRID = OwnFamily(
+  "hybrid",
+  ("single", *hybrid.STRATEGIES),
+  ("last",),
+  hybrid.CACHE_SPECS,
+  _run_hybrid,
+  _grown_hybrid,
+  hybrid.one_device_layout,
+)
+LATENT = OwnFamily(
+  "latent",
+  ("single", *latent.STRATEGIES),
+  latent.CACHES,
+  jax.P(),  # headless: whole on every shard
+  _run_latent,
+  _grown_latent,
+  lambda config, cache, m: cache,
+)
+
+
+def own_family(config) -> OwnFamily | None:
+  """The family whose own programs run `config`'s model; None for a model of softmax
+  attention layers alone (prefill's strategies run it)."""
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):
+    return HYBRID
+  if any(isinstance(kind, LatentAttentionKind) for kind in config.kinds):
+    return LATENT
+  return None
+
+
+def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
+  """What a plan for `family` runs so far, refused by name before anything compiles: its
+  strategies and cache layouts, rows of one length, no timeline probes, and across
+  processes KV-Runahead alone (its last rank holds the cache; the peers' move is not built)."""
+  what = f"a {config.architecture} model ({family.name}: its own programs)"
+  if spec.name not in family.strategies:
+    raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
+  if cache not in family.caches:
+    raise ValueError(f"{what} keeps its cache as {list(family.caches)}, not cache={cache!r}")
+  if padded:
+    raise ValueError(
+      f"{what} runs rows of one length without buckets so far; these rows were padded to "
+      f"{padded} tokens (a bucket, or the longest row of a ragged batch): pass buckets=None "
+      "(launch.run: --buckets=none) with rows of one length"
+    )
+  if timeline:
+    raise ValueError(f"{what} has no timeline probes")
+  m = model_parallel(mesh)
+  if spans_processes(mesh) and m > 1:
+    raise ValueError(
+      f"{what} on a mesh with model={m} runs in one process so far; across processes use a "
+      "1-D mesh (make_mesh(p))"
+    )
+  if spans_processes(mesh) and spec.name != "kvr":
+    raise ValueError(
+      f"{what} across processes runs strategy='kvr' (its last rank holds the cache in any "
+      f"process); {spec.name}'s cache move across processes is not built"
+    )
+  if spans_processes(mesh) and cache != "last":
+    raise ValueError(f"{what} across processes decodes from cache='last' so far")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelCache:
+  """What `prefill` returns for a model with its own programs (`own_family`): the fields
+  every `PrefillResult` has (logits [B, V] float32 on the last rank's first device, None in
+  a process that does not hold it; prompt_len; strategy; partition; attention; lengths;
+  choice; cache: "last" or "sharded") and the cache in the model's own form.
+
+  model_cache (cache="last"): a hybrid's `HybridCache` (each full layer's K,V, each linear
+  layer's state and halo) or a latent model's [L, B, S, C] latents, S = prompt_len, on the
+  last rank's device, or split over its model group on a 2-D mesh (`decode_mesh`; by head,
+  hybrid.CACHE_SPECS; a latent cache whole on each shard). parts, part_positions
+  (cache="sharded", latent models): each rank's latents where the program left them
+  [p, L, B, T_rank, C] and the prompt position of each of their rows [p, T_rank] (-1:
+  padding). `gather_cache()`: the cache in one device's layout. `decode_from` reads the
+  cache without consuming it."""
+
+  logits: jax.Array | None
+  prompt_len: int
+  strategy: str
+  partition: tuple[int, ...] | None
+  attention: str
+  lengths: np.ndarray
+  cache: str
+  family: str
+  mesh: Any
+  config: Any = dataclasses.field(repr=False)
+  model_cache: Any = None
+  parts: jax.Array | None = None
+  part_positions: np.ndarray | None = None
+  choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
+
+  @property
+  def is_local(self) -> bool:
+    return self.logits is not None
+
+  @property
+  def device(self):
+    return next(iter(self.logits.devices()))
+
+  def gather_cache(self):
+    """The cache (cache="last") as the model's own one-device forward lays it out, on the
+    last rank's first device: a hybrid's split over a model group put back in order
+    (`hybrid.one_device_layout`); a latent cache as it is."""
+    if self.cache != "last":
+      raise ValueError(f"gather_cache reads cache='last'; this prefill ran cache={self.cache!r}")
+    family = own_family(self.config)
+    # Through the host: a group's arrays are typed with its mesh's axes, which one device lacks.
+    cache = jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.device), self.model_cache)
+    return family.one_device_layout(self.config, cache, model_parallel(self.mesh))
+
+  @property
+  def decode_mesh(self):
+    """The last rank's model group where the mesh has one (its cache split there), else None."""
+    if model_parallel(self.mesh) == 1:
+      return None
+    return rank_row_mesh(self.mesh, self.mesh.shape[AXIS] - 1)
+
+
+def run_own_prefill(model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> ModelCache:
+  """Runs `plan` (kvr_jax.inference.prefill.PrefillPlan, checked by `check_own_plan`) with the
+  family's own program; "single" is the model's own forward on the plan's one device (its
+  model group on a 2-D mesh). A process that holds no device of the mesh (auto's pick of one
+  device in another process) gets no logits and no cache."""
+  family = own_family(model.config)
+  spec, mesh = plan.strategy, plan.mesh
+  fields = dict(
+    prompt_len=plan.prompt_len,
+    strategy=spec.name,
+    partition=plan.partition,
+    attention=plan.kernel.name,
+    lengths=lengths_B,
+    cache=plan.cache,
+    family=family.name,
+    mesh=mesh,
+    config=model.config,
+    choice=plan.choice,
+  )
+  if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+    return ModelCache(None, **fields)
+  if spec.max_ranks == 1:
+    forward = one_group_forward(model.graphdef, mesh, plan.kernel.name, family.group_cache_spec)
+    if model_parallel(mesh) > 1:
+      replicated = NamedSharding(mesh, jax.P())
+      state, tokens_BT = model.state_split_over(mesh), jax.device_put(tokens_BT, replicated)
+    else:  # one device, its arrays placed on it alone (no mesh axis in their types)
+      device = mesh.devices.flat[0]
+      state, tokens_BT = model.state_on(device), jax.device_put(tokens_BT, device)
+    logits_BV, cache = forward(state, tokens_BT)
+    logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
+    if plan.cache == "sharded":  # a latent cache as one rank's one part, [1, L, B, T, C]
+      parts = jax.device_put(cache[None], NamedSharding(mesh, jax.P(AXIS)))
+      positions = np.arange(plan.prompt_len, dtype=np.int32)[None]
+      return ModelCache(logits_BV, **fields, parts=parts, part_positions=positions)
+    return ModelCache(logits_BV, **fields, model_cache=cache)
+  partition = plan.chunks if spec.partitioned else None
+  logits_BV, cache, parts, positions = family.run(
+    model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache
+  )
+  return ModelCache(logits_BV, **fields, model_cache=cache, parts=parts, part_positions=positions)
+
+
+def _state_on(model, mesh):
+  if model_parallel(mesh) > 1:
+    return model.state_split_over(mesh)
+  return model.state_on(NamedSharding(mesh, jax.P()))
+
+
+@kept_cache(8)
+def one_group_forward(graphdef, mesh, attention: str, cache_spec):
+  """strategy="single" for a model with its own programs: (state, tokens [B, T]) -> (the last
+  position's logits [B, V], the model's cache of T positions), its own `forward` on the mesh
+  of one rank: one device, or a model group whose shards run their heads and experts (the
+  partial sums added over "model") and keep the cache as `cache_spec` places it."""
+  m = model_parallel(mesh)
+
+  def forward(state, tokens_BT, reduce=no_reduce):
+    model = nnx.merge(graphdef, state)
+    x_BTD, cache = model.forward(tokens_BT, attention=attention, reduce=reduce)
+    return model.logits(x_BTD[:, -1:])[:, 0], cache
+
+  if m == 1:
+    return jax.jit(forward)
+
+  @jax.jit
+  def split(state, tokens_BT):
+    # check_vma=False: the psums make the hidden states whole on every shard (as in own_spmd).
+    return jax.shard_map(
+      functools.partial(forward, reduce=tensor_parallel.psum_over_model),
+      mesh=mesh,
+      in_specs=(tensor_parallel.partition_specs(state, m), jax.P()),
+      out_specs=(jax.P(), cache_spec),
+      check_vma=False,
+    )(state, tokens_BT)
+
+  return split
+
+
+def own_stepper(model, result: ModelCache, lengths_B, max_new_tokens: int, seed: int):
+  """`decode_from`'s stepper for a `ModelCache`: (step(token_B, index, cache) -> (logits,
+  cache), the first cache, the prompt's logits, the sampling key), placed where the cache
+  lies. cache="last": the model's own decode step on the last rank's device (its model group
+  on a 2-D mesh, the cache split as the prefill left it), from a grown copy of the cache;
+  cache="sharded": every rank attends its own part (latent.latent_sharded_step)."""
+  if own_family(model.config) is None or own_family(model.config).name != result.family:
+    raise ValueError(
+      f"this cache is a {result.family} model's; decode it with the model that made it"
+    )
+  if result.cache == "sharded":
+    return _sharded_latent_stepper(model, result, max_new_tokens, seed)
+  family = own_family(model.config)
+  group = result.decode_mesh
+  if group is None:
+    device = result.device
+    state = model.state_on(device)
+    program = decode_step_of(model.graphdef)
+
+    def placed(x):
+      return jax.device_put(x, device)
+  else:
+    replicated = NamedSharding(group, jax.P())
+    state = model.state_split_over(group)
+    program = group_decode_step(model.graphdef, group, family.group_cache_spec)
+
+    def placed(x):
+      return jax.device_put(x, replicated)
+
+  cache = family.grown(result.model_cache, result.prompt_len + max_new_tokens)
+  if group is not None:  # where the group's step reads it (a latent cache joined on one device)
+    cache = jax.device_put(cache, _placements(group, family.group_cache_spec))
+  lengths_B = np.asarray(lengths_B, np.int32)
+
+  def step(token_B, index, cache):
+    return program(state, placed(token_B), placed(lengths_B + index), cache)
+
+  return step, cache, placed(result.logits), placed(jax.random.key(seed))
+
+
+def _placements(mesh, specs):
+  """A NamedSharding on `mesh` for each PartitionSpec of a pytree of them."""
+  return jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, jax.P)
+  )
+
+
+def _sharded_latent_stepper(model, result: ModelCache, max_new_tokens: int, seed: int):
+  """cache="sharded" (latent models, one process): every operand replicated over the
+  prefill's mesh but the parts, which stay put; the new tokens' latents in a replicated tail."""
+  mesh, T = result.mesh, result.prompt_len
+  replicated = NamedSharding(mesh, jax.P())
+  program = latent.latent_sharded_step(model.graphdef, mesh)
+  state = _state_on(model, mesh)
+  positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
+  L, B, _, C = result.parts.shape[1:]
+  tail = jax.device_put(jnp.zeros((L, B, max_new_tokens, C), model.dtype), replicated)
+
+  def step(token_B, index, tail):
+    token_B = jax.device_put(token_B, replicated)
+    return program(state, token_B, T + index, result.parts, positions, tail, index)
+
+  logits = jax.device_put(result.logits, replicated)
+  return step, tail, logits, jax.device_put(jax.random.key(seed), replicated)

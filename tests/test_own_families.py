@@ -1,0 +1,157 @@
+"""kvr_jax.prefill / generate / decode_from on the models with their own context-parallel
+programs (kvr_jax.inference.own_families): a hybrid (Qwen3.5's Gated DeltaNet and full layers)
+and a latent-attention model (DeepSeek-V3), under every strategy their programs run, "auto",
+both meshes and both cache layouts, against the model's own one-device forward (1e-5) and
+transformers' greedy and sampled tokens; and what is not built, refused by name."""
+
+import jax
+import numpy as np
+import pytest
+
+import kvr_jax
+from kvr_jax.inference.generate import decode_from
+from kvr_jax.inference.own_families import ModelCache
+from kvr_jax.inference.prefill import plan_prefill
+from tests import hf_fixtures
+from tests.tolerance import assert_close
+
+T, NEW = 30, 5
+HYBRID, LATENT = "qwen3_5-types", "deepseek-default"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+  """case -> (torch model, our loaded model): a hybrid whose layer_types are not the default
+  pattern, and a latent model with q_lora, dense first layers and group routing."""
+  hybrid = hf_fixtures.saved_checkpoints(hf_fixtures.make_qwen35_model, [HYBRID], tmp_path_factory)
+  latent = hf_fixtures.saved_checkpoints(
+    hf_fixtures.make_deepseek_model, [LATENT], tmp_path_factory
+  )
+  return {case: (hf, ours) for case, (hf, _, ours) in {**hybrid, **latent}.items()}
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return np.random.RandomState(1).randint(0, hf_fixtures.VOCAB, (2, T))
+
+
+@pytest.fixture(scope="module")
+def oracle(models, tokens):
+  """case -> (the last position's logits and the cache from the model's own forward on one
+  device, transformers' greedy tokens), computed without kvr_jax.prefill."""
+  out = {}
+  for case, (hf_model, ours) in models.items():
+    x_BTD, cache = jax.jit(lambda m, t: m.forward(t, "flash"))(ours.module, tokens)
+    logits_BV = ours.module.logits(x_BTD[:, -1:])[:, 0]
+    greedy = hf_fixtures.hf_greedy(hf_model, tokens, NEW)
+    # No end-of-sequence token among them: generate would stop there, transformers does not.
+    assert not np.isin(greedy, ours.config.eos_ids).any()
+    out[case] = (logits_BV, cache, greedy)
+  return out
+
+
+def _assert_cache_close(case, got, want):
+  if case == HYBRID:
+    assert_close(got.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+    assert_close(got.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+    assert_close(got.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  else:
+    assert_close(got, want, "latents")
+
+
+RUNS = [
+  (HYBRID, "single", None, None, "auto"),
+  (HYBRID, "kvr", (2, 1), [18, 12], "last"),
+  (HYBRID, "ring", (2, 1), None, "auto"),
+  (HYBRID, "allgather", (3, 1), None, "last"),
+  (HYBRID, "kvr", (2, 2), "search", "auto"),
+  (HYBRID, "single", (1, 2), None, "last"),
+  (LATENT, "kvr", (2, 1), [18, 12], "last"),
+  (LATENT, "kvr", (3, 1), [10, 12, 8], "sharded"),
+  (LATENT, "tsp", (2, 1), None, "last"),
+  (LATENT, "allgather", (2, 2), None, "auto"),
+  (LATENT, "single", (1, 2), None, "sharded"),
+]
+
+
+@pytest.mark.parametrize("case, strategy, shape, partition, cache", RUNS)
+def test_generate_runs_own_family_models_as_one_device(
+  models, tokens, oracle, case, strategy, shape, partition, cache
+):
+  """The same call as for any model: the prefill's logits within 1e-5 of the model's own
+  one-device forward, its cache (cache="last") too, and transformers' greedy tokens decoded
+  from it; the prefill's cache is still there after the decode (decode reads a copy)."""
+  _, ours = models[case]
+  mesh = None if shape is None else kvr_jax.make_mesh(shape[0], model=shape[1])
+  out = kvr_jax.generate(
+    ours, tokens, NEW, strategy=strategy, mesh=mesh, partition=partition, cache=cache
+  )
+  result = out.prefill
+  assert isinstance(result, ModelCache)
+  assert (result.strategy, result.cache) == (strategy, "last" if cache == "auto" else cache)
+  if isinstance(partition, list):
+    assert result.partition == tuple(partition)
+  want_logits, want_cache, want_tokens = oracle[case]
+  assert_close(result.logits, want_logits, "last logits")
+  np.testing.assert_array_equal(out.tokens, want_tokens)
+  if result.cache == "last":
+    _assert_cache_close(case, result.gather_cache(), want_cache)
+  else:  # each rank's part where it was computed, its rows at their prompt positions
+    parts, positions = np.asarray(result.parts), result.part_positions
+    for rank in range(parts.shape[0]):
+      rows = positions[rank] >= 0
+      assert_close(
+        parts[rank][:, :, rows], np.asarray(want_cache)[:, :, positions[rank][rows]], "part"
+      )
+    assert sorted(positions[positions >= 0].tolist()) == list(range(T))
+
+
+def test_decode_from_one_prefill_twice_samples_transformers_draws(models, tokens):
+  """Sampled decoding (temperature, top-k, seed) from one KV-Runahead prefill of the hybrid,
+  twice: the same tokens both times (the first decode left the cache as it was), and those
+  transformers' uncached logits give with generate's key schedule, not the greedy ones."""
+  hf_model, ours = models[HYBRID]
+  prompt = tokens[:1]
+  result = kvr_jax.prefill(ours, prompt, "kvr", kvr_jax.make_mesh(2), [12, 18])
+  want = hf_fixtures.hf_sampled(hf_model, prompt, NEW, temperature=1.5, top_k=40, seed=5)
+  assert not np.array_equal(want, hf_fixtures.hf_greedy(hf_model, prompt, NEW))
+  for _ in range(2):
+    got = decode_from(ours, result, NEW, temperature=1.5, top_k=40, seed=5)
+    np.testing.assert_array_equal(got.tokens, want)
+
+
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+def test_auto_runs_the_cost_models_pick(models, tokens, oracle, case):
+  """strategy="auto" on a hybrid and a latent model: the cost model's pick among single,
+  KV-Runahead and both peers (each modelled), run and decoded as that strategy runs."""
+  _, ours = models[case]
+  out = kvr_jax.generate(ours, tokens, NEW, strategy="auto", mesh=kvr_jax.make_mesh(2))
+  choice = out.prefill.choice
+  assert set(choice.predicted_s) == {"single", "kvr", "ring", "allgather"}
+  assert (
+    out.prefill.strategy == choice.strategy == min(choice.predicted_s, key=choice.predicted_s.get)
+  )
+  assert_close(out.prefill.logits, oracle[case][0], "last logits")
+  np.testing.assert_array_equal(out.tokens, oracle[case][2])
+
+
+def test_what_is_not_built_is_refused_by_name(models, tokens):
+  _, hybrid = models[HYBRID]
+  _, latent = models[LATENT]
+  mesh = kvr_jax.make_mesh(2)
+  with pytest.raises(ValueError, match=r"runs under \['single', 'kvr', 'ring', 'allgather'\]"):
+    kvr_jax.prefill(hybrid, tokens, "tsp", mesh)
+  with pytest.raises(ValueError, match=r"keeps its cache as \['last'\]"):
+    kvr_jax.prefill(hybrid, tokens, "kvr", mesh, cache="sharded")
+  ragged = [tokens[0, :20], tokens[1]]
+  with pytest.raises(ValueError, match="rows of one length"):
+    kvr_jax.generate(latent, ragged, 2, strategy="kvr", mesh=mesh)
+  with pytest.raises(ValueError, match="rows of one length"):
+    kvr_jax.prefill(latent, tokens, "ring", mesh, buckets=(32,))
+  with pytest.raises(ValueError, match="no timeline probes"):
+    plan_prefill(latent, tokens, "kvr", mesh, timeline=True)
+  with pytest.raises(ValueError, match="convolution's halo"):
+    kvr_jax.prefill(hybrid, tokens, "kvr", mesh, [28, 2])
+  result = kvr_jax.prefill(latent, tokens[:1, :8], "single")
+  with pytest.raises(ValueError, match="decode it with the model that made it"):
+    decode_from(hybrid, result, 2)
