@@ -281,11 +281,11 @@ def test_latent_kvr_attends_its_early_diagonal_before_the_hop(checkpoints):
 
 
 def test_kvr_on_latent_attention_decodes_transformers_greedy_tokens(checkpoints, tokens):
-  from kvr_jax.inference.latent import generate_latent
-
   hf_model, _, ours = checkpoints["deepseek-default"]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :24], 6)
-  got = generate_latent(ours, tokens[:1, :24], kvr_jax.make_mesh(2), [14, 10], 6)
+  mesh = kvr_jax.make_mesh(2)
+  got = kvr_jax.generate(ours, tokens[:1, :24], 6, strategy="kvr", mesh=mesh, partition=[14, 10])
+  got = got.tokens
   np.testing.assert_array_equal(got, want)
 
 
@@ -294,17 +294,16 @@ def test_latent_samples_transformers_draws_in_both_layouts(checkpoints, tokens, 
   """Sampled decoding (temperature, top-k, seed) from KV-Runahead's latent cache, whole or in
   the ranks' parts, draws the tokens that transformers' uncached logits give with
   kvr_jax.generate's key schedule (not the greedy ones)."""
-  from kvr_jax.inference.latent import generate_latent
-
   hf_model, _, ours = checkpoints["deepseek-default"]
   prompt = tokens[:1, :24]
   want = hf_fixtures.hf_sampled(hf_model, prompt, 6, temperature=1.5, top_k=40, seed=5)
   assert not np.array_equal(want, hf_fixtures.hf_greedy(hf_model, prompt, 6))
   mesh = kvr_jax.make_mesh(2)
-  got = generate_latent(
-    ours, prompt, mesh, [14, 10], 6, cache=cache, temperature=1.5, top_k=40, seed=5
+  sampling = dict(temperature=1.5, top_k=40, seed=5)
+  got = kvr_jax.generate(
+    ours, prompt, 6, strategy="kvr", mesh=mesh, partition=[14, 10], cache=cache, **sampling
   )
-  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got.tokens, want)
 
 
 @pytest.mark.parametrize(
@@ -323,7 +322,7 @@ def test_sharded_latent_cache_decodes_in_place(
   """cache="sharded": the ranks' latents stay where the prefill computed them (nothing moves),
   each decode step merges every rank's absorbed partial over its own part (and the last
   rank's over the decoded tokens): transformers' greedy tokens."""
-  from kvr_jax.inference.latent import generate_latent, prefill_latent
+  from kvr_jax.inference.latent import prefill_latent
   from kvr_jax.runtime.mesh import AXIS
 
   hf_model, _, ours = checkpoints["deepseek-default"]
@@ -333,8 +332,10 @@ def test_sharded_latent_cache_decodes_in_place(
   assert result.cache is None and result.parts.sharding.spec[0] == AXIS
   assert {s.device for s in result.parts.addressable_shards} == set(mesh.devices.flat)
   assert sorted(p for p in result.part_positions.flat if p >= 0) == list(range(length))
-  got = generate_latent(ours, prompt, mesh, partition, 6, strategy, cache="sharded")
-  np.testing.assert_array_equal(got, hf_fixtures.hf_greedy(hf_model, prompt, 6))
+  got = kvr_jax.generate(
+    ours, prompt, 6, strategy=strategy, mesh=mesh, partition=partition, cache="sharded"
+  )
+  np.testing.assert_array_equal(got.tokens, hf_fixtures.hf_greedy(hf_model, prompt, 6))
 
 
 def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
@@ -405,8 +406,6 @@ def test_a_latent_model_loads_split_and_decodes_on_its_model_groups(checkpoints,
   its 2 of the 8 experts and its quarter of the shared expert's and dense layer's columns;
   KV-Runahead then decodes transformers' greedy tokens from the last rank's group (the cache
   whole there) and from the ranks' parts."""
-  from kvr_jax.inference.latent import generate_latent
-
   hf_model, directory, _ = checkpoints["deepseek-default"]
   mesh = kvr_jax.make_mesh(2, model=4)
   split = kvr_jax.load_model(str(directory), mesh=mesh)
@@ -433,8 +432,10 @@ def test_a_latent_model_loads_split_and_decodes_on_its_model_groups(checkpoints,
   prompt = tokens[:, :24]
   want = hf_fixtures.hf_greedy(hf_model, prompt, 5)
   for cache in ("last", "sharded"):
-    got = generate_latent(split, prompt, mesh, [14, 10], 5, cache=cache)
-    np.testing.assert_array_equal(got, want, err_msg=cache)
+    got = kvr_jax.generate(
+      split, prompt, 5, strategy="kvr", mesh=mesh, partition=[14, 10], cache=cache
+    )
+    np.testing.assert_array_equal(got.tokens, want, err_msg=cache)
 
 
 def test_compiled_memory_of_a_latent_model_splits_its_weights_not_its_latents():

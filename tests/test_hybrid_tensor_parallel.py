@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax.inference.hybrid import generate_hybrid, prefill_hybrid
+from kvr_jax.inference.hybrid import prefill_hybrid
 from kvr_jax.runtime.mesh import AXIS
 from tests import hf_fixtures
 from tests.tolerance import assert_close
@@ -125,8 +125,10 @@ def test_greedy_decode_on_a_2d_mesh_is_transformers(
   hf_model, _, model = checkpoints[name]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6)
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
-  got = generate_hybrid(model, tokens[:1, :30], mesh, partition, 6, "flash", strategy)
-  np.testing.assert_array_equal(got, want)
+  got = kvr_jax.generate(
+    model, tokens[:1, :30], 6, strategy=strategy, mesh=mesh, partition=partition
+  )
+  np.testing.assert_array_equal(got.tokens, want)
 
 
 def test_sampled_decode_on_a_2d_mesh_draws_one_devices_tokens(checkpoints, tokens):
@@ -134,9 +136,9 @@ def test_sampled_decode_on_a_2d_mesh_draws_one_devices_tokens(checkpoints, token
   decode on one device draws."""
   model = checkpoints["wide"][2]
   sampling = dict(temperature=0.8, top_k=20, top_p=0.9, seed=3)
-  args = (model, tokens, kvr_jax.make_mesh(2), [38, 32], 8, "flash")
-  want = generate_hybrid(*args, **sampling)
-  got = generate_hybrid(model, tokens, kvr_jax.make_mesh(2, model=4), [38, 32], 8, **sampling)
+  run = dict(strategy="kvr", partition=[38, 32], **sampling)
+  want = kvr_jax.generate(model, tokens, 8, mesh=kvr_jax.make_mesh(2), **run).tokens
+  got = kvr_jax.generate(model, tokens, 8, mesh=kvr_jax.make_mesh(2, model=4), **run).tokens
   np.testing.assert_array_equal(got, want)
   assert len(np.unique(want)) > 2  # a draw, not one token repeated
 

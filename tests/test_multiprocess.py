@@ -125,31 +125,36 @@ def test_windowed_layers_keep_rings_on_the_last_rank_across_processes():
     assert run["tokens"] == result["single_tokens"], name
 
 
-@pytest.mark.parametrize("model", ["bench-qwen3.5", "bench-deepseek"])
-def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model):
-  """A hybrid (Gated DeltaNet layers passing a state) and a latent-attention model, each
-  under KV-Runahead across two processes of one rank: the last rank's process holds the
-  cache its last hop and chunk make (no move) and samples from it exactly the tokens the
-  model's own one-device forward and decode step sample, and the last step's logits agree
-  (every decode step read the joined cache)."""
+@pytest.mark.parametrize(
+  "model, peer", [("bench-qwen3.5", "ring"), ("bench-deepseek", "allgather")]
+)
+def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model, peer):
+  """A hybrid (Gated DeltaNet layers passing a state) and a latent-attention model across two
+  processes of one rank, through kvr_jax.prefill and decode_from: under KV-Runahead the last
+  rank's process holds the cache its last hop and chunk make (no move); under a peer the
+  other process sends its parts there (rank by rank). Each samples exactly the tokens the
+  model's own one-device forward and decode step sample (single), and the last step's logits
+  agree (every decode step read the joined cache)."""
   proc, _ = run_launcher(
     "--num_processes=2",
     "--devices_per_process=1",
     f"--model={model}",
     "--context_len=200",
     "--partition=120,80",
-    "--strategy=kvr",
+    f"--strategy=kvr,{peer}",
     "--temperature=1",
     "--max_new_tokens=6",
     "--json",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
-  kvr = result["strategies"]["kvr"]
   assert result["process_index"] == 1 and result["num_ranks"] == 2
-  assert kvr["partition"] == [120, 80] and kvr["cache"] == "last"
-  assert kvr["relative_logit_error"] <= 1e-5 and kvr["relative_last_step_error"] <= 1e-5
-  assert kvr["tokens"] == result["single_tokens"] and len(kvr["tokens"][0]) == 6
+  assert result["strategies"]["kvr"]["partition"] == [120, 80]
+  for name in ("kvr", peer):
+    run = result["strategies"][name]
+    assert run["cache"] == "last", name
+    assert run["relative_logit_error"] <= 1e-5 and run["relative_last_step_error"] <= 1e-5, name
+    assert run["tokens"] == result["single_tokens"] and len(run["tokens"][0]) == 6, name
 
 
 def test_a_process_whose_decode_fails_ends_every_process_with_its_error():

@@ -239,34 +239,30 @@ def test_hybrid_prefill_equals_one_device(
 
 
 def test_kvr_on_hybrid_decodes_transformers_greedy_tokens(checkpoints, tokens):
-  from kvr_jax.inference.hybrid import generate_hybrid
-
   hf_model, _, ours = checkpoints["qwen3_5-default"]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6)
-  got = generate_hybrid(ours, tokens[:1, :30], kvr_jax.make_mesh(2), [18, 12], 6)
-  np.testing.assert_array_equal(got, want)
   mesh = kvr_jax.make_mesh(2)
-  got = generate_hybrid(ours, tokens[:1, :30], mesh, None, 6, "flash", strategy="ring")
-  np.testing.assert_array_equal(got, want)
+  got = kvr_jax.generate(ours, tokens[:1, :30], 6, strategy="kvr", mesh=mesh, partition=[18, 12])
+  np.testing.assert_array_equal(got.tokens, want)
+  got = kvr_jax.generate(ours, tokens[:1, :30], 6, strategy="ring", mesh=mesh, attention="flash")
+  np.testing.assert_array_equal(got.tokens, want)
 
 
 def test_hybrid_samples_transformers_draws_whatever_the_strategy(checkpoints, tokens):
   """Sampled decoding (temperature, top-k, seed) from KV-Runahead's and ring's caches draws
   the tokens that transformers' uncached logits give with kvr_jax.generate's key schedule;
   the draw is not the greedy one (the temperature is applied)."""
-  from kvr_jax.inference.hybrid import generate_hybrid
-
   hf_model, _, ours = checkpoints["qwen3_5-default"]
   prompt, mesh = tokens[:1, :30], kvr_jax.make_mesh(2)
   want = hf_fixtures.hf_sampled(hf_model, prompt, 6, temperature=1.5, top_k=40, seed=5)
   assert not np.array_equal(want, hf_fixtures.hf_greedy(hf_model, prompt, 6))
   sampling = dict(temperature=1.5, top_k=40, seed=5)
-  got = generate_hybrid(ours, prompt, mesh, [18, 12], 6, **sampling)
-  np.testing.assert_array_equal(got, want)
-  got = generate_hybrid(ours, prompt, mesh, None, 6, "flash", strategy="ring", **sampling)
-  np.testing.assert_array_equal(got, want)
+  got = kvr_jax.generate(ours, prompt, 6, strategy="kvr", mesh=mesh, partition=[18, 12], **sampling)
+  np.testing.assert_array_equal(got.tokens, want)
+  got = kvr_jax.generate(ours, prompt, 6, strategy="ring", mesh=mesh, **sampling)
+  np.testing.assert_array_equal(got.tokens, want)
   with pytest.raises(ValueError, match="temperature"):
-    generate_hybrid(ours, prompt, mesh, [18, 12], 6, temperature=-1.0)
+    kvr_jax.generate(ours, prompt, 6, strategy="kvr", mesh=mesh, temperature=-1.0)
 
 
 def _collective_shapes(model, strategy, partition, op="collective-permute"):

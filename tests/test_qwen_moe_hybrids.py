@@ -125,11 +125,11 @@ def test_kvr_prefill_equals_one_device(checkpoints, tokens):
 
 
 def test_kvr_on_qwen3_next_decodes_transformers_greedy_tokens(checkpoints, tokens):
-  from kvr_jax.inference.hybrid import generate_hybrid
-
   hf_model, _, ours = checkpoints["qwen3_next"]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6)
-  got = generate_hybrid(ours, tokens[:1, :30], kvr_jax.make_mesh(2), [18, 12], 6)
+  mesh = kvr_jax.make_mesh(2)
+  got = kvr_jax.generate(ours, tokens[:1, :30], 6, strategy="kvr", mesh=mesh, partition=[18, 12])
+  got = got.tokens
   np.testing.assert_array_equal(got, want)
 
 

@@ -4,6 +4,7 @@ it already lives (the last rank's device after KV-Runahead), with greedy or samp
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from kvr_jax.inference.buckets import check_prompts
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.own_families import ModelCache, own_stepper
 from kvr_jax.inference.own_program import check_sampling
-from kvr_jax.inference.prefill import prefill
+from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import CacheParts, PrefillResult
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel, spans_processes
@@ -32,6 +33,8 @@ class GenerationResult:
 
   tokens: np.ndarray | None
   text: list[str] | None
+  # The prefill's result; a ModelCache's cache after `generate` holds the decoded tokens too
+  # (the decode wrote into it), after `decode_from` it is as the prefill left it.
   prefill: PrefillResult | ModelCache
   # [B, V] float32: the logits the last token of `tokens` was drawn from (None where tokens
   # are); after one token, the prefill's.
@@ -97,8 +100,11 @@ def generate(
   check_cache(cache, allow_auto=True)
   rows, lengths = check_prompts(model, _encode_prompt(model, prompt))
   _check_length(model, int(lengths.max()), int(max_new_tokens))
-  result = prefill(model, rows, strategy, mesh, partition, attention, cache, buckets)
-  return decode_from(model, result, max_new_tokens, temperature, top_k, top_p, seed)
+  plan = plan_prefill(model, rows, strategy, mesh, partition, attention, cache, buckets)
+  # A model with its own programs keeps room for the new tokens in its prefill's cache, and
+  # its decode writes into that cache: one copy of it, not a grown second one.
+  result = run_prefill(model, plan, rows, decode_room=int(max_new_tokens))
+  return _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, consume=True)
 
 
 def _on_model_groups(result: PrefillResult) -> bool:
@@ -119,7 +125,14 @@ def decode_from(
   top_p: float | None = None,
   seed: int = 0,
 ) -> GenerationResult:
-  """Decodes from a prefill's KV cache, on the device that holds it (see `generate`)."""
+  """Decodes from a prefill's KV cache, on the device that holds it (see `generate`); the
+  prefill's cache stays as it was (decode_from again decodes the same tokens)."""
+  return _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, consume=False)
+
+
+def _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, consume: bool):
+  """`decode_from`; consume: a `ModelCache`'s decode may write into the prefill's own cache
+  where it has room (`generate`'s, made with room for the new tokens)."""
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   max_new_tokens, seed = int(max_new_tokens), int(seed)
   top_k = None if top_k is None else int(top_k)
@@ -127,7 +140,7 @@ def decode_from(
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
   agree = _as_is
   if isinstance(result, ModelCache):  # a hybrid or latent model: its own decode step
-    stepper = own_stepper
+    stepper = functools.partial(own_stepper, consume=consume)
   elif result.cache == "sharded":
     # Every process runs every step over the parts where they lie, and all of them take the
     # token the last rank sampled, so that they run the same next step and stop together.

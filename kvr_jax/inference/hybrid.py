@@ -2,8 +2,8 @@
 1-D mesh, or a 2-D one whose ranks are model groups (heads, key heads, experts and MLP columns
 split over "model": kvr_jax.runtime.tensor_parallel), and greedy or sampled decoding from the
 cache the last rank then holds (on a 2-D mesh split over its group, each device its own heads'
-K,V, states and channels): `prefill_hybrid`, `generate_hybrid` (kvr_jax/strategies/hybrid.py
-is the program).
+K,V, states and channels): `prefill_hybrid` (`kvr_jax.prefill` and `generate` call it;
+kvr_jax/strategies/hybrid.py is the program).
 
 kvr_jax.prefill / generate run these for a hybrid model (kvr_jax.inference.own_families: the
 plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
@@ -22,15 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_chunks, check_ranks
-from kvr_jax.inference.own_program import (
-  Sampling,
-  check_new_tokens,
-  check_sampling,
-  check_tokens,
-  decode_from_cache,
-  group_decode_step,
-  sample_steps,
-)
+from kvr_jax.inference.own_program import check_new_tokens, check_tokens, stacked_on_last_rank
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import unfold_batch
 from kvr_jax.runtime.loading import Model
@@ -83,8 +75,7 @@ def prefill_hybrid(
   max_new_tokens: room the cache keeps for decoding. join=False: return as soon as the last
   rank's logits exist, the cache left where the program put it (`cache` None; what the
   benchmark times). With a mesh over several processes only the last rank's process gets the
-  logits (and, for KV-Runahead, the cache); the peers' cache move across processes is not
-  built (join=False there)."""
+  logits and the cache (the peers' parts sent there rank by rank, every process sending)."""
   _check_model_and_strategy(model, strategy)
   spec = get_strategy(strategy)
   tokens_BT = check_tokens(model, tokens)
@@ -99,12 +90,6 @@ def prefill_hybrid(
         f"a hybrid model on a mesh with model={m} runs in one process so far; across "
         "processes use a 1-D mesh (make_mesh(p))"
       )
-  if join and strategy != "kvr" and jax.process_count() > 1:
-    raise ValueError(
-      f"{strategy} on a hybrid model across processes: moving its cache onto the last rank "
-      "is not built; run strategy='kvr' (its last rank holds the cache, in any process), or "
-      "pass join=False to time the prefill alone (the cache stays where it was computed)"
-    )
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
   check_new_tokens(max_new_tokens, 0)
@@ -120,14 +105,16 @@ def prefill_hybrid(
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
-  if not join or logits_BV is None:
+  if not join or (logits_BV is None and strategy == "kvr"):
     return HybridPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds everything: no move
     join_parts = functools.partial(_kvr_cache, chunks=chunks, capacity=capacity)
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
-  else:  # the parts move to the last rank; the last chunk's halo is rank 0's
+  else:  # the parts move to the last rank (every process sends); the last chunk's halo is rank 0's
     join_parts = functools.partial(_zigzag_cache, T=T, p=p, capacity=capacity)
     mine = jax.tree.map(lambda a: _gathered_on_last_rank(a, mesh), out)
+    if logits_BV is None:  # another process's rank is last: it received the parts
+      return HybridPrefill(None, None, chunks, capacity, True)
   cache = jax.jit(join_parts)(mine)  # on a 2-D mesh each device joins its own heads' parts
   return HybridPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
 
@@ -157,12 +144,11 @@ def _last_rank_part(array, mesh):
 
 def _gathered_on_last_rank(array, mesh):
   """Every rank's piece of an output [p, ...] stacked ([p, ...]) on the last rank's device
-  (1-D mesh), or on its group, split by head (2-D: device j's from every rank's device j)."""
+  (1-D mesh, across processes too: `stacked_on_last_rank`), or on its group, split by head
+  (2-D: device j's from every rank's device j)."""
   p, m = mesh.shape[AXIS], model_parallel(mesh)
   if m == 1:
-    owner = rank_device(mesh, p - 1)
-    pieces = [shard_on(array, rank_device(mesh, r)) for r in range(p)]
-    return jnp.stack([jax.device_put(piece, owner) for piece in pieces])
+    return stacked_on_last_rank(array, mesh)
   devices_pm = mesh.devices.reshape(p, m)
   return _on_last_row(
     array,
@@ -236,38 +222,6 @@ def _zigzag_cache(out: dict, T: int, p: int, capacity: int) -> HybridCache:
 def _padded(kv_L2BTKH, state, halo, capacity: int) -> HybridCache:
   pad = [(0, 0)] * 3 + [(0, capacity - kv_L2BTKH.shape[3])] + [(0, 0)] * 2
   return HybridCache(jnp.pad(kv_L2BTKH, pad), LinearState(state, halo))
-
-
-def generate_hybrid(
-  model: Model,
-  tokens,
-  mesh,
-  partition=None,
-  max_new_tokens: int = 1,
-  attention="dense",
-  strategy: str = "kvr",
-  temperature: float = 0.0,
-  top_k: int | None = None,
-  top_p: float | None = None,
-  seed: int = 0,
-):
-  """`max_new_tokens` decoded from `prefill_hybrid`'s cache on the last rank's device, greedy
-  (temperature 0) or sampled as `kvr_jax.generate` samples (temperature, top_k, top_p, seed):
-  [B, max_new_tokens] token ids; None in the processes that do not hold the last rank."""
-  check_new_tokens(max_new_tokens, 1)
-  check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
-  sampling = Sampling(temperature, top_k, top_p, seed)
-  result = prefill_hybrid(model, tokens, mesh, partition, attention, max_new_tokens, strategy)
-  T = sum(result.chunks)
-  if model_parallel(mesh) == 1:
-    return decode_from_cache(model, result.logits_BV, result.cache, T, max_new_tokens, sampling)
-  # The last rank's model group decodes: the weights split as the prefill split them, the
-  # cache where the join left it, each step's shards summed over "model".
-  row_mesh = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
-  logits_BV = jax.device_put(result.logits_BV, NamedSharding(row_mesh, jax.P()))
-  step = group_decode_step(model.graphdef, row_mesh, CACHE_SPECS)
-  state = model.state_split_over(row_mesh)
-  return sample_steps(step, state, logits_BV, result.cache, T, max_new_tokens, sampling)[0]
 
 
 # A hybrid cache split over a model group by head: K,V [L, 2, B, S, K, H] by KV head, the

@@ -1,7 +1,7 @@
 """Prefill of a latent-attention model (DeepSeek-V3) with KV-Runahead, ring, all-gather CP or TSP
 over a 1-D mesh, or a 2-D one whose ranks are model groups (heads and experts split over
 "model": kvr_jax.runtime.tensor_parallel; the latent whole on every shard), and decoding (greedy
-or sampled) from its latent cache: `prefill_latent`, `generate_latent`
+or sampled) from its latent cache: `prefill_latent` (`kvr_jax.prefill` and `generate` call it)
 (kvr_jax/strategies/latent.py is the program). The cache is joined on the last rank
 (cache="last": KV-Runahead's last hop and own chunk where they lie, the peers' parts moved), or
 left in the ranks' parts (cache="sharded": each decode step attends every part where it lies in
@@ -30,13 +30,9 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks, chunk_starts
 from kvr_jax.inference.decode import merge_across_ranks
 from kvr_jax.inference.own_program import (
-  Sampling,
   check_new_tokens,
-  check_sampling,
   check_tokens,
-  decode_from_cache,
-  group_decode_step,
-  sample_steps,
+  stacked_on_last_rank,
 )
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import Model
@@ -46,7 +42,6 @@ from kvr_jax.runtime.mesh import (
   global_array,
   model_parallel,
   rank_device,
-  rank_row_mesh,
   shard_on,
 )
 from kvr_jax.strategies import get_strategy, zigzag
@@ -96,9 +91,9 @@ def prefill_latent(
   heads' kernel (models.kernels: dense, blocked, flash, ...). join=False: return as soon as
   the last rank's logits exist, the cache left where the program put it (`cache` None; what
   the benchmark times). cache="sharded": the ranks' latents stay where they were computed
-  (`parts`; no move), for `generate_latent(cache="sharded")`.
-  With a mesh over several processes only the last rank's process gets the logits (and, for
-  KV-Runahead, the cache); all-gather CP's cache move across processes is not built."""
+  (`parts`; no move), for `generate(cache="sharded")`.
+  With a mesh over several processes only the last rank's process gets the logits and the
+  cache (KV-Runahead's where it lies; the peers' parts sent there rank by rank)."""
   _check_arguments(model, strategy, attention, cache, join)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh, allow_model=True)
@@ -137,13 +132,15 @@ def prefill_latent(
   if cache == "sharded":  # nothing moves: each rank keeps its own latents
     positions = part_positions(strategy, chunks, out["own"].shape[3])
     return LatentPrefill(logits_BV, None, chunks, capacity, False, out["own"], positions)
-  if not join or logits_BV is None:
+  if not join or (logits_BV is None and strategy == "kvr"):
     return LatentPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds every position: its last hop and its own chunk
     last, own = shard_on(out["last"], owner), shard_on(out["own"], owner)
     cache = jax.jit(_joined, static_argnums=(2, 3))(last, own, chunks[-1], capacity)
-  else:  # every rank's parts move to the last rank, then into prompt order
-    pieces = [jax.device_put(shard_on(out["own"], rank_device(mesh, r)), owner) for r in range(p)]
+  else:  # every rank's parts move to the last rank (every process sends), into prompt order
+    pieces = stacked_on_last_rank(out["own"], mesh)
+    if pieces is None:  # another process's rank is last: it received the parts
+      return LatentPrefill(None, None, chunks, capacity, True)
     order = _contiguous if strategy == "tsp" else _in_prompt_order  # zigzag: ring, allgather
     cache = jax.jit(order, static_argnums=(1, 2, 3))(pieces, T, p, capacity)
   return LatentPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
@@ -171,12 +168,6 @@ def _check_arguments(model, strategy: str, attention, cache: str, join: bool) ->
       "cache='sharded' on a latent model across processes: its decode is built for one "
       "process; use cache='last' (KV-Runahead's last rank holds the cache in any process)"
     )
-  if join and strategy != "kvr" and jax.process_count() > 1:
-    raise ValueError(
-      f"{strategy} on a latent model across processes: moving its cache onto the last rank "
-      "is not built; run strategy='kvr' (its last rank holds the cache, in any process), or "
-      "pass join=False to time the prefill alone (the cache stays where it was computed)"
-    )
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):
@@ -184,15 +175,21 @@ def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):
   return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - cache.shape[2]), (0, 0)))
 
 
+def _ranks_in_turn(pieces_pLBcC):
+  """Every rank's rows in turn, [L, B, p*c, C]."""
+  p, L, B, c, C = pieces_pLBcC.shape
+  return jnp.moveaxis(pieces_pLBcC, 0, 2).reshape(L, B, p * c, C)
+
+
 def _in_prompt_order(pieces, T: int, p: int, capacity: int):
-  ranked = jnp.concatenate(pieces, axis=2)  # rank 0's two chunks, then rank 1's, ...
+  ranked = _ranks_in_turn(pieces)  # rank 0's two chunks, then rank 1's, ...
   cache = jnp.take(ranked, jnp.asarray(zigzag.prompt_order(T, p)), axis=2)[:, :, :T]
   return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - T), (0, 0)))
 
 
 def _contiguous(pieces, T: int, p: int, capacity: int):
   """TSP's parts, rank 0's chunk first: the prompt's positions in order (padding cut)."""
-  cache = jnp.concatenate(pieces, axis=2)[:, :, :T]
+  cache = _ranks_in_turn(pieces)[:, :, :T]
   return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - T), (0, 0)))
 
 
@@ -216,65 +213,6 @@ def part_positions(strategy: str, chunks: tuple[int, ...], rows: int) -> np.ndar
       positions = np.concatenate([first * c + np.arange(c), second * c + np.arange(c)])
       table.append(np.where(positions < T, positions, -1))
   return np.asarray(table, np.int32)
-
-
-def generate_latent(
-  model: Model,
-  tokens,
-  mesh,
-  partition=None,
-  max_new_tokens: int = 1,
-  strategy: str = "kvr",
-  attention: str = "flash",
-  cache: str = "last",
-  temperature: float = 0.0,
-  top_k: int | None = None,
-  top_p: float | None = None,
-  seed: int = 0,
-):
-  """`max_new_tokens` decoded in the absorbed form (each step reads the latents), greedy
-  (temperature 0) or sampled as `kvr_jax.generate` samples (temperature, top_k, top_p, seed):
-  [B, max_new_tokens] token ids. cache="last": from the cache `prefill_latent` joins on the
-  last rank's device; cache="sharded": every step on every rank, over the parts where the
-  prefill left them (`latent_sharded_step`)."""
-  check_new_tokens(max_new_tokens, 1)
-  check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
-  sampling = Sampling(temperature, top_k, top_p, seed)
-  result = prefill_latent(
-    model, tokens, mesh, partition, max_new_tokens, strategy, attention, cache=cache
-  )
-  T = sum(result.chunks)
-  m = model_parallel(mesh)
-  if cache == "last" and m > 1:  # the last rank's model group decodes, its weights split
-    row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
-    return _group_decode(model, result, row, max_new_tokens, sampling)
-  if cache == "last":
-    return decode_from_cache(model, result.logits_BV, result.cache, T, max_new_tokens, sampling)
-  replicated = NamedSharding(mesh, jax.P())
-  step = latent_sharded_step(model.graphdef, mesh)
-  state = model.state_split_over(mesh) if m > 1 else model.state_on(replicated)
-  positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
-  L, B, _, C = result.parts.shape[1:]
-  tail = jax.device_put(jnp.zeros((L, B, max_new_tokens, C), model.dtype), replicated)
-  logits_BV, out = jax.device_put(result.logits_BV, replicated), []
-  for i in range(max_new_tokens):
-    next_B = sampling.token(logits_BV, i)
-    out.append(np.asarray(next_B))
-    if i + 1 < max_new_tokens:
-      logits_BV, tail = step(state, next_B, T + i, result.parts, positions, tail, i)
-  return np.stack(out, axis=1)
-
-
-def _group_decode(model, result: LatentPrefill, row_mesh, max_new_tokens: int, sampling):
-  """`decode_from_cache` on the last rank's model group: the joined latent cache whole on each
-  of its devices (it is headless), the weights split as the prefill split them, each step's
-  shards summed over "model"."""
-  replicated = NamedSharding(row_mesh, jax.P())
-  step = group_decode_step(model.graphdef, row_mesh, jax.P())
-  state = model.state_split_over(row_mesh)
-  cache, logits_BV = jax.device_put((result.cache, result.logits_BV), replicated)
-  T = sum(result.chunks)
-  return sample_steps(step, state, logits_BV, cache, T, max_new_tokens, sampling)[0]
 
 
 @kept_cache(8)

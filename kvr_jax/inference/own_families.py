@@ -48,9 +48,10 @@ class OwnFamily:
   model's own forward on one device or one rank's model group). caches: the layouts its
   decode reads ("last": joined on the last rank; "sharded": left in the ranks' parts).
   group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a pytree
-  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache) -> (logits
+  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache, room) -> (logits
   [B, V] on the last rank's first device, the joined cache or None, the ranks' parts or None,
-  their prompt positions or None). grown(cache, capacity) -> the cache with room for
+  their prompt positions or None), the cache with room for `room` more positions.
+  grown(cache, capacity) -> the cache with room for
   `capacity` positions (a fresh buffer: the decode steps donate theirs)."""
 
   name: str
@@ -60,24 +61,26 @@ class OwnFamily:
   run: Callable
   grown: Callable
   one_device_layout: Callable  # (config, cache split over m, m) -> the model's own layout
+  prompt_part: Callable  # (cache, T) -> its first T positions (the room for decoding cut)
 
 
-def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache):
+def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache, room):
   del cache  # "last" only: checked by `check_own_plan`
-  ran = hybrid.prefill_hybrid(model, tokens_BT, mesh, partition, attention, 0, strategy)
+  ran = hybrid.prefill_hybrid(model, tokens_BT, mesh, partition, attention, room, strategy)
   return ran.logits_BV, ran.cache, None, None
 
 
-def _run_latent(model, tokens_BT, mesh, partition, strategy, attention, cache):
+def _run_latent(model, tokens_BT, mesh, partition, strategy, attention, cache, room):
   ran = latent.prefill_latent(
-    model, tokens_BT, mesh, partition, 0, strategy, attention, cache=cache
+    model, tokens_BT, mesh, partition, room, strategy, attention, cache=cache
   )
   return ran.logits_BV, ran.cache, ran.parts, ran.part_positions
 
 
 def _padded_positions(array, axis: int, capacity: int):
+  """`array` with room for `capacity` positions on `axis` (never fewer than it has)."""
   pad = [(0, 0)] * array.ndim
-  pad[axis] = (0, capacity - array.shape[axis])
+  pad[axis] = (0, max(capacity - array.shape[axis], 0))
   return jnp.pad(array, pad)
 
 
@@ -103,6 +106,7 @@ HYBRID = OwnFamily(
   _run_hybrid,
   _grown_hybrid,
   hybrid.one_device_layout,
+  lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
 )
 LATENT = OwnFamily(
   "latent",
@@ -112,6 +116,7 @@ LATENT = OwnFamily(
   _run_latent,
   _grown_latent,
   lambda config, cache, m: cache,
+  lambda cache, T: cache[:, :, :T],
 )
 
 
@@ -128,7 +133,7 @@ def own_family(config) -> OwnFamily | None:
 def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
   """What a plan for `family` runs so far, refused by name before anything compiles: its
   strategies and cache layouts, rows of one length, no timeline probes, and across
-  processes KV-Runahead alone (its last rank holds the cache; the peers' move is not built)."""
+  processes a 1-D mesh and cache="last" (the sharded latent decode runs in one process)."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
   if spec.name not in family.strategies:
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
@@ -148,11 +153,6 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
       f"{what} on a mesh with model={m} runs in one process so far; across processes use a "
       "1-D mesh (make_mesh(p))"
     )
-  if spans_processes(mesh) and spec.name != "kvr":
-    raise ValueError(
-      f"{what} across processes runs strategy='kvr' (its last rank holds the cache in any "
-      f"process); {spec.name}'s cache move across processes is not built"
-    )
   if spans_processes(mesh) and cache != "last":
     raise ValueError(f"{what} across processes decodes from cache='last' so far")
 
@@ -165,7 +165,8 @@ class ModelCache:
   choice; cache: "last" or "sharded") and the cache in the model's own form.
 
   model_cache (cache="last"): a hybrid's `HybridCache` (each full layer's K,V, each linear
-  layer's state and halo) or a latent model's [L, B, S, C] latents, S = prompt_len, on the
+  layer's state and halo) or a latent model's [L, B, S, C] latents, S = capacity (the prompt
+  and the room kept for decoding: `generate`'s new tokens, written there), on the
   last rank's device, or split over its model group on a 2-D mesh (`decode_mesh`; by head,
   hybrid.CACHE_SPECS; a latent cache whole on each shard). parts, part_positions
   (cache="sharded", latent models): each rank's latents where the program left them
@@ -180,6 +181,7 @@ class ModelCache:
   attention: str
   lengths: np.ndarray
   cache: str
+  capacity: int
   family: str
   mesh: Any
   config: Any = dataclasses.field(repr=False)
@@ -203,9 +205,11 @@ class ModelCache:
     if self.cache != "last":
       raise ValueError(f"gather_cache reads cache='last'; this prefill ran cache={self.cache!r}")
     family = own_family(self.config)
-    # Through the host: a group's arrays are typed with its mesh's axes, which one device lacks.
+    # The prompt's positions (not the room kept for decoding), through the host: a group's
+    # arrays are typed with its mesh's axes, which one device lacks.
     cache = jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.device), self.model_cache)
-    return family.one_device_layout(self.config, cache, model_parallel(self.mesh))
+    cache = family.one_device_layout(self.config, cache, model_parallel(self.mesh))
+    return family.prompt_part(cache, self.prompt_len)
 
   @property
   def decode_mesh(self):
@@ -215,10 +219,13 @@ class ModelCache:
     return rank_row_mesh(self.mesh, self.mesh.shape[AXIS] - 1)
 
 
-def run_own_prefill(model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> ModelCache:
+def run_own_prefill(
+  model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray, room: int = 0
+) -> ModelCache:
   """Runs `plan` (kvr_jax.inference.prefill.PrefillPlan, checked by `check_own_plan`) with the
   family's own program; "single" is the model's own forward on the plan's one device (its
-  model group on a 2-D mesh). A process that holds no device of the mesh (auto's pick of one
+  model group on a 2-D mesh). room: positions the cache keeps for decoding. A process that
+  holds no device of the mesh (auto's pick of one
   device in another process) gets no logits and no cache."""
   family = own_family(model.config)
   spec, mesh = plan.strategy, plan.mesh
@@ -229,6 +236,7 @@ def run_own_prefill(model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray) -
     attention=plan.kernel.name,
     lengths=lengths_B,
     cache=plan.cache,
+    capacity=plan.prompt_len + room,
     family=family.name,
     mesh=mesh,
     config=model.config,
@@ -237,7 +245,9 @@ def run_own_prefill(model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray) -
   if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
     return ModelCache(None, **fields)
   if spec.max_ranks == 1:
-    forward = one_group_forward(model.graphdef, mesh, plan.kernel.name, family.group_cache_spec)
+    forward = one_group_forward(
+      model.graphdef, mesh, plan.kernel.name, family.group_cache_spec, plan.prompt_len + room
+    )
     if model_parallel(mesh) > 1:
       replicated = NamedSharding(mesh, jax.P())
       state, tokens_BT = model.state_split_over(mesh), jax.device_put(tokens_BT, replicated)
@@ -247,13 +257,13 @@ def run_own_prefill(model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray) -
     logits_BV, cache = forward(state, tokens_BT)
     logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
     if plan.cache == "sharded":  # a latent cache as one rank's one part, [1, L, B, T, C]
-      parts = jax.device_put(cache[None], NamedSharding(mesh, jax.P(AXIS)))
+      parts = jax.device_put(cache[None, :, :, : plan.prompt_len], NamedSharding(mesh, jax.P(AXIS)))
       positions = np.arange(plan.prompt_len, dtype=np.int32)[None]
       return ModelCache(logits_BV, **fields, parts=parts, part_positions=positions)
     return ModelCache(logits_BV, **fields, model_cache=cache)
   partition = plan.chunks if spec.partitioned else None
   logits_BV, cache, parts, positions = family.run(
-    model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache
+    model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache, room
   )
   return ModelCache(logits_BV, **fields, model_cache=cache, parts=parts, part_positions=positions)
 
@@ -265,16 +275,16 @@ def _state_on(model, mesh):
 
 
 @kept_cache(8)
-def one_group_forward(graphdef, mesh, attention: str, cache_spec):
+def one_group_forward(graphdef, mesh, attention: str, cache_spec, capacity: int):
   """strategy="single" for a model with its own programs: (state, tokens [B, T]) -> (the last
-  position's logits [B, V], the model's cache of T positions), its own `forward` on the mesh
-  of one rank: one device, or a model group whose shards run their heads and experts (the
+  position's logits [B, V], the model's cache of `capacity` positions), its own `forward` on
+  the mesh of one rank: one device, or a model group whose shards run their heads and experts (the
   partial sums added over "model") and keep the cache as `cache_spec` places it."""
   m = model_parallel(mesh)
 
   def forward(state, tokens_BT, reduce=no_reduce):
     model = nnx.merge(graphdef, state)
-    x_BTD, cache = model.forward(tokens_BT, attention=attention, reduce=reduce)
+    x_BTD, cache = model.forward(tokens_BT, attention=attention, reduce=reduce, capacity=capacity)
     return model.logits(x_BTD[:, -1:])[:, 0], cache
 
   if m == 1:
@@ -294,11 +304,14 @@ def one_group_forward(graphdef, mesh, attention: str, cache_spec):
   return split
 
 
-def own_stepper(model, result: ModelCache, lengths_B, max_new_tokens: int, seed: int):
+def own_stepper(
+  model, result: ModelCache, lengths_B, max_new_tokens: int, seed: int, consume: bool = False
+):
   """`decode_from`'s stepper for a `ModelCache`: (step(token_B, index, cache) -> (logits,
   cache), the first cache, the prompt's logits, the sampling key), placed where the cache
   lies. cache="last": the model's own decode step on the last rank's device (its model group
-  on a 2-D mesh, the cache split as the prefill left it), from a grown copy of the cache;
+  on a 2-D mesh, the cache split as the prefill left it), from a grown copy of the cache
+  (consume: from the prefill's own cache where it has the room, written in place);
   cache="sharded": every rank attends its own part (latent.latent_sharded_step)."""
   if own_family(model.config) is None or own_family(model.config).name != result.family:
     raise ValueError(
@@ -323,7 +336,11 @@ def own_stepper(model, result: ModelCache, lengths_B, max_new_tokens: int, seed:
     def placed(x):
       return jax.device_put(x, replicated)
 
-  cache = family.grown(result.model_cache, result.prompt_len + max_new_tokens)
+  capacity = result.prompt_len + max_new_tokens
+  if consume and result.capacity >= capacity:
+    cache = result.model_cache  # generate's own: the steps donate and write into it
+  else:
+    cache = family.grown(result.model_cache, capacity)
   if group is not None:  # where the group's step reads it (a latent cache joined on one device)
     cache = jax.device_put(cache, _placements(group, family.group_cache_spec))
   lengths_B = np.asarray(lengths_B, np.int32)

@@ -5,18 +5,18 @@ prefill leaves on the last rank, with the model's own `decode_step`."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import numbers
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import decode
+from kvr_jax.inference.kv_cache import send_to_last_program
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.mesh import model_parallel
+from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_device, shard_on
 
 
 def check_tokens(model, tokens) -> np.ndarray:
@@ -72,62 +72,6 @@ def check_new_tokens(max_new_tokens, least: int) -> None:
     raise ValueError(f"max_new_tokens must be an integer >= {least}, got {max_new_tokens!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """How each new token is chosen, as `kvr_jax.generate` chooses it: the most likely at
-  temperature 0; else the temperature, then top-k, then top-p, and step i drawn with the key
-  `fold_in(key(seed), i)` (`decode.sample`): the same logits and seed give the same tokens
-  whichever strategy made the cache. Checked by `check_sampling`."""
-
-  temperature: float = 0.0
-  top_k: int | None = None
-  top_p: float | None = None
-  seed: int = 0
-
-  def token(self, logits_BV, index: int):
-    """Step `index`'s tokens [B] from its logits [B, V]."""
-    key = jax.random.key(self.seed)
-    return decode.next_token(logits_BV, key, index, self.temperature, self.top_k, self.top_p)
-
-
-def decode_from_cache(
-  model, logits_BV, cache, length: int, max_new_tokens: int, sampling: Sampling = Sampling()
-) -> np.ndarray | None:
-  """`max_new_tokens` chosen by `sampling` from a prefill's last logits and cache (`length`
-  positions filled; consumed: the steps write into it), decoded with the model's
-  `decode_step` on the device that holds them:
-  [B, max_new_tokens] token ids (no stop at an end-of-sequence token). None in a process
-  that does not hold them (logits_BV None: another process holds the last rank)."""
-  decoded = decode_with_last_logits(model, logits_BV, cache, length, max_new_tokens, sampling)
-  return None if decoded is None else decoded[0]
-
-
-def decode_with_last_logits(
-  model, logits_BV, cache, length: int, max_new_tokens: int, sampling: Sampling = Sampling()
-) -> tuple[np.ndarray, jax.Array] | None:
-  """`decode_from_cache`'s tokens and the logits the last of them was drawn from (what
-  every decode step's cache and inputs led to: the launchers compare it with single's)."""
-  if logits_BV is None:
-    return None
-  state = model.state_on(logits_BV.sharding)
-  step = decode_step_of(model.graphdef)
-  return sample_steps(step, state, logits_BV, cache, length, max_new_tokens, sampling)
-
-
-def sample_steps(step, state, logits_BV, cache, length: int, max_new_tokens: int, sampling):
-  """The decode loop: a token drawn from `logits_BV` by `sampling`, then `step(state, tokens,
-  positions, cache) -> (logits, cache)` at position `length` + i, `max_new_tokens` times (no
-  step after the last): ([B, max_new_tokens] token ids, the last token's logits)."""
-  positions_B = np.full(logits_BV.shape[0], length, np.int32)
-  out = []
-  for index in range(max_new_tokens):
-    next_B = sampling.token(logits_BV, index)
-    out.append(np.asarray(next_B))
-    if index + 1 < max_new_tokens:
-      logits_BV, cache = step(state, next_B, positions_B + index, cache)
-  return np.stack(out, axis=1), logits_BV
-
-
 @kept_cache(8)
 def decode_step_of(graphdef):
   """The jitted decode step of a model's structure, made once per graphdef (not per call).
@@ -171,3 +115,21 @@ def group_decode_step(graphdef, row_mesh, cache_spec):
     )(state, tokens_B, positions_B, cache)
 
   return step
+
+
+def stacked_on_last_rank(array, mesh):
+  """Every rank's piece of a rank-sharded output [p, ...] (1-D mesh), stacked [p, ...] on the
+  last rank's device: copied there in one process; across processes sent by one ppermute per
+  rank (`send_to_last_program`: one piece-sized output at a time; every process runs each
+  send). None in the processes that do not hold the last rank."""
+  p = mesh.shape[AXIS]
+  owner = rank_device(mesh, p - 1)
+  if array.is_fully_addressable:
+    return jnp.stack(
+      [jax.device_put(shard_on(array, rank_device(mesh, r)), owner) for r in range(p)]
+    )
+  pieces = []
+  for rank in range(p):
+    received = array if rank == p - 1 else send_to_last_program(mesh, rank)(array)
+    pieces.append(shard_on(received, owner))
+  return None if pieces[-1] is None else jnp.stack(pieces)

@@ -394,12 +394,15 @@ def _hop_holds_rows(config, chunks, lengths_B) -> bool:
   return whole or int(np.min(lengths_B)) > hop_end
 
 
-def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True):
+def run_prefill(
+  model: Model, plan: PrefillPlan, tokens, move_cache: bool = True, decode_room: int = 0
+):
   """Runs `plan` on `tokens` (a prompt of the plan's padded length and batch) and returns
-  its `PrefillResult`. move_cache=False: with cache="last", return as soon as the program's
-  outputs exist, laid out as cache="sharded" (plus KV-Runahead's `last_hop`);
-  `gather_cache()` then brings the cache onto the last rank (what kvr_jax.tools.timing times
-  apart)."""
+  its `PrefillResult` (a `ModelCache` for a model with its own programs, its cache with room
+  for `decode_room` more positions; a K,V cache grows when decode starts). move_cache=False:
+  with cache="last", return as soon as the program's outputs exist, laid out as
+  cache="sharded" (plus KV-Runahead's `last_hop`); `gather_cache()` then brings the cache onto
+  the last rank (what kvr_jax.tools.timing times apart)."""
   if not isinstance(plan, PrefillPlan):
     raise ValueError(
       f"run_prefill takes the PrefillPlan that plan_prefill returns, got {type(plan).__name__}"
@@ -412,7 +415,7 @@ def run_prefill(model: Model, plan: PrefillPlan, tokens, move_cache: bool = True
     )
   tokens_BT = buckets_lib.pad_rows(rows, T)
   if own_family(model.config) is not None:
-    return run_own_prefill(model, plan, tokens_BT, lengths_B)
+    return run_own_prefill(model, plan, tokens_BT, lengths_B, decode_room)
   B, padded = plan.batch, bool((lengths_B < T).any())
   if padded and not plan.padded:
     raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")

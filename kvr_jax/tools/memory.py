@@ -366,10 +366,10 @@ def compiled_memory(
   cache="sharded": on every device, its part and the decoded tokens' K,V among them); and
   `decode_cache_bytes`, the K,V among those arguments.
 
-  A latent-attention model (DeepSeek-V3) is measured in the programs prefill_latent and
-  generate_latent run (`_measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
+  A latent-attention model (DeepSeek-V3) is measured in the programs kvr_jax.prefill and
+  generate run for it (`_measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
   (its cache is headless, so whole on every device of a model group), no move figures.
-  A hybrid model (Qwen3.5, Qwen3-Next) in those prefill_hybrid and generate_hybrid run
+  A hybrid model (Qwen3.5, Qwen3-Next) in those kvr_jax.prefill and generate run
   (`_measure_hybrid`): `kv_cache_bytes` its full layers' K,V and `state_cache_bytes` its
   linear layers' states and halos (one device's heads of each), no move figures.
   """
@@ -477,8 +477,8 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
   """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
   (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
   layer: whole on every device of a model group, whatever m), and with decode_tokens the step
-  generate_latent runs: cache="last" on the last rank's group over the joined cache grown by
-  them, cache="sharded" on every device over its part and the decoded tokens' latents.
+  kvr_jax.generate runs for it: cache="last" on the last rank's group over the joined cache
+  grown by them, cache="sharded" on every device over its part and the decoded tokens' latents.
   model: (graphdef, abstract state, mesh)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state, mesh = model
@@ -509,7 +509,7 @@ def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition
     replicated = NamedSharding(row, jax.P())
     vector = _struct((batch,), np.int32, replicated)
     grown = _struct((L, batch, context_len + decode_tokens, C), dtype, replicated)
-    if step is None:  # one device: the model's own decode step, as generate_latent runs it
+    if step is None:  # one device: the model's own decode step, as kvr_jax.generate runs it
       step = own_program.decode_step_of(graphdef)
     lowered = step.lower(row_state, vector, vector, grown)
   else:
@@ -539,7 +539,7 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
   (strategies.hybrid.compile_hybrid; its weights split over "model" on a 2-D mesh), its cache
   in two parts, one device's share of each: `kv_cache_bytes` the full layers' K,V of every
   position, `state_cache_bytes` the linear layers' float32 states and convolution halos,
-  whatever the prompt length; with decode_tokens the step generate_hybrid runs on the last
+  whatever the prompt length; with decode_tokens the step generate runs on the last
   rank's device or group over the joined cache grown by them. model: (graphdef, abstract
   state, mesh)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
@@ -579,7 +579,7 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
   )
   if m > 1:
     step = own_program.group_decode_step(graphdef, row, hybrid_inference.CACHE_SPECS)
-  else:  # one device: the model's own decode step, as generate_hybrid runs it
+  else:  # one device: the model's own decode step, as generate runs it
     step = own_program.decode_step_of(graphdef)
   stats = _compile(step.lower(row_state, vector, vector, grown), dtype_name).memory_analysis()
   return {
@@ -591,7 +591,7 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
 
 
 def _hybrid_cache_shapes(config, batch: int, capacity: int, m: int, dtype_name: str):
-  """The HybridCache generate_hybrid decodes from, as shapes (the whole group's: m devices'
+  """The HybridCache generate decodes from, as shapes (the whole group's: m devices'
   KV heads, repeated to m where the model has fewer, as the shards hold them)."""
   K = tensor_parallel.kv_heads_per_shard(config, m) * m
   h, d_k = config.linear_num_value_heads, config.linear_key_head_dim
