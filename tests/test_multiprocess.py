@@ -157,6 +157,32 @@ def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model, 
     assert run["tokens"] == result["single_tokens"] and len(run["tokens"][0]) == 6, name
 
 
+def test_a_latent_models_sharded_cache_decodes_in_place_across_processes():
+  """cache="sharded" on a latent model across two processes: each process keeps its rank's
+  latents, and both decode every step over them (the partials merged across the processes),
+  drawing single's sampled tokens on both processes."""
+  proc, _ = run_launcher(
+    "--num_processes=2",
+    "--devices_per_process=1",
+    "--model=bench-deepseek",
+    "--context_len=200",
+    "--partition=120,80",
+    "--strategy=kvr,ring",
+    "--cache=sharded",
+    "--temperature=1",
+    "--max_new_tokens=6",
+    "--json",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+  for name in ("kvr", "ring"):
+    run = result["strategies"][name]
+    assert run["cache"] == "sharded", name
+    assert run["relative_logit_error"] <= 1e-5 and run["relative_last_step_error"] <= 1e-5, name
+    assert run["tokens"] == result["single_tokens"] and len(run["tokens"][0]) == 6, name
+    assert run["tokens_on_every_process"] is True, name
+
+
 def test_a_process_whose_decode_fails_ends_every_process_with_its_error():
   """Process 0 fails between its prefill and its decode while process 1 waits for it in a
   sharded decode step's collective: the launcher names process 0 and its error, promptly

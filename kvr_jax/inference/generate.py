@@ -141,6 +141,8 @@ def _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, cons
   agree = _as_is
   if isinstance(result, ModelCache):  # a hybrid or latent model: its own decode step
     stepper = functools.partial(own_stepper, consume=consume)
+    if result.parts is not None and spans_processes(result.mesh):
+      agree = decode.from_last_rank(result.mesh, ranked=False)  # as cache="sharded" below
   elif result.cache == "sharded":
     # Every process runs every step over the parts where they lie, and all of them take the
     # token the last rank sampled, so that they run the same next step and stop together.
@@ -153,7 +155,9 @@ def _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, cons
     stepper = _whole_cache_stepper
   # With cache="sharded" every process decodes the parts it holds (auto's pick of one device
   # holds none in the other processes).
-  decodes_parts_here = stepper is _sharded_stepper and result.kv_parts is not None
+  decodes_parts_here = (stepper is _sharded_stepper and result.kv_parts is not None) or (
+    isinstance(result, ModelCache) and result.parts is not None
+  )
   if not (decodes_parts_here or result.is_local):
     return GenerationResult(None, None, result)  # another process holds the cache, generates
   step, tail, logits, key = stepper(model, result, lengths_B, max_new_tokens, seed)

@@ -11,8 +11,7 @@ kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted on 
 kvr_jax.prefill / generate run these for a latent model (kvr_jax.inference.own_families: the
 plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
 family's own entry points (and `join=False`, what the benchmark times). Rows of one length;
-the peers' cache="last", the sharded decode and 2-D meshes in one process only. Every
-argument is checked before anything compiles.
+2-D meshes in one process only. Every argument is checked before anything compiles.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks, chunk_starts
-from kvr_jax.inference.decode import merge_across_ranks
+from kvr_jax.inference.decode import from_last_rank, merge_across_ranks
 from kvr_jax.inference.own_program import (
   check_new_tokens,
   check_tokens,
@@ -43,6 +42,7 @@ from kvr_jax.runtime.mesh import (
   model_parallel,
   rank_device,
   shard_on,
+  spans_processes,
 )
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.latent import STRATEGIES, compile_latent
@@ -70,6 +70,8 @@ class LatentPrefill:
   # (sharded by rank), and the prompt position of each rank's rows, [p, T_rank] (-1: padding).
   parts: jax.Array | None = None
   part_positions: np.ndarray | None = None
+  # cache="sharded" across processes: the logits replicated on every device of the mesh.
+  replicated_logits: jax.Array | None = None
 
 
 def prefill_latent(
@@ -131,7 +133,14 @@ def prefill_latent(
     jax.block_until_ready(out)
   if cache == "sharded":  # nothing moves: each rank keeps its own latents
     positions = part_positions(strategy, chunks, out["own"].shape[3])
-    return LatentPrefill(logits_BV, None, chunks, capacity, False, out["own"], positions)
+    # Across processes every process decodes (its ranks' parts): the last rank's logits
+    # replicated everywhere, so that each samples the same first token.
+    replicated = None
+    if spans_processes(mesh):
+      replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
+    return LatentPrefill(
+      logits_BV, None, chunks, capacity, False, out["own"], positions, replicated
+    )
   if not join or (logits_BV is None and strategy == "kvr"):
     return LatentPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds every position: its last hop and its own chunk
@@ -163,11 +172,6 @@ def _check_arguments(model, strategy: str, attention, cache: str, join: bool) ->
     )
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-  if cache == "sharded" and jax.process_count() > 1:
-    raise ValueError(
-      "cache='sharded' on a latent model across processes: its decode is built for one "
-      "process; use cache='last' (KV-Runahead's last rank holds the cache in any process)"
-    )
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):

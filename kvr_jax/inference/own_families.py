@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import hybrid, latent
+from kvr_jax.inference import decode, hybrid, latent
 from kvr_jax.inference.own_program import decode_step_of, group_decode_step
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime import tensor_parallel
@@ -67,14 +67,14 @@ class OwnFamily:
 def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache, room):
   del cache  # "last" only: checked by `check_own_plan`
   ran = hybrid.prefill_hybrid(model, tokens_BT, mesh, partition, attention, room, strategy)
-  return ran.logits_BV, ran.cache, None, None
+  return ran.logits_BV, ran.cache, None, None, None
 
 
 def _run_latent(model, tokens_BT, mesh, partition, strategy, attention, cache, room):
   ran = latent.prefill_latent(
     model, tokens_BT, mesh, partition, room, strategy, attention, cache=cache
   )
-  return ran.logits_BV, ran.cache, ran.parts, ran.part_positions
+  return ran.logits_BV, ran.cache, ran.parts, ran.part_positions, ran.replicated_logits
 
 
 def _padded_positions(array, axis: int, capacity: int):
@@ -133,7 +133,7 @@ def own_family(config) -> OwnFamily | None:
 def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
   """What a plan for `family` runs so far, refused by name before anything compiles: its
   strategies and cache layouts, rows of one length, no timeline probes, and across
-  processes a 1-D mesh and cache="last" (the sharded latent decode runs in one process)."""
+  processes a 1-D mesh."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
   if spec.name not in family.strategies:
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
@@ -153,8 +153,6 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
       f"{what} on a mesh with model={m} runs in one process so far; across processes use a "
       "1-D mesh (make_mesh(p))"
     )
-  if spans_processes(mesh) and cache != "last":
-    raise ValueError(f"{what} across processes decodes from cache='last' so far")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -188,6 +186,9 @@ class ModelCache:
   model_cache: Any = None
   parts: jax.Array | None = None
   part_positions: np.ndarray | None = None
+  # cache="sharded" across processes: the logits replicated on every device (every process
+  # decodes its ranks' parts and samples the same tokens).
+  replicated_logits: jax.Array | None = None
   choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
 
   @property
@@ -262,10 +263,17 @@ def run_own_prefill(
       return ModelCache(logits_BV, **fields, parts=parts, part_positions=positions)
     return ModelCache(logits_BV, **fields, model_cache=cache)
   partition = plan.chunks if spec.partitioned else None
-  logits_BV, cache, parts, positions = family.run(
+  logits_BV, cache, parts, positions, replicated = family.run(
     model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache, room
   )
-  return ModelCache(logits_BV, **fields, model_cache=cache, parts=parts, part_positions=positions)
+  return ModelCache(
+    logits_BV,
+    **fields,
+    model_cache=cache,
+    parts=parts,
+    part_positions=positions,
+    replicated_logits=replicated,
+  )
 
 
 def _state_on(model, mesh):
@@ -359,19 +367,22 @@ def _placements(mesh, specs):
 
 
 def _sharded_latent_stepper(model, result: ModelCache, max_new_tokens: int, seed: int):
-  """cache="sharded" (latent models, one process): every operand replicated over the
-  prefill's mesh but the parts, which stay put; the new tokens' latents in a replicated tail."""
+  """cache="sharded" (latent models): every operand replicated over the prefill's mesh but the
+  parts, which stay put; the new tokens' latents in a replicated tail. Across processes every
+  operand is a global array that every process builds alike, and every process decodes."""
   mesh, T = result.mesh, result.prompt_len
   replicated = NamedSharding(mesh, jax.P())
   program = latent.latent_sharded_step(model.graphdef, mesh)
   state = _state_on(model, mesh)
   positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
   L, B, _, C = result.parts.shape[1:]
-  tail = jax.device_put(jnp.zeros((L, B, max_new_tokens, C), model.dtype), replicated)
+  tail = decode.zeros_on((L, B, max_new_tokens, C), model.dtype, replicated)
 
   def step(token_B, index, tail):
-    token_B = jax.device_put(token_B, replicated)
     return program(state, token_B, T + index, result.parts, positions, tail, index)
 
-  logits = jax.device_put(result.logits, replicated)
-  return step, tail, logits, jax.device_put(jax.random.key(seed), replicated)
+  logits = result.replicated_logits
+  if logits is None:  # one process: the owner's logits are every device's to copy
+    logits = jax.device_put(result.logits, replicated)
+  key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+  return step, tail, logits, jax.random.wrap_key_data(global_array(key_data, replicated))
