@@ -228,6 +228,38 @@ def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
   assert result["strategies"]["kvr, cache=sharded"]["tokens_on_every_process"] is True
 
 
+@pytest.mark.parametrize(
+  "model, strategies, caches",
+  [("bench-qwen3.5", "kvr,ring", "last"), ("bench-deepseek", "kvr,allgather", "last,sharded")],
+)
+def test_hybrid_and_latent_models_on_two_processes_of_two_model_shards(model, strategies, caches):
+  """A hybrid and a latent model on a ("ranks", "model") mesh of two processes, each one rank
+  split over its two devices (loaded straight into the shards): KV-Runahead's cache stays on
+  the last rank's group, the peer's parts are sent there shard by shard; the latent model's
+  sharded cache decodes on both processes as model shards. Single's sampled tokens."""
+  proc, _ = run_launcher(
+    "--num_processes=2",
+    "--devices_per_process=2",
+    "--model_parallel=2",
+    f"--model={model}",
+    "--context_len=96",
+    "--partition=56,40",
+    f"--strategy={strategies}",
+    f"--cache={caches}",
+    "--temperature=1",
+    "--max_new_tokens=4",
+    "--json",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+  assert result["model_parallel"] == 2 and result["num_ranks"] == 2
+  assert len(result["strategies"]) == len(strategies.split(",")) * len(caches.split(","))
+  for name, run in result["strategies"].items():
+    assert run["relative_logit_error"] <= 1e-5 and run["relative_last_step_error"] <= 1e-5, name
+    assert run["tokens"] == result["single_tokens"], name
+    assert run["tokens_on_every_process"] is (True if run["cache"] == "sharded" else None), name
+
+
 def start_by_hand(*flags, num_processes=2):
   """A cluster of launch.multiprocess processes started by hand (no launcher), one device
   each, with their stderr piped."""

@@ -8,7 +8,7 @@ kvr_jax/strategies/hybrid.py is the program).
 kvr_jax.prefill / generate run these for a hybrid model (kvr_jax.inference.own_families: the
 plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
 family's own entry points (and `join=False`, what the benchmark times). Rows of one length,
-the cache whole on the last rank (the peers' only in one process; 2-D meshes in one process).
+the cache whole on the last rank (split over its group on a 2-D mesh).
 Every argument is checked before anything compiles.
 """
 
@@ -85,11 +85,6 @@ def prefill_hybrid(
   m = model_parallel(mesh)
   if m > 1:
     tensor_parallel.check_model_parallel(model.config, m)
-    if jax.process_count() > 1:
-      raise ValueError(
-        f"a hybrid model on a mesh with model={m} runs in one process so far; across "
-        "processes use a 1-D mesh (make_mesh(p))"
-      )
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
   check_new_tokens(max_new_tokens, 0)
@@ -112,7 +107,7 @@ def prefill_hybrid(
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
   else:  # the parts move to the last rank (every process sends); the last chunk's halo is rank 0's
     join_parts = functools.partial(_zigzag_cache, T=T, p=p, capacity=capacity)
-    mine = jax.tree.map(lambda a: _gathered_on_last_rank(a, mesh), out)
+    mine = jax.tree.map(lambda a: stacked_on_last_rank(a, mesh), out)
     if logits_BV is None:  # another process's rank is last: it received the parts
       return HybridPrefill(None, None, chunks, capacity, True)
   cache = jax.jit(join_parts)(mine)  # on a 2-D mesh each device joins its own heads' parts
@@ -135,42 +130,15 @@ def _check_model_and_strategy(model, strategy: str) -> None:
 
 def _last_rank_part(array, mesh):
   """The last rank's piece of an output [p, ...]: on its device (1-D mesh), or split over
-  its group by head as the program split it (2-D: each device's where it lies)."""
+  its group by head as the program split it (2-D: each device's where it lies; in the last
+  rank's process, across processes too)."""
   p, m = mesh.shape[AXIS], model_parallel(mesh)
   if m == 1:
     return shard_on(array, rank_device(mesh, p - 1))
-  return _on_last_row(array, mesh, lambda pieces_pm, j: pieces_pm[p - 1][j])
-
-
-def _gathered_on_last_rank(array, mesh):
-  """Every rank's piece of an output [p, ...] stacked ([p, ...]) on the last rank's device
-  (1-D mesh, across processes too: `stacked_on_last_rank`), or on its group, split by head
-  (2-D: device j's from every rank's device j)."""
-  p, m = mesh.shape[AXIS], model_parallel(mesh)
-  if m == 1:
-    return stacked_on_last_rank(array, mesh)
-  devices_pm = mesh.devices.reshape(p, m)
-  return _on_last_row(
-    array,
-    mesh,
-    lambda pieces_pm, j: jnp.stack(
-      [jax.device_put(pieces_pm[r][j], devices_pm[p - 1, j]) for r in range(p)]
-    ),
-    stacked=True,
-  )
-
-
-def _on_last_row(array, mesh, piece_of, stacked: bool = False):
-  """An array on the last rank's group, split over "model" as `array` ([p, ...], split by
-  rank and head) is, whose device j holds piece_of(pieces, j): pieces[r][j] the piece of
-  rank r's device j (on that device). stacked: the pieces keep a leading [p] axis."""
-  p, m = mesh.shape[AXIS], model_parallel(mesh)
-  devices_pm = mesh.devices.reshape(p, m)
+  last_row = list(mesh.devices.reshape(p, m)[-1])
   by_device = {shard.device: shard.data[0] for shard in array.addressable_shards}
-  pieces_pm = [[by_device[devices_pm[r, j]] for j in range(m)] for r in range(p)]
-  shards = [piece_of(pieces_pm, j) for j in range(m)]
+  shards = [by_device[device] for device in last_row]
   spec = tuple(array.sharding.spec)[1:]  # the head axis's "model", rank axis dropped
-  spec = (None, *spec) if stacked else spec
   shape = list(shards[0].shape)
   shape[spec.index(MODEL_AXIS)] *= m
   row = NamedSharding(rank_row_mesh(mesh, p - 1), jax.P(*spec))

@@ -10,8 +10,8 @@ kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted on 
 
 kvr_jax.prefill / generate run these for a latent model (kvr_jax.inference.own_families: the
 plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
-family's own entry points (and `join=False`, what the benchmark times). Rows of one length;
-2-D meshes in one process only. Every argument is checked before anything compiles.
+family's own entry points (and `join=False`, what the benchmark times). Rows of one length.
+Every argument is checked before anything compiles.
 """
 
 from __future__ import annotations
@@ -104,11 +104,6 @@ def prefill_latent(
   m = model_parallel(mesh)
   if m > 1:
     tensor_parallel.check_model_parallel(model.config, m)
-    if jax.process_count() > 1:
-      raise ValueError(
-        f"a latent model on a mesh with model={m} runs in one process so far; across "
-        "processes use a 1-D mesh (make_mesh(p))"
-      )
   kernel = get_kernel(attention)
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]

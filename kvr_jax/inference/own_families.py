@@ -35,7 +35,6 @@ from kvr_jax.runtime.mesh import (
   model_parallel,
   rank_device,
   rank_row_mesh,
-  spans_processes,
 )
 from models.base import no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
@@ -132,8 +131,7 @@ def own_family(config) -> OwnFamily | None:
 
 def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
   """What a plan for `family` runs so far, refused by name before anything compiles: its
-  strategies and cache layouts, rows of one length, no timeline probes, and across
-  processes a 1-D mesh."""
+  strategies and cache layouts, rows of one length, no timeline probes."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
   if spec.name not in family.strategies:
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
@@ -147,12 +145,6 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
     )
   if timeline:
     raise ValueError(f"{what} has no timeline probes")
-  m = model_parallel(mesh)
-  if spans_processes(mesh) and m > 1:
-    raise ValueError(
-      f"{what} on a mesh with model={m} runs in one process so far; across processes use a "
-      "1-D mesh (make_mesh(p))"
-    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

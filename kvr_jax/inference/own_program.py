@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference.kv_cache import send_to_last_program
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_device, shard_on
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 
 
 def check_tokens(model, tokens) -> np.ndarray:
@@ -118,18 +118,49 @@ def group_decode_step(graphdef, row_mesh, cache_spec):
 
 
 def stacked_on_last_rank(array, mesh):
-  """Every rank's piece of a rank-sharded output [p, ...] (1-D mesh), stacked [p, ...] on the
-  last rank's device: copied there in one process; across processes sent by one ppermute per
-  rank (`send_to_last_program`: one piece-sized output at a time; every process runs each
-  send). None in the processes that do not hold the last rank."""
+  """Every rank's piece of a rank-sharded output [p, ...], stacked [p, ...] on the last rank:
+  on its device (a 1-D mesh, or an output whole on every shard of a rank: a latent), or on its
+  model group split over "model" as `array` is (each device stacks what every rank's same
+  device held). Copied there in one process; across processes sent by one ppermute per rank
+  (`_send_to_last_rank`: one piece-sized output at a time; every process runs each send).
+  None in the processes that do not hold the last rank."""
   p = mesh.shape[AXIS]
-  owner = rank_device(mesh, p - 1)
-  if array.is_fully_addressable:
-    return jnp.stack(
-      [jax.device_put(shard_on(array, rank_device(mesh, r)), owner) for r in range(p)]
-    )
-  pieces = []
+  devices_pm = mesh.devices.reshape(p, -1)
+  spec = tuple(array.sharding.spec)
+  split = MODEL_AXIS in spec
+  last_row = list(devices_pm[-1]) if split else [devices_pm[-1, 0]]
+  pieces = {device: [] for device in last_row}
   for rank in range(p):
-    received = array if rank == p - 1 else send_to_last_program(mesh, rank)(array)
-    pieces.append(shard_on(received, owner))
-  return None if pieces[-1] is None else jnp.stack(pieces)
+    if array.is_fully_addressable:  # one process: each piece copied from where it lies
+      by_device = {shard.device: shard.data[0] for shard in array.addressable_shards}
+      for j, device in enumerate(last_row):
+        pieces[device].append(jax.device_put(by_device[devices_pm[rank, j]], device))
+      continue
+    received = array if rank == p - 1 else _send_to_last_rank(mesh, rank, spec)(array)
+    for shard in received.addressable_shards:
+      if shard.device in pieces:
+        pieces[shard.device].append(shard.data[0])
+  if last_row[0].process_index != jax.process_index():
+    return None
+  stacked = [jnp.stack(pieces[device]) for device in last_row]
+  if not split:
+    return stacked[0]
+  out_spec = (None, *spec[1:])  # the rank axis now the stack's, whole on each device
+  shape = list(stacked[0].shape)
+  shape[out_spec.index(MODEL_AXIS)] *= len(last_row)
+  row = NamedSharding(rank_row_mesh(mesh, p - 1), jax.P(*out_spec))
+  return jax.make_array_from_single_device_arrays(tuple(shape), row, stacked)
+
+
+@kept_cache(32)
+def _send_to_last_rank(mesh, sender: int, spec: tuple):
+  """Rank `sender`'s piece of a [p, ...] output placed by `spec` sent to rank p-1 (one
+  ppermute; on a 2-D mesh each shard's piece to the same shard of rank p-1)."""
+  p = mesh.shape[AXIS]
+
+  def body(piece):
+    return jax.lax.ppermute(piece, AXIS, perm=[(sender, p - 1)])
+
+  spec = jax.P(*spec)
+  # check_vma=False: an output whole over "model" stays so (each shard sends its own copy).
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
