@@ -230,13 +230,17 @@ def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
 
 @pytest.mark.parametrize(
   "model, strategies, caches",
-  [("bench-qwen3.5", "kvr,ring", "last"), ("bench-deepseek", "kvr,allgather", "last,sharded")],
+  [
+    ("bench-qwen3.5", "kvr,ring", "last,sharded"),
+    ("bench-deepseek", "kvr,allgather", "last,sharded"),
+  ],
 )
 def test_hybrid_and_latent_models_on_two_processes_of_two_model_shards(model, strategies, caches):
   """A hybrid and a latent model on a ("ranks", "model") mesh of two processes, each one rank
-  split over its two devices (loaded straight into the shards): KV-Runahead's cache stays on
-  the last rank's group, the peer's parts are sent there shard by shard; the latent model's
-  sharded cache decodes on both processes as model shards. Single's sampled tokens."""
+  split over its two devices (loaded straight into the shards): cache="last": KV-Runahead's
+  cache stays on the last rank's group, the peer's parts are sent there shard by shard;
+  cache="sharded": every rank keeps its part (a hybrid's linear pasts on every rank) and both
+  processes decode as model shards. Single's sampled tokens."""
   proc, _ = run_launcher(
     "--num_processes=2",
     "--devices_per_process=2",

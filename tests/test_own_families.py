@@ -66,6 +66,8 @@ RUNS = [
   (HYBRID, "allgather", (3, 1), None, "last"),
   (HYBRID, "kvr", (2, 2), "search", "auto"),
   (HYBRID, "single", (1, 2), None, "last"),
+  (HYBRID, "kvr", (3, 1), [10, 12, 8], "sharded"),
+  (HYBRID, "ring", (2, 2), None, "sharded"),
   (LATENT, "kvr", (2, 1), [18, 12], "last"),
   (LATENT, "kvr", (3, 1), [10, 12, 8], "sharded"),
   (LATENT, "tsp", (2, 1), None, "last"),
@@ -99,7 +101,7 @@ def test_generate_runs_own_family_models_as_one_device(
   result = kvr_jax.prefill(ours, tokens, strategy, mesh, partition, cache=cache)
   if result.cache == "last":
     _assert_cache_close(case, result.gather_cache(), want_cache)
-  else:  # each rank's part where it was computed, its rows at their prompt positions
+  elif case == LATENT:  # each rank's part where it was computed, its rows at their positions
     parts, positions = np.asarray(result.parts), result.part_positions
     for rank in range(parts.shape[0]):
       rows = positions[rank] >= 0
@@ -107,6 +109,25 @@ def test_generate_runs_own_family_models_as_one_device(
         parts[rank][:, :, rows], np.asarray(want_cache)[:, :, positions[rank][rows]], "part"
       )
     assert sorted(positions[positions >= 0].tolist()) == list(range(T))
+  else:  # the full layers' K,V in each rank's part, every run at its prompt positions; the
+    # linear pasts on every rank (split by head on a 2-D mesh: one device's order compared)
+    kv = np.asarray(want_cache.kv_2BSKH)
+    layout, B = result.cache_layout, tokens.shape[0]
+    parts = np.asarray(result.parts)
+    m = 1 if shape is None else shape[1]
+    kv = np.repeat(kv, max(m // ours.config.num_kv_heads, 1), axis=-2)  # as the shards hold
+    covered = []
+    for rank, runs in enumerate(layout.segments):
+      part = parts[rank].reshape(*parts.shape[1:3], B, layout.part_len, *parts.shape[4:])
+      for position, length, row in runs:
+        got = part[:, :, :, row : row + length]
+        assert_close(got, kv[:, :, :, position : position + length], f"rank {rank}'s K,V")
+        covered += range(position, position + length)
+    assert sorted(covered) == list(range(T))
+    linear = result.linear_state
+    assert_close(linear.state_Bhkv, want_cache.linear.state_Bhkv, "linear states")
+    if m == 1:
+      assert_close(linear.halo_BwC, want_cache.linear.halo_BwC, "convolution halos")
 
 
 def test_decode_from_one_prefill_twice_samples_transformers_draws(models, tokens):
@@ -144,8 +165,6 @@ def test_what_is_not_built_is_refused_by_name(models, tokens):
   mesh = kvr_jax.make_mesh(2)
   with pytest.raises(ValueError, match=r"runs under \['single', 'kvr', 'ring', 'allgather'\]"):
     kvr_jax.prefill(hybrid, tokens, "tsp", mesh)
-  with pytest.raises(ValueError, match=r"keeps its cache as \['last'\]"):
-    kvr_jax.prefill(hybrid, tokens, "kvr", mesh, cache="sharded")
   ragged = [tokens[0, :20], tokens[1]]
   with pytest.raises(ValueError, match="rows of one length"):
     kvr_jax.generate(latent, ragged, 2, strategy="kvr", mesh=mesh)

@@ -19,12 +19,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
-from kvr_jax.inference.own_program import check_new_tokens, check_tokens, stacked_on_last_rank
+from kvr_jax.inference import decode
+from kvr_jax.inference.decode import from_last_rank
+from kvr_jax.inference.own_program import (
+  check_new_tokens,
+  check_tokens,
+  replicated_from_rank,
+  stacked_on_last_rank,
+)
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.cache_layout import unfold_batch
+from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -35,12 +44,16 @@ from kvr_jax.runtime.mesh import (
   rank_device,
   rank_row_mesh,
   shard_on,
+  spans_processes,
 )
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
+from models.attention import merge_partials
+from models.base import no_reduce
+from models.flash import attend_flash
 from models.kernels import get_kernel
 from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
-from models.qwen3_5 import HybridCache, LinearState
+from models.qwen3_5 import HybridCache, LinearState, scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +71,13 @@ class HybridPrefill:
   chunks: tuple[int, ...]
   capacity: int
   moved: bool
+  # cache="sharded": the full layers' K,V parts [p, L_full, 2, B*P, K, H] by rank, where
+  # `layout` says each rank's rows lie in the prompt; the prompt's final linear pasts on
+  # every rank (replicated); across processes the logits replicated everywhere.
+  parts: jax.Array | None = None
+  layout: CacheLayout | None = None
+  linear: LinearState | None = None
+  replicated_logits: jax.Array | None = None
 
 
 def prefill_hybrid(
@@ -69,14 +89,20 @@ def prefill_hybrid(
   max_new_tokens: int = 0,
   strategy: str = "kvr",
   join: bool = True,
+  cache: str = "last",
 ) -> HybridPrefill:
   """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
   max_new_tokens: room the cache keeps for decoding. join=False: return as soon as the last
   rank's logits exist, the cache left where the program put it (`cache` None; what the
   benchmark times). With a mesh over several processes only the last rank's process gets the
-  logits and the cache (the peers' parts sent there rank by rank, every process sending)."""
+  logits and the cache (the peers' parts sent there rank by rank, every process sending).
+  cache="sharded": nothing moves; each rank keeps its full layers' K,V part (`parts`, laid
+  out as `layout` says) and every rank gets the prompt's final linear states and halos
+  (`linear`, one psum of their fixed size), for `hybrid_sharded_step`."""
   _check_model_and_strategy(model, strategy)
+  if cache not in CACHES:
+    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
   spec = get_strategy(strategy)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh, allow_model=True)
@@ -91,7 +117,7 @@ def prefill_hybrid(
   kernel = spec.check_attention(attention)
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
-  program = compile_hybrid(strategy, model.graphdef, mesh, chunks, kernel)
+  program = compile_hybrid(strategy, model.graphdef, mesh, chunks, kernel, cache == "last")
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
@@ -100,6 +126,21 @@ def prefill_hybrid(
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
+  if cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts go everywhere
+    parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
+    # KV-Runahead's last rank ends the chain; the peers' final state is on every rank and
+    # the prompt's last chunk (its halo) is rank 0's second.
+    linear = LinearState(
+      replicated_from_rank(out["state"], mesh, p - 1),
+      replicated_from_rank(out["halo"], mesh, p - 1 if strategy == "kvr" else 0),
+    )
+    replicated = None
+    if spans_processes(mesh):  # every process decodes: the last rank's logits everywhere
+      replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
+    layout = spec.cache_layout(T, chunks)
+    return HybridPrefill(
+      logits_BV, None, chunks, capacity, False, parts, layout, linear, replicated
+    )
   if not join or (logits_BV is None and strategy == "kvr"):
     return HybridPrefill(logits_BV, None, chunks, capacity, False)
   if strategy == "kvr":  # the last rank holds everything: no move
@@ -214,3 +255,87 @@ def one_device_layout(config, cache: HybridCache, m: int) -> HybridCache:
   blocks = [jnp.split(b, [qk, 2 * qk], axis=-1) for b in jnp.split(cache.linear.halo_BwC, m, -1)]
   halo = jnp.concatenate([block[part] for part in range(3) for block in blocks], axis=-1)
   return HybridCache(kv, LinearState(cache.linear.state_Bhkv, halo))
+
+
+CACHES = ("last", "sharded")
+
+
+@kept_cache(8)
+def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
+  """f(state, tokens_B, prompt_lens_B, parts [p, L_full, 2, B*P, K, H], tail [L_full, 2, B,
+  M, K, H], linear (LinearState, replicated), tail_index) -> (logits [B, V], tail, linear):
+  one token per row at position prompt_lens_B[b] + tail_index from cache="sharded". A full
+  layer: every rank attends the token's query to its own part where it lies
+  (`decode.part_attention`, rank r's runs `layout.segments[r]`), the last rank also to the
+  decoded tokens' tail (this token's K,V written there at `tail_index`), and the partials
+  merge across the ranks (one collective per layer), as K,V models' sharded decode does. A
+  linear layer: its recurrent step on every rank alike, on the replicated state and halo.
+  The tail and linear pasts are donated. On a ("ranks", "model") mesh each rank's group
+  splits heads, key heads and experts (its shards' sums over "model"), the parts, tail and
+  linear pasts split by head as the prefill split them."""
+  p = layout.num_ranks
+  m = model_parallel(mesh)
+  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
+
+  def step(state, tokens_B, prompt_lens_B, parts_1L2BPKH, tail_L2BMKH, linear, tail_index):
+    model = nnx.merge(graphdef, state)
+    rank = jax.lax.axis_index(AXIS)
+    positions_B = prompt_lens_B + tail_index
+
+    def on_full(block, i, carry):
+      x_B1D, tail_L2BMKH, linear = carry
+      q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
+      new_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(tail_L2BMKH.dtype)
+      tail_L2BMKH = jax.lax.dynamic_update_slice(
+        tail_L2BMKH, new_2B1KH[None], (i, 0, 0, tail_index, 0, 0)
+      )
+      part_2BPKH = unfold_batch(parts_1L2BPKH[0, i], layout.part_len)
+      out, lse = jax.lax.switch(
+        rank,
+        [
+          functools.partial(decode.part_attention, runs=layout.segments[r], window=None)
+          for r in range(p)
+        ],
+        jax.lax.pcast(q_B1NH, (AXIS,), to="varying"),
+        part_2BPKH,
+        positions_B,
+        prompt_lens_B,
+      )
+      tail_out, tail_lse = attend_flash(
+        q_B1NH, tail_L2BMKH[i, 0], tail_L2BMKH[i, 1], tail_index, window=None
+      )
+      tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
+      out, lse = merge_partials(out, lse, tail_out, tail_lse)
+      attn_B1NH = decode.merge_across_ranks(out, lse).astype(q_B1NH.dtype)
+      return block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH, linear
+
+    def on_linear(block, i, carry):
+      x_B1D, tail_L2BMKH, linear = carry
+      x_B1D, past = block.step(x_B1D, jax.tree.map(lambda s: s[i], linear), reduce)
+      stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), linear, past)
+      return x_B1D, tail_L2BMKH, LinearState(*stacked)
+
+    x_B1D = model.embed(tokens_B[:, None])
+    x_B1D, tail_L2BMKH, linear = scan_layers(
+      model, on_full, on_linear, (x_B1D, tail_L2BMKH, linear)
+    )
+    return model.logits(x_B1D)[:, 0], tail_L2BMKH, linear
+
+  P = jax.P
+  split = m > 1
+  tail_spec = CACHE_SPECS.kv_2BSKH if split else P()
+  linear_spec = CACHE_SPECS.linear if split else LinearState(P(), P())
+
+  @functools.partial(jax.jit, donate_argnums=(4, 5))
+  def program(state, tokens_B, prompt_lens_B, parts, tail, linear, tail_index):
+    weights = tensor_parallel.partition_specs(state, m) if split else P()
+    return jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(weights, P(), P(), parts_spec(mesh), tail_spec, linear_spec, P()),
+      out_specs=(P(), tail_spec, linear_spec),
+      # As decode's sharded step on a 2-D mesh: the psummed logits are whole on every shard.
+      check_vma=not split,
+    )(state, tokens_B, prompt_lens_B, parts, tail, linear, tail_index)
+
+  return program

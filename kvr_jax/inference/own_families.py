@@ -29,6 +29,7 @@ from kvr_jax.inference import decode, hybrid, latent
 from kvr_jax.inference.own_program import decode_step_of, group_decode_step
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
@@ -38,7 +39,7 @@ from kvr_jax.runtime.mesh import (
 )
 from models.base import no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
-from models.qwen3_5 import HybridCache
+from models.qwen3_5 import HybridCache, LinearState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +48,12 @@ class OwnFamily:
   model's own forward on one device or one rank's model group). caches: the layouts its
   decode reads ("last": joined on the last rank; "sharded": left in the ranks' parts).
   group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a pytree
-  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache, room) -> (logits
-  [B, V] on the last rank's first device, the joined cache or None, the ranks' parts or None,
-  their prompt positions or None), the cache with room for `room` more positions.
-  grown(cache, capacity) -> the cache with room for
-  `capacity` positions (a fresh buffer: the decode steps donate theirs)."""
+  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache, room) -> the
+  `ModelCache` fields the prefill made: logits [B, V] on the last rank's first device, and
+  the joined cache (with room for `room` more positions) or the ranks' parts.
+  grown(cache, capacity) -> the cache with room for `capacity` positions (a fresh buffer: the
+  decode steps donate theirs). sharded_stepper(model, result, max_new_tokens, seed): decode
+  from cache="sharded" (`own_stepper`'s return)."""
 
   name: str
   strategies: tuple[str, ...]
@@ -61,19 +63,36 @@ class OwnFamily:
   grown: Callable
   one_device_layout: Callable  # (config, cache split over m, m) -> the model's own layout
   prompt_part: Callable  # (cache, T) -> its first T positions (the room for decoding cut)
+  sharded_stepper: Callable
+  # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s ModelCache fields
+  one_rank_parts: Callable
 
 
-def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache, room):
-  del cache  # "last" only: checked by `check_own_plan`
-  ran = hybrid.prefill_hybrid(model, tokens_BT, mesh, partition, attention, room, strategy)
-  return ran.logits_BV, ran.cache, None, None, None
+def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache, room) -> dict:
+  ran = hybrid.prefill_hybrid(
+    model, tokens_BT, mesh, partition, attention, room, strategy, cache=cache
+  )
+  return dict(
+    logits=ran.logits_BV,
+    model_cache=ran.cache,
+    parts=ran.parts,
+    cache_layout=ran.layout,
+    linear_state=ran.linear,
+    replicated_logits=ran.replicated_logits,
+  )
 
 
 def _run_latent(model, tokens_BT, mesh, partition, strategy, attention, cache, room):
   ran = latent.prefill_latent(
     model, tokens_BT, mesh, partition, room, strategy, attention, cache=cache
   )
-  return ran.logits_BV, ran.cache, ran.parts, ran.part_positions, ran.replicated_logits
+  return dict(
+    logits=ran.logits_BV,
+    model_cache=ran.cache,
+    parts=ran.parts,
+    part_positions=ran.part_positions,
+    replicated_logits=ran.replicated_logits,
+  )
 
 
 def _padded_positions(array, axis: int, capacity: int):
@@ -95,38 +114,6 @@ def _grown_hybrid(cache: HybridCache, capacity: int) -> HybridCache:
 @functools.partial(jax.jit, static_argnums=1)
 def _grown_latent(cache_LBSC, capacity: int):
   return _padded_positions(cache_LBSC, 2, capacity)
-
-
-HYBRID = OwnFamily(
-  "hybrid",
-  ("single", *hybrid.STRATEGIES),
-  ("last",),
-  hybrid.CACHE_SPECS,
-  _run_hybrid,
-  _grown_hybrid,
-  hybrid.one_device_layout,
-  lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
-)
-LATENT = OwnFamily(
-  "latent",
-  ("single", *latent.STRATEGIES),
-  latent.CACHES,
-  jax.P(),  # headless: whole on every shard
-  _run_latent,
-  _grown_latent,
-  lambda config, cache, m: cache,
-  lambda cache, T: cache[:, :, :T],
-)
-
-
-def own_family(config) -> OwnFamily | None:
-  """The family whose own programs run `config`'s model; None for a model of softmax
-  attention layers alone (prefill's strategies run it)."""
-  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):
-    return HYBRID
-  if any(isinstance(kind, LatentAttentionKind) for kind in config.kinds):
-    return LATENT
-  return None
 
 
 def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
@@ -181,6 +168,10 @@ class ModelCache:
   # cache="sharded" across processes: the logits replicated on every device (every process
   # decodes its ranks' parts and samples the same tokens).
   replicated_logits: jax.Array | None = None
+  # cache="sharded", hybrid models: where each rank's K,V rows lie in the prompt, and the
+  # prompt's final linear states and halos on every rank.
+  cache_layout: Any = None
+  linear_state: Any = None
   choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
 
   @property
@@ -249,23 +240,12 @@ def run_own_prefill(
       state, tokens_BT = model.state_on(device), jax.device_put(tokens_BT, device)
     logits_BV, cache = forward(state, tokens_BT)
     logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
-    if plan.cache == "sharded":  # a latent cache as one rank's one part, [1, L, B, T, C]
-      parts = jax.device_put(cache[None, :, :, : plan.prompt_len], NamedSharding(mesh, jax.P(AXIS)))
-      positions = np.arange(plan.prompt_len, dtype=np.int32)[None]
-      return ModelCache(logits_BV, **fields, parts=parts, part_positions=positions)
+    if plan.cache == "sharded":  # the cache as the one rank's part
+      return ModelCache(logits_BV, **fields, **family.one_rank_parts(cache, plan.prompt_len, mesh))
     return ModelCache(logits_BV, **fields, model_cache=cache)
   partition = plan.chunks if spec.partitioned else None
-  logits_BV, cache, parts, positions, replicated = family.run(
-    model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache, room
-  )
-  return ModelCache(
-    logits_BV,
-    **fields,
-    model_cache=cache,
-    parts=parts,
-    part_positions=positions,
-    replicated_logits=replicated,
-  )
+  ran = family.run(model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache, room)
+  return ModelCache(**ran, **fields)
 
 
 def _state_on(model, mesh):
@@ -317,9 +297,9 @@ def own_stepper(
     raise ValueError(
       f"this cache is a {result.family} model's; decode it with the model that made it"
     )
-  if result.cache == "sharded":
-    return _sharded_latent_stepper(model, result, max_new_tokens, seed)
   family = own_family(model.config)
+  if result.cache == "sharded":
+    return family.sharded_stepper(model, result, max_new_tokens, seed)
   group = result.decode_mesh
   if group is None:
     device = result.device
@@ -378,3 +358,95 @@ def _sharded_latent_stepper(model, result: ModelCache, max_new_tokens: int, seed
     logits = jax.device_put(result.logits, replicated)
   key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
   return step, tail, logits, jax.random.wrap_key_data(global_array(key_data, replicated))
+
+
+def _one_rank_latent_parts(cache_LBSC, T: int, mesh) -> dict:
+  """A one-rank prefill's latent cache as that rank's part [1, L, B, T, C]."""
+  parts = jax.device_put(cache_LBSC[None, :, :, :T], NamedSharding(mesh, jax.P(AXIS)))
+  return dict(parts=parts, part_positions=np.arange(T, dtype=np.int32)[None])
+
+
+def _one_rank_hybrid_parts(cache: HybridCache, T: int, mesh) -> dict:
+  """A one-rank prefill's hybrid cache as cache="sharded" holds it: the full layers' K,V as
+  the rank's part [1, L, 2, B*T, K, H] (rows folded by batch), the linear pasts as they are."""
+  L, _, B, _, K, H = cache.kv_2BSKH.shape
+  fold = jax.jit(
+    lambda kv: kv[:, :, :, :T].reshape(1, L, 2, B * T, K, H),
+    out_shardings=NamedSharding(mesh, parts_spec(mesh)),
+  )
+  layout = CacheLayout(context_len=T, part_len=T, segments=(((0, T, 0),),))
+  linear = jax.device_put(cache.linear, _placements(mesh, _linear_specs(mesh)))
+  return dict(parts=fold(cache.kv_2BSKH), cache_layout=layout, linear_state=linear)
+
+
+def _linear_specs(mesh):
+  return hybrid.CACHE_SPECS.linear if model_parallel(mesh) > 1 else LinearState(jax.P(), jax.P())
+
+
+def _sharded_hybrid_stepper(model, result: ModelCache, max_new_tokens: int, seed: int):
+  """cache="sharded" (hybrid models): the full layers' parts stay put, the decoded tokens'
+  K,V in a tail on every rank, the linear pasts on every rank (a copy: the steps write into
+  theirs); every operand a global array that every process builds alike."""
+  mesh, T = result.mesh, result.prompt_len
+  m = model_parallel(mesh)
+  replicated = NamedSharding(mesh, jax.P())
+  program = hybrid.hybrid_sharded_step(model.graphdef, mesh, result.cache_layout)
+  state = _state_on(model, mesh)
+  L, _, rows, K, H = result.parts.shape[1:]
+  B = rows // result.cache_layout.part_len
+  tail_spec = hybrid.CACHE_SPECS.kv_2BSKH if m > 1 else jax.P()
+  tail = decode.zeros_on(
+    (L, 2, B, max_new_tokens, K, H), model.dtype, NamedSharding(mesh, tail_spec)
+  )
+  linear = _copied(result.linear_state)
+  prompt_lens_B = global_array(np.full(B, T, np.int32), replicated)
+
+  def step(token_B, index, caches):
+    logits, tail, linear = program(state, token_B, prompt_lens_B, result.parts, *caches, index)
+    return logits, (tail, linear)
+
+  logits = result.replicated_logits
+  if logits is None:  # one process: the owner's logits are every device's to copy
+    logits = jax.device_put(result.logits, replicated)
+  key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+  return step, (tail, linear), logits, jax.random.wrap_key_data(global_array(key_data, replicated))
+
+
+# A fresh copy of arrays (global ones too), placed as they were, which a step then owns.
+_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+HYBRID = OwnFamily(
+  "hybrid",
+  ("single", *hybrid.STRATEGIES),
+  hybrid.CACHES,
+  hybrid.CACHE_SPECS,
+  _run_hybrid,
+  _grown_hybrid,
+  hybrid.one_device_layout,
+  lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
+  _sharded_hybrid_stepper,
+  _one_rank_hybrid_parts,
+)
+LATENT = OwnFamily(
+  "latent",
+  ("single", *latent.STRATEGIES),
+  latent.CACHES,
+  jax.P(),  # headless: whole on every shard
+  _run_latent,
+  _grown_latent,
+  lambda config, cache, m: cache,
+  lambda cache, T: cache[:, :, :T],
+  _sharded_latent_stepper,
+  _one_rank_latent_parts,
+)
+
+
+def own_family(config) -> OwnFamily | None:
+  """The family whose own programs run `config`'s model; None for a model of softmax
+  attention layers alone (prefill's strategies run it)."""
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):
+    return HYBRID
+  if any(isinstance(kind, LatentAttentionKind) for kind in config.kinds):
+    return LATENT
+  return None

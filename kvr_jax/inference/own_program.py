@@ -164,3 +164,25 @@ def _send_to_last_rank(mesh, sender: int, spec: tuple):
   spec = jax.P(*spec)
   # check_vma=False: an output whole over "model" stays so (each shard sends its own copy).
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+@kept_cache(32)
+def _from_rank_program(mesh, rank: int, spec: tuple):
+  p_spec = jax.P(*spec)
+  out_spec = jax.P(*spec[1:])
+
+  def pick(piece):
+    held = jax.lax.axis_index(AXIS) == rank
+    return jax.lax.psum(jnp.where(held, piece[0], jnp.zeros_like(piece[0])), AXIS)
+
+  # check_vma=False: a piece whole over "model" stays so.
+  return jax.jit(
+    jax.shard_map(pick, mesh=mesh, in_specs=p_spec, out_specs=out_spec, check_vma=False)
+  )
+
+
+def replicated_from_rank(array, mesh, rank: int):
+  """Rank `rank`'s piece of a rank-sharded output [p, ...], on every rank (every process's
+  too; on a 2-D mesh split over "model" as `array` is): one psum of a piece. For what every
+  rank's decode step needs alike and is small (a linear layer's state and halo)."""
+  return _from_rank_program(mesh, rank, tuple(array.sharding.spec))(array)

@@ -240,7 +240,9 @@ def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, r
 
 
 @kept_cache(16)
-def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel):
+def compile_hybrid(
+  strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel, keep_last_hop: bool = True
+):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
   the prompt's last position's, {"full": each full layer's K,V output as the strategy emits
@@ -249,11 +251,13 @@ def compile_hybrid(strategy: str, graphdef, mesh, chunks: tuple[int, ...], kerne
   (runtime.tensor_parallel: heads, key heads with their value heads, experts, MLP columns),
   the shards' partial sums added by psum_over_model, and every output's heads split over
   "model" (`output_specs`: shard j's K,V heads, value heads' states and its q, k, v heads'
-  convolution channels, so a halo's channels are in shard order)."""
+  convolution channels, so a halo's channels are in shard order). keep_last_hop=False:
+  KV-Runahead's full layers emit its ranks' own parts alone (cache="sharded": the last hop,
+  a prefix-long output on the last rank, is not kept)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
-  body_of, keep_last_hop = _BODIES[strategy]
-  make_body = body_of(graphdef, chunks, kernel, False, keep_last_hop)
+  body_of, keeps = _BODIES[strategy]
+  make_body = body_of(graphdef, chunks, kernel, False, keeps and keep_last_hop)
   p, context_len = len(chunks), sum(chunks)
   P = jax.P
   m = model_parallel(mesh)
