@@ -229,3 +229,13 @@ def test_compiled_memory_of_a_hybrid_splits_heads_states_and_columns():
   assert whole["kv_cache_bytes"] == kv == 2 * split["kv_cache_bytes"]
   grown = (kv * (512 + 4) // 512 + states) // 2
   assert split["decode_argument_bytes"] >= split["weights_bytes"] + grown
+  # cache="sharded": one device keeps its rank's part of the full layers' K,V (256 of the
+  # 512 positions, half the heads), and its decode step holds that part, the new tokens' tail
+  # and the linear pasts, not the whole cache.
+  sharded = kvr_jax.compiled_memory(cfg, "kvr", model_parallel=2, cache="sharded", **kw)
+  assert sharded["kv_cache_bytes"] == kv // 4 and sharded["state_cache_bytes"] == states // 2
+  part_and_tail = (kv // 4 + kv * 4 // 512 // 2) + states // 2
+  assert sharded["decode_argument_bytes"] >= sharded["weights_bytes"] + part_and_tail
+  assert sharded["decode_argument_bytes"] < split["decode_argument_bytes"]
+  # and its prefill program outputs no last hop (KV-Runahead's prefix, kept for "last" alone)
+  assert sharded["output_bytes"] <= split["output_bytes"] - kv // 4

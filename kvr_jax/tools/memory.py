@@ -546,12 +546,12 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
   graphdef, state, mesh = model
   if spec.name not in hybrid.STRATEGIES:
     raise ValueError(f"hybrid models run under {hybrid.STRATEGIES}, not {spec.name!r}")
-  if cache != "last":
-    raise ValueError("a hybrid model's cache is joined on the last rank: cache='last'")
   itemsize = np.dtype(dtype_name).itemsize
   kernel = get_kernel(spec.default_attention if attention == "auto" else attention)
   chunks = _own_program_chunks(config, spec, shape, itemsize, kernel, partition)
-  program = hybrid.compile_hybrid(spec.name, graphdef, mesh, tuple(chunks), kernel)
+  program = hybrid.compile_hybrid(
+    spec.name, graphdef, mesh, tuple(chunks), kernel, keep_last_hop=cache == "last"
+  )
   state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = _struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
@@ -560,16 +560,31 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
     int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(part)) // m)
     for part in (past.kv_2BSKH, past.linear)
   )
+  layout = spec.cache_layout(context_len, tuple(chunks))
+  if cache == "sharded":  # the busiest device's part: the longest part's rows
+    full_kv = full_kv * layout.part_len // (context_len + decode_tokens)
+  else:  # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
+    full_kv = full_kv * context_len // (context_len + decode_tokens)
   result = {
     **_report_head(spec, shape, dtype_name, cache, chunks, kernel),
     **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
     "weights_bytes": weights_bytes,
-    # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
-    "kv_cache_bytes": full_kv * context_len // (context_len + decode_tokens),
+    "kv_cache_bytes": full_kv,
     "state_cache_bytes": states,
   }
   if not decode_tokens:
     return result
+  if cache == "sharded":
+    lowered = _hybrid_sharded_step_lowered(
+      config, graphdef, state_shapes, mesh, layout, shape, dtype_name
+    )
+    stats = _compile(lowered, dtype_name).memory_analysis()
+    return {
+      **result,
+      "decode_argument_bytes": int(stats.argument_size_in_bytes),
+      "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
+      "decode_temp_bytes": int(stats.temp_size_in_bytes),
+    }
   row = rank_row_mesh(mesh, num_ranks - 1)
   row_state, _ = _placed_state(config, state, row, m, itemsize)
   vector = _struct((batch,), np.int32, NamedSharding(row, jax.P()))
@@ -588,6 +603,36 @@ def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition
     "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
     "decode_temp_bytes": int(stats.temp_size_in_bytes),
   }
+
+
+def _hybrid_sharded_step_lowered(config, graphdef, state_shapes, mesh, layout, shape, dtype_name):
+  """hybrid_sharded_step lowered from shapes, as generate(cache="sharded") runs it: the K,V
+  parts [p, L, 2, B*P, K, H] by rank, the decoded tokens' tail and the linear pasts on every
+  rank (split by head on a 2-D mesh)."""
+  context_len, num_ranks, batch, m, decode_tokens = shape
+  tail = _hybrid_cache_shapes(config, batch, decode_tokens, m, dtype_name)
+  L, _, B, _, K, H = tail.kv_2BSKH.shape
+  split = m > 1
+  specs = hybrid_inference.CACHE_SPECS if split else jax.tree.map(lambda _: jax.P(), tail)
+  tail = jax.tree.map(
+    lambda x, spec: _struct(x.shape, x.dtype, NamedSharding(mesh, spec)), tail, specs
+  )
+  parts = _struct(
+    (num_ranks, L, 2, B * layout.part_len, K, H),
+    np.dtype(dtype_name),
+    NamedSharding(mesh, parts_spec(mesh)),
+  )
+  replicated = NamedSharding(mesh, jax.P())
+  step = hybrid_inference.hybrid_sharded_step(graphdef, mesh, layout)
+  return step.lower(
+    state_shapes,
+    _struct((batch,), np.int32, replicated),
+    _struct((batch,), np.int32, replicated),
+    parts,
+    tail.kv_2BSKH,
+    tail.linear,
+    _struct((), np.int32, replicated),
+  )
 
 
 def _hybrid_cache_shapes(config, batch: int, capacity: int, m: int, dtype_name: str):
