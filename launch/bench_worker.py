@@ -35,7 +35,10 @@ flags.DEFINE_list("local_device_ids", None, "This process's GPUs (set by the lau
 def job():
   if FLAGS.mode == "hybrid":  # the last rank's process reports
     rows = hybrid_bench.hybrid_bench_job(
-      FLAGS.model, [int(c) for c in FLAGS.context_lens], FLAGS.repeats
+      FLAGS.model,
+      [int(c) for c in FLAGS.context_lens],
+      FLAGS.repeats,
+      measured="kvr-measured" in FLAGS.variants,
     )
     return None if rows is None else {"rows": rows}
   if FLAGS.mode == "timeline":  # every process reports its own ranks' records

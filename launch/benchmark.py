@@ -69,6 +69,12 @@ FITTED = ("fitted",)
 # The modes, as --help lists them (MODES at the end maps each to its function).
 MODE_NAMES = ("devices", "multiprocess", "kernels", "long", "phases", "memory", "timeline")
 MODE_NAMES += ("accelerator", "buckets", "hybrid")
+flags.DEFINE_bool(
+  "hybrid_measured",
+  False,
+  "Hybrid mode: also time KV-Runahead on the split a measured search picks on this mesh and "
+  "link (kvr-measured; the search times candidate splits, minutes per length).",
+)
 flags.DEFINE_enum("mode", "devices", list(MODE_NAMES), "What to measure.")
 flags.DEFINE_integer(
   "threads", None, "XLA and PyTorch threads (devices, kernels, long modes; default: all cores)."
@@ -354,6 +360,8 @@ def hybrid_mode():
     f"--context_lens={','.join(FLAGS.context_lens)}",
     f"--repeats={FLAGS.repeats}",
   ]
+  if FLAGS.hybrid_measured:
+    common_flags.append("--variants=kvr-measured")
   with common.user_errors():
     if FLAGS.num_processes < 2:
       raise ValueError("--num_processes must be >= 2 in hybrid mode")

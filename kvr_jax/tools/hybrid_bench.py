@@ -27,11 +27,13 @@ from kvr_jax.core.chunks import even_partition
 from kvr_jax.inference.hybrid import prefill_hybrid
 from kvr_jax.inference.latent import prefill_latent
 from kvr_jax.planning import costmodel, presets, search
+from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
+from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_hybrid_hardware, fitted_latent_hardware
 from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt
@@ -47,8 +49,11 @@ def _prefill_and_peers(model):
   return prefill_hybrid, PEERS
 
 
-def _variants(model, context_len: int, num_ranks: int) -> dict:
-  """name -> a call of one prefill (no arguments), for this length."""
+def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -> dict:
+  """name -> a call of one prefill (no arguments), for this length. measured: also
+  "kvr-measured", KV-Runahead on the split a measured search picks on this mesh and link
+  (`tools.measured.measured_partition`: candidate splits timed against each other, kept only
+  where their intervals separate)."""
   tokens = synthetic_prompt(model.config.vocab_size, context_len)
   if num_ranks == 1:
     graphdef = model.graphdef
@@ -79,7 +84,12 @@ def _variants(model, context_len: int, num_ranks: int) -> dict:
     "kvr-even": call("kvr", even),
     **{peer: call(peer) for peer in peers},
   }
-  return variants, {"kvr-search": searched, "kvr-even": even}
+  splits = {"kvr-search": searched, "kvr-even": even}
+  if measured:
+    plan = PartitionPlan("search", objective="measured")
+    splits["kvr-measured"] = tuple(measured_partition(model, tokens, mesh, plan))
+    variants["kvr-measured"] = call("kvr", splits["kvr-measured"])
+  return variants, splits
 
 
 def _searched_split(model, context_len: int, num_ranks: int, mesh) -> tuple[int, ...]:
@@ -111,13 +121,16 @@ def _timed(call) -> tuple[float, float]:
   return first, time.perf_counter() - start
 
 
-def hybrid_bench_job(model_name: str, context_lens, rounds: int) -> list[dict] | None:
-  """Rows (variant, C, samples_s, split) on the process of the last rank; None elsewhere."""
+def hybrid_bench_job(
+  model_name: str, context_lens, rounds: int, measured: bool = False
+) -> list[dict] | None:
+  """Rows (variant, C, samples_s, split) on the process of the last rank; None elsewhere.
+  measured: also kvr-measured (`_variants`)."""
   model = load_model(model_name, dtype="float32")
   p = jax.device_count()
   rows = []
   for C in context_lens:
-    made = _variants(model, C, p)
+    made = _variants(model, C, p, measured)
     variants, splits = (made, {}) if p == 1 else made
     for call in variants.values():
       _timed(call)  # compile

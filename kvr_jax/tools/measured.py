@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from kvr_jax.core import resources
+from kvr_jax.inference.own_families import own_family
 from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.planning.search import Compare, descend_by_comparison
@@ -220,7 +221,9 @@ def _measured_setup(model, tokens, mesh) -> dict:
   kernel = get_strategy("kvr").resolve_attention(
     None, first_device, model.dtype, model.config.narrowest_window
   )
-  one_program = kernel.lengths_as_data and check_mesh(mesh) > 1
+  # A model with its own programs (hybrid, latent) has one program per split.
+  own = own_family(model.config) is not None
+  one_program = kernel.lengths_as_data and check_mesh(mesh) > 1 and not own
   return {
     "program": runahead.SPLIT_AS_DATA if one_program else "kvr",
     "model": model.source,
