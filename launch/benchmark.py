@@ -26,7 +26,8 @@ warm TTFT (the cost of padding), e.g.
     --stream_lengths=1000,4096 --stream_prompts=20
 --mode=hybrid times a model with its own context-parallel program, a hybrid (bench-qwen3.5:
 Gated DeltaNet and full layers; KV-Runahead, ring, all-gather CP) or a latent-attention one
-(bench-deepseek: KV-Runahead, all-gather CP), on p pinned processes, and single alone, e.g.
+(bench-deepseek: KV-Runahead, ring, all-gather CP), on p pinned processes, and single alone;
+--hybrid_measured adds KV-Runahead on a measured search's split, e.g.
   python -m launch.benchmark --mode=hybrid --model=bench-qwen3.5 --context_lens=8192,16384
 --link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
   python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=2gbit,500mbit
