@@ -9,6 +9,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from kvr_jax.inference.own_families import ModelCache
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
@@ -72,6 +73,15 @@ def time_prefill(model: Model, tokens, repeats: int, **kwargs) -> PrefillTiming:
   return time_interleaved(model, tokens, {"_": kwargs}, repeats)["_"]
 
 
+def _all_done() -> None:
+  """Across processes: wait, untimed, until every process has finished its part of the call
+  (a barrier), so that no rank's leftover work (KV-Runahead's ranks before the last still
+  attend their own rows in the last layer, which the last rank's logits do not wait for)
+  runs into the next call and slows it, or rewards a split that leaves more of it."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("time_interleaved call")
+
+
 def time_interleaved(
   model: Model, tokens, variants: dict[str, dict], rounds: int, first_calls=None
 ) -> dict[str, PrefillTiming]:
@@ -86,7 +96,8 @@ def time_interleaved(
 
   Why both: keeping every result (each with its whole cache) grew a process by gigabytes
   over a run, and the move onto the last rank, which writes fresh memory, then cost up to 4x
-  more in a round's later places than in its first (bench-mistral, 16k, two processes)."""
+  more in a round's later places than in its first (bench-mistral, 16k, two processes).
+  Across processes every call ends with a barrier (`_all_done`, not in the time)."""
   setup, latest = {}, {}
   first_calls = set(variants) if first_calls is None else set(first_calls)
   for name, kwargs in variants.items():
@@ -95,6 +106,7 @@ def time_interleaved(
     first_s = None
     if name in first_calls:
       latest[name], first_s, _ = _timed_call(model, tokens, cache, kwargs)
+      _all_done()
     setup[name] = (cache, kwargs, first_s)
   samples: dict[str, list] = {name: [] for name in variants}
   names = list(variants)
@@ -103,6 +115,7 @@ def time_interleaved(
       cache, kwargs, _ = setup[name]
       latest[name] = None  # its buffers freed before the next call allocates its own
       latest[name], seconds, move_s = _timed_call(model, tokens, cache, kwargs)
+      _all_done()
       samples[name].append((seconds, move_s))
   return {
     name: PrefillTiming(
