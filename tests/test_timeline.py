@@ -48,7 +48,12 @@ def check_order(items, strategy, num_layers, num_ranks):
     for layer in range(num_layers):
       kinds = [kind for ly, kind in body if ly == layer]
       deduped = [k for n, k in enumerate(kinds) if n == 0 or kinds[n - 1] != k]
-      assert deduped == LAYER_ORDER[strategy], (rank, layer, kinds)
+      want = LAYER_ORDER[strategy]
+      if strategy == "kvr" and layer == num_layers - 1 and rank < num_ranks - 1:
+        # KV-Runahead's ranks before the last end the last layer with their hops: its
+        # attention and rest, which nothing reads, are skipped.
+        want = want[: want.index("attention")]
+      assert deduped == want, (rank, layer, kinds)
 
 
 @pytest.mark.parametrize(

@@ -277,9 +277,13 @@ def compile_hybrid(
         return chain_linear_layer(block, x, rank, chunks, reduce)
       return zigzag_linear_layer(block, x, rank, context_len, p, reduce)
 
+    # Each full row's index in the model: the rank layer knows the model's last layer by it
+    # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
+    full_index_F = jnp.asarray(model.config.layers_of(FULL), jnp.int32)
+
     def full_layer(block, x, carry, i):
       block.config = full_config
-      return body.layer(block, x, carry, i)
+      return body.layer(block, x, carry, full_index_F[i])
 
     x = model.embed(body.tokens_BT)
     out = _empty_outputs(model, body, full_layer, linear_layer, x)

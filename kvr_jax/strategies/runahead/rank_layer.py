@@ -337,12 +337,9 @@ class RankLayer:
       # 0's reads only its own keys, and XLA may otherwise run it before the send, holding its
       # receiver back by a whole attention. Only q carries the dependence (one fused select).
       q_BcNH = ordered_after(q_BcNH, buffer_2BSKH, message)
-    attn_BcNH = self.each_rank(
-      self.attend, block, q_BcNH, own_2BcKH, buffer_2BSKH, message, diagonal
+    x_BcD = self.attend_and_finish(
+      block, l, q_BcNH, own_2BcKH, buffer_2BSKH, message, diagonal, x_BcD
     )
-    attn_BcNH = mark(timeline, "attention", l, attn_BcNH.astype(x_BcD.dtype))
-    x_BcD = self.each_rank(self.finish, block, x_BcD, attn_BcNH)
-    x_BcD = mark(timeline, "rest", l, x_BcD)
     # Only this rank's chunk leaves the layer (and, kept, what the last hop brought), in
     # parts of part_len rows whichever body ran (one cache layout).
     own_out = fold_batch(own_2BcKH[:, :, : self.part_len])  # R = B * part_len rows
@@ -355,6 +352,27 @@ class RankLayer:
     message = jnp.pad(message, ((0, 0), (0, 0), (hop_start, 0), (0, 0), (0, 0)))
     kept = (own_out, fold_batch(message))  # B * S_{p-2} rows
     return x_BcD, buffer_2BSKH, kept
+
+  def attend_and_finish(self, block, l, q_BcNH, own_2BcKH, buffer_2BSKH, message, diag, x_BcD):
+    """The rank's attention and the rest of its layer: its layer's output. In the model's last
+    layer a rank before the last skips both: nothing reads them (the last rank's logits and
+    every cache layout need only this layer's K,V, already sent), so its part of the call
+    ends with its hops, not a whole layer later (the next prompt's prefill starts sooner)."""
+    timeline = self.timeline
+
+    def live(x_BcD):
+      attn = self.each_rank(self.attend, block, q_BcNH, own_2BcKH, buffer_2BSKH, message, diag)
+      attn = mark(timeline, "attention", l, attn.astype(x_BcD.dtype))
+      return mark(timeline, "rest", l, self.each_rank(self.finish, block, x_BcD, attn))
+
+    def dead(x_BcD):
+      return x_BcD
+
+    if self.num_ranks == 1:
+      return live(x_BcD)
+    last_layer = l == self.config.num_layers - 1
+    read = jnp.logical_or(jnp.logical_not(last_layer), self.rank == self.num_ranks - 1)
+    return jax.lax.cond(read, live, dead, x_BcD)
 
 
 def _zero_partial(block, q_BrNH, entries_MBcKH, kernel):
