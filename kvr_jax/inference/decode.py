@@ -379,12 +379,10 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayo
   a 1-D mesh the weights are replicated; on a ("ranks", "model") mesh they are split as the
   prefill split them (`Model.state_split_over(mesh)`) and every cache's heads over
   "model"."""
-  p = layout.num_ranks
   reduce = psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
   def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, caches, tail_index):
     model = nnx.merge(graphdef, state)
-    rank = jax.lax.axis_index(AXIS)
     positions_B = prompt_lens_B + tail_index
 
     def layer(block, carry, slot):
@@ -400,33 +398,11 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayo
         )
         caches = (*caches[:group], written, *caches[group + 1 :])
         return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
-      tail_L2BMKH = caches[group]
       part_2BPKH = unfold_batch(kv_parts_1L2BPKH[0, slot], layout.part_len)
-      new_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(tail_L2BMKH.dtype)
-      tail_L2BMKH = jax.lax.dynamic_update_slice(
-        tail_L2BMKH, new_2B1KH[None], (slot, 0, 0, tail_index, 0, 0)
-      )
-      tail_2BMKH = tail_L2BMKH[slot]
-      out, lse = jax.lax.switch(
-        rank,
-        [
-          functools.partial(part_attention, runs=layout.segments[r], window=window)
-          for r in range(p)
-        ],
-        # The same queries on every rank, typed as varying like the parts they meet.
-        jax.lax.pcast(q_B1NH, (AXIS,), to="varying"),
-        part_2BPKH,
-        positions_B,
-        prompt_lens_B,
-      )
-      # The decoded tokens sit at positions prompt_len + [0, M): the query at tail_index.
-      # The new token's own key is in the tail: its sink (gpt-oss) is added here, once.
-      tail_out, tail_lse = attend_flash(
-        q_B1NH, tail_2BMKH[0], tail_2BMKH[1], tail_index, window=window, sinks_N=block.sinks_N
-      )
-      tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
-      out, lse = merge_partials(out, lse, tail_out, tail_lse)
-      attn_B1NH = merge_across_ranks(out, lse).astype(q_B1NH.dtype)
+      attn_B1NH, tail_L2BMKH = attend_parts_and_tail(
+        (q_B1NH, k_B1KH, v_B1KH), part_2BPKH, caches[group], slot, layout, positions_B,
+        prompt_lens_B, tail_index, window, block.sinks_N,
+      )  # fmt: skip
       caches = (*caches[:group], tail_L2BMKH, *caches[group + 1 :])
       return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
 
@@ -436,6 +412,41 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayo
     return model.logits(x_B1D)[:, 0], caches
 
   return _sharded_step_over(step, mesh, kept)
+
+
+def attend_parts_and_tail(
+  qkv, part_2BPKH, tail_L2BMKH, slot, layout: CacheLayout, positions_B, prompt_lens_B,
+  tail_index, window, sinks_N=None,
+):  # fmt: skip
+  """One layer's attention of the new token (row b at `positions_B[b]`) from a sharded cache,
+  inside the sharded step: its K,V written into the layer's `slot` of the tail at
+  `tail_index`; every rank attends its own part where it lies (`part_attention`, rank r's runs
+  `layout.segments[r]`), the last rank also the tail, and the partials merge across the ranks
+  (one collective). Returns (attention [B, 1, N, H], the tail)."""
+  q_B1NH, k_B1KH, v_B1KH = qkv
+  rank, p = jax.lax.axis_index(AXIS), layout.num_ranks
+  new_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(tail_L2BMKH.dtype)
+  tail_L2BMKH = jax.lax.dynamic_update_slice(
+    tail_L2BMKH, new_2B1KH[None], (slot, 0, 0, tail_index, 0, 0)
+  )
+  tail_2BMKH = tail_L2BMKH[slot]
+  out, lse = jax.lax.switch(
+    rank,
+    [functools.partial(part_attention, runs=layout.segments[r], window=window) for r in range(p)],
+    # The same queries on every rank, typed as varying like the parts they meet.
+    jax.lax.pcast(q_B1NH, (AXIS,), to="varying"),
+    part_2BPKH,
+    positions_B,
+    prompt_lens_B,
+  )
+  # The decoded tokens sit at positions prompt_len + [0, M): the query at tail_index.
+  # The new token's own key is in the tail: its sink (gpt-oss) is added here, once.
+  tail_out, tail_lse = attend_flash(
+    q_B1NH, tail_2BMKH[0], tail_2BMKH[1], tail_index, window=window, sinks_N=sinks_N
+  )
+  tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
+  out, lse = merge_partials(out, lse, tail_out, tail_lse)
+  return merge_across_ranks(out, lse).astype(q_B1NH.dtype), tail_L2BMKH
 
 
 def _sharded_step_over(step, mesh, kept: DecodeLayout):

@@ -48,9 +48,7 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
-from models.attention import merge_partials
 from models.base import no_reduce
-from models.flash import attend_flash
 from models.kernels import get_kernel
 from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
 from models.qwen3_5 import HybridCache, LinearState, scan_layers
@@ -273,40 +271,20 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
   The tail and linear pasts are donated. On a ("ranks", "model") mesh each rank's group
   splits heads, key heads and experts (its shards' sums over "model"), the parts, tail and
   linear pasts split by head as the prefill split them."""
-  p = layout.num_ranks
   m = model_parallel(mesh)
   reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
 
   def step(state, tokens_B, prompt_lens_B, parts_1L2BPKH, tail_L2BMKH, linear, tail_index):
     model = nnx.merge(graphdef, state)
-    rank = jax.lax.axis_index(AXIS)
     positions_B = prompt_lens_B + tail_index
 
     def on_full(block, i, carry):
       x_B1D, tail_L2BMKH, linear = carry
-      q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
-      new_2B1KH = jnp.stack([k_B1KH, v_B1KH]).astype(tail_L2BMKH.dtype)
-      tail_L2BMKH = jax.lax.dynamic_update_slice(
-        tail_L2BMKH, new_2B1KH[None], (i, 0, 0, tail_index, 0, 0)
-      )
+      qkv = block.project_qkv(x_B1D, positions_B[:, None])
       part_2BPKH = unfold_batch(parts_1L2BPKH[0, i], layout.part_len)
-      out, lse = jax.lax.switch(
-        rank,
-        [
-          functools.partial(decode.part_attention, runs=layout.segments[r], window=None)
-          for r in range(p)
-        ],
-        jax.lax.pcast(q_B1NH, (AXIS,), to="varying"),
-        part_2BPKH,
-        positions_B,
-        prompt_lens_B,
+      attn_B1NH, tail_L2BMKH = decode.attend_parts_and_tail(
+        qkv, part_2BPKH, tail_L2BMKH, i, layout, positions_B, prompt_lens_B, tail_index, None
       )
-      tail_out, tail_lse = attend_flash(
-        q_B1NH, tail_L2BMKH[i, 0], tail_L2BMKH[i, 1], tail_index, window=None
-      )
-      tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
-      out, lse = merge_partials(out, lse, tail_out, tail_lse)
-      attn_B1NH = decode.merge_across_ranks(out, lse).astype(q_B1NH.dtype)
       return block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH, linear
 
     def on_linear(block, i, carry):
