@@ -194,6 +194,21 @@ class Block(nnx.Module):
     return in_row_blocks(self.finish_rows, x_BTD, attn_BTNH, row_block, reduce)
 
 
+def finish_one_row(block, x_BTD, queries, entries_MBSKH, row, query_offset, reduce=no_reduce):
+  """A layer's output at one row of x: its queries (`row` of `queries`, at `query_offset`
+  counted from the first entry; static or traced) over the cache entries given, then the
+  rest (`block.finish`); every other row of x comes back as it came. A prefill's last layer
+  needs no more: the first token reads the prompt's last row alone, and every row's cache
+  entries were made before the attention. Dense scores for the one row, as a decode step
+  attends (its S keys read once; no kernel tiles a single query). Any block with
+  `attend_entries` and `finish` (softmax and latent layers alike)."""
+  row_queries = jax.tree.map(lambda q: jax.lax.dynamic_slice_in_dim(q, row, 1, axis=1), queries)
+  x_B1D = jax.lax.dynamic_slice_in_dim(x_BTD, row, 1, axis=1)
+  attn_B1NH = block.attend_entries(row_queries, entries_MBSKH, query_offset, "dense")
+  out_B1D = block.finish(x_B1D, attn_B1NH, reduce=reduce).astype(x_BTD.dtype)
+  return jax.lax.dynamic_update_slice_in_dim(x_BTD, out_B1D, row, axis=1)
+
+
 def write_rows(cache, lead: tuple, positions_B, new_B1X):
   """Each row's new entry (new_B1X[b], [1, ...]) written into `cache` [*lead axes, B, S, ...]
   at (*lead, b, positions_B[b]): a dynamic-update-slice per row, where the cache lies. Not a

@@ -26,6 +26,7 @@ from flax import nnx
 from models.base import (
   ROW_BLOCK,
   CausalLM,
+  finish_one_row,
   first_local_expert,
   in_row_blocks,
   no_reduce,
@@ -139,11 +140,14 @@ class DeepseekV3(CausalLM):
     cfg = self.config
     return jnp.zeros((cfg.num_layers, batch, capacity, cfg.cache_width), self.dtype)
 
-  def forward(self, tokens_BT, attention="dense", reduce=no_reduce, capacity=None):
+  def forward(
+    self, tokens_BT, attention="dense", reduce=no_reduce, capacity=None, last_row_only=False
+  ):
     """The whole prompt on one device: (final hidden states [B, T, D], the latent cache
     [L, B, capacity (default T), C] with the prompt's entries). Every head's keys and values
     are expanded from the latents and attended with the kernel `attention`
-    (`attend_expanded`)."""
+    (`attend_expanded`). last_row_only: the last layer attends and finishes the last row
+    alone (a prefill's: its other rows' hidden states are then not the model's)."""
     get_kernel(attention)  # an unknown kernel is refused by name before anything traces
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -153,8 +157,19 @@ class DeepseekV3(CausalLM):
       h_BTD = block.attention_input(x_BTD)
       q_nope, q_rope = block.queries(h_BTD, positions_BT)
       entry_BTC = block.latents(h_BTD, positions_BT)
-      attn_BTNv = block.attend_expanded(q_nope, q_rope, entry_BTC, 0, attention)
-      x_BTD = block.mlp(x_BTD + reduce(block.attention_output(attn_BTNv)), reduce)
+
+      def every_row(x_BTD):
+        attn_BTNv = block.attend_expanded(q_nope, q_rope, entry_BTC, 0, attention)
+        return block.mlp(x_BTD + reduce(block.attention_output(attn_BTNv)), reduce)
+
+      def last_row(x_BTD):
+        entries_1BT1C = entry_BTC[None, :, :, None]
+        return finish_one_row(block, x_BTD, (q_nope, q_rope), entries_1BT1C, T - 1, T - 1, reduce)
+
+      if last_row_only:
+        x_BTD = jax.lax.cond(l == self.config.num_layers - 1, last_row, every_row, x_BTD)
+      else:
+        x_BTD = every_row(x_BTD)
       cache = jax.lax.dynamic_update_slice(cache, entry_BTC[None].astype(cache.dtype), (l, 0, 0, 0))
       return x_BTD, cache
 

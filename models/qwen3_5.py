@@ -30,7 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.base import Block, CausalLM, no_reduce, normal_param, write_rows, zeros_param
+from models.base import (
+  Block,
+  CausalLM,
+  finish_one_row,
+  no_reduce,
+  normal_param,
+  write_rows,
+  zeros_param,
+)
 from models.family import Family
 from models.gated_deltanet_layer import GatedDeltaNetBlock, LinearState, OnePlusNormMlp
 from models.norms import rms_norm_one_plus
@@ -136,18 +144,43 @@ class Qwen35(CausalLM):
       ),
     )
 
-  def forward(self, tokens_BT, attention="dense", reduce=no_reduce, lengths_B=None, capacity=None):
+  def forward(
+    self,
+    tokens_BT,
+    attention="dense",
+    reduce=no_reduce,
+    lengths_B=None,
+    capacity=None,
+    last_row_only=False,
+  ):
     """The whole prompt on one device: (final hidden states [B, T, D], `HybridCache` of
-    `capacity` positions (default T)). lengths_B: each row's real length (right padding)."""
+    `capacity` positions (default T)). lengths_B: each row's real length (right padding).
+    last_row_only: a full last layer attends and finishes the last row alone (a prefill's:
+    its other rows' hidden states are then not the model's; rows of one length only)."""
+    if last_row_only and lengths_B is not None:
+      raise ValueError("last_row_only reads position T-1 of every row: give no lengths_B")
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
     cache = self.empty_cache(B, T if capacity is None else capacity)
+    full_index_F = jnp.asarray(self.config.layers_of(FULL), jnp.int32)
 
     def full(block, i, carry):
       x_BTD, cache = carry
       q, k, v = block.project_qkv(x_BTD, positions_BT)
-      x_BTD = block.finish(x_BTD, block.attend(q, k, v, 0, attention), reduce=reduce)
-      kv_2BTKH = jnp.stack([k, v]).astype(cache.kv_2BSKH.dtype)
+      kv_2BTKH = jnp.stack([k, v])
+
+      def every_row(x_BTD):
+        return block.finish(x_BTD, block.attend(q, k, v, 0, attention), reduce=reduce)
+
+      def last_row(x_BTD):
+        return finish_one_row(block, x_BTD, q, kv_2BTKH, T - 1, T - 1, reduce)
+
+      if last_row_only:
+        last = full_index_F[i] == self.config.num_layers - 1
+        x_BTD = jax.lax.cond(last, last_row, every_row, x_BTD)
+      else:
+        x_BTD = every_row(x_BTD)
+      kv_2BTKH = kv_2BTKH.astype(cache.kv_2BSKH.dtype)
       kv = jax.lax.dynamic_update_slice(cache.kv_2BSKH, kv_2BTKH[None], (i, 0, 0, 0, 0, 0))
       return x_BTD, cache._replace(kv_2BSKH=kv)
 

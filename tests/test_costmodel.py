@@ -210,7 +210,7 @@ def test_the_generic_timeline_runs_the_hop_chain_as_its_recurrence(held_send):
 def test_peers_move_their_cache_and_held_ring_steps_take_turns():
   """The peers' cache="last" pays the move of p-1 ranks' parts (KVR's last rank holds its
   cache from the hops); with held sends a ring step's compute and its message add up instead
-  of overlapping: L (p-1) min(step, message) more."""
+  of overlapping: (L-1) (p-1) min(step, message) more (the last layer gathers instead)."""
   config, p, C = preset_config("bench-llama"), 2, 8192
   base = presets.make_setup("a100-80gb", "10GBps", dtype_bytes=2, scores_in_memory=False)
   base = dataclasses.replace(base, causal_skip=True)
@@ -218,19 +218,25 @@ def test_peers_move_their_cache_and_held_ring_steps_take_turns():
   head = costmodel.head_work(config, 1, 2).time(base.hardware)
   message = costmodel.kv_message_bytes(config, 2 * zigzag.chunk_len(C, p), 1, 2)
   for strategy in ("ring", "allgather"):
-    steps = costmodel.modelled_layer(config, strategy, C, base, p).steps
+    layer = costmodel.modelled_layer(config, strategy, C, base, p)
+    steps = layer.steps
     assert steps[0] == steps[1]  # every rank alike
     per_layer = sum(step.seconds for step in steps[0])
+    # The last layer: qkv and the all-gather of every rank's K,V (ring's steps too), one row.
+    last_steps = costmodel.last_layer(layer, base).steps[0]
+    assert [step.phase for step in last_steps] == ["qkv", "allgather"]
+    assert last_steps[1].seconds == pytest.approx(message / links.bandwidth + links.latency)
+    last = sum(step.seconds for step in last_steps)
     move = (p - 1) * (L * message / links.bandwidth + links.latency)
     ttft = costmodel.simulate(config, strategy, C, base, num_ranks=p).ttft
-    assert ttft == pytest.approx(L * per_layer + move + head)
+    assert ttft == pytest.approx((L - 1) * per_layer + last + move + head)
   held = dataclasses.replace(base, links=dataclasses.replace(links, held_send=True))
   c = zigzag.chunk_len(C, p)  # a step: 2c queries against c keys, all scored
   kw = dict(scores_in_memory=False, scored_keys=c)
   t_step = costmodel.phase_work(config, 2 * c, c, 1, 2, **kw)["attention"].time(base.hardware)
   t_message = message / links.bandwidth + links.latency
   ring = [costmodel.simulate(config, "ring", C, s, num_ranks=p).ttft for s in (base, held)]
-  assert ring[1] - ring[0] == pytest.approx(L * (p - 1) * min(t_step, t_message))
+  assert ring[1] - ring[0] == pytest.approx((L - 1) * (p - 1) * min(t_step, t_message))
   assert min(t_step, t_message) > 0
 
 
@@ -250,7 +256,11 @@ def test_slow_link_only_slows_its_hop():
 
 
 def _one_layer(name):
-  config = dataclasses.replace(preset_config(name), num_layers=1)
+  """A model whose program XLA's cost analysis counts as one whole layer and the head: two
+  layers, because it counts the layer loop's body once, the larger branch of its cond (a
+  whole layer; the model's last layer attends one row). With one layer the loop and the cond
+  fold away and the program is that last layer alone."""
+  config = dataclasses.replace(preset_config(name), num_layers=2)
   return kvr_jax.Model(build_model(config)), config
 
 
@@ -852,15 +862,11 @@ def test_tensor_parallel_divides_the_work_and_adds_the_reductions(strategy):
   added = ttft(tp_setup(4, model_links=slow)) - ttft(tp_setup(4))
   tokens = {"single": C, "tsp": C // p, "kvr": 4608, "ring": C // p, "allgather": C // p}
   # KVR: the last rank finishes last, but its layers wait on rank 0's (the hop): rank 0's
-  # longer chunk paces every layer but the last.
+  # longer chunk paces every layer. The model's last layer finishes one row (no reduction
+  # modelled): every strategy adds L - 1 layers' reductions.
   setup = tp_setup(4, model_links=slow)
   per_layer = costmodel.model_reduce_time(LLAMA70, tokens[strategy], setup)
-  if strategy == "kvr":
-    last = costmodel.model_reduce_time(LLAMA70, 3584, setup)
-    expected = (LLAMA70.num_layers - 1) * per_layer + last
-  else:
-    expected = LLAMA70.num_layers * per_layer
-  assert added == pytest.approx(expected, rel=1e-6)
+  assert added == pytest.approx((LLAMA70.num_layers - 1) * per_layer, rel=1e-6)
 
 
 def test_each_shard_sends_its_own_kv_heads():
@@ -1100,3 +1106,37 @@ def test_windows_per_layer_are_modelled_layer_by_layer():
   costmodel.simulate(mixed, "kvr", 8192, setup, **kw, intervals=intervals)
   hop = {ly: e - s for r, ly, ph, s, e in intervals if (r, ph) == (0, "hop0")}
   assert hop[1] < hop[0] and hop[1] == pytest.approx(hop[3])  # layer 1 and 3 windowed
+
+
+def test_the_last_layer_attends_one_row_in_every_strategy():
+  """A model's last layer reads the prompt's last row alone (models.base.finish_one_row):
+  every rank's attention and rest drop out of it, KV-Runahead keeps its hops (the cache needs
+  the layer's K,V), ring's steps become the all-gather of the bytes they pass; the TTFT is
+  (L - 1) whole layers and that last one (single: its qkv alone)."""
+  config, C, setup = LLAMA7, 4096, a100()
+  for strategy, p, partition in (
+    ("single", 1, None),
+    ("kvr", 3, (1800, 1300, 996)),
+    ("ring", 2, None),
+    ("allgather", 2, None),
+    ("tsp", 2, None),
+  ):
+    layer = costmodel.modelled_layer(config, strategy, C, setup, p, partition)
+    last = costmodel.last_layer(layer, setup)
+    for rank_steps, whole_steps in zip(last.steps, layer.steps, strict=True):
+      phases = [getattr(step, "phase", None) for step in rank_steps]
+      assert not {"attention", "rest", "step"} & set(phases), (strategy, phases)
+      assert phases[0] == "qkv"
+      sends = [s for s in whole_steps if isinstance(s, costmodel.Send)]
+      assert sends == [s for s in rank_steps if isinstance(s, costmodel.Send)]
+    sim = costmodel.simulate(config, strategy, C, setup, num_ranks=p, partition=partition)
+    timeline = costmodel.layer_timeline(
+      [layer] * (config.num_layers - 1) + [last], config.num_layers, intervals=[]
+    )
+    assert sim.ttft == pytest.approx(
+      timeline[-1] + layer.after_layers + costmodel.head_work(config, 1, 2).time(setup.hardware)
+    )
+    if strategy == "single":
+      assert timeline[-1] == pytest.approx(
+        (config.num_layers - 1) * sum(s.seconds for s in layer.steps[0]) + last.steps[0][0].seconds
+      )

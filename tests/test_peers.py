@@ -167,9 +167,10 @@ def test_ring_hlo_p_minus_1_permutes_of_own_kv_heads(models, name):
   assert len(kv_hops) == p - 1
   # The rest: the last position's logits (rank 0's second chunk at C=1024, p=4) to rank p-1.
   assert [s for s in permutes if s not in kv_hops] == [(B, cfg.vocab_size)]
-  # No all-gather at all: each rank keeps its own part of the cache (no gather after the
-  # last layer; tests/test_cache_layout.py checks where the parts go).
-  assert _ops(hlo, "all-gather") == []
+  # One all-gather, of every rank's K,V: the model's last layer, where the owner of the
+  # prompt's last row attends that row alone (tests/test_layers.py::test_last_layer_*);
+  # each rank keeps its own part of the cache (tests/test_cache_layout.py).
+  assert _ops(hlo, "all-gather") == [(2, B, 2 * p * c, cfg.num_kv_heads, cfg.head_dim)]
 
 
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
@@ -177,8 +178,10 @@ def test_allgather_hlo_one_gather_per_layer_no_permute(models, name):
   model, p, C, B = models[name], 4, 1024, 2
   hlo = _hlo(allgather, model, p, C, B)
   cfg = model.config
-  # One all-gather in the layer body (run once per layer by the scan), of own KV heads.
-  assert _ops(hlo, "all-gather") == [(2, B, 2 * p * (C // (2 * p)), cfg.num_kv_heads, cfg.head_dim)]
+  # One all-gather in each branch of the layer body (every row's layers, the last layer's
+  # one row; run once per layer by the scan), of own KV heads.
+  gathered = (2, B, 2 * p * (C // (2 * p)), cfg.num_kv_heads, cfg.head_dim)
+  assert _ops(hlo, "all-gather") == [gathered, gathered]
   # The last position (rank 0's second chunk here) moves its logits to rank p-1: the only
   # permute, and it carries B x V values, not K,V.
   assert _ops(hlo, "collective-permute") == [(B, cfg.vocab_size)]

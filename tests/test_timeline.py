@@ -49,10 +49,15 @@ def check_order(items, strategy, num_layers, num_ranks):
       kinds = [kind for ly, kind in body if ly == layer]
       deduped = [k for n, k in enumerate(kinds) if n == 0 or kinds[n - 1] != k]
       want = LAYER_ORDER[strategy]
-      if strategy == "kvr" and layer == num_layers - 1 and rank < num_ranks - 1:
-        # KV-Runahead's ranks before the last end the last layer with their hops: its
-        # attention and rest, which nothing reads, are skipped.
-        want = want[: want.index("attention")]
+      if layer == num_layers - 1:
+        # The last layer: only the prompt's last row is read. KV-Runahead's ranks before the
+        # last end it with their hops, the last rank attends and finishes its last row (one
+        # "rest" probe); the peers gather every rank's K,V and the owner of the last row
+        # attends and finishes it.
+        if strategy == "kvr":
+          want = want[: want.index("attention")] + (["rest"] if rank == num_ranks - 1 else [])
+        else:
+          want = ["qkv", "allgather", "rest"]
       assert deduped == want, (rank, layer, kinds)
 
 

@@ -264,7 +264,9 @@ def one_group_forward(graphdef, mesh, attention: str, cache_spec, capacity: int)
 
   def forward(state, tokens_BT, reduce=no_reduce):
     model = nnx.merge(graphdef, state)
-    x_BTD, cache = model.forward(tokens_BT, attention=attention, reduce=reduce, capacity=capacity)
+    x_BTD, cache = model.forward(
+      tokens_BT, attention=attention, reduce=reduce, capacity=capacity, last_row_only=True
+    )
     return model.logits(x_BTD[:, -1:])[:, 0], cache
 
   if m == 1:

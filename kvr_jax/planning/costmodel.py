@@ -176,21 +176,35 @@ def layer_timeline(
       ops_of[id(d)] = [tuple(_as_op(step) for step in steps) for steps in d.steps]
   free = [0.0] * len(descriptions[0].steps)  # when each rank finished the previous layer
   link_free: dict[tuple[int, int], float] = {}  # when each link delivered its last message
-  # From layer `repeats_from` on every layer is the last description (usually all are).
-  repeats_from = len(descriptions) - 1
-  while repeats_from > 0 and descriptions[repeats_from - 1] is descriptions[-1]:
+  # Layers repeat_from..body_end are one description (usually all but the last, a model's
+  # last layer, which reads one row: `last_layer`); the tail after them runs as it is.
+  body_end = len(descriptions) - 1
+  if body_end > 0 and descriptions[body_end] is not descriptions[body_end - 1]:
+    body_end -= 1
+  repeats_from = body_end
+  while repeats_from > 0 and descriptions[repeats_from - 1] is descriptions[body_end]:
     repeats_from -= 1
   steady = _SteadyState() if intervals is None else None
-  for l, d in enumerate(descriptions):
+  l = 0
+  while l < len(descriptions):
+    d = descriptions[l]
     # Watched only where a steady state would still skip two layers or more (its bookkeeping
     # costs about a layer's run).
-    watched = steady is not None and l >= repeats_from and num_layers - 1 - l >= 2
+    watched = steady is not None and repeats_from <= l and body_end - l >= 2
     sites = {} if watched else None
     free = _run_layer(ops_of[id(d)], free, link_free, held_send, l, intervals, sites)
     if sites is not None:
       advance = steady.advance(free, link_free, sites)
-      if advance is not None:  # every later layer advances every clock as this one did
-        return [t + (num_layers - 1 - l) * a for t, a in zip(free, advance, strict=True)]
+      if advance is not None:  # every later body layer advances every clock as this one did
+        skipped = body_end - l
+        rank_advance, link_advance = advance[: len(free)], advance[len(free) :]
+        free = [t + skipped * a for t, a in zip(free, rank_advance, strict=True)]
+        link_free = {
+          key: t + skipped * a for (key, t), a in zip(link_free.items(), link_advance, strict=True)
+        }
+        steady = None
+        l = body_end
+    l += 1
   return free
 
 
@@ -240,7 +254,7 @@ class _SteadyState:
         for now, then in zip(arguments, before, strict=True)
       ):
         return None
-    return advances[: len(free)]
+    return advances  # the ranks' clocks', then the links' (in link_free's order)
 
 
 _COMPUTE, _SEND, _RECEIVE, _COLLECTIVE = range(4)
@@ -356,6 +370,36 @@ def modelled_layer(
   return spec.modelled_layer(config, context_len, setup, chunks)
 
 
+# The steps of an attention layer that a prefill's last layer runs for one row only: its
+# attention and rest (the owner of the last row's one row: taken as no time).
+ONE_ROW_STEPS = ("attention", "rest")
+# Ring's steps (attention and passes overlapped, K,V or latents): in the last layer an
+# all-gather of the same bytes, for the owner of the last row.
+RING_STEPS = ("step", "steps")
+
+
+def last_layer(layer: ModelledLayer, setup: Setup) -> ModelledLayer:
+  """A model's last attention layer as every strategy's program runs it: only the prompt's
+  last row is read, so its attention and rest run for that row alone on the rank holding it
+  (`models.base.finish_one_row`), KV-Runahead's ranks before the last end the layer with
+  their hops, and ring gathers every rank's entries for the owner instead of its steps. Its
+  projections, hops, gathers and a latent layer's expansion stay; its flops and bytes are
+  the layer's (the per-layer means)."""
+  p, links = len(layer.steps), setup.links
+  ranks = []
+  for r, rank_steps in enumerate(layer.steps):
+    kept = []
+    for step in rank_steps:
+      if isinstance(step, Compute) and step.phase in ONE_ROW_STEPS:
+        continue
+      if isinstance(step, Compute) and step.phase in RING_STEPS:
+        gather = layer.link_bytes[r] / links.slowest(p) + (p - 1) * links.latency
+        step = Collective("allgather", gather)
+      kept.append(step)
+    ranks.append(tuple(kept))
+  return dataclasses.replace(layer, steps=tuple(ranks))
+
+
 def simulate(
   config: ModelConfig,
   strategy: str,
@@ -378,6 +422,8 @@ def simulate(
     for kind in config.kinds
   }
   layers = [by_kind[kind] for kind in config.layer_kinds]
+  if not isinstance(config.layer_kinds[-1], GatedDeltaNetKind):
+    layers[-1] = last_layer(layers[-1], setup)
   shard = model_shard(config, setup.model_parallel)
   finish = layer_timeline(layers, config.num_layers, setup.links.held_send, intervals)
   head = head_work(shard, setup.batch, setup.dtype_bytes).time(setup.hardware)

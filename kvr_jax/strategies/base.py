@@ -39,7 +39,7 @@ from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_s
 from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies.probe import mark
 from models import scan_blocks
-from models.base import no_reduce
+from models.base import finish_one_row, no_reduce
 from models.kernels import DEFAULT_CAUSAL_KERNEL, KERNEL_NAMES, KERNELS, AttentionKernel, get_kernel
 
 # The kernels of strategies that skip masked work (single, kvr), their default first.
@@ -261,6 +261,21 @@ def logits_to_last_rank(logits_BV, owner: int, num_ranks: int):
   if owner == num_ranks - 1:
     return logits_BV
   return jax.lax.ppermute(logits_BV, AXIS, perm=[(owner, num_ranks - 1)])
+
+
+def owner_last_row(block, x_BTD, queries, prompt_MBSKH, rank, last_position, reduce):
+  """A rank's part of the model's last layer where the prompt's cache entries are gathered
+  (the peers, TSP): only the prompt's last row is read, so the rank holding it attends that
+  row over `prompt_MBSKH` (prompt order, from position 0) and finishes it
+  (`models.base.finish_one_row`); every other rank and row skips both. last_position: (the
+  owner rank, its row there, the prompt position)."""
+  owner, row, position = last_position
+  return jax.lax.cond(
+    rank == owner,
+    lambda x: finish_one_row(block, x, queries, prompt_MBSKH, row, position, reduce),
+    lambda x: x,
+    x_BTD,
+  )
 
 
 # --- the one strategy runner ----------------------------------------------------------------

@@ -6,6 +6,7 @@ It runs under the same interface as the parallel strategies (a mesh of one devic
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,6 +20,7 @@ from kvr_jax.runtime.roofline import (
   work_kwargs,
 )
 from kvr_jax.strategies.base import CAUSAL_KERNELS, RankBody, Strategy, refuse, strategy_compiler
+from models.base import finish_one_row
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
@@ -31,7 +33,9 @@ def arrange(tokens_BC, chunks) -> np.ndarray:
 
 
 def single_body(graphdef, chunks, attention, timeline, keep_last_hop):
-  """The whole prompt on one device: every layer attends causally from position 0."""
+  """The whole prompt on one device: every layer attends causally from position 0; the
+  model's last layer attends and finishes the prompt's last row alone (nothing reads the
+  others; their K,V are made before the attention)."""
   del graphdef, chunks
   refuse("single", timeline, keep_last_hop)
 
@@ -39,11 +43,21 @@ def single_body(graphdef, chunks, attention, timeline, keep_last_hop):
     B, C = tokens_BC.shape
     positions_BC = jnp.broadcast_to(jnp.arange(C), (B, C))
 
-    def layer(block, x_BCD, carry, _):
+    last_layer = model.config.num_layers - 1
+
+    def layer(block, x_BCD, carry, l):
       q_BCNH, k_BCKH, v_BCKH = block.project_qkv(x_BCD, positions_BC)
-      attn_BCNH = block.attend(q_BCNH, k_BCKH, v_BCKH, 0, attention)
-      x_BCD = block.finish(x_BCD, attn_BCNH, reduce=reduce)
-      return x_BCD, carry, fold_batch(jnp.stack([k_BCKH, v_BCKH]))
+      kv_2BCKH = jnp.stack([k_BCKH, v_BCKH])
+
+      def every_row(x_BCD):
+        attn_BCNH = block.attend(q_BCNH, k_BCKH, v_BCKH, 0, attention)
+        return block.finish(x_BCD, attn_BCNH, reduce=reduce)
+
+      def last_row(x_BCD):  # the model's last layer: only the prompt's last row is read
+        return finish_one_row(block, x_BCD, q_BCNH, kv_2BCKH, C - 1, C - 1, reduce)
+
+      x_BCD = jax.lax.cond(l == last_layer, last_row, every_row, x_BCD)
+      return x_BCD, carry, fold_batch(kv_2BCKH)
 
     return RankBody(tokens_BC, layer, lambda x_BCD: x_BCD[:, -1], owner=0)
 

@@ -26,7 +26,7 @@ from kvr_jax.runtime.roofline import (
   total_work,
   work_kwargs,
 )
-from kvr_jax.strategies.base import RankBody, Strategy, refuse, strategy_compiler
+from kvr_jax.strategies.base import RankBody, Strategy, owner_last_row, refuse, strategy_compiler
 
 
 def shard_len(context_len: int, num_ranks: int) -> int:
@@ -39,24 +39,32 @@ def tsp_body(graphdef, chunks, attention, timeline, keep_last_hop):
   refuse("tsp", timeline, keep_last_hop)
   context_len, p = sum(chunks), len(chunks)
   c = shard_len(context_len, p)
-  owner, last_row = divmod(context_len - 1, c)  # position C-1: on `owner` when p does not divide C
+  owner, owner_row = divmod(context_len - 1, c)  # position C-1: on `owner` when p does not divide C
 
   def make_body(model, rank, tokens_Bc, reduce):
     B = tokens_Bc.shape[0]
     offset = rank * c
     positions_Bc = jnp.broadcast_to(offset + jnp.arange(c), (B, c))
 
-    def layer(block, x_BcD, carry, _):
+    def layer(block, x_BcD, carry, l):
       q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD, positions_Bc)
       # [2, B, p*c, K, H]: every rank gets every rank's K,V
       kv = jax.lax.all_gather(jnp.stack([k_BcKH, v_BcKH]), AXIS, axis=2, tiled=True)
-      # Dense masked scores over all p*c keys (with a sliding window too: TSP skips nothing).
-      attn_BcNH = block.attend(q_BcNH, kv[0], kv[1], offset, "dense")
+
+      def every_row(x_BcD):
+        # Dense masked scores over all p*c keys (with a sliding window too: TSP skips nothing).
+        attn_BcNH = block.attend(q_BcNH, kv[0], kv[1], offset, "dense")
+        return block.finish(x_BcD, attn_BcNH, reduce=reduce)
+
+      def last_row(x_BcD):  # the model's last layer: the prompt's last row alone is read
+        last_position = (owner, owner_row, context_len - 1)
+        return owner_last_row(block, x_BcD, q_BcNH, kv, rank, last_position, reduce)
+
+      x_BcD = jax.lax.cond(l == model.config.num_layers - 1, last_row, every_row, x_BcD)
       # The rank keeps its own shard of the cache; the gathered K,V live one layer.
-      x_BcD = block.finish(x_BcD, attn_BcNH, reduce=reduce)
       return x_BcD, carry, fold_batch(jnp.stack([k_BcKH, v_BcKH]))
 
-    return RankBody(tokens_Bc, layer, lambda x_BcD: x_BcD[:, last_row], owner)
+    return RankBody(tokens_Bc, layer, lambda x_BcD: x_BcD[:, owner_row], owner)
 
   return make_body
 

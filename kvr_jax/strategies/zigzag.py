@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvr_jax.runtime.cache_layout import CacheLayout, fold_batch
+from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.runtime.roofline import (
   Compute,
   ModelledLayer,
@@ -28,7 +29,7 @@ from kvr_jax.runtime.roofline import (
   visible_keys,
   work_kwargs,
 )
-from kvr_jax.strategies.base import RankBody
+from kvr_jax.strategies.base import RankBody, owner_last_row
 from kvr_jax.strategies.probe import mark
 from models.attention import attend_partial, merge_partials
 from models.kernels import get_kernel
@@ -125,15 +126,31 @@ def peer_body(chunks: tuple[int, ...], timeline: bool, attend_chunks) -> Callabl
 
   def make_body(model, rank, tokens_B2c, reduce):
     positions_B2c = positions(rank, c, p, tokens_B2c.shape[0])
+    last_layer = model.config.num_layers - 1
 
     def layer(block, x_B2cD, carry, l):
       q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
       own_2B2cKH = jnp.stack([k_B2cKH, v_B2cKH])
       q_B2cNH, own_2B2cKH = mark(timeline, "qkv", l, (q_B2cNH, own_2B2cKH))
-      attn_B2cNH = mark(
-        timeline, "attention", l, attend_chunks(block, q_B2cNH, own_2B2cKH, rank, l)
-      )
-      x_B2cD = mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
+
+      def every_row(x_B2cD):
+        attn_B2cNH = mark(
+          timeline, "attention", l, attend_chunks(block, q_B2cNH, own_2B2cKH, rank, l)
+        )
+        return mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
+
+      def last_row(x_B2cD):  # the model's last layer: the prompt's last row alone is read
+        # Every rank's K,V in prompt order (one all_gather: the all-gather peer's own
+        # collective; ring passes the same bytes to every rank over a layer).
+        every_2BSKH = jax.lax.all_gather(own_2B2cKH, AXIS, axis=2, tiled=True)
+        every_2BSKH = mark(timeline, "allgather", l, every_2BSKH)
+        prompt_2BSKH = in_prompt_order(every_2BSKH, context_len, p, axis=2)
+        x_B2cD = owner_last_row(
+          block, x_B2cD, q_B2cNH, prompt_2BSKH, rank, (owner, row, context_len - 1), reduce
+        )
+        return mark(timeline, "rest", l, x_B2cD)
+
+      x_B2cD = jax.lax.cond(l == last_layer, last_row, every_row, x_B2cD)
       return x_B2cD, carry, fold_batch(own_2B2cKH)
 
     return RankBody(tokens_B2c, layer, lambda x_B2cD: x_B2cD[:, row], owner)

@@ -61,7 +61,7 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
     @jax.jit
     def single(state, tokens_BT):
       module = nnx.merge(graphdef, state)
-      x_BTD, _ = module.forward(tokens_BT, "flash")
+      x_BTD, _ = module.forward(tokens_BT, "flash", last_row_only=True)
       return module.logits(x_BTD[:, -1:])[:, 0]
 
     state = model.state

@@ -33,6 +33,7 @@ from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead.hops import hop_chain, hop_chain_as_data, varying_axes
 from kvr_jax.strategies.runahead.schedule import buffer_len, rows_before_hop
 from models.attention import merge_partials
+from models.base import finish_one_row
 from models.flash import Lengths
 
 
@@ -355,9 +356,11 @@ class RankLayer:
 
   def attend_and_finish(self, block, l, q_BcNH, own_2BcKH, buffer_2BSKH, message, diag, x_BcD):
     """The rank's attention and the rest of its layer: its layer's output. In the model's last
-    layer a rank before the last skips both: nothing reads them (the last rank's logits and
-    every cache layout need only this layer's K,V, already sent), so its part of the call
-    ends with its hops, not a whole layer later (the next prompt's prefill starts sooner)."""
+    layer only the prompt's last row is read (its logits; every cache layout needs only this
+    layer's K,V, already made and sent): a rank before the last skips both, so its part of
+    the call ends with its hops, not a whole layer later (the next prompt's prefill starts
+    sooner), and the last rank attends and finishes its last real row alone
+    (`last_row_layer`), so no rank runs a chunk's attention after the last hop."""
     timeline = self.timeline
 
     def live(x_BcD):
@@ -365,14 +368,40 @@ class RankLayer:
       attn = mark(timeline, "attention", l, attn.astype(x_BcD.dtype))
       return mark(timeline, "rest", l, self.each_rank(self.finish, block, x_BcD, attn))
 
+    def last_row(x_BcD):
+      x_BcD = self.each_rank(
+        self.last_row_layer, block, q_BcNH, own_2BcKH, buffer_2BSKH, message, x_BcD
+      )
+      return mark(timeline, "rest", l, x_BcD)
+
     def dead(x_BcD):
       return x_BcD
 
-    if self.num_ranks == 1:
-      return live(x_BcD)
     last_layer = l == self.config.num_layers - 1
-    read = jnp.logical_or(jnp.logical_not(last_layer), self.rank == self.num_ranks - 1)
-    return jax.lax.cond(read, live, dead, x_BcD)
+    if self.num_ranks == 1:
+      return jax.lax.cond(last_layer, last_row, live, x_BcD)
+    # 0: every row (a layer before the last); 1: the last rank's last row; 2: nothing.
+    branch = jnp.where(last_layer, jnp.where(self.rank == self.num_ranks - 1, 1, 2), 0)
+    return jax.lax.switch(branch, [live, last_row, dead], x_BcD)
+
+  def last_row_layer(
+    self, lengths: RankLengths, block, q_BcNH, own_2BcKH, buffer_2BSKH, message, x_BcD
+  ):
+    """The rank's last real row through the model's last layer (`models.base.finish_one_row`):
+    its query over the prefix it received and its own keys. Only the last rank's branch runs
+    (`attend_and_finish`); the others are traced for the switch's shapes."""
+    c, start = lengths.c, lengths.start
+    if not lengths.static:  # the buffer holds the prefix and, at `start`, the own chunk
+      keys_2BSKH = buffer_2BSKH[:, :, : self.keys] if self.num_ranks > 1 else own_2BcKH
+      return finish_one_row(block, x_BcD, q_BcNH, keys_2BSKH, c - 1, start + c - 1, self.reduce)
+    first = block.config.kind.first_key(start)
+    prefix_2BsKH = self._static_prefix(block, lengths, buffer_2BSKH, message)
+    keys_2BSKH = own_2BcKH[:, :, :c]
+    if prefix_2BsKH is not None and first < start:
+      keys_2BSKH = jnp.concatenate([prefix_2BsKH, keys_2BSKH], axis=2)
+    return finish_one_row(
+      block, x_BcD, q_BcNH, keys_2BSKH, c - 1, start - first + c - 1, self.reduce
+    )
 
 
 def _zero_partial(block, q_BrNH, entries_MBcKH, kernel):
