@@ -9,6 +9,8 @@ that the one-row path is the layer's own output at that row (1e-5). Which branch
 the timeline probes (tests/test_timeline.py); every strategy's logits against the oracle in
 tests/test_strategies.py, test_peers.py, test_own_families.py and test_qwen3_5.py."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 import kvr_jax
 from kvr_jax.inference.prefill import _placed_state, plan_prefill
+from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, global_array
 from kvr_jax.strategies import hybrid, latent, runahead
 from models.base import finish_one_row
@@ -170,3 +173,27 @@ def test_own_programs_finish_one_row_in_the_last_layer(own_models, family, strat
 
 def hybrid_layout(strategy: str, ranks: int) -> tuple[int, ...]:
   return tuple(kvr_jax.strategies.get_strategy(strategy).layout(T, ranks))
+
+
+@pytest.mark.parametrize("strategy, ranks", [("single", 1), ("tsp", 2)])
+def test_the_one_row_branch_is_the_one_taken(strategy, ranks):
+  """Which branch runs, seen by XLA: in a one-layer model the layer index is a constant, the
+  cond folds to the branch taken, and XLA's count of the program's FLOPs is that branch's.
+  The last layer's one row costs a fraction of a whole layer (the two-layer program's count:
+  XLA counts the layer loop's body once, its larger branch). KV-Runahead's and the zigzag
+  peers' programs keep their conds (a rank-dependent switch, a loop XLA does not unroll):
+  which branch they run is in their timeline probes (tests/test_timeline.py)."""
+
+  def program_flops(num_layers: int) -> float:
+    config = dataclasses.replace(preset_config("tiny-llama"), num_layers=num_layers)
+    model = kvr_jax.Model(build_model(config))
+    tokens = kvr_jax.synthetic_prompt(config.vocab_size, 256)
+    mesh = kvr_jax.make_mesh(ranks)
+    plan = plan_prefill(model, tokens, strategy=strategy, mesh=mesh)
+    arranged = plan.strategy.arrange(np.asarray(tokens), plan.chunks)
+    tokens_pBc = global_array(arranged, jax.sharding.NamedSharding(mesh, jax.P(AXIS)))
+    lowered = plan.program(model).lower(_placed_state(model, mesh), tokens_pBc)
+    return lowered.compile().cost_analysis()["flops"]
+
+  one_row, whole = program_flops(1), program_flops(2)
+  assert one_row < 0.3 * whole, (one_row, whole)
