@@ -96,13 +96,17 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh) -> tuple[int,
   """KVR-S's split: the cost model's search with rates fitted to the model's own layers on
   this process's core (`phases.fitted_hybrid_hardware`, `phases.fitted_latent_hardware`: the
   `local` calibration's large matmul misjudges a small model's narrow matmuls against its
-  attention). Process 0's split on every process (each fits its own core, and every process
-  must compile the same program)."""
+  attention), and the link between the processes measured now (`presets.measure_links`, every
+  process taking part: the loopback as this run throttles it; the stored `local` figures are
+  the unthrottled machine's, and a split searched for a fast link loads the first rank's hops
+  on a slow one). Process 0's split on every process (each fits its own core, and every
+  process must compile the same program)."""
   if any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds):
     hardware = fitted_hybrid_hardware(model, context_len)
   else:  # a latent-attention model
     hardware = fitted_latent_hardware(model, context_len)
-  setup = presets.make_setup(hardware, dtype_bytes=4, **costmodel.kernel_flags("flash"))
+  link = presets.measure_links(hardware)
+  setup = presets.make_setup(hardware, link, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)
   return agreed("hybrid-bench split", (model.config, context_len), mesh, tuple(searched))
 
