@@ -145,9 +145,18 @@ UNTHROTTLED = multiprocess_report.UNTHROTTLED
 flags.DEFINE_list(
   "link_rates",
   [UNTHROTTLED],
-  "Multiprocess and hybrid modes: loopback rates to run the processes over, e.g. "
-  "unthrottled,2gbit,500mbit "
-  "(tc tbf on lo, as root; restored after each, also on failure or interrupt).",
+  "Multiprocess and hybrid modes: link rates to run the processes over, e.g. "
+  "unthrottled,2gbit,500mbit (as root; each throttled rate under each --link_duplex; "
+  "removed after each run, also on failure or interrupt).",
+)
+flags.DEFINE_list(
+  "link_duplex",
+  ["full"],
+  "Multiprocess and hybrid modes: how a throttled rate is shaped, one run per kind: full "
+  "(each process in its own network namespace, its link shaped at the rate each way: "
+  "real NICs) or half (one tc bucket on the loopback for both directions: a two-way "
+  "exchange takes twice a one-way send, which favours one-way chains; what the benchmarks "
+  "measured before full existed).",
 )
 flags.DEFINE_list("ranks", ["2", "4", "8"], "Accelerator mode: modelled device counts.")
 flags.DEFINE_list(
@@ -341,6 +350,7 @@ def multiprocess_mode():
         FLAGS.single_variants,
         FLAGS.num_processes,
         FLAGS.link_rates,
+        duplexes=FLAGS.link_duplex,
       )
     except RuntimeError as e:
       print(f"error: {e}", file=sys.stderr)
@@ -367,7 +377,11 @@ def hybrid_mode():
     if FLAGS.num_processes < 2:
       raise ValueError("--num_processes must be >= 2 in hybrid mode")
     rows = hybrid_bench.run_over_links(
-      "launch.bench_worker", common_flags, FLAGS.num_processes, FLAGS.link_rates
+      "launch.bench_worker",
+      common_flags,
+      FLAGS.num_processes,
+      FLAGS.link_rates,
+      duplexes=FLAGS.link_duplex,
     )
   table = hybrid_bench.hybrid_table(rows, FLAGS.model, FLAGS.num_processes)
   table.print()

@@ -222,9 +222,10 @@ def test_peers_move_their_cache_and_held_ring_steps_take_turns():
     steps = layer.steps
     assert steps[0] == steps[1]  # every rank alike
     per_layer = sum(step.seconds for step in steps[0])
-    # The last layer: qkv and the all-gather of every rank's K,V (ring's steps too), one row.
+    # The last layer: qkv and the gather of every rank's K,V into the owner (instead of
+    # ring's steps and all-gather CP's all-gather, the same bytes), one row.
     last_steps = costmodel.last_layer(layer, base).steps[0]
-    assert [step.phase for step in last_steps] == ["qkv", "allgather"]
+    assert [step.phase for step in last_steps] == ["qkv", "gather"]
     assert last_steps[1].seconds == pytest.approx(message / links.bandwidth + links.latency)
     last = sum(step.seconds for step in last_steps)
     move = (p - 1) * (L * message / links.bandwidth + links.latency)

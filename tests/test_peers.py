@@ -164,13 +164,14 @@ def test_ring_hlo_p_minus_1_permutes_of_own_kv_heads(models, name):
   c = zigzag.chunk_len(C, p)
   permutes = _ops(hlo, "collective-permute")
   kv_hops = [s for s in permutes if s == (2, B, 2 * c, cfg.num_kv_heads, cfg.head_dim)]
-  assert len(kv_hops) == p - 1
+  # p-1 steps in the layer body's every-row branch, and p-1 one-way sends of every other
+  # rank's K,V into the owner of the prompt's last row in the last layer's branch, where it
+  # attends that row alone (strategies.base.gather_to_owner, tests/test_last_row.py).
+  assert len(kv_hops) == 2 * (p - 1)
   # The rest: the last position's logits (rank 0's second chunk at C=1024, p=4) to rank p-1.
   assert [s for s in permutes if s not in kv_hops] == [(B, cfg.vocab_size)]
-  # One all-gather, of every rank's K,V: the model's last layer, where the owner of the
-  # prompt's last row attends that row alone (tests/test_layers.py::test_last_layer_*);
-  # each rank keeps its own part of the cache (tests/test_cache_layout.py).
-  assert _ops(hlo, "all-gather") == [(2, B, 2 * p * c, cfg.num_kv_heads, cfg.head_dim)]
+  # No all-gather: each rank keeps its own part of the cache (tests/test_cache_layout.py).
+  assert _ops(hlo, "all-gather") == []
 
 
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
@@ -178,10 +179,11 @@ def test_allgather_hlo_one_gather_per_layer_no_permute(models, name):
   model, p, C, B = models[name], 4, 1024, 2
   hlo = _hlo(allgather, model, p, C, B)
   cfg = model.config
-  # One all-gather in each branch of the layer body (every row's layers, the last layer's
-  # one row; run once per layer by the scan), of own KV heads.
-  gathered = (2, B, 2 * p * (C // (2 * p)), cfg.num_kv_heads, cfg.head_dim)
-  assert _ops(hlo, "all-gather") == [gathered, gathered]
-  # The last position (rank 0's second chunk here) moves its logits to rank p-1: the only
-  # permute, and it carries B x V values, not K,V.
-  assert _ops(hlo, "collective-permute") == [(B, cfg.vocab_size)]
+  # One all-gather, of own KV heads, in the every-row branch of the layer body (run once per
+  # layer by the scan); the last layer's branch sends every other rank's K,V into the owner
+  # of the prompt's last row alone (p-1 one-way permutes: strategies.base.gather_to_owner).
+  c = C // (2 * p)
+  assert _ops(hlo, "all-gather") == [(2, B, 2 * p * c, cfg.num_kv_heads, cfg.head_dim)]
+  own = (2, B, 2 * c, cfg.num_kv_heads, cfg.head_dim)
+  # The last position (rank 0's second chunk here) moves its logits to rank p-1: B x V values.
+  assert sorted(_ops(hlo, "collective-permute")) == sorted([own] * (p - 1) + [(B, cfg.vocab_size)])

@@ -52,12 +52,12 @@ def check_order(items, strategy, num_layers, num_ranks):
       if layer == num_layers - 1:
         # The last layer: only the prompt's last row is read. KV-Runahead's ranks before the
         # last end it with their hops, the last rank attends and finishes its last row (one
-        # "rest" probe); the peers gather every rank's K,V and the owner of the last row
-        # attends and finishes it.
+        # "rest" probe); the peers gather every rank's K,V into the owner of the last row, which
+        # attends and finishes it (`strategies.base.gather_to_owner`).
         if strategy == "kvr":
           want = want[: want.index("attention")] + (["rest"] if rank == num_ranks - 1 else [])
         else:
-          want = ["qkv", "allgather", "rest"]
+          want = ["qkv", "gather", "rest"]
       assert deduped == want, (rank, layer, kinds)
 
 

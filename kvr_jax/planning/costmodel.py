@@ -373,8 +373,8 @@ def modelled_layer(
 # The steps of an attention layer that a prefill's last layer runs for one row only: its
 # attention and rest (the owner of the last row's one row: taken as no time).
 ONE_ROW_STEPS = ("attention", "rest")
-# Ring's steps (attention and passes overlapped, K,V or latents): in the last layer an
-# all-gather of the same bytes, for the owner of the last row.
+# Ring's steps (attention and passes overlapped, K,V or latents): in the last layer a
+# gather of the same bytes into the owner of the last row.
 RING_STEPS = ("step", "steps")
 
 
@@ -382,9 +382,10 @@ def last_layer(layer: ModelledLayer, setup: Setup) -> ModelledLayer:
   """A model's last attention layer as every strategy's program runs it: only the prompt's
   last row is read, so its attention and rest run for that row alone on the rank holding it
   (`models.base.finish_one_row`), KV-Runahead's ranks before the last end the layer with
-  their hops, and ring gathers every rank's entries for the owner instead of its steps. Its
-  projections, hops, gathers and a latent layer's expansion stay; its flops and bytes are
-  the layer's (the per-layer means)."""
+  their hops, and the peers gather every rank's entries into the owner (ring instead of its
+  steps, all-gather CP instead of its all-gather). Its projections, hops, gathers
+  and a latent layer's expansion stay; its flops and bytes are the layer's (the per-layer
+  means)."""
   p, links = len(layer.steps), setup.links
   ranks = []
   for r, rank_steps in enumerate(layer.steps):
@@ -394,7 +395,12 @@ def last_layer(layer: ModelledLayer, setup: Setup) -> ModelledLayer:
         continue
       if isinstance(step, Compute) and step.phase in RING_STEPS:
         gather = layer.link_bytes[r] / links.slowest(p) + (p - 1) * links.latency
-        step = Collective("allgather", gather)
+        step = Collective("gather", gather)
+      elif isinstance(step, Collective) and step.phase == "allgather":
+        # The same bytes into the owner alone (strategies.base.gather_to_owner): on a
+        # full-duplex link the owner's ingress takes as long as every rank's. (TSP's program
+        # keeps its all-gather there, outside the layer's cond: the same time.)
+        step = Collective("gather", step.seconds)
       kept.append(step)
     ranks.append(tuple(kept))
   return dataclasses.replace(layer, steps=tuple(ranks))

@@ -199,6 +199,7 @@ def launch_local(
   skip_processes: tuple[int, ...] = (),
   extra_env: dict | None = None,
   platform: str | None = None,
+  network=None,
 ) -> list[ProcessOutcome]:
   """Starts `python -m worker_module` num_processes times on this machine and supervises them.
 
@@ -210,6 +211,9 @@ def launch_local(
   (mod the cores present), with single-threaded XLA on CPUs. If a process exits
   with an error, the others are stopped at once and RuntimeError names it; past `timeout`
   seconds all are stopped. `skip_processes` leaves processes out (to test a missing one).
+  network: a `links.ProcessNetwork` (a full-duplex throttled link): process i starts inside
+  its network namespace and the coordinator is at process 0's address there; None: the
+  loopback.
   """
   port, platform, base_env = _check_launch(
     num_processes, devices_per_process, port, extra_env, platform
@@ -227,11 +231,13 @@ def launch_local(
       pin_cores=pin_cores,
     )
     core = cores[i % len(cores)]
+    host = "localhost" if network is None else network.address(0)
     cmd = [
+      *([] if network is None else network.command_prefix(i)),
       sys.executable,
       "-m",
       worker_module,
-      f"--coordinator_address=localhost:{port}",
+      f"--coordinator_address={host}:{port}",
       f"--num_processes={num_processes}",
       f"--process_id={i}",
       *platform_args,

@@ -263,12 +263,27 @@ def logits_to_last_rank(logits_BV, owner: int, num_ranks: int):
   return jax.lax.ppermute(logits_BV, AXIS, perm=[(owner, num_ranks - 1)])
 
 
+def gather_to_owner(own, owner: int, num_ranks: int, axis: int):
+  """Every rank's `own` on rank `owner` (static), joined in rank order along `axis` as a tiled
+  all_gather joins them; on the other ranks the result is meaningless (zeros where a piece did
+  not arrive) and must not be read. One one-way collective-permute per other rank, each into
+  the owner. Why not all_gather: only the owner reads the result (a last layer's last row);
+  an all-gather also sends every piece to every other rank, and on two ranks it is a two-way
+  exchange, which takes twice a one-way send where a pair's directions share the link (gloo
+  serialises them: docs/measurements.md, "Links")."""
+  pieces = [
+    own if r == owner else jax.lax.ppermute(own, AXIS, perm=[(r, owner)]) for r in range(num_ranks)
+  ]
+  return jnp.concatenate(pieces, axis=axis)
+
+
 def owner_last_row(block, x_BTD, queries, prompt_MBSKH, rank, last_position, reduce):
   """A rank's part of the model's last layer where the prompt's cache entries are gathered
-  (the peers, TSP): only the prompt's last row is read, so the rank holding it attends that
-  row over `prompt_MBSKH` (prompt order, from position 0) and finishes it
-  (`models.base.finish_one_row`); every other rank and row skips both. last_position: (the
-  owner rank, its row there, the prompt position)."""
+  on the owner (the zigzag and latent peers: `gather_to_owner`; TSP: its all-gather): only
+  the prompt's last row is read, so the rank holding it attends that row over
+  `prompt_MBSKH` (prompt order, from position 0) and finishes it
+  (`models.base.finish_one_row`); every other rank and row skips both.
+  last_position: (the owner rank, its row there, the prompt position)."""
   owner, row, position = last_position
   return jax.lax.cond(
     rank == owner,

@@ -35,7 +35,13 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies import tsp, zigzag
-from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd, owner_last_row
+from kvr_jax.strategies.base import (
+  count_trace,
+  gather_to_owner,
+  logits_to_last_rank,
+  own_spmd,
+  owner_last_row,
+)
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
 from kvr_jax.strategies.runahead.schedule import attends_diagonal_first
 from models.attention import attend_partial
@@ -181,9 +187,9 @@ PEER_LAYERS = {
 
 def peer_last_layer(strategy: str, block, x_BTD, rank, chunks: tuple[int, ...], reduce):
   """A peer's (ring, all-gather, TSP) part of the model's last layer on latents, where only
-  the prompt's last row is read: every rank's latents gathered in prompt order (one
-  all_gather), the owner of the last position attends that row and finishes it
-  (`strategies.base.owner_last_row`): (x, its own latents [B, T, C])."""
+  the prompt's last row is read: every rank's latents gathered in prompt order on the owner
+  of the last position (`strategies.base.gather_to_owner`), which attends that row and
+  finishes it (`strategies.base.owner_last_row`): (x, its own latents [B, T, C])."""
   p, context_len = len(chunks), sum(chunks)
   B, T = x_BTD.shape[:2]
   if strategy == "tsp":
@@ -191,12 +197,13 @@ def peer_last_layer(strategy: str, block, x_BTD, rank, chunks: tuple[int, ...], 
   else:
     positions_BT = zigzag.positions(rank, zigzag.chunk_len(context_len, p), p, B)
   queries, own_1BT1C = block.project_entries(x_BTD, positions_BT)
-  every_1BS1C = jax.lax.all_gather(own_1BT1C, AXIS, axis=2, tiled=True)
+  owner, row = last_position(strategy, chunks)
+  every_1BS1C = gather_to_owner(own_1BT1C, owner, p, axis=2)  # only the owner reads them
   if strategy == "tsp":  # contiguous shards: already in prompt order
     prompt_1BS1C = every_1BS1C[:, :, :context_len]
   else:
     prompt_1BS1C = zigzag.in_prompt_order(every_1BS1C, context_len, p, axis=2)
-  at = (*last_position(strategy, chunks), context_len - 1)
+  at = (owner, row, context_len - 1)
   x_BTD = owner_last_row(block, x_BTD, queries, prompt_1BS1C, rank, at, reduce)
   return x_BTD, own_1BT1C[0, :, :, 0]
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvr_jax.runtime.cache_layout import CacheLayout, fold_batch
-from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.runtime.roofline import (
   Compute,
   ModelledLayer,
@@ -29,7 +28,7 @@ from kvr_jax.runtime.roofline import (
   visible_keys,
   work_kwargs,
 )
-from kvr_jax.strategies.base import RankBody, owner_last_row
+from kvr_jax.strategies.base import RankBody, gather_to_owner, owner_last_row
 from kvr_jax.strategies.probe import mark
 from models.attention import attend_partial, merge_partials
 from models.kernels import get_kernel
@@ -140,10 +139,10 @@ def peer_body(chunks: tuple[int, ...], timeline: bool, attend_chunks) -> Callabl
         return mark(timeline, "rest", l, block.finish(x_B2cD, attn_B2cNH, reduce=reduce))
 
       def last_row(x_B2cD):  # the model's last layer: the prompt's last row alone is read
-        # Every rank's K,V in prompt order (one all_gather: the all-gather peer's own
-        # collective; ring passes the same bytes to every rank over a layer).
-        every_2BSKH = jax.lax.all_gather(own_2B2cKH, AXIS, axis=2, tiled=True)
-        every_2BSKH = mark(timeline, "allgather", l, every_2BSKH)
+        # Every rank's K,V in prompt order on the owner alone (one-way sends into it: no
+        # other rank reads them; an all-gather would send them to every rank).
+        every_2BSKH = gather_to_owner(own_2B2cKH, owner, p, axis=2)
+        every_2BSKH = mark(timeline, "gather", l, every_2BSKH)
         prompt_2BSKH = in_prompt_order(every_2BSKH, context_len, p, axis=2)
         x_B2cD = owner_last_row(
           block, x_B2cD, q_B2cNH, prompt_2BSKH, rank, (owner, row, context_len - 1), reduce

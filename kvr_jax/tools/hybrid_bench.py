@@ -15,7 +15,6 @@ a rotating order, as kvr_jax.tools.timing does for `prefill`.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
@@ -30,7 +29,6 @@ from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.agreement import agreed
-from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.measured import measured_partition
@@ -153,29 +151,30 @@ def hybrid_bench_job(
   return rows if last.process_index == jax.process_index() else None
 
 
-def run_over_links(worker: str, worker_flags: list[str], num_processes: int, link_rates):
+def run_over_links(
+  worker: str, worker_flags: list[str], num_processes: int, link_rates, duplexes=("full",)
+):
   """The hybrid benchmark's runs, each process pinned to its own core: single in one process,
-  then the strategies over `num_processes` processes at each of `link_rates` (the loopback
-  throttled for each, restored after; every rate checked, and tc tried, before anything
-  runs). Rows of every run, each with its `link` ("-" for single)."""
-  throttled = [rate for rate in link_rates if rate != UNTHROTTLED]
-  for rate in throttled:
-    links.rate_bits(rate)
-  if throttled:
-    links.check_can_throttle()
+  then the strategies over `num_processes` processes at each of `link_rates`, each throttled
+  rate under each of `duplexes` (`runtime.links`: "full", every process its own link shaped
+  both ways; "half", one bucket on the loopback for both directions; made for each run and
+  removed after; every rate and kind checked, and the tools tried, before anything runs).
+  Rows of every run, each with its `link` ("-" for single, else `links.link_label`)."""
+  for duplex in duplexes:
+    links.check_links(link_rates, duplex, num_processes)
 
-  def run(processes: int, link: str) -> list[dict]:
+  def run(processes: int, link: str, network=None) -> list[dict]:
     outcomes = distributed.launch_local(
-      worker, worker_flags, processes, pin_cores=True, timeout=3600
+      worker, worker_flags, processes, pin_cores=True, timeout=3600, network=network
     )
     return [dict(row, link=link) for o in outcomes for r in o.results() for row in r["rows"]]
 
   rows = run(1, "-")
-  for rate in link_rates:
-    print(f"{num_processes} processes, one core each, link {rate} ...", flush=True)
-    throttle = links.throttled_loopback(rate) if rate != UNTHROTTLED else None
-    with throttle or contextlib.nullcontext():
-      rows += run(num_processes, rate)
+  for rate, duplex in links.link_runs(link_rates, duplexes):
+    label = links.link_label(rate, duplex)
+    print(f"{num_processes} processes, one core each, link {label} ...", flush=True)
+    with links.throttled(rate, duplex, num_processes) as network:
+      rows += run(num_processes, label, network)
   return rows
 
 

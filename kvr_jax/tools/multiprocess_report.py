@@ -5,7 +5,6 @@ Every figure is MEASURED (processes pinned to cores, single-threaded XLA)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -158,17 +157,18 @@ def run_over_links(
   num_processes: int,
   link_rates,
   timeout: float = 3600,
+  duplexes=("full",),
 ) -> list[dict]:
   """The multiprocess benchmark's runs, each process pinned to its own core: the one-process
-  baselines, then `variants` over `num_processes` processes at each of `link_rates` (the
-  loopback throttled for each, restored after). Every rate is checked, and tc tried, before
+  baselines, then `variants` over `num_processes` processes at each of `link_rates`, each
+  throttled rate under each of `duplexes` (`runtime.links`: "full", every process its own
+  link shaped both ways; "half", one bucket on the loopback for both directions; made for
+  each run, removed after). Every rate and kind is checked, and the tools tried, before
   anything runs. worker: the module the processes run (`launch.benchmark`), with
-  `worker_flags`. Returns `process_rows` of every run, for `multiprocess_table`."""
-  throttled = [rate for rate in link_rates if rate != UNTHROTTLED]
-  for rate in throttled:
-    links.rate_bits(rate)
-  if throttled:
-    links.check_can_throttle()
+  `worker_flags`. Returns `process_rows` of every run (link: `links.link_label`), for
+  `multiprocess_table`."""
+  for duplex in duplexes:
+    links.check_links(link_rates, duplex, num_processes)
   print("one process, one core (single-threaded XLA): single ...", flush=True)
   single = distributed.launch_local(
     worker,
@@ -178,13 +178,13 @@ def run_over_links(
     timeout=timeout,
   )
   rows = process_rows(single, "-")
-  for rate in link_rates:
+  for rate, duplex in links.link_runs(link_rates, duplexes):
+    label = links.link_label(rate, duplex)
     print(
-      f"{num_processes} processes, one core each, link {rate}: {','.join(variants)} ...",
+      f"{num_processes} processes, one core each, link {label}: {','.join(variants)} ...",
       flush=True,
     )
-    throttle = links.throttled_loopback(rate) if rate != UNTHROTTLED else None
-    with throttle or contextlib.nullcontext():
+    with links.throttled(rate, duplex, num_processes) as network:
       multi = distributed.launch_local(
         worker,
         worker_flags
@@ -196,6 +196,7 @@ def run_over_links(
         num_processes,
         pin_cores=True,
         timeout=timeout,
+        network=network,
       )
-    rows += process_rows(multi, rate)
+    rows += process_rows(multi, label)
   return rows
