@@ -1,7 +1,8 @@
 """The worker of `launch.benchmark`'s multiprocess and timeline modes: one process of the
 cluster those modes start (`distributed.launch_local` sets --coordinator_address,
 --num_processes, --process_id). It joins the cluster and runs one library job
-(kvr_jax.tools.jobs.bench_job or timeline_job, kvr_jax.tools.hybrid_bench's); the process
+(kvr_jax.tools.jobs.bench_job or timeline_job, kvr_jax.tools.hybrid_bench's or
+link_probe's); the process
 holding the last rank prints its result for the launcher to collect. Not meant to be run by
 hand.
 """
@@ -11,11 +12,14 @@ import sys
 from absl import app, flags, logging
 
 from kvr_jax.runtime import distributed, faults
-from kvr_jax.tools import hybrid_bench, jobs
+from kvr_jax.tools import hybrid_bench, jobs, link_probe
 from launch import common
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "multiprocess", ["multiprocess", "timeline", "hybrid"], "The job to run.")
+flags.DEFINE_enum(
+  "mode", "multiprocess", ["multiprocess", "timeline", "hybrid", "links"], "The job to run."
+)
+flags.DEFINE_float("megabytes", 16.0, "Links mode: megabytes per rank in each exchange.")
 flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax directory.")
 flags.DEFINE_string("dtype", "auto", "Weights' dtype.")
 flags.DEFINE_list("context_lens", ["1024"], "Prompt lengths (timeline mode: the first).")
@@ -33,6 +37,8 @@ flags.DEFINE_list("local_device_ids", None, "This process's GPUs (set by the lau
 
 
 def job():
+  if FLAGS.mode == "links":  # the last rank's process reports
+    return link_probe.exchange_job(FLAGS.megabytes, FLAGS.repeats)
   if FLAGS.mode == "hybrid":  # the last rank's process reports
     rows = hybrid_bench.hybrid_bench_job(
       FLAGS.model,

@@ -29,8 +29,14 @@ Gated DeltaNet and full layers; KV-Runahead, ring, all-gather CP) or a latent-at
 (bench-deepseek: KV-Runahead, ring, all-gather CP), on p pinned processes, and single alone;
 --hybrid_measured adds KV-Runahead on a measured search's split, e.g.
   python -m launch.benchmark --mode=hybrid --model=bench-qwen3.5 --context_lens=8192,16384
---link_rates (multiprocess mode, as root) runs the processes over a throttled loopback, e.g.
+--link_rates (multiprocess, hybrid and links modes, as root) runs the processes over a
+throttled link, under each of --link_duplex: full (a network namespace per process, its link
+shaped both ways) or half (one bucket on the loopback for every direction), e.g.
   python -m launch.benchmark --mode=multiprocess --context_lens=8192 --link_rates=2gbit,500mbit
+--mode=links times one-way, two-way and ring exchanges of --megabytes per rank over each link
+(what the link and gloo do with the strategies' exchanges), e.g.
+  python -m launch.benchmark --mode=links --num_processes=2 --link_rates=500mbit \
+    --link_duplex=full,half
 The logic is in kvr_jax.tools (a module per job: sweep, transformers_baseline, kernel_timing,
 accelerator, bucket_stream, multiprocess_report, timeline, memory), kvr_jax.tools.jobs and
 kvr_jax.runtime.distributed.
@@ -53,6 +59,7 @@ from kvr_jax.tools import (
   expert_load,
   hybrid_bench,
   kernel_timing,
+  link_probe,
   memory_grid,
   multiprocess_report,
   phases,
@@ -69,7 +76,7 @@ FLAGS = flags.FLAGS
 FITTED = ("fitted",)
 # The modes, as --help lists them (MODES at the end maps each to its function).
 MODE_NAMES = ("devices", "multiprocess", "kernels", "long", "phases", "memory", "timeline")
-MODE_NAMES += ("accelerator", "buckets", "hybrid")
+MODE_NAMES += ("accelerator", "buckets", "hybrid", "links")
 flags.DEFINE_bool(
   "hybrid_measured",
   False,
@@ -128,7 +135,8 @@ flags.DEFINE_integer(
   "Devices and memory modes: devices per rank, each rank's model split over them (tensor "
   "parallelism on a ('ranks', 'model') mesh; devices mode loads the weights split).",
 )
-flags.DEFINE_integer("num_processes", 2, "Processes in multiprocess mode.")
+flags.DEFINE_integer("num_processes", 2, "Processes in multiprocess, hybrid and links modes.")
+flags.DEFINE_float("megabytes", 16.0, "Links mode: megabytes per rank in each exchange.")
 flags.DEFINE_integer("repeats", 3, "Timed runs after a warm-up; the median is reported.")
 flags.DEFINE_bool("compare_transformers", True, "Devices mode: also time transformers.")
 flags.DEFINE_integer("measured_multiple", 64, "kvr-measured: chunk lengths multiple.")
@@ -392,6 +400,28 @@ def hybrid_mode():
   return 0
 
 
+def links_mode():
+  with common.user_errors():
+    if FLAGS.num_processes < 2:
+      raise ValueError("--num_processes must be >= 2 in links mode")
+    if not FLAGS.megabytes > 0:
+      raise ValueError(f"--megabytes must be positive, got {FLAGS.megabytes}")
+    rows = link_probe.run_over_links(
+      "launch.bench_worker",
+      ["--mode=links", f"--megabytes={FLAGS.megabytes}", f"--repeats={FLAGS.repeats}"],
+      FLAGS.num_processes,
+      FLAGS.link_rates,
+      FLAGS.link_duplex,
+    )
+  table = link_probe.links_table(rows, FLAGS.megabytes, FLAGS.num_processes)
+  table.print()
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  path = os.path.join(FLAGS.output_dir, "links.json")
+  table.write_json(path)
+  print(f"wrote {path}")
+  return 0
+
+
 def buckets_mode():
   """A stream of prompts of random new lengths, exact shapes against bucket ladders."""
   emulated = common.setup_devices(FLAGS.num_devices)
@@ -456,6 +486,7 @@ def accelerator_mode():
 MODEL_PARALLEL_MODES = ("devices", "memory")
 # Modes that write files into --output_dir.
 WRITING_MODES = ("devices", "multiprocess", "timeline", "accelerator", "buckets", "hybrid")
+WRITING_MODES += ("links",)
 
 
 def check_shared_flags():
@@ -495,7 +526,7 @@ def main(argv):
   if FLAGS.mode == "accelerator":
     # PyTorch shares the device: JAX takes memory as it needs it instead of 75% up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  if FLAGS.mode not in ("multiprocess", "timeline"):
+  if FLAGS.mode not in ("multiprocess", "timeline", "links"):
     with common.user_errors():
       set_threads()  # before XLA's backend starts
   return MODES[FLAGS.mode]() or 0
@@ -513,6 +544,7 @@ MODES = {
   "accelerator": accelerator_mode,
   "buckets": buckets_mode,
   "hybrid": hybrid_mode,
+  "links": links_mode,
 }
 
 
