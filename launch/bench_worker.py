@@ -37,7 +37,7 @@ flags.DEFINE_list("local_device_ids", None, "This process's GPUs (set by the lau
 
 
 def job():
-  if FLAGS.mode == "links":  # the last rank's process reports
+  if FLAGS.mode == "links":  # every process reports
     return link_probe.exchange_job(FLAGS.megabytes, FLAGS.repeats)
   if FLAGS.mode == "hybrid":  # the last rank's process reports
     rows = hybrid_bench.hybrid_bench_job(

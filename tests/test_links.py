@@ -231,8 +231,8 @@ def test_link_probe_exchanges_and_table():
 
 
 def test_link_probe_job_times_every_exchange_on_this_processs_devices():
-  # One process's 8 emulated devices: the job runs whole and its last device's process (this
-  # one) reports a positive time for each exchange.
+  # One process's 8 emulated devices: the job runs whole and reports a positive time for
+  # each exchange.
   result = link_probe.exchange_job(0.01, repeats=1)
   assert set(result["seconds"]) == set(link_probe.EXCHANGES)
   assert all(s > 0 for s in result["seconds"].values())

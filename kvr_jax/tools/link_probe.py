@@ -40,9 +40,9 @@ def exchange_perms(num_ranks: int) -> dict[str, list[tuple[int, int]]]:
   }
 
 
-def exchange_job(megabytes: float, repeats: int) -> dict | None:
-  """One process's part: the best seconds of each exchange (`EXCHANGES`); the last process
-  reports them (None elsewhere)."""
+def exchange_job(megabytes: float, repeats: int) -> dict:
+  """One process's part: the best seconds of each exchange (`EXCHANGES`) as this process saw
+  them (every process reports; an exchange took the slowest of its processes' times)."""
   mesh = make_mesh()
   p = mesh.devices.size
   if p < 2:
@@ -67,15 +67,15 @@ def exchange_job(megabytes: float, repeats: int) -> dict | None:
       fn(x).block_until_ready()
       times.append(time.perf_counter() - start)
     seconds[name] = min(times)
-  last = jax.devices()[-1]
-  return {"seconds": seconds} if last.process_index == jax.process_index() else None
+  return {"seconds": seconds}
 
 
 def run_over_links(
   worker: str, worker_flags: list[str], num_processes: int, link_rates, duplexes
 ) -> list[dict]:
   """The probe over `num_processes` processes (not pinned: it measures the link) at each of
-  `link_rates` under each of `duplexes` (`runtime.links`): rows {link, seconds}."""
+  `link_rates` under each of `duplexes` (`runtime.links`): rows {link, seconds}, each
+  exchange's seconds the slowest process's."""
   for duplex in duplexes:
     links.check_links(link_rates, duplex, num_processes)
   rows = []
@@ -86,7 +86,9 @@ def run_over_links(
       outcomes = distributed.launch_local(
         worker, worker_flags, num_processes, timeout=600, network=network
       )
-    rows += [dict(r, link=label) for o in outcomes for r in o.results()]
+    seen = [r["seconds"] for o in outcomes for r in o.results()]
+    slowest = {name: max(s[name] for s in seen) for name in EXCHANGES}
+    rows.append({"link": label, "seconds": slowest})
   return rows
 
 
