@@ -21,7 +21,7 @@ import pytest
 import kvr_jax
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.planning import costmodel, presets
-from kvr_jax.runtime.loading import preset_config
+from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.strategies import probe, runahead
 from kvr_jax.tools import timeline
 from tests.subprocess_env import launcher_env
@@ -153,3 +153,50 @@ def test_two_process_timeline_span_matches_ttft(tmp_path):
     assert {i[0] for i in d["modelled"]} == {0, 1}
   assert dump[0]["runs"][0]["partition"] == [300, 212]
   assert "MEASURED timelines" in proc.stdout
+
+
+HYBRID_LINEAR_ORDER = {"kvr": ["linear", "hop", "rest"]}  # the peers: their all-gather of maps
+
+
+@pytest.mark.parametrize("strategy,partition", [("kvr", [40, 24]), ("allgather", None)])
+def test_hybrid_probes_change_nothing_and_come_in_order(strategy, partition):
+  """A hybrid's own program (bench-qwen3.5-8: a full layer mid-model and one last) marks its
+  linear layers ("linear", then KV-Runahead's "hop" or the peers' "allgather", then "rest")
+  and its full layers as the strategy's body does, in program order per rank, and the
+  probes change no logit beyond the strategies' 1e-5."""
+  model = kvr_jax.Model(build_model(preset_config("bench-qwen3.5-8")))
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 64)
+  mesh = kvr_jax.make_mesh(2)
+  kwargs = {"partition": partition} if partition else {}
+  plain = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, cache="sharded", **kwargs)
+  probe.EVENTS.clear()
+  plan = plan_prefill(
+    model, tokens, strategy=strategy, mesh=mesh, cache="sharded", timeline=True, **kwargs
+  )
+  probed = run_prefill(model, plan, tokens)
+  jax.effects_barrier()
+  assert_close(probed.logits, plain.logits, "probed logits")
+  items = timeline.intervals(
+    [{"start_ns": min(e[3] for e in probe.EVENTS), "events": probe.EVENTS}]
+  )
+  kinds = [
+    "full" if "Attention" in type(k).__name__ else "linear" for k in model.config.layer_kinds
+  ]
+  last = len(kinds) - 1
+  for rank in range(2):
+    mine = [i for i in items if i[0] == rank]
+    assert [start for *_, start, _ in mine] == sorted(start for *_, start, _ in mine)
+    labels = [(layer, phase.rstrip("0123456789")) for _, layer, phase, _, _ in mine]
+    assert labels[0] == (-1, "embed") and labels[-1] == (-1, "logits"), labels
+    for layer, kind in enumerate(kinds):
+      phases = [p for ly, p in labels if ly == layer]
+      phases = [k for n, k in enumerate(phases) if n == 0 or phases[n - 1] != k]
+      if kind == "linear":
+        want = HYBRID_LINEAR_ORDER.get(strategy, ["linear", "allgather", "rest"])
+      elif layer < last:
+        want = LAYER_ORDER[strategy]
+      elif strategy == "kvr":  # the last layer: the last rank attends one row
+        want = ["qkv", "diagonal", "hop"] + (["rest"] if rank == 1 else [])
+      else:
+        want = ["qkv", "gather", "rest"]
+      assert phases == want, (rank, layer, kind, phases)

@@ -88,6 +88,7 @@ def prefill_hybrid(
   strategy: str = "kvr",
   join: bool = True,
   cache: str = "last",
+  timeline: bool = False,
 ) -> HybridPrefill:
   """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
@@ -97,7 +98,8 @@ def prefill_hybrid(
   logits and the cache (the peers' parts sent there rank by rank, every process sending).
   cache="sharded": nothing moves; each rank keeps its full layers' K,V part (`parts`, laid
   out as `layout` says) and every rank gets the prompt's final linear states and halos
-  (`linear`, one psum of their fixed size), for `hybrid_sharded_step`."""
+  (`linear`, one psum of their fixed size), for `hybrid_sharded_step`. timeline: the program
+  marks its phases (kvr_jax.tools.timeline reads them)."""
   _check_model_and_strategy(model, strategy)
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
@@ -115,7 +117,9 @@ def prefill_hybrid(
   kernel = spec.check_attention(attention)
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
-  program = compile_hybrid(strategy, model.graphdef, mesh, chunks, kernel, cache == "last")
+  program = compile_hybrid(
+    strategy, model.graphdef, mesh, chunks, kernel, cache == "last", timeline
+  )
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)

@@ -68,9 +68,11 @@ class OwnFamily:
   one_rank_parts: Callable
 
 
-def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache, room) -> dict:
+def _run_hybrid(
+  model, tokens_BT, mesh, partition, strategy, attention, cache, room, timeline=False
+) -> dict:
   ran = hybrid.prefill_hybrid(
-    model, tokens_BT, mesh, partition, attention, room, strategy, cache=cache
+    model, tokens_BT, mesh, partition, attention, room, strategy, cache=cache, timeline=timeline
   )
   return dict(
     logits=ran.logits_BV,
@@ -82,7 +84,10 @@ def _run_hybrid(model, tokens_BT, mesh, partition, strategy, attention, cache, r
   )
 
 
-def _run_latent(model, tokens_BT, mesh, partition, strategy, attention, cache, room):
+def _run_latent(
+  model, tokens_BT, mesh, partition, strategy, attention, cache, room, timeline=False
+):
+  del timeline  # refused by check_own_plan
   ran = latent.prefill_latent(
     model, tokens_BT, mesh, partition, room, strategy, attention, cache=cache
   )
@@ -118,7 +123,8 @@ def _grown_latent(cache_LBSC, capacity: int):
 
 def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
   """What a plan for `family` runs so far, refused by name before anything compiles: its
-  strategies and cache layouts, rows of one length, no timeline probes."""
+  strategies and cache layouts, rows of one length, timeline probes on a hybrid's programs
+  alone (on one device, "single", none)."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
   if spec.name not in family.strategies:
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
@@ -130,8 +136,11 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
       f"{padded} tokens (a bucket, or the longest row of a ragged batch): pass buckets=None "
       "(launch.run: --buckets=none) with rows of one length"
     )
-  if timeline:
-    raise ValueError(f"{what} has no timeline probes")
+  if timeline and (family.name != "hybrid" or spec.max_ranks == 1):
+    raise ValueError(
+      f"{what} has no timeline probes under {spec.name!r}"
+      + (" (the hybrids' context-parallel programs have)" if family.name == "hybrid" else "")
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -244,7 +253,9 @@ def run_own_prefill(
       return ModelCache(logits_BV, **fields, **family.one_rank_parts(cache, plan.prompt_len, mesh))
     return ModelCache(logits_BV, **fields, model_cache=cache)
   partition = plan.chunks if spec.partitioned else None
-  ran = family.run(model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache, room)
+  ran = family.run(
+    model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache, room, plan.timeline
+  )
   return ModelCache(**ran, **fields)
 
 

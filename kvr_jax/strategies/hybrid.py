@@ -49,6 +49,7 @@ from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.allgather import allgather_body
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd
+from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.ring import ring_body
 from kvr_jax.strategies.runahead import kvr_body
 from kvr_jax.strategies.runahead.rank_layer import pad_rows
@@ -122,7 +123,9 @@ def _at_own_length(rank, chunks: tuple[int, ...], phase):
   )
 
 
-def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_reduce):
+def chain_linear_layer(
+  block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_reduce, probe=lambda label, v: v
+):
   """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
   (x [B, c_max, D], the state it leaves [B, h, k, v], the last w real rows of its input).
   Each rank's phases run at its own length (`_at_own_length`). Rank 0 enters with zeros and
@@ -133,7 +136,8 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_re
   recurrently from them, and the rest's map is applied to the state the head leaves. One
   message per hop, on the chain: no rank waits at a layer's start for its successor.
   reduce: a model group's sum (each shard holds some key heads, their state and channels:
-  what its hops carry)."""
+  what its hops carry). probe(label, value) -> value: the timeline's mark at "linear" (the
+  chunk's maps made), "hop" (what the chain brought) and "rest" (the layer's output)."""
   p, w = len(chunks), block.conv_q.shape[0] - 1
 
   def inputs(i, c, x_BcD):
@@ -166,8 +170,8 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_re
       jnp.concatenate([jnp.zeros_like(q_eff_Brhk[:, :w]), q_eff_Brhk], axis=1),
     ), (A_Bhkk, B_Bhkv)
 
-  (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = _at_own_length(rank, chunks, span_maps)(
-    mixed_BcC, g_Bch, beta_Bch
+  (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = probe(
+    "linear", _at_own_length(rank, chunks, span_maps)(mixed_BcC, g_Bch, beta_Bch)
   )
 
   def head(entering_Bhkv, halo_BwC):
@@ -181,7 +185,7 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_re
     return jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
 
   zeros = (jnp.zeros_like(B_Bhkv), jnp.zeros_like(own_halo))
-  entering_Bhkv, halo_BwC = state_chain(leave, zeros, own_halo, rank, p)
+  entering_Bhkv, halo_BwC = probe("hop", state_chain(leave, zeros, own_halo, rank, p))
   o_head_Bwhv, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
   leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
 
@@ -195,13 +199,23 @@ def chain_linear_layer(block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_re
   x_BcD, _ = _at_own_length(rank, chunks, finish)(
     x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv
   )
-  return x_BcD, leaving_Bhkv, own_halo  # rank 0's A is zero: it leaves B
+  return probe("rest", x_BcD), leaving_Bhkv, own_halo  # rank 0's A is zero: it leaves B
 
 
-def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, reduce=no_reduce):
+def zigzag_linear_layer(
+  block,
+  x_B2cD,
+  rank,
+  context_len: int,
+  num_ranks: int,
+  reduce=no_reduce,
+  probe=lambda label, v: v,
+):
   """A peer's linear layer on rank `rank`'s two zigzag chunks r and 2p-1-r (module
   docstring): (x [B, 2c, D], the prompt's final state [B, h, k, v] (the same on every rank),
-  the last w real inputs of the prompt's last chunk [B, w, C] (rank 0 holds it))."""
+  the last w real inputs of the prompt's last chunk [B, w, C] (rank 0 holds it)).
+  probe(label, value) -> value: the timeline's mark at "linear" (the spans' maps made),
+  "allgather" (every chunk's map here) and "rest" (the layer's output)."""
   p, c = num_ranks, zigzag.chunk_len(context_len, num_ranks)
   mixed, z_B2chv, g, beta = block.inputs(x_B2cD)
   w = block.conv_q.shape[0] - 1
@@ -220,12 +234,14 @@ def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, r
       halves, (first_halo, second_halo), reals, chunk_ids, strict=True
     )
   ]
+  spans = probe("linear", spans)
   A_2Bhkk = jnp.stack([m[2] for m, _ in spans])
   B_2Bhkv = jnp.stack([m[3] for m, _ in spans])
   # Every chunk's map on every rank: [p, 2, ...] -> chunk order (rank r's halves are r and
   # 2p-1-r), then the states entering each chunk by composing them in order.
-  A_all = jax.lax.all_gather(A_2Bhkk, AXIS)
-  B_all = jax.lax.all_gather(B_2Bhkv, AXIS)
+  A_all, B_all = probe(
+    "allgather", (jax.lax.all_gather(A_2Bhkk, AXIS), jax.lax.all_gather(B_2Bhkv, AXIS))
+  )
   order = [(j, 0) if j < p else (2 * p - 1 - j, 1) for j in range(2 * p)]
   entering = [jnp.zeros_like(B_2Bhkv[0])]
   for r, half in order:
@@ -236,12 +252,18 @@ def zigzag_linear_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, r
     o_Bchv, _ = gdn.apply_entry_state(*maps, entering_j[chunk])
     outs.append(o_Bchv)
   x_B2cD = block.output(x_B2cD, jnp.concatenate(outs, axis=1), z_B2chv, reduce)
-  return x_B2cD, entering_j[-1], spans[1][1]
+  return probe("rest", x_B2cD), entering_j[-1], spans[1][1]
 
 
 @kept_cache(16)
 def compile_hybrid(
-  strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel, keep_last_hop: bool = True
+  strategy: str,
+  graphdef,
+  mesh,
+  chunks: tuple[int, ...],
+  kernel,
+  keep_last_hop: bool = True,
+  timeline: bool = False,
 ):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
@@ -253,11 +275,13 @@ def compile_hybrid(
   "model" (`output_specs`: shard j's K,V heads, value heads' states and its q, k, v heads'
   convolution channels, so a halo's channels are in shard order). keep_last_hop=False:
   KV-Runahead's full layers emit its ranks' own parts alone (cache="sharded": the last hop,
-  a prefix-long output on the last rank, is not kept)."""
+  a prefix-long output on the last rank, is not kept). timeline: the program marks its
+  phases (strategies.probe; the full layers as the strategy's body marks them, the linear
+  layers at "linear", "hop" or "allgather", and "rest"; one-dimensional meshes)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
   body_of, keeps = _BODIES[strategy]
-  make_body = body_of(graphdef, chunks, kernel, False, keeps and keep_last_hop)
+  make_body = body_of(graphdef, chunks, kernel, timeline, keeps and keep_last_hop)
   p, context_len = len(chunks), sum(chunks)
   P = jax.P
   m = model_parallel(mesh)
@@ -272,10 +296,15 @@ def compile_hybrid(
     full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
     body = make_body(full_model, rank, tokens_1BT[0], reduce)
 
-    def linear_layer(block, x):
+    linear_index_L = jnp.asarray(model.config.layers_of(LINEAR), jnp.int32)
+
+    def linear_layer(block, x, i=0):
+      def probe(label, value):  # the model's index of linear layer i
+        return mark(timeline, label, linear_index_L[i], value)
+
       if strategy == "kvr":
-        return chain_linear_layer(block, x, rank, chunks, reduce)
-      return zigzag_linear_layer(block, x, rank, context_len, p, reduce)
+        return chain_linear_layer(block, x, rank, chunks, reduce, probe)
+      return zigzag_linear_layer(block, x, rank, context_len, p, reduce, probe)
 
     # Each full row's index in the model: the rank layer knows the model's last layer by it
     # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
@@ -285,8 +314,8 @@ def compile_hybrid(
       block.config = full_config
       return body.layer(block, x, carry, full_index_F[i])
 
-    x = model.embed(body.tokens_BT)
-    out = _empty_outputs(model, body, full_layer, linear_layer, x)
+    x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
+    out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
 
     def on_full(block, i, carry):
       x, layer_carry, out = carry
@@ -296,13 +325,13 @@ def compile_hybrid(
 
     def on_linear(block, i, carry):
       x, layer_carry, out = carry
-      x, leaving, halo = linear_layer(block, x)
+      x, leaving, halo = linear_layer(block, x, i)
       out = dict(out, state=out["state"].at[i].set(leaving), halo=out["halo"].at[i].set(halo))
       return x, layer_carry, out
 
     x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
     logits_BV = model.logits(body.last_row(x)[:, None])[:, 0]
-    logits_BV = logits_to_last_rank(logits_BV, body.owner, p)
+    logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, body.owner, p))
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
   return own_spmd(program, mesh, (P(AXIS), output_specs(mesh)))

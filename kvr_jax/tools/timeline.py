@@ -57,7 +57,8 @@ def probe_run(
     start = probe.now_ns()
     plan = plan_prefill(model, tokens, cache="sharded", timeline=True, **kwargs)
     result = run_prefill(model, plan, tokens)
-    jax.block_until_ready((result.logits, result.kv_parts))
+    # A strategy's parts (kv_parts) or a model's own (parts: a hybrid's K,V parts).
+    jax.block_until_ready((result.logits, getattr(result, "kv_parts", None) or result.parts))
     return probe.now_ns() - start, start, list(probe.EVENTS)
 
   probed()  # compile
