@@ -58,7 +58,8 @@ def probe_run(
     plan = plan_prefill(model, tokens, cache="sharded", timeline=True, **kwargs)
     result = run_prefill(model, plan, tokens)
     # A strategy's parts (kv_parts) or a model's own (parts: a hybrid's K,V parts).
-    jax.block_until_ready((result.logits, getattr(result, "kv_parts", None) or result.parts))
+    parts = result.kv_parts if hasattr(result, "kv_parts") else result.parts
+    jax.block_until_ready((result.logits, parts))
     return probe.now_ns() - start, start, list(probe.EVENTS)
 
   probed()  # compile
