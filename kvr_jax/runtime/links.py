@@ -7,11 +7,14 @@
          NICs meet at a switch. `launch_local(network=...)` starts process i inside its
          namespace (`ip netns exec`), the coordinator at process 0's address.
   half   `throttled_loopback("500mbit")`: one token bucket on `lo`, which every packet of
-         every process crosses: a link shared by both directions, so that a two-way exchange
-         (ring's passes on two ranks, an all-gather) takes twice as long as a one-way send of
-         the same bytes per direction (measured: 16 MB each way 0.535 s, one way 0.266 s at
-         500 Mbit/s), which favours KV-Runahead's one-way chain over the peers. What the
-         benchmarks measured before "full" existed.
+         every process crosses: one link shared by every direction of every pair (a
+         4-process ring step of 16 MB per rank at 500 Mbit/s: 0.988 s, against 0.256 s on
+         "full"; `launch.benchmark --mode=links`). What the benchmarks measured before
+         "full" existed.
+
+On either kind gloo takes a pair's two directions in turn (16 MB each way: 0.505-0.513 s
+against 0.256 s one way), which favours KV-Runahead's one-way hops over the peers' two-way
+exchanges on two processes (docs/measurements.md, "Links").
 
 Both need root, `tc` (and `ip` for "full"), refuse what they could not put back (a loopback
 that already carries a queueing discipline, namespaces or a bridge of their names), and
@@ -182,6 +185,7 @@ def full_duplex_links(rate: str, num_processes: int):
   and receive at up to `rate` each, both directions at once (module docstring)."""
   bits = rate_bits(rate)
   check_can_link(num_processes)
+  network = ProcessNetwork(num_processes)
   made: list[tuple[str, ...]] = []  # how to remove each thing made, in reverse order
 
   def run(tool, *args):
@@ -198,17 +202,16 @@ def full_duplex_links(rate: str, num_processes: int):
         ns, inside, outside = _namespace(i), _process_end(i), _bridge_end(i)
         run(_ip, "netns", "add", ns)
         made.append(("netns", "del", ns))  # takes its veth end, and so the pair, with it
-        _write_hosts(ns, ProcessNetwork(num_processes).address(i))
+        _write_hosts(ns, network.address(i))
         run(_ip, "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", ns)
         run(_ip, "link", "set", outside, "mtu", "65535", "master", _BRIDGE, "up")
         run(_ip, "-n", ns, "link", "set", inside, "mtu", "65535", "up")
         run(_ip, "-n", ns, "link", "set", "lo", "up")
-        run(_ip, "-n", ns, "addr", "add", f"{ProcessNetwork(num_processes).address(i)}/24",
-            "dev", inside)  # fmt: skip
+        run(_ip, "-n", ns, "addr", "add", f"{network.address(i)}/24", "dev", inside)
         run(_tc, "-n", ns, *_tbf("dev", inside, rate=rate, bits=bits))  # what it sends
         run(_tc, *_tbf("dev", outside, rate=rate, bits=bits))  # what it receives
       run(_ip, "link", "set", _BRIDGE, "up")
-      yield ProcessNetwork(num_processes)
+      yield network
   finally:
     failures = []
     for undo in reversed(made):
@@ -271,3 +274,12 @@ def link_runs(link_rates, duplexes) -> list[tuple[str, str]]:
 def link_label(rate: str, duplex: str) -> str:
   """A run's link in the tables: "unthrottled", "500mbit/full", "500mbit/half"."""
   return rate if rate == UNTHROTTLED else f"{rate}/{duplex}"
+
+
+def checked_runs(link_rates, duplexes, num_processes: int) -> list[tuple[str, str, str]]:
+  """A benchmark's runs, (rate, duplex, label), every rate and kind checked and the tools
+  tried first (`check_links`): what the benchmarks loop over, each run under `throttled`."""
+  for duplex in duplexes:
+    check_links(link_rates, duplex, num_processes)
+  runs = link_runs(link_rates, duplexes)
+  return [(rate, duplex, link_label(rate, duplex)) for rate, duplex in runs]

@@ -160,8 +160,7 @@ def run_over_links(
   both ways; "half", one bucket on the loopback for both directions; made for each run and
   removed after; every rate and kind checked, and the tools tried, before anything runs).
   Rows of every run, each with its `link` ("-" for single, else `links.link_label`)."""
-  for duplex in duplexes:
-    links.check_links(link_rates, duplex, num_processes)
+  runs = links.checked_runs(link_rates, duplexes, num_processes)
 
   def run(processes: int, link: str, network=None) -> list[dict]:
     outcomes = distributed.launch_local(
@@ -170,8 +169,7 @@ def run_over_links(
     return [dict(row, link=link) for o in outcomes for r in o.results() for row in r["rows"]]
 
   rows = run(1, "-")
-  for rate, duplex in links.link_runs(link_rates, duplexes):
-    label = links.link_label(rate, duplex)
+  for rate, duplex, label in runs:
     print(f"{num_processes} processes, one core each, link {label} ...", flush=True)
     with links.throttled(rate, duplex, num_processes) as network:
       rows += run(num_processes, label, network)

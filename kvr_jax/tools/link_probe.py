@@ -18,12 +18,10 @@ are two-way, so what the link does with a two-way exchange decides their slow-li
 
 from __future__ import annotations
 
-import time
-
 import jax
 import numpy as np
 
-from kvr_jax.planning.presets import global_array
+from kvr_jax.planning.presets import best_time, global_array
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.mesh import AXIS, make_mesh
 from kvr_jax.tools.report import Table
@@ -60,13 +58,7 @@ def exchange_job(megabytes: float, repeats: int) -> dict:
         out_specs=jax.P(AXIS),
       )
     )
-    fn(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      fn(x).block_until_ready()
-      times.append(time.perf_counter() - start)
-    seconds[name] = min(times)
+    seconds[name] = best_time(fn, x, repeats=repeats)
   return {"seconds": seconds}
 
 
@@ -76,11 +68,9 @@ def run_over_links(
   """The probe over `num_processes` processes (not pinned: it measures the link) at each of
   `link_rates` under each of `duplexes` (`runtime.links`): rows {link, seconds}, each
   exchange's seconds the slowest process's."""
-  for duplex in duplexes:
-    links.check_links(link_rates, duplex, num_processes)
+  runs = links.checked_runs(link_rates, duplexes, num_processes)
   rows = []
-  for rate, duplex in links.link_runs(link_rates, duplexes):
-    label = links.link_label(rate, duplex)
+  for rate, duplex, label in runs:
     print(f"{num_processes} processes, link {label} ...", flush=True)
     with links.throttled(rate, duplex, num_processes) as network:
       outcomes = distributed.launch_local(

@@ -167,8 +167,7 @@ def run_over_links(
   anything runs. worker: the module the processes run (`launch.benchmark`), with
   `worker_flags`. Returns `process_rows` of every run (link: `links.link_label`), for
   `multiprocess_table`."""
-  for duplex in duplexes:
-    links.check_links(link_rates, duplex, num_processes)
+  runs = links.checked_runs(link_rates, duplexes, num_processes)
   print("one process, one core (single-threaded XLA): single ...", flush=True)
   single = distributed.launch_local(
     worker,
@@ -178,8 +177,7 @@ def run_over_links(
     timeout=timeout,
   )
   rows = process_rows(single, "-")
-  for rate, duplex in links.link_runs(link_rates, duplexes):
-    label = links.link_label(rate, duplex)
+  for rate, duplex, label in runs:
     print(
       f"{num_processes} processes, one core each, link {label}: {','.join(variants)} ...",
       flush=True,
