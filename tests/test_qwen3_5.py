@@ -391,3 +391,39 @@ def test_qwen35_27b_preset_is_the_published_model():
     hf_model = transformers.Qwen3_5ForCausalLM(hf)
   assert cfg.layer_types == tuple(hf.layer_types)
   assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters()) == 26_895_998_464
+
+
+@pytest.mark.parametrize(
+  "case, partition, full_partition",
+  [
+    ("qwen3_5-types", [30, 40], [52, 18]),  # the first layer full: the tokens move before it
+    ("qwen3_5-types", [12, 30, 3, 25], [40, 20, 6, 4]),  # pieces that cross two ranks
+    ("qwen3_5-default", [20, 20, 30], [40, 20, 10]),  # the last layer full: no move after it
+  ],
+)
+def test_kvr_with_a_split_per_layer_kind_equals_one_device(
+  checkpoints, tokens, case, partition, full_partition
+):
+  """KV-Runahead's full layers on their own split, the linear layers on theirs (the hidden
+  states moved between the two at every full layer): the last rank's logits and whole
+  cache, and cache="sharded"'s parts laid out by the full layers' split, as one device."""
+  from kvr_jax.inference.hybrid import prefill_hybrid
+
+  ours = checkpoints[case][2]
+  module = ours.module
+  x_BTD, want = jax.jit(lambda m, t: m.forward(t, capacity=T + 4))(module, tokens)
+  want_logits = module.logits(x_BTD)[:, -1]
+  mesh = kvr_jax.make_mesh(len(partition))
+  got = prefill_hybrid(ours, tokens, mesh, partition, "dense", 4, full_partition=full_partition)
+  assert_close(got.logits_BV, want_logits, "last logits")
+  assert_close(got.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(got.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(got.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  assert got.chunks == tuple(partition) and got.full_chunks == tuple(full_partition)
+  sharded = prefill_hybrid(
+    ours, tokens, mesh, partition, "dense", 4, cache="sharded", full_partition=full_partition
+  )
+  assert_close(sharded.logits_BV, want_logits, "last logits, cache='sharded'")
+  assert sharded.layout == kvr_jax.strategies.get_strategy("kvr").cache_layout(
+    T, tuple(full_partition)
+  )

@@ -51,7 +51,7 @@ from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
 from models.base import no_reduce
 from models.kernels import get_kernel
 from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
-from models.qwen3_5 import HybridCache, LinearState, scan_layers
+from models.qwen3_5 import FULL, HybridCache, LinearState, scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,9 @@ class HybridPrefill:
   layout: CacheLayout | None = None
   linear: LinearState | None = None
   replicated_logits: jax.Array | None = None
+  # KV-Runahead with a split per layer kind: the full layers' (the cache's K,V parts lie as
+  # it cut them); None where every layer took `chunks`.
+  full_chunks: tuple[int, ...] | None = None
 
 
 def prefill_hybrid(
@@ -89,6 +92,7 @@ def prefill_hybrid(
   join: bool = True,
   cache: str = "last",
   timeline: bool = False,
+  full_partition=None,
 ) -> HybridPrefill:
   """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
@@ -99,7 +103,12 @@ def prefill_hybrid(
   cache="sharded": nothing moves; each rank keeps its full layers' K,V part (`parts`, laid
   out as `layout` says) and every rank gets the prompt's final linear states and halos
   (`linear`, one psum of their fixed size), for `hybrid_sharded_step`. timeline: the program
-  marks its phases (kvr_jax.tools.timeline reads them)."""
+  marks its phases (kvr_jax.tools.timeline reads them). full_partition (KV-Runahead): the
+  full layers' own split, `partition` the linear layers' (and the tokens'); the hidden
+  states move between them at each full layer (strategies.hybrid.KindSplit). Why: a full
+  layer's causal attention wants the earlier ranks' chunks longer, a linear layer's work is
+  even per token; one split balances neither. `chunks` stays the tokens' split, the cache's
+  K,V parts lie as `full_partition` cut them."""
   _check_model_and_strategy(model, strategy)
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
@@ -113,13 +122,15 @@ def prefill_hybrid(
     tensor_parallel.check_model_parallel(model.config, m)
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
+  full_chunks = _check_full_partition(model, spec, full_partition, T, p)
   check_new_tokens(max_new_tokens, 0)
   kernel = spec.check_attention(attention)
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
   program = compile_hybrid(
-    strategy, model.graphdef, mesh, chunks, kernel, cache == "last", timeline
+    strategy, model.graphdef, mesh, chunks, kernel, cache == "last", timeline, full_chunks
   )
+  split_full, full_chunks = full_chunks, chunks if full_chunks is None else full_chunks
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
@@ -139,14 +150,14 @@ def prefill_hybrid(
     replicated = None
     if spans_processes(mesh):  # every process decodes: the last rank's logits everywhere
       replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
-    layout = spec.cache_layout(T, chunks)
+    layout = spec.cache_layout(T, full_chunks)
     return HybridPrefill(
-      logits_BV, None, chunks, capacity, False, parts, layout, linear, replicated
+      logits_BV, None, chunks, capacity, False, parts, layout, linear, replicated, split_full
     )
   if not join or (logits_BV is None and strategy == "kvr"):
-    return HybridPrefill(logits_BV, None, chunks, capacity, False)
+    return HybridPrefill(logits_BV, None, chunks, capacity, False, full_chunks=split_full)
   if strategy == "kvr":  # the last rank holds everything: no move
-    join_parts = functools.partial(_kvr_cache, chunks=chunks, capacity=capacity)
+    join_parts = functools.partial(_kvr_cache, chunks=full_chunks, capacity=capacity)
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
   else:  # the parts move to the last rank (every process sends); the last chunk's halo is rank 0's
     join_parts = functools.partial(_zigzag_cache, T=T, p=p, capacity=capacity)
@@ -154,7 +165,8 @@ def prefill_hybrid(
     if logits_BV is None:  # another process's rank is last: it received the parts
       return HybridPrefill(None, None, chunks, capacity, True)
   cache = jax.jit(join_parts)(mine)  # on a 2-D mesh each device joins its own heads' parts
-  return HybridPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
+  moved = strategy != "kvr"
+  return HybridPrefill(logits_BV, cache, chunks, capacity, moved, full_chunks=split_full)
 
 
 def _check_model_and_strategy(model, strategy: str) -> None:
@@ -207,6 +219,20 @@ def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, .
       f"passes on); {spec.name} on {p} ranks gives one of {shortest} for {T} tokens"
     )
   return chunks
+
+
+def _check_full_partition(model: Model, spec, full_partition, T: int, p: int):
+  """The full layers' own split (KV-Runahead's), or None where every layer takes
+  `partition`."""
+  if full_partition is None:
+    return None
+  if spec.name != "kvr":
+    raise ValueError(
+      f"full_partition is KV-Runahead's split of its full layers; {spec.name} lays out its own"
+    )
+  if not model.config.layers_of(FULL):
+    raise ValueError("full_partition splits the full-attention layers; this model has none")
+  return check_chunks(full_partition, T, p)
 
 
 def _kvr_cache(out: dict, chunks: tuple[int, ...], capacity: int) -> HybridCache:

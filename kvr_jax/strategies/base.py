@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
+from kvr_jax.core.chunks import chunk_starts
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec
 from kvr_jax.runtime.mesh import AXIS, model_parallel
@@ -275,6 +276,48 @@ def gather_to_owner(own, owner: int, num_ranks: int, axis: int):
     own if r == owner else jax.lax.ppermute(own, AXIS, perm=[(r, owner)]) for r in range(num_ranks)
   ]
   return jnp.concatenate(pieces, axis=axis)
+
+
+def reshard_rows(x_BcD, from_chunks: tuple[int, ...], to_chunks: tuple[int, ...], rank):
+  """Rows laid out in contiguous chunks, rank i holding `from_chunks[i]` rows (padded to the
+  longest), laid out again by `to_chunks` (padded to its longest; zeros past a rank's
+  length): KV-Runahead's hidden states between layer kinds that want different splits
+  (strategies.hybrid). Both splits are static, so every piece a rank sends is a static
+  slice: one collective-permute with one pair per (sender, receiver) whose spans overlap,
+  which for neighbouring splits is each rank's edge rows to its neighbour alone. A rank's
+  own overlap stays, read at its own offset (a gather of its rows, no message)."""
+  if from_chunks == to_chunks:
+    return x_BcD
+  from_starts, to_starts = chunk_starts(from_chunks), chunk_starts(to_chunks)
+  c_to = max(to_chunks)
+  # The own overlap: row j of the new chunk is row j + shift of the old one where it lies
+  # in both this rank's old and new spans.
+  shift_p = jnp.asarray([t - f for t, f in zip(to_starts, from_starts, strict=True)], jnp.int32)
+  lo_p = jnp.asarray(
+    [max(f, t) - t for f, t in zip(from_starts, to_starts, strict=True)], jnp.int32
+  )
+  hi_p = jnp.asarray(
+    [
+      min(f + fc, t + tc) - t
+      for f, fc, t, tc in zip(from_starts, from_chunks, to_starts, to_chunks, strict=True)
+    ],
+    jnp.int32,
+  )
+  rows_c = jnp.arange(c_to)
+  own_c = (rows_c >= lo_p[rank]) & (rows_c < hi_p[rank])
+  source_c = jnp.clip(rows_c + shift_p[rank], 0, x_BcD.shape[1] - 1)
+  out_BcD = jnp.where(own_c[None, :, None], jnp.take(x_BcD, source_c, axis=1), 0).astype(
+    x_BcD.dtype
+  )
+  for s, (fs, fc) in enumerate(zip(from_starts, from_chunks, strict=True)):
+    for d, (ts, tc) in enumerate(zip(to_starts, to_chunks, strict=True)):
+      lo, hi = max(fs, ts), min(fs + fc, ts + tc)
+      if s == d or hi <= lo:
+        continue
+      piece = jax.lax.ppermute(x_BcD[:, lo - fs : hi - fs], AXIS, perm=[(s, d)])
+      here = out_BcD[:, lo - ts : hi - ts]
+      out_BcD = out_BcD.at[:, lo - ts : hi - ts].set(jnp.where(rank == d, piece, here))
+  return out_BcD
 
 
 def owner_last_row(block, x_BTD, queries, prompt_MBSKH, rank, last_position, reduce):

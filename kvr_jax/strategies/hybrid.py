@@ -35,6 +35,7 @@ their parts moved and reordered).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -48,7 +49,7 @@ from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.allgather import allgather_body
-from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd
+from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd, reshard_rows
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.ring import ring_body
 from kvr_jax.strategies.runahead import kvr_body
@@ -264,6 +265,7 @@ def compile_hybrid(
   kernel,
   keep_last_hop: bool = True,
   timeline: bool = False,
+  full_chunks: tuple[int, ...] | None = None,
 ):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
@@ -277,11 +279,16 @@ def compile_hybrid(
   KV-Runahead's full layers emit its ranks' own parts alone (cache="sharded": the last hop,
   a prefix-long output on the last rank, is not kept). timeline: the program marks its
   phases (strategies.probe; the full layers as the strategy's body marks them, the linear
-  layers at "linear", "hop" or "allgather", and "rest"; one-dimensional meshes)."""
+  layers at "linear", "hop" or "allgather", and "rest"; one-dimensional meshes).
+  full_chunks (KV-Runahead): the full layers' own split, `chunks` the linear layers' (and
+  the tokens'): the hidden states move between the two at each full layer (`KindSplit`)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
+  if full_chunks is not None and strategy != "kvr":
+    raise ValueError(f"a split per layer kind is KV-Runahead's; {strategy} lays out its own")
+  full_chunks = chunks if full_chunks is None else full_chunks
   body_of, keeps = _BODIES[strategy]
-  make_body = body_of(graphdef, chunks, kernel, timeline, keeps and keep_last_hop)
+  make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps and keep_last_hop)
   p, context_len = len(chunks), sum(chunks)
   P = jax.P
   m = model_parallel(mesh)
@@ -309,10 +316,14 @@ def compile_hybrid(
     # Each full row's index in the model: the rank layer knows the model's last layer by it
     # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
     full_index_F = jnp.asarray(model.config.layers_of(FULL), jnp.int32)
+    split_full = KindSplit(chunks, full_chunks, rank, model.config.num_layers)
 
     def full_layer(block, x, carry, i):
       block.config = full_config
-      return body.layer(block, x, carry, full_index_F[i])
+      l = full_index_F[i]
+      x = mark(timeline and chunks != full_chunks, "move", l, split_full.enter(x))
+      x, carry, kv = body.layer(block, x, carry, l)
+      return split_full.leave(x, l), carry, kv
 
     x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
     out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
@@ -330,11 +341,47 @@ def compile_hybrid(
       return x, layer_carry, out
 
     x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
-    logits_BV = model.logits(body.last_row(x)[:, None])[:, 0]
+    last_row = body.last_row
+    if strategy == "kvr":  # x is in the linear layers' layout (`chunks`) after every layer
+      last_row = functools.partial(jnp.take, indices=jnp.asarray(chunks)[rank] - 1, axis=1)
+    logits_BV = model.logits(last_row(x)[:, None])[:, 0]
     logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, body.owner, p))
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
   return own_spmd(program, mesh, (P(AXIS), output_specs(mesh)))
+
+
+@dataclasses.dataclass(frozen=True)
+class KindSplit:
+  """KV-Runahead's hidden states between the linear layers' split (`linear`, the tokens'
+  layout, in which every layer leaves them) and the full layers' (`full`): a full layer
+  enters by moving them into its split and leaves by moving them back
+  (`strategies.base.reshard_rows`: each rank's edge rows to its neighbour). The model's last
+  layer moves nothing back: only the prompt's last row is read after it, and rank p-1 holds
+  it in both splits (moved locally to its row in `linear`). One split for both: no move."""
+
+  linear: tuple[int, ...]
+  full: tuple[int, ...]
+  rank: object
+  num_layers: int
+
+  def enter(self, x_BcD):
+    return reshard_rows(x_BcD, self.linear, self.full, self.rank)
+
+  def leave(self, x_BcD, l):
+    if self.linear == self.full:
+      return x_BcD
+    p = len(self.full)
+
+    def last_row_only(x_BcD):  # rank p-1's last row at its place in `linear`
+      row_BD = x_BcD[:, self.full[p - 1] - 1]
+      at = jnp.zeros((x_BcD.shape[0], max(self.linear), x_BcD.shape[2]), x_BcD.dtype)
+      return at.at[:, self.linear[p - 1] - 1].set(row_BD)
+
+    def back(x_BcD):
+      return reshard_rows(x_BcD, self.full, self.linear, self.rank)
+
+    return jax.lax.cond(l == self.num_layers - 1, last_row_only, back, x_BcD)
 
 
 def output_specs(mesh) -> dict:
