@@ -81,6 +81,20 @@ def chunk_starts(chunks: Sequence[int]) -> tuple[int, ...]:
   return (0,) + prefix_ends(chunks)[:-1]
 
 
+def moved_rows(from_chunks: Sequence[int], to_chunks: Sequence[int]) -> list[tuple[int, ...]]:
+  """What laying contiguous chunks out again moves: (sender, receiver, first row on the
+  sender, first row on the receiver, rows) for every pair of different ranks whose old and
+  new spans overlap; a rank's own overlap stays (not listed)."""
+  pieces = []
+  from_starts, to_starts = chunk_starts(from_chunks), chunk_starts(to_chunks)
+  for s, (fs, fc) in enumerate(zip(from_starts, from_chunks, strict=True)):
+    for d, (ts, tc) in enumerate(zip(to_starts, to_chunks, strict=True)):
+      lo, hi = max(fs, ts), min(fs + fc, ts + tc)
+      if s != d and hi > lo:
+        pieces.append((s, d, lo - fs, lo - ts, hi - lo))
+  return pieces
+
+
 def chunks_from_bounds(bounds: Sequence[int], context_len: int) -> tuple[int, ...]:
   """p-1 increasing boundaries -> p chunk lengths."""
   edges = (0, *bounds, context_len)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvr_jax.core.chunks import check_chunks, check_ranks
+from kvr_jax.core.chunks import check_chunks, check_ranks, moved_rows
 from kvr_jax.runtime.roofline import (
   Collective,
   Compute,
@@ -274,11 +274,15 @@ def _as_op(step) -> tuple:
 
 def _run_layer(ops, free, link_free, held_send, l, intervals, sites=None) -> list[float]:
   """One layer: every rank advanced as far as its messages and barriers let it, until all are
-  done (steps depend only forwards). sites: gets each max's arguments by (rank, step)."""
+  done (steps depend only forwards). sites: gets each max's arguments by (rank, step).
+  Messages on one link land in the order they were sent, and a rank's n-th receive from a
+  source takes the n-th message of that link (a KV-Runahead full layer on its own split
+  sends its hop and the hidden states' move over the same link)."""
   p = len(ops)
   now, at = list(free), [0] * p  # each rank's clock and its next step
-  # When each message lands (by link), when each rank reached its receive and its barrier.
-  arrival, reached_receive, at_barrier = {}, {}, {}
+  # By link (sender, receiver): when each message landed, how many the receiver took, when
+  # it reached each of its receives there; when each rank reached its barrier.
+  landings, taken, reached, at_barrier = {}, {}, {}, {}
   out = intervals.append if intervals is not None else None
   progress = True
   while progress:
@@ -292,25 +296,38 @@ def _run_layer(ops, free, link_free, held_send, l, intervals, sites=None) -> lis
             out((i, l, phase, t, t + seconds))
           t += seconds
         elif kind == _RECEIVE:
-          reached_receive[i] = t
-          landed = arrival.get((other, i))
-          if landed is None:
+          link = (other, i)
+          n = taken.get(link, 0)
+          arrived = reached.setdefault(link, [])
+          if len(arrived) == n:  # reached now (a blocked receive is retried)
+            arrived.append(t)
+            progress = True  # a held send to this rank may go now
+          landed_times = landings.get(link, ())
+          if len(landed_times) == n:
             break
+          landed = landed_times[n]
+          taken[link] = n + 1
           if sites is not None:
             sites[(i, step)] = (t, landed)
           if out and landed > t:
             out((i, l, "wait", t, landed))
           t = max(t, landed)
         elif kind == _SEND:
-          if held_send and other not in reached_receive:
-            break
+          link = (i, other)
+          sent = landings.setdefault(link, [])
+          held = ()
+          if held_send:  # its receiver must have reached the matching receive
+            arrived = reached.get(link, ())
+            if len(arrived) <= len(sent):
+              break
+            held = (arrived[len(sent)],)
           # What the send's start waits for: the sender, the link, a held send's receiver.
-          held = (reached_receive[other],) if held_send else ()
-          waits = (t, link_free.get((i, other), 0.0), *held)
+          waits = (t, link_free.get(link, 0.0), *held)
           if sites is not None:  # what this max took
             sites[(i, step)] = waits
           start = max(waits)
-          landed = arrival[(i, other)] = link_free[(i, other)] = start + seconds
+          landed = link_free[link] = start + seconds
+          sent.append(landed)
           if out:
             out((i, l, phase, start, landed))
             if held_send:
@@ -415,6 +432,7 @@ def simulate(
   num_ranks: int = 1,
   partition: Sequence[int] | None = None,
   intervals: list | None = None,
+  full_partition: Sequence[int] | None = None,
 ) -> Simulation:
   """Modelled TTFT of one prefill: the strategy's modelled layer through `layer_timeline`,
   then what follows the last layer (a cache move) and the head on the last rank. With
@@ -422,14 +440,27 @@ def simulate(
   layers of several kinds each kind's layers are modelled as theirs (per-layer figures: the
   mean over the layers).
   intervals: a list to append the modelled timeline to, (rank, layer, phase, start, end)
-  (the Gantt chart beside a measured one; the cache move and the head not included)."""
+  (the Gantt chart beside a measured one; the cache move and the head not included).
+  full_partition (KV-Runahead on a hybrid): the full layers' own split, `partition` the
+  linear layers'; each full layer then moves the hidden states into its split and back
+  (`with_moves`)."""
+  full_chunks = _check_full_partition(config, strategy, context_len, num_ranks, full_partition)
+
+  def partition_of(kind):
+    linear = isinstance(kind, GatedDeltaNetKind)
+    return partition if full_chunks is None or linear else full_chunks
+
   by_kind = {
-    kind: modelled_layer(config.of_kind(kind), strategy, context_len, setup, num_ranks, partition)
+    kind: modelled_layer(
+      config.of_kind(kind), strategy, context_len, setup, num_ranks, partition_of(kind)
+    )
     for kind in config.kinds
   }
   layers = [by_kind[kind] for kind in config.layer_kinds]
   if not isinstance(config.layer_kinds[-1], GatedDeltaNetKind):
     layers[-1] = last_layer(layers[-1], setup)
+  if full_chunks is not None:
+    layers = with_moves(config, layers, tuple(partition), full_chunks, setup)
   shard = model_shard(config, setup.model_parallel)
   finish = layer_timeline(layers, config.num_layers, setup.links.held_send, intervals)
   head = head_work(shard, setup.batch, setup.dtype_bytes).time(setup.hardware)
@@ -448,6 +479,53 @@ def simulate(
     per_layer("bytes"),
     per_layer("link_bytes"),
   )
+
+
+def _check_full_partition(config, strategy, context_len, num_ranks, full_partition):
+  if full_partition is None:
+    return None
+  if get_strategy(strategy).name != "kvr" or not any(
+    isinstance(kind, GatedDeltaNetKind) for kind in config.kinds
+  ):
+    raise ValueError("full_partition is KV-Runahead's split of a hybrid model's full layers")
+  return check_chunks(full_partition, context_len, num_ranks)
+
+
+def move_steps(from_chunks, to_chunks, row_bytes: float, links) -> list[list]:
+  """Each rank's steps to lay hidden states out again (`strategies.base.reshard_rows`): its
+  sends ("move"), then its receives. Neighbours over their own link, others over the
+  slowest."""
+  p = len(from_chunks)
+  sends, receives = [[] for _ in range(p)], [[] for _ in range(p)]
+  for s, d, _, _, rows in moved_rows(from_chunks, to_chunks):
+    bandwidth = links.link_bandwidth(min(s, d)) if abs(s - d) == 1 else links.slowest(p)
+    sends[s].append(Send(d, rows * row_bytes / bandwidth + links.latency, "move"))
+    receives[d].append(Receive(s))
+  return [a + b for a, b in zip(sends, receives, strict=True)]
+
+
+def with_moves(config, layers: list, linear_chunks, full_chunks, setup: Setup) -> list:
+  """The modelled layers of KV-Runahead on a hybrid whose full layers take their own split:
+  each full layer starts by moving the hidden states (D numbers a token) into its split and
+  ends by moving them back; the model's last layer moves nothing back (one row is read)."""
+  if linear_chunks == full_chunks:
+    return layers
+  row_bytes = setup.batch * config.d_model * setup.dtype_bytes
+  enter = move_steps(linear_chunks, full_chunks, row_bytes, setup.links)
+  leave = move_steps(full_chunks, linear_chunks, row_bytes, setup.links)
+  moved = {}  # one description per original (the timeline's steady state runs on identity)
+  last = len(layers) - 1
+  for l, kind in enumerate(config.layer_kinds):
+    if isinstance(kind, GatedDeltaNetKind):
+      continue
+    layer = layers[l]
+    key = (id(layer), l == last)
+    if key not in moved:
+      after = [[] for _ in enter] if l == last else leave
+      steps = tuple((*a, *steps, *b) for a, steps, b in zip(enter, layer.steps, after, strict=True))
+      moved[key] = dataclasses.replace(layer, steps=steps)
+    layers[l] = moved[key]
+  return layers
 
 
 def lower_bound(config: ModelConfig, context_len: int, num_ranks: int, setup: Setup) -> float:

@@ -211,6 +211,42 @@ def modelled_search(
   )
 
 
+def kind_split_search(
+  config: ModelConfig, context_len: int, num_ranks: int, setup: Setup, start=None
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+  """KV-Runahead on a hybrid with a split per layer kind: (the linear layers' split, the
+  full layers' own, or None where one split for both models as fast). A full layer's
+  causal attention wants the earlier ranks longer, a linear layer's work is even per
+  token; the moves between them (`costmodel.with_moves`) are priced, so a slow link keeps
+  one split. Coordinate descent from the one-split search (`start`, else searched): the
+  full layers' split with the linear one fixed, then the linear one, then the full once
+  more (each a `search_partition`)."""
+  one = (
+    tuple(start) if start is not None else modelled_search(config, context_len, num_ranks, setup)
+  )
+
+  def ttft(linear, full):
+    return costmodel.simulate(
+      config,
+      "kvr",
+      context_len,
+      setup,
+      num_ranks=num_ranks,
+      partition=linear,
+      full_partition=full,
+    ).ttft
+
+  linear, full = one, one
+  for fixed in ("linear", "full", "linear"):
+    if fixed == "linear":
+      full = search_partition(lambda f: ttft(linear, f), context_len, num_ranks, start=full)  # noqa: B023
+    else:
+      linear = search_partition(lambda c: ttft(c, full), context_len, num_ranks, start=linear)  # noqa: B023
+  if ttft(linear, full) >= ttft(one, None):
+    return one, None
+  return linear, full
+
+
 def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):
   """t(c, S): one layer's modelled compute time for c queries over S keys, fast.
 

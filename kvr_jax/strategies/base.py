@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.core.chunks import chunk_starts
+from kvr_jax.core.chunks import chunk_starts, moved_rows
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec
 from kvr_jax.runtime.mesh import AXIS, model_parallel
@@ -309,14 +309,10 @@ def reshard_rows(x_BcD, from_chunks: tuple[int, ...], to_chunks: tuple[int, ...]
   out_BcD = jnp.where(own_c[None, :, None], jnp.take(x_BcD, source_c, axis=1), 0).astype(
     x_BcD.dtype
   )
-  for s, (fs, fc) in enumerate(zip(from_starts, from_chunks, strict=True)):
-    for d, (ts, tc) in enumerate(zip(to_starts, to_chunks, strict=True)):
-      lo, hi = max(fs, ts), min(fs + fc, ts + tc)
-      if s == d or hi <= lo:
-        continue
-      piece = jax.lax.ppermute(x_BcD[:, lo - fs : hi - fs], AXIS, perm=[(s, d)])
-      here = out_BcD[:, lo - ts : hi - ts]
-      out_BcD = out_BcD.at[:, lo - ts : hi - ts].set(jnp.where(rank == d, piece, here))
+  for s, d, at_sender, at_receiver, n in moved_rows(from_chunks, to_chunks):
+    piece = jax.lax.ppermute(x_BcD[:, at_sender : at_sender + n], AXIS, perm=[(s, d)])
+    here = out_BcD[:, at_receiver : at_receiver + n]
+    out_BcD = out_BcD.at[:, at_receiver : at_receiver + n].set(jnp.where(rank == d, piece, here))
   return out_BcD
 
 

@@ -65,15 +65,15 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
     state = model.state
     return {"single": lambda: single(state, tokens)}
   mesh = make_mesh(num_ranks)
-  searched = _searched_split(model, context_len, num_ranks, mesh)
+  searched, kinds = _searched_split(model, context_len, num_ranks, mesh)
   even = even_partition(context_len, num_ranks)
 
   prefill, peers = _prefill_and_peers(model)
 
-  def call(strategy, partition=None):
+  def call(strategy, partition=None, **kw):
     return lambda: (
       prefill(
-        model, tokens, mesh, partition, strategy=strategy, attention="flash", join=False
+        model, tokens, mesh, partition, strategy=strategy, attention="flash", join=False, **kw
       ).logits_BV
     )
 
@@ -83,6 +83,9 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
     **{peer: call(peer) for peer in peers},
   }
   splits = {"kvr-search": searched, "kvr-even": even}
+  if kinds is not None and kinds[1] is not None:  # the full layers on their own split
+    variants["kvr-kinds"] = call("kvr", kinds[0], full_partition=kinds[1])
+    splits["kvr-kinds"] = kinds
   if measured:
     plan = PartitionPlan("search", objective="measured")
     splits["kvr-measured"] = tuple(measured_partition(model, tokens, mesh, plan))
@@ -90,7 +93,7 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
   return variants, splits
 
 
-def _searched_split(model, context_len: int, num_ranks: int, mesh) -> tuple[int, ...]:
+def _searched_split(model, context_len: int, num_ranks: int, mesh):
   """KVR-S's split: the cost model's search with rates fitted to the model's own layers on
   this process's core (`phases.fitted_hybrid_hardware`, `phases.fitted_latent_hardware`: the
   `local` calibration's large matmul misjudges a small model's narrow matmuls against its
@@ -98,7 +101,8 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh) -> tuple[int,
   process taking part: the loopback as this run throttles it; the stored `local` figures are
   the unthrottled machine's, and a split searched for a fast link loads the first rank's hops
   on a slow one). Process 0's split on every process (each fits its own core, and every
-  process must compile the same program)."""
+  process must compile the same program). A hybrid's also a split per layer kind
+  (`search.kind_split_search`: (linear, full or None)); None for latent models."""
   if any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds):
     hardware = fitted_hybrid_hardware(model, context_len)
   else:  # a latent-attention model
@@ -106,7 +110,10 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh) -> tuple[int,
   link = presets.measure_links(hardware)
   setup = presets.make_setup(hardware, link, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)
-  return agreed("hybrid-bench split", (model.config, context_len), mesh, tuple(searched))
+  kinds = None
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds):
+    kinds = search.kind_split_search(model.config, context_len, num_ranks, setup, searched)
+  return agreed("hybrid-bench split", (model.config, context_len), mesh, (searched, kinds))
 
 
 def _timed(call) -> tuple[float, float]:
@@ -176,6 +183,16 @@ def run_over_links(
   return rows
 
 
+def _split_text(split) -> str:
+  """A split as "c0,c1,..."; a split per layer kind as "linear c0,c1 full c0,c1"."""
+  if split is None:
+    return ""
+  if isinstance(split[0], (list, tuple)):
+    linear, full = split
+    return f"linear {_split_text(linear)} full {_split_text(full)}"
+  return ",".join(str(c) for c in split)
+
+
 def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
   """Median and min-max per variant, length and link, against the faster peer on the same
   link and single (one process, no link)."""
@@ -197,7 +214,7 @@ def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
       done = statistics.median(r.get("done_s") or r["samples_s"])
       vs_peer = "" if peer is None else f"{peer / median:.2f}x"
       vs_single = "" if single is None else f"{single / median:.2f}x"
-      split = "" if r["split"] is None else ",".join(str(c) for c in r["split"])
+      split = _split_text(r["split"])
       lines.append(
         f"{C:>7} {link:>11} {r['variant']:<11}{median:>9.3f} {low:>7.3f}-{high:<7.3f}"
         f"{vs_peer:>8} {vs_single:>9}{done:>10.3f}  {split}"
