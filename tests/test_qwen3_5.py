@@ -427,3 +427,35 @@ def test_kvr_with_a_split_per_layer_kind_equals_one_device(
   assert sharded.layout == kvr_jax.strategies.get_strategy("kvr").cache_layout(
     T, tuple(full_partition)
   )
+
+
+def test_kvr_with_a_split_per_layer_kind_decodes_transformers_tokens(checkpoints, tokens):
+  """kvr_jax.prefill and generate take {"linear": .., "full": ..}: greedy tokens from the
+  joined cache and from the ranks' parts (laid out by the full layers' split) are
+  transformers'; the result says which split each kind ran."""
+  hf_model, _, ours = checkpoints["qwen3_5-default"]
+  prompt, mesh = tokens[:1, :30], kvr_jax.make_mesh(2)
+  want = hf_fixtures.hf_greedy(hf_model, prompt, 6)
+  kinds = {"linear": [18, 12], "full": [23, 7]}
+  result = kvr_jax.prefill(ours, prompt, strategy="kvr", mesh=mesh, partition=kinds)
+  assert result.partition == (18, 12) and result.full_partition == (23, 7)
+  for cache in ("last", "sharded"):
+    got = kvr_jax.generate(ours, prompt, 6, strategy="kvr", mesh=mesh, partition=kinds, cache=cache)
+    np.testing.assert_array_equal(got.tokens, want)
+
+
+def test_a_split_per_layer_kind_refused_by_name(checkpoints, tokens):
+  ours, prompt, mesh = checkpoints["qwen3_5-default"][2], tokens[:1, :30], kvr_jax.make_mesh(2)
+  kinds = {"linear": [18, 12], "full": [23, 7]}
+  with pytest.raises(ValueError, match="'ring' lays the prompt out itself"):
+    kvr_jax.prefill(ours, prompt, strategy="ring", mesh=mesh, partition=kinds)
+  with pytest.raises(ValueError, match="names \\['linear', 'full'\\]"):
+    kvr_jax.prefill(ours, prompt, strategy="kvr", mesh=mesh, partition={"linear": [18, 12]})
+  with pytest.raises(ValueError, match="sums to 31"):
+    kvr_jax.prefill(ours, prompt, strategy="kvr", mesh=mesh, partition={**kinds, "full": [24, 7]})
+  with pytest.raises(ValueError, match="strategy='auto' chooses"):
+    kvr_jax.prefill(ours, prompt, strategy="auto", mesh=mesh, partition=kinds)
+  from kvr_jax.inference.hybrid import prefill_hybrid
+
+  with pytest.raises(ValueError, match="full_partition is KV-Runahead's"):
+    prefill_hybrid(ours, prompt, mesh, None, strategy="ring", full_partition=[23, 7])

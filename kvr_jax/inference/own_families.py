@@ -48,9 +48,10 @@ class OwnFamily:
   model's own forward on one device or one rank's model group). caches: the layouts its
   decode reads ("last": joined on the last rank; "sharded": left in the ranks' parts).
   group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a pytree
-  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache, room) -> the
-  `ModelCache` fields the prefill made: logits [B, V] on the last rank's first device, and
-  the joined cache (with room for `room` more positions) or the ranks' parts.
+  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache, room,
+  timeline, full_partition) -> the `ModelCache` fields the prefill made: logits [B, V] on
+  the last rank's first device, and the joined cache (with room for `room` more positions)
+  or the ranks' parts.
   grown(cache, capacity) -> the cache with room for `capacity` positions (a fresh buffer: the
   decode steps donate theirs). sharded_stepper(model, result, max_new_tokens, seed): decode
   from cache="sharded" (`own_stepper`'s return)."""
@@ -69,10 +70,28 @@ class OwnFamily:
 
 
 def _run_hybrid(
-  model, tokens_BT, mesh, partition, strategy, attention, cache, room, timeline=False
+  model,
+  tokens_BT,
+  mesh,
+  partition,
+  strategy,
+  attention,
+  cache,
+  room,
+  timeline=False,
+  full_partition=None,
 ) -> dict:
   ran = hybrid.prefill_hybrid(
-    model, tokens_BT, mesh, partition, attention, room, strategy, cache=cache, timeline=timeline
+    model,
+    tokens_BT,
+    mesh,
+    partition,
+    attention,
+    room,
+    strategy,
+    cache=cache,
+    timeline=timeline,
+    full_partition=full_partition,
   )
   return dict(
     logits=ran.logits_BV,
@@ -85,9 +104,18 @@ def _run_hybrid(
 
 
 def _run_latent(
-  model, tokens_BT, mesh, partition, strategy, attention, cache, room, timeline=False
+  model,
+  tokens_BT,
+  mesh,
+  partition,
+  strategy,
+  attention,
+  cache,
+  room,
+  timeline=False,
+  full_partition=None,
 ):
-  del timeline  # refused by check_own_plan
+  del timeline, full_partition  # refused by check_own_plan and plan_prefill
   ran = latent.prefill_latent(
     model, tokens_BT, mesh, partition, room, strategy, attention, cache=cache
   )
@@ -182,6 +210,9 @@ class ModelCache:
   cache_layout: Any = None
   linear_state: Any = None
   choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
+  # KV-Runahead on a hybrid with a split per layer kind: the full layers' (`partition` is
+  # then the linear layers'); None where one split ran every layer.
+  full_partition: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
 
   @property
   def is_local(self) -> bool:
@@ -234,6 +265,7 @@ def run_own_prefill(
     mesh=mesh,
     config=model.config,
     choice=plan.choice,
+    full_partition=plan.full_chunks,
   )
   if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
     return ModelCache(None, **fields)
@@ -254,7 +286,16 @@ def run_own_prefill(
     return ModelCache(logits_BV, **fields, model_cache=cache)
   partition = plan.chunks if spec.partitioned else None
   ran = family.run(
-    model, tokens_BT, mesh, partition, spec.name, plan.kernel.name, plan.cache, room, plan.timeline
+    model,
+    tokens_BT,
+    mesh,
+    partition,
+    spec.name,
+    plan.kernel.name,
+    plan.cache,
+    room,
+    plan.timeline,
+    plan.full_chunks,
   )
   return ModelCache(**ran, **fields)
 

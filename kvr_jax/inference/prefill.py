@@ -8,6 +8,7 @@ hands the result over on its own device.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -114,6 +115,9 @@ class PrefillPlan:
   buckets: Any
   padded: bool  # planned for rows padded past their length (what a 2-D mesh refuses so far)
   choice: StrategyChoice | None = None  # strategy="auto": what it picked and why (modelled)
+  # KV-Runahead on a hybrid with a split per layer kind (partition={"linear": .., "full":
+  # ..}): the full layers' chunks; `partition` and `chunks` are then the linear layers'.
+  full_chunks: tuple[int, ...] | None = None
 
   @property
   def cache_layout(self) -> CacheLayout:
@@ -164,7 +168,10 @@ def prefill(
     last rank's row); buckets and timelines are refused there so far.
   partition (partitioned strategies, i.e. kvr): p chunk lengths summing to T (rank 0 the
     earliest tokens), or "even", "search", "balanced", "predict", or a `PartitionPlan` (see
-    kvr_jax.planning.partition).
+    kvr_jax.planning.partition). On a hybrid model also one per layer kind,
+    {"linear": .., "full": ..}: the full layers on their own split, the hidden states moved
+    between the two at each full layer (strategies.hybrid.KindSplit; the result's
+    `full_partition`; `search.kind_split_search` models the pair).
   attention: the kernel; "auto" (or None, the default) is the fastest exact kernel this
     strategy runs on the mesh's platform (strategies.base.AUTO_KERNELS: "cudnn" on NVIDIA GPUs
     in bfloat16/float16 without a sliding window, else "flash"; TSP is dense by definition).
@@ -246,7 +253,10 @@ def plan_from_shape(
   if family is not None and kernel == AUTO:
     kernel = get_kernel(spec.default_attention)  # what the family's programs are tested with
   kernel = _plan_kernel(shape, spec, kernel, mesh.devices.flat[0])
-  user_chunks = None
+  user_chunks = full_chunks = None
+  if isinstance(partition, Mapping):  # a split per layer kind (a hybrid's, KV-Runahead's)
+    partition, full_partition = _split_by_kind(partition, family, spec)
+    full_chunks = _plan_partition(shape, full_partition, mesh, kernel)
   if spec.partitioned:
     user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
@@ -267,6 +277,7 @@ def plan_from_shape(
     buckets,
     shape.padded,
     choice,
+    full_chunks,
   )
 
 
@@ -344,6 +355,26 @@ def _plan_kernel(shape: PrefillShape, spec, kernel, device):
   if reason is not None:
     raise ValueError(f"attention {kernel.name!r} {reason}")
   return kernel
+
+
+KIND_SPLIT_KEYS = ("linear", "full")
+
+
+def _split_by_kind(partition: Mapping, family, spec) -> tuple[Any, Any]:
+  """A split per layer kind, {"linear": .., "full": ..} (each a partition as `prefill` takes
+  one), checked: KV-Runahead on a hybrid model (its linear and full layers balance on
+  different splits: strategies.hybrid.KindSplit). Returns (linear, full)."""
+  if spec.name != "kvr" or family is None or family.name != "hybrid":
+    raise ValueError(
+      "a partition per layer kind ({'linear': .., 'full': ..}) is KV-Runahead's on a hybrid "
+      f"model (linear and full-attention layers); this plan runs {spec.name!r}"
+      + ("" if family is not None and family.name == "hybrid" else " on a model of one kind")
+    )
+  if sorted(partition) != sorted(KIND_SPLIT_KEYS):
+    raise ValueError(
+      f"a partition per layer kind names {list(KIND_SPLIT_KEYS)}, got {sorted(partition)}"
+    )
+  return partition["linear"], partition["full"]
 
 
 def _plan_partition(shape: PrefillShape, partition, mesh, kernel) -> tuple[int, ...]:

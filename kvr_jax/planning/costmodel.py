@@ -492,16 +492,17 @@ def _check_full_partition(config, strategy, context_len, num_ranks, full_partiti
 
 
 def move_steps(from_chunks, to_chunks, row_bytes: float, links) -> list[list]:
-  """Each rank's steps to lay hidden states out again (`strategies.base.reshard_rows`): its
-  sends ("move"), then its receives. Neighbours over their own link, others over the
-  slowest."""
+  """Each rank's steps to lay hidden states out again (`strategies.base.reshard_rows`): the
+  pieces in the program's order (`moved_rows`'), a send ("move") on the sender and a receive
+  on the receiver (in that one order no rendezvous waits on a later one). Neighbours over
+  their own link, others over the slowest."""
   p = len(from_chunks)
-  sends, receives = [[] for _ in range(p)], [[] for _ in range(p)]
+  steps = [[] for _ in range(p)]
   for s, d, _, _, rows in moved_rows(from_chunks, to_chunks):
     bandwidth = links.link_bandwidth(min(s, d)) if abs(s - d) == 1 else links.slowest(p)
-    sends[s].append(Send(d, rows * row_bytes / bandwidth + links.latency, "move"))
-    receives[d].append(Receive(s))
-  return [a + b for a, b in zip(sends, receives, strict=True)]
+    steps[s].append(Send(d, rows * row_bytes / bandwidth + links.latency, "move"))
+    steps[d].append(Receive(s))
+  return steps
 
 
 def with_moves(config, layers: list, linear_chunks, full_chunks, setup: Setup) -> list:

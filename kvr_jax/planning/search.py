@@ -23,6 +23,7 @@ from kvr_jax.planning import costmodel
 from kvr_jax.planning.costmodel import Setup
 from kvr_jax.runtime.roofline import work_kwargs
 from models.config import ModelConfig
+from models.layer_kinds import FULL_ATTENTION
 
 Objective = Callable[[tuple[int, ...]], float]
 
@@ -216,11 +217,13 @@ def kind_split_search(
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
   """KV-Runahead on a hybrid with a split per layer kind: (the linear layers' split, the
   full layers' own, or None where one split for both models as fast). A full layer's
-  causal attention wants the earlier ranks longer, a linear layer's work is even per
-  token; the moves between them (`costmodel.with_moves`) are priced, so a slow link keeps
-  one split. Coordinate descent from the one-split search (`start`, else searched): the
-  full layers' split with the linear one fixed, then the linear one, then the full once
-  more (each a `search_partition`)."""
+  causal attention wants the earlier ranks longer, a linear layer's work is even per token;
+  the moves between them (`costmodel.with_moves`) are priced, so a slow link keeps one
+  split. Coordinate descent (the full layers' split with the linear one fixed, then the
+  linear one, then the full once more; each a `search_partition`) from two starts: one
+  split for both (`start`, else searched: any small step away from it pays a whole move,
+  so it is a local optimum of its own) and each kind's own optimum (a model of that kind's
+  layers alone)."""
   one = (
     tuple(start) if start is not None else modelled_search(config, context_len, num_ranks, setup)
   )
@@ -236,15 +239,22 @@ def kind_split_search(
       full_partition=full,
     ).ttft
 
-  linear, full = one, one
-  for fixed in ("linear", "full", "linear"):
-    if fixed == "linear":
-      full = search_partition(lambda f: ttft(linear, f), context_len, num_ranks, start=full)  # noqa: B023
-    else:
-      linear = search_partition(lambda c: ttft(c, full), context_len, num_ranks, start=linear)  # noqa: B023
-  if ttft(linear, full) >= ttft(one, None):
+  def descend(linear, full):
+    for fixed in ("linear", "full", "linear"):
+      if fixed == "linear":
+        full = search_partition(lambda f: ttft(linear, f), context_len, num_ranks, start=full)  # noqa: B023
+      else:
+        linear = search_partition(lambda c: ttft(c, full), context_len, num_ranks, start=linear)  # noqa: B023
+    return linear, full
+
+  own = [
+    modelled_search(config.of_kind(kind), context_len, num_ranks, setup)
+    for kind in (config.linear_kind, FULL_ATTENTION)
+  ]
+  best = min(descend(one, one), descend(*own), key=lambda pair: ttft(*pair))
+  if ttft(*best) >= ttft(one, None):
     return one, None
-  return linear, full
+  return best
 
 
 def _compute_time_fn(config: ModelConfig, hw: costmodel.Hardware, **kw):

@@ -110,10 +110,18 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh):
   link = presets.measure_links(hardware)
   setup = presets.make_setup(hardware, link, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)
-  kinds = None
-  if any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds):
-    kinds = search.kind_split_search(model.config, context_len, num_ranks, setup, searched)
-  return agreed("hybrid-bench split", (model.config, context_len), mesh, (searched, kinds))
+  is_hybrid = any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds)
+  linear, full = searched, None
+  if is_hybrid:
+    linear, full = search.kind_split_search(model.config, context_len, num_ranks, setup, searched)
+  # One flat row to agree on: the split, the linear layers', the full layers' (zeros: none).
+  p = num_ranks
+  row = (*searched, *linear, *(full or (0,) * p))
+  row = agreed("hybrid-bench split", (model.config, context_len), mesh, row)
+  searched, linear, full = row[:p], row[p : 2 * p], row[2 * p :]
+  if not is_hybrid:
+    return searched, None
+  return searched, (linear, full if any(full) else None)
 
 
 def _timed(call) -> tuple[float, float]:
