@@ -29,6 +29,7 @@ flags.DEFINE_integer("measured_multiple", 64, "kvr-measured: chunk lengths multi
 flags.DEFINE_integer("decode_tokens", 0, "Multiprocess mode: greedy tokens decoded and timed.")
 flags.DEFINE_string("link_rate", "unthrottled", "The rate the launcher set the loopback to.")
 flags.DEFINE_string("partition", "search", "Timeline mode: KVR partition (or 'fitted').")
+flags.DEFINE_string("full_partition", None, "Timeline mode: a hybrid's full layers' split.")
 flags.DEFINE_list("timeline_strategies", ["kvr", "allgather"], "Timeline mode: strategies.")
 flags.DEFINE_integer("num_processes", 2, "Processes in the cluster (set by the launcher).")
 flags.DEFINE_integer("process_id", None, "This process's id (set by the launcher).")
@@ -52,7 +53,7 @@ def job():
       FLAGS.model,
       int(FLAGS.context_lens[0]),
       FLAGS.timeline_strategies,
-      partition=common.parse_partition(FLAGS.partition, extra=("fitted",)),
+      partition=_timeline_partition(),
       repeats=FLAGS.repeats,
       dtype=FLAGS.dtype,
     )
@@ -66,6 +67,14 @@ def job():
     decode_tokens=FLAGS.decode_tokens,
     link_rate=FLAGS.link_rate,
   )
+
+
+def _timeline_partition():
+  """--partition, or with --full_partition a hybrid's split per layer kind."""
+  partition = common.parse_partition(FLAGS.partition, extra=("fitted",))
+  if FLAGS.full_partition is None:
+    return partition
+  return {"linear": partition, "full": common.parse_partition(FLAGS.full_partition)}
 
 
 def main(argv):

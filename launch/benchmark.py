@@ -123,6 +123,12 @@ flags.DEFINE_string(
   "KVR partition in devices and timeline modes; timeline mode also takes 'fitted' (KVR-S with "
   "the cost model's FLOP/s fitted to this model's measured phases).",
 )
+flags.DEFINE_string(
+  "full_partition",
+  None,
+  "Timeline mode, a hybrid model under kvr: the full layers' own split (comma-separated "
+  "lengths); --partition (lengths) is then the linear layers'.",
+)
 flags.DEFINE_integer(
   "num_devices",
   None,
@@ -309,6 +315,13 @@ def timeline_mode():
     partition = common.parse_partition(FLAGS.partition, extra=FITTED)
     if isinstance(partition, list):  # explicit lengths: checked before any process starts
       check_chunks(partition, C, FLAGS.num_processes)
+    if FLAGS.full_partition is not None:
+      if not isinstance(partition, list):
+        raise ValueError("--full_partition takes --partition as lengths (the linear layers')")
+      full = common.parse_partition(FLAGS.full_partition)
+      if not isinstance(full, list):
+        raise ValueError(f"--full_partition takes lengths, got {FLAGS.full_partition!r}")
+      check_chunks(full, C, FLAGS.num_processes)
     for s in FLAGS.timeline_strategies:
       if not get_strategy(s).timeline_probes:
         raise ValueError(f"--timeline_strategies: {s!r} has no probes; use kvr, ring, allgather")
@@ -322,6 +335,7 @@ def timeline_mode():
       f"--repeats={FLAGS.repeats}",
       f"--dtype={FLAGS.dtype}",
       f"--partition={FLAGS.partition}",
+      *([f"--full_partition={FLAGS.full_partition}"] if FLAGS.full_partition else []),
       f"--timeline_strategies={','.join(FLAGS.timeline_strategies)}",
     ]
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 
 import jax
 
@@ -48,9 +49,12 @@ def probe_run(
   the TTFT without probes; the same call in every process of a multi-process run."""
   kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
   plain = time_prefill(model, tokens, repeats, cache="sharded", **kwargs)
-  partition = plain.result.partition
-  if partition is not None:
-    kwargs["partition"] = list(partition)  # the same split in the probed program
+  if isinstance(partition, Mapping):  # a hybrid's split per layer kind, lengths as given
+    partition = {kind: list(chunks) for kind, chunks in partition.items()}
+  else:
+    partition = plain.result.partition
+    if partition is not None:
+      partition = kwargs["partition"] = list(partition)  # the same split in the probed program
 
   def probed():
     probe.EVENTS.clear()
@@ -70,7 +74,7 @@ def probe_run(
   return {
     "strategy": strategy,
     "process_index": jax.process_index(),
-    "partition": None if partition is None else list(partition),
+    "partition": partition,  # lengths, or {"linear": .., "full": ..}
     "ttft_s": plain.median_s,
     "probed_ttft_s": duration / 1e9,
     "probed_runs_s": [run[0] / 1e9 for run in runs],
@@ -199,13 +203,16 @@ def timeline_report(reports: list[dict], strategies, config, context_len: int, s
     owner = max(runs, key=lambda run: run["process_index"])
     measured = intervals(runs)
     modelled: list = []
+    split = owner["partition"]
+    by_kind = isinstance(split, Mapping)
     costmodel.simulate(
       config,
       strategy,
       context_len,
       setup,
       num_ranks=len(runs),
-      partition=owner["partition"],
+      partition=split["linear"] if by_kind else split,
+      full_partition=split["full"] if by_kind else None,
       intervals=modelled,
     )
     line = (
