@@ -77,15 +77,19 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
       ).logits_BV
     )
 
+  # ":sharded": KV-Runahead's parts left where computed, as the peers' are (the figure
+  # without it has the last rank keep its last hops: the cache joined there).
   variants = {
     "kvr-search": call("kvr", searched),
+    "kvr-search:sharded": call("kvr", searched, cache="sharded"),
     "kvr-even": call("kvr", even),
     **{peer: call(peer) for peer in peers},
   }
-  splits = {"kvr-search": searched, "kvr-even": even}
+  splits = {"kvr-search": searched, "kvr-search:sharded": searched, "kvr-even": even}
   if kinds is not None and kinds[1] is not None:  # the full layers on their own split
     variants["kvr-kinds"] = call("kvr", kinds[0], full_partition=kinds[1])
-    splits["kvr-kinds"] = kinds
+    variants["kvr-kinds:sharded"] = call("kvr", kinds[0], full_partition=kinds[1], cache="sharded")
+    splits["kvr-kinds"] = splits["kvr-kinds:sharded"] = kinds
   if measured:
     plan = PartitionPlan("search", objective="measured")
     splits["kvr-measured"] = tuple(measured_partition(model, tokens, mesh, plan))
@@ -224,7 +228,7 @@ def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
       vs_single = "" if single is None else f"{single / median:.2f}x"
       split = _split_text(r["split"])
       lines.append(
-        f"{C:>7} {link:>11} {r['variant']:<11}{median:>9.3f} {low:>7.3f}-{high:<7.3f}"
+        f"{C:>7} {link:>11} {r['variant']:<19}{median:>9.3f} {low:>7.3f}-{high:<7.3f}"
         f"{vs_peer:>8} {vs_single:>9}{done:>10.3f}  {split}"
       )
       records.append(dict(r, link=link, median_s=median, done_median_s=done))
@@ -234,7 +238,7 @@ def hybrid_table(rows: list[dict], model: str, num_processes: int) -> Table:
     "rounds and min-max; all done: median seconds until every process finished its part",
   )
   header = (
-    f"{'C':>7} {'link':>11} {'variant':<11}{'median s':>9} {'min-max s':<15}{'vs peer':>8} "
+    f"{'C':>7} {'link':>11} {'variant':<19}{'median s':>9} {'min-max s':<15}{'vs peer':>8} "
     f"{'vs single':>9}{'all done':>10}  split"
   )
   return Table(title, header, tuple(lines), tuple(records))
