@@ -439,6 +439,12 @@ def test_kvr_with_a_split_per_layer_kind_decodes_transformers_tokens(checkpoints
   kinds = {"linear": [18, 12], "full": [23, 7]}
   result = kvr_jax.prefill(ours, prompt, strategy="kvr", mesh=mesh, partition=kinds)
   assert result.partition == (18, 12) and result.full_partition == (23, 7)
+  # The program ran the full layers on their split: the K,V parts lie as it cut them.
+  sharded = kvr_jax.prefill(
+    ours, prompt, strategy="kvr", mesh=mesh, partition=kinds, cache="sharded"
+  )
+  kvr = kvr_jax.strategies.get_strategy("kvr")
+  assert sharded.cache_layout == kvr.cache_layout(30, (23, 7)) != kvr.cache_layout(30, (18, 12))
   for cache in ("last", "sharded"):
     got = kvr_jax.generate(ours, prompt, 6, strategy="kvr", mesh=mesh, partition=kinds, cache=cache)
     np.testing.assert_array_equal(got.tokens, want)
