@@ -82,6 +82,7 @@ CASES = [
   ("kvr", "wide", (2, 4), [38, 32]),
   ("allgather", "wide", (2, 4), None),
   ("kvr", "wide", (2, 2), [30, 40]),
+  ("kvr", "wide", (2, 2), {"linear": [30, 40], "full": [50, 20]}),  # a split per layer kind
 ]
 
 
@@ -93,7 +94,10 @@ def test_prefill_on_a_2d_mesh_matches_one_device(
   states, its heads' convolution channels) within 1e-5 of one device's."""
   model = checkpoints[name][2]
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
-  result = prefill_hybrid(model, tokens, mesh, partition, "flash", 2, strategy)
+  full = None
+  if isinstance(partition, dict):  # the full layers on their own split
+    partition, full = partition["linear"], partition["full"]
+  result = prefill_hybrid(model, tokens, mesh, partition, "flash", 2, strategy, full_partition=full)
   want_logits, want_cache = one_device[name]
   assert_close(result.logits_BV, want_logits, "last logits")
   m = shape[1]

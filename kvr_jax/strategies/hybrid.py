@@ -27,6 +27,13 @@ point in one collective-permute per direction (every span holds at least w token
 otherwise). Rows past a span's real length are padding: g = beta = 0
 leaves the state as it is (exact), and their outputs are dropped.
 
+KV-Runahead's full layers may take their own split (`compile_hybrid(full_chunks=)`,
+`KindSplit`): a full layer's causal attention wants the earlier ranks' chunks longer, a
+linear layer's work is even per token, and where each hop is a rendezvous every layer runs
+at its slower rank's pace. The hidden states then move into the full split at each full
+layer's start and back at its end (each rank's edge rows to its neighbour, D numbers a
+token); the tokens, the linear layers and the logits keep `chunks`.
+
 The program outputs each rank's full layers' K,V as the strategy emits them and each linear
 layer's leaving state and halo; `kvr_jax.inference.hybrid` joins them into the model's
 `HybridCache` on the last rank (KV-Runahead: its last hop and own chunk, no move; the peers:
