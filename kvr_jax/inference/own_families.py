@@ -48,10 +48,10 @@ class OwnFamily:
   model's own forward on one device or one rank's model group). caches: the layouts its
   decode reads ("last": joined on the last rank; "sharded": left in the ranks' parts).
   group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a pytree
-  of them). run(model, tokens_BT, mesh, partition, strategy, attention, cache, room,
-  timeline, full_partition) -> the `ModelCache` fields the prefill made: logits [B, V] on
-  the last rank's first device, and the joined cache (with room for `room` more positions)
-  or the ranks' parts.
+  of them). run(model, tokens_BT, plan, room) -> the `ModelCache` fields the prefill of
+  `plan` (a PrefillPlan: its mesh, strategy, split, kernel, cache, probes) made: logits
+  [B, V] on the last rank's first device, and the joined cache (with room for `room` more
+  positions) or the ranks' parts.
   grown(cache, capacity) -> the cache with room for `capacity` positions (a fresh buffer: the
   decode steps donate theirs). sharded_stepper(model, result, max_new_tokens, seed): decode
   from cache="sharded" (`own_stepper`'s return)."""
@@ -69,29 +69,27 @@ class OwnFamily:
   one_rank_parts: Callable
 
 
-def _run_hybrid(
-  model,
-  tokens_BT,
-  mesh,
-  partition,
-  strategy,
-  attention,
-  cache,
-  room,
-  timeline=False,
-  full_partition=None,
-) -> dict:
+def _plan_options(plan) -> tuple:
+  """(partition, strategy, attention, cache) of a plan as the families' programs take them:
+  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves)."""
+  spec = plan.strategy
+  partition = plan.chunks if spec.partitioned else None
+  return partition, spec.name, plan.kernel.name, plan.cache
+
+
+def _run_hybrid(model, tokens_BT, plan, room) -> dict:
+  partition, strategy, attention, cache = _plan_options(plan)
   ran = hybrid.prefill_hybrid(
     model,
     tokens_BT,
-    mesh,
+    plan.mesh,
     partition,
     attention,
     room,
     strategy,
     cache=cache,
-    timeline=timeline,
-    full_partition=full_partition,
+    timeline=plan.timeline,
+    full_partition=plan.full_chunks,
   )
   return dict(
     logits=ran.logits_BV,
@@ -103,21 +101,11 @@ def _run_hybrid(
   )
 
 
-def _run_latent(
-  model,
-  tokens_BT,
-  mesh,
-  partition,
-  strategy,
-  attention,
-  cache,
-  room,
-  timeline=False,
-  full_partition=None,
-):
-  del timeline, full_partition  # refused by check_own_plan and plan_prefill
+def _run_latent(model, tokens_BT, plan, room):
+  # Timelines and a split per layer kind are refused by check_own_plan and plan_prefill.
+  partition, strategy, attention, cache = _plan_options(plan)
   ran = latent.prefill_latent(
-    model, tokens_BT, mesh, partition, room, strategy, attention, cache=cache
+    model, tokens_BT, plan.mesh, partition, room, strategy, attention, cache=cache
   )
   return dict(
     logits=ran.logits_BV,
@@ -284,20 +272,7 @@ def run_own_prefill(
     if plan.cache == "sharded":  # the cache as the one rank's part
       return ModelCache(logits_BV, **fields, **family.one_rank_parts(cache, plan.prompt_len, mesh))
     return ModelCache(logits_BV, **fields, model_cache=cache)
-  partition = plan.chunks if spec.partitioned else None
-  ran = family.run(
-    model,
-    tokens_BT,
-    mesh,
-    partition,
-    spec.name,
-    plan.kernel.name,
-    plan.cache,
-    room,
-    plan.timeline,
-    plan.full_chunks,
-  )
-  return ModelCache(**ran, **fields)
+  return ModelCache(**family.run(model, tokens_BT, plan, room), **fields)
 
 
 def _state_on(model, mesh):

@@ -107,14 +107,14 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh):
   on a slow one). Process 0's split on every process (each fits its own core, and every
   process must compile the same program). A hybrid's also a split per layer kind
   (`search.kind_split_search`: (linear, full or None)); None for latent models."""
-  if any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds):
+  is_hybrid = any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds)
+  if is_hybrid:
     hardware = fitted_hybrid_hardware(model, context_len)
   else:  # a latent-attention model
     hardware = fitted_latent_hardware(model, context_len)
   link = presets.measure_links(hardware)
   setup = presets.make_setup(hardware, link, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)
-  is_hybrid = any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds)
   linear, full = searched, None
   if is_hybrid:
     linear, full = search.kind_split_search(model.config, context_len, num_ranks, setup, searched)
