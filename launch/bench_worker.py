@@ -31,6 +31,7 @@ flags.DEFINE_string("link_rate", "unthrottled", "The rate the launcher set the l
 flags.DEFINE_string("partition", "search", "Timeline mode: KVR partition (or 'fitted').")
 flags.DEFINE_string("full_partition", None, "Timeline mode: a hybrid's full layers' split.")
 flags.DEFINE_list("timeline_strategies", ["kvr", "allgather"], "Timeline mode: strategies.")
+flags.DEFINE_enum("cache", "sharded", ["last", "sharded"], "Timeline mode: the cache layout.")
 flags.DEFINE_integer("num_processes", 2, "Processes in the cluster (set by the launcher).")
 flags.DEFINE_integer("process_id", None, "This process's id (set by the launcher).")
 flags.DEFINE_string("coordinator_address", None, "Coordinator host:port (set by the launcher).")
@@ -56,6 +57,7 @@ def job():
       partition=_timeline_partition(),
       repeats=FLAGS.repeats,
       dtype=FLAGS.dtype,
+      cache=FLAGS.cache,
     )
   return jobs.bench_job(
     FLAGS.model,

@@ -148,7 +148,14 @@ flags.DEFINE_bool("compare_transformers", True, "Devices mode: also time transfo
 flags.DEFINE_integer("measured_multiple", 64, "kvr-measured: chunk lengths multiple.")
 flags.DEFINE_string("output_dir", "results/benchmark", "Where CSV, PNG and JSON go.")
 # Worker role (set by the multiprocess launcher).
-flags.DEFINE_enum("cache", "last", ["last", "sharded"], "Memory mode: the cache layout.")
+flags.DEFINE_enum(
+  "cache",
+  None,
+  ["last", "sharded"],
+  "Memory mode: the cache layout (default last). Timeline mode: the layout the probed runs "
+  "prefill into (default sharded: every part where computed; last joins it on the last rank, "
+  "KV-Runahead keeping its last hops).",
+)
 flags.DEFINE_integer(
   "max_chunk", None, "Memory mode: KVR's balanced split with no chunk above this many tokens."
 )
@@ -242,12 +249,12 @@ def memory_mode():
       [int(c) for c in FLAGS.context_lens],
       num_devices=8 if FLAGS.num_devices is None else FLAGS.num_devices,
       model_parallel=FLAGS.model_parallel,
-      cache=FLAGS.cache,
+      cache=FLAGS.cache or "last",
       dtype=FLAGS.dtype if FLAGS["dtype"].present else "float32",
       max_chunk=FLAGS.max_chunk,
       decode_tokens=FLAGS.decode_tokens,
     )
-  memory_grid.memory_table(rows, FLAGS.model, FLAGS.cache).print()
+  memory_grid.memory_table(rows, FLAGS.model, FLAGS.cache or "last").print()
   return 0
 
 
@@ -337,6 +344,7 @@ def timeline_mode():
       f"--partition={FLAGS.partition}",
       *([f"--full_partition={FLAGS.full_partition}"] if FLAGS.full_partition else []),
       f"--timeline_strategies={','.join(FLAGS.timeline_strategies)}",
+      f"--cache={FLAGS.cache or 'sharded'}",
     ]
     try:
       reports = timeline.run_timelines("launch.bench_worker", worker_flags, FLAGS.num_processes)

@@ -238,6 +238,22 @@ def test_hybrid_prefill_equals_one_device(
   assert result.moved == (strategy != "kvr")
 
 
+@pytest.mark.parametrize("strategy, partition", [("kvr", [40, 30]), ("ring", None)])
+def test_a_second_prefill_traces_nothing_again(checkpoints, tokens, strategy, partition):
+  """The same prefill again (cache "last") reuses its program and its join of the cache: a
+  join traced per call cost 0.2 s of a 2.8 s TTFT at 16k (docs/measurements.md)."""
+  from kvr_jax.inference.hybrid import prefill_hybrid
+  from kvr_jax.strategies import TRACE_COUNT
+
+  ours, mesh = checkpoints["qwen3_5-types"][2], kvr_jax.make_mesh(2)
+  first = prefill_hybrid(ours, tokens, mesh, partition, "flash", 4, strategy)
+  before = dict(TRACE_COUNT)
+  again = prefill_hybrid(ours, tokens, mesh, partition, "flash", 4, strategy)
+  assert TRACE_COUNT["hybrid-join"] == before["hybrid-join"] >= 1
+  assert TRACE_COUNT[f"{strategy}-hybrid"] == before[f"{strategy}-hybrid"]
+  assert_close(again.cache.kv_2BSKH, first.cache.kv_2BSKH, "the same cache")
+
+
 def test_kvr_on_hybrid_decodes_transformers_greedy_tokens(checkpoints, tokens):
   hf_model, _, ours = checkpoints["qwen3_5-default"]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6)

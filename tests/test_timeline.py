@@ -129,6 +129,9 @@ def test_two_process_timeline_span_matches_ttft(tmp_path):
       # KV-Runahead alone: the probes of every strategy are checked on emulated devices
       # above; here what crosses processes (the span, the runs of both, the JSON).
       "--timeline_strategies=kvr",
+      # The cache joined on the last rank (KV-Runahead's last hops kept): the probed call
+      # then ends with the join, after the span.
+      "--cache=last",
       f"--output_dir={tmp_path}",
     ],
     cwd=ROOT,
@@ -152,7 +155,8 @@ def test_two_process_timeline_span_matches_ttft(tmp_path):
     assert 0.5 * owner["probed_ttft_s"] <= span <= owner["probed_ttft_s"], (span, owner)
     assert {i[0] for i in d["modelled"]} == {0, 1}
   assert dump[0]["runs"][0]["partition"] == [300, 212]
-  assert "MEASURED timelines" in proc.stdout
+  assert {r["cache"] for r in dump[0]["runs"]} == {"last"}
+  assert "MEASURED timelines" in proc.stdout and "cache last" in proc.stdout
 
 
 HYBRID_LINEAR_ORDER = {"kvr": ["linear", "hop", "rest"]}  # the peers: their all-gather of maps

@@ -277,10 +277,11 @@ def timeline_job(
   repeats: int = 3,
   seed: int = 0,
   dtype: str = "auto",
+  cache: str = "sharded",
 ) -> dict:
   """Every process: its measured timeline of each strategy (kvr_jax.tools.timeline), with
-  `partition` for kvr (a method, lengths, or "fitted": `fitted_plan`); the launcher merges
-  the processes' answers."""
+  `partition` for kvr (a method, lengths, or "fitted": `fitted_plan`), prefilling into
+  `cache`; the launcher merges the processes' answers."""
   model = load_model(model_name, dtype=dtype)
   mesh = make_mesh()
   tokens = synthetic_prompt(model.config.vocab_size, context_len, 1, seed)
@@ -296,6 +297,7 @@ def timeline_job(
       mesh=mesh,
       partition=partition if strategy == "kvr" else None,
       repeats=repeats,
+      cache=cache,
     )
     for strategy in strategies
   ]

@@ -7,8 +7,8 @@ same prefill without probes (the perturbation is the difference). `intervals` tu
 records of every process into (rank, layer, phase, start, end) intervals: a phase starts
 where the rank's previous mark was; `kvr_jax.planning.costmodel.simulate(..., intervals=)`
 gives the cost model's intervals of the same strategy and partition, and `plot` draws both, ranks by
-time, the paper's kind of figure. The cache stays sharded in the probed run: the move onto
-the last rank is timed apart (`PrefillTiming.moves_s`).
+time, the paper's kind of figure. The probed run prefills into cache "sharded" unless told
+"last" (then the move onto the last rank, or KV-Runahead's kept last hops, is in the run).
 """
 
 from __future__ import annotations
@@ -43,12 +43,22 @@ COLOURS = {
 
 
 def probe_run(
-  model: Model, tokens, strategy: str, *, mesh, partition=None, attention=None, repeats: int = 3
+  model: Model,
+  tokens,
+  strategy: str,
+  *,
+  mesh,
+  partition=None,
+  attention=None,
+  repeats: int = 3,
+  cache: str = "sharded",
 ) -> dict:
   """This process's measured timeline of `strategy` (the middle of `repeats` probed runs) and
-  the TTFT without probes; the same call in every process of a multi-process run."""
+  the TTFT without probes; the same call in every process of a multi-process run. cache: the
+  layout both runs prefill into ("sharded": every part where computed; "last": joined on the
+  last rank, KV-Runahead keeping its last hops, the move part of the call)."""
   kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition, attention=attention)
-  plain = time_prefill(model, tokens, repeats, cache="sharded", **kwargs)
+  plain = time_prefill(model, tokens, repeats, cache=cache, **kwargs)
   if isinstance(partition, Mapping):  # a hybrid's split per layer kind, lengths as given
     partition = {kind: list(chunks) for kind, chunks in partition.items()}
   else:
@@ -59,11 +69,11 @@ def probe_run(
   def probed():
     probe.EVENTS.clear()
     start = probe.now_ns()
-    plan = plan_prefill(model, tokens, cache="sharded", timeline=True, **kwargs)
+    plan = plan_prefill(model, tokens, cache=cache, timeline=True, **kwargs)
     result = run_prefill(model, plan, tokens)
-    # A strategy's parts (kv_parts) or a model's own (parts: a hybrid's K,V parts).
-    parts = result.kv_parts if hasattr(result, "kv_parts") else result.parts
-    jax.block_until_ready((result.logits, parts))
+    # Every array the result holds: a strategy's parts or joined cache, a model's own.
+    arrays = [a for a in jax.tree.leaves(vars(result)) if isinstance(a, jax.Array)]
+    jax.block_until_ready(arrays)
     return probe.now_ns() - start, start, list(probe.EVENTS)
 
   probed()  # compile
@@ -75,6 +85,7 @@ def probe_run(
     "strategy": strategy,
     "process_index": jax.process_index(),
     "partition": partition,  # lengths, or {"linear": .., "full": ..}
+    "cache": cache,
     "ttft_s": plain.median_s,
     "probed_ttft_s": duration / 1e9,
     "probed_runs_s": [run[0] / 1e9 for run in runs],
@@ -253,11 +264,15 @@ def run_timelines(worker: str, worker_flags: list[str], num_processes: int) -> l
 
 def timeline_table(report: list, model_name: str, context_len: int, num_processes: int):
   """`timeline_report`'s lines as launch.benchmark --mode=timeline prints them."""
+  cache = report[0]["runs"][0].get("cache", "sharded") if report else "sharded"
+  where = {
+    "sharded": "the cache stays sharded, its move is not in the span",
+    "last": "cache last: the move onto the last rank is in the TTFT, after the span",
+  }[cache]
   return Table(
     title=(
       f"\nMEASURED timelines, {model_name}, C={context_len}, {num_processes} processes x 1 "
-      "core (probes at every phase boundary; the cache stays sharded, its move is not in the "
-      "span)",
+      f"core (probes at every phase boundary; {where})",
     ),
     header=(
       f"{'strategy':<10}{'TTFT':>9}{'probed':>9}{'span':>9}  per rank: qkv / hops+waits / "
