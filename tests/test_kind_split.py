@@ -1,8 +1,9 @@
 """KV-Runahead on a hybrid with a split per layer kind: the hidden states laid out again
 between the linear layers' split and the full layers' (`strategies.base.reshard_rows`, the
 pieces `core.chunks.moved_rows` lists), and the cost model that prices those moves and
-searches the pair (`costmodel.simulate(full_partition=)`, `search.kind_split_search`).
-The programs' exactness is in tests/test_qwen3_5.py."""
+searches the pair (`costmodel.simulate(full_partition=)`, `search.kind_split_search`), and
+the plans that search it (partition "search", strategy "auto"). The programs' exactness is
+in tests/test_qwen3_5.py."""
 
 import jax
 import numpy as np
@@ -10,7 +11,10 @@ import pytest
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import chunk_starts, moved_rows
+from kvr_jax.inference.prefill import plan_from_shape
+from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning import costmodel, presets, search
+from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.mesh import AXIS, make_mesh
 from kvr_jax.runtime.roofline import Compute, Links, ModelledLayer, Receive, Send
@@ -141,3 +145,46 @@ def test_a_split_per_kind_is_kv_runaheads_on_a_hybrid(hybrid):
     costmodel.simulate(hybrid, "ring", 1024, _setup(10e9), num_ranks=2, full_partition=(512, 512))
   with pytest.raises(ValueError, match="sums to"):
     _ttft(hybrid, 1024, _setup(10e9), (512, 512), (500, 500))
+
+
+def _fast_plan(**held) -> PartitionPlan:
+  """A modelled search on two H100s whose hops are rendezvous at `bandwidth` (300 GB/s)."""
+  bandwidth = held.pop("bandwidth", 300e9)
+  links = Links(bandwidth, 10e-6, held_send=True)
+  return PartitionPlan("search", hardware="h100-sxm", links=links, **held)
+
+
+def test_search_on_a_hybrid_plans_a_split_per_kind():
+  """partition "search" on a hybrid (Qwen3.5-27B at 128k; a plan, nothing compiles) gives the
+  full layers their own split where it models faster: rank 0's longer, the boundaries held
+  to the plan's multiple and cap. On a link too slow for the moves it keeps one split;
+  "even" never splits."""
+  qwen, C, mesh = preset_config("qwen3.5-27b"), 131072, make_mesh(2)
+  shape = PrefillShape(qwen, "bfloat16", C, 1, C)
+  fast = plan_from_shape(shape, "kvr", mesh, _fast_plan(multiple=128))
+  linear, full = fast.chunks, fast.full_chunks
+  assert full is not None and full[0] > linear[0] and sum(full) == C
+  assert all(c % 128 == 0 for c in (*linear[:-1], *full[:-1]))
+  capped = plan_from_shape(shape, "kvr", mesh, _fast_plan(max_chunk=80_000))
+  assert capped.full_chunks is not None and max(*capped.chunks, *capped.full_chunks) <= 80_000
+  slow = plan_from_shape(shape, "kvr", mesh, _fast_plan(bandwidth=1e5))
+  assert slow.full_chunks is None
+  assert plan_from_shape(shape, "kvr", mesh, "even").full_chunks is None
+
+
+def test_auto_on_a_hybrid_runs_kv_runahead_on_its_split_per_kind():
+  """strategy "auto" models KV-Runahead with its split per layer kind (Qwen3.5-27B at 16k on
+  two rendezvous H100s: ahead of the peers there) and the plan runs that pair."""
+  qwen, C, mesh = preset_config("qwen3.5-27b"), 16384, make_mesh(2)
+  plan = plan_from_shape(PrefillShape(qwen, "bfloat16", C, 1, C), "auto", mesh, _fast_plan())
+  choice = plan.choice
+  assert plan.strategy.name == choice.strategy == "kvr"
+  assert choice.full_chunks is not None and choice.full_chunks[0] > choice.chunks[0]
+  assert (plan.chunks, plan.full_chunks) == (choice.chunks, choice.full_chunks)
+  assert "its full layers on" in str(choice)
+  setup = presets.make_setup(
+    "h100-sxm", _fast_plan().links, dtype_bytes=2, **costmodel.kernel_flags(plan.kernel)
+  )
+  assert choice.predicted_s["kvr"] == pytest.approx(
+    _ttft(qwen, C, setup, choice.chunks, choice.full_chunks)
+  )

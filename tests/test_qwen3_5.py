@@ -466,6 +466,31 @@ def test_kvr_with_a_split_per_layer_kind_decodes_transformers_tokens(checkpoints
     np.testing.assert_array_equal(got.tokens, want)
 
 
+def test_search_runs_the_split_per_kind_it_models(checkpoints, tokens, one_device):
+  """partition "search" on a hybrid runs the pair of splits it models faster: with attention
+  100 times slower than the matmuls, the 70-token prompt's full layers take a split of
+  their own (rank 0 longer), the result says so, and the logits are one device's."""
+  from kvr_jax.runtime.roofline import Hardware, Links
+
+  slow_attention = Hardware(
+    "slow attention",
+    1e12,
+    1e12,
+    0.5,
+    0.5,
+    fused_attention_fraction=0.005,
+    linear_rule_fraction=0.5,
+  )
+  plan = kvr_jax.PartitionPlan(
+    "search", hardware=slow_attention, links=Links(1e12, 1e-9, held_send=True)
+  )
+  ours, mesh = checkpoints["qwen3_5-types"][2], kvr_jax.make_mesh(2)
+  result = kvr_jax.prefill(ours, tokens, strategy="kvr", mesh=mesh, partition=plan)
+  linear, full = result.partition, result.full_partition
+  assert full is not None and full[0] > linear[0] and sum(full) == sum(linear) == T
+  assert_close(result.logits, one_device[0], "last logits")
+
+
 def test_a_split_per_layer_kind_refused_by_name(checkpoints, tokens):
   ours, prompt, mesh = checkpoints["qwen3_5-default"][2], tokens[:1, :30], kvr_jax.make_mesh(2)
   kinds = {"linear": [18, 12], "full": [23, 7]}

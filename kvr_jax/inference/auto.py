@@ -99,5 +99,5 @@ def choose_auto_strategy(shape: PrefillShape, mesh, partition, attention):
   # split: `_plan_partition` broadcasts that).
   key = (shape.model_key, T, B, plan)
   strategy = STRATEGIES[agreed("strategy", key, mesh, STRATEGIES.index(choice.strategy))]
-  chunks = list(choice.chunks) if choice.chunks and strategy == choice.strategy else None
-  return strategy, chunks, choice
+  split = choice.partition if strategy == choice.strategy else None
+  return strategy, split, choice

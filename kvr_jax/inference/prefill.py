@@ -30,7 +30,12 @@ from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.planning.costmodel import kernel_flags
-from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.planning.partition import (
+  PartitionPlan,
+  resolve_kind_split,
+  resolve_partition,
+  searches_kind_split,
+)
 from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.cache_layout import CacheLayout
 from kvr_jax.runtime.loading import Model
@@ -116,7 +121,8 @@ class PrefillPlan:
   padded: bool  # planned for rows padded past their length (what a 2-D mesh refuses so far)
   choice: StrategyChoice | None = None  # strategy="auto": what it picked and why (modelled)
   # KV-Runahead on a hybrid with a split per layer kind (partition={"linear": .., "full":
-  # ..}): the full layers' chunks; `partition` and `chunks` are then the linear layers'.
+  # ..}, or what "search" or "auto" modelled faster): the full layers' chunks; `partition`
+  # and `chunks` are then the linear layers'.
   full_chunks: tuple[int, ...] | None = None
 
   @property
@@ -171,7 +177,9 @@ def prefill(
     kvr_jax.planning.partition). On a hybrid model also one per layer kind,
     {"linear": .., "full": ..}: the full layers on their own split, the hidden states moved
     between the two at each full layer (strategies.hybrid.KindSplit; the result's
-    `full_partition`; `search.kind_split_search` models the pair).
+    `full_partition`). There "search" (modelled) searches the pair
+    (`search.kind_split_search`) and gives the full layers their own split where that
+    models faster; `full_partition` is None where it kept one split.
   attention: the kernel; "auto" (or None, the default) is the fastest exact kernel this
     strategy runs on the mesh's platform (strategies.base.AUTO_KERNELS: "cudnn" on NVIDIA GPUs
     in bfloat16/float16 without a sliding window, else "flash"; TSP is dense by definition).
@@ -257,7 +265,9 @@ def plan_from_shape(
   if isinstance(partition, Mapping):  # a split per layer kind (a hybrid's, KV-Runahead's)
     partition, full_partition = _split_by_kind(partition, family, spec)
     full_chunks = _plan_partition(shape, full_partition, mesh, kernel)
-  if spec.partitioned:
+  elif spec.partitioned and searches_kind_split(partition, shape.config):
+    user_chunks, full_chunks = _plan_kind_split(shape, partition, mesh, kernel)
+  if spec.partitioned and user_chunks is None:
     user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
   keep_last_hop = False
@@ -396,6 +406,25 @@ def _plan_partition(shape: PrefillShape, partition, mesh, kernel) -> tuple[int, 
   if partition is not None and not isinstance(partition, (str, PartitionPlan)):
     given = tuple(int(c) for c in partition)  # lengths (numpy's too), hashable
   return agreed("partition", (shape.model_key, given, T, B, kernel), mesh, chunks)
+
+
+def _plan_kind_split(shape: PrefillShape, partition, mesh, kernel) -> tuple:
+  """KV-Runahead's modelled search on a hybrid (`resolve_kind_split`): (the linear layers'
+  split, the full layers' or None), process 0's on every process."""
+  linear, full = resolve_kind_split(
+    partition,
+    shape.prompt_len,
+    mesh.shape[AXIS],
+    config=shape.config,
+    batch=shape.batch,
+    dtype_bytes=shape.itemsize,
+    model_parallel=model_parallel(mesh),
+    **kernel_flags(kernel),
+  )
+  p = len(linear)
+  key = (shape.model_key, partition, shape.prompt_len, shape.batch, kernel)
+  row = agreed("kind split", key, mesh, (*linear, *(full or (0,) * p)))  # zeros: one split
+  return row[:p], (row[p:] if any(row[p:]) else None)
 
 
 def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memory) -> bool:

@@ -1,8 +1,9 @@
 """Partition plans: how many prompt tokens each rank takes, chosen by method or given.
 
 Resolves "even" (KVR-E), "search" (KVR-S over the modelled TTFT), "balanced" and "predict"
-(KVR-P) into chunk lengths with the cost model. A search over *measured* TTFT runs prefills,
-so it lives above them: kvr_jax.tools.measured.
+(KVR-P) into chunk lengths with the cost model; on a hybrid model "search" also gives the full
+layers their own split where that models faster (`resolve_kind_split`). A search over
+*measured* TTFT runs prefills, so it lives above them: kvr_jax.tools.measured.
 """
 
 from __future__ import annotations
@@ -102,12 +103,7 @@ def resolve_partition(
     setup = _plan_setup(
       partition, config, dtype_bytes, batch, scores_in_memory, causal_skip, model_parallel
     )
-    cap = partition.max_chunk
-    if cap is not None and cap < -(-context_len // num_ranks):
-      raise ValueError(
-        f"max_chunk={cap} is below ceil(C/p) = {-(-context_len // num_ranks)} "
-        f"({context_len} tokens on {num_ranks} ranks): no partition fits it"
-      )
+    cap = _check_cap(partition.max_chunk, context_len, num_ranks)
     chunks = _plan_chunks(partition, context_len, num_ranks, config, setup, model_name)
     if cap is not None and max(chunks) > cap:
       raise ValueError(
@@ -117,6 +113,71 @@ def resolve_partition(
     # Every plan's answer is checked like a user's list: a bad plan never reaches a program.
     return check_chunks(chunks, context_len, num_ranks)
   return check_chunks(partition, context_len, num_ranks)
+
+
+def searches_kind_split(partition, config) -> bool:
+  """Whether `partition` asks KV-Runahead's modelled search ("search", or a PartitionPlan of
+  method "search" on the modelled objective) on a hybrid model with linear and full layers:
+  then the search is per layer kind (`resolve_kind_split`)."""
+  if isinstance(partition, str):
+    partition = PartitionPlan(partition) if partition == "search" else None
+  return (
+    isinstance(partition, PartitionPlan)
+    and partition.method == "search"
+    and partition.objective == "modelled"
+    and config is not None
+    and search.splits_by_kind(config)
+  )
+
+
+def resolve_kind_split(
+  partition,
+  context_len: int,
+  num_ranks: int,
+  *,
+  config,
+  batch: int = 1,
+  dtype_bytes: int = 4,
+  scores_in_memory: bool = True,
+  causal_skip: bool = False,
+  model_parallel: int = 1,
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+  """KV-Runahead's modelled search on a hybrid model (`searches_kind_split`), with the full
+  layers' own split: (the linear layers' split, the full layers' or None where one split for
+  both models as fast; `search.kind_split_search`). Every argument as `resolve_partition`'s,
+  and both splits checked as a user's (`max_chunk` included)."""
+  check_ranks(context_len, num_ranks)
+  plan = PartitionPlan(partition) if isinstance(partition, str) else partition
+  if not searches_kind_split(plan, config):
+    raise ValueError(
+      "a split per layer kind is searched by partition 'search' (modelled) on a hybrid model "
+      f"with linear and full layers, got {partition!r}"
+    )
+  setup = _plan_setup(
+    plan, config, dtype_bytes, batch, scores_in_memory, causal_skip, model_parallel
+  )
+  _check_cap(plan.max_chunk, context_len, num_ranks)
+  linear, full = _plan_kind_split(plan, context_len, num_ranks, config, setup)
+  linear = check_chunks(linear, context_len, num_ranks)
+  return linear, None if full is None else check_chunks(full, context_len, num_ranks)
+
+
+def _check_cap(cap: int | None, context_len: int, num_ranks: int) -> int | None:
+  """A plan's max_chunk, refused where even the even split does not fit it."""
+  if cap is not None and cap < -(-context_len // num_ranks):
+    raise ValueError(
+      f"max_chunk={cap} is below ceil(C/p) = {-(-context_len // num_ranks)} "
+      f"({context_len} tokens on {num_ranks} ranks): no partition fits it"
+    )
+  return cap
+
+
+@kept_cache(64)
+def _plan_kind_split(plan: PartitionPlan, context_len, num_ranks, config, setup) -> tuple:
+  """Keyed on the resolved Setup, as `_plan_chunks`."""
+  return search.kind_split_search(
+    config, context_len, num_ranks, setup, multiple=plan.multiple, max_chunk=plan.max_chunk
+  )
 
 
 def _plan_setup(plan, config, dtype_bytes, batch, scores_in_memory, causal_skip, model_parallel):

@@ -15,6 +15,7 @@ balanced  no search: chunk sizes that equalise every rank's modelled per-layer c
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -212,8 +213,22 @@ def modelled_search(
   )
 
 
+def splits_by_kind(config: ModelConfig) -> bool:
+  """Whether KV-Runahead may give `config`'s layers a split per kind: a hybrid with both
+  linear and full-attention layers (`kind_split_search`)."""
+  linear = getattr(config, "linear_kind", None)
+  return linear is not None and {linear, FULL_ATTENTION} <= set(config.kinds)
+
+
 def kind_split_search(
-  config: ModelConfig, context_len: int, num_ranks: int, setup: Setup, start=None
+  config: ModelConfig,
+  context_len: int,
+  num_ranks: int,
+  setup: Setup,
+  start=None,
+  *,
+  multiple: int = 1,
+  max_chunk: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
   """KV-Runahead on a hybrid with a split per layer kind: (the linear layers' split, the
   full layers' own, or None where one split for both models as fast). A full layer's
@@ -223,9 +238,14 @@ def kind_split_search(
   linear one, then the full once more; each a `search_partition`) from two starts: one
   split for both (`start`, else searched: any small step away from it pays a whole move,
   so it is a local optimum of its own) and each kind's own optimum (a model of that kind's
-  layers alone)."""
+  layers alone). multiple, max_chunk: as `search_partition` holds both splits to them."""
+  if not splits_by_kind(config):
+    raise ValueError("a split per layer kind is a hybrid's, with linear and full layers")
+  held = {"multiple": multiple, "max_chunk": max_chunk}
   one = (
-    tuple(start) if start is not None else modelled_search(config, context_len, num_ranks, setup)
+    tuple(start)
+    if start is not None
+    else modelled_search(config, context_len, num_ranks, setup, **held)
   )
 
   def ttft(linear, full):
@@ -242,13 +262,15 @@ def kind_split_search(
   def descend(linear, full):
     for fixed in ("linear", "full", "linear"):
       if fixed == "linear":
-        full = search_partition(lambda f: ttft(linear, f), context_len, num_ranks, start=full)  # noqa: B023
+        objective = functools.partial(ttft, linear)
+        full = search_partition(objective, context_len, num_ranks, start=full, **held)
       else:
-        linear = search_partition(lambda c: ttft(c, full), context_len, num_ranks, start=linear)  # noqa: B023
+        objective = functools.partial(lambda f, c: ttft(c, f), full)
+        linear = search_partition(objective, context_len, num_ranks, start=linear, **held)
     return linear, full
 
   own = [
-    modelled_search(config.of_kind(kind), context_len, num_ranks, setup)
+    modelled_search(config.of_kind(kind), context_len, num_ranks, setup, **held)
     for kind in (config.linear_kind, FULL_ATTENTION)
   ]
   best = min(descend(one, one), descend(*own), key=lambda pair: ttft(*pair))
