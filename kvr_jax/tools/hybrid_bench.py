@@ -2,8 +2,10 @@
 (`launch.benchmark --mode=hybrid`): a hybrid model (kvr_jax.inference.hybrid: KV-Runahead,
 ring and all-gather CP) or a latent-attention one (kvr_jax.inference.latent: the same three).
 KV-Runahead on its split from the cost model (rates fitted to the model's own layers on this
-core: `phases.fitted_hybrid_hardware`, `phases.fitted_latent_hardware`), and even; the
-peers; the single device alone; every figure MEASURED here.
+core: `phases.fitted_hybrid_hardware`, `phases.fitted_latent_hardware`; on a hybrid the full
+layers on their own split where that models faster, as `partition="search"` runs it, with
+the one split beside it as "kvr-one"), and even; the peers; the single device alone; every
+figure MEASURED here.
 
 A call ends when the last rank's logits of the prompt's last position are ready, the cache
 left where the program put it (`join=False`): KV-Runahead's last rank then
@@ -77,19 +79,25 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
       ).logits_BV
     )
 
+  # KVR-S is what partition="search" runs: on a hybrid the full layers on their own split
+  # where that models faster ("kvr-one": the one split searched for both kinds, beside it).
   # ":sharded": KV-Runahead's parts left where computed, as the peers' are (the figure
   # without it has the last rank keep its last hops: the cache joined there).
+  split = searched
+  kw = {}
+  if kinds is not None and kinds[1] is not None:
+    split, kw = kinds, {"full_partition": kinds[1]}
+  linear = split[0] if kw else split
   variants = {
-    "kvr-search": call("kvr", searched),
-    "kvr-search:sharded": call("kvr", searched, cache="sharded"),
+    "kvr-search": call("kvr", linear, **kw),
+    "kvr-search:sharded": call("kvr", linear, cache="sharded", **kw),
     "kvr-even": call("kvr", even),
     **{peer: call(peer) for peer in peers},
   }
-  splits = {"kvr-search": searched, "kvr-search:sharded": searched, "kvr-even": even}
-  if kinds is not None and kinds[1] is not None:  # the full layers on their own split
-    variants["kvr-kinds"] = call("kvr", kinds[0], full_partition=kinds[1])
-    variants["kvr-kinds:sharded"] = call("kvr", kinds[0], full_partition=kinds[1], cache="sharded")
-    splits["kvr-kinds"] = splits["kvr-kinds:sharded"] = kinds
+  splits = {"kvr-search": split, "kvr-search:sharded": split, "kvr-even": even}
+  if kw:
+    variants["kvr-one:sharded"] = call("kvr", searched, cache="sharded")
+    splits["kvr-one:sharded"] = searched
   if measured:
     plan = PartitionPlan("search", objective="measured")
     splits["kvr-measured"] = tuple(measured_partition(model, tokens, mesh, plan))
@@ -116,7 +124,7 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh):
   setup = presets.make_setup(hardware, link, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)
   linear, full = searched, None
-  if is_hybrid:
+  if search.splits_by_kind(model.config):
     linear, full = search.kind_split_search(model.config, context_len, num_ranks, setup, searched)
   # One flat row to agree on: the split, the linear layers', the full layers' (zeros: none).
   p = num_ranks
