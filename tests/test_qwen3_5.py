@@ -489,6 +489,15 @@ def test_search_runs_the_split_per_kind_it_models(checkpoints, tokens, one_devic
   linear, full = result.partition, result.full_partition
   assert full is not None and full[0] > linear[0] and sum(full) == sum(linear) == T
   assert_close(result.logits, one_device[0], "last logits")
+  # launch.run's table names both splits.
+  from kvr_jax.tools import demo
+
+  (report,) = demo.compare_strategies(
+    ours, tokens, ["kvr"], num_devices=2, partition=plan, repeats=1, max_new_tokens=1
+  )
+  assert (report.partition, report.full_partition) == (linear, full)
+  row = demo.format_table([report]).splitlines()[2]
+  assert f"{linear[0]},{linear[1]} / {full[0]},{full[1]}" in row
 
 
 def test_a_split_per_layer_kind_refused_by_name(checkpoints, tokens):

@@ -52,6 +52,9 @@ class StrategyReport:
   first_tokens: list[int]
   # strategy="auto": what the cost model picked, with every strategy's MODELLED TTFT.
   choice: str | None = None
+  # KV-Runahead on a hybrid with its full layers on their own split (`partition` is then
+  # the linear layers'): what "search" or "auto" picked, or the user's mapping.
+  full_partition: tuple[int, ...] | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -133,12 +136,15 @@ def _report(strategy: str, timing, plan_s: float, cache_use, diff, gen) -> Strat
     max_logit_diff_vs_single=diff,
     first_tokens=[int(t) for t in gen.tokens[0]],
     choice=None if result.choice is None else describe_choice(result.choice),
+    full_partition=getattr(result, "full_partition", None),
   )
 
 
 def describe_choice(choice) -> str:
   """strategy="auto"'s pick and the MODELLED TTFT of each strategy it weighed."""
   split = f" {list(choice.chunks)}" if choice.chunks else ""
+  if choice.full_chunks:
+    split += f", its full layers on {list(choice.full_chunks)}"
   modelled = ", ".join(
     f"{name} {seconds * 1e3:.1f}ms" for name, seconds in choice.predicted_s.items()
   )
@@ -186,8 +192,9 @@ def _is_measured(partition) -> bool:
 
 
 def format_table(reports: list[StrategyReport]) -> str:
-  """One row per strategy; the partition in full (the column is as wide as the longest)."""
-  parts = ["-" if r.partition is None else ",".join(map(str, r.partition)) for r in reports]
+  """One row per strategy; the partition in full (the column is as wide as the longest; a
+  split per layer kind as "linear / full")."""
+  parts = [_split_text(r.partition, r.full_partition) for r in reports]
   width = max([len("partition"), *map(len, parts)])
   header = (
     f"{'strategy':<9} {'kernel':<6} {'partition':<{width}} {'TTFT median':>12} {'plan':>7} "
@@ -205,6 +212,13 @@ def format_table(reports: list[StrategyReport]) -> str:
     )
   lines += [r.choice for r in reports if r.choice]
   return "\n".join(lines)
+
+
+def _split_text(partition, full_partition) -> str:
+  if partition is None:
+    return "-"
+  text = ",".join(map(str, partition))
+  return text if full_partition is None else f"{text} / {','.join(map(str, full_partition))}"
 
 
 def describe_run(model, tokens, buckets, num_devices: int | None, model_parallel: int = 1) -> str:
