@@ -104,6 +104,8 @@ def _print_reports(model, tokens, buckets, reports, emulated: bool, cache_dir) -
       "nothing about parallel speed-up (see `python -m launch.benchmark`)."
     )
   print(demo.format_table(reports))
+  if any(r.full_partition for r in reports):
+    print("partition a / b: a hybrid's linear layers on a, its full layers on b")
   print(
     "plan: the split's search and auto's choice, before the first call; "
     + (
