@@ -231,9 +231,25 @@ def test_interval_verdict_on_synthetic_samples():
     interval_verdict([], [1.0])
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_round_order_varies_who_runs_first_and_who_runs_before_whom(n):
+  """Over four rounds every variant runs first once (n >= 4; each of the n first otherwise)
+  and, where it has two others, runs right after at least two different ones: a plain
+  rotation put each right after the same one in every round it did not start."""
+  from kvr_jax.tools.timing import round_order
+
+  names = list(range(n))
+  rounds = [round_order(names, r) for r in range(4)]
+  assert all(sorted(order) == names for order in rounds)
+  assert {order[0] for order in rounds} == set(names[:4])
+  for name in names:
+    before = {order[order.index(name) - 1] for order in rounds if order.index(name) > 0}
+    assert len(before) >= min(2, n - 1), (name, rounds)
+
+
 def test_interleaved_rounds_rotate_and_keep_only_the_last_results(monkeypatch):
-  """time_interleaved: each round starts one variant later (no variant always first, or
-  always after the same one), every sample's time is kept, and of the results only each
+  """time_interleaved: each round starts one variant later, every odd round's rest reversed
+  (`round_order`), every sample's time is kept, and of the results only each
   variant's last (a result holds its whole cache; keeping all of them grew the processes by
   gigabytes and slowed the later variants' moves)."""
   import weakref
@@ -254,7 +270,7 @@ def test_interleaved_rounds_rotate_and_keep_only_the_last_results(monkeypatch):
   monkeypatch.setattr(timing, "_timed_call", fake_call)
   variants = {name: {"name": name} for name in "ABC"}
   timings = timing.time_interleaved(None, None, variants, rounds=3)
-  assert calls == list("ABC" + "ABC" + "BCA" + "CAB")  # compiles, then rotated rounds
+  assert calls == list("ABC" + "ABC" + "BAC" + "CAB")  # compiles, then the rounds
   assert timings["B"].runs_s == [5.0, 7.0, 12.0] and timings["A"].moves_s == [0.5] * 3
   # During the run: when a variant runs again, only the other variants' last results live.
   assert max(alive_at_call) == len(variants) - 1, alive_at_call

@@ -12,7 +12,7 @@ left where the program put it (`join=False`): KV-Runahead's last rank then
 already holds the whole cache, the peers' is spread over their ranks (their move onto the
 last rank is not in the figure: the comparison favours the peers). The variants of one
 length are called once each (their compiles), then `rounds` rounds time one call of each in
-a rotating order, as kvr_jax.tools.timing does for `prefill`.
+`timing.round_order`, as kvr_jax.tools.timing does for `prefill`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_hybrid_hardware, fitted_latent_hardware
 from kvr_jax.tools.report import Table
-from kvr_jax.tools.timing import synthetic_prompt
+from kvr_jax.tools.timing import round_order, synthetic_prompt
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 PEERS = ("ring", "allgather")
@@ -166,7 +166,7 @@ def hybrid_bench_job(
     samples = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
-      for name in names[r % len(names) :] + names[: r % len(names)]:
+      for name in round_order(names, r):
         samples[name].append(_timed(variants[name]))
     for name in names:
       ttft, done = zip(*samples[name], strict=True)

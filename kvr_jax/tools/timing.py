@@ -87,8 +87,8 @@ def time_interleaved(
 ) -> dict[str, PrefillTiming]:
   """Every variant (name -> prefill keyword arguments) called once (its compile), then
   `rounds` rounds that time one warm call of each variant in turn, so that a drift of the
-  machine's speed hits every variant alike. Each round starts one variant later (ABC, BCA,
-  CAB, ...): no variant always runs first, or always right after the same one. Every sample's
+  machine's speed hits every variant alike, in `round_order`: no variant always runs first,
+  or always right after the same one. Every sample's
   time is kept (`runs_s`), and of its results only the last: a variant's previous result is
   freed before it runs again. first_calls: the variants called once before the rounds
   (default every one); variants that share one compiled program need only one of them
@@ -111,7 +111,7 @@ def time_interleaved(
   samples: dict[str, list] = {name: [] for name in variants}
   names = list(variants)
   for r in range(rounds):
-    for name in names[r % len(names) :] + names[: r % len(names)]:
+    for name in round_order(names, r):
       cache, kwargs, _ = setup[name]
       latest[name] = None  # its buffers freed before the next call allocates its own
       latest[name], seconds, move_s = _timed_call(model, tokens, cache, kwargs)
@@ -126,6 +126,17 @@ def time_interleaved(
     )
     for name, (_, _, first_s) in setup.items()
   }
+
+
+def round_order(names: list, r: int) -> list:
+  """The order of round r of an interleaved timing: the variants rotated by r (each round
+  starts one later), the rest of every odd round reversed (ABCD, BADC, CDAB, DCBA). A plain
+  rotation keeps every variant right after the same one in every round it does not start
+  (ABCD, BCDA, CDAB: C always after B), so whatever a variant leaves behind (memory to free,
+  a straggling process) would always land on the same next one."""
+  n = len(names)
+  rotated = list(names[r % n :]) + list(names[: r % n])
+  return rotated[:1] + rotated[:0:-1] if r % 2 else rotated
 
 
 def interval_verdict(samples_s, other_samples_s) -> str:
