@@ -266,7 +266,7 @@ def plan_from_shape(
     partition, full_partition = _split_by_kind(partition, family, spec)
     full_chunks = _plan_partition(shape, full_partition, mesh, kernel)
   elif spec.partitioned and searches_kind_split(partition, shape.config):
-    user_chunks, full_chunks = _plan_kind_split(shape, partition, mesh, kernel)
+    user_chunks, full_chunks = _agreed_kind_split(shape, partition, mesh, kernel)
   if spec.partitioned and user_chunks is None:
     user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
@@ -408,7 +408,7 @@ def _plan_partition(shape: PrefillShape, partition, mesh, kernel) -> tuple[int, 
   return agreed("partition", (shape.model_key, given, T, B, kernel), mesh, chunks)
 
 
-def _plan_kind_split(shape: PrefillShape, partition, mesh, kernel) -> tuple:
+def _agreed_kind_split(shape: PrefillShape, partition, mesh, kernel) -> tuple:
   """KV-Runahead's modelled search on a hybrid (`resolve_kind_split`): (the linear layers'
   split, the full layers' or None), process 0's on every process."""
   linear, full = resolve_kind_split(

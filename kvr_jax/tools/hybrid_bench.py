@@ -83,11 +83,9 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
   # where that models faster ("kvr-one": the one split searched for both kinds, beside it).
   # ":sharded": KV-Runahead's parts left where computed, as the peers' are (the figure
   # without it has the last rank keep its last hops: the cache joined there).
-  split = searched
-  kw = {}
-  if kinds is not None and kinds[1] is not None:
-    split, kw = kinds, {"full_partition": kinds[1]}
-  linear = split[0] if kw else split
+  linear, full = kinds if kinds is not None and kinds[1] is not None else (searched, None)
+  kw = {} if full is None else {"full_partition": full}
+  split = searched if full is None else (linear, full)
   variants = {
     "kvr-search": call("kvr", linear, **kw),
     "kvr-search:sharded": call("kvr", linear, cache="sharded", **kw),
@@ -95,7 +93,7 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
     **{peer: call(peer) for peer in peers},
   }
   splits = {"kvr-search": split, "kvr-search:sharded": split, "kvr-even": even}
-  if kw:
+  if full is not None:
     variants["kvr-one:sharded"] = call("kvr", searched, cache="sharded")
     splits["kvr-one:sharded"] = searched
   if measured:
