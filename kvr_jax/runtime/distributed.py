@@ -37,6 +37,19 @@ SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_paralleli
 # What the launcher adds on GPUs: the latency-hiding scheduler lets a collective (KVR's hop,
 # ring's ppermute) run under independent compute instead of between it.
 GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+# What pinned CPU workers (the timing runs) ask of glibc's malloc: one arena, no mmap of large
+# blocks, no trim, so that the memory a call frees is the next call's without page faults.
+# Why: XLA:CPU allocates each call's temporaries and outputs afresh, and glibc maps large
+# blocks anew and unmaps them when freed, so every call first-touches them again: 3 us a
+# 4 KiB page on this project's 2-core VM (256 MiB: 200 ms; docs/measurements.md, stop 72).
+# A GPU's caching allocator (XLA's BFC) keeps its pool and never faults, and a strategy with
+# larger temporaries (KV-Runahead's longest chunk, its kept hops) paid for it per call
+# here: measured, not modelled, at 16k on bench-qwen3.5-8 it cost ~100 ms of 2.6-4 s.
+RETAINED_MALLOC_TUNABLES = {
+  "glibc.malloc.arena_max": "1",
+  "glibc.malloc.mmap_threshold": str(1 << 32),
+  "glibc.malloc.trim_threshold": str(1 << 34),
+}
 
 
 def local_accelerators(env) -> tuple[str, int]:
@@ -65,14 +78,26 @@ def _flag_name(flag: str) -> str:
 
 
 def worker_env(
-  process_id: int, base_env, *, platform: str, devices_per_process: int, pin_cores: bool
+  process_id: int,
+  base_env,
+  *,
+  platform: str,
+  devices_per_process: int,
+  pin_cores: bool,
+  retain_memory: bool | None = None,
 ) -> tuple[dict, list[str]]:
-  """One worker's environment and extra arguments. The user's JAX_PLATFORMS and XLA_FLAGS are
-  kept; the launcher appends only the flags its own options ask for (replacing the user's
-  value of those alone): on CPUs the emulated device count (and one thread when pinned), and
-  JAX_PLATFORMS=cpu where the user set none; on GPUs the latency-hiding scheduler, and
-  `--local_device_ids` giving process i its own `devices_per_process` GPUs."""
+  """One worker's environment and extra arguments. The user's JAX_PLATFORMS, XLA_FLAGS and
+  GLIBC_TUNABLES are kept; the launcher appends only the settings its own options ask for
+  (replacing the user's value of those alone): on CPUs the emulated device count (and one
+  thread when pinned), and JAX_PLATFORMS=cpu where the user set none; on GPUs the
+  latency-hiding scheduler, and `--local_device_ids` giving process i its own
+  `devices_per_process` GPUs. retain_memory: glibc's malloc keeps what a call frees for the
+  next (RETAINED_MALLOC_TUNABLES); default: pinned CPU workers, the timing runs."""
   env = {**base_env, SUPERVISED_ENV: "1"}  # launch_local watches its workers itself
+  if retain_memory is None:
+    retain_memory = pin_cores and platform != "gpu"
+  if retain_memory:
+    env["GLIBC_TUNABLES"] = _merged_tunables(base_env.get("GLIBC_TUNABLES", ""))
   if platform == "gpu":
     ours = GPU_XLA_FLAGS.split()
     first = process_id * devices_per_process
@@ -87,6 +112,13 @@ def worker_env(
   user = [f for f in base_env.get("XLA_FLAGS", "").split() if _flag_name(f) not in names]
   env["XLA_FLAGS"] = " ".join(user + ours)
   return env, args
+
+
+def _merged_tunables(user: str) -> str:
+  """The user's GLIBC_TUNABLES ("name=value:name=value") with RETAINED_MALLOC_TUNABLES
+  replacing theirs of the same names."""
+  kept = [t for t in user.split(":") if t and t.split("=")[0] not in RETAINED_MALLOC_TUNABLES]
+  return ":".join(kept + [f"{k}={v}" for k, v in RETAINED_MALLOC_TUNABLES.items()])
 
 
 def _parse_address(address: str) -> tuple[str, int]:
@@ -200,6 +232,7 @@ def launch_local(
   extra_env: dict | None = None,
   platform: str | None = None,
   network=None,
+  retain_memory: bool | None = None,
 ) -> list[ProcessOutcome]:
   """Starts `python -m worker_module` num_processes times on this machine and supervises them.
 
@@ -213,7 +246,8 @@ def launch_local(
   seconds all are stopped. `skip_processes` leaves processes out (to test a missing one).
   network: a `links.ProcessNetwork` (a full-duplex throttled link): process i starts inside
   its network namespace and the coordinator is at process 0's address there; None: the
-  loopback.
+  loopback. retain_memory: `worker_env`'s (default: pinned CPU workers keep freed memory, as
+  a GPU's caching allocator does, so that no call pays page faults for its buffers).
   """
   port, platform, base_env = _check_launch(
     num_processes, devices_per_process, port, extra_env, platform
@@ -229,6 +263,7 @@ def launch_local(
       platform=platform,
       devices_per_process=devices_per_process,
       pin_cores=pin_cores,
+      retain_memory=retain_memory,
     )
     core = cores[i % len(cores)]
     host = "localhost" if network is None else network.address(0)
