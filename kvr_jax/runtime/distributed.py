@@ -97,7 +97,9 @@ def worker_env(
   if retain_memory is None:
     retain_memory = pin_cores and platform != "gpu"
   if retain_memory:
-    env["GLIBC_TUNABLES"] = _merged_tunables(base_env.get("GLIBC_TUNABLES", ""))
+    ours = [f"{name}={value}" for name, value in RETAINED_MALLOC_TUNABLES.items()]
+    user = base_env.get("GLIBC_TUNABLES", "").split(":")
+    env["GLIBC_TUNABLES"] = ":".join(_user_then_ours([t for t in user if t], ours))
   if platform == "gpu":
     ours = GPU_XLA_FLAGS.split()
     first = process_id * devices_per_process
@@ -108,17 +110,15 @@ def worker_env(
     ours += SINGLE_THREAD_XLA_FLAGS.split() if pin_cores else []
     env.setdefault("JAX_PLATFORMS", "cpu")
     args = []
-  names = {_flag_name(f) for f in ours}
-  user = [f for f in base_env.get("XLA_FLAGS", "").split() if _flag_name(f) not in names]
-  env["XLA_FLAGS"] = " ".join(user + ours)
+  env["XLA_FLAGS"] = " ".join(_user_then_ours(base_env.get("XLA_FLAGS", "").split(), ours))
   return env, args
 
 
-def _merged_tunables(user: str) -> str:
-  """The user's GLIBC_TUNABLES ("name=value:name=value") with RETAINED_MALLOC_TUNABLES
-  replacing theirs of the same names."""
-  kept = [t for t in user.split(":") if t and t.split("=")[0] not in RETAINED_MALLOC_TUNABLES]
-  return ":".join(kept + [f"{k}={v}" for k, v in RETAINED_MALLOC_TUNABLES.items()])
+def _user_then_ours(user: list[str], ours: list[str]) -> list[str]:
+  """Settings ("name=value") of the user's that none of ours names, then ours: ours replace
+  the user's of the same name, the rest are kept."""
+  names = {_flag_name(s) for s in ours}
+  return [s for s in user if _flag_name(s) not in names] + ours
 
 
 def _parse_address(address: str) -> tuple[str, int]:
