@@ -19,6 +19,7 @@ from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.mesh import AXIS, make_mesh
 from kvr_jax.runtime.roofline import Compute, Links, ModelledLayer, Receive, Send
 from kvr_jax.strategies.base import reshard_rows
+from models.layer_kinds import FULL_ATTENTION
 
 
 def test_moved_rows_lists_each_overlap_between_different_ranks():
@@ -104,7 +105,7 @@ def test_simulate_prices_each_full_layers_moves(hybrid):
   linear, full = (8192, 8192), (11000, 5384)
   assert _ttft(hybrid, C, setup, linear, linear) == _ttft(hybrid, C, setup, linear)
   intervals = []
-  costmodel.simulate(
+  sim = costmodel.simulate(
     hybrid,
     "kvr",
     C,
@@ -114,6 +115,19 @@ def test_simulate_prices_each_full_layers_moves(hybrid):
     full_partition=full,
     intervals=intervals,
   )
+  # The bytes it reports, per layer over the 8: rank 0 sends 2808 rows out of layer 3,
+  # rank 1 sends them in to layers 3 and 7. The hops' bytes stay what the hops carry.
+  row_bytes = hybrid.d_model * 4
+  assert sim.moved_bytes == pytest.approx([2808 * row_bytes / 8, 2 * 2808 * row_bytes / 8])
+  one = costmodel.simulate(hybrid, "kvr", C, setup, num_ranks=2, partition=linear)
+  assert one.moved_bytes == [0.0, 0.0]
+  linear_hop, full_hop = (
+    costmodel.modelled_layer(
+      hybrid.of_kind(kind), "kvr", C, setup, num_ranks=2, partition=split
+    ).link_bytes[0]
+    for kind, split in ((hybrid.linear_kind, linear), (FULL_ATTENTION, full))
+  )
+  assert sim.link_bytes[0] == pytest.approx((6 * linear_hop + 2 * full_hop) / 8)
   moves = sorted(
     (layer, rank, end - start) for rank, layer, phase, start, end in intervals if phase == "move"
   )
@@ -143,6 +157,9 @@ def test_kind_split_search_splits_the_full_layers_apart_where_the_moves_are_chea
 def test_a_split_per_kind_is_kv_runaheads_on_a_hybrid(hybrid):
   with pytest.raises(ValueError, match="full_partition is KV-Runahead's"):
     costmodel.simulate(hybrid, "ring", 1024, _setup(10e9), num_ranks=2, full_partition=(512, 512))
+  llama = preset_config("bench-llama")
+  with pytest.raises(ValueError, match="this model's layers are all full attention"):
+    costmodel.simulate(llama, "kvr", 1024, _setup(10e9), num_ranks=2, full_partition=(512, 512))
   with pytest.raises(ValueError, match="sums to"):
     _ttft(hybrid, 1024, _setup(10e9), (512, 512), (500, 500))
 

@@ -4,7 +4,8 @@ anything compiles, and told how it runs today."""
 
 from __future__ import annotations
 
-from models.layer_kinds import unbuilt_kinds
+from kvr_jax.core.chunks import check_chunks
+from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
 
 
 def check_layers_run(config, what: str) -> None:
@@ -21,3 +22,23 @@ def check_layers_run(config, what: str) -> None:
       "one device through its own module: `model.module(tokens)` for logits, "
       "`.forward(tokens, capacity=...)` for the cache, `.decode_step(...)`"
     )
+
+
+def check_full_partition(config, strategy_name: str, full_partition, context_len, num_ranks):
+  """KV-Runahead's own split of a hybrid model's full-attention layers, checked (one check
+  for the programs and the cost model), or None where every layer takes the one partition."""
+  if full_partition is None:
+    return None
+  if strategy_name != "kvr":
+    raise ValueError(
+      "full_partition is KV-Runahead's split of a hybrid model's full layers; "
+      f"{strategy_name} lays out its own"
+    )
+  linear = [isinstance(kind, GatedDeltaNetKind) for kind in config.kinds]
+  if all(linear) or not any(linear):
+    names = ", ".join(kind.name for kind in config.kinds)
+    raise ValueError(
+      "full_partition splits a hybrid model's full-attention layers apart from its linear "
+      f"ones; this model's layers are all {names}"
+    )
+  return check_chunks(full_partition, context_len, num_ranks)

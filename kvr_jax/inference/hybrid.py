@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
+from kvr_jax.core.layer_support import check_full_partition
 from kvr_jax.inference import decode
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
@@ -52,7 +53,7 @@ from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
 from models.base import no_reduce
 from models.kernels import get_kernel
 from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
-from models.qwen3_5 import FULL, HybridCache, LinearState, scan_layers
+from models.qwen3_5 import HybridCache, LinearState, scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,7 @@ def prefill_hybrid(
     tensor_parallel.check_model_parallel(model.config, m)
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
-  full_chunks = _check_full_partition(model, spec, full_partition, T, p)
+  full_chunks = check_full_partition(model.config, spec.name, full_partition, T, p)
   check_new_tokens(max_new_tokens, 0)
   kernel = spec.check_attention(attention)
   if kernel == "auto":
@@ -220,20 +221,6 @@ def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, .
       f"passes on); {spec.name} on {p} ranks gives one of {shortest} for {T} tokens"
     )
   return chunks
-
-
-def _check_full_partition(model: Model, spec, full_partition, T: int, p: int):
-  """The full layers' own split (KV-Runahead's), or None where every layer takes
-  `partition`."""
-  if full_partition is None:
-    return None
-  if spec.name != "kvr":
-    raise ValueError(
-      f"full_partition is KV-Runahead's split of its full layers; {spec.name} lays out its own"
-    )
-  if not model.config.layers_of(FULL):
-    raise ValueError("full_partition splits the full-attention layers; this model has none")
-  return check_chunks(full_partition, T, p)
 
 
 # The joins are jitted once, their lengths static: a jit of a fresh closure per call traced

@@ -49,6 +49,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_chunks, check_ranks, moved_rows
+from kvr_jax.core.layer_support import check_full_partition
 from kvr_jax.runtime.roofline import (
   Collective,
   Compute,
@@ -153,6 +154,9 @@ class Simulation:
   rank_flops: list[float]  # per layer
   rank_memory_bytes: list[float]  # per layer
   link_bytes: list[float]  # per layer: hop k (kvr) or per-rank all-gather receive (tsp)
+  # Per layer, per rank: the hidden states a rank sends to lay them out again (KV-Runahead
+  # on a hybrid with a split per kind, `with_moves`; zeros otherwise), beside link_bytes.
+  moved_bytes: list[float]
 
 
 def layer_timeline(
@@ -444,7 +448,9 @@ def simulate(
   full_partition (KV-Runahead on a hybrid): the full layers' own split, `partition` the
   linear layers'; each full layer then moves the hidden states into its split and back
   (`with_moves`)."""
-  full_chunks = _check_full_partition(config, strategy, context_len, num_ranks, full_partition)
+  full_chunks = check_full_partition(
+    config, get_strategy(strategy).name, full_partition, context_len, num_ranks
+  )
 
   def partition_of(kind):
     linear = isinstance(kind, GatedDeltaNetKind)
@@ -459,8 +465,9 @@ def simulate(
   layers = [by_kind[kind] for kind in config.layer_kinds]
   if not isinstance(config.layer_kinds[-1], GatedDeltaNetKind):
     layers[-1] = last_layer(layers[-1], setup)
+  moved_bytes = [0.0] * num_ranks
   if full_chunks is not None:
-    layers = with_moves(config, layers, tuple(partition), full_chunks, setup)
+    layers, moved_bytes = with_moves(config, layers, tuple(partition), full_chunks, setup)
   shard = model_shard(config, setup.model_parallel)
   finish = layer_timeline(layers, config.num_layers, setup.links.held_send, intervals)
   head = head_work(shard, setup.batch, setup.dtype_bytes).time(setup.hardware)
@@ -478,42 +485,36 @@ def simulate(
     per_layer("flops"),
     per_layer("bytes"),
     per_layer("link_bytes"),
+    [b / len(layers) for b in moved_bytes],
   )
 
 
-def _check_full_partition(config, strategy, context_len, num_ranks, full_partition):
-  if full_partition is None:
-    return None
-  if get_strategy(strategy).name != "kvr" or not any(
-    isinstance(kind, GatedDeltaNetKind) for kind in config.kinds
-  ):
-    raise ValueError("full_partition is KV-Runahead's split of a hybrid model's full layers")
-  return check_chunks(full_partition, context_len, num_ranks)
-
-
-def move_steps(from_chunks, to_chunks, row_bytes: float, links) -> list[list]:
+def move_steps(from_chunks, to_chunks, row_bytes: float, links) -> tuple[list[list], list]:
   """Each rank's steps to lay hidden states out again (`strategies.base.reshard_rows`): the
   pieces in the program's order (`moved_rows`'), a send ("move") on the sender and a receive
   on the receiver (in that one order no rendezvous waits on a later one). Neighbours over
-  their own link, others over the slowest."""
+  their own link, others over the slowest. Also the bytes each rank sends."""
   p = len(from_chunks)
-  steps = [[] for _ in range(p)]
+  steps, sent = [[] for _ in range(p)], [0.0] * p
   for s, d, _, _, rows in moved_rows(from_chunks, to_chunks):
     bandwidth = links.link_bandwidth(min(s, d)) if abs(s - d) == 1 else links.slowest(p)
     steps[s].append(Send(d, rows * row_bytes / bandwidth + links.latency, "move"))
     steps[d].append(Receive(s))
-  return steps
+    sent[s] += rows * row_bytes
+  return steps, sent
 
 
-def with_moves(config, layers: list, linear_chunks, full_chunks, setup: Setup) -> list:
+def with_moves(config, layers: list, linear_chunks, full_chunks, setup: Setup):
   """The modelled layers of KV-Runahead on a hybrid whose full layers take their own split:
   each full layer starts by moving the hidden states (D numbers a token) into its split and
-  ends by moving them back; the model's last layer moves nothing back (one row is read)."""
+  ends by moving them back; the model's last layer moves nothing back (one row is read).
+  Returns (the layers, the bytes of hidden states each rank sends over all of them)."""
+  sent = [0.0] * len(linear_chunks)
   if linear_chunks == full_chunks:
-    return layers
+    return layers, sent
   row_bytes = setup.batch * config.d_model * setup.dtype_bytes
-  enter = move_steps(linear_chunks, full_chunks, row_bytes, setup.links)
-  leave = move_steps(full_chunks, linear_chunks, row_bytes, setup.links)
+  enter, enter_sent = move_steps(linear_chunks, full_chunks, row_bytes, setup.links)
+  leave, leave_sent = move_steps(full_chunks, linear_chunks, row_bytes, setup.links)
   moved = {}  # one description per original (the timeline's steady state runs on identity)
   last = len(layers) - 1
   for l, kind in enumerate(config.layer_kinds):
@@ -526,7 +527,9 @@ def with_moves(config, layers: list, linear_chunks, full_chunks, setup: Setup) -
       steps = tuple((*a, *steps, *b) for a, steps, b in zip(enter, layer.steps, after, strict=True))
       moved[key] = dataclasses.replace(layer, steps=steps)
     layers[l] = moved[key]
-  return layers
+    for r, (e, v) in enumerate(zip(enter_sent, leave_sent, strict=True)):
+      sent[r] += e + (0.0 if l == last else v)
+  return layers, sent
 
 
 def lower_bound(config: ModelConfig, context_len: int, num_ranks: int, setup: Setup) -> float:
