@@ -175,8 +175,9 @@ QWEN35_CASES = {
 }
 
 
-def make_qwen35_model(case: str, seed: int = 0):
-  """A tiny random `Qwen3_5ForCausalLM` (model_type qwen3_5_text)."""
+def make_qwen35_model(case: str, seed: int = 0, **overrides):
+  """A tiny random `Qwen3_5ForCausalLM` (model_type qwen3_5_text); `overrides` replace config
+  fields."""
   config = transformers.Qwen3_5TextConfig(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -192,7 +193,7 @@ def make_qwen35_model(case: str, seed: int = 0):
     bos_token_id=None,
     pad_token_id=None,
     tie_word_embeddings=False,
-    **QWEN35_CASES[case],
+    **{**QWEN35_CASES[case], **overrides},
   )
   config._attn_implementation = "eager"
   torch.manual_seed(seed)

@@ -372,8 +372,10 @@ def test_hybrid_prefill_refuses_by_name(checkpoints, tokens):
   from kvr_jax.inference.hybrid import prefill_hybrid
 
   ours = checkpoints["qwen3_5-types"][2]
-  with pytest.raises(ValueError, match="halo"):
-    prefill_hybrid(ours, tokens, kvr_jax.make_mesh(2), [68, 2])
+  # 20 tokens in 8 zigzag chunks of 3: the last two hold 2 and 0 real tokens, less than the
+  # halo of 3 that a peer's chunk takes from one neighbour (KV-Runahead runs any split).
+  with pytest.raises(ValueError, match="as short as 0 tokens.*convolution halo of 3"):
+    prefill_hybrid(ours, tokens[:, :20], kvr_jax.make_mesh(4), None, strategy="ring")
   with pytest.raises(ValueError, match="2 or more ranks"):
     prefill_hybrid(ours, tokens, kvr_jax.make_mesh(1), [T])
   with pytest.raises(ValueError, match="token ids"):

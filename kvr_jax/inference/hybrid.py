@@ -203,22 +203,25 @@ def _last_rank_part(array, mesh):
 
 
 def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, ...]:
-  """The strategy's chunks, each long enough to pass the convolution's halo on."""
-  halo = model.config.linear_conv_kernel - 1
+  """The strategy's chunks. KV-Runahead runs any chunk length (a chunk shorter than the
+  convolution's halo passes on the tail of the halo it received); a peer's zigzag chunks
+  each take their halo from one neighbour, so each must hold at least the halo's w rows."""
   if spec.partitioned:
-    chunks = check_chunks(partition, T, p)
-    shortest = min(chunks)
-  else:
-    if partition is not None:
-      raise ValueError(f"strategy {spec.name!r} lays the prompt out itself: give no partition")
-    check_ranks(T, p)
-    chunks = spec.layout(T, p, None)
-    c = zigzag.chunk_len(T, p)
-    shortest = min(c, T - (2 * p - 1) * c)  # every zigzag chunk is c long but the last
+    return check_chunks(partition, T, p)
+  if partition is not None:
+    raise ValueError(f"strategy {spec.name!r} lays the prompt out itself: give no partition")
+  check_ranks(T, p)
+  chunks = spec.layout(T, p, None)
+  halo = model.config.linear_conv_kernel - 1
+  c = zigzag.chunk_len(T, p)  # 2p chunks of c: the last ones hold what is left, or padding
+  shortest = min(min(c, max(T - j * c, 0)) for j in range(2 * p))
   if shortest < halo:
     raise ValueError(
-      f"every chunk must hold at least {halo} tokens (the convolution's halo a linear layer "
-      f"passes on); {spec.name} on {p} ranks gives one of {shortest} for {T} tokens"
+      f"{spec.name} on {p} ranks splits {T} tokens into zigzag chunks as short as {shortest} "
+      "tokens, "
+      f"and each must hold the linear layers' convolution halo of {halo} tokens (its kernel "
+      f"is {halo + 1}): give a longer prompt, fewer ranks, or strategy='kvr', which runs "
+      "any split"
     )
   return chunks
 

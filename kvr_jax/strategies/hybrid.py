@@ -75,14 +75,15 @@ _BODIES = {
 }
 
 
-def state_chain(leave, first_message, own_halo_BwC, rank, num_ranks: int):
+def state_chain(leave, first_message, rank, num_ranks: int):
   """What each rank enters its chunk with: (state [B, h, k, v], the w input rows before its
-  chunk [B, w, C]); rank 0 enters with zeros. p-1 hops: hop k sends rank k's leaving state,
-  leave(what rank k entered with), and its own last w input rows to rank k+1. Every rank
-  computes `leave` at every hop (SPMD: small work); only rank k's is sent."""
+  chunk [B, w, C]); rank 0 enters with zeros. p-1 hops: hop k sends rank k's
+  leave(what rank k entered with) -> (its leaving state, the last w inputs up to its chunk's
+  end) to rank k+1. Every rank computes `leave` at every hop (SPMD: small work); only rank
+  k's is sent."""
   entering = first_message
   for k in range(num_ranks - 1):
-    message = jax.lax.ppermute((leave(*entering), own_halo_BwC), AXIS, perm=[(k, k + 1)])
+    message = jax.lax.ppermute(leave(*entering), AXIS, perm=[(k, k + 1)])
     # zeros reach the ranks outside the pair
     entering = jax.tree.map(lambda new, old: jnp.where(rank == k + 1, new, old), message, entering)
   return entering
@@ -113,18 +114,18 @@ def _plain_maps(operands):
   return o_Bchv, jnp.zeros_like(q), A_Bhkk, B_Bhkv
 
 
-def _at_own_length(rank, chunks: tuple[int, ...], phase):
+def _at_own_length(rank, chunks: tuple[int, ...], phase, rows: int | None = None):
   """phase(i, c_i, *operands) -> (arrays with rows on axis 1, arrays without) on rank
   `rank`'s own static length: a `lax.switch` whose branch i runs rank i's c_i rows, the
-  rowed outputs padded back to the longest chunk's rows. The rows past a rank's chunk are
-  never computed: a searched split's short rank does its own tokens' work, not the longest
-  rank's (padded rows would cost it the projections, the entry map and the MLP of tokens it
-  does not hold)."""
-  c_max = max(chunks)
+  rowed outputs padded back to `rows` (the longest chunk's by default). The rows past a
+  rank's chunk are never computed: a searched split's short rank does its own tokens' work,
+  not the longest rank's (padded rows would cost it the projections, the entry map and the
+  MLP of tokens it does not hold)."""
+  rows = max(chunks) if rows is None else rows
 
   def branch(i, *operands):
     rowed, whole = phase(i, chunks[i], *operands)
-    return jax.tree.map(lambda a: pad_rows(a, c_max), rowed), whole
+    return jax.tree.map(lambda a: pad_rows(a, rows), rowed), whole
 
   return lambda *operands: jax.lax.switch(
     rank, [functools.partial(branch, i) for i in range(len(chunks))], *operands
@@ -135,51 +136,67 @@ def chain_linear_layer(
   block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_reduce, probe=lambda label, v: v
 ):
   """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
-  (x [B, c_max, D], the state it leaves [B, h, k, v], the last w real rows of its input).
-  Each rank's phases run at its own length (`_at_own_length`). Rank 0 enters with zeros and
-  runs the plain chunked form. Rank i > 0 splits its chunk into a head (its first w rows,
-  whose convolution needs the rows before the chunk) and the rest (convolved from the
-  chunk's own rows): it runs the rest ahead as an entry map before anything arrives, then
-  one hop brings the entering state and the halo together, the head runs its w tokens
-  recurrently from them, and the rest's map is applied to the state the head leaves. One
-  message per hop, on the chain: no rank waits at a layer's start for its successor.
+  (x [B, c_max, D], the state it leaves [B, h, k, v], the last w inputs up to its chunk's
+  end [B, w, C]). Each rank's phases run at its own length (`_at_own_length`). Rank 0 enters
+  with zeros and runs the plain chunked form. Rank i > 0 splits its chunk into a head (its
+  first w rows, or all c of them when c <= w: their convolution needs the rows before the
+  chunk) and the rest (rows w..c, convolved from the chunk's own rows): it runs the rest
+  ahead as an entry map before anything arrives, then one hop brings the entering state and
+  the halo together, the head runs recurrently from them, and the rest's map is applied to
+  the state the head leaves. One message per hop, on the chain: no rank waits at a layer's
+  start for its successor. Any chunk length runs: a chunk shorter than w passes on a halo
+  that ends with its own rows and begins with the halo it received.
   reduce: a model group's sum (each shard holds some key heads, their state and channels:
   what its hops carry). probe(label, value) -> value: the timeline's mark at "linear" (the
   chunk's maps made), "hop" (what the chain brought) and "rest" (the layer's output)."""
   p, w = len(chunks), block.conv_q.shape[0] - 1
+  # The head reads w rows even where a chunk is shorter: its rows past the chunk are
+  # padding (g = beta = 0 leave the state as it is; their outputs are dropped).
+  head_rows = max(max(chunks), w)
 
   def inputs(i, c, x_BcD):
-    mixed_BcC, z_Bchv, g_Bch, beta_Bch = block.inputs(x_BcD[:, :c])
-    return (mixed_BcC, z_Bchv, g_Bch, beta_Bch), mixed_BcC[:, c - w :]
+    return block.inputs(x_BcD[:, :c]), ()
 
-  (mixed_BcC, z_Bchv, g_Bch, beta_Bch), own_halo = _at_own_length(rank, chunks, inputs)(x_BcD)
+  (mixed_BcC, z_Bchv, g_Bch, beta_Bch), _ = _at_own_length(rank, chunks, inputs, head_rows)(x_BcD)
+  c_rank = jnp.asarray(chunks, jnp.int32)[rank]
+
+  def halo_after(entering_halo_BwC):
+    """The last w inputs up to the chunk's end: the chunk's own when c >= w, else the tail of
+    the halo it entered with followed by its c rows."""
+    rows_BwcC = jnp.concatenate([entering_halo_BwC.astype(mixed_BcC.dtype), mixed_BcC], axis=1)
+    return jax.lax.dynamic_slice_in_dim(rows_BwcC, c_rank, w, axis=1)
 
   def span_maps(i, c, mixed_BcC, g_Bch, beta_Bch):
+    B, C = mixed_BcC.shape[0], mixed_BcC.shape[2]
     if i == 0:  # the prompt's first chunk: zeros enter it, halo included
-      zero_halo = jnp.zeros_like(mixed_BcC[:, :w])
+      zero_halo = jnp.zeros((B, w, C), mixed_BcC.dtype)
       conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv_kernel(), zero_halo)
       o_Bchv, q_eff, A_Bhkk, B_Bhkv = _plain_maps(
         (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
       )
       return (o_Bchv, q_eff), (A_Bhkk, B_Bhkv)
-    # The rest: rows w..c, their convolution's halo the chunk's own first w rows.
+    # The rest: rows w..c (none when c <= w), their convolution's halo the chunk's own
+    # first w rows.
     conv_BrC, _ = gdn.causal_conv(mixed_BcC[:, w:c], block.conv_kernel(), mixed_BcC[:, :w])
     operands = (*block.heads(conv_BrC, g_Bch[:, w:c]), beta_Bch[:, w:c])
-    if c == w:  # no rest: the identity map
+    if c <= w:  # no rest: the identity map
       q_Brhk, v_Brhv = operands[0], operands[2]
       B, h, d_k, d_v = q_Brhk.shape[0], q_Brhk.shape[2], q_Brhk.shape[3], v_Brhv.shape[3]
       A_Bhkk = gdn.zeros_as(g_Bch, (B, h, d_k, d_k)) + jnp.eye(d_k)  # (q has no rows)
       o_Brhv, q_eff_Brhk, B_Bhkv = v_Brhv, q_Brhk, gdn.zeros_as(g_Bch, (B, h, d_k, d_v))
     else:
       o_Brhv, q_eff_Brhk, A_Bhkk, B_Bhkv = gdn.chunked_with_entry_map(*operands)
-    head = jnp.zeros_like(o_Brhv[:, :w])  # the head's rows, filled once the hop arrives
-    return (
-      jnp.concatenate([head, o_Brhv], axis=1),
-      jnp.concatenate([jnp.zeros_like(q_eff_Brhk[:, :w]), q_eff_Brhk], axis=1),
-    ), (A_Bhkk, B_Bhkv)
+
+    # The head's w rows, filled once the hop arrives: shaped from w, not sliced from the
+    # rest (a rest shorter than w would give a shorter head and shift every row after it).
+    def before_rest(rest_Br__):
+      head = jnp.zeros((rest_Br__.shape[0], w, *rest_Br__.shape[2:]), rest_Br__.dtype)
+      return jnp.concatenate([head, rest_Br__], axis=1)
+
+    return (before_rest(o_Brhv), before_rest(q_eff_Brhk)), (A_Bhkk, B_Bhkv)
 
   (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = probe(
-    "linear", _at_own_length(rank, chunks, span_maps)(mixed_BcC, g_Bch, beta_Bch)
+    "linear", _at_own_length(rank, chunks, span_maps, head_rows)(mixed_BcC, g_Bch, beta_Bch)
   )
 
   def head(entering_Bhkv, halo_BwC):
@@ -190,10 +207,13 @@ def chain_linear_layer(
 
   def leave(entering_Bhkv, halo_BwC):  # rank 0's A is zero: it leaves B
     _, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
-    return jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
+    leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
+    return leaving_Bhkv, halo_after(halo_BwC)
 
-  zeros = (jnp.zeros_like(B_Bhkv), jnp.zeros_like(own_halo))
-  entering_Bhkv, halo_BwC = probe("hop", state_chain(leave, zeros, own_halo, rank, p))
+  zero_halo = jnp.zeros((mixed_BcC.shape[0], w, mixed_BcC.shape[2]), mixed_BcC.dtype)
+  entering_Bhkv, halo_BwC = probe(
+    "hop", state_chain(leave, (jnp.zeros_like(B_Bhkv), zero_halo), rank, p)
+  )
   o_head_Bwhv, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
   leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
 
@@ -201,13 +221,14 @@ def chain_linear_layer(
     o_Bchv = o_Bchv[:, :c]
     if i > 0:  # rank 0 entered with zeros: its outputs need no correction
       rest_Brhv = o_Bchv[:, w:] + jnp.einsum("BThk,Bhkv->BThv", q_eff_Bchk[:, w:c], after_head_Bhkv)
-      o_Bchv = jnp.concatenate([o_head_Bwhv.astype(o_Bchv.dtype), rest_Brhv], axis=1)
+      head_Bwhv = o_head_Bwhv[:, : min(c, w)].astype(o_Bchv.dtype)
+      o_Bchv = jnp.concatenate([head_Bwhv, rest_Brhv], axis=1)
     return block.output(x_BcD[:, :c], o_Bchv, z_Bchv[:, :c], reduce), ()
 
   x_BcD, _ = _at_own_length(rank, chunks, finish)(
     x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv
   )
-  return probe("rest", x_BcD), leaving_Bhkv, own_halo  # rank 0's A is zero: it leaves B
+  return probe("rest", x_BcD), leaving_Bhkv, halo_after(halo_BwC)
 
 
 def zigzag_linear_layer(

@@ -1,0 +1,189 @@
+"""KV-Runahead on a hybrid model at every chunk length: a linear layer's chunk passes its
+leaving state and the last w = kernel - 1 inputs (the convolution's halo) to the next rank,
+and a chunk may be shorter than the halo, as long, up to twice as long or longer. Each
+length 1..2w+1 is swept in the first, a middle and the last position for convolution
+kernels 2-5, against the model's own one-device forward, and decoded against transformers;
+the 2-D mesh, cache="sharded" and a split per layer kind take the same short chunks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import kvr_jax
+from kvr_jax.runtime.mesh import AXIS, global_array
+from kvr_jax.strategies.hybrid import chain_linear_layer
+from models.gated_deltanet_layer import LinearState
+from tests import hf_fixtures
+from tests.tolerance import assert_close
+
+DEFAULT_KERNEL = 4  # Qwen3.5's linear_conv_kernel_dim
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
+
+
+@functools.cache
+def _checkpoint(kernel: int, tmp_root: str):
+  """(torch model, its directory, our model) of a 3-layer hybrid whose convolution has
+  `kernel` taps."""
+  hf_model = hf_fixtures.make_qwen35_model(
+    "qwen3_5-default", num_hidden_layers=3, layer_types=LAYER_TYPES, linear_conv_kernel_dim=kernel
+  )
+  directory = f"{tmp_root}/qwen3_5-kernel{kernel}"
+  hf_model.save_pretrained(directory)
+  return hf_model, directory, kvr_jax.load_model(directory)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp("chunk_lengths"))
+  return lambda kernel: _checkpoint(kernel, root)
+
+
+def rotations(kernel: int) -> list[tuple[int, int, int]]:
+  """Splits over 3 ranks in which every length 1..2w+1 stands once first, once in the middle
+  and once last: the lengths' cyclic rotations taken three at a time."""
+  lengths = list(range(1, 2 * (kernel - 1) + 2))
+  n = len(lengths)
+  return [tuple(lengths[(i + j) % n] for j in range(3)) for i in range(n)]
+
+
+def test_rotations_put_every_length_in_every_position():
+  for kernel in (2, 3, 4, 5):
+    splits, w = rotations(kernel), kernel - 1
+    for position in range(3):
+      assert sorted(s[position] for s in splits) == list(range(1, 2 * w + 2))
+
+
+def first_linear_block(model):
+  graphdef, stacked = nnx.split(model.module.linear_blocks)
+  return nnx.merge(graphdef, jax.tree.map(lambda w: w[0], stacked))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def chained(block, parts_pBcD, chunks: tuple[int, ...], mesh):
+  """KV-Runahead's linear layer over `chunks` (rank r's rows in parts[r], padded): each
+  rank's (x [B, c_max, D], leaving state, halo)."""
+
+  def per_rank(block, x_1BcD):
+    rank = jax.lax.axis_index(AXIS)
+    out = chain_linear_layer(block, x_1BcD[0], rank, chunks)
+    return jax.tree.map(lambda a: a[None], out)
+
+  return jax.shard_map(per_rank, mesh=mesh, in_specs=(jax.P(), jax.P(AXIS)), out_specs=jax.P(AXIS))(
+    block, parts_pBcD
+  )
+
+
+@pytest.mark.parametrize(
+  "kernel",
+  [pytest.param(k, marks=[] if k == DEFAULT_KERNEL else [pytest.mark.e2e]) for k in (2, 3, 4, 5)],
+)
+def test_every_chunk_length_in_every_position(checkpoint, kernel):
+  """One linear layer chained over 3 ranks at each split of `rotations`: every rank's
+  outputs, and the state and halo each leaves, as the layer run on one device over the
+  prompt up to that rank's chunk's end."""
+  block = first_linear_block(checkpoint(kernel)[2])
+  w, D = kernel - 1, block.w_out.shape[-1]
+  x_BTD = np.random.RandomState(kernel).normal(size=(2, 3 * (2 * w + 1), D)).astype(np.float32)
+  cfg = block.config
+  channels = block.conv_kernel().shape[-1]
+  state_shape = (2, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+  zero_past = LinearState(jnp.zeros(state_shape), jnp.zeros((2, w, channels)))
+  # One device, compiled once: the whole prompt's outputs (causal: a prefix's are its first
+  # rows) and, with every row's length set to a chunk's end, the past that prefix leaves.
+  run = jax.jit(lambda block, x, lengths: block.run(x, zero_past, lengths))
+  want_x, _ = run(block, x_BTD, jnp.full((2,), x_BTD.shape[1]))
+  mesh = kvr_jax.make_mesh(3)
+  for split in rotations(kernel):
+    ends = np.cumsum(split)
+    parts = np.stack(
+      [pad_to(x_BTD[:, e - c : e], max(split)) for c, e in zip(split, ends, strict=True)]
+    )
+    parts = global_array(parts, NamedSharding(mesh, jax.P(AXIS)))
+    x_pBcD, leaving_pBhkv, halo_pBwC = map(np.asarray, chained(block, parts, split, mesh))
+    for r, (c, end) in enumerate(zip(split, ends, strict=True)):
+      _, want_past = run(block, x_BTD, jnp.full((2,), end))
+      where = f"kernel {kernel}, split {split}, rank {r}"
+      assert_close(x_pBcD[r, :, :c], want_x[:, end - c : end], f"{where}: outputs")
+      assert_close(leaving_pBhkv[r], want_past.state_Bhkv, f"{where}: leaving state")
+      assert_close(halo_pBwC[r], want_past.halo_BwC, f"{where}: halo")
+
+
+def pad_to(x_BcD, rows: int):
+  return np.pad(x_BcD, ((0, 0), (0, rows - x_BcD.shape[1]), (0, 0)))
+
+
+def every_prefix_logits(model, tokens):
+  """[B, T, V]: the one-device forward's logits at every position; a prompt of its first n
+  tokens ends with column n - 1."""
+  x_BTD, _ = jax.jit(lambda m, t: m.forward(t))(model.module, tokens)
+  return np.asarray(model.module.logits(x_BTD))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kernel", [2, 3, 4, 5])
+def test_every_chunk_length_through_the_whole_model(checkpoint, kernel):
+  """kvr_jax.prefill at every split of `rotations`: the last logits as one device's."""
+  model = checkpoint(kernel)[2]
+  tokens = np.random.RandomState(kernel).randint(0, hf_fixtures.VOCAB, (2, 3 * (2 * kernel - 1)))
+  want = every_prefix_logits(model, tokens)
+  mesh = kvr_jax.make_mesh(3)
+  for split in rotations(kernel):
+    n = sum(split)
+    got = kvr_jax.prefill(model, tokens[:, :n], strategy="kvr", mesh=mesh, partition=list(split))
+    assert_close(got.logits, want[:, n - 1], f"kernel {kernel}, split {split}")
+
+
+@pytest.mark.parametrize("kernel", [2, 4, 5])
+def test_short_later_chunks_decode_transformers_tokens(checkpoint, kernel):
+  """Chunks of 1, w+1 and w-or-more tokens (kernel 2: w = 1): greedy tokens from the last
+  rank's cache are transformers'."""
+  hf_model, _, model = checkpoint(kernel)
+  w = kernel - 1
+  split = [w + 1, 1, w + 1, 2 * w]
+  prompt = np.random.RandomState(7).randint(0, hf_fixtures.VOCAB, (1, sum(split)))
+  want = hf_fixtures.hf_greedy(hf_model, prompt, 5)
+  got = kvr_jax.generate(
+    model, prompt, 5, strategy="kvr", mesh=kvr_jax.make_mesh(len(split)), partition=split
+  )
+  np.testing.assert_array_equal(got.tokens, want)
+
+
+@pytest.mark.parametrize(
+  "label, ranks, model_shards, partition, cache",
+  [
+    ("default split of 10 tokens", 2, 1, None, "last"),
+    ("2-D mesh", 2, 2, [36, 4], "last"),
+    ("cache sharded", 4, 1, [5, 5, 4, 26], "sharded"),
+    ("a split per layer kind", 2, 1, {"linear": [35, 5], "full": [36, 4]}, "last"),
+  ],
+)
+def test_short_later_chunks_on_every_path(checkpoint, label, ranks, model_shards, partition, cache):
+  """The lengths a probe found wrong (w < c < 2w), on each path that runs the chain."""
+  _, directory, model = checkpoint(DEFAULT_KERNEL)
+  T = 10 if partition is None else 40
+  tokens = np.random.RandomState(3).randint(0, hf_fixtures.VOCAB, (1, T))
+  want = every_prefix_logits(model, tokens)[:, -1]
+  mesh = kvr_jax.make_mesh(ranks, model=model_shards)
+  if model_shards > 1:
+    model = kvr_jax.load_model(directory, mesh=mesh)
+  got = kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=partition, cache=cache)
+  assert_close(got.logits, want, label)
+
+
+@pytest.mark.e2e
+def test_the_planners_splits_run(checkpoint):
+  """partition="search" and "balanced" may give a chunk shorter than the halo (27 tokens on 3
+  ranks): the split they choose runs and gives one device's logits."""
+  _, _, model = checkpoint(DEFAULT_KERNEL)
+  tokens = np.random.RandomState(5).randint(0, hf_fixtures.VOCAB, (1, 27))
+  want = every_prefix_logits(model, tokens)[:, -1]
+  mesh = kvr_jax.make_mesh(3)
+  for method in ("search", "balanced"):
+    got = kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition=method)
+    assert sum(got.partition) == 27, (method, got.partition)
+    assert_close(got.logits, want, f"partition={method} {got.partition}")
