@@ -357,8 +357,11 @@ def saved_checkpoints(make, cases, tmp_path_factory) -> dict:
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+  """transformers' logits at every position, uncached (a Qwen3.5 model of linear layers
+  alone has no cache transformers can measure)."""
   with torch.no_grad():
-    return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    return model(tokens, use_cache=False).logits.float().numpy()
 
 
 def hf_greedy(model, tokens: np.ndarray, n: int) -> np.ndarray:

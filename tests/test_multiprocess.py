@@ -127,9 +127,11 @@ def test_windowed_layers_keep_rings_on_the_last_rank_across_processes():
 
 
 @pytest.mark.parametrize(
-  "model, peer", [("bench-qwen3.5", "ring"), ("bench-deepseek", "allgather")]
+  "model, peer, partition",
+  # the hybrid's last chunk of 5 tokens: between its convolution's halo (3) and twice it
+  [("bench-qwen3.5", "ring", [195, 5]), ("bench-deepseek", "allgather", [120, 80])],
 )
-def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model, peer):
+def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model, peer, partition):
   """A hybrid (Gated DeltaNet layers passing a state) and a latent-attention model across two
   processes of one rank, through kvr_jax.prefill and decode_from: under KV-Runahead the last
   rank's process holds the cache its last hop and chunk make (no move); under a peer the
@@ -141,7 +143,7 @@ def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model, 
     "--devices_per_process=1",
     f"--model={model}",
     "--context_len=200",
-    "--partition=120,80",
+    f"--partition={','.join(map(str, partition))}",
     f"--strategy=kvr,{peer}",
     "--temperature=1",
     "--max_new_tokens=6",
@@ -150,7 +152,7 @@ def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model, 
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
   assert result["process_index"] == 1 and result["num_ranks"] == 2
-  assert result["strategies"]["kvr"]["partition"] == [120, 80]
+  assert result["strategies"]["kvr"]["partition"] == partition
   for name in ("kvr", peer):
     run = result["strategies"][name]
     assert run["cache"] == "last", name

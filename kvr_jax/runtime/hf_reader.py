@@ -170,6 +170,8 @@ def _check_complete(directory, flat_abstract, filled, origin) -> None:
   """Every parameter, every layer of it, came from some tensor; else one error naming them."""
   missing = []
   for param_path in flat_abstract:
+    if _no_layers(flat_abstract[param_path].shape):
+      continue  # a stack of a layer kind the model does not use (Qwen3.5 all linear)
     if param_path not in filled:
       missing.append(".".join(param_path))
     elif not filled[param_path].all():
@@ -181,6 +183,11 @@ def _check_complete(directory, flat_abstract, filled, origin) -> None:
       )
   if missing:
     raise ValueError(f"{directory}: the checkpoint lacks tensors for: {missing}")
+
+
+def _no_layers(shape) -> bool:
+  """A parameter with no elements: the stack of a layer kind with no layer in this model."""
+  return 0 in tuple(shape)
 
 
 class _WholeParams:
@@ -198,6 +205,8 @@ class _WholeParams:
     self.buffers[param_path][... if layer is None else layer] = value
 
   def finish(self, param_path) -> jax.Array:
+    if param_path not in self.buffers:  # `_no_layers`: nothing to read
+      return jnp.zeros(self.flat_abstract[param_path].shape, self.np_dtype)
     return jnp.asarray(self.buffers.pop(param_path))
 
 
@@ -251,6 +260,9 @@ class _SplitParams:
     return layer, experts
 
   def finish(self, param_path) -> jax.Array:
+    shape = self.shapes[param_path]
+    if _no_layers(shape) and param_path not in self.layers:  # nothing to read
+      return jax.device_put(np.zeros(shape, self.np_dtype), self.shardings[param_path])
     if param_path in self.unstacked:
       return self.unstacked.pop(param_path)
     layers = self.layers.pop(param_path)

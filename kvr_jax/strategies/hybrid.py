@@ -331,7 +331,8 @@ def compile_hybrid(
     full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
     body = make_body(full_model, rank, tokens_1BT[0], reduce)
 
-    linear_index_L = jnp.asarray(model.config.layers_of(LINEAR), jnp.int32)
+    # ([0] where a kind has no layer: only `_empty_outputs`' abstract trace reads it then)
+    linear_index_L = jnp.asarray(model.config.layers_of(LINEAR) or [0], jnp.int32)
 
     def linear_layer(block, x, i=0):
       def probe(label, value):  # the model's index of linear layer i
@@ -343,7 +344,7 @@ def compile_hybrid(
 
     # Each full row's index in the model: the rank layer knows the model's last layer by it
     # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
-    full_index_F = jnp.asarray(model.config.layers_of(FULL), jnp.int32)
+    full_index_F = jnp.asarray(model.config.layers_of(FULL) or [0], jnp.int32)
     split_full = KindSplit(chunks, full_chunks, rank, model.config.num_layers)
 
     def full_layer(block, x, carry, i):
@@ -437,11 +438,10 @@ def _empty_outputs(model, body, full_layer, linear_layer, x) -> dict:
     ("linear", LINEAR, model.linear_blocks, lambda b: linear_layer(b, x)[1:]),
   ):
     count = len(cfg.layers_of(layer_type))
-    if not count:  # no layer of this kind: its branch never runs
-      out.update({"full": None} if name == "full" else {"state": None, "halo": None})
-      continue
     graphdef, stacked = nnx.split(stack)
-    first_rows = jax.tree.map(lambda w: w[0], stacked)
+    # No layer of this kind (a Qwen3.5 model of one kind alone): its branch never runs and
+    # its outputs hold no layer, shaped from a layer's weights' shapes all the same.
+    first_rows = jax.tree.map(lambda w: w[0] if count else jnp.zeros(w.shape[1:], w.dtype), stacked)
     # The block is made inside the abstract trace: a layer may set its config there.
     shapes = jax.eval_shape(lambda: run(nnx.merge(graphdef, first_rows)))  # noqa: B023
     zeros = jax.tree.map(
