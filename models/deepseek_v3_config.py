@@ -88,15 +88,16 @@ class DeepseekV3Config(ModelConfig):
       )
     if E % G or not 1 <= g <= G:
       raise ValueError(
-        f"{E} experts in `num_expert_groups`={G} groups, `groups_per_token`={g}: the groups "
-        "must divide the experts and a token choose 1 to all of them"
+        f"{E} experts in `num_expert_groups`={G} groups (config.json `n_group`), "
+        f"`groups_per_token`={g} (`topk_group`): the groups must divide the experts and a "
+        "token choose 1 to all of them"
       )
     if E // G < 2:
       raise ValueError(f"a group's score is its two best experts': groups of {E // G} cannot")
     if not 1 <= k <= g * (E // G):
       raise ValueError(
-        f"`experts_per_token`={k} must be in [1, {g * (E // G)}] (the experts of the "
-        f"{g} groups a token chooses)"
+        f"`experts_per_token`={k} (config.json `num_experts_per_tok`) must be in "
+        f"[1, {g * (E // G)}] (the experts of the {g} groups a token chooses)"
       )
 
   @property
@@ -180,7 +181,7 @@ def deepseek_v3_from_hf(
     raise ValueError(f"config.json: `hidden_act`={hf['hidden_act']!r} is not supported (silu)")
   get = lambda key: or_default(hf, key, model_type)  # noqa: E731
   num_heads = common["num_heads"]
-  kv_heads = hf.get("num_key_value_heads") or num_heads
+  kv_heads = get("num_key_value_heads") or num_heads  # absent: transformers' 128
   if kv_heads != num_heads:
     raise ValueError(
       f"config.json: `num_key_value_heads`={kv_heads} != num_attention_heads={num_heads}: "

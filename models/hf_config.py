@@ -196,6 +196,7 @@ FAMILY_DEFAULTS = {
     "first_k_dense_replace": 3,
     "norm_topk_prob": True,
     "rope_interleave": True,
+    "num_key_value_heads": 128,
   },
   "qwen3_5_text": {"max_position_embeddings": 32768, "num_key_value_heads": 4},
   "qwen3_5_moe_text": {
@@ -298,9 +299,31 @@ BOOL_FIELDS = (
 )
 
 
+def _is_number_text(value) -> bool:
+  try:
+    float(value)
+  except (TypeError, ValueError):
+    return False
+  return True
+
+
+def check_no_number_as_text(hf: dict[str, Any]) -> None:
+  """No field (nor a key of a nested dict such as `rope_parameters`) holds a number written as
+  a string ("2.5"): every number transformers' config classes read is typed int or float,
+  and their validation refuses a string there, whichever family's field it is."""
+  for name, value in hf.items():
+    if name.startswith("_") or name == "transformers_version":  # bookkeeping, not the model's
+      continue
+    if isinstance(value, dict):
+      check_no_number_as_text(value)
+    elif isinstance(value, str) and _is_number_text(value):
+      raise ValueError(f"config.json: `{name}` must be a number, got the string {value!r}")
+
+
 def check_fields(hf: dict[str, Any], model_type: str, family_required=()) -> None:
   """Required fields present (every family's and `family_required`), every field read of the
-  right type (null = absent)."""
+  right type (null = absent), no number written as a string."""
+  check_no_number_as_text(hf)
   required = REQUIRED_FIELDS + tuple(family_required)
   missing = [name for name in required if hf.get(name) is None]
   if missing:

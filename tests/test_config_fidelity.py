@@ -597,20 +597,70 @@ def assert_fields_agree(ours, theirs) -> None:
   assert isinstance(theirs.tie_word_embeddings, bool)
 
 
+# The families whose config.json rows are read without building a model: every family.
+CONFIG_CLASSES = {
+  **{t: f"{name}Config" for t, name in CLASSES.items()},
+  "gpt_oss": "GptOssConfig",
+  "qwen3_5_text": "Qwen3_5TextConfig",
+  "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+  "qwen3_next": "Qwen3NextConfig",
+  "deepseek_v3": "DeepseekV3Config",
+}
+# Their small shapes (the heads, experts and latent ranks each family's loader reads).
+CONFIG_ONLY_KWARGS = {
+  "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=4),
+  "qwen3_5_text": dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4),
+  "qwen3_5_moe_text": dict(
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+  ),
+  "qwen3_next": dict(
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+  ),
+  "deepseek_v3": dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_group=2,
+    topk_group=1,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    num_key_value_heads=4,
+  ),
+}
+
+
 def _saved_config(model_type: str) -> dict:
   """What save_pretrained writes for the family's test config: every key its class has."""
-  config_class = getattr(transformers, f"{CLASSES[model_type]}Config")
-  return json.loads(config_class(**base_kwargs(model_type)).to_json_string())
+  config_class = getattr(transformers, CONFIG_CLASSES[model_type])
+  kwargs = base_kwargs(model_type)
+  if model_type in CONFIG_ONLY_KWARGS:
+    kwargs = {
+      k: v for k, v in kwargs.items() if k not in ("tie_word_embeddings",)
+    } | CONFIG_ONLY_KWARGS[model_type]
+  return json.loads(config_class(**kwargs).to_json_string())
 
 
-@pytest.mark.parametrize("model_type", sorted(CLASSES))
+@pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
 def test_every_absent_key_reads_as_transformers_default_or_is_refused_by_name(model_type):
   """Each key of a saved config.json removed in turn: the loader's config equals the one it
   reads from transformers' own filling-in of that key (its config class's default and what
   the class derives from it), or the loader refuses the file naming the key."""
   from models.families import config_from_hf
 
-  config_class = getattr(transformers, f"{CLASSES[model_type]}Config")
+  config_class = getattr(transformers, CONFIG_CLASSES[model_type])
   saved = _saved_config(model_type)
   wrong = []
   for key in sorted(saved):
@@ -641,3 +691,38 @@ def test_yarn_positions_are_absolute_on_every_rank(tmp_path):
   got = kvr_jax.prefill(model, tokens, "kvr", mesh, partition=[10, 8, 6])
   assert_close(got.logits, want.logits, "kvr logits, yarn")
   assert_close(got.k_cache, want.k_cache, "kvr K cache, yarn")
+
+
+def _numbers(config: dict, path=()):
+  """(path of keys, value) of every number in a config dict, nested dicts included."""
+  for key, value in config.items():
+    if key.startswith("_"):  # transformers' bookkeeping, not the model's
+      continue
+    if isinstance(value, dict):
+      yield from _numbers(value, (*path, key))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      yield (*path, key), value
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
+def test_every_number_written_as_a_string_is_refused_by_name(model_type):
+  """Each number of a saved config.json written as a string in turn ("2.5" for 2.5), as
+  transformers' validation refuses it: the loader refuses the file naming the key."""
+  from models.families import config_from_hf
+
+  saved = _saved_config(model_type)
+  wrong = []
+  for path, value in _numbers(saved):
+    edited = json.loads(json.dumps(saved))
+    place = edited
+    for key in path[:-1]:
+      place = place[key]
+    place[path[-1]] = str(value)
+    try:
+      config_from_hf(edited)
+    except ValueError as e:
+      if path[-1] not in str(e):
+        wrong.append(f"{path}: refused without naming it ({e})")
+      continue
+    wrong.append(f"{path}: {str(value)!r} accepted")
+  assert not wrong, "\n".join(wrong)
