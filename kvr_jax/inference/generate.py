@@ -263,21 +263,21 @@ def _as_is(token_B):
 def _decode_loop(
   model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p, agree=_as_is
 ):
-  """Token by token until every row has met an EOS (its later tokens are EOS) or
-  `max_new_tokens`: ([B, n] tokens, the last token's logits). agree(token) -> the token every
+  """Token by token until every row has met an EOS or `max_new_tokens`: ([B, max_new_tokens]
+  tokens, every row's tokens after its EOS the EOS again, also where decoding stopped early
+  because every row had met one; the last token's logits). agree(token) -> the token every
   process continues with (the last rank's, across processes)."""
   eos = np.asarray(model.config.eos_ids, np.int32)
   B = logits.shape[0]
-  out = np.zeros((B, max_new_tokens), np.int32)
+  # A model without EOS never stops early: every column is decoded.
+  out = np.full((B, max_new_tokens), eos[0] if eos.size else 0, np.int32)
   done = np.zeros(B, bool)
-  n = 0
   for index in range(max_new_tokens):
     token_B = agree(decode.next_token(logits, key, index, temperature, top_k, top_p))
     token_np = np.asarray(token_B.addressable_shards[0].data)  # replicated: any copy
-    out[:, index] = np.where(done, eos[0] if eos.size else 0, token_np)
-    n = index + 1
+    out[:, index] = np.where(done, out[:, index], token_np)
     done |= np.isin(token_np, eos)
     if done.all() or index == max_new_tokens - 1:
       break
     logits, tail = step(token_B, index, tail)
-  return out[:, :n], np.asarray(logits.addressable_shards[0].data)
+  return out, np.asarray(logits.addressable_shards[0].data)
