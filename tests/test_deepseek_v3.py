@@ -74,9 +74,24 @@ def test_config_and_parameters_read_as_transformers(checkpoints):
 
 @pytest.fixture(scope="module")
 def decoded(checkpoints, tokens, forward):
-  """Greedy decoding of 6 tokens from a 24-token prompt through the latent cache (the
-  absorbed form): (tokens [2, 6], each step's logits [6, 2, V])."""
-  _, _, ours = checkpoints["deepseek-default"]
+  """case -> greedy decoding of 6 tokens from a 24-token prompt through the latent cache
+  (the absorbed form): (tokens [2, 6], each step's logits [6, 2, V]), once per case."""
+  done = {}
+
+  def of(case):
+    if case not in done:
+      done[case] = _decode_greedily(checkpoints[case][2], tokens, forward)
+    return done[case]
+
+  return of
+
+
+# The decode tests' cases: YaRN's mscale_all_dim changes the softmax scale that the absorbed
+# decode must take from the config (head_dim^-0.5 alone decodes other tokens).
+DECODE_CASES = ["deepseek-default", "deepseek-yarn"]
+
+
+def _decode_greedily(ours, tokens, forward):
   prompt = tokens[:, :24]
   logits, cache = forward(ours.module, prompt, capacity=24 + 6)
   step = jax.jit(lambda module, t, p, c: module.decode_step(t, p, c))
@@ -103,20 +118,22 @@ def test_every_kernel_on_the_expanded_heads_equals_dense(checkpoints, tokens, fo
   assert_close(kernel_cache, cache, f"{kernel} latent cache")
 
 
-def test_absorbed_decode_equals_the_expanded_forward(checkpoints, tokens, forward, decoded):
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_absorbed_decode_equals_the_expanded_forward(checkpoints, tokens, forward, decoded, case):
   """Each decode step (queries taken into the latent space, the C-wide cache as one key head)
   gives the logits of the forward over the prompt and the tokens so far (every head's K,V
   expanded)."""
-  _, _, ours = checkpoints["deepseek-default"]
-  new_tokens, step_logits = decoded
+  _, _, ours = checkpoints[case]
+  new_tokens, step_logits = decoded(case)
   sequence = np.concatenate([tokens[:, :24], new_tokens], axis=1)
   logits, _ = forward(ours.module, sequence)
   assert_close(step_logits.transpose(1, 0, 2), np.asarray(logits[:, 24:30]), "decode logits")
 
 
-def test_greedy_decode_matches_transformers(checkpoints, tokens, decoded):
-  hf_model, _, _ = checkpoints["deepseek-default"]
-  new_tokens, _ = decoded
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_greedy_decode_matches_transformers(checkpoints, tokens, decoded, case):
+  hf_model, _, _ = checkpoints[case]
+  new_tokens, _ = decoded(case)
   np.testing.assert_array_equal(new_tokens, hf_fixtures.hf_greedy(hf_model, tokens[:, :24], 6))
 
 
