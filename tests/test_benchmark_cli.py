@@ -10,6 +10,9 @@ import pytest
 from kvr_jax.tools.timing import interval_verdict
 from tests.test_launchers import run
 
+# Launched command lines: slow by nature, the end-to-end tier (`-m e2e`).
+pytestmark = pytest.mark.e2e
+
 
 def test_benchmark_devices_mode(tmp_path):
   proc = run(

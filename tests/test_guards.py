@@ -174,6 +174,7 @@ with faults.worker_failures():
 """
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_a_lost_peer_is_one_line_naming_the_step_and_a_non_zero_status():
   """What a survivor of a killed process prints (measured by hand on a two-process cluster,
   process 1 killed mid-decode: the same line): one line, the step, status 4; an error that

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+# Launched command lines: slow by nature, the end-to-end tier (`-m e2e`).
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

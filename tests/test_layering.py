@@ -158,6 +158,7 @@ def test_every_strategy_is_registered_and_has_a_module():
   assert strategies.STRATEGIES == tuple(strategies.REGISTRY)
 
 
+@pytest.mark.e2e  # builds the wheel
 @pytest.mark.skipif(os.environ.get("KVR_SKIP_WHEEL") == "1", reason="KVR_SKIP_WHEEL=1")
 def test_the_wheel_carries_presets_and_tables(tmp_path):
   """`pip install .` (not -e) must find presets and KVR-P tables: build the wheel, install it

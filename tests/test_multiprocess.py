@@ -68,6 +68,7 @@ def test_two_processes_four_ranks_match_single_device():
   assert ring["relative_logit_error"] <= 1e-5 and ring["relative_last_step_error"] <= 1e-5
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_every_process_decodes_from_the_sharded_cache_like_single():
   """cache="sharded" across two processes of two ranks each: every process runs every decode
   step over the parts where they lie. Both cache layouts (KV-Runahead's contiguous chunks,
@@ -100,6 +101,7 @@ def test_every_process_decodes_from_the_sharded_cache_like_single():
     assert [len(row) for row in run["tokens"]] == [8, 8], name
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_windowed_layers_keep_rings_on_the_last_rank_across_processes():
   """cache="last" across two processes of two ranks each on a model with windowed (64) and
   full layers, 300 tokens: KV-Runahead joins its rings from its last hop and its chunk (50
@@ -126,6 +128,7 @@ def test_windowed_layers_keep_rings_on_the_last_rank_across_processes():
     assert run["tokens"] == result["single_tokens"], name
 
 
+@pytest.mark.e2e  # a launched cluster
 @pytest.mark.parametrize(
   "model, peer, partition",
   # the hybrid's last chunk of 5 tokens: between its convolution's halo (3) and twice it
@@ -160,6 +163,7 @@ def test_hybrid_and_latent_models_sample_singles_tokens_across_processes(model, 
     assert run["tokens"] == result["single_tokens"] and len(run["tokens"][0]) == 6, name
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_a_latent_models_sharded_cache_decodes_in_place_across_processes():
   """cache="sharded" on a latent model across two processes: each process keeps its rank's
   latents, and both decode every step over them (the partials merged across the processes),
@@ -186,6 +190,7 @@ def test_a_latent_models_sharded_cache_decodes_in_place_across_processes():
     assert run["tokens_on_every_process"] is True, name
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_a_process_whose_decode_fails_ends_every_process_with_its_error():
   """Process 0 fails between its prefill and its decode while process 1 waits for it in a
   sharded decode step's collective: the launcher names process 0 and its error, promptly
@@ -204,6 +209,7 @@ def test_a_process_whose_decode_fails_ends_every_process_with_its_error():
   assert seconds < 60
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
   """--model_parallel=2 with two devices per process: each process is one rank whose model is
   split over its two devices (loaded straight into the shards), KV-Runahead hops between the
@@ -231,6 +237,7 @@ def test_two_processes_as_two_tensor_parallel_ranks_match_single_device():
   assert result["strategies"]["kvr, cache=sharded"]["tokens_on_every_process"] is True
 
 
+@pytest.mark.e2e  # a launched cluster
 @pytest.mark.parametrize(
   "model, strategies, caches",
   [
@@ -291,6 +298,7 @@ def start_by_hand(*flags, num_processes=2):
   ]
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_a_rank_split_across_processes_is_refused_by_name():
   """A cluster of one-device processes with model_parallel=2 would put a rank's model shards
   in two processes: every worker's prefill refuses it with the rule (not a JAX resharding
@@ -302,6 +310,7 @@ def test_a_rank_split_across_processes_is_refused_by_name():
   assert all("rank 0's 2 devices live in processes [0, 1]" in e for e in errors), errors
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_a_process_that_dies_stops_the_others_with_a_clear_error():
   proc, seconds = run_launcher(
     "--num_processes=2", "--context_len=64", "--debug_crash_process=1", "--heartbeat_timeout=5"
@@ -311,6 +320,7 @@ def test_a_process_that_dies_stops_the_others_with_a_clear_error():
   assert seconds < 60
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_in_a_cluster_joined_by_hand_a_lost_process_is_one_line_on_the_survivor():
   """Processes started by hand (no launcher): the one that crashes right after joining is
   named by the survivor in one line, status 4 (EXIT_PEER_LOST), whether it was the
@@ -330,6 +340,7 @@ def test_in_a_cluster_joined_by_hand_a_lost_process_is_one_line_on_the_survivor(
     assert lines[0].startswith(f"error: process {survivor}: "), lines
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_a_process_that_never_arrives_gives_a_clear_error_in_bounded_time():
   proc, seconds = run_launcher(
     "--num_processes=2", "--context_len=64", "--init_timeout=5", "--debug_skip_process=1"
@@ -340,6 +351,7 @@ def test_a_process_that_never_arrives_gives_a_clear_error_in_bounded_time():
   assert seconds < 60
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_port_already_in_use():
   with socket.socket() as busy:
     busy.bind(("127.0.0.1", 0))
@@ -358,6 +370,7 @@ def test_bad_cluster_arguments():
     distributed.initialize("localhost:1234", 2, 2)
 
 
+@pytest.mark.e2e  # a launched cluster
 @pytest.mark.parametrize(
   "flags,message",
   [
@@ -440,6 +453,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_pinned_cpu_workers_reuse_freed_memory_without_page_faults():
   """Timing runs (pinned CPU workers) keep what a call frees for the next, as a GPU's caching
   allocator does; the user's other tunables stay, and nothing else changes."""

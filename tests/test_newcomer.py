@@ -36,6 +36,7 @@ def fresh_env():
   return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
+@pytest.mark.e2e  # launched as a newcomer runs it
 @pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", readme()))))
 def test_readme_python_blocks_run_as_written(index, tmp_path):
   block = re.findall(r"```python\n(.*?)```", readme(), re.S)[index]
@@ -117,6 +118,7 @@ RUN_EXAMPLES = sorted(
 )
 
 
+@pytest.mark.e2e  # launched as a newcomer runs it
 @pytest.mark.parametrize("command", RUN_EXAMPLES)
 def test_launch_run_help_examples_run_as_written(command):
   words = shlex.split(command)
@@ -166,6 +168,7 @@ def test_every_plans_answer_is_validated():
     )
 
 
+@pytest.mark.e2e  # launched as a newcomer runs it
 def test_predict_for_any_preset_after_the_command_its_error_names(tmp_path):
   """No table: the error names a command; run exactly that command (in a fresh process with
   the same cache directory) and predict then works."""

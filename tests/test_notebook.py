@@ -3,7 +3,11 @@
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+# The notebook, run end to end: slow by nature, the end-to-end tier (`-m e2e`).
+pytestmark = pytest.mark.e2e
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

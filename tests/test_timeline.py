@@ -113,6 +113,7 @@ def test_modelled_kvr_schedule_matches_the_timeline():
   assert last + costmodel.head_work(config, 1, 2).time(setup.hardware) == pytest.approx(sim.ttft)
 
 
+@pytest.mark.e2e  # a launched cluster
 def test_two_process_timeline_span_matches_ttft(tmp_path):
   env = launcher_env()  # workers set their own device count
   proc = subprocess.run(
