@@ -5,9 +5,9 @@ import tempfile
 
 from tests.subprocess_env import SPEED_ONLY_XLA_FLAGS
 
-# --xla_backend_optimization_level=0: the tests prove correctness, not speed, and LLVM's
-# optimisation of their tiny programs costs more than running them (639 tests: 627 s against
-# 793 s). It changes how XLA's LLVM backend optimises the emitted code, not the HLO programs:
+# SPEED_ONLY_XLA_FLAGS (tests/subprocess_env.py: why level 1): the tests prove correctness,
+# not speed, and LLVM's full optimisation of their tiny programs costs more than running
+# them. It changes how XLA's LLVM backend optimises the emitted code, not the HLO programs:
 # every HLO, FLOP-count and memory-analysis test passes unchanged under it.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")

@@ -14,6 +14,7 @@ import pytest
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import allgather, ring, zigzag
+from tests.matrix import pairwise
 
 REL_TOL = 1e-5
 PEERS = ["ring", "allgather"]
@@ -67,8 +68,14 @@ GQA_CASES = [(p, (37, 2)) for p in (1, 2, 3, 4, 8)] + [(p, (13, 1)) for p in (3,
 GQA_CASES += [(p, (1024, 1)) for p in (2, 4, 8)]
 
 
-@pytest.mark.parametrize("strategy", PEERS)
-@pytest.mark.parametrize("p,key", GQA_CASES)
+# Every peer x mesh x length pair in the default tier; the whole product in the e2e tier.
+@pytest.mark.parametrize(
+  "strategy,p,key",
+  pairwise(
+    [(s, p, key) for p, key in GQA_CASES for s in PEERS],
+    lambda case: (case[0], case[1], case[2][0]),
+  ),
+)
 def test_peer_matches_single_gqa(models, prompts, oracle, strategy, p, key):
   check(models, prompts, oracle, "gqa", strategy, p, key)
 

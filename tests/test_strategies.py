@@ -23,6 +23,7 @@ from kvr_jax.strategies.runahead import schedule
 from kvr_jax.tools import measured, phases
 from models.falcon import FalconConfig
 from models.kernels import get_kernel
+from tests.matrix import pairwise
 
 REL_TOL = 1e-5
 CONTEXT = 13  # not divisible by 2, 3, 4 or 8
@@ -87,7 +88,11 @@ KVR_MATRIX = [(name, *case) for name in ("tiny-llama", "tiny-falcon") for case i
 ]
 
 
-@pytest.mark.parametrize("name,p,partition,batch", KVR_MATRIX)
+# Every pair of model, mesh, split and batch in the default tier; the product in the e2e tier.
+@pytest.mark.parametrize(
+  "name,p,partition,batch",
+  pairwise(KVR_MATRIX, lambda case: (case[0], case[1], case[2] == "even", case[3])),
+)
 def test_kvr_matches_single(models, prompts, oracle, name, p, partition, batch):
   model, ref = models[name], oracle[(name, batch)]
   mesh = kvr_jax.make_mesh(p)
@@ -107,7 +112,7 @@ TSP_MATRIX = [
 ] + [("falcon-40b-form", 3, 1), ("falcon-40b-form", 8, 1)]
 
 
-@pytest.mark.parametrize("name,p,batch", TSP_MATRIX)
+@pytest.mark.parametrize("name,p,batch", pairwise(TSP_MATRIX))
 def test_tsp_matches_single(models, prompts, oracle, name, p, batch):
   ref = oracle[(name, batch)]
   got = kvr_jax.prefill(models[name], prompts[batch], strategy="tsp", mesh=kvr_jax.make_mesh(p))
