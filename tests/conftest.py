@@ -14,9 +14,13 @@ os.environ["XLA_FLAGS"] = (
   + f" --xla_force_host_platform_device_count=8 {SPEED_ONLY_XLA_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The `local` calibration and other per-machine caches go to a directory of this run (the
-# launchers the tests start inherit it), never to the user's ~/.cache.
-os.environ["KVR_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvr_jax_test_cache_")
+# The `local` calibration and other per-machine caches go to one directory of this run,
+# never to the user's ~/.cache: made once by the first process that loads this file, the
+# pytest-xdist workers and the launchers the tests start inherit it, so the calibration is
+# measured once per run, not once per worker (its files are written atomically).
+if "KVR_JAX_TEST_RUN_CACHE_DIR" not in os.environ:
+  os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvr_jax_test_cache_")
+os.environ["KVR_JAX_CACHE_DIR"] = os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"]
 
 import jax  # noqa: E402
 
