@@ -78,39 +78,62 @@ def chained(block, parts_pBcD, chunks: tuple[int, ...], mesh):
   )
 
 
-@pytest.mark.parametrize(
-  "kernel",
-  [pytest.param(k, marks=[] if k == DEFAULT_KERNEL else [pytest.mark.e2e]) for k in (2, 3, 4, 5)],
-)
-def test_every_chunk_length_in_every_position(checkpoint, kernel):
-  """One linear layer chained over 3 ranks at each split of `rotations`: every rank's
-  outputs, and the state and halo each leaves, as the layer run on one device over the
-  prompt up to that rank's chunk's end."""
-  block = first_linear_block(checkpoint(kernel)[2])
-  w, D = kernel - 1, block.w_out.shape[-1]
-  x_BTD = np.random.RandomState(kernel).normal(size=(2, 3 * (2 * w + 1), D)).astype(np.float32)
-  cfg = block.config
-  channels = block.conv_kernel().shape[-1]
-  state_shape = (2, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-  zero_past = LinearState(jnp.zeros(state_shape), jnp.zeros((2, w, channels)))
-  # One device, compiled once: the whole prompt's outputs (causal: a prefix's are its first
-  # rows) and, with every row's length set to a chunk's end, the past that prefix leaves.
-  run = jax.jit(lambda block, x, lengths: block.run(x, zero_past, lengths))
-  want_x, _ = run(block, x_BTD, jnp.full((2,), x_BTD.shape[1]))
+@pytest.fixture(scope="module")
+def one_device_layer(checkpoint):
+  """kernel -> (block, x [2, T, D], one device's outputs [2, T, D], run), once per kernel:
+  run(block, x, lengths) is the layer on one device from a zero past, compiled once, and with
+  every row's length set to a chunk's end it gives the past that prefix leaves."""
+  made = {}
+
+  def of(kernel: int):
+    if kernel not in made:
+      block = first_linear_block(checkpoint(kernel)[2])
+      w, D, cfg = kernel - 1, block.w_out.shape[-1], block.config
+      x_BTD = np.random.RandomState(kernel).normal(size=(2, 3 * (2 * w + 1), D))
+      x_BTD = x_BTD.astype(np.float32)
+      channels = block.conv_kernel().shape[-1]
+      heads = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+      zero_past = LinearState(jnp.zeros((2, *heads)), jnp.zeros((2, w, channels)))
+      run = jax.jit(lambda block, x, lengths: block.run(x, zero_past, lengths))
+      want_x, _ = run(block, x_BTD, jnp.full((2,), x_BTD.shape[1]))  # causal: any prefix's
+      made[kernel] = (block, x_BTD, np.asarray(want_x), run)
+    return made[kernel]
+
+  return of
+
+
+# (kernel, split): the default kernel's splits in the default tier, the others' in e2e.
+SWEEP = [
+  pytest.param(
+    kernel,
+    split,
+    marks=() if kernel == DEFAULT_KERNEL else pytest.mark.e2e,
+    id=f"kernel{kernel}-split{'-'.join(map(str, split))}",
+  )
+  for kernel in (2, 3, 4, 5)
+  for split in rotations(kernel)
+]
+
+
+@pytest.mark.parametrize("kernel, split", SWEEP)
+def test_every_chunk_length_in_every_position(one_device_layer, kernel, split):
+  """One linear layer chained over 3 ranks at a split of `rotations`: every rank's outputs,
+  and the state and halo each leaves, as the layer run on one device over the prompt up to
+  that rank's chunk's end."""
+  block, x_BTD, want_x, run = one_device_layer(kernel)
   mesh = kvr_jax.make_mesh(3)
-  for split in rotations(kernel):
-    ends = np.cumsum(split)
-    parts = np.stack(
-      [pad_to(x_BTD[:, e - c : e], max(split)) for c, e in zip(split, ends, strict=True)]
-    )
-    parts = global_array(parts, NamedSharding(mesh, jax.P(AXIS)))
-    x_pBcD, leaving_pBhkv, halo_pBwC = map(np.asarray, chained(block, parts, split, mesh))
-    for r, (c, end) in enumerate(zip(split, ends, strict=True)):
-      _, want_past = run(block, x_BTD, jnp.full((2,), end))
-      where = f"kernel {kernel}, split {split}, rank {r}"
-      assert_close(x_pBcD[r, :, :c], want_x[:, end - c : end], f"{where}: outputs")
-      assert_close(leaving_pBhkv[r], want_past.state_Bhkv, f"{where}: leaving state")
-      assert_close(halo_pBwC[r], want_past.halo_BwC, f"{where}: halo")
+  ends = np.cumsum(split)
+  parts = np.stack(
+    [pad_to(x_BTD[:, e - c : e], max(split)) for c, e in zip(split, ends, strict=True)]
+  )
+  parts = global_array(parts, NamedSharding(mesh, jax.P(AXIS)))
+  x_pBcD, leaving_pBhkv, halo_pBwC = map(np.asarray, chained(block, parts, split, mesh))
+  for r, (c, end) in enumerate(zip(split, ends, strict=True)):
+    _, want_past = run(block, x_BTD, jnp.full((2,), end))
+    where = f"kernel {kernel}, split {split}, rank {r}"
+    assert_close(x_pBcD[r, :, :c], want_x[:, end - c : end], f"{where}: outputs")
+    assert_close(leaving_pBhkv[r], want_past.state_Bhkv, f"{where}: leaving state")
+    assert_close(halo_pBwC[r], want_past.halo_BwC, f"{where}: halo")
 
 
 def pad_to(x_BcD, rows: int):
