@@ -615,24 +615,19 @@ CONFIG_CLASSES = {
   "qwen3_next": "Qwen3NextConfig",
   "deepseek_v3": "DeepseekV3Config",
 }
+HYBRID_EXPERTS = dict(
+  head_dim=8,
+  num_experts=4,
+  num_experts_per_tok=2,
+  moe_intermediate_size=16,
+  shared_expert_intermediate_size=16,
+)
 # Their small shapes (the heads, experts and latent ranks each family's loader reads).
 CONFIG_ONLY_KWARGS = {
   "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=4),
   "qwen3_5_text": dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4),
-  "qwen3_5_moe_text": dict(
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    shared_expert_intermediate_size=16,
-  ),
-  "qwen3_next": dict(
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    shared_expert_intermediate_size=16,
-  ),
+  "qwen3_5_moe_text": HYBRID_EXPERTS,
+  "qwen3_next": HYBRID_EXPERTS,
   "deepseek_v3": dict(
     n_routed_experts=4,
     num_experts_per_tok=2,
