@@ -8,6 +8,7 @@ What a notebook needs (the rest stays importable from its submodule, see WORKSPA
   result = kvr_jax.prefill(model, tokens, strategy="kvr", mesh=mesh, partition="search")
   out = kvr_jax.generate(model, tokens, max_new_tokens=32, strategy="kvr", mesh=mesh)
   kvr_jax.compiled_memory("tiny-llama", "kvr", context_len=4096, num_ranks=4)
+  kvr_jax.generate(hf_model, "a question", 64, on_token=kvr_jax.TextStream(hf_model)).text
 
 Layers, each importing only from those above it in this list's reverse (see WORKSPACE.md):
 models -> core -> runtime -> strategies -> planning -> inference -> tools.
@@ -16,6 +17,7 @@ models -> core -> runtime -> strategies -> planning -> inference -> tools.
 from kvr_jax.inference.generate import GenerationResult, generate
 from kvr_jax.inference.prefill import prefill
 from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
+from kvr_jax.inference.text import TextStream
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import Model, load_model, save_model
 from kvr_jax.runtime.mesh import make_mesh
@@ -28,6 +30,7 @@ __all__ = [
   "Model",
   "PartitionPlan",
   "PrefillResult",
+  "TextStream",
   "WholeCache",
   "compiled_memory",
   "generate",

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from kvr_jax.core import resources
+from kvr_jax.inference.text import encode_text
 from kvr_jax.planning.partition import METHODS, PartitionPlan
 from kvr_jax.planning.presets import check_preset_names
 from kvr_jax.runtime import compilation
@@ -49,6 +50,7 @@ def compilation_cache(enabled: bool, directory: str | None) -> str | None:
   if not enabled:
     if directory is not None:
       raise ValueError("--compilation_cache_dir was given with --nocompilation_cache")
+    compilation.disable()
     return None
   return compilation.enable(directory)
 
@@ -72,9 +74,12 @@ def parse_partition(text: str, hardware: str = "local", links: str = "local", ex
     ) from None
 
 
-def prompt_tokens(model, prompts, context_lens, batch: int, seed: int) -> list[np.ndarray]:
-  """The prompt rows of --prompt (texts, repeatable) or --context_len (synthetic lengths, a
-  comma list), --batch copies of a single one; rows may differ in length (a ragged batch)."""
+def prompt_tokens(
+  model, prompts, context_lens, batch: int, seed: int, chat_template: bool = True
+) -> list[np.ndarray]:
+  """The prompt rows of --prompt (texts, repeatable; the chat template applied where the
+  tokenizer has one and chat_template) or --context_len (synthetic lengths, a comma list),
+  --batch copies of a single one; rows may differ in length (a ragged batch)."""
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")
   if prompts:
@@ -84,10 +89,9 @@ def prompt_tokens(model, prompts, context_lens, batch: int, seed: int) -> list[n
       raise ValueError("--batch copies one --prompt; with several --prompt flags leave it out")
     rows = []
     for text in prompts:
-      ids = model.tokenizer(text)["input_ids"]
-      if not ids:
+      if not text.strip():
         raise ValueError(f"--prompt {text!r} is empty (no tokens)")
-      rows.append(np.asarray(ids, np.int32))
+      rows.append(encode_text(model.tokenizer, text, chat_template))
     return rows * batch
   lengths = positive_ints(context_lens, "--context_len")
   if len(lengths) > 1 and batch > 1:
@@ -103,6 +107,25 @@ def prompt_tokens(model, prompts, context_lens, batch: int, seed: int) -> list[n
   return [
     synthetic_prompt(model.config.vocab_size, n, 1, seed + i)[0] for i, n in enumerate(lengths)
   ]
+
+
+def prompt_texts(prompts: list[str] | None, prompt_file: str | None) -> list[str] | None:
+  """--prompt (repeatable) and --prompt_file: the file's text is one prompt, followed on the
+  next line by --prompt's text where there is exactly one (a document, then its question)."""
+  if prompt_file is None:
+    return prompts
+  if len(prompts or []) > 1:
+    raise ValueError("--prompt_file makes one prompt; give at most one --prompt with it")
+  try:
+    with open(prompt_file, encoding="utf-8") as f:
+      document = f.read()
+  except OSError as e:
+    raise ValueError(f"--prompt_file {prompt_file}: {e.strerror}") from None
+  except UnicodeDecodeError:
+    raise ValueError(f"--prompt_file {prompt_file}: not UTF-8 text") from None
+  if not document.strip():
+    raise ValueError(f"--prompt_file {prompt_file} is empty")
+  return [document.rstrip("\n") + "\n" + prompts[0] if prompts else document]
 
 
 def parse_buckets(text: str):

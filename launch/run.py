@@ -1,4 +1,6 @@
 """Main job: prefill one prompt with single, TSP and KV-Runahead; print a comparison table.
+With a text prompt (--prompt, --prompt_file) on a model with a tokenizer, the answer first,
+as it is decoded, then the table.
 
   python -m launch.run                      # tiny-llama, 2048 tokens, 8 (emulated) devices
   python -m launch.run --model=tiny-falcon --context_len=1024 --num_devices=2 --partition=600,424
@@ -16,6 +18,7 @@ from absl import app, flags, logging
 
 import kvr_jax
 from kvr_jax.inference import generate
+from kvr_jax.inference.text import TextStream
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.tools import demo, expert_load
 from launch import common
@@ -24,6 +27,18 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny-llama", "Preset name, Hugging Face directory or Orbax dir.")
 flags.DEFINE_multi_string(
   "prompt", None, "Prompt text (needs a tokenizer; repeat the flag for a batch of several)."
+)
+flags.DEFINE_string(
+  "prompt_file",
+  None,
+  "A file whose text is the prompt (a long document); with --prompt, the file's text then "
+  "the prompt's on the next line, as one prompt (a document, then a question about it).",
+)
+flags.DEFINE_bool(
+  "chat_template",
+  True,
+  "Send a text prompt as the user's turn of the tokenizer's chat template, where it has one "
+  "(--nochat_template: the text as it is, a raw completion).",
 )
 flags.DEFINE_list(
   "context_len",
@@ -42,7 +57,8 @@ flags.DEFINE_list(
   ["single", "tsp", "kvr"],
   "Comma list of single, tsp, kvr, ring, allgather, or auto (the cost model picks the strategy "
   "and KV-Runahead's split for the prompt's length, the mesh, --hardware and --links, and "
-  "prints what it picked and every strategy's modelled TTFT).",
+  "prints what it picked and every strategy's modelled TTFT). Default: single,tsp,kvr; with "
+  "a text prompt, kvr alone.",
 )
 flags.DEFINE_string(
   "partition",
@@ -82,6 +98,8 @@ flags.DEFINE_string(
 flags.DEFINE_integer("batch", 1, "Batch size (copies of the prompt for text prompts).")
 flags.DEFINE_integer("max_new_tokens", 8, "Tokens generated after the prompt.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
+flags.DEFINE_integer("top_k", None, "Sample among the k most likely tokens (with --temperature).")
+flags.DEFINE_float("top_p", None, "Sample within the top-p probability mass (with --temperature).")
 flags.DEFINE_integer("seed", 0, "Seed of the synthetic prompt and of sampling.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per strategy after the warm-up.")
 flags.DEFINE_string("output_json", None, "Write the table as JSON here.")
@@ -117,13 +135,29 @@ def _print_reports(model, tokens, buckets, reports, emulated: bool, cache_dir) -
   )
 
 
+def _strategies(texts) -> list[str]:
+  """--strategy as given; its default with a text prompt is kvr alone (an answer, not the
+  benchmark's three)."""
+  if texts and not FLAGS["strategy"].present:
+    return ["kvr"]
+  return FLAGS.strategy
+
+
+def _answer_stream(model, texts):
+  """The first strategy's answer (row 0) written as it is decoded, where there is text."""
+  if not texts or model.tokenizer is None:
+    return None
+  return TextStream(model)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   emulated = common.setup_devices(FLAGS.num_devices)
   with common.user_errors():
     common.check_output_file(FLAGS.output_json, "--output_json")
-    if FLAGS.prompt and FLAGS["context_len"].present:
+    texts = common.prompt_texts(FLAGS.prompt, FLAGS.prompt_file)
+    if texts and FLAGS["context_len"].present:
       raise ValueError(
         "--prompt and --context_len contradict each other: a text prompt has its own length "
         "(drop --context_len, or --prompt for a synthetic prompt)"
@@ -135,30 +169,43 @@ def main(argv):
       split_over = mesh_of_ranks(FLAGS.num_devices, FLAGS.model_parallel)
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype, mesh=split_over)
     # Decoding's arguments before any strategy compiles (not after the first has run).
-    generate.check_sampling(model, FLAGS.max_new_tokens, FLAGS.temperature, None, None, FLAGS.seed)
+    sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+    generate.check_sampling(model, FLAGS.max_new_tokens, **sampling, seed=FLAGS.seed)
     buckets = common.parse_buckets(FLAGS.buckets)
-    tokens = common.prompt_tokens(model, FLAGS.prompt, FLAGS.context_len, FLAGS.batch, FLAGS.seed)
+    tokens = common.prompt_tokens(
+      model, texts, FLAGS.context_len, FLAGS.batch, FLAGS.seed, FLAGS.chat_template
+    )
     partition = common.parse_partition(
       FLAGS.partition, FLAGS.hardware, FLAGS.links, extra=("measured",)
     )
     if partition == "measured":  # the modelled start comes from --hardware and --links
       plan = common.parse_partition("search", FLAGS.hardware, FLAGS.links)
       partition = dataclasses.replace(plan, objective="measured")
+    strategies = _strategies(texts)
+    stream = _answer_stream(model, texts)
+    if stream is not None:
+      print(f"{model}; {strategies[0]}'s answer, as it is decoded:", flush=True)
     reports = demo.compare_strategies(
       model,
       tokens,
-      FLAGS.strategy,
+      strategies,
       num_devices=FLAGS.num_devices,
       partition=partition,
       attention=FLAGS.attention,
       repeats=FLAGS.repeats,
       max_new_tokens=FLAGS.max_new_tokens,
-      temperature=FLAGS.temperature,
       seed=FLAGS.seed,
       cache=FLAGS.cache,
       buckets=buckets,
       model_parallel=FLAGS.model_parallel,
+      on_token=stream,
+      **sampling,
     )
+  if stream is not None:
+    print()
+    for row, answer in enumerate(reports[0].text[1:], start=1):
+      print(f"row {row}: {answer}")
+    print()
   _print_reports(model, tokens, buckets, reports, emulated, cache_dir)
   # Experts split over the model axis: how evenly this prompt loads the devices.
   load = expert_load.expert_load_line(model, tokens, FLAGS.model_parallel)

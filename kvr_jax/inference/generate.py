@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,6 +20,7 @@ from kvr_jax.inference.own_families import ModelCache, own_stepper
 from kvr_jax.inference.own_program import check_sampling
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import CacheParts, PrefillResult
+from kvr_jax.inference.text import encode_text
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel, spans_processes
 
@@ -41,7 +42,7 @@ class GenerationResult:
   last_logits: np.ndarray | None = None
 
 
-def _encode_prompt(model: Model, prompt) -> np.ndarray:
+def _encode_prompt(model: Model, prompt, chat_template: bool = True) -> np.ndarray:
   if isinstance(prompt, str) or (
     isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt)
   ):
@@ -55,7 +56,7 @@ def _encode_prompt(model: Model, prompt) -> np.ndarray:
       if not text:
         raise ValueError("the prompt is empty" if len(texts) == 1 else f"prompt {i} is empty")
     # Rows of different lengths are a ragged batch (prefill pads them; see its `buckets`).
-    return [np.asarray(model.tokenizer(t)["input_ids"], np.int32) for t in texts]
+    return [encode_text(model.tokenizer, t, chat_template) for t in texts]
   return prompt
 
 
@@ -82,14 +83,20 @@ def generate(
   attention: str | None = None,
   cache: str = "auto",
   buckets=None,
+  on_token: Callable[[np.ndarray], object] | None = None,
+  chat_template: bool = True,
 ) -> GenerationResult:
   """Prefill with `strategy`, then decode token by token from the KV cache.
 
   prompt: token ids [T] or [B, T], a list of token-id rows of different lengths, or text (a
-  string or a list of strings; needs a tokenizer). Rows of different lengths and `buckets`
-  (see `prefill`) pad the prompt; each row decodes from its own length. A row stops at its
-  own EOS (later tokens of that row are EOS) or after `max_new_tokens`. Temperature 0
-  is greedy and deterministic; otherwise top-k then top-p filter the temperature-scaled logits.
+  string or a list of strings; needs a tokenizer). Text is the user's turn of a chat where
+  the tokenizer has a chat template (chat_template=False: the text as it is, a raw
+  completion). on_token(token_B): called with each step's [B] new tokens as they are drawn
+  (kvr_jax.inference.text.TextStream prints a row's answer as it comes). Rows of different
+  lengths and `buckets` (see `prefill`) pad the prompt; each row decodes from its own
+  length. A row stops at its own EOS (later tokens of that row are EOS) or after
+  `max_new_tokens`. Temperature 0 is greedy and deterministic; otherwise top-k then top-p
+  filter the temperature-scaled logits.
   cache: "auto" (the default: "last" where the last rank's device holds the weights and the
   whole cache, else "sharded"; see `prefill`), "last" (decode on the last rank's device from
   the whole cache) or "sharded" (the cache stays in the ranks' parts; each step attends
@@ -98,13 +105,14 @@ def generate(
   """
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   check_cache(cache, allow_auto=True)
-  rows, lengths = check_prompts(model, _encode_prompt(model, prompt))
+  rows, lengths = check_prompts(model, _encode_prompt(model, prompt, chat_template))
   _check_length(model, int(lengths.max()), int(max_new_tokens))
   plan = plan_prefill(model, rows, strategy, mesh, partition, attention, cache, buckets)
   # A model with its own programs keeps room for the new tokens in its prefill's cache, and
   # its decode writes into that cache: one copy of it, not a grown second one.
   result = run_prefill(model, plan, rows, decode_room=int(max_new_tokens))
-  return _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, consume=True)
+  sampling = (temperature, top_k, top_p, seed)
+  return _decode(model, result, max_new_tokens, *sampling, consume=True, on_token=on_token)
 
 
 def _on_model_groups(result: PrefillResult) -> bool:
@@ -124,13 +132,18 @@ def decode_from(
   top_k: int | None = None,
   top_p: float | None = None,
   seed: int = 0,
+  on_token: Callable[[np.ndarray], object] | None = None,
 ) -> GenerationResult:
-  """Decodes from a prefill's KV cache, on the device that holds it (see `generate`); the
-  prefill's cache stays as it was (decode_from again decodes the same tokens)."""
-  return _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, consume=False)
+  """Decodes from a prefill's KV cache, on the device that holds it (see `generate`, also
+  for `on_token`); the prefill's cache stays as it was (decode_from again decodes the same
+  tokens)."""
+  sampling = (temperature, top_k, top_p, seed)
+  return _decode(model, result, max_new_tokens, *sampling, consume=False, on_token=on_token)
 
 
-def _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, consume: bool):
+def _decode(
+  model, result, max_new_tokens, temperature, top_k, top_p, seed, consume: bool, on_token=None
+):
   """`decode_from`; consume: a `ModelCache`'s decode may write into the prefill's own cache
   where it has room (`generate`'s, made with room for the new tokens)."""
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
@@ -162,7 +175,7 @@ def _decode(model, result, max_new_tokens, temperature, top_k, top_p, seed, cons
     return GenerationResult(None, None, result)  # another process holds the cache, generates
   step, tail, logits, key = stepper(model, result, lengths_B, max_new_tokens, seed)
   out, last_logits = _decode_loop(
-    model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p, agree
+    model, step, tail, logits, key, max_new_tokens, (temperature, top_k, top_p), agree, on_token
   )
   text = None
   if model.tokenizer is not None:
@@ -261,12 +274,14 @@ def _as_is(token_B):
 
 
 def _decode_loop(
-  model, step, tail, logits, key, max_new_tokens, temperature, top_k, top_p, agree=_as_is
+  model, step, tail, logits, key, max_new_tokens, sampling, agree=_as_is, on_token=None
 ):
   """Token by token until every row has met an EOS or `max_new_tokens`: ([B, max_new_tokens]
   tokens, every row's tokens after its EOS the EOS again, also where decoding stopped early
-  because every row had met one; the last token's logits). agree(token) -> the token every
-  process continues with (the last rank's, across processes)."""
+  because every row had met one; the last token's logits). sampling: (temperature, top_k,
+  top_p). agree(token) -> the token every process continues with (the last rank's, across
+  processes). on_token([B] tokens) after each step, before the next is computed."""
+  temperature, top_k, top_p = sampling
   eos = np.asarray(model.config.eos_ids, np.int32)
   B = logits.shape[0]
   # A model without EOS never stops early: every column is decoded.
@@ -276,6 +291,8 @@ def _decode_loop(
     token_B = agree(decode.next_token(logits, key, index, temperature, top_k, top_p))
     token_np = np.asarray(token_B.addressable_shards[0].data)  # replicated: any copy
     out[:, index] = np.where(done, out[:, index], token_np)
+    if on_token is not None:
+      on_token(out[:, index].copy())
     done |= np.isin(token_np, eos)
     if done.all() or index == max_new_tokens - 1:
       break

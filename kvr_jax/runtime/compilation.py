@@ -67,6 +67,12 @@ def enable(directory: str | os.PathLike | None = None) -> str | None:
   return directory
 
 
+def disable() -> None:
+  """Turns the cache off, also where JAX_COMPILATION_CACHE_DIR turned it on: every program is
+  compiled (what `--nocompilation_cache` promises)."""
+  jax.config.update("jax_compilation_cache_dir", None)
+
+
 def enabled() -> bool:
   return bool(jax.config.jax_compilation_cache_dir)
 

@@ -50,6 +50,12 @@ class StrategyReport:
   ttft_runs_s: list[float]
   max_logit_diff_vs_single: float | None  # None when `single` did not run
   first_tokens: list[int]
+  # Every row's new tokens (after a row's EOS, the EOS again) and, where the model has a
+  # tokenizer, every row's answer as text.
+  new_tokens: list[list[int]] = dataclasses.field(default_factory=list)
+  text: list[str] | None = None
+  # Whether every row's new tokens equal the first strategy's (None on the first itself).
+  same_as_first: bool | None = None
   # strategy="auto": what the cost model picked, with every strategy's MODELLED TTFT.
   choice: str | None = None
   # KV-Runahead on a hybrid with its full layers on their own split (`partition` is then
@@ -71,12 +77,17 @@ def compare_strategies(
   repeats: int = 3,
   max_new_tokens: int = 8,
   temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
   seed: int = 0,
   cache: str = "auto",
   buckets=None,
   model_parallel: int = 1,
+  on_token=None,
 ) -> list[StrategyReport]:
-  """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs.
+  """Prefills `tokens` with each strategy; TTFT is the median of `repeats` warm runs; then
+  decodes `max_new_tokens` from each one's cache (on_token: called with the first
+  strategy's new tokens as they are drawn, see `generate`).
 
   tokens: [B, T] or rows of different lengths (padded, see kvr_jax.prefill's `buckets`).
   attention: the kernel for the strategies that run it (default "auto": each strategy's
@@ -112,9 +123,21 @@ def compare_strategies(
     logits = np.asarray(timing.result.logits)
     if strategy == "single":
       reference = logits
-    gen = decode_from(model, timing.result, max_new_tokens, temperature=temperature, seed=seed)
+    gen = decode_from(
+      model,
+      timing.result,
+      max_new_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      seed=seed,
+      on_token=None if reports else on_token,
+    )
     diff = None if reference is None else float(np.abs(logits - reference).max())
-    reports.append(_report(strategy, timing, plan_s, cache_use, diff, gen))
+    report = _report(strategy, timing, plan_s, cache_use, diff, gen)
+    if reports:
+      report.same_as_first = report.new_tokens == reports[0].new_tokens
+    reports.append(report)
   return reports
 
 
@@ -135,6 +158,8 @@ def _report(strategy: str, timing, plan_s: float, cache_use, diff, gen) -> Strat
     ttft_runs_s=timing.runs_s,
     max_logit_diff_vs_single=diff,
     first_tokens=[int(t) for t in gen.tokens[0]],
+    new_tokens=[[int(t) for t in row] for row in gen.tokens],
+    text=gen.text,
     choice=None if result.choice is None else describe_choice(result.choice),
     full_partition=getattr(result, "full_partition", None),
   )
@@ -193,13 +218,14 @@ def _is_measured(partition) -> bool:
 
 def format_table(reports: list[StrategyReport]) -> str:
   """One row per strategy; the partition in full (the column is as wide as the longest; a
-  split per layer kind as "linear / full")."""
+  split per layer kind as "linear / full"); "same": whether its new tokens, every row's, are
+  the first strategy's."""
   parts = [_split_text(r.partition, r.full_partition) for r in reports]
   width = max([len("partition"), *map(len, parts)])
   header = (
     f"{'strategy':<9} {'kernel':<6} {'partition':<{width}} {'TTFT median':>12} {'plan':>7} "
     f"{'compile':>9} "
-    f"{'from':<9} {'max |dlogit|':>13}  first tokens"
+    f"{'from':<9} {'max |dlogit|':>13} {'same':>4}  first tokens"
   )
   lines = [header, "-" * len(header)]
   for r, part in zip(reports, parts, strict=True):
@@ -207,11 +233,16 @@ def format_table(reports: list[StrategyReport]) -> str:
     lines.append(
       f"{r.strategy:<9} {r.attention:<6} {part:<{width}} {r.ttft_median_s * 1e3:>10.1f}ms "
       f"{r.plan_s:>6.2f}s {r.compile_s:>8.2f}s {r.compile_cache:<9} "
-      f"{'n/a' if diff is None else f'{diff:.2e}':>13}  "
+      f"{'n/a' if diff is None else f'{diff:.2e}':>13} {_same_text(r.same_as_first):>4}  "
       f"{' '.join(map(str, r.first_tokens))}"
     )
   lines += [r.choice for r in reports if r.choice]
   return "\n".join(lines)
+
+
+def _same_text(same: bool | None) -> str:
+  """The "same" column: every row's new tokens those of the first strategy ("-": the first)."""
+  return "-" if same is None else ("yes" if same else "NO")
 
 
 def _split_text(partition, full_partition) -> str:
