@@ -21,10 +21,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "KVR_JAX_TEST_RUN_CACHE_DIR" not in os.environ:
   os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvr_jax_test_cache_")
 os.environ["KVR_JAX_CACHE_DIR"] = os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"]
-
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# JAX's persistent compilation cache in the run's directory, for the processes the tests
+# start (set after this process imported jax, which keeps compiling in memory): the launched
+# command lines, the clusters' workers, the notebook and the README blocks run the same tiny
+# flows again and again, and a program one of them compiled is read back by the others. JAX
+# reads these variables when it starts; its key is the HLO, the devices, the XLA flags and
+# the JAX version, so a program read back is the program that would have been compiled.
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"], "xla")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 import gc  # noqa: E402
@@ -45,3 +56,29 @@ def _release_compiled_programs():
   clear_caches()
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks added here
+def pytest_collection_modifyitems(items):
+  """`@pytest.mark.default_cases(id, ...)` on a parametrized test: those cases run in the
+  default tier, every other case of its product in the end-to-end tier (`-m e2e`). An id
+  that names no case is an error, so that a renamed case cannot leave the default tier
+  silently."""
+  cases_of = {}
+  for item in items:
+    if item.get_closest_marker("default_cases") is not None:
+      cases_of.setdefault(item.function, set()).add(item.callspec.id)
+  for function, found in cases_of.items():
+    named = set()
+    for marker in getattr(function, "pytestmark", []):
+      if marker.name == "default_cases":
+        named.update(marker.args)
+    if named - found:
+      raise pytest.UsageError(
+        f"{function.__module__}.{function.__name__}: default_cases names {sorted(named - found)}, "
+        f"which are not among its cases"
+      )
+  for item in items:
+    chosen = item.get_closest_marker("default_cases")
+    if chosen is not None and item.callspec.id not in chosen.args:
+      item.add_marker(pytest.mark.e2e)

@@ -62,6 +62,7 @@ def test_the_default_ladder():
   assert buckets.bucket_length(300, (64, 256), 512) == 300  # past the ladder: exact
 
 
+@pytest.mark.default_cases("allgather")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_dozen_lengths_in_one_bucket_trace_once(model, prompt, reference, mesh, strategy):
   """Every length in the bucket runs the bucket's one program, and its logits are those of
@@ -86,6 +87,7 @@ def test_a_dozen_lengths_in_one_bucket_trace_once(model, prompt, reference, mesh
 RAGGED = (70, 23, 101)
 
 
+@pytest.mark.default_cases("allgather-last")
 @pytest.mark.parametrize(
   "strategy,cache",
   [

@@ -82,6 +82,7 @@ def run(model, prompt, strategy, p, partition, cache):
   return kvr_jax.prefill(model, prompt, strategy=strategy, mesh=mesh, cache=cache, **kwargs)
 
 
+@pytest.mark.default_cases("kvr-3-partition2", "allgather-8-None")
 @pytest.mark.parametrize("strategy,p,partition", MATRIX)
 def test_both_layouts_match_single(models, prompt, oracle, strategy, p, partition):
   model, ref = models["gqa"], oracle["gqa"]
@@ -124,6 +125,7 @@ def test_both_layouts_match_single(models, prompt, oracle, strategy, p, partitio
   assert_close(v, ref.v_cache, "gathered V cache")
 
 
+@pytest.mark.default_cases("kvr-3-partition0")
 @pytest.mark.parametrize("strategy,p,partition", [("kvr", 3, [14, 9, 6]), ("ring", 4, None)])
 def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
   """The multi-process path (each rank's part sent to the last rank, one small ppermute
@@ -164,6 +166,7 @@ def test_the_move_across_processes_allocates_no_prompt_long_output():
   assert stats.output_size_in_bytes == part_bytes // 2
 
 
+@pytest.mark.default_cases("partition2")
 @pytest.mark.parametrize("partition", [[20, 9], [14, 9, 6], [8, 5, 4, 3, 3, 2, 2, 2]])
 def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle, partition):
   """KV-Runahead's last hop already carried every earlier position to the last rank: its
@@ -186,6 +189,7 @@ def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle,
   assert k.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
 
 
+@pytest.mark.default_cases("partition0")
 @pytest.mark.parametrize("partition", [[20, 9], [8, 5, 4, 3, 3, 2, 2, 2]])
 def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, partition, monkeypatch):
   """On a device too small for the join's zeros on the other ranks (here: pretended, 64 KiB),
@@ -315,12 +319,16 @@ def single_decode_logits(model, ref, tokens):
   return out
 
 
+@pytest.mark.default_cases("gqa-kvr-3-partition0")
 @pytest.mark.parametrize("name,strategy,p,partition", DECODE_CASES)
 def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p, partition):
   model, ref = models[name], oracle[name]
   # Windowed: more tokens decoded than the window holds, so the last steps' windows drop
   # decoded tokens as well as prompt positions.
   new_tokens = WINDOW + 3 if name == "window" else NEW_TOKENS
+  if name == "window" and partition is not None:
+    # The case's point: rank 0's part lies wholly before the first decoded token's window.
+    assert model.config.sliding_window == WINDOW and partition[0] < CONTEXT - WINDOW + 1
   single = kvr_jax.generate(model, prompt, new_tokens)
   kwargs = {"partition": partition} if partition is not None else {}
   mesh = kvr_jax.make_mesh(p)
@@ -351,33 +359,30 @@ def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p
     assert_close(logits, want[i], f"{name} {strategy} decode step {i}")
 
 
-def test_window_shorter_than_chunks_is_exercised(models):
-  """The windowed decode case needs a part wholly before every decoded token's window."""
-  assert models["window"].config.sliding_window == WINDOW
-  first_chunk = DECODE_CASES[4][3][0]
-  assert first_chunk < CONTEXT - WINDOW + 1  # rank 0 ends before the first token's window
-
-
 # --- XLA's memory analysis: outputs are each rank's share, not a prompt-long copy ----------
 
 MEMORY_CONTEXT = 1024
 
 
+class _MemoryFigures(dict):
+  """(strategy, p, L) -> compiled_memory of tiny-llama at C=1024 with L layers on p ranks,
+  compiled the first time it is asked for (a test compiles only its own strategy's)."""
+
+  def __missing__(self, key):
+    strategy, p, layers = key
+    shaped = dataclasses.replace(preset_config("tiny-llama"), num_layers=layers)
+    self[key] = compiled_memory(
+      shaped, strategy, context_len=MEMORY_CONTEXT, num_ranks=p, partition="even", cache="sharded"
+    )
+    return self[key]
+
+
 @pytest.fixture(scope="module")
 def memory():
-  """(strategy, p, L) -> compiled_memory of tiny-llama at C=1024 (4 layers on 2 and 8 ranks, 8
-  layers on 2)."""
-  cfg = preset_config("tiny-llama")
-  out = {}
-  for strategy in ("kvr", "tsp", "ring", "allgather"):
-    for p, layers in ((2, 4), (8, 4), (2, 8)):
-      shaped = dataclasses.replace(cfg, num_layers=layers)
-      out[strategy, p, layers] = compiled_memory(
-        shaped, strategy, context_len=MEMORY_CONTEXT, num_ranks=p, partition="even", cache="sharded"
-      )
-  return out
+  return _MemoryFigures()
 
 
+@pytest.mark.default_cases("kvr")
 @pytest.mark.parametrize("strategy", ["kvr", "tsp", "ring", "allgather"])
 def test_outputs_shrink_with_ranks(memory, strategy):
   """A rank's outputs are its share of the cache (about C/p tokens) plus the logits: a
@@ -391,6 +396,7 @@ def test_outputs_shrink_with_ranks(memory, strategy):
     assert got["output_bytes"] >= cache_share, (p, got)  # it does return its share
 
 
+@pytest.mark.default_cases("kvr")
 @pytest.mark.parametrize("strategy", ["kvr", "tsp", "ring", "allgather"])
 def test_no_stacked_temporary(memory, strategy):
   """Temporaries do not grow with the layers: four more layers add four layers of parts to
@@ -402,6 +408,7 @@ def test_no_stacked_temporary(memory, strategy):
   assert deep["temp_bytes"] - short["temp_bytes"] < 0.25 * output_growth, (short, deep)
 
 
+@pytest.mark.default_cases("mqa")
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
 def test_finish_in_row_blocks_equals_whole(models, name):
   """Block.finish over token blocks (what bounds a long chunk's MLP memory) is the same maths
@@ -422,6 +429,7 @@ def test_finish_in_row_blocks_equals_whole(models, name):
   assert_close(blocked, whole, "finish in row blocks")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_memory_report_refuses_what_prefill_refuses_with_the_same_error():
   """compiled_memory: a partition for a strategy that lays the prompt out itself is refused
   (not ignored); numpy integers are integers; a user's mistake is the same ValueError
@@ -474,6 +482,7 @@ def test_the_layout_chooser_on_hand_worked_memory():
   assert kv_cache.choose_cache_layout(at_128k, gemma.num_params() * 2, 141e9) == "last"
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkeypatch):
   """A tiny model fits: cache="auto" is "last". With the last device's memory made smaller
   than the weights and the cache, it is "sharded" (also by default: "auto" is the default),
@@ -492,6 +501,7 @@ def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkey
   np.testing.assert_array_equal(got, kvr_jax.generate(model, tokens, 5).tokens)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_compiled_memory_reports_each_layouts_decode_step():
   """decode_tokens: XLA's analysis of one decode step of each layout, by hand. cache="last":
   the last rank's device takes the weights and the whole K and V caches grown by the new
@@ -514,6 +524,7 @@ def test_compiled_memory_reports_each_layouts_decode_step():
     compiled_memory(cfg, "kvr", cache="sharded", **{**kw, "decode_tokens": -1})
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_decode_steps_write_the_cache_where_it_lies():
   """Both decode steps carry the cache (the tail) through the layers and write the new token
   by index: their temporaries do not grow with the layers (before: the whole-cache step
@@ -532,6 +543,7 @@ def test_decode_steps_write_the_cache_where_it_lies():
   assert temps[4, "last"] < 2 * one_layer_kv, (temps, one_layer_kv)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_low_precision_figures_hold_no_float32_copy_of_every_layer():
   """XLA:CPU converts bfloat16 weights to float32 and would hoist every layer's copy out of
   the layer loop (a GPU makes none): the bfloat16 program's temporaries exceed its float32

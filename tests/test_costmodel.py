@@ -265,6 +265,7 @@ def _one_layer(name):
   return kvr_jax.Model(build_model(config)), config
 
 
+@pytest.mark.default_cases("tiny-falcon")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
 def test_single_program_flops_match_xla(name):
   model, config = _one_layer(name)
@@ -281,6 +282,7 @@ def test_single_program_flops_match_xla(name):
   assert abs(measured / modelled - 1) < 0.10, (measured, modelled)
 
 
+@pytest.mark.default_cases("tiny-llama")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
 def test_tsp_program_flops_match_xla(name):
   model, config = _one_layer(name)
@@ -566,6 +568,27 @@ def test_a_search_started_near_its_best_skips_the_coarse_steps():
   assert max(abs(c[0] - 4096) for c in coarse_seen) >= 2048  # the C/2p step, from even
 
 
+@pytest.mark.default_cases(
+  "search-5",
+  "search-9",
+  "search-17",
+  "search-1000",
+  "balanced-5",
+  "balanced-9",
+  "balanced-17",
+  "balanced-64",
+  "balanced-1000",
+  "predict-5",
+  "predict-9",
+  "predict-17",
+  "predict-64",
+  "predict-1000",
+  "even-5",
+  "even-9",
+  "even-17",
+  "even-64",
+  "even-1000",
+)
 @pytest.mark.parametrize("C", [5, 9, 17, 64, 1000])
 @pytest.mark.parametrize("method", ["search", "balanced", "predict", "even"])
 def test_every_partition_is_valid(C, method):
@@ -687,8 +710,19 @@ def test_a_calibration_file_with_nonsense_figures_counts_as_absent(tmp_path, edi
   assert presets._read(str(path)) is None
 
 
+@pytest.fixture
+def no_compilation_cache():
+  """The test run's own compilation cache (conftest.py) off for one test, then back."""
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", None)
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+
+
 @pytest.mark.parametrize("unusable", ["file", "/proc/self/kvr"])
-def test_an_unusable_cache_directory_degrades_to_not_caching(tmp_path, monkeypatch, unusable):
+def test_an_unusable_cache_directory_degrades_to_not_caching(
+  tmp_path, monkeypatch, unusable, no_compilation_cache
+):
   """A file, or a directory that cannot be created: a warning saying why, then every cache
   measures again (calibration not stored, no local tables, no compilation cache)."""
   from kvr_jax.core import resources
@@ -1023,6 +1057,7 @@ def test_the_command_line_comparison_runs_auto_and_says_what_it_picked():
     demo.compare_strategies(model, tokens, ["auto"], num_devices=2, attention="dense")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_the_command_line_comparison_runs_a_measured_partition_once(monkeypatch):
   """launch.run --partition=measured's library call: the measured search runs once, on the
   padded prompt's shape (a ragged batch is padded to its bucket), before any strategy; kvr

@@ -49,6 +49,7 @@ def forward():
   )
 
 
+@pytest.mark.default_cases("deepseek-direct-q")
 @pytest.mark.parametrize("case", CASES)
 def test_logits_every_position_match_transformers(checkpoints, tokens, forward, case):
   hf_model, _, ours = checkpoints[case]
@@ -106,6 +107,7 @@ def _decode_greedily(ours, tokens, forward):
   return np.stack(out, axis=1), np.stack(steps)
 
 
+@pytest.mark.default_cases("flash")
 @pytest.mark.parametrize("kernel", ["blocked", "flash"])
 def test_every_kernel_on_the_expanded_heads_equals_dense(checkpoints, tokens, forward, kernel):
   """The blocked and flash kernels over the expanded heads (values zero-padded to the key
@@ -118,6 +120,7 @@ def test_every_kernel_on_the_expanded_heads_equals_dense(checkpoints, tokens, fo
   assert_close(kernel_cache, cache, f"{kernel} latent cache")
 
 
+@pytest.mark.default_cases("deepseek-yarn")
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_absorbed_decode_equals_the_expanded_forward(checkpoints, tokens, forward, decoded, case):
   """Each decode step (queries taken into the latent space, the C-wide cache as one key head)
@@ -130,6 +133,7 @@ def test_absorbed_decode_equals_the_expanded_forward(checkpoints, tokens, forwar
   assert_close(step_logits.transpose(1, 0, 2), np.asarray(logits[:, 24:30]), "decode logits")
 
 
+@pytest.mark.default_cases("deepseek-yarn")
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_greedy_decode_matches_transformers(checkpoints, tokens, decoded, case):
   hf_model, _, _ = checkpoints[case]
@@ -253,6 +257,7 @@ def one_device(checkpoints, tokens):
   return module.logits(x_BTD)[:, -1], cache
 
 
+@pytest.mark.default_cases("kvr-2-partition0-dense", "tsp-3-None-dense")
 @pytest.mark.parametrize(
   "strategy, ranks, partition, attention",
   [
@@ -297,6 +302,7 @@ def test_latent_kvr_attends_its_early_diagonal_before_the_hop(checkpoints):
   assert not dense.diagonal_first and dense.static_early_rows == (0, 0, 0, 0)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_kvr_on_latent_attention_decodes_transformers_greedy_tokens(checkpoints, tokens):
   hf_model, _, ours = checkpoints["deepseek-default"]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :24], 6)
@@ -306,6 +312,7 @@ def test_kvr_on_latent_attention_decodes_transformers_greedy_tokens(checkpoints,
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("cache", ["last", "sharded"])
 def test_latent_samples_transformers_draws_in_both_layouts(checkpoints, tokens, cache):
   """Sampled decoding (temperature, top-k, seed) from KV-Runahead's latent cache, whole or in
@@ -323,6 +330,7 @@ def test_latent_samples_transformers_draws_in_both_layouts(checkpoints, tokens, 
   np.testing.assert_array_equal(got.tokens, want)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize(
   ("strategy", "ranks", "partition", "length"),
   # 22: zigzag pads to 24; TSP's ranks hold 8, 8 and 6 (the last padded)
@@ -355,6 +363,7 @@ def test_sharded_latent_cache_decodes_in_place(
   np.testing.assert_array_equal(got.tokens, hf_fixtures.hf_greedy(hf_model, prompt, 6))
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
   """The compiled KV-Runahead program's collective-permutes (its hops) carry C = kv_lora_rank
   + rope numbers per token (one headless latent), not N x (nope + rope + v) of per-head K,V:
@@ -391,6 +400,7 @@ def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
 # --- latent attention and DeepSeek's mixture on a 2-D mesh (heads and experts over "model")
 
 
+@pytest.mark.default_cases("tsp-shape4-None-dense")
 @pytest.mark.parametrize(
   "strategy, shape, partition, attention",
   [
@@ -418,6 +428,7 @@ def test_latent_prefill_on_a_2d_mesh_equals_one_device(
   assert_close(result.cache, want_cache, "latent cache")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_a_latent_model_loads_split_and_decodes_on_its_model_groups(checkpoints, tokens):
   """load_model(mesh=) on 2 x 4 sends each device its heads (wq_b, wk_b, wv_b, wo [.., N/m, ..]),
   its 2 of the 8 experts and its quarter of the shared expert's and dense layer's columns;
@@ -455,6 +466,7 @@ def test_a_latent_model_loads_split_and_decodes_on_its_model_groups(checkpoints,
     np.testing.assert_array_equal(got.tokens, want, err_msg=cache)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_compiled_memory_of_a_latent_model_splits_its_weights_not_its_latents():
   """XLA's per-device memory (from shapes) of bench-deepseek's KV-Runahead program on 2 x 1 and
   2 x 2: one device holds half of every head's and expert's weights (by hand: the q

@@ -46,6 +46,7 @@ CASES = [
 ]
 
 
+@pytest.mark.default_cases("kvr-shape1-partition1", "tsp-shape5-None")
 @pytest.mark.parametrize("strategy,shape,partition", CASES)
 def test_every_strategy_with_split_experts_matches_single(moe, strategy, shape, partition):
   """Logits and the gathered cache within 1e-5 of one device's."""
@@ -79,6 +80,7 @@ def test_each_shard_holds_its_own_experts(moe):
   np.testing.assert_array_equal(np.asarray(first_row[0].data), whole[:, 2:4])
 
 
+@pytest.mark.default_cases("sharded")
 @pytest.mark.parametrize("cache", ["last", "sharded"])
 def test_greedy_decode_with_split_experts_is_single_devices(moe, cache):
   model, _ = moe
@@ -118,6 +120,7 @@ def six_experts():
   return model, kvr_jax.prefill(model, PROMPT, "single")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_experts_not_divided_by_the_model_axis_split_their_columns(six_experts):
   """Six experts on 2 x 4: every device holds all six with 24 of their 96 columns; KV-Runahead
   within 1e-5 of one device, and greedy decode from its sharded cache gives single's tokens."""
@@ -140,6 +143,7 @@ def test_experts_not_divided_by_the_model_axis_split_their_columns(six_experts):
   assert "every device runs every row" in expert_load.expert_load_line(model, PROMPT, 4)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_compiled_memory_holds_one_shards_experts():
   """XLA's per-device arguments of the 2-D program: every block matrix (attention's and the
   experts') divided by m (the 2 KV heads one per shard at m = 4, repeated), the rest whole.
@@ -168,6 +172,7 @@ def hf_moe_checkpoints(tmp_path_factory):
   return out
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_gpt_oss_experts_split_by_column_add_their_down_bias_once(tmp_path):
   """A tiny gpt-oss with six experts (random biases) loaded straight into 2 x 4, where 4 does
   not divide 6: each device reads 6 of every expert's 24 columns, and KV-Runahead gives
@@ -186,6 +191,7 @@ def test_gpt_oss_experts_split_by_column_add_their_down_bias_once(tmp_path):
   assert err <= MODEL_TOL, f"relative error {err:.2e}"
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_loaded_straight_into_shards_matches_transformers(hf_moe_checkpoints, family, tmp_path):
   """load_model(mesh=) sends each device its own experts; KV-Runahead on 2 x 2 then gives
@@ -207,6 +213,7 @@ def test_loaded_straight_into_shards_matches_transformers(hf_moe_checkpoints, fa
   assert_close(kvr_jax.prefill(restored, tokens).logits, got.logits, "restored whole")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_expert_rows_per_device_count_every_pair_and_call_out_uneven_routing(
   moe, hf_moe_checkpoints
 ):
@@ -367,6 +374,7 @@ def _mlp_split_over(blocks, x_BTD, m):
   return jax.jit(split)(jax.device_put(state, shardings)), layer0_mlp(state, no_reduce)
 
 
+@pytest.mark.default_cases("qwen3_5_moe-6-4")
 @pytest.mark.parametrize(
   "family,num_experts,m", [("deepseek_v3", 8, 4), ("qwen3_5_moe", 8, 2), ("qwen3_5_moe", 6, 4)]
 )
@@ -396,6 +404,7 @@ def test_routed_and_shared_experts_split_over_a_model_group(family, num_experts,
   assert_close(split, whole, f"{family}, {num_experts} experts on {m}")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_bfloat16_split_experts_decode_single_devices_tokens():
   """tiny-moe in bfloat16: KV-Runahead on 2 x 2 with the experts split, then 6 greedy tokens
   from its sharded cache, as one device decodes them."""

@@ -29,6 +29,7 @@ def dense_reference(h_BTD, router_DE, w_gate, w_up, w_down, top_k, normalize):
   return jnp.einsum("BTED,BTE->BTD", out, weights)
 
 
+@pytest.mark.default_cases("0.0-False", "8.0-True", "8.0-False")
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("skew", [0.0, 8.0])
 def test_grouped_experts_equal_every_expert_weighted(normalize, skew):
@@ -70,6 +71,7 @@ def tokens():
   return np.random.RandomState(3).randint(0, 512, (2, 61))
 
 
+@pytest.mark.default_cases("allgather-None")
 @pytest.mark.parametrize(
   "strategy,partition", [("kvr", [25, 20, 10, 6]), ("ring", None), ("allgather", None)]
 )

@@ -68,6 +68,7 @@ def test_configs_carry_the_switches(families):
     assert model.config.num_params() == sum(p.numel() for p in hf_model.parameters()), case
 
 
+@pytest.mark.default_cases("qwen2-bias")
 @pytest.mark.parametrize("case", FAMILIES)
 def test_logits_every_position_match_transformers(families, hf_reference, tokens, case):
   _, model = families[case]
@@ -76,6 +77,7 @@ def test_logits_every_position_match_transformers(families, hf_reference, tokens
     assert rel_err(logits, hf_reference[case]) <= MODEL_TOL, attention
 
 
+@pytest.mark.default_cases("single-1-qwen2-bias", "kvr-4-qwen2-bias")
 @pytest.mark.parametrize("case", FAMILIES)
 @pytest.mark.parametrize("strategy,p", STRATEGY_MESH)
 def test_every_strategy_matches_transformers_and_single(
@@ -95,6 +97,7 @@ def test_every_strategy_matches_transformers_and_single(
       assert rel_err(got_kv[layer, :, first:], want_kv[layer, :, first:]) <= REL_TOL, layer
 
 
+@pytest.mark.default_cases("single-1-qwen2-bias")
 @pytest.mark.parametrize("case", FAMILIES)
 @pytest.mark.parametrize("strategy,p", [("single", 1), ("kvr", 4)])
 def test_greedy_tokens_match_transformers(families, tokens, case, strategy, p):
@@ -141,6 +144,7 @@ def _kv_permutes(model, chunks, B=2):
   return sorted(s[2] for s in shapes)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_windowed_hops_carry_at_most_w_keys(families):
   """Compiled program: each of the p-1 hops carries min(S_k, W-1) keys with the window, and
   the whole prefix S_k without (Qwen2, same shapes otherwise)."""
@@ -210,6 +214,7 @@ def test_sliding_window_from_config_json():
     _qwen2_config(model_type="gemma")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_windows_per_layer_decode_from_either_layout_and_a_bucket(families, tokens):
   """Gemma 3's windowed and full layers through KV-Runahead's sharded cache (each decode step
   attends every part where it lies, with the layer's own window) and a padded bucket: the
@@ -288,6 +293,7 @@ def test_families_are_records_registered_in_one_place():
     config_from_hf({"model_type": "bert"})
 
 
+@pytest.mark.default_cases("mistral-window")
 @pytest.mark.parametrize("case", ["mistral-window", "gemma3-local-global"])
 def test_the_per_rank_program_attends_each_layer_kinds_window(families, tokens, case):
   """The per-rank switch program (two ranks run it by default; the dense kernel always does)

@@ -79,6 +79,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.default_cases("5-5-0-2-2-256-512")
 @pytest.mark.parametrize("T,S,offset,N,K,bq,bk", SHAPES)
 def test_flash_equals_dense_with_its_lse(T, S, offset, N, K, bq, bk):
   q, k, v = qkv(T, S, N, K)
@@ -124,6 +125,7 @@ WINDOW_SHAPES = [
 ]
 
 
+@pytest.mark.default_cases("16-32-60-2-1-8-8-40")
 @pytest.mark.parametrize("T,S,offset,N,K,bq,bk,window", WINDOW_SHAPES)
 def test_sliding_window_kernels_equal_the_definition(T, S, offset, N, K, bq, bk, window):
   q, k, v = qkv(T, S, N, K, seed=3)
@@ -285,6 +287,7 @@ def long_setup():
   return models, tokens, dense
 
 
+@pytest.mark.default_cases("mqa")
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
 def test_single_flash_matches_dense(long_setup, name):
   models, tokens, dense = long_setup
@@ -294,6 +297,7 @@ def test_single_flash_matches_dense(long_setup, name):
   assert_close(got.v_cache, dense[name].v_cache, "V cache")
 
 
+@pytest.mark.default_cases("gqa-1-even")
 @pytest.mark.parametrize(
   "name,p,partition",
   [("gqa", p, partition) for p, partition in FLASH_CASES]
@@ -549,6 +553,7 @@ def test_a_prompt_of_exactly_max_position_embeddings_tokens_runs():
 # --- lengths as data: the one-body KV-Runahead program's kernel ----------------------------
 
 
+@pytest.mark.default_cases("7")
 @pytest.mark.parametrize("window", [None, 7])
 def test_traced_query_rows_and_key_end_match_dense(window):
   """One compiled kernel for every (offset, key_end, query rows, first rows' key end): the
@@ -605,6 +610,7 @@ def test_traced_query_rows_and_key_end_match_dense(window):
   assert np.all(np.isneginf(np.asarray(lse))) and not np.any(np.asarray(out))
 
 
+@pytest.mark.default_cases("qwen3")
 @pytest.mark.parametrize("form", ["window", "qwen3", "2d-mesh"])
 def test_early_diagonal_rows_under_a_window_qwen3_and_a_2d_mesh(form):
   """The one body's early diagonal rows (0 < r_i < c_i: rank 1 attends 160 or 232 of its 460

@@ -68,19 +68,35 @@ def test_top_k_one_is_greedy(model, prompt):
 
 def test_stops_at_eos(model, prompt):
   greedy = kvr_jax.generate(model, prompt[:1], 6).tokens[0]
-  import dataclasses
-
-  eos_model = kvr_jax.Model(model.module)
-  eos_model.module.config = dataclasses.replace(model.config, eos_token_id=int(greedy[1]))
-  try:
-    out = kvr_jax.generate(eos_model, prompt[:1], 6).tokens[0]
-  finally:
-    eos_model.module.config = model.config
+  out = _with_eos(model, int(greedy[1]), prompt[:1], 6)[0]
   # The row ends at its first EOS and is padded with EOS to the [B, n] it promises.
   first = list(greedy).index(greedy[1])
   assert first + 1 < 6
   want = np.concatenate([greedy[: first + 1], np.full(6 - first - 1, greedy[1])])
   np.testing.assert_array_equal(out, want)
+
+
+def test_a_row_that_ends_early_keeps_its_eos_while_the_others_decode(model, prompt):
+  """Two rows, an EOS that only row 0 draws: row 0 is EOS from there on, row 1 decodes on."""
+  greedy = kvr_jax.generate(model, prompt, 6).tokens
+  eos = next(int(t) for t in greedy[0, :3] if t not in greedy[1])
+  out = _with_eos(model, eos, prompt, 6)
+  first = list(greedy[0]).index(eos)
+  np.testing.assert_array_equal(out[0, : first + 1], greedy[0, : first + 1])
+  np.testing.assert_array_equal(out[0, first:], np.full(6 - first, eos))
+  np.testing.assert_array_equal(out[1], greedy[1])
+
+
+def _with_eos(model, eos: int, prompt, n: int) -> np.ndarray:
+  """generate's tokens with `eos` as the model's EOS."""
+  import dataclasses
+
+  eos_model = kvr_jax.Model(model.module)
+  eos_model.module.config = dataclasses.replace(model.config, eos_token_id=eos)
+  try:
+    return kvr_jax.generate(eos_model, prompt, n).tokens
+  finally:
+    eos_model.module.config = model.config
 
 
 @pytest.mark.parametrize(

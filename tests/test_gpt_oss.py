@@ -31,6 +31,7 @@ def tokens():
   return np.random.RandomState(1).randint(0, hf_fixtures.VOCAB, (2, T))
 
 
+@pytest.mark.default_cases("gpt-oss-mqa")
 @pytest.mark.parametrize("case", CASES)
 def test_logits_every_position_match_transformers(checkpoints, tokens, case):
   hf_model, _, ours = checkpoints[case]
@@ -64,6 +65,7 @@ def single_logits(checkpoints, tokens):
   return np.asarray(kvr_jax.prefill(checkpoints["gpt-oss-yarn"][2], tokens).logits)
 
 
+@pytest.mark.default_cases("kvr-kwargs1", "tsp-kwargs2")
 @pytest.mark.parametrize(("strategy", "kwargs"), STRATEGIES)
 def test_every_strategy_equals_one_device(checkpoints, tokens, single_logits, strategy, kwargs):
   """The sink enters each query's softmax once whatever the split: KV-Runahead's prefix and
@@ -74,6 +76,7 @@ def test_every_strategy_equals_one_device(checkpoints, tokens, single_logits, st
   np.testing.assert_allclose(logits, single_logits, atol=STRATEGY_TOL, rtol=STRATEGY_TOL)
 
 
+@pytest.mark.default_cases("last")
 @pytest.mark.parametrize("cache", ["last", "sharded"])
 def test_greedy_decode_past_the_window_matches_transformers(checkpoints, tokens, cache):
   """KV-Runahead on 3 uneven ranks, then 18 tokens (three windows) decoded from the whole
@@ -171,6 +174,7 @@ def test_saved_model_restores_whole(checkpoints, tokens, tmp_path):
   np.testing.assert_array_equal(restored.module(tokens[:, :8]), ours.module(tokens[:, :8]))
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_ragged_rows_in_a_bucket_decode_as_transformers(checkpoints, tokens):
   """Two prompts of 40 and 27 tokens padded to a 48-token bucket, ring attention, the cache
   left in the ranks' parts: each row decodes from its own length (its sinks at its own

@@ -1,7 +1,7 @@
-"""Guards for mechanisms that no other test held (issue 51): each test below was watched failing
-with its mechanism broken on purpose (the closing note of issue 51 lists what was broken).
+"""Guards for mechanisms that no other test held: each test below was watched failing
+with its mechanism broken on purpose.
 
-Also the one-line refusals of issue 51: kernel records that cannot claim what their maths does
+Also one-line refusals: kernel records that cannot claim what their maths does
 not do, configs typed and (for checkpoints) complete, a plan that is not a plan, an envelope
 longer than the prompt, and a lost peer reported in one line.
 """
@@ -174,6 +174,7 @@ with faults.worker_failures():
 """
 
 
+@pytest.mark.serial  # waits on timeouts or times a span: run alone
 @pytest.mark.e2e  # a launched cluster
 def test_a_lost_peer_is_one_line_naming_the_step_and_a_non_zero_status():
   """What a survivor of a killed process prints (measured by hand on a two-process cluster,
@@ -204,6 +205,7 @@ ONE_PROGRAM_SPLITS = {
 }
 
 
+@pytest.mark.default_cases("8")
 @pytest.mark.parametrize("num_ranks", sorted(ONE_PROGRAM_SPLITS))
 def test_the_one_program_hops_and_buffer_hold_every_split(num_ranks):
   model = kvr_jax.load_model("tiny-llama")

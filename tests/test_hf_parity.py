@@ -37,6 +37,14 @@ def tokens():
   return np.random.RandomState(1).randint(0, hf_fixtures.VOCAB, (2, 40))
 
 
+@pytest.mark.default_cases(
+  "llama3-rope",
+  "llama-linear-rope",
+  "llama-tied",
+  "falcon-7b-form",
+  "falcon-mha-form",
+  "falcon-40b-form",
+)
 @pytest.mark.parametrize("case", CASES)
 def test_logits_every_position_match_transformers(checkpoints, tokens, case):
   hf_model, directory = checkpoints[case]
@@ -44,6 +52,7 @@ def test_logits_every_position_match_transformers(checkpoints, tokens, case):
   assert_matches_transformers(ours, hf_model, tokens)
 
 
+@pytest.mark.default_cases("falcon-40b-form")
 @pytest.mark.parametrize("case", ["llama-gqa", "falcon-7b-form", "falcon-40b-form"])
 def test_greedy_generation_matches_transformers(checkpoints, tokens, case):
   hf_model, directory = checkpoints[case]

@@ -115,6 +115,7 @@ SWEEP = [
 ]
 
 
+@pytest.mark.default_cases("kernel4-split7-1-2")
 @pytest.mark.parametrize("kernel, split", SWEEP)
 def test_every_chunk_length_in_every_position(one_device_layer, kernel, split):
   """One linear layer chained over 3 ranks at a split of `rotations`: every rank's outputs,
@@ -161,6 +162,7 @@ def test_every_chunk_length_through_the_whole_model(checkpoint, kernel):
     assert_close(got.logits, want[:, n - 1], f"kernel {kernel}, split {split}")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("kernel", [2, 4, 5])
 def test_short_later_chunks_decode_transformers_tokens(checkpoint, kernel):
   """Chunks of 1, w+1 and w-or-more tokens (kernel 2: w = 1): greedy tokens from the last
@@ -176,6 +178,7 @@ def test_short_later_chunks_decode_transformers_tokens(checkpoint, kernel):
   np.testing.assert_array_equal(got.tokens, want)
 
 
+@pytest.mark.default_cases("default split of 10 tokens-2-1-None-last")
 @pytest.mark.parametrize(
   "label, ranks, model_shards, partition, cache",
   [

@@ -93,6 +93,7 @@ CASES = [
 ]
 
 
+@pytest.mark.default_cases("kvr-wide-shape6-partition6")
 @pytest.mark.parametrize("strategy,name,shape,partition", CASES)
 def test_prefill_on_a_2d_mesh_matches_one_device(
   checkpoints, tokens, one_device, strategy, name, shape, partition
@@ -125,6 +126,7 @@ def _model_index(shard) -> int:
   return next(i.start or 0 for i in shard.index if isinstance(i, slice) and i != slice(None))
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize(
   "strategy,name,shape,partition",
   [("kvr", "next", (2, 2), [18, 12]), ("allgather", "wide", (2, 4), None)],
@@ -142,6 +144,7 @@ def test_greedy_decode_on_a_2d_mesh_is_transformers(
   np.testing.assert_array_equal(got.tokens, want)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_sampled_decode_on_a_2d_mesh_draws_one_devices_tokens(checkpoints, tokens):
   """Sampling (temperature, top-k, top-p, seed) from the split cache draws what a 1-D mesh's
   decode on one device draws."""
@@ -182,6 +185,7 @@ def test_loaded_straight_into_shards(checkpoints, tokens, one_device):
   assert_close(result.logits_BV, one_device["next"][0], "last logits")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_a_linear_layers_hop_carries_the_shards_own_state(checkpoints):
   """In the compiled KV-Runahead program on 2 x 2, a linear layer's hops carry each shard's
   state [B, h/m, k, v] and its halo [B, w, C/m], never the whole layer's."""
@@ -212,6 +216,7 @@ def test_a_group_that_does_not_split_the_key_heads_is_refused(checkpoints, token
     prefill_hybrid(model, tokens, kvr_jax.make_mesh(2, model=4), [40, 30], "flash")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_compiled_memory_of_a_hybrid_splits_heads_states_and_columns():
   """XLA's per-device memory (from shapes) of bench-qwen3.5's KV-Runahead program on 2 x 1 and
   2 x 2: one device holds half of every weight but the embedding, head and norms (by hand),

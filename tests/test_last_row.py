@@ -77,6 +77,13 @@ KV_RUNS = [
 ]
 
 
+@pytest.mark.default_cases(
+  "strategy1-3-partition1-rows1",
+  "strategy2-3-partition2-None",
+  "ring-2-None-rows3",
+  "allgather-2-None-rows4",
+  "tsp-2-None-rows5",
+)
 @pytest.mark.parametrize("strategy, ranks, partition, rows", KV_RUNS)
 def test_kv_strategies_finish_one_row_in_the_last_layer(llama, strategy, ranks, partition, rows):
   kwargs = {"partition": partition} if partition else {}
@@ -122,6 +129,7 @@ def _mlp_width(model) -> int:
   return cfg.num_experts if hasattr(cfg, "expert_dim") else cfg.mlp_dim
 
 
+@pytest.mark.default_cases("latent")
 @pytest.mark.parametrize("family", ["hybrid", "latent"])
 def test_own_forward_finishes_one_row_only_when_asked(own_models, family):
   model = own_models[family]
@@ -143,6 +151,12 @@ def test_own_forward_finishes_one_row_only_when_asked(own_models, family):
   assert_close(run(model.module, tokens_BT, True), run(model.module, tokens_BT, False), "last row")
 
 
+@pytest.mark.default_cases(
+  "hybrid-kvr-2-rows0",
+  "latent-kvr-2-rows2",
+  "latent-allgather-2-rows3",
+  "latent-tsp-2-rows4",
+)
 @pytest.mark.parametrize(
   "family, strategy, ranks, rows",
   [
@@ -175,6 +189,7 @@ def hybrid_layout(strategy: str, ranks: int) -> tuple[int, ...]:
   return tuple(kvr_jax.strategies.get_strategy(strategy).layout(T, ranks))
 
 
+@pytest.mark.default_cases("tsp-2")
 @pytest.mark.parametrize("strategy, ranks", [("single", 1), ("tsp", 2)])
 def test_the_one_row_branch_is_the_one_taken(strategy, ranks):
   """Which branch runs, seen by XLA: in a one-layer model the layer index is a constant, the

@@ -43,6 +43,7 @@ def _copy_with(hf_dir, tmp_path, *, tensors=None, config=None):
   return str(tmp_path)
 
 
+@pytest.mark.default_cases("tiny-falcon", "tiny-gemma")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon", "tiny-gemma"])
 def test_tiny_presets_are_about_one_million_parameters(name):
   model = kvr_jax.load_model(name)
@@ -277,6 +278,7 @@ def device_buffers() -> set[tuple[int, int, int]]:
   }
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_at_most_one_weight_copy_per_device_whatever_strategies_ran():
   """After single, tsp, kvr and ring prefills and decodes on 4 of 8 emulated devices, each of
   the 4 holds one copy of the weights and the others nothing (outputs dropped): the weights

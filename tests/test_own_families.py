@@ -76,6 +76,7 @@ RUNS = [
 ]
 
 
+@pytest.mark.default_cases("deepseek-default-tsp-shape10-None-last")
 @pytest.mark.parametrize("case, strategy, shape, partition, cache", RUNS)
 def test_generate_runs_own_family_models_as_one_device(
   models, tokens, oracle, case, strategy, shape, partition, cache
@@ -130,6 +131,7 @@ def test_generate_runs_own_family_models_as_one_device(
       assert_close(linear.halo_BwC, want_cache.linear.halo_BwC, "convolution halos")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_decode_from_one_prefill_twice_samples_transformers_draws(models, tokens):
   """Sampled decoding (temperature, top-k, seed) from one KV-Runahead prefill of the hybrid,
   twice: the same tokens both times (the first decode left the cache as it was), and those
@@ -144,6 +146,7 @@ def test_decode_from_one_prefill_twice_samples_transformers_draws(models, tokens
     np.testing.assert_array_equal(got.tokens, want)
 
 
+@pytest.mark.default_cases("deepseek-default")
 @pytest.mark.parametrize("case", [HYBRID, LATENT])
 def test_auto_runs_the_cost_models_pick(models, tokens, oracle, case):
   """strategy="auto" on a hybrid and a latent model: the cost model's pick among single,

@@ -69,6 +69,7 @@ GQA_CASES += [(p, (1024, 1)) for p in (2, 4, 8)]
 
 
 # Every peer x mesh x length pair in the default tier; the whole product in the e2e tier.
+@pytest.mark.default_cases("allgather-1-key1", "ring-2-key14")
 @pytest.mark.parametrize(
   "strategy,p,key",
   pairwise(
@@ -80,12 +81,14 @@ def test_peer_matches_single_gqa(models, prompts, oracle, strategy, p, key):
   check(models, prompts, oracle, "gqa", strategy, p, key)
 
 
+@pytest.mark.default_cases("3-allgather")
 @pytest.mark.parametrize("strategy", PEERS)
 @pytest.mark.parametrize("p", [3, 8])
 def test_peer_matches_single_mqa(models, prompts, oracle, strategy, p):
   check(models, prompts, oracle, "mqa", strategy, p, (37, 2))
 
 
+@pytest.mark.default_cases("gqa-3-key0-ring")
 @pytest.mark.parametrize("strategy", PEERS)
 @pytest.mark.parametrize("name,p,key", [("gqa", 3, (13, 1)), ("mqa", 4, (37, 2))])
 def test_peer_two_piece_kernel_matches_single(models, prompts, oracle, strategy, name, p, key):
@@ -115,6 +118,7 @@ def test_peers_refuse_what_the_two_piece_kernels_cannot_run():
       kvr_jax.prefill(mistral, tokens, strategy=strategy, attention="fused")
 
 
+@pytest.mark.default_cases("allgather")
 @pytest.mark.parametrize("strategy", PEERS)
 def test_peer_greedy_tokens_identical(models, prompts, strategy):
   model, tokens = models["gqa"], prompts[(37, 2)]
@@ -163,6 +167,7 @@ def _ops(hlo, op):
   return [tuple(int(d) for d in m.group(2).split(",")) for m in re.finditer(pattern, hlo)]
 
 
+@pytest.mark.default_cases("gqa")
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
 def test_ring_hlo_p_minus_1_permutes_of_own_kv_heads(models, name):
   model, p, C, B = models[name], 4, 1024, 2
@@ -181,6 +186,7 @@ def test_ring_hlo_p_minus_1_permutes_of_own_kv_heads(models, name):
   assert _ops(hlo, "all-gather") == []
 
 
+@pytest.mark.default_cases("gqa")
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
 def test_allgather_hlo_one_gather_per_layer_no_permute(models, name):
   model, p, C, B = models[name], 4, 1024, 2

@@ -49,6 +49,7 @@ def forward():
   )
 
 
+@pytest.mark.default_cases("qwen3_5-types")
 @pytest.mark.parametrize("case", CASES)
 def test_logits_every_position_match_transformers(checkpoints, tokens, forward, case):
   hf_model, _, ours = checkpoints[case]
@@ -93,6 +94,7 @@ def decoded(checkpoints, tokens, forward):
   return np.stack(out, axis=1), np.stack(steps), lengths
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_decode_from_the_hybrid_cache_equals_the_uncached_forward(
   checkpoints, tokens, forward, decoded
 ):
@@ -207,6 +209,7 @@ def one_device(checkpoints, tokens):
   return module.logits(x_BTD)[:, -1], cache
 
 
+@pytest.mark.default_cases("kvr-2-partition0-dense")
 @pytest.mark.parametrize(
   "strategy, ranks, partition, attention",
   [
@@ -238,6 +241,7 @@ def test_hybrid_prefill_equals_one_device(
   assert result.moved == (strategy != "kvr")
 
 
+@pytest.mark.default_cases("kvr-partition0")
 @pytest.mark.parametrize("strategy, partition", [("kvr", [40, 30]), ("ring", None)])
 def test_a_second_prefill_traces_nothing_again(checkpoints, tokens, strategy, partition):
   """The same prefill again (cache "last") reuses its program and its join of the cache: a
@@ -306,6 +310,7 @@ def _collective_shapes(model, strategy, partition, op="collective-permute"):
   return [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(pattern, hlo)]
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_linear_layers_hop_a_state_whose_size_does_not_follow_the_prompt(checkpoints):
   """Compiled programs at two prompt lengths: the linear layers' collective-permutes (each
   hop of the chain carries the state [B, h, k, v] and the halo [B, w, C]) are the same; only
@@ -411,6 +416,7 @@ def test_qwen35_27b_preset_is_the_published_model():
   assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters()) == 26_895_998_464
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize(
   "case, partition, full_partition",
   [
@@ -447,6 +453,7 @@ def test_kvr_with_a_split_per_layer_kind_equals_one_device(
   )
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_kvr_with_a_split_per_layer_kind_decodes_transformers_tokens(checkpoints, tokens):
   """kvr_jax.prefill and generate take {"linear": .., "full": ..}: greedy tokens from the
   joined cache and from the ranks' parts (laid out by the full layers' split) are

@@ -39,6 +39,7 @@ def logits_of():
   return lambda model, tokens: np.asarray(run(model.module, tokens))
 
 
+@pytest.mark.default_cases("qwen3_next")
 @pytest.mark.parametrize("case", CASES)
 def test_logits_every_position_match_transformers(checkpoints, tokens, logits_of, case):
   hf_model, _, ours = checkpoints[case]
@@ -110,6 +111,7 @@ def test_dense_layers_among_experts_refused_by_name(checkpoints):
     dataclasses.replace(config, num_experts=0)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_kvr_prefill_equals_one_device(checkpoints, tokens):
   """KV-Runahead on uneven chunks: the last logits and every layer's past as one device
   computes them (the experts route each rank's own rows; the MLP is per row, so the peers,
@@ -124,6 +126,7 @@ def test_kvr_prefill_equals_one_device(checkpoints, tokens):
   assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_kvr_on_qwen3_next_decodes_transformers_greedy_tokens(checkpoints, tokens):
   hf_model, _, ours = checkpoints["qwen3_next"]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6)

@@ -62,6 +62,7 @@ XLA_KERNELS = ("dense", "blocked", "flash", "fused")
 
 
 # Every kernel without a window, and with one each kernel that takes a window (fused does not).
+@pytest.mark.default_cases("flash-None", "fused-None", "dense-5", "flash-5")
 @pytest.mark.parametrize(
   "name, window",
   [(n, w) for w in (None, 5) for n in XLA_KERNELS if w is None or get_kernel(n).takes_window],
@@ -81,6 +82,7 @@ def test_sinks_change_the_output():
   assert float(jnp.max(jnp.abs(with_sinks - without))) > 1e-2
 
 
+@pytest.mark.default_cases("fused")
 @pytest.mark.parametrize("name", ["flash", "fused"])
 def test_prefix_and_diagonal_merge_to_the_whole(name):
   """KV-Runahead's split: rows [16, 37) against the prefix [0, 16) (no own key: no sink) and

@@ -106,6 +106,7 @@ def _bytes_sent_per_device(monkeypatch):
   return sent
 
 
+@pytest.mark.default_cases("shape1")
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_hugging_face_tensors_go_straight_to_their_shards(llama_dir, shape, monkeypatch):
   """2 x 4 (2 KV heads whole on every shard) and 4 x 2 (one KV head per shard): the split
@@ -143,6 +144,7 @@ def test_falcon_fused_qkv_and_bfloat16_split(tmp_path):
   assert_split_like(kvr_jax.load_model(str(directory), "bfloat16", mesh=mesh), whole, mesh)
 
 
+@pytest.mark.default_cases("float32")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_orbax_restores_each_devices_slices(llama_dir, tmp_path, dtype):
   """An Orbax checkpoint (saved float32) restored onto 2 x 4: each device reads its slices,

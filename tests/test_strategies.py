@@ -89,6 +89,11 @@ KVR_MATRIX = [(name, *case) for name in ("tiny-llama", "tiny-falcon") for case i
 
 
 # Every pair of model, mesh, split and batch in the default tier; the product in the e2e tier.
+@pytest.mark.default_cases(
+  "tiny-falcon-1-even-1",
+  "falcon-40b-form-3-partition16-3",
+  "falcon-40b-form-8-partition18-3",
+)
 @pytest.mark.parametrize(
   "name,p,partition,batch",
   pairwise(KVR_MATRIX, lambda case: (case[0], case[1], case[2] == "even", case[3])),
@@ -112,6 +117,7 @@ TSP_MATRIX = [
 ] + [("falcon-40b-form", 3, 1), ("falcon-40b-form", 8, 1)]
 
 
+@pytest.mark.default_cases("tiny-falcon-1-1")
 @pytest.mark.parametrize("name,p,batch", pairwise(TSP_MATRIX))
 def test_tsp_matches_single(models, prompts, oracle, name, p, batch):
   ref = oracle[(name, batch)]
@@ -121,6 +127,7 @@ def test_tsp_matches_single(models, prompts, oracle, name, p, batch):
   assert_close(got.v_cache, ref.v_cache, "V cache")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
 def test_greedy_generation_identical_across_strategies(models, name):
   model = models[name]
@@ -134,6 +141,7 @@ def test_greedy_generation_identical_across_strategies(models, name):
   assert kvr.prefill.device == mesh.devices.reshape(-1)[-1]
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_bfloat16_kvr_close_to_float32(prompts):
   """bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2% per op). Through 4 layers of
   ~10 rounded ops each the logits drift by a few percent of their range; we allow 5% of the
@@ -152,6 +160,7 @@ def test_bfloat16_kvr_close_to_float32(prompts):
   assert np.abs(np.asarray(got.logits) - np.asarray(single16)).max() / np.abs(f32).max() < 0.05
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_second_call_does_not_compile_again(models, prompts):
   model, mesh = models["tiny-llama"], kvr_jax.make_mesh(4)
   kvr_jax.prefill(model, prompts[1], strategy="kvr", mesh=mesh, partition=[5, 3, 3, 2])
@@ -169,6 +178,7 @@ def test_second_call_does_not_compile_again(models, prompts):
 SPLITS_AS_DATA = [(1, 100, 49), (120, 20, 10), (60, 89, 1), (37, 53, 60)]
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_one_program_runs_every_split_that_fits_its_shape():
   """KV-Runahead with the split as data (runahead.split_as_data_strategy): every split of
   SPLITS_AS_DATA on one program, one trace, hops sized as data; logits and the whole cache
@@ -251,6 +261,7 @@ def _compiled_kvr_hlo(model, chunks, batch=1):
   return lowered.compile().as_text()
 
 
+@pytest.mark.default_cases("tiny-llama")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
 def test_hop_chain_one_pair_per_hop_and_exact_bytes(models, name):
   """p-1 collective-permutes, hop k couples only (k, k+1) and carries exactly S_k tokens of
@@ -307,6 +318,7 @@ def test_the_early_rows_closed_form_matches_counting_rows():
         assert schedule._most_rows_within(flops, 512, c, window) == rows, (window, c, flops)
 
 
+@pytest.mark.default_cases("tiny-llama")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-falcon"])
 def test_each_rank_computes_only_its_share(models, name):
   """XLA's cost analysis of each rank's compiled layer follows c_i and c_i * S_i."""
@@ -331,6 +343,7 @@ def test_each_rank_computes_only_its_share(models, name):
       assert measured < 0.9 * padded
 
 
+@pytest.mark.default_cases("balanced")
 @pytest.mark.parametrize("method", ["search", "balanced"])
 def test_cost_model_partitions_run_and_match_single(models, prompts, oracle, method):
   """ "search"/"balanced" pick uneven chunks from the cost model (local preset); the result is
@@ -342,6 +355,7 @@ def test_cost_model_partitions_run_and_match_single(models, prompts, oracle, met
   assert_close(got.logits, oracle[("tiny-llama", 1)].logits, "logits")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_measured_search_resumes_from_disk(models, tmp_path, monkeypatch):
   """objective='measured' times real prefills, the best and its neighbours interleaved; an
   interrupted search resumes from its file and decides as before."""
@@ -473,6 +487,7 @@ def test_every_process_takes_the_last_processs_measured_file(tmp_path, monkeypat
       as_process(index, written if index == 1 else tmp_path / "absent.json")
 
 
+@pytest.mark.default_cases("single-1-None")
 @pytest.mark.parametrize("strategy,p,partition", [("single", 1, None), ("kvr", 3, [150, 60, 90])])
 def test_blocked_attention_matches_dense(models, strategy, p, partition):
   """attention='blocked' skips masked blocks (blocks of 128 queries: 300 tokens span three)."""
@@ -489,6 +504,7 @@ def test_blocked_attention_matches_dense(models, strategy, p, partition):
     kvr_jax.prefill(model, tokens, attention="sparse")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_fitted_hardware_drives_an_exact_search(models, prompts, oracle):
   """fitted_hardware times this model's phases here and returns cost-model figures: positive
   rates (the attention's as a fraction of the linear phases'), a split from them that runs

@@ -63,6 +63,7 @@ def heads_as_sharded(kv_LBTKH, config, m):
   return np.repeat(np.asarray(kv_LBTKH), max(m // config.num_kv_heads, 1), axis=3)
 
 
+@pytest.mark.default_cases("qwen3-2")
 @pytest.mark.parametrize(
   "name,m", [("gqa", 2), ("gqa", 4), ("mqa", 4), ("window", 2), ("qwen2", 4), ("qwen3", 2)]
 )
@@ -87,6 +88,7 @@ def test_shards_add_up_to_the_whole_model(whole, name, m):
   assert_close(np.concatenate(list(v_m), axis=3), heads_as_sharded(v, config, m), "V heads")
 
 
+@pytest.mark.default_cases("mqa")
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
 def test_a_shards_row_blocked_finish_reduces_every_block(whole, name):
   """Block.finish over row blocks (the lax.map a prompt longer than models.base.ROW_BLOCK
@@ -121,6 +123,7 @@ def mesh_2d(ranks, model):
   return jax.sharding.Mesh(devices, (AXIS, MODEL_AXIS), axis_types=(AxisType.Explicit,) * 2)
 
 
+@pytest.mark.default_cases("mqa-shape1")
 @pytest.mark.parametrize("name,shape", [("gqa", (2, 4)), ("mqa", (1, 4)), ("qwen3", (4, 2))])
 def test_a_2d_mesh_reduces_once_per_partial_sum_and_gathers_no_weight(whole, name, shape):
   """shard_map over ("ranks", "model"), each rank a different prompt row: the same numbers as
@@ -221,6 +224,7 @@ def cache_in_prompt_order(result):
   return kv[:, 0], kv[:, 1]
 
 
+@pytest.mark.default_cases("window-kvr-shape7-partition7")
 @pytest.mark.parametrize("name,strategy,shape,partition", PREFILL_CASES)
 def test_strategies_on_a_2d_mesh_match_single(prefill_models, name, strategy, shape, partition):
   """Logits and every rank's K,V part (its heads split over its row) within 1e-5 of the
@@ -326,6 +330,7 @@ def test_a_2d_program_compiles_once_per_shape(prefill_models):
   assert run() == first and first >= 1
 
 
+@pytest.mark.default_cases("gqa-kvr-shape2-sharded")
 @pytest.mark.parametrize(
   "name,strategy,shape,cache",
   [

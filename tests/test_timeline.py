@@ -61,6 +61,7 @@ def check_order(items, strategy, num_layers, num_ranks):
       assert deduped == want, (rank, layer, kinds)
 
 
+@pytest.mark.default_cases("allgather-None")
 @pytest.mark.parametrize(
   "strategy,partition", [("kvr", [20, 12, 9, 7]), ("allgather", None), ("ring", None)]
 )
@@ -113,6 +114,7 @@ def test_modelled_kvr_schedule_matches_the_timeline():
   assert last + costmodel.head_work(config, 1, 2).time(setup.hardware) == pytest.approx(sim.ttft)
 
 
+@pytest.mark.serial  # waits on timeouts or times a span: run alone
 @pytest.mark.e2e  # a launched cluster
 def test_two_process_timeline_span_matches_ttft(tmp_path):
   env = launcher_env()  # workers set their own device count
@@ -163,6 +165,7 @@ def test_two_process_timeline_span_matches_ttft(tmp_path):
 HYBRID_LINEAR_ORDER = {"kvr": ["linear", "hop", "rest"]}  # the peers: their all-gather of maps
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("strategy,partition", [("kvr", [40, 24]), ("allgather", None)])
 def test_hybrid_probes_change_nothing_and_come_in_order(strategy, partition):
   """A hybrid's own program (bench-qwen3.5-8: a full layer mid-model and one last) marks its

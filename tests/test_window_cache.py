@@ -1,4 +1,4 @@
-"""Window-sized decode caches (issue 54, item 3): from the whole cache on the last rank, a
+"""Window-sized decode caches: from the whole cache on the last rank, a
 windowed layer keeps only its last W positions, a ring written at position mod W
 (decode.DecodeLayout), and decoding far past the window still gives the tokens of greedy
 decoding over transformers' uncached forward, for every strategy, with ragged rows."""
@@ -101,6 +101,7 @@ STRATEGY_RUNS = {
 }
 
 
+@pytest.mark.default_cases("gemma3-local-global-kvr-last")
 @pytest.mark.parametrize(
   ("case", "strategy", "cache"),
   [("gemma3-local-global", s, "last") for s in STRATEGY_RUNS]
@@ -122,6 +123,7 @@ def test_greedy_decode_far_past_the_window_matches_transformers(
     np.testing.assert_array_equal(out.tokens[b], want[case][b], err_msg=f"row {b}")
 
 
+@pytest.mark.default_cases("kvr")
 @pytest.mark.parametrize("strategy", ["kvr", "allgather"])
 def test_sharded_layout_keeps_a_windowed_layers_ring_only(checkpoints, rows, strategy):
   """cache="sharded" on Gemma 3 mixed (layer 0 windowed at 6, layer 1 full), ragged rows: the
@@ -151,6 +153,7 @@ def test_sharded_layout_keeps_a_windowed_layers_ring_only(checkpoints, rows, str
       np.testing.assert_array_equal(got_x[0, b, :start], 0)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_memory_counts_a_windowed_layers_window_only():
   """tiny-gemma (three layers windowed at 64, one full) decoding past 1000 positions: the
   step's arguments are the weights and the rings, not every position of every layer."""
@@ -200,6 +203,7 @@ def test_gemma_270m_is_refused_by_name_without_its_wheels(monkeypatch, tmp_path)
   assert (tmp_path / "kept.txt").read_text() == "the user's"
 
 
+@pytest.mark.default_cases("ring-from-hop-and-chunk")
 @pytest.mark.parametrize(
   "partition",
   [[16, 13, 11], [16, 20, 4]],  # the last chunk longer than the window, and shorter
