@@ -182,8 +182,8 @@ def tp_grid(context_lens, gpus) -> None:
       best[s].ttft_s[s] > kvr for s in tp_lib.PEERS
     )
     print(
-      "Target (16 GPUs, 50 GB/s between nodes, 32k: best TP x KVR >= 1.3x TP-only and faster "
-      f"than TP x ring and TP x all-gather): {'met' if met else 'NOT met'} (modelled)"
+      "Claim (16 GPUs, 50 GB/s between nodes, 32k: best TP x KVR >= 1.3x TP-only and faster "
+      f"than TP x ring and TP x all-gather): {'holds' if met else 'does not hold'} (modelled)"
     )
   csv_path = os.path.join(FLAGS.output_dir, "tp_grid.csv")
   tp_lib.write_tp_csv(cells, csv_path)

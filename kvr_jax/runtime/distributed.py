@@ -41,7 +41,7 @@ GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 # blocks, no trim, so that the memory a call frees is the next call's without page faults.
 # Why: XLA:CPU allocates each call's temporaries and outputs afresh, and glibc maps large
 # blocks anew and unmaps them when freed, so every call first-touches them again: 3 us a
-# 4 KiB page on this project's 2-core VM (256 MiB: 200 ms; docs/measurements.md, stop 72).
+# 4 KiB page on this project's 2-core VM (256 MiB: 200 ms; docs/measurements.md).
 # A GPU's caching allocator (XLA's BFC) keeps its pool and never faults, and a strategy with
 # larger temporaries (KV-Runahead's longest chunk, its kept hops) paid for it per call
 # here: measured, not modelled, at 16k on bench-qwen3.5-8 it cost ~100 ms of 2.6-4 s.

@@ -1,4 +1,4 @@
-"""Which form a rank attends its latent prefix in (issue 49): expanded or absorbed, measured.
+"""Which form a rank attends its latent prefix in: expanded or absorbed, measured.
 
 A KV-Runahead rank with c queries receives the latents of its S-position prefix. It can
 expand every latent into each head's keys and values with kv_b_proj and attend as multi-head

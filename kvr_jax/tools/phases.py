@@ -233,7 +233,7 @@ def fitted_latent_hardware(
     attention rate   the flash kernel over the expanded heads, causal.
   Why: as for the hybrids (`fitted_hybrid_hardware`), the `local` calibration's 1024^3 matmul
   is not what a small model's narrow matmuls and grouped experts run at, so KVR-S split
-  bench-deepseek by rates it does not run at (stop 65: KV-Runahead 5-7% behind the peers)."""
+  bench-deepseek by rates it does not run at (KV-Runahead 5-7% behind the peers)."""
   cfg = model.config
   T, db = context_len, jnp.dtype(model.dtype).itemsize
   stack = model.module.blocks if model.module.blocks is not None else model.module.dense_blocks
