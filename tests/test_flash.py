@@ -553,7 +553,7 @@ def test_a_prompt_of_exactly_max_position_embeddings_tokens_runs():
 # --- lengths as data: the one-body KV-Runahead program's kernel ----------------------------
 
 
-@pytest.mark.default_cases("7")
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("window", [None, 7])
 def test_traced_query_rows_and_key_end_match_dense(window):
   """One compiled kernel for every (offset, key_end, query rows, first rows' key end): the

@@ -165,6 +165,7 @@ def test_absent_keys_take_transformers_defaults(checkpoints, tmp_path):
   assert cfg.rope.original_max_position_embeddings == 4096
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_saved_model_restores_whole(checkpoints, tokens, tmp_path):
   """Orbax: the sinks, the biases and the experts come back, and the config with them."""
   _, _, ours = checkpoints["gpt-oss-yarn"]

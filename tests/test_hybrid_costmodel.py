@@ -130,6 +130,7 @@ def test_hybrid_benchmark_table_compares_each_variant_with_the_faster_peer_and_s
   assert [r["median_s"] for r in table.records] == [2.2, 1.1, 1.5, 1.8, 1.0, 0.5]
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_hybrid_rates_fitted_to_the_model_on_this_device():
   """fitted_hybrid_hardware times a linear layer, its output phase and the flash kernel of
   bench-qwen3.5 here: positive rates, the rule's no faster than the model's matmuls (its

@@ -20,7 +20,7 @@ MAKERS = {
 }
 
 
-@pytest.mark.default_cases("full_attention-qwen3_next")
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("family", list(MAKERS))
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
 def test_one_kind_of_layer_alone_matches_transformers(tmp_path, family, kind):

@@ -157,6 +157,7 @@ def test_sampled_decode_on_a_2d_mesh_draws_one_devices_tokens(checkpoints, token
   assert len(np.unique(want)) > 2  # a draw, not one token repeated
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_loaded_straight_into_shards(checkpoints, tokens, one_device):
   """load_model(mesh=) cuts each fused tensor (in_proj_qkvz, in_proj_ba, conv1d) straight into
   the shards' heads: every device holds its key heads' q, k, v and convolution, and the

@@ -127,6 +127,7 @@ def test_peer_greedy_tokens_identical(models, prompts, strategy):
   np.testing.assert_array_equal(got.tokens, want.tokens)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_peer_bfloat16_close_to_float32(prompts, oracle):
   model16 = kvr_jax.load_model("tiny-llama", dtype="bfloat16")
   f32 = np.asarray(oracle[("gqa", (37, 2))].logits)

@@ -487,7 +487,7 @@ def test_every_process_takes_the_last_processs_measured_file(tmp_path, monkeypat
       as_process(index, written if index == 1 else tmp_path / "absent.json")
 
 
-@pytest.mark.default_cases("single-1-None")
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("strategy,p,partition", [("single", 1, None), ("kvr", 3, [150, 60, 90])])
 def test_blocked_attention_matches_dense(models, strategy, p, partition):
   """attention='blocked' skips masked blocks (blocks of 128 queries: 300 tokens span three)."""

@@ -364,6 +364,7 @@ def test_greedy_decode_on_a_2d_mesh_is_single_devices(prefill_models, name, stra
     )
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_compiled_memory_on_a_2d_mesh_is_one_devices_share():
   """XLA's analysis of the 2-D program sees one device's shard: tiny-llama over 2 shards holds
   the whole embedding, head and norms but half of every block matrix (by hand: per layer

