@@ -62,10 +62,8 @@ class TextStream:
     text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
     if text.endswith("\ufffd"):  # a character whose bytes have not all come yet
       return
-    if text.startswith(self.written):
-      self.write(text[len(self.written) :])
-    else:  # the tokenizer re-spelled the start (rare): write the rest of the new spelling
-      self.write(text[len(self.written) :] if len(text) > len(self.written) else "")
+    # What was not written yet (where the tokenizer re-spelled the start, the rest of it).
+    self.write(text[len(self.written) :])
     self.written = text
 
 
