@@ -1,7 +1,7 @@
 """The worker of `launch.benchmark`'s multiprocess and timeline modes: one process of the
 cluster those modes start (`distributed.launch_local` sets --coordinator_address,
 --num_processes, --process_id). It joins the cluster and runs one library job
-(kvr_jax.tools.jobs.bench_job or timeline_job, kvr_jax.tools.hybrid_bench's or
+(launch.harness.jobs.bench_job or timeline_job, launch.harness.hybrid_bench's or
 link_probe's); the process
 holding the last rank prints its result for the launcher to collect. Not meant to be run by
 hand.
@@ -12,8 +12,8 @@ import sys
 from absl import app, flags, logging
 
 from kvr_jax.runtime import distributed, faults
-from kvr_jax.tools import hybrid_bench, jobs, link_probe
 from launch import common
+from launch.harness import hybrid_bench, jobs, link_probe
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -24,7 +24,7 @@ flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax direc
 flags.DEFINE_string("dtype", "auto", "Weights' dtype.")
 flags.DEFINE_list("context_lens", ["1024"], "Prompt lengths (timeline mode: the first).")
 flags.DEFINE_integer("repeats", 3, "Timed runs after a warm-up.")
-flags.DEFINE_list("variants", [], "Multiprocess mode: the variants (kvr_jax.tools.variants).")
+flags.DEFINE_list("variants", [], "Multiprocess mode: the variants (launch.harness.variants).")
 flags.DEFINE_integer("measured_multiple", 64, "kvr-measured: chunk lengths multiple.")
 flags.DEFINE_integer("decode_tokens", 0, "Multiprocess mode: greedy tokens decoded and timed.")
 flags.DEFINE_string("link_rate", "unthrottled", "The rate the launcher set the loopback to.")

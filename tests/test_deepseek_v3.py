@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import kvr_jax
-from kvr_jax.tools import latent_forms
+from launch.harness import latent_forms
 from models.families import config_from_hf
 from tests import hf_fixtures
 from tests.tolerance import assert_close, relative_error

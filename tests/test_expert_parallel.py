@@ -326,7 +326,7 @@ def test_the_tp_grid_plans_mixtures_on_every_model_group_they_split_over():
   """launch.paper's tp grid on a mixture (MODELLED): Mixtral-8x7B on 16 H100s includes model
   groups of 16 (8 experts split by column) and none the heads refuse; an expert imbalance
   slows only the cells whose experts split whole over m > 1."""
-  from kvr_jax.tools import tp_grid
+  from launch.harness import tp_grid
 
   def grid(model, u):
     cells = tp_grid.tp_grid(

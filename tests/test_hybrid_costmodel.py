@@ -106,7 +106,7 @@ def test_simulate_models_each_kind_of_a_hybrid_as_its_own(qwen, setup):
 def test_hybrid_benchmark_table_compares_each_variant_with_the_faster_peer_and_single():
   """Each variant against the faster peer on its own link and against single (one process,
   no link)."""
-  from kvr_jax.tools.hybrid_bench import hybrid_table
+  from launch.harness.hybrid_bench import hybrid_table
 
   def row(variant, samples, link, split=None, done=None):
     r = {"variant": variant, "context_len": 8192, "samples_s": samples, "split": split}

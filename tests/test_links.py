@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kvr_jax.runtime import distributed, links
-from kvr_jax.tools import link_probe
+from launch.harness import link_probe
 
 
 @pytest.fixture

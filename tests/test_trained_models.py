@@ -59,11 +59,9 @@ def test_the_conversion_is_made_once_then_read(monkeypatch, tmp_path):
 
 
 def test_writing_into_a_directory_that_holds_something_is_refused(tmp_path):
-  from kvr_jax.tools import gemma_270m
-
   (tmp_path / "kept.txt").write_text("the user's")
   with pytest.raises(ValueError, match="exists and is not empty"):
-    gemma_270m.write_gemma_270m(str(tmp_path))
+    trained.write_hf_directory(trained.TRAINED_MODELS["gemma-3-270m"], str(tmp_path))
   assert (tmp_path / "kept.txt").read_text() == "the user's"
 
 

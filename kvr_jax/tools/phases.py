@@ -1,8 +1,7 @@
 """A KV-Runahead partition's per-rank compute phases timed apart (`rank_phase_times`), and
 `fitted_hardware`, which turns such a measurement into cost-model figures for this model on
 this device: the search then models what the layers actually cost here, not what a large
-matmul does (`fitted_hybrid_hardware`: the same for a hybrid model's two kinds of layer).
-`phase_table` is launch.benchmark's phases mode."""
+matmul does (`fitted_hybrid_hardware`: the same for a hybrid model's two kinds of layer)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from kvr_jax.core.chunks import chunk_starts, even_partition, prefix_ends
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.runtime.loading import Model
 from kvr_jax.strategies import latent_modelled, linear_modelled
-from kvr_jax.tools.report import Table
 from models.attention import attend_static
 from models.flash import attend_flash
 from models.gated_deltanet_layer import LinearState
@@ -280,30 +278,3 @@ def fitted_latent_hardware(
   matmul_rate = sum(work[name].flops for name in ("qkv", "expand", "rest")) / matmul_s
   attention_rate = work["attention"].flops / flash_s
   return _fitted(base, f"one latent layer at C={T}", matmul_rate, attention_rate)
-
-
-def phase_table(model: Model, model_name: str, partitions, kernels, repeats: int, threads: int):
-  """Each rank's compute phases of KV-Runahead for each partition ("2048/2048") and kernel, on
-  one device (launch.benchmark --mode=phases); communication not included."""
-  lines, records = [], []
-  for text in partitions:
-    chunks = tuple(int(x) for x in text.split("/"))
-    for kernel in kernels:  # every kernel asked for, each row naming its own
-      for r in rank_phase_times(model, chunks, kernel, repeats=repeats):
-        lines.append(
-          f"{text:<16}{kernel:<8}{r.rank:>5}{r.chunk:>7}{r.prefix:>7}  {r.qkv_s:>7.3f}s"
-          f"{r.attention_s:>10.3f}s{r.rest_s:>7.3f}s{r.total_s:>8.3f}s"
-        )
-        records.append(dict(partition=text, kernel=kernel, **dataclasses.asdict(r)))
-  return Table(
-    title=(
-      f"MEASURED per-rank compute of KV-Runahead, {model_name}, all layers, one device with "
-      f"{threads} thread(s); communication not included:",
-    ),
-    header=(
-      f"{'partition':<16}{'kernel':<8}{'rank':>5}{'c_i':>7}{'S_i':>7}  {'qkv':>8}"
-      f"{'attention':>11}{'rest':>8}{'total':>9}"
-    ),
-    lines=tuple(lines),
-    records=tuple(records),
-  )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import resource
 import statistics
 import time
 
@@ -15,7 +14,6 @@ from kvr_jax.inference.own_families import ModelCache
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import PrefillResult
 from kvr_jax.runtime.loading import Model
-from kvr_jax.tools.report import Table
 
 
 def synthetic_prompt(vocab_size: int, context_len: int, batch: int = 1, seed: int = 0):
@@ -150,28 +148,3 @@ def interval_verdict(samples_s, other_samples_s) -> str:
   if min(samples_s) > max(other_samples_s):
     return "behind"
   return "tie"
-
-
-def long_prefill_table(model: Model, model_name: str, context_lens, kernels, repeats: int) -> Table:
-  """Single-device prefill of long prompts with each kernel: TTFT, compile time and the
-  process's peak RSS so far (launch.benchmark --mode=long)."""
-  lines, records = [], []
-  for C in context_lens:
-    for kernel in kernels:
-      tokens = synthetic_prompt(model.config.vocab_size, C)
-      timing = time_prefill(model, tokens, repeats, attention=kernel)
-      rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-      compile_s = timing.first_s - timing.median_s
-      lines.append(
-        f"{kernel:<8}{C:>7}  {timing.median_s:>8.3f}s  {compile_s:>7.2f}s  {rss:.2f} GiB"
-      )
-      records.append(
-        dict(kernel=kernel, context_len=C, ttft_s=timing.median_s, compile_s=compile_s, rss_gib=rss)
-      )
-      del timing
-  return Table(
-    title=(f"MEASURED single-device prefill, {model_name}, float32:",),
-    header=f"{'kernel':<8}{'C':>7}  {'TTFT':>9}  {'compile':>8}  peak RSS of the process so far",
-    lines=tuple(lines),
-    records=tuple(records),
-  )

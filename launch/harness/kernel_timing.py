@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from kvr_jax.tools.report import Table
+from launch.harness.report import Table
 from models.attention import attend_static
 from models.kernels import get_kernel
 

@@ -14,8 +14,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvr_jax.runtime.loading import load_hf_model
-from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
+from launch.harness.report import Table
 
 
 def hf_config_for(config):

@@ -1,4 +1,4 @@
-"""The multi-process benchmark's table: what every process returned (kvr_jax.tools.jobs), as
+"""The multi-process benchmark's table: what every process returned (launch.harness.jobs), as
 speed-ups against one process, against TSP, and a verdict against the faster zigzag peer that
 survives the noise (`timing.interval_verdict`); printed, and written as JSON, CSV and a plot.
 Every figure is MEASURED (processes pinned to cores, single-threaded XLA)."""
@@ -10,9 +10,9 @@ import os
 
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.links import UNTHROTTLED
-from kvr_jax.tools import sweep
-from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import interval_verdict
+from launch.harness import sweep
+from launch.harness.report import Table
 
 NOTES = (
   "single: one process with the flash kernel (the best single process); single-dense:",
@@ -124,7 +124,8 @@ def _rate(row: dict) -> str:
 
 
 def write_files(table: list[dict], output_dir: str, model: str, num_processes: int) -> list[str]:
-  """multiprocess.json (every row, samples included), .csv and .png in `output_dir`."""
+  """multiprocess.json (every row, samples included), .csv and .png in `output_dir`; the
+  paths written."""
   os.makedirs(output_dir, exist_ok=True)
   names = ("multiprocess.json", "multiprocess.csv", "multiprocess.png")
   written = [os.path.join(output_dir, name) for name in names]
@@ -145,8 +146,7 @@ def write_files(table: list[dict], output_dir: str, model: str, num_processes: i
   note = "MEASURED, processes pinned to cores, single-threaded XLA"
   sweep.write_csv(rows_for_plot, written[1], note)
   title = f"{model}: MEASURED, {num_processes} pinned processes"
-  sweep.plot_sweep(rows_for_plot, written[2], title)
-  return written
+  return written[:2] + sweep.plot_sweep(rows_for_plot, written[2], title)
 
 
 def run_over_links(

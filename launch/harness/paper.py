@@ -14,6 +14,7 @@ import os
 from kvr_jax.core.chunks import even_partition
 from kvr_jax.planning import costmodel, presets, search, tables
 from kvr_jax.runtime.loading import preset_config
+from launch.harness.report import pyplot
 
 MODELS = ("llama-2-7b", "falcon-7b")
 RANKS = (2, 4, 8)
@@ -197,11 +198,11 @@ def write_csv(cells: list[Cell], path: str) -> None:
 
 def plot(cells: list[Cell], directory: str) -> list[str]:
   """One PNG per bandwidth: a panel per (model, p), a bar per method at each context length."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   import numpy as np
+
+  plt = pyplot()
+  if plt is None:
+    return []
 
   paths = []
   methods = [

@@ -3,7 +3,7 @@ are MEASURED on this machine.
 
 On emulated CPU devices (one process) all ranks share the CPU: such sweeps check that the
 programs run and what they cost in total, not parallel speed-up; launch.multiprocess measures
-that (kvr_jax.tools.multiprocess_report prints its table).
+that (launch.harness.multiprocess_report prints its table).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, mesh_of_ranks
-from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
+from launch.harness.report import Table, pyplot
 
 
 @dataclasses.dataclass
@@ -100,12 +100,12 @@ def write_csv(rows, path: str, note: str) -> None:
       writer.writerow([getattr(row, n) for n in fields])
 
 
-def plot_sweep(rows: list[SweepRow], path: str, title: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+def plot_sweep(rows: list[SweepRow], path: str, title: str) -> list[str]:
+  """TTFT against context length, a line per strategy, in `path`; [path], or [] where
+  matplotlib is not installed."""
+  plt = pyplot()
+  if plt is None:
+    return []
   fig, ax = plt.subplots(figsize=(6, 4))
   for strategy in dict.fromkeys(r.strategy for r in rows):
     group = [r for r in rows if r.strategy == strategy]
@@ -119,6 +119,7 @@ def plot_sweep(rows: list[SweepRow], path: str, title: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=90)
   plt.close(fig)
+  return [path]
 
 
 # --- against Hugging Face transformers ---------------------------------------------------------
@@ -147,9 +148,8 @@ def sweep_table(rows: list[SweepRow], note: str, device_memory_reported: bool) -
 
 
 def write_sweep(rows: list[SweepRow], output_dir: str, model_name: str, note: str) -> list[str]:
-  """The sweep as devices.csv and its chart devices.png in `output_dir`; their paths."""
+  """The sweep as devices.csv and its chart devices.png in `output_dir`; the paths written."""
   os.makedirs(output_dir, exist_ok=True)
-  written = [os.path.join(output_dir, name) for name in ("devices.csv", "devices.png")]
-  write_csv(rows, written[0], note)
-  plot_sweep(rows, written[1], f"{model_name}: {note}")
-  return written
+  csv_path, png_path = (os.path.join(output_dir, name) for name in ("devices.csv", "devices.png"))
+  write_csv(rows, csv_path, note)
+  return [csv_path, *plot_sweep(rows, png_path, f"{model_name}: {note}")]

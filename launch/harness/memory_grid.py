@@ -7,7 +7,7 @@ import dataclasses
 
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.memory import MEMORY_PARTITION, compiled_memory
-from kvr_jax.tools.report import Table
+from launch.harness.report import Table
 from models.config import ModelConfig
 
 

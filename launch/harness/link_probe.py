@@ -24,7 +24,7 @@ import numpy as np
 from kvr_jax.planning.presets import best_time, global_array
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.mesh import AXIS, make_mesh
-from kvr_jax.tools.report import Table
+from launch.harness.report import Table
 
 EXCHANGES = ("one-way", "two-way", "ring")
 

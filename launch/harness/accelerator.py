@@ -17,9 +17,9 @@ from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, resolve_dtype
 from kvr_jax.strategies.base import AUTO_KERNELS
 from kvr_jax.tools.phases import fitted_hardware
-from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
-from kvr_jax.tools.transformers_baseline import time_transformers, twin_models
+from launch.harness.report import Table
+from launch.harness.transformers_baseline import time_transformers, twin_models
 from models.kernels import KERNELS, get_kernel
 
 

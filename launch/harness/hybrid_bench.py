@@ -35,8 +35,8 @@ from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_hybrid_hardware, fitted_latent_hardware
-from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import round_order, synthetic_prompt
+from launch.harness.report import Table
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 PEERS = ("ring", "allgather")

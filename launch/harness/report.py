@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import json
 from typing import Any
 
@@ -43,3 +44,20 @@ class Table:
   def write_json(self, path: str) -> None:
     with open(path, "w") as f:
       json.dump({"title": list(self.title), "rows": list(self.records)}, f, indent=1)
+
+
+NO_PLOT = 'no plot written: matplotlib is not installed (pip install -e ".[harness]")'
+
+
+def pyplot():
+  """matplotlib.pyplot drawing into files (the Agg backend), or None where matplotlib is not
+  installed: the harness then writes its tables alone and says so (NO_PLOT), nothing lost."""
+  if importlib.util.find_spec("matplotlib") is None:
+    print(NO_PLOT)
+    return None
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt

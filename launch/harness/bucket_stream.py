@@ -19,8 +19,8 @@ from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.strategies import TRACE_COUNT
-from kvr_jax.tools.report import Table
 from kvr_jax.tools.timing import synthetic_prompt
+from launch.harness.report import Table
 
 
 @dataclasses.dataclass

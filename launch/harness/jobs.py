@@ -28,7 +28,7 @@ from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_interleaved
-from kvr_jax.tools.variants import NAMES, Variant, get_variant
+from launch.harness.variants import NAMES, Variant, get_variant
 
 
 def check_job(
@@ -137,7 +137,7 @@ def _relative_error(logits, reference) -> float:
 def bench_job(
   model_name: str,
   context_lens,
-  variants=NAMES,  # every variant (kvr_jax.tools.variants)
+  variants=NAMES,  # every variant (launch.harness.variants)
   *,
   repeats: int = 3,
   measured_multiple: int = 64,
