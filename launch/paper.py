@@ -147,6 +147,14 @@ def tp_grid(context_lens, gpus) -> None:
     model=FLAGS.tp_model,
     expert_imbalance=FLAGS.expert_imbalance,
   )
+  _print_best_factorizations(cells)
+  csv_path = os.path.join(FLAGS.output_dir, "tp_grid.csv")
+  tp_lib.write_tp_csv(cells, csv_path)
+  print(f"wrote {csv_path}")
+
+
+def _print_best_factorizations(cells) -> None:
+  """Each strategy's fastest factorization that fits, per (GPUs, link, C), and the claim."""
   print()
   print("Best factorization of each strategy that fits (MODELLED):")
   groups = {}
@@ -184,9 +192,6 @@ def tp_grid(context_lens, gpus) -> None:
       "Claim (16 GPUs, 50 GB/s between nodes, 32k: best TP x KVR >= 1.3x TP-only and faster "
       f"than TP x ring and TP x all-gather): {'holds' if met else 'does not hold'} (modelled)"
     )
-  csv_path = os.path.join(FLAGS.output_dir, "tp_grid.csv")
-  tp_lib.write_tp_csv(cells, csv_path)
-  print(f"wrote {csv_path}")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,10 @@ def _print_reports(model, tokens, buckets, reports, emulated: bool, cache_dir) -
       else "compile: first call minus a warm one (persistent compilation cache off)"
     )
   )
+  # Experts split over the model axis: how evenly this prompt loads the devices.
+  load = expert_load.expert_load_line(model, tokens, FLAGS.model_parallel)
+  if load:
+    print(load)
 
 
 def _strategies(texts) -> list[str]:
@@ -153,6 +157,18 @@ def _answer_stream(model, texts):
   if not texts or model.tokenizer is None:
     return None
   return TextStream(model)
+
+
+def _partition():
+  """--partition as a plan; "measured": the measured search, started from the split the cost
+  model picks for --hardware and --links."""
+  partition = common.parse_partition(
+    FLAGS.partition, FLAGS.hardware, FLAGS.links, extra=("measured",)
+  )
+  if partition == "measured":
+    plan = common.parse_partition("search", FLAGS.hardware, FLAGS.links)
+    partition = dataclasses.replace(plan, objective="measured")
+  return partition
 
 
 def main(argv):
@@ -180,12 +196,7 @@ def main(argv):
     tokens = common.prompt_tokens(
       model, texts, FLAGS.context_len, FLAGS.batch, FLAGS.seed, FLAGS.chat_template
     )
-    partition = common.parse_partition(
-      FLAGS.partition, FLAGS.hardware, FLAGS.links, extra=("measured",)
-    )
-    if partition == "measured":  # the modelled start comes from --hardware and --links
-      plan = common.parse_partition("search", FLAGS.hardware, FLAGS.links)
-      partition = dataclasses.replace(plan, objective="measured")
+    partition = _partition()
     strategies = _strategies(texts)
     stream = _answer_stream(model, texts)
     if stream is not None:
@@ -212,10 +223,6 @@ def main(argv):
       print(f"row {row}: {answer}")
     print()
   _print_reports(model, tokens, buckets, reports, emulated, cache_dir)
-  # Experts split over the model axis: how evenly this prompt loads the devices.
-  load = expert_load.expert_load_line(model, tokens, FLAGS.model_parallel)
-  if load:
-    print(load)
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:
       json.dump([r.as_dict() for r in reports], f, indent=2)

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 import kvr_jax
 from kvr_jax.inference import auto as auto_module
-from kvr_jax.inference import decode, kv_cache
+from kvr_jax.inference import decode, kv_cache, sharded_decode
 from kvr_jax.inference import prefill as prefill_module
 from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
@@ -347,7 +347,9 @@ def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p
   windowed = name == "window"
   assert kept.rings == ((WINDOW,) if windowed else (None,))
   assert L_f == (0 if windowed else model.config.num_layers)
-  program = decode.sharded_decode_program(model.graphdef, mesh, got.prefill.cache_layout, kept)
+  program = sharded_decode.sharded_decode_program(
+    model.graphdef, mesh, got.prefill.cache_layout, kept
+  )
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   state = model.state_on(replicated)
   B = prompt.shape[0]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax.planning import costmodel, presets, search, tables
+from kvr_jax.planning import costmodel, layer_timeline, presets, search, tables
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS
@@ -394,9 +394,9 @@ def test_the_timeline_ends_at_a_steady_state_with_the_full_runs_result(monkeypat
   )
   rng = np.random.RandomState(0)
   layer_runs = []
-  real_run_layer = costmodel._run_layer
+  real_run_layer = layer_timeline._run_layer
   monkeypatch.setattr(
-    costmodel, "_run_layer", lambda *a: layer_runs.append(a[4]) or real_run_layer(*a)
+    layer_timeline, "_run_layer", lambda *a: layer_runs.append(a[4]) or real_run_layer(*a)
   )
   for config, links, p in itertools.product(
     (LLAMA7, MISTRAL7, gemma), ("300GBps", "10GBps"), (2, 5)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import chunk_starts, moved_rows
-from kvr_jax.inference.prefill import plan_from_shape
+from kvr_jax.inference.prefill_plan import plan_from_shape
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.planning.partition import PartitionPlan

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvr_jax.inference import decode
+from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.inference.buckets import check_prompts
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.own_families import ModelCache, own_stepper
@@ -215,10 +215,10 @@ def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
 
 def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
   """cache="sharded": every operand replicated over the prefill's mesh but the cache parts,
-  which stay put; each step attends every part where it lies (decode.sharded_decode_program),
-  and a windowed layer whose window the prompt outgrew its ring (`result.rings`, copied:
-  the steps write into theirs). Across processes every operand is a global array that every
-  process builds alike."""
+  which stay put; each step attends every part where it lies
+  (sharded_decode.sharded_decode_program), and a windowed layer whose window the prompt
+  outgrew its ring (`result.rings`, copied: the steps write into theirs). Across processes
+  every operand is a global array that every process builds alike."""
   replicated = NamedSharding(result.mesh, jax.P())
   B, (L_f, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
   if model_parallel(result.mesh) > 1:  # the weights and the tail's heads split over "model"
@@ -231,7 +231,9 @@ def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
   caches = tuple(
     tail if ring is None else _copied(result.rings[group]) for group, ring in enumerate(kept.rings)
   )
-  program = decode.sharded_decode_program(model.graphdef, result.mesh, result.cache_layout, kept)
+  program = sharded_decode.sharded_decode_program(
+    model.graphdef, result.mesh, result.cache_layout, kept
+  )
   prompt_lens_B = global_array(lengths_B, replicated)
 
   def step(token_B, index, caches):

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
 from kvr_jax.core.layer_support import check_full_partition
-from kvr_jax.inference import decode
+from kvr_jax.inference import sharded_decode
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
   check_new_tokens,
@@ -291,7 +291,7 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
   M, K, H], linear (LinearState, replicated), tail_index) -> (logits [B, V], tail, linear):
   one token per row at position prompt_lens_B[b] + tail_index from cache="sharded". A full
   layer: every rank attends the token's query to its own part where it lies
-  (`decode.part_attention`, rank r's runs `layout.segments[r]`), the last rank also to the
+  (`sharded_decode.part_attention`, rank r's runs `layout.segments[r]`), the last rank also to the
   decoded tokens' tail (this token's K,V written there at `tail_index`), and the partials
   merge across the ranks (one collective per layer), as K,V models' sharded decode does. A
   linear layer: its recurrent step on every rank alike, on the replicated state and halo.
@@ -309,7 +309,7 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
       x_B1D, tail_L2BMKH, linear = carry
       qkv = block.project_qkv(x_B1D, positions_B[:, None])
       part_2BPKH = unfold_batch(parts_1L2BPKH[0, i], layout.part_len)
-      attn_B1NH, tail_L2BMKH = decode.attend_parts_and_tail(
+      attn_B1NH, tail_L2BMKH = sharded_decode.attend_parts_and_tail(
         qkv, part_2BPKH, tail_L2BMKH, i, layout, positions_B, prompt_lens_B, tail_index, None
       )
       return block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH, linear

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import decode
+from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel, rank_row_mesh
 
@@ -348,17 +348,17 @@ def kept_on_last_rank(kv_parts, layout: CacheLayout, mesh, kept, lengths_B, last
 
   KV-Runahead with its last hop joins them where they lie (`join_rings_on_device`). The peers'
   parts move only the every-position layers; each window's ring is cut where its positions
-  lie and summed over the ranks (decode.sharded_rings_program: one psum of the window), and
+  lie and summed over the ranks (sharded_decode.sharded_rings_program: one psum of the window), and
   the last rank keeps its copy."""
   if last_hop is not None:
     return join_last_hop(kv_parts, last_hop, layout, mesh, kept, lengths_B)
   lengths = global_array(np.asarray(lengths_B, np.int32), jax.sharding.NamedSharding(mesh, jax.P()))
-  full_parts, rings = decode.sharded_rings_program(mesh, layout, kept)(kv_parts, lengths)
+  full_parts, rings = sharded_decode.sharded_rings_program(mesh, layout, kept)(kv_parts, lengths)
   return cut_on_last_rank(full_parts, rings, layout, mesh, kept)
 
 
 def cut_on_last_rank(full_parts, rings, layout: CacheLayout, mesh, kept):
-  """`kept_on_last_rank` from parts already cut (`decode.sharded_rings_program`'s outputs:
+  """`kept_on_last_rank` from parts already cut (`sharded_decode.sharded_rings_program`'s outputs:
   the every-position layers' parts [p, L_f, 2, B*P, K, H] and the replicated rings): those
   parts moved onto the last rank, the rings' copies there. Where every layer keeps a ring
   nothing moves: the every-position layers are an empty [0, B, C, K, H] there."""

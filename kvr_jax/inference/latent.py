@@ -27,12 +27,13 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks, chunk_starts
-from kvr_jax.inference.decode import from_last_rank, merge_across_ranks
+from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
   check_new_tokens,
   check_tokens,
   stacked_on_last_rank,
 )
+from kvr_jax.inference.sharded_decode import merge_across_ranks
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (

@@ -234,7 +234,7 @@ class ModelCache:
 def run_own_prefill(
   model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray, room: int = 0
 ) -> ModelCache:
-  """Runs `plan` (kvr_jax.inference.prefill.PrefillPlan, checked by `check_own_plan`) with the
+  """Runs `plan` (kvr_jax.inference.prefill_plan.PrefillPlan, checked by `check_own_plan`) with the
   family's own program; "single" is the model's own forward on the plan's one device (its
   model group on a 2-D mesh). room: positions the cache keeps for decoding. A process that
   holds no device of the mesh (auto's pick of one

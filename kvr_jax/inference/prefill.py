@@ -8,52 +8,33 @@ hands the result over on its own device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.inference import buckets as buckets_lib
-from kvr_jax.inference import decode
-from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_cache
-from kvr_jax.inference.kv_cache import (
-  check_cache,
-  device_memory_bytes,
-  join_affordable,
-  last_hop_bytes,
-)
-from kvr_jax.inference.own_families import ModelCache, check_own_plan, own_family, run_own_prefill
+from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference.own_families import ModelCache, own_family, run_own_prefill
+from kvr_jax.inference.prefill_plan import PrefillPlan, plan_from_shape
 from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
 from kvr_jax.inference.shape import PrefillShape
-from kvr_jax.planning.choice import StrategyChoice
-from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import (
   PartitionPlan,
-  resolve_kind_split,
-  resolve_partition,
-  searches_kind_split,
 )
-from kvr_jax.runtime.agreement import agreed
-from kvr_jax.runtime.cache_layout import CacheLayout
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
-  check_mesh,
   global_array,
-  make_mesh,
   model_parallel,
   rank_device,
-  rank_row_mesh,
   shard_on,
   spans_processes,
 )
-from kvr_jax.runtime.tensor_parallel import check_model_parallel
-from kvr_jax.strategies import STRATEGIES, get_strategy
-from kvr_jax.strategies.base import AUTO, Strategy, last_rank
-from models.kernels import AttentionKernel, get_kernel, kernels_where
+from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies.base import AUTO, last_rank
+from models.kernels import get_kernel
 
 
 def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attention=None):
@@ -79,65 +60,6 @@ def prefill_arguments(strategy: str, *, mesh=None, partition: Any = None, attent
     elif not spec.fixed_kernel:  # TSP keeps its dense kernel
       spec.check_attention(attention)  # raises, naming what it runs and why
   return kwargs
-
-
-def _single_device_mesh(mesh):
-  """This process's first device (of the mesh, if one is given), as a mesh of one: with
-  jax.distributed every process can run the single-device oracle on its own device. On a
-  ("ranks", "model") mesh: its first rank's row, a mesh of one rank (tensor parallelism
-  alone)."""
-  if mesh is not None and model_parallel(mesh) > 1:
-    return rank_row_mesh(mesh, 0)
-  devices = jax.local_devices() if mesh is None else mesh.devices.reshape(-1)
-  local = [d for d in devices if d.process_index == jax.process_index()]
-  if not local:
-    raise ValueError("strategy='single': the mesh has no device of this process")
-  return make_mesh(1, devices=local[:1])
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillPlan:
-  """What a prefill of one padded shape runs, decided and checked before anything compiles
-  (`plan_prefill`); `run_prefill` runs it on any prompt of that shape (same bucket, batch).
-
-  prompt_len: T, the rows' padded length (their bucket). batch: B. partition: the chunk
-  lengths the user's partition resolved to (partitioned strategies), else None. chunks: each
-  rank's token count as the program sees them (`Strategy.layout`). keep_last_hop: KV-Runahead's
-  last rank keeps what its hops brought, so cache="last" needs no move (where memory allows).
-  timeline: the program carries phase probes (kvr_jax.tools.timeline).
-  """
-
-  strategy: Strategy
-  mesh: Any
-  kernel: AttentionKernel
-  prompt_len: int
-  batch: int
-  partition: tuple[int, ...] | None
-  chunks: tuple[int, ...]
-  cache: str
-  keep_last_hop: bool
-  timeline: bool
-  buckets: Any
-  padded: bool  # planned for rows padded past their length (what a 2-D mesh refuses so far)
-  choice: StrategyChoice | None = None  # strategy="auto": what it picked and why (modelled)
-  # KV-Runahead on a hybrid with a split per layer kind (partition={"linear": .., "full":
-  # ..}, or what "search" or "auto" modelled faster): the full layers' chunks; `partition`
-  # and `chunks` are then the linear layers'.
-  full_chunks: tuple[int, ...] | None = None
-
-  @property
-  def cache_layout(self) -> CacheLayout:
-    return self.strategy.cache_layout(self.prompt_len, self.chunks)
-
-  def program(self, model: Model):
-    """The compiled program (cached by the strategy)."""
-    return self.compile(model.graphdef)
-
-  def compile(self, graphdef):
-    """The program for a model of `graphdef` (a loaded model's, or one built from shapes)."""
-    return self.strategy.compile(
-      graphdef, self.mesh, self.chunks, self.kernel, self.timeline, self.keep_last_hop
-    )
 
 
 def prefill(
@@ -223,226 +145,6 @@ def plan_prefill(
   )
 
 
-def plan_from_shape(
-  shape: PrefillShape,
-  strategy: str = "single",
-  mesh=None,
-  partition: Any = None,
-  attention: str | None = None,
-  cache: str = "auto",
-  *,
-  buckets=None,
-  timeline: bool = False,
-  device_memory: int | None = None,
-) -> PrefillPlan:
-  """The plan of a prefill of `shape` (a model's config and dtype, the prompt's padded length
-  and batch): what `plan_prefill` makes for a model and its tokens, and what
-  kvr_jax.tools.memory compiles from shapes. device_memory: the bytes of the device planned
-  for (KV-Runahead's join of its last hops), default the mesh's own."""
-  T, choice = shape.prompt_len, None
-  family = own_family(shape.config)  # a hybrid or latent model: its own programs run the plan
-  if isinstance(strategy, str) and strategy == AUTO:
-    strategy, partition, choice = choose_auto_strategy(shape, mesh, partition, attention)
-  spec = get_strategy(strategy)
-  cache = check_cache(cache, allow_auto=True)
-  kernel = _check_model_and_kernel(shape.config, spec, attention, timeline, family)
-  if choice is not None and spec.max_ranks == 1:
-    mesh, cache = auto_one_device(shape, mesh, cache)
-  mesh = _plan_mesh(spec, mesh, T, elsewhere=choice is not None)
-  if cache == AUTO:
-    # A model with its own programs joins its cache on the last rank: a hybrid's only layout,
-    # a latent cache 71x smaller than K,V (DeepSeek-V3).
-    cache = plan_cache(shape, mesh) if family is None else "last"
-  _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
-  if family is not None:
-    check_own_plan(family, shape.config, spec, cache, mesh, T if shape.padded else 0, timeline)
-  if model_parallel(mesh) > 1:
-    _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
-  if family is not None and kernel == AUTO:
-    kernel = get_kernel(spec.default_attention)  # what the family's programs are tested with
-  kernel = _plan_kernel(shape, spec, kernel, mesh.devices.flat[0])
-  user_chunks = full_chunks = None
-  if isinstance(partition, Mapping):  # a split per layer kind (a hybrid's, KV-Runahead's)
-    partition, full_partition = _split_by_kind(partition, family, spec)
-    full_chunks = _plan_partition(shape, full_partition, mesh, kernel)
-  elif spec.partitioned and searches_kind_split(partition, shape.config):
-    user_chunks, full_chunks = _agreed_kind_split(shape, partition, mesh, kernel)
-  if spec.partitioned and user_chunks is None:
-    user_chunks = _plan_partition(shape, partition, mesh, kernel)
-  chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
-  keep_last_hop = False
-  if family is None:
-    keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
-  return PrefillPlan(
-    spec,
-    mesh,
-    kernel,
-    T,
-    shape.batch,
-    user_chunks,
-    chunks,
-    cache,
-    keep_last_hop,
-    timeline,
-    buckets,
-    shape.padded,
-    choice,
-    full_chunks,
-  )
-
-
-def _check_model_and_kernel(config, spec, attention, timeline, family=None):
-  """The model's layer kinds (those of a model with its own programs: `family`), the probes
-  and the kernel named (or "auto") against the strategy and the model's window."""
-  if family is None:
-    check_layers_run(config, "prefill")
-  if timeline and not spec.timeline_probes:
-    raise ValueError(
-      f"strategy {spec.name!r} has no timeline probes; they are placed in "
-      f"{[s for s in STRATEGIES if get_strategy(s).timeline_probes]}"
-    )
-  kernel = spec.check_attention(attention)
-  window = config.narrowest_window  # any layer's
-  if window is not None and kernel != AUTO and not kernel.takes_window:
-    raise ValueError(
-      f"this model attends through a sliding window of {window} tokens, which attention "
-      f"{kernel.name!r} does not take; use one of {kernels_where(takes_window=True)}"
-    )
-  return kernel
-
-
-def _check_layout(spec, partition, cache, T, longest, padded, buckets) -> None:
-  """What the padded prompt allows: a sharded cache of padded rows in one process, a user's
-  lengths summing to the bucket, a partition only for a partitioned strategy."""
-  if spec.partitioned and T != longest and isinstance(partition, (list, tuple, np.ndarray)):
-    total = sum(
-      int(c) for c in partition if isinstance(c, (int, np.integer)) and not isinstance(c, bool)
-    )
-    if total != T:
-      raise ValueError(
-        f"partition {list(partition)} sums to {total}, but the prompt runs padded to its "
-        f"bucket of {T} tokens (buckets={buckets!r}): give lengths summing to {T}, or "
-        "buckets=None (launch.run: --buckets=none)"
-      )
-  check_partition_applies(spec, partition)
-
-
-def check_partition_applies(spec, partition) -> None:
-  """A partition (other than "even", or none) only for a partitioned strategy."""
-  if not spec.partitioned and partition not in (None, "even"):
-    raise ValueError(
-      f"strategy {spec.name!r} lays the prompt out itself; `partition` applies only to "
-      f"{[s for s in STRATEGIES if get_strategy(s).partitioned]}"
-    )
-
-
-def _plan_mesh(spec, mesh, T: int, elsewhere: bool = False):
-  """The mesh the strategy runs on (the single device's of this process for the oracle; all
-  local devices by default), checked, with at least one token per rank. elsewhere: a
-  one-device mesh runs as given, also where another process holds its device (auto's pick of
-  one device: this process then holds nothing of the result)."""
-  if spec.max_ranks == 1:
-    if mesh is not None:
-      check_mesh(mesh, allow_model=True)
-    if not elsewhere:
-      mesh = _single_device_mesh(mesh)
-  else:
-    mesh = make_mesh() if mesh is None else mesh
-  p = check_mesh(mesh, allow_model=True)
-  if p > T:
-    raise ValueError(
-      f"{p} ranks but only {T} prompt tokens: every rank needs at least one "
-      "token; use a smaller mesh"
-    )
-  return mesh
-
-
-def _plan_kernel(shape: PrefillShape, spec, kernel, device):
-  """The kernel record that runs ("auto" resolved for the mesh's platform), refused where it
-  cannot run on this device and dtype."""
-  kernel = spec.resolve_attention(kernel, device, shape.dtype, shape.config.narrowest_window)
-  reason = kernel.why_not(device, shape.dtype, None)  # the window was checked by name
-  if reason is not None:
-    raise ValueError(f"attention {kernel.name!r} {reason}")
-  return kernel
-
-
-KIND_SPLIT_KEYS = ("linear", "full")
-
-
-def _split_by_kind(partition: Mapping, family, spec) -> tuple[Any, Any]:
-  """A split per layer kind, {"linear": .., "full": ..} (each a partition as `prefill` takes
-  one), checked: KV-Runahead on a hybrid model (its linear and full layers balance on
-  different splits: strategies.hybrid.KindSplit). Returns (linear, full)."""
-  if spec.name != "kvr" or family is None or family.name != "hybrid":
-    raise ValueError(
-      "a partition per layer kind ({'linear': .., 'full': ..}) is KV-Runahead's on a hybrid "
-      f"model (linear and full-attention layers); this plan runs {spec.name!r}"
-      + ("" if family is not None and family.name == "hybrid" else " on a model of one kind")
-    )
-  if sorted(partition) != sorted(KIND_SPLIT_KEYS):
-    raise ValueError(
-      f"a partition per layer kind names {list(KIND_SPLIT_KEYS)}, got {sorted(partition)}"
-    )
-  return partition["linear"], partition["full"]
-
-
-def _plan_partition(shape: PrefillShape, partition, mesh, kernel) -> tuple[int, ...]:
-  """The user's partition resolved to chunk lengths (the same on every process)."""
-  T, B = shape.prompt_len, shape.batch
-  chunks = resolve_partition(
-    partition,
-    T,
-    mesh.shape[AXIS],
-    config=shape.config,
-    batch=B,
-    dtype_bytes=shape.itemsize,
-    model_name=shape.preset,
-    model_parallel=model_parallel(mesh),
-    **kernel_flags(kernel),
-  )
-  # Cost-model partitions use per-process measurements: every process takes process 0's.
-  given = partition
-  if partition is not None and not isinstance(partition, (str, PartitionPlan)):
-    given = tuple(int(c) for c in partition)  # lengths (numpy's too), hashable
-  return agreed("partition", (shape.model_key, given, T, B, kernel), mesh, chunks)
-
-
-def _agreed_kind_split(shape: PrefillShape, partition, mesh, kernel) -> tuple:
-  """KV-Runahead's modelled search on a hybrid (`resolve_kind_split`): (the linear layers'
-  split, the full layers' or None), process 0's on every process."""
-  linear, full = resolve_kind_split(
-    partition,
-    shape.prompt_len,
-    mesh.shape[AXIS],
-    config=shape.config,
-    batch=shape.batch,
-    dtype_bytes=shape.itemsize,
-    model_parallel=model_parallel(mesh),
-    **kernel_flags(kernel),
-  )
-  p = len(linear)
-  key = (shape.model_key, partition, shape.prompt_len, shape.batch, kernel)
-  row = agreed("kind split", key, mesh, (*linear, *(full or (0,) * p)))  # zeros: one split
-  return row[:p], (row[p:] if any(row[p:]) else None)
-
-
-def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memory) -> bool:
-  """cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
-  where memory allows it on the ranks that hold its zeros (kv_cache.join_affordable: rank
-  0's device, or `device_memory`; across processes process 0's answer); 1-D meshes only."""
-  config, B = shape.config, shape.batch
-  if model_parallel(mesh) > 1 or not spec.keeps_last_hop(cache, chunks, config.kinds):
-    return False
-  # With padded rows whether the hop holds every row's window is known per run, from the
-  # lengths (`_hop_holds_rows`): a run whose rows it does not hold moves its parts.
-  hop_bytes = last_hop_bytes(config, chunks, B, shape.itemsize, config.num_kv_heads)
-  if device_memory is None:
-    device_memory = device_memory_bytes(mesh.devices.flat[0])
-  joins = join_affordable(hop_bytes, device_memory=device_memory)
-  return bool(agreed("join", (shape.model_key, chunks, B), mesh, int(joins)))
-
-
 def _hop_holds_rows(config, chunks, lengths_B) -> bool:
   """Whether KV-Runahead's last hop and the last chunk hold what every row decodes from. A
   windowed layer's hop carries only the W-1 keys before the last chunk (the prompt's last
@@ -463,17 +165,8 @@ def run_prefill(
   with cache="last", return as soon as the program's outputs exist, laid out as
   cache="sharded" (plus KV-Runahead's `last_hop`); `gather_cache()` then brings the cache onto
   the last rank (what kvr_jax.tools.timing times apart)."""
-  if not isinstance(plan, PrefillPlan):
-    raise ValueError(
-      f"run_prefill takes the PrefillPlan that plan_prefill returns, got {type(plan).__name__}"
-    )
-  rows, lengths_B, T, _ = buckets_lib.padded_prompts(model, tokens, plan.buckets)
-  if (T, len(rows)) != (plan.prompt_len, plan.batch):
-    raise ValueError(
-      f"this plan runs {plan.batch} row(s) padded to {plan.prompt_len} tokens; these prompts "
-      f"are {len(rows)} row(s) padded to {T}: plan them with plan_prefill"
-    )
-  tokens_BT = buckets_lib.pad_rows(rows, T)
+  tokens_BT, lengths_B = _planned_rows(model, plan, tokens)
+  T = tokens_BT.shape[1]
   if own_family(model.config) is not None:
     return run_own_prefill(model, plan, tokens_BT, lengths_B, decode_room)
   B, padded = plan.batch, bool((lengths_B < T).any())
@@ -500,7 +193,7 @@ def run_prefill(
   if cache == "sharded" or not move_cache:
     replicated = None
     if padded:
-      replicated = decode.last_real_logits_sharded(
+      replicated = sharded_decode.last_real_logits_sharded(
         model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B
       )
       logits_BV = _piece_on(replicated, owner)
@@ -513,7 +206,7 @@ def run_prefill(
     if cache == "sharded" and kept.rings != (None,):
       # A window the prompt outgrew: its layers keep only their rings from here on (what
       # decode reads), the parts only the other layers.
-      program = decode.sharded_rings_program(mesh, layout, kept)
+      program = sharded_decode.sharded_rings_program(mesh, layout, kept)
       lengths = global_array(np.asarray(lengths_B, np.int32), NamedSharding(mesh, jax.P()))
       parts["kv_parts"], rings = program(kv_parts, lengths)
       parts.update(kept=kept, rings=rings)
@@ -526,6 +219,22 @@ def run_prefill(
   elif padded:  # another process holds the cache and the logits
     whole = dataclasses.replace(whole, logits=None)
   return whole
+
+
+def _planned_rows(model: Model, plan: PrefillPlan, tokens) -> tuple[np.ndarray, np.ndarray]:
+  """`tokens` padded as `plan` runs them ([B, T] and each row's length), refused where the
+  plan was made for other prompts."""
+  if not isinstance(plan, PrefillPlan):
+    raise ValueError(
+      f"run_prefill takes the PrefillPlan that plan_prefill returns, got {type(plan).__name__}"
+    )
+  rows, lengths_B, T, _ = buckets_lib.padded_prompts(model, tokens, plan.buckets)
+  if (T, len(rows)) != (plan.prompt_len, plan.batch):
+    raise ValueError(
+      f"this plan runs {plan.batch} row(s) padded to {plan.prompt_len} tokens; these prompts "
+      f"are {len(rows)} row(s) padded to {T}: plan them with plan_prefill"
+    )
+  return buckets_lib.pad_rows(rows, T), lengths_B
 
 
 def _result_fields(plan: PrefillPlan, lengths_B) -> dict:
@@ -556,31 +265,6 @@ def _placed_state(model: Model, mesh):
   if model_parallel(mesh) > 1:
     return model.state_split_over(mesh)
   return model.state_on(NamedSharding(mesh, jax.P()))
-
-
-def _check_tensor_parallel(config, mesh, padded, timeline) -> None:
-  """What a ("ranks", "model") mesh runs so far: the prefill, with the cache left where it was
-  computed or moved onto the last rank's row (heads split over "model" either way). Refused
-  by name before anything compiles: what needs a decode step over a model group."""
-  m = model_parallel(mesh)
-  check_model_parallel(config, m)
-  if padded:
-    raise ValueError(
-      f"a mesh with model={m} runs prompts of one length without buckets (a padded row's "
-      f"logits need a decode step over the model group, not built yet); these rows were "
-      f"padded to {padded} tokens (a bucket, or the longest row of a ragged batch): pass "
-      "buckets=None (launch.run: --buckets=none) with rows of one length"
-    )
-  if timeline:
-    raise ValueError(f"a mesh with model={m} has no timeline probes yet")
-  processes = [sorted({d.process_index for d in row}) for row in mesh.devices]
-  split = next(((rank, procs) for rank, procs in enumerate(processes) if len(procs) > 1), None)
-  if split is not None:
-    raise ValueError(
-      f"rank {split[0]}'s {m} devices live in processes {split[1]}: on a ('ranks', 'model') "
-      "mesh across processes every rank's devices must be one process's (JAX's one process "
-      "per host; locally: devices per process a multiple of model_parallel)"
-    )
 
 
 def _piece_on(array: jax.Array, device):

@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from kvr_jax.inference.decode import DecodeLayout, prompt_order_of_rings
+from kvr_jax.inference.decode import DecodeLayout
 from kvr_jax.inference.kv_cache import cut_on_last_rank, gather_on_last_rank, kept_on_last_rank
+from kvr_jax.inference.sharded_decode import prompt_order_of_rings
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime.cache_layout import CacheLayout
 
@@ -174,7 +175,7 @@ class CacheParts(PrefillResult):
   # every-position group, [p, L_f, 2, B*P, K, H]; a windowed layer keeps a ring of its window,
   # `rings[g]` = (k, v) [L_g, B, W, K, H] replicated over `mesh` (None for the every-position
   # group), each row's last W prompt positions at slot position mod W
-  # (decode.sharded_rings_program).
+  # (sharded_decode.sharded_rings_program).
   kept: DecodeLayout | None = None
   rings: tuple = ()
 

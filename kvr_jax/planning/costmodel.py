@@ -15,7 +15,7 @@ Each strategy describes its own layer next to its program (`Strategy.modelled_la
 rank, in program order, its phases (`Compute`), its messages (`Send`, `Receive`) and its
 barriers (`Collective`). `layer_timeline` runs any such description layer after layer, and
 `simulate` (with its `intervals`, the Gantt chart) is that one timeline for every registered
-strategy:
+strategy (kvr_jax/planning/layer_timeline.py runs it):
   a Send starts when its sender reaches it and its link has delivered the previous layer's
     message, and lands `seconds` later; the receiver waits at its Receive until it has.
     `Links.held_send` says whether the sender waits too: False, sends are asynchronous
@@ -50,6 +50,7 @@ from collections.abc import Sequence
 
 from kvr_jax.core.chunks import check_chunks, check_ranks, moved_rows
 from kvr_jax.core.layer_support import check_full_partition
+from kvr_jax.planning.layer_timeline import layer_timeline
 from kvr_jax.runtime.roofline import (
   Collective,
   Compute,
@@ -157,208 +158,6 @@ class Simulation:
   # Per layer, per rank: the hidden states a rank sends to lay them out again (KV-Runahead
   # on a hybrid with a split per kind, `with_moves`; zeros otherwise), beside link_bytes.
   moved_bytes: list[float]
-
-
-def layer_timeline(
-  layer: ModelledLayer | Sequence[ModelledLayer],
-  num_layers: int,
-  held_send: bool = False,
-  intervals: list | None = None,
-) -> list[float]:
-  """When each rank finishes its last layer, running `layer`'s steps `num_layers` times (or
-  a sequence of one description per layer, where layers differ: windows per layer), by the
-  rules in the module docstring. With `intervals` (a list) it also appends every (rank,
-  layer, phase, start, end): the computes, the sends on the sender's row, a "wait" where a
-  rank waits for a message (or, held, for its own send to land)."""
-  # The search runs this ~50k times per paper grid: the steps become plain tuples once.
-  descriptions = [layer] * num_layers if isinstance(layer, ModelledLayer) else list(layer)
-  if len(descriptions) != num_layers:
-    raise ValueError(f"{len(descriptions)} modelled layers for {num_layers} layers")
-  ops_of: dict[int, list] = {}
-  for d in descriptions:
-    if id(d) not in ops_of:  # once per description (setdefault would convert every layer)
-      ops_of[id(d)] = [tuple(_as_op(step) for step in steps) for steps in d.steps]
-  free = [0.0] * len(descriptions[0].steps)  # when each rank finished the previous layer
-  link_free: dict[tuple[int, int], float] = {}  # when each link delivered its last message
-  # Layers repeat_from..body_end are one description (usually all but the last, a model's
-  # last layer, which reads one row: `last_layer`); the tail after them runs as it is.
-  body_end = len(descriptions) - 1
-  if body_end > 0 and descriptions[body_end] is not descriptions[body_end - 1]:
-    body_end -= 1
-  repeats_from = body_end
-  while repeats_from > 0 and descriptions[repeats_from - 1] is descriptions[body_end]:
-    repeats_from -= 1
-  steady = _SteadyState() if intervals is None else None
-  l = 0
-  while l < len(descriptions):
-    d = descriptions[l]
-    # Watched only where a steady state would still skip two layers or more (its bookkeeping
-    # costs about a layer's run).
-    watched = steady is not None and repeats_from <= l and body_end - l >= 2
-    sites = {} if watched else None
-    free = _run_layer(ops_of[id(d)], free, link_free, held_send, l, intervals, sites)
-    if sites is not None:
-      advance = steady.advance(free, link_free, sites)
-      if advance is not None:  # every later body layer advances every clock as this one did
-        skipped = body_end - l
-        rank_advance, link_advance = advance[: len(free)], advance[len(free) :]
-        free = [t + skipped * a for t, a in zip(free, rank_advance, strict=True)]
-        link_free = {
-          key: t + skipped * a for (key, t), a in zip(link_free.items(), link_advance, strict=True)
-        }
-        steady = None
-        l = body_end
-    l += 1
-  return free
-
-
-# Advances (and gaps) closer than this, relative to the layer's largest advance, count as
-# equal: float sums of the same phases differ in their last bits.
-STEADY_TOLERANCE = 1e-9
-
-
-class _SteadyState:
-  """Tells when the rest of a timeline is known without running it.
-
-  A layer is a max-plus map of the clocks (each rank's finish, each link's last delivery):
-  every start is the max of some clocks plus constants, at its "sites" (a receive, a send,
-  a barrier). Say layer l advanced every clock exactly as layer l-1 did (the advances d),
-  and at every site no argument came closer to the maximum than it was in layer l-1. Then
-  layer l+1, the same description, takes the same maximum at every site (its arguments move
-  by the same d, so no gap shrinks) and advances every clock by d again, and so on: the
-  finish of the last layer is this one's plus d per layer left. Ranks may advance at
-  different rates (KV-Runahead's rank 0 never waits for anyone); what must hold is that no
-  max changes its winner. The search runs the timeline tens of thousands of times; a
-  32-layer model settles after a few layers."""
-
-  def __init__(self):
-    self.clocks = None  # the previous layer's clocks and sites, and its advances
-    self.sites = None
-    self.advances = None
-
-  def advance(self, free, link_free, sites) -> list[float] | None:
-    clocks = (list(free), dict(link_free))
-    previous, previous_sites, previous_advances = self.clocks, self.sites, self.advances
-    self.clocks, self.sites, self.advances = clocks, sites, None
-    if previous is None or previous[1].keys() != link_free.keys():
-      return None
-    advances = [b - a for a, b in zip(previous[0], free, strict=True)]
-    advances += [link_free[k] - previous[1][k] for k in link_free]
-    self.advances = advances
-    if previous_advances is None or previous_sites.keys() != sites.keys():
-      return None
-    tolerance = STEADY_TOLERANCE * max(max(abs(a) for a in advances), 1e-30)
-    if any(abs(a - b) > tolerance for a, b in zip(advances, previous_advances, strict=True)):
-      return None
-    for key, arguments in sites.items():
-      before = previous_sites[key]
-      top, top_before = max(arguments), max(before)
-      if any(
-        (top - now) < (top_before - then) - tolerance
-        for now, then in zip(arguments, before, strict=True)
-      ):
-        return None
-    return advances  # the ranks' clocks', then the links' (in link_free's order)
-
-
-_COMPUTE, _SEND, _RECEIVE, _COLLECTIVE = range(4)
-
-
-def _as_op(step) -> tuple:
-  if isinstance(step, Compute):
-    return (_COMPUTE, step.phase, step.seconds, None)
-  if isinstance(step, Send):
-    return (_SEND, step.phase, step.seconds, step.to)
-  if isinstance(step, Receive):
-    return (_RECEIVE, "wait", 0.0, step.source)
-  if isinstance(step, Collective):
-    return (_COLLECTIVE, step.phase, step.seconds, None)
-  raise TypeError(f"unknown modelled step {step!r}")
-
-
-def _run_layer(ops, free, link_free, held_send, l, intervals, sites=None) -> list[float]:
-  """One layer: every rank advanced as far as its messages and barriers let it, until all are
-  done (steps depend only forwards). sites: gets each max's arguments by (rank, step).
-  Messages on one link land in the order they were sent, and a rank's n-th receive from a
-  source takes the n-th message of that link (a KV-Runahead full layer on its own split
-  sends its hop and the hidden states' move over the same link)."""
-  p = len(ops)
-  now, at = list(free), [0] * p  # each rank's clock and its next step
-  # By link (sender, receiver): when each message landed, how many the receiver took, when
-  # it reached each of its receives there; when each rank reached its barrier.
-  landings, taken, reached, at_barrier = {}, {}, {}, {}
-  out = intervals.append if intervals is not None else None
-  progress = True
-  while progress:
-    progress = False
-    for i in range(p):
-      rank_ops, t, step = ops[i], now[i], at[i]
-      while step < len(rank_ops):
-        kind, phase, seconds, other = rank_ops[step]
-        if kind == _COMPUTE:
-          if out:
-            out((i, l, phase, t, t + seconds))
-          t += seconds
-        elif kind == _RECEIVE:
-          link = (other, i)
-          n = taken.get(link, 0)
-          arrived = reached.setdefault(link, [])
-          if len(arrived) == n:  # reached now (a blocked receive is retried)
-            arrived.append(t)
-            progress = True  # a held send to this rank may go now
-          landed_times = landings.get(link, ())
-          if len(landed_times) == n:
-            break
-          landed = landed_times[n]
-          taken[link] = n + 1
-          if sites is not None:
-            sites[(i, step)] = (t, landed)
-          if out and landed > t:
-            out((i, l, "wait", t, landed))
-          t = max(t, landed)
-        elif kind == _SEND:
-          link = (i, other)
-          sent = landings.setdefault(link, [])
-          held = ()
-          if held_send:  # its receiver must have reached the matching receive
-            arrived = reached.get(link, ())
-            if len(arrived) <= len(sent):
-              break
-            held = (arrived[len(sent)],)
-          # What the send's start waits for: the sender, the link, a held send's receiver.
-          waits = (t, link_free.get(link, 0.0), *held)
-          if sites is not None:  # what this max took
-            sites[(i, step)] = waits
-          start = max(waits)
-          landed = link_free[link] = start + seconds
-          sent.append(landed)
-          if out:
-            out((i, l, phase, start, landed))
-            if held_send:
-              out((i, l, "wait", t, landed))
-          if held_send:  # the sender is held until its message has landed
-            t = landed
-        else:  # a collective: every rank waits for the last to reach it
-          at_barrier.setdefault(i, t)
-          if len(at_barrier) < p:
-            break
-          start = max(at_barrier.values())
-          if sites is not None:
-            sites[(i, step)] = tuple(at_barrier[j] for j in range(p))
-          if out:
-            out((i, l, phase, start, start + seconds))
-          t = start + seconds
-        step += 1
-        progress = True
-      now[i], at[i] = t, step
-  _check_done(ops, at)
-  return now
-
-
-def _check_done(ops, at) -> None:
-  stuck = [i for i in range(len(ops)) if at[i] < len(ops[i])]
-  if stuck:
-    raise ValueError(f"the modelled layer deadlocks: ranks {stuck} wait on each other")
 
 
 def modelled_layer(

@@ -132,6 +132,39 @@ def _at_own_length(rank, chunks: tuple[int, ...], phase, rows: int | None = None
   )
 
 
+def _span_maps(block, w: int, i, c, mixed_BcC, g_Bch, beta_Bch):
+  """Rank i's chunk of c rows as maps of what enters it, before anything arrives: rank 0 its
+  outputs and leaving state from zeros; rank i > 0 its rest (rows w..c) as an entry map, the
+  head's w rows left as zeros until the hop brings the state and the halo."""
+  B, C = mixed_BcC.shape[0], mixed_BcC.shape[2]
+  if i == 0:  # the prompt's first chunk: zeros enter it, halo included
+    zero_halo = jnp.zeros((B, w, C), mixed_BcC.dtype)
+    conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv_kernel(), zero_halo)
+    o_Bchv, q_eff, A_Bhkk, B_Bhkv = _plain_maps(
+      (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
+    )
+    return (o_Bchv, q_eff), (A_Bhkk, B_Bhkv)
+  # The rest: rows w..c (none when c <= w), their convolution's halo the chunk's own
+  # first w rows.
+  conv_BrC, _ = gdn.causal_conv(mixed_BcC[:, w:c], block.conv_kernel(), mixed_BcC[:, :w])
+  operands = (*block.heads(conv_BrC, g_Bch[:, w:c]), beta_Bch[:, w:c])
+  if c <= w:  # no rest: the identity map
+    q_Brhk, v_Brhv = operands[0], operands[2]
+    B, h, d_k, d_v = q_Brhk.shape[0], q_Brhk.shape[2], q_Brhk.shape[3], v_Brhv.shape[3]
+    A_Bhkk = gdn.zeros_as(g_Bch, (B, h, d_k, d_k)) + jnp.eye(d_k)  # (q has no rows)
+    o_Brhv, q_eff_Brhk, B_Bhkv = v_Brhv, q_Brhk, gdn.zeros_as(g_Bch, (B, h, d_k, d_v))
+  else:
+    o_Brhv, q_eff_Brhk, A_Bhkk, B_Bhkv = gdn.chunked_with_entry_map(*operands)
+
+  # The head's w rows, filled once the hop arrives: shaped from w, not sliced from the
+  # rest (a rest shorter than w would give a shorter head and shift every row after it).
+  def before_rest(rest_Br__):
+    head = jnp.zeros((rest_Br__.shape[0], w, *rest_Br__.shape[2:]), rest_Br__.dtype)
+    return jnp.concatenate([head, rest_Br__], axis=1)
+
+  return (before_rest(o_Brhv), before_rest(q_eff_Brhk)), (A_Bhkk, B_Bhkv)
+
+
 def chain_linear_layer(
   block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_reduce, probe=lambda label, v: v
 ):
@@ -166,37 +199,11 @@ def chain_linear_layer(
     rows_BwcC = jnp.concatenate([entering_halo_BwC.astype(mixed_BcC.dtype), mixed_BcC], axis=1)
     return jax.lax.dynamic_slice_in_dim(rows_BwcC, c_rank, w, axis=1)
 
-  def span_maps(i, c, mixed_BcC, g_Bch, beta_Bch):
-    B, C = mixed_BcC.shape[0], mixed_BcC.shape[2]
-    if i == 0:  # the prompt's first chunk: zeros enter it, halo included
-      zero_halo = jnp.zeros((B, w, C), mixed_BcC.dtype)
-      conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv_kernel(), zero_halo)
-      o_Bchv, q_eff, A_Bhkk, B_Bhkv = _plain_maps(
-        (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
-      )
-      return (o_Bchv, q_eff), (A_Bhkk, B_Bhkv)
-    # The rest: rows w..c (none when c <= w), their convolution's halo the chunk's own
-    # first w rows.
-    conv_BrC, _ = gdn.causal_conv(mixed_BcC[:, w:c], block.conv_kernel(), mixed_BcC[:, :w])
-    operands = (*block.heads(conv_BrC, g_Bch[:, w:c]), beta_Bch[:, w:c])
-    if c <= w:  # no rest: the identity map
-      q_Brhk, v_Brhv = operands[0], operands[2]
-      B, h, d_k, d_v = q_Brhk.shape[0], q_Brhk.shape[2], q_Brhk.shape[3], v_Brhv.shape[3]
-      A_Bhkk = gdn.zeros_as(g_Bch, (B, h, d_k, d_k)) + jnp.eye(d_k)  # (q has no rows)
-      o_Brhv, q_eff_Brhk, B_Bhkv = v_Brhv, q_Brhk, gdn.zeros_as(g_Bch, (B, h, d_k, d_v))
-    else:
-      o_Brhv, q_eff_Brhk, A_Bhkk, B_Bhkv = gdn.chunked_with_entry_map(*operands)
-
-    # The head's w rows, filled once the hop arrives: shaped from w, not sliced from the
-    # rest (a rest shorter than w would give a shorter head and shift every row after it).
-    def before_rest(rest_Br__):
-      head = jnp.zeros((rest_Br__.shape[0], w, *rest_Br__.shape[2:]), rest_Br__.dtype)
-      return jnp.concatenate([head, rest_Br__], axis=1)
-
-    return (before_rest(o_Brhv), before_rest(q_eff_Brhk)), (A_Bhkk, B_Bhkv)
-
   (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = probe(
-    "linear", _at_own_length(rank, chunks, span_maps, head_rows)(mixed_BcC, g_Bch, beta_Bch)
+    "linear",
+    _at_own_length(rank, chunks, functools.partial(_span_maps, block, w), head_rows)(
+      mixed_BcC, g_Bch, beta_Bch
+    ),
   )
 
   def head(entering_Bhkv, halo_BwC):
@@ -284,6 +291,22 @@ def zigzag_linear_layer(
   return probe("rest", x_B2cD), entering_j[-1], spans[1][1]
 
 
+def _linear_layer(strategy: str, config, rank, chunks: tuple[int, ...], reduce, timeline: bool):
+  """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline."""
+  # ([0] where a kind has no layer: only `_empty_outputs`' abstract trace reads it then)
+  linear_index_L = jnp.asarray(config.layers_of(LINEAR) or [0], jnp.int32)
+
+  def linear_layer(block, x, i=0):
+    def probe(label, value):  # the model's index of linear layer i
+      return mark(timeline, label, linear_index_L[i], value)
+
+    if strategy == "kvr":
+      return chain_linear_layer(block, x, rank, chunks, reduce, probe)
+    return zigzag_linear_layer(block, x, rank, sum(chunks), len(chunks), reduce, probe)
+
+  return linear_layer
+
+
 @kept_cache(16)
 def compile_hybrid(
   strategy: str,
@@ -317,7 +340,6 @@ def compile_hybrid(
   full_chunks = chunks if full_chunks is None else full_chunks
   body_of, keeps = _BODIES[strategy]
   make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps and keep_last_hop)
-  p, context_len = len(chunks), sum(chunks)
   P = jax.P
   m = model_parallel(mesh)
   reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
@@ -331,16 +353,7 @@ def compile_hybrid(
     full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
     body = make_body(full_model, rank, tokens_1BT[0], reduce)
 
-    # ([0] where a kind has no layer: only `_empty_outputs`' abstract trace reads it then)
-    linear_index_L = jnp.asarray(model.config.layers_of(LINEAR) or [0], jnp.int32)
-
-    def linear_layer(block, x, i=0):
-      def probe(label, value):  # the model's index of linear layer i
-        return mark(timeline, label, linear_index_L[i], value)
-
-      if strategy == "kvr":
-        return chain_linear_layer(block, x, rank, chunks, reduce, probe)
-      return zigzag_linear_layer(block, x, rank, context_len, p, reduce, probe)
+    linear_layer = _linear_layer(strategy, model.config, rank, chunks, reduce, timeline)
 
     # Each full row's index in the model: the rank layer knows the model's last layer by it
     # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
@@ -374,7 +387,8 @@ def compile_hybrid(
     if strategy == "kvr":  # x is in the linear layers' layout (`chunks`) after every layer
       last_row = functools.partial(jnp.take, indices=jnp.asarray(chunks)[rank] - 1, axis=1)
     logits_BV = model.logits(last_row(x)[:, None])[:, 0]
-    logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, body.owner, p))
+    logits_BV = logits_to_last_rank(logits_BV, body.owner, len(chunks))
+    logits_BV = mark(timeline, "logits", -1, logits_BV)
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
   return own_spmd(program, mesh, (P(AXIS), output_specs(mesh)))

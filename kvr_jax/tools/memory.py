@@ -26,34 +26,47 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference import decode, latent, own_program
-from kvr_jax.inference import hybrid as hybrid_inference
+from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
   join_on_device,
   join_rings_on_device,
   place,
 )
-from kvr_jax.inference.prefill import check_partition_applies, plan_from_shape
+from kvr_jax.inference.prefill_plan import check_partition_applies, plan_from_shape
 from kvr_jax.inference.shape import PrefillShape
-from kvr_jax.planning.costmodel import kernel_flags
-from kvr_jax.planning.partition import PartitionPlan, resolve_partition
+from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
-from kvr_jax.strategies import get_strategy, hybrid
-from kvr_jax.strategies.latent import compile_latent
+from kvr_jax.strategies import get_strategy
+from kvr_jax.tools.own_memory import measure_hybrid, measure_latent
+from kvr_jax.tools.xla_memory import (
+  HOISTING_NOTE,
+  LOW_PRECISION,
+  MEMORY_PARTITION,
+  NO_HOISTED_CONVERTS,
+  analysis,
+  compile_for_figures,
+  decode_bytes,
+  placed_state,
+  report_head,
+  struct,
+)
 from models.config import ModelConfig
 from models.families import config_from_dict
-from models.kernels import AttentionKernel, get_kernel
+from models.kernels import AttentionKernel
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
-from models.qwen3_5 import HybridCache, LinearState
 
-# KVR's split for the memory report: equal modelled compute on a GPU node (the issue's
-# "balanced" partition), not this machine's calibration (which would measure the CPU).
-MEMORY_PARTITION = PartitionPlan("balanced", hardware="h100-sxm", links="300GBps")
+__all__ = [
+  "HOISTING_NOTE",
+  "LOW_PRECISION",
+  "MEMORY_PARTITION",
+  "NO_HOISTED_CONVERTS",
+  "compiled_memory",
+]
 
 
 def _config(model) -> ModelConfig:
@@ -64,42 +77,6 @@ def _config(model) -> ModelConfig:
   raise ValueError(
     f"`model` must be a preset name, a model directory or a ModelConfig, got {type(model).__name__}"
   )
-
-
-# XLA:CPU has no bfloat16 (or float16) dot: it converts each layer's weights to float32 where
-# they are used, and its while-loop-invariant code motion hoists those converts out of the
-# layer loop, so a CPU-compiled program holds a float32 copy of every layer at once (Llama-3.1-
-# 8B, KV-Runahead at 16k: 29.2 GiB of temporaries against 3.2 without the hoisting). A GPU
-# multiplies bfloat16 natively and keeps no such copy: the figures are compiled without the
-# hoisting, so that at most one layer's converted weights count (what the report says).
-LOW_PRECISION = ("bfloat16", "float16")
-NO_HOISTED_CONVERTS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
-HOISTING_NOTE = (
-  "compiled without XLA:CPU's while-loop-invariant code motion: the CPU's float32 copies of "
-  "low-precision weights (a GPU makes none) count one layer at a time, not all at once"
-)
-
-
-def _unhoisted(dtype_name: str) -> bool:
-  """Whether programs of `dtype_name` are compiled without the hoisting (see above): low
-  precision on a CPU."""
-  return dtype_name in LOW_PRECISION and jax.devices()[0].platform == "cpu"
-
-
-def _compile(lowered, dtype_name: str):
-  """`lowered` compiled as the figures need it (`_unhoisted`)."""
-  if _unhoisted(dtype_name):
-    return lowered.compile(compiler_options=NO_HOISTED_CONVERTS)
-  return lowered.compile()
-
-
-def _analysis(compiled) -> dict[str, int]:
-  stats = compiled.memory_analysis()
-  return {
-    "argument_bytes": int(stats.argument_size_in_bytes),
-    "output_bytes": int(stats.output_size_in_bytes),
-    "temp_bytes": int(stats.temp_size_in_bytes),
-  }
 
 
 def _check_arguments(config, spec, cache, partition, context_len, num_ranks, batch):
@@ -134,28 +111,6 @@ def _check_arguments(config, spec, cache, partition, context_len, num_ranks, bat
   return partition
 
 
-def _placed_state(config, state, mesh, m: int, itemsize: int):
-  """The weights' shapes as prefill places them (whole on every device, or split over
-  "model", KV heads repeated to m first where fewer), and one device's bytes of them."""
-  state = jax.eval_shape(lambda s: tensor_parallel.shard_ready_state(config, s, m), state)
-  specs = (
-    tensor_parallel.partition_specs(state, m) if m > 1 else jax.tree.map(lambda _: jax.P(), state)
-  )
-  shapes = jax.tree.map(
-    lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-    state,
-    specs,
-  )
-  # One device's share of each weight: split leaves (a "model" entry in their spec) by m.
-  weights_bytes = sum(
-    np.prod(x.shape)
-    * np.dtype(x.dtype).itemsize
-    // (m if tensor_parallel.MODEL_AXIS in tuple(spec) else 1)
-    for x, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs), strict=True)
-  )
-  return shapes, int(weights_bytes)
-
-
 def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m) -> dict:
   """What bringing the cache onto the last rank needs there (`move_argument_bytes`,
   `move_temp_bytes`; none for cache="sharded"): KVR's join of its last hops, the move of the
@@ -182,10 +137,10 @@ def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name,
     )
     args = (hop, part, prefix_len, layout.part_len, chunks[-1])
     if kept.rings == (None,):
-      move = _analysis(join_on_device.lower(*args).compile())
+      move = analysis(join_on_device.lower(*args).compile())
     else:
       lengths = jax.ShapeDtypeStruct((batch,), np.int32, sharding=on_last)
-      move = _analysis(join_rings_on_device.lower(*args, kept, lengths).compile())
+      move = analysis(join_rings_on_device.lower(*args, kept, lengths).compile())
   elif cache == "last":
     # The move onto the last rank: its device (each of its row's, its heads on a 2-D mesh)
     # holds the cache (the every-position layers and the rings) and, at a time, one run's
@@ -199,15 +154,11 @@ def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name,
       )
       piece = jax.ShapeDtypeStruct((L_f, 2, batch, longest, K, H), dtype_name, sharding=on_last)
       position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)
-      placed = _analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
+      placed = analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
       move = {**placed, "argument_bytes": placed["argument_bytes"] + ring_bytes}
   else:
     return {}
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
-
-
-def _struct(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def _decode_memory(config, graphdef, state, mesh, layout, cache, shape, dtype_name) -> dict:
@@ -217,12 +168,9 @@ def _decode_memory(config, graphdef, state, mesh, layout, cache, shape, dtype_na
   part and the decoded tokens' K,V (the tail)."""
   step = _sharded_step if cache == "sharded" else _whole_cache_step
   stats = step(config, graphdef, state, mesh, layout, shape, dtype_name).memory_analysis()
-  # A donated argument's output reuses its buffer (the cache, the tail): counted once.
   return {
     "decode_cache_bytes": _decode_cache_bytes(config, layout, cache, shape, dtype_name),
-    "decode_argument_bytes": int(stats.argument_size_in_bytes),
-    "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
-    "decode_temp_bytes": int(stats.temp_size_in_bytes),
+    **decode_bytes(stats),
   }
 
 
@@ -261,23 +209,23 @@ def _ring_structs(config, kept, shape, dtype_name, sharding, every_position) -> 
   _, batch, m, _ = shape
   K, H = tensor_parallel.kv_heads_per_shard(config, m) * m, config.head_dim
   return tuple(
-    (_struct((len(kept.layers_of(g)), batch, ring or every_position, K, H), dtype_name, sharding),)
+    (struct((len(kept.layers_of(g)), batch, ring or every_position, K, H), dtype_name, sharding),)
     * 2
     for g, ring in enumerate(kept.rings)
   )
 
 
 def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
-  """decode.sharded_decode_program compiled from shapes: every device's part, the tail, and
+  """sharded_decode.sharded_decode_program compiled from shapes: every device's part, the tail, and
   the rings of windows the prompt outgrew."""
   _, batch, m, decode_tokens = shape
   K, H = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim
   replicated = NamedSharding(mesh, jax.P())
-  state_shapes, _ = _placed_state(config, state, mesh, m, np.dtype(dtype_name).itemsize)
+  state_shapes, _ = placed_state(config, state, mesh, m, np.dtype(dtype_name).itemsize)
   kept, _ = _kept(config, "sharded", shape, layout)
   every, L_f = kept.every_position_group, len(kept.every_position_layers)
   parts = (layout.num_ranks, L_f, 2, batch * layout.part_len, K * m, H)
-  tail = _struct(
+  tail = struct(
     (L_f, 2, batch, decode_tokens, K * m, H),
     dtype_name,
     NamedSharding(mesh, _HEADS) if m > 1 else replicated,
@@ -287,14 +235,14 @@ def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
   caches = tuple(tail if g == every else rings[g] for g in range(len(kept.rings)))
   arguments = (
     state_shapes,
-    _struct((batch,), np.int32, replicated),
-    _struct((batch,), np.int32, replicated),
-    _struct(parts, dtype_name, NamedSharding(mesh, parts_spec(mesh))),
+    struct((batch,), np.int32, replicated),
+    struct((batch,), np.int32, replicated),
+    struct(parts, dtype_name, NamedSharding(mesh, parts_spec(mesh))),
     caches,
-    _struct((), np.int32, replicated),
+    struct((), np.int32, replicated),
   )
-  program = decode.sharded_decode_program(graphdef, mesh, layout, kept)
-  return _compile(program.lower(*arguments), dtype_name)
+  program = sharded_decode.sharded_decode_program(graphdef, mesh, layout, kept)
+  return compile_for_figures(program.lower(*arguments), dtype_name)
 
 
 def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
@@ -306,20 +254,22 @@ def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
   if m > 1:
     row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
     on = NamedSharding(row, jax.P())
-    state_shapes, _ = _placed_state(config, state, row, m, np.dtype(dtype_name).itemsize)
+    state_shapes, _ = placed_state(config, state, row, m, np.dtype(dtype_name).itemsize)
     caches = _ring_structs(
       config, kept, shape, dtype_name, NamedSharding(row, jax.P(*_HEADS[1:])), capacity
     )
     program = decode.model_group_decode_step(graphdef, row, kept)
-    positions = _struct((batch,), np.int32, on)
+    positions = struct((batch,), np.int32, on)
     # tokens and positions have the same shape and placement
-    return _compile(program.lower(state_shapes, positions, positions, caches), dtype_name)
+    return compile_for_figures(
+      program.lower(state_shapes, positions, positions, caches), dtype_name
+    )
   last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
-  state_shapes = jax.tree.map(lambda x: _struct(x.shape, x.dtype, last), state)
+  state_shapes = jax.tree.map(lambda x: struct(x.shape, x.dtype, last), state)
   caches = _ring_structs(config, kept, shape, dtype_name, last, capacity)
-  positions = _struct((batch,), np.int32, last)
+  positions = struct((batch,), np.int32, last)
   program = decode.ring_decode_step
-  return _compile(
+  return compile_for_figures(
     program.lower(graphdef, kept, state_shapes, positions, positions, caches), dtype_name
   )
 
@@ -367,10 +317,10 @@ def compiled_memory(
   `decode_cache_bytes`, the K,V among those arguments.
 
   A latent-attention model (DeepSeek-V3) is measured in the programs kvr_jax.prefill and
-  generate run for it (`_measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
+  generate run for it (`measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
   (its cache is headless, so whole on every device of a model group), no move figures.
   A hybrid model (Qwen3.5, Qwen3-Next) in those kvr_jax.prefill and generate run
-  (`_measure_hybrid`): `kv_cache_bytes` its full layers' K,V and `state_cache_bytes` its
+  (`measure_hybrid`): `kv_cache_bytes` its full layers' K,V and `state_cache_bytes` its
   linear layers' states and halos (one device's heads of each), no move figures.
   """
   config = _config(model)
@@ -402,10 +352,10 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
   if isinstance(config.kinds[0], LatentAttentionKind):  # its own programs (prefill_latent)
     model = (graphdef, state, mesh)
-    return _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model)
+    return measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model)
   if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):  # prefill_hybrid's
     model = (graphdef, state, mesh)
-    return _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model)
+    return measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model)
   # The plan prefill would make for this shape (one process: no answer to agree on).
   prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
   plan = plan_from_shape(
@@ -414,14 +364,14 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   chunks, joined, attention = plan.chunks, plan.keep_last_hop, plan.kernel
   itemsize = prompt.itemsize
   program = plan.compile(graphdef)
-  state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
+  state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
   K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
   result = {
-    **_report_head(spec, shape, dtype_name, cache, chunks, attention),
+    **report_head(spec, shape, dtype_name, cache, chunks, attention),
     "joins_last_hop": joined,
-    **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
+    **analysis(compile_for_figures(program.lower(state_shapes, tokens), dtype_name)),
     "weights_bytes": weights_bytes,
     "kv_cache_bytes": L * 2 * batch * context_len * K * H * itemsize,
   }
@@ -433,223 +383,6 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
       _decode_memory(config, graphdef, state, mesh, layout, cache, decode_shape, dtype_name)
     )
   return result
-
-
-def _report_head(spec, shape, dtype_name: str, cache: str, chunks, kernel) -> dict:
-  """What every report starts with: the program measured and how it was compiled."""
-  context_len, num_ranks, _, m, _ = shape
-  return {
-    **({"cpu_compile": HOISTING_NOTE} if _unhoisted(dtype_name) else {}),
-    "strategy": spec.name,
-    "context_len": context_len,
-    "num_ranks": num_ranks,
-    "dtype": dtype_name,
-    "cache": cache,
-    "model_parallel": m,
-    "chunks": list(chunks),
-    "attention": kernel.name,
-  }
-
-
-def _own_program_chunks(config, spec, shape, itemsize: int, kernel, partition) -> tuple:
-  """The chunks a model with its own programs (latent, hybrid) prefills on: KV-Runahead's
-  `partition` resolved (MEMORY_PARTITION by default) on a model group of m devices, the
-  peers' own layout."""
-  context_len, num_ranks, batch, m, _ = shape
-  if not spec.partitioned:
-    return tuple(spec.layout(context_len, num_ranks, None))
-  plan = MEMORY_PARTITION if partition is None else partition
-  return tuple(
-    resolve_partition(
-      plan,
-      context_len,
-      num_ranks,
-      config=config,
-      batch=batch,
-      dtype_bytes=itemsize,
-      model_parallel=m,
-      **kernel_flags(kernel),
-    )
-  )
-
-
-def _measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
-  """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
-  (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
-  layer: whole on every device of a model group, whatever m), and with decode_tokens the step
-  kvr_jax.generate runs for it: cache="last" on the last rank's group over the joined cache
-  grown by them, cache="sharded" on every device over its part and the decoded tokens' latents.
-  model: (graphdef, abstract state, mesh)."""
-  context_len, num_ranks, batch, m, decode_tokens = shape
-  graphdef, state, mesh = model
-  itemsize = np.dtype(dtype_name).itemsize
-  # The kernels prefill_latent runs: flash on the expanded heads (or the one named), TSP's
-  # dense masked scores.
-  named = attention if attention not in (None, "auto") else "flash"
-  kernel = get_kernel("dense" if spec.name == "tsp" else named)
-  chunks = _own_program_chunks(config, spec, shape, itemsize, kernel, partition)
-  program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
-  state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
-  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
-  tokens = _struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
-  L, C = config.num_layers, config.cache_width
-  result = {
-    **_report_head(spec, shape, dtype_name, cache, chunks, kernel),
-    **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
-    "weights_bytes": weights_bytes,
-    "latent_cache_bytes": L * batch * context_len * C * itemsize,
-  }
-  if not decode_tokens:
-    return result
-  dtype = np.dtype(dtype_name)
-  if cache == "last":
-    row = rank_row_mesh(mesh, num_ranks - 1)
-    step = own_program.group_decode_step(graphdef, row, jax.P()) if m > 1 else None
-    row_state, _ = _placed_state(config, state, row, m, itemsize)
-    replicated = NamedSharding(row, jax.P())
-    vector = _struct((batch,), np.int32, replicated)
-    grown = _struct((L, batch, context_len + decode_tokens, C), dtype, replicated)
-    if step is None:  # one device: the model's own decode step, as kvr_jax.generate runs it
-      step = own_program.decode_step_of(graphdef)
-    lowered = step.lower(row_state, vector, vector, grown)
-  else:
-    step = latent.latent_sharded_step(graphdef, mesh)
-    rows = tokens_shape[-1]
-    by_rank, replicated = NamedSharding(mesh, jax.P(AXIS)), NamedSharding(mesh, jax.P())
-    lowered = step.lower(
-      state_shapes,
-      _struct((batch,), np.int32, replicated),
-      _struct((), np.int32, replicated),
-      _struct((num_ranks, L, batch, rows, C), dtype, by_rank),
-      _struct((num_ranks, rows), np.int32, by_rank),
-      _struct((L, batch, decode_tokens, C), dtype, replicated),
-      _struct((), np.int32, replicated),
-    )
-  stats = _compile(lowered, dtype_name).memory_analysis()
-  return {
-    **result,
-    "decode_argument_bytes": int(stats.argument_size_in_bytes),
-    "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
-    "decode_temp_bytes": int(stats.temp_size_in_bytes),
-  }
-
-
-def _measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
-  """compiled_memory of a hybrid model (Qwen3.5, Qwen3-Next): the program prefill_hybrid runs
-  (strategies.hybrid.compile_hybrid; its weights split over "model" on a 2-D mesh), its cache
-  in two parts, one device's share of each: `kv_cache_bytes` the full layers' K,V of every
-  position, `state_cache_bytes` the linear layers' float32 states and convolution halos,
-  whatever the prompt length; with decode_tokens the step generate runs on the last
-  rank's device or group over the joined cache grown by them. model: (graphdef, abstract
-  state, mesh)."""
-  context_len, num_ranks, batch, m, decode_tokens = shape
-  graphdef, state, mesh = model
-  if spec.name not in hybrid.STRATEGIES:
-    raise ValueError(f"hybrid models run under {hybrid.STRATEGIES}, not {spec.name!r}")
-  itemsize = np.dtype(dtype_name).itemsize
-  kernel = get_kernel(spec.default_attention if attention == "auto" else attention)
-  chunks = _own_program_chunks(config, spec, shape, itemsize, kernel, partition)
-  program = hybrid.compile_hybrid(
-    spec.name, graphdef, mesh, tuple(chunks), kernel, keep_last_hop=cache == "last"
-  )
-  state_shapes, weights_bytes = _placed_state(config, state, mesh, m, itemsize)
-  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
-  tokens = _struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
-  past = _hybrid_cache_shapes(config, batch, context_len + decode_tokens, m, dtype_name)
-  full_kv, states = (
-    int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(part)) // m)
-    for part in (past.kv_2BSKH, past.linear)
-  )
-  layout = spec.cache_layout(context_len, tuple(chunks))
-  if cache == "sharded":  # the busiest device's part: the longest part's rows
-    full_kv = full_kv * layout.part_len // (context_len + decode_tokens)
-  else:  # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
-    full_kv = full_kv * context_len // (context_len + decode_tokens)
-  result = {
-    **_report_head(spec, shape, dtype_name, cache, chunks, kernel),
-    **_analysis(_compile(program.lower(state_shapes, tokens), dtype_name)),
-    "weights_bytes": weights_bytes,
-    "kv_cache_bytes": full_kv,
-    "state_cache_bytes": states,
-  }
-  if not decode_tokens:
-    return result
-  if cache == "sharded":
-    lowered = _hybrid_sharded_step_lowered(
-      config, graphdef, state_shapes, mesh, layout, shape, dtype_name
-    )
-    stats = _compile(lowered, dtype_name).memory_analysis()
-    return {
-      **result,
-      "decode_argument_bytes": int(stats.argument_size_in_bytes),
-      "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
-      "decode_temp_bytes": int(stats.temp_size_in_bytes),
-    }
-  row = rank_row_mesh(mesh, num_ranks - 1)
-  row_state, _ = _placed_state(config, state, row, m, itemsize)
-  vector = _struct((batch,), np.int32, NamedSharding(row, jax.P()))
-  specs = hybrid_inference.CACHE_SPECS if m > 1 else jax.tree.map(lambda _: jax.P(), past)
-  grown = jax.tree.map(
-    lambda x, spec: _struct(x.shape, x.dtype, NamedSharding(row, spec)), past, specs
-  )
-  if m > 1:
-    step = own_program.group_decode_step(graphdef, row, hybrid_inference.CACHE_SPECS)
-  else:  # one device: the model's own decode step, as generate runs it
-    step = own_program.decode_step_of(graphdef)
-  stats = _compile(step.lower(row_state, vector, vector, grown), dtype_name).memory_analysis()
-  return {
-    **result,
-    "decode_argument_bytes": int(stats.argument_size_in_bytes),
-    "decode_output_bytes": int(stats.output_size_in_bytes - stats.alias_size_in_bytes),
-    "decode_temp_bytes": int(stats.temp_size_in_bytes),
-  }
-
-
-def _hybrid_sharded_step_lowered(config, graphdef, state_shapes, mesh, layout, shape, dtype_name):
-  """hybrid_sharded_step lowered from shapes, as generate(cache="sharded") runs it: the K,V
-  parts [p, L, 2, B*P, K, H] by rank, the decoded tokens' tail and the linear pasts on every
-  rank (split by head on a 2-D mesh)."""
-  context_len, num_ranks, batch, m, decode_tokens = shape
-  tail = _hybrid_cache_shapes(config, batch, decode_tokens, m, dtype_name)
-  L, _, B, _, K, H = tail.kv_2BSKH.shape
-  split = m > 1
-  specs = hybrid_inference.CACHE_SPECS if split else jax.tree.map(lambda _: jax.P(), tail)
-  tail = jax.tree.map(
-    lambda x, spec: _struct(x.shape, x.dtype, NamedSharding(mesh, spec)), tail, specs
-  )
-  parts = _struct(
-    (num_ranks, L, 2, B * layout.part_len, K, H),
-    np.dtype(dtype_name),
-    NamedSharding(mesh, parts_spec(mesh)),
-  )
-  replicated = NamedSharding(mesh, jax.P())
-  step = hybrid_inference.hybrid_sharded_step(graphdef, mesh, layout)
-  return step.lower(
-    state_shapes,
-    _struct((batch,), np.int32, replicated),
-    _struct((batch,), np.int32, replicated),
-    parts,
-    tail.kv_2BSKH,
-    tail.linear,
-    _struct((), np.int32, replicated),
-  )
-
-
-def _hybrid_cache_shapes(config, batch: int, capacity: int, m: int, dtype_name: str):
-  """The HybridCache generate decodes from, as shapes (the whole group's: m devices'
-  KV heads, repeated to m where the model has fewer, as the shards hold them)."""
-  K = tensor_parallel.kv_heads_per_shard(config, m) * m
-  h, d_k = config.linear_num_value_heads, config.linear_key_head_dim
-  d_v, w = config.linear_value_head_dim, config.linear_conv_kernel - 1
-  L_full, L_linear = (len(config.layers_of(t)) for t in ("full_attention", "linear_attention"))
-  dtype = np.dtype(dtype_name)
-  return HybridCache(
-    jax.ShapeDtypeStruct((L_full, 2, batch, capacity, K, config.head_dim), dtype),
-    LinearState(
-      jax.ShapeDtypeStruct((L_linear, batch, h, d_k, d_v), np.float32),
-      jax.ShapeDtypeStruct((L_linear, batch, w, config.conv_channels), dtype),
-    ),
-  )
 
 
 def _in_subprocess(

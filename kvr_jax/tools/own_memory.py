@@ -1,0 +1,224 @@
+"""compiled_memory of the models with their own programs: latent attention (DeepSeek-V3:
+strategies.latent.compile_latent) and hybrids (Qwen3.5, Qwen3-Next:
+strategies.hybrid.compile_hybrid)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from kvr_jax.inference import hybrid as hybrid_inference
+from kvr_jax.inference import latent, own_program
+from kvr_jax.planning.costmodel import kernel_flags
+from kvr_jax.planning.partition import resolve_partition
+from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.cache_layout import parts_spec
+from kvr_jax.runtime.mesh import AXIS, rank_row_mesh
+from kvr_jax.strategies import hybrid
+from kvr_jax.strategies.latent import compile_latent
+from kvr_jax.tools.xla_memory import (
+  MEMORY_PARTITION,
+  analysis,
+  compile_for_figures,
+  decode_bytes,
+  placed_state,
+  report_head,
+  struct,
+)
+from models.kernels import get_kernel
+from models.qwen3_5 import HybridCache, LinearState
+
+
+def own_program_chunks(config, spec, shape, itemsize: int, kernel, partition) -> tuple:
+  """The chunks a model with its own programs (latent, hybrid) prefills on: KV-Runahead's
+  `partition` resolved (MEMORY_PARTITION by default) on a model group of m devices, the
+  peers' own layout."""
+  context_len, num_ranks, batch, m, _ = shape
+  if not spec.partitioned:
+    return tuple(spec.layout(context_len, num_ranks, None))
+  plan = MEMORY_PARTITION if partition is None else partition
+  return tuple(
+    resolve_partition(
+      plan,
+      context_len,
+      num_ranks,
+      config=config,
+      batch=batch,
+      dtype_bytes=itemsize,
+      model_parallel=m,
+      **kernel_flags(kernel),
+    )
+  )
+
+
+def measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
+  """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
+  (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
+  layer: whole on every device of a model group, whatever m), and with decode_tokens the step
+  kvr_jax.generate runs for it: cache="last" on the last rank's group over the joined cache
+  grown by them, cache="sharded" on every device over its part and the decoded tokens' latents.
+  model: (graphdef, abstract state, mesh)."""
+  context_len, num_ranks, batch, m, decode_tokens = shape
+  graphdef, state, mesh = model
+  itemsize = np.dtype(dtype_name).itemsize
+  # The kernels prefill_latent runs: flash on the expanded heads (or the one named), TSP's
+  # dense masked scores.
+  named = attention if attention not in (None, "auto") else "flash"
+  kernel = get_kernel("dense" if spec.name == "tsp" else named)
+  chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
+  program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
+  state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
+  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
+  tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
+  L, C = config.num_layers, config.cache_width
+  result = {
+    **report_head(spec, shape, dtype_name, cache, chunks, kernel),
+    **analysis(compile_for_figures(program.lower(state_shapes, tokens), dtype_name)),
+    "weights_bytes": weights_bytes,
+    "latent_cache_bytes": L * batch * context_len * C * itemsize,
+  }
+  if not decode_tokens:
+    return result
+  dtype = np.dtype(dtype_name)
+  if cache == "last":
+    row = rank_row_mesh(mesh, num_ranks - 1)
+    step = own_program.group_decode_step(graphdef, row, jax.P()) if m > 1 else None
+    row_state, _ = placed_state(config, state, row, m, itemsize)
+    replicated = NamedSharding(row, jax.P())
+    vector = struct((batch,), np.int32, replicated)
+    grown = struct((L, batch, context_len + decode_tokens, C), dtype, replicated)
+    if step is None:  # one device: the model's own decode step, as kvr_jax.generate runs it
+      step = own_program.decode_step_of(graphdef)
+    lowered = step.lower(row_state, vector, vector, grown)
+  else:
+    step = latent.latent_sharded_step(graphdef, mesh)
+    rows = tokens_shape[-1]
+    by_rank, replicated = NamedSharding(mesh, jax.P(AXIS)), NamedSharding(mesh, jax.P())
+    lowered = step.lower(
+      state_shapes,
+      struct((batch,), np.int32, replicated),
+      struct((), np.int32, replicated),
+      struct((num_ranks, L, batch, rows, C), dtype, by_rank),
+      struct((num_ranks, rows), np.int32, by_rank),
+      struct((L, batch, decode_tokens, C), dtype, replicated),
+      struct((), np.int32, replicated),
+    )
+  stats = compile_for_figures(lowered, dtype_name).memory_analysis()
+  return {
+    **result,
+    **decode_bytes(stats),
+  }
+
+
+def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
+  """compiled_memory of a hybrid model (Qwen3.5, Qwen3-Next): the program prefill_hybrid runs
+  (strategies.hybrid.compile_hybrid; its weights split over "model" on a 2-D mesh), its cache
+  in two parts, one device's share of each: `kv_cache_bytes` the full layers' K,V of every
+  position, `state_cache_bytes` the linear layers' float32 states and convolution halos,
+  whatever the prompt length; with decode_tokens the step generate runs on the last
+  rank's device or group over the joined cache grown by them. model: (graphdef, abstract
+  state, mesh)."""
+  context_len, num_ranks, batch, m, decode_tokens = shape
+  graphdef, state, mesh = model
+  if spec.name not in hybrid.STRATEGIES:
+    raise ValueError(f"hybrid models run under {hybrid.STRATEGIES}, not {spec.name!r}")
+  itemsize = np.dtype(dtype_name).itemsize
+  kernel = get_kernel(spec.default_attention if attention == "auto" else attention)
+  chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
+  program = hybrid.compile_hybrid(
+    spec.name, graphdef, mesh, tuple(chunks), kernel, keep_last_hop=cache == "last"
+  )
+  state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
+  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
+  tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
+  past = _hybrid_cache_shapes(config, batch, context_len + decode_tokens, m, dtype_name)
+  full_kv, states = (
+    int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(part)) // m)
+    for part in (past.kv_2BSKH, past.linear)
+  )
+  layout = spec.cache_layout(context_len, tuple(chunks))
+  if cache == "sharded":  # the busiest device's part: the longest part's rows
+    full_kv = full_kv * layout.part_len // (context_len + decode_tokens)
+  else:  # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
+    full_kv = full_kv * context_len // (context_len + decode_tokens)
+  result = {
+    **report_head(spec, shape, dtype_name, cache, chunks, kernel),
+    **analysis(compile_for_figures(program.lower(state_shapes, tokens), dtype_name)),
+    "weights_bytes": weights_bytes,
+    "kv_cache_bytes": full_kv,
+    "state_cache_bytes": states,
+  }
+  if not decode_tokens:
+    return result
+  if cache == "sharded":
+    lowered = _hybrid_sharded_step_lowered(
+      config, graphdef, state_shapes, mesh, layout, shape, dtype_name
+    )
+    stats = compile_for_figures(lowered, dtype_name).memory_analysis()
+    return {**result, **decode_bytes(stats)}
+  row = rank_row_mesh(mesh, num_ranks - 1)
+  row_state, _ = placed_state(config, state, row, m, itemsize)
+  vector = struct((batch,), np.int32, NamedSharding(row, jax.P()))
+  specs = hybrid_inference.CACHE_SPECS if m > 1 else jax.tree.map(lambda _: jax.P(), past)
+  grown = jax.tree.map(
+    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(row, spec)), past, specs
+  )
+  if m > 1:
+    step = own_program.group_decode_step(graphdef, row, hybrid_inference.CACHE_SPECS)
+  else:  # one device: the model's own decode step, as generate runs it
+    step = own_program.decode_step_of(graphdef)
+  stats = compile_for_figures(
+    step.lower(row_state, vector, vector, grown), dtype_name
+  ).memory_analysis()
+  return {
+    **result,
+    **decode_bytes(stats),
+  }
+
+
+def _hybrid_sharded_step_lowered(config, graphdef, state_shapes, mesh, layout, shape, dtype_name):
+  """hybrid_sharded_step lowered from shapes, as generate(cache="sharded") runs it: the K,V
+  parts [p, L, 2, B*P, K, H] by rank, the decoded tokens' tail and the linear pasts on every
+  rank (split by head on a 2-D mesh)."""
+  context_len, num_ranks, batch, m, decode_tokens = shape
+  tail = _hybrid_cache_shapes(config, batch, decode_tokens, m, dtype_name)
+  L, _, B, _, K, H = tail.kv_2BSKH.shape
+  split = m > 1
+  specs = hybrid_inference.CACHE_SPECS if split else jax.tree.map(lambda _: jax.P(), tail)
+  tail = jax.tree.map(
+    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(mesh, spec)), tail, specs
+  )
+  parts = struct(
+    (num_ranks, L, 2, B * layout.part_len, K, H),
+    np.dtype(dtype_name),
+    NamedSharding(mesh, parts_spec(mesh)),
+  )
+  replicated = NamedSharding(mesh, jax.P())
+  step = hybrid_inference.hybrid_sharded_step(graphdef, mesh, layout)
+  return step.lower(
+    state_shapes,
+    struct((batch,), np.int32, replicated),
+    struct((batch,), np.int32, replicated),
+    parts,
+    tail.kv_2BSKH,
+    tail.linear,
+    struct((), np.int32, replicated),
+  )
+
+
+def _hybrid_cache_shapes(config, batch: int, capacity: int, m: int, dtype_name: str):
+  """The HybridCache generate decodes from, as shapes (the whole group's: m devices'
+  KV heads, repeated to m where the model has fewer, as the shards hold them)."""
+  K = tensor_parallel.kv_heads_per_shard(config, m) * m
+  h, d_k = config.linear_num_value_heads, config.linear_key_head_dim
+  d_v, w = config.linear_value_head_dim, config.linear_conv_kernel - 1
+  L_full, L_linear = (len(config.layers_of(t)) for t in ("full_attention", "linear_attention"))
+  dtype = np.dtype(dtype_name)
+  return HybridCache(
+    jax.ShapeDtypeStruct((L_full, 2, batch, capacity, K, config.head_dim), dtype),
+    LinearState(
+      jax.ShapeDtypeStruct((L_linear, batch, h, d_k, d_v), np.float32),
+      jax.ShapeDtypeStruct((L_linear, batch, w, config.conv_channels), dtype),
+    ),
+  )
