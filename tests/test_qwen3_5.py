@@ -209,7 +209,7 @@ def one_device(checkpoints, tokens):
   return module.logits(x_BTD)[:, -1], cache
 
 
-@pytest.mark.default_cases("kvr-2-partition0-dense")
+@pytest.mark.default_cases("kvr-2-partition0-dense", "allgather-4-None-dense")
 @pytest.mark.parametrize(
   "strategy, ranks, partition, attention",
   [

@@ -132,7 +132,7 @@ def _at_own_length(rank, chunks: tuple[int, ...], phase, rows: int | None = None
   )
 
 
-def _span_maps(block, w: int, i, c, mixed_BcC, g_Bch, beta_Bch):
+def _chain_span_maps(block, w: int, i, c, mixed_BcC, g_Bch, beta_Bch):
   """Rank i's chunk of c rows as maps of what enters it, before anything arrives: rank 0 its
   outputs and leaving state from zeros; rank i > 0 its rest (rows w..c) as an entry map, the
   head's w rows left as zeros until the hop brings the state and the halo."""
@@ -201,7 +201,7 @@ def chain_linear_layer(
 
   (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = probe(
     "linear",
-    _at_own_length(rank, chunks, functools.partial(_span_maps, block, w), head_rows)(
+    _at_own_length(rank, chunks, functools.partial(_chain_span_maps, block, w), head_rows)(
       mixed_BcC, g_Bch, beta_Bch
     ),
   )
