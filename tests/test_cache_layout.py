@@ -19,8 +19,7 @@ from jax.sharding import NamedSharding
 
 import kvr_jax
 from kvr_jax.inference import auto as auto_module
-from kvr_jax.inference import decode, kv_cache, sharded_decode
-from kvr_jax.inference import prefill as prefill_module
+from kvr_jax.inference import decode, kv_cache, prefill_plan, sharded_decode
 from kvr_jax.inference.kv_cache import gather_on_last_rank
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import CacheParts
@@ -194,7 +193,7 @@ def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle,
 def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, partition, monkeypatch):
   """On a device too small for the join's zeros on the other ranks (here: pretended, 64 KiB),
   one process moves the parts instead (real rows only), and the cache is the same."""
-  monkeypatch.setattr(prefill_module, "device_memory_bytes", lambda device: 64 * 1024)
+  monkeypatch.setattr(prefill_plan, "device_memory_bytes", lambda device: 64 * 1024)
   model, ref = models["gqa"], oracle["gqa"]
   mesh = kvr_jax.make_mesh(len(partition))
   kwargs = dict(strategy="kvr", mesh=mesh, partition=partition, cache="last")
@@ -279,7 +278,7 @@ def test_kvr_joins_its_last_hop_on_windowed_layers(models, prompt, oracle, monke
   want_logits = kvr_jax.prefill(model, reaching).logits
   monkeypatch.setattr(kv_cache, "gather_on_last_rank", no_move)
   monkeypatch.setattr(kv_cache, "send_onto_last_rank", no_move)
-  monkeypatch.setattr(kv_cache.decode, "sharded_rings_program", no_move)
+  monkeypatch.setattr(sharded_decode, "sharded_rings_program", no_move)
   joined = kvr_jax.prefill(model, reaching, **kwargs)
   assert_close(joined.logits, want_logits, "a padded row's logits")
   np.testing.assert_array_equal(

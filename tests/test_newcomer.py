@@ -82,8 +82,14 @@ def _help_examples():
 
 
 def _defined_flags(module):
+  """The flags the launcher defines, in its own module or a launch module it imports (its
+  flags kept apart: launch/benchmark_flags.py)."""
   with open(os.path.join(LAUNCH, module + ".py")) as f:
     source = f.read()
+  for imported in re.findall(r"^from launch\.(\w+) import", source, flags=re.M):
+    if os.path.exists(os.path.join(LAUNCH, imported + ".py")):
+      with open(os.path.join(LAUNCH, imported + ".py")) as f:
+        source += f.read()
   return set(re.findall(r"flags\.DEFINE_\w+\(\s*\"(\w+)\"", source))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvr_jax
-from kvr_jax.inference import decode
+from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.tools.memory import compiled_memory
 from tests import hf_fixtures
 
@@ -237,6 +237,6 @@ def test_kvr_joins_rings_from_its_last_hop_and_chunk(checkpoints, monkeypatch, p
   assert kvr_jax.inference.prefill.plan_prefill(ours, prompt, buckets=None, **kwargs).keep_last_hop
   monkeypatch.setattr(kvr_jax.inference.kv_cache, "gather_on_last_rank", no_move)
   monkeypatch.setattr(kvr_jax.inference.kv_cache, "send_onto_last_rank", no_move)
-  monkeypatch.setattr(decode, "sharded_rings_program", no_move)
+  monkeypatch.setattr(sharded_decode, "sharded_rings_program", no_move)
   joined = kvr_jax.prefill(ours, prompt, buckets=None, **kwargs)
   check(joined)
