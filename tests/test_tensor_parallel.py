@@ -20,10 +20,11 @@ import kvr_jax
 from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import build_model, preset_config
-from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh, split_dims
 from kvr_jax.runtime.tensor_parallel import MODEL_AXIS
 from kvr_jax.strategies import runahead
 from models import scan_blocks
+from tests.lazy import LazyDict
 from tests.tolerance import assert_close
 
 LLAMA = preset_config("tiny-llama")  # 4 heads, 2 KV heads, F 352
@@ -46,16 +47,18 @@ def perturbed(config):
   return graphdef, state
 
 
+def _whole(name):
+  graphdef, state = perturbed(CONFIGS[name])
+  model = nnx.merge(graphdef, state)
+  x, k, v = model.forward(jnp.asarray(TOKENS), "flash")
+  return graphdef, state, model.logits(x), k, v
+
+
 @pytest.fixture(scope="module")
 def whole():
-  """name -> (graphdef, state, logits, k, v) of the whole model (flash attention)."""
-  out = {}
-  for name, config in CONFIGS.items():
-    graphdef, state = perturbed(config)
-    model = nnx.merge(graphdef, state)
-    x, k, v = model.forward(jnp.asarray(TOKENS), "flash")
-    out[name] = (graphdef, state, model.logits(x), k, v)
-  return out
+  """name -> (graphdef, state, logits, k, v) of the whole model (flash attention), made when a
+  test first asks for it."""
+  return LazyDict(_whole)
 
 
 def heads_as_sharded(kv_LBTKH, config, m):
@@ -165,6 +168,20 @@ def test_a_2d_mesh_reduces_once_per_partial_sum_and_gathers_no_weight(whole, nam
   assert "all-gather" not in hlo
 
 
+def test_a_partition_spec_is_named_by_the_arrays_dimension_letters():
+  """split_dims: each named letter on its mesh axis, the others replicated, by position in the
+  array's letters; a letter the array lacks or a repeated one is refused."""
+  assert split_dims("LBSKH", K=MODEL_AXIS) == jax.P(None, None, None, MODEL_AXIS, None)
+  assert split_dims("L2BTKH", K=MODEL_AXIS, L=AXIS) == jax.P(
+    AXIS, None, None, None, MODEL_AXIS, None
+  )
+  assert split_dims("LBwC", C=MODEL_AXIS) == jax.P(None, None, None, MODEL_AXIS)
+  assert split_dims("BT") == jax.P(None, None)
+  for dims, axes in (("LBSKH", {"N": MODEL_AXIS}), ("LBSKK", {"K": MODEL_AXIS})):
+    with pytest.raises(ValueError, match="one distinct letter"):
+      split_dims(dims, **axes)
+
+
 def test_model_parallel_refused_where_it_does_not_split():
   for m, message in [(3, "model_parallel=3 must divide num_heads (4)"), (0, "integer >= 1")]:
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -203,14 +220,16 @@ PREFILL_CASES = [
 ]
 
 
+def _prefill_model(name):
+  graphdef, state = perturbed(PREFILL_MODELS[name])
+  model = kvr_jax.Model(nnx.merge(graphdef, state), source=f"perturbed-{name}")
+  return model, kvr_jax.prefill(model, PROMPT, "single")
+
+
 @pytest.fixture(scope="module")
 def prefill_models():
-  out = {}
-  for name, config in PREFILL_MODELS.items():
-    graphdef, state = perturbed(config)
-    model = kvr_jax.Model(nnx.merge(graphdef, state), source=f"perturbed-{name}")
-    out[name] = (model, kvr_jax.prefill(model, PROMPT, "single"))
-  return out
+  """name -> (model, its one-device prefill), made when a test first asks for it."""
+  return LazyDict(_prefill_model)
 
 
 def cache_in_prompt_order(result):

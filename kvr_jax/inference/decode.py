@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, split_dims
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from models import scan_blocks
 from models.attention import attend_static
@@ -171,7 +171,7 @@ def model_group_decode_step(graphdef, group_mesh, layout: DecodeLayout):
   caches as `layout` keeps them (`decode_caches`) with their heads split over "model", tokens
   and positions replicated; returns (logits [B, V] replicated, caches)."""
   P = jax.P
-  heads = P(None, None, None, MODEL_AXIS, None)
+  heads = split_dims("LBSKH", K=MODEL_AXIS)
   caches_spec = tuple((heads, heads) for _ in layout.rings)
 
   def shard_step(state, tokens_B, positions_B, caches):

@@ -22,7 +22,13 @@ from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import CacheParts, PrefillResult
 from kvr_jax.inference.text import encode_text
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel, spans_processes
+from kvr_jax.runtime.mesh import (
+  MODEL_AXIS,
+  global_array,
+  model_parallel,
+  spans_processes,
+  split_dims,
+)
 
 
 @dataclasses.dataclass
@@ -201,7 +207,7 @@ def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
   caches = decode.decode_caches(
     result.k_layers, result.v_layers, lengths, layout, capacity, result.kept, result.rings
   )
-  heads = NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
+  heads = NamedSharding(group, split_dims("LBSKH", K=MODEL_AXIS))
   caches = jax.device_put(caches, heads)  # where the step reads them (a no-op where they are)
 
   def step(token_B, index, caches):
@@ -223,7 +229,7 @@ def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
   B, (L_f, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
   if model_parallel(result.mesh) > 1:  # the weights and the tail's heads split over "model"
     state = model.state_split_over(result.mesh)
-    heads = NamedSharding(result.mesh, jax.P(None, None, None, None, MODEL_AXIS, None))
+    heads = NamedSharding(result.mesh, split_dims("L2BTKH", K=MODEL_AXIS))
   else:
     state, heads = model.state_on(replicated), replicated
   kept = result.kept or decode.DecodeLayout.whole(L_f)

@@ -46,6 +46,7 @@ from kvr_jax.runtime.mesh import (
   rank_row_mesh,
   shard_on,
   spans_processes,
+  split_dims,
 )
 from kvr_jax.strategies import get_strategy, zigzag
 from kvr_jax.strategies.base import count_trace
@@ -259,13 +260,13 @@ def _padded(kv_L2BTKH, state, halo, capacity: int) -> HybridCache:
 
 
 # A hybrid cache split over a model group by head: K,V [L, 2, B, S, K, H] by KV head, the
-# states [L, B, h, k, v] by value head, the halos [L, B, w, C] by channel (each device's q, k,
+# states [L, B, h, k, v] by (value) head, the halos [L, B, w, C] by channel (each device's q, k,
 # v heads' channels in turn). On the heads' axes, not a leading [m] axis: with one, XLA:CPU's
 # analysis showed a copy of the whole cache in every decode step (161.7 MiB of temporaries
 # against 65.7 for bench-qwen3.5's 128 MiB per device at 64k on 1 x 2).
 CACHE_SPECS = HybridCache(
-  jax.P(None, None, None, None, MODEL_AXIS, None),
-  LinearState(jax.P(None, None, MODEL_AXIS), jax.P(None, None, None, MODEL_AXIS)),
+  split_dims("L2BSKH", K=MODEL_AXIS),
+  LinearState(split_dims("LBhkv", h=MODEL_AXIS), split_dims("LBwC", C=MODEL_AXIS)),
 )
 
 

@@ -41,7 +41,14 @@ import numpy as np
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel, rank_row_mesh
+from kvr_jax.runtime.mesh import (
+  AXIS,
+  MODEL_AXIS,
+  global_array,
+  model_parallel,
+  rank_row_mesh,
+  split_dims,
+)
 
 CACHE_LAYOUTS = ("last", "sharded")
 # cache="auto" puts the whole cache on the last rank only while the weights and it take at
@@ -256,7 +263,7 @@ def gather_on_model_group(kv_parts, layout: CacheLayout, mesh):
   if not per_device:
     return None, None
   group = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)  # where decode runs its step
-  heads_split = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
+  heads_split = jax.sharding.NamedSharding(group, split_dims("LBCKH", K=MODEL_AXIS))
   L, B, C, K, H = per_device[0][0].shape
   shape = (L, B, C, K * len(per_device), H)
   return tuple(
@@ -336,7 +343,7 @@ def on_last_row(x, mesh):
   if model_parallel(mesh) == 1:
     return shards[last_row[0]]
   group = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
-  heads = jax.sharding.NamedSharding(group, jax.P(None, None, None, MODEL_AXIS, None))
+  heads = jax.sharding.NamedSharding(group, split_dims("LBCKH", K=MODEL_AXIS))
   return jax.make_array_from_single_device_arrays(x.shape, heads, [shards[d] for d in last_row])
 
 

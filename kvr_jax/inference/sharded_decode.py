@@ -23,7 +23,7 @@ from kvr_jax.inference.decode import (
   zeros_on,
 )
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel, split_dims
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from models import scan_blocks
 from models.attention import attend_with_lse, merge_partials
@@ -67,7 +67,7 @@ def sharded_rings_program(mesh, layout: CacheLayout, kept: DecodeLayout):
     return parts_1L2RKH[:, full_layers], tuple(rings)
 
   split = model_parallel(mesh) > 1
-  ring_spec = P(None, None, None, MODEL_AXIS, None) if split else P()
+  ring_spec = split_dims("LBWKH", K=MODEL_AXIS) if split else P()
   rings_spec = tuple(None if w is None else (ring_spec, ring_spec) for w in kept.rings)
   return jax.jit(
     jax.shard_map(
@@ -232,8 +232,8 @@ def _sharded_step_over(step, mesh, kept: DecodeLayout):
   the state at trace time) and the tail's and the rings' heads over "model"."""
   P = jax.P
   split = model_parallel(mesh) > 1
-  tail = P(None, None, None, None, MODEL_AXIS, None) if split else P()
-  ring = P(None, None, None, MODEL_AXIS, None) if split else P()
+  tail = split_dims("L2BTKH", K=MODEL_AXIS) if split else P()
+  ring = split_dims("LBWKH", K=MODEL_AXIS) if split else P()
   caches_spec = tuple(tail if w is None else (ring, ring) for w in kept.rings)
 
   def body(state, tokens_B, prompt_lens_B, kv_parts, caches, tail_index):

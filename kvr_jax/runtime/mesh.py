@@ -20,6 +20,19 @@ AXIS = "ranks"
 MODEL_AXIS = "model"
 
 
+def split_dims(dims: str, **mesh_axis_of) -> jax.sharding.PartitionSpec:
+  """The partition spec of an array named by its dimension letters (those of its variable
+  names and einsum strings), each letter given in `mesh_axis_of` split over that mesh axis,
+  every other replicated: split_dims("LBSKH", K=MODEL_AXIS) is the K,V cache [L, B, S, K, H]
+  with its KV heads split over "model". Axes are named once, not by position."""
+  if len(set(dims)) != len(dims) or set(mesh_axis_of) - set(dims):
+    raise ValueError(
+      f"split_dims({dims!r}, {sorted(mesh_axis_of)}): each dimension is one distinct letter and "
+      "only those letters are split"
+    )
+  return jax.P(*(mesh_axis_of.get(d) for d in dims))
+
+
 def make_mesh(num_devices: int | None = None, devices=None, *, model: int = 1) -> Mesh:
   """A 1-D mesh with axis `ranks` over the first `num_devices` devices (default: all).
 

@@ -39,7 +39,7 @@ from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
-from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh, split_dims
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.own_memory import measure_hybrid, measure_latent
@@ -200,7 +200,9 @@ def _kept(config, cache, shape, layout) -> tuple[decode.DecodeLayout, int]:
   return decode.DecodeLayout.of(config, capacity), capacity
 
 
-_HEADS = jax.P(None, None, None, None, tensor_parallel.MODEL_AXIS, None)
+# The decoded tokens' K,V (the tail) and a ring, their KV heads split over "model".
+_TAIL_HEADS = split_dims("L2BTKH", K=tensor_parallel.MODEL_AXIS)
+_RING_HEADS = split_dims("LBWKH", K=tensor_parallel.MODEL_AXIS)
 
 
 def _ring_structs(config, kept, shape, dtype_name, sharding, every_position) -> tuple:
@@ -228,9 +230,9 @@ def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
   tail = struct(
     (L_f, 2, batch, decode_tokens, K * m, H),
     dtype_name,
-    NamedSharding(mesh, _HEADS) if m > 1 else replicated,
+    NamedSharding(mesh, _TAIL_HEADS) if m > 1 else replicated,
   )
-  ring_sharding = NamedSharding(mesh, jax.P(*_HEADS[1:])) if m > 1 else replicated
+  ring_sharding = NamedSharding(mesh, _RING_HEADS) if m > 1 else replicated
   rings = _ring_structs(config, kept, shape, dtype_name, ring_sharding, 0)
   caches = tuple(tail if g == every else rings[g] for g in range(len(kept.rings)))
   arguments = (
@@ -256,7 +258,7 @@ def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
     on = NamedSharding(row, jax.P())
     state_shapes, _ = placed_state(config, state, row, m, np.dtype(dtype_name).itemsize)
     caches = _ring_structs(
-      config, kept, shape, dtype_name, NamedSharding(row, jax.P(*_HEADS[1:])), capacity
+      config, kept, shape, dtype_name, NamedSharding(row, _RING_HEADS), capacity
     )
     program = decode.model_group_decode_step(graphdef, row, kept)
     positions = struct((batch,), np.int32, on)
