@@ -542,6 +542,7 @@ def test_a_saved_model_restores_whole(checkpoints, tokens, tmp_path):
   np.testing.assert_array_equal(restored.module(tokens[:, :8]), ours.module(tokens[:, :8]))
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_the_absorbed_form_of_a_chunk_is_the_expanded_one():
   """A rank's 24 queries after a 40-position prefix (bench-deepseek's shapes, random weights
   and inputs, float32): the absorbed form (queries into the latent space, an MQA over the
@@ -561,6 +562,7 @@ def test_the_absorbed_form_of_a_chunk_is_the_expanded_one():
   assert_close(absorbed, expanded, "absorbed against expanded")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_latent_forms_are_timed_beside_their_modelled_sums():
   """The tool times both forms and counts their multiply-adds, hand-worked for bench-deepseek
   (N 4, R 128, n 64, r 32, v 64) at c = 8 after S = 256: expanded 264 x 128 x 4 x 128 + 8 x

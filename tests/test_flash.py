@@ -335,6 +335,7 @@ def test_kvr_per_rank_program_matches_dense_single(long_setup):
   assert_close(got.k_cache, dense["gqa"].k_cache, "K cache")
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_kvr_flash_bfloat16_close_to_float32(long_setup):
   models, tokens, dense = long_setup
   model16 = kvr_jax.load_model("tiny-llama", dtype="bfloat16")

@@ -241,7 +241,7 @@ def test_hybrid_prefill_equals_one_device(
   assert result.moved == (strategy != "kvr")
 
 
-@pytest.mark.default_cases("kvr-partition0")
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize("strategy, partition", [("kvr", [40, 30]), ("ring", None)])
 def test_a_second_prefill_traces_nothing_again(checkpoints, tokens, strategy, partition):
   """The same prefill again (cache "last") reuses its program and its join of the cache: a
@@ -475,6 +475,7 @@ def test_kvr_with_a_split_per_layer_kind_decodes_transformers_tokens(checkpoints
     np.testing.assert_array_equal(got.tokens, want)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_search_runs_the_split_per_kind_it_models(checkpoints, tokens, one_device):
   """partition "search" on a hybrid runs the pair of splits it models faster: with attention
   100 times slower than the matmuls, the 70-token prompt's full layers take a split of

@@ -23,6 +23,7 @@ from kvr_jax.strategies.runahead import schedule
 from kvr_jax.tools import measured, phases
 from models.falcon import FalconConfig
 from models.kernels import get_kernel
+from tests.lazy import LazyDict
 from tests.matrix import pairwise
 
 REL_TOL = 1e-5
@@ -65,7 +66,8 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def oracle(models, prompts):
-  return {(name, b): kvr_jax.prefill(m, prompts[b]) for name, m in models.items() for b in (1, 3)}
+  """(model name, batch) -> the one-device prefill, made when a test first asks for it."""
+  return LazyDict(lambda key: kvr_jax.prefill(models[key[0]], prompts[key[1]]))
 
 
 # (p, partition, batch): even and uneven splits, a one-token chunk, C not divisible by p.

@@ -101,7 +101,7 @@ STRATEGY_RUNS = {
 }
 
 
-@pytest.mark.default_cases("gemma3-local-global-kvr-last")
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
 @pytest.mark.parametrize(
   ("case", "strategy", "cache"),
   [("gemma3-local-global", s, "last") for s in STRATEGY_RUNS]
