@@ -72,6 +72,14 @@ class AttentionKind:
     """Positions of a `length`-token past the next token's query reads."""
     return length if self.window is None else min(length, self.window)
 
+  def cache_bytes(self, config, context_len: int, batch: int, dtype_bytes: int, shards: int = 1):
+    """Bytes of this layer's past after a `context_len`-token prompt on one device of a model
+    group of `shards`: K and V of the positions decode reads (a window's ring of W), its share
+    of the KV heads (one repeated head per device where there are fewer heads than devices)."""
+    kv_heads = max(config.num_kv_heads // shards, 1)
+    positions = self.decode_keys(context_len)
+    return 2 * batch * positions * kv_heads * config.head_dim * dtype_bytes
+
 
 FULL_ATTENTION = AttentionKind()
 
@@ -112,6 +120,11 @@ class GatedDeltaNetKind:
     halo = (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
     return batch * (state + halo)
 
+  def cache_bytes(self, config, context_len: int, batch: int, dtype_bytes: int, shards: int = 1):
+    """Bytes of this layer's past on one device of a model group of `shards`, whatever the
+    prompt's length: the hop's state and halo, split by head and channel over the group."""
+    return self.hop_bytes(config, context_len, batch, dtype_bytes) // shards
+
 
 @dataclasses.dataclass(frozen=True)
 class LatentAttentionKind:
@@ -149,6 +162,11 @@ class LatentAttentionKind:
 
   def decode_keys(self, length: int) -> int:
     return length
+
+  def cache_bytes(self, config, context_len: int, batch: int, dtype_bytes: int, shards: int = 1):
+    """Bytes of this layer's past: the latent prefix, headless, whole on every device of a
+    model group."""
+    return self.hop_bytes(config, context_len, batch, dtype_bytes)
 
 
 def kinds_in_order(kinds) -> tuple:

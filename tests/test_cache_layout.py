@@ -470,8 +470,8 @@ def test_the_layout_chooser_on_hand_worked_memory():
   assert kv_cache.choose_cache_layout(51, 30, 100) == "sharded"
   config = preset_config("llama-3.1-8b")  # 32 layers, 8 KV heads of 128
   weights = config.num_params() * 2
-  at_128k = kv_cache.whole_cache_bytes(config, 131072, 1, 2, config.num_kv_heads)
-  at_1m = kv_cache.whole_cache_bytes(config, 1048576, 1, 2, config.num_kv_heads)
+  at_128k = kv_cache.whole_cache_bytes(config, 131072, 1, 2)
+  at_1m = kv_cache.whole_cache_bytes(config, 1048576, 1, 2)
   assert (at_128k, at_1m) == (16 * 2**30, 128 * 2**30)
   assert kv_cache.choose_cache_layout(at_128k, weights, 80e9) == "last"
   assert kv_cache.choose_cache_layout(at_1m, weights, 80e9) == "sharded"
@@ -479,9 +479,21 @@ def test_the_layout_chooser_on_hand_worked_memory():
   # windowed at 1024; 16 KV heads of 128) at 128k holds 10 x 131072 + 52 x 1024 positions of
   # 8 KiB (K and V, bfloat16): 10.4 GiB, not 62 GiB, so it fits "last" on a 141 GB H200.
   gemma = preset_config("gemma-3-27b")
-  at_128k = kv_cache.whole_cache_bytes(gemma, 131072, 1, 2, gemma.num_kv_heads)
+  at_128k = kv_cache.whole_cache_bytes(gemma, 131072, 1, 2)
   assert at_128k == (10 * 131072 + 52 * 1024) * 8192
   assert kv_cache.choose_cache_layout(at_128k, gemma.num_params() * 2, 141e9) == "last"
+  # A latent per position: DeepSeek-V3 (61 layers, 512 latent + 64 rope numbers) at 128k
+  # holds 61 x 131072 x 576 bfloat16 numbers, 8.6 GiB (K,V of its 128 heads would be 71x).
+  latent = preset_config("deepseek-v3")
+  assert kv_cache.whole_cache_bytes(latent, 131072, 1, 2) == 61 * 131072 * 576 * 2
+  # A linear layer's past does not grow with the prompt: Qwen3-Next-80B (12 full layers of 2
+  # KV heads of 256; 36 Gated DeltaNet layers, 32 value heads of a 128 x 128 float32 state
+  # and a 3-row halo of 8192 channels) at 128k: 3 GiB of K,V and 74 MiB of linear pasts;
+  # on a model group of 2 each device holds half of both.
+  hybrid = preset_config("qwen3-next-80b-a3b")
+  kv, linear = 12 * 2 * 131072 * 2 * 256 * 2, 36 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)
+  assert kv_cache.whole_cache_bytes(hybrid, 131072, 1, 2) == kv + linear
+  assert kv_cache.whole_cache_bytes(hybrid, 131072, 1, 2, shards=2) == (kv + linear) // 2
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.inference import auto as auto_module
+from kvr_jax.inference import kv_cache
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.own_families import ModelCache
 from kvr_jax.inference.prefill import plan_prefill
@@ -102,6 +104,13 @@ def test_generate_runs_own_family_models_as_one_device(
   result = kvr_jax.prefill(ours, tokens, strategy, mesh, partition, cache=cache)
   if result.cache == "last":
     _assert_cache_close(case, result.gather_cache(), want_cache)
+    # What cache="auto" counts is what one device of the last rank's group holds.
+    m = 1 if shape is None else shape[1]
+    held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(result.model_cache))
+    itemsize = np.dtype(ours.dtype).itemsize
+    assert held == kv_cache.whole_cache_bytes(
+      ours.config, result.capacity, tokens.shape[0], itemsize, m
+    )
   elif case == LATENT:  # each rank's part where it was computed, its rows at their positions
     parts, positions = np.asarray(result.parts), result.part_positions
     for rank in range(parts.shape[0]):
@@ -129,6 +138,25 @@ def test_generate_runs_own_family_models_as_one_device(
     assert_close(linear.state_Bhkv, want_cache.linear.state_Bhkv, "linear states")
     if m == 1:
       assert_close(linear.halo_BwC, want_cache.linear.halo_BwC, "convolution halos")
+
+
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+def test_cache_auto_keeps_the_whole_cache_only_where_it_fits(
+  models, tokens, oracle, case, monkeypatch
+):
+  """cache="auto" weighs each layer's past as the model's own forward holds it (the full
+  layers' K,V and the linear layers' states and halos; the latents): "last" while the
+  weights and the whole cache fit within WHOLE_CACHE_SHARE of the last rank's device,
+  "sharded" when they do not."""
+  _, ours = models[case]
+  itemsize = np.dtype(ours.dtype).itemsize
+  held = sum(a.nbytes for a in jax.tree.leaves(oracle[case][1]))
+  assert kv_cache.whole_cache_bytes(ours.config, T, tokens.shape[0], itemsize) == held
+  needed = (ours.config.num_params() * itemsize + held) / kv_cache.WHOLE_CACHE_SHARE
+  mesh = kvr_jax.make_mesh(2)
+  for memory, want in ((int(needed) + 2, "last"), (int(needed) - 2, "sharded")):
+    monkeypatch.setattr(auto_module, "device_memory_bytes", lambda device, m=memory: m)
+    assert plan_prefill(ours, tokens, "kvr", mesh, [18, 12]).cache == want, memory
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

@@ -35,8 +35,8 @@ def plan_cache(shape: PrefillShape, mesh) -> str:
   (its shard of them on a 2-D mesh), else "sharded" (kv_cache.choose_cache_layout). Across
   processes every process takes process 0's answer."""
   m, itemsize, T, B = model_parallel(mesh), shape.itemsize, shape.prompt_len, shape.batch
-  kv_heads = tensor_parallel.kv_heads_per_shard(shape.config, m)
-  cache_bytes = whole_cache_bytes(shape.config, T, B, itemsize, kv_heads)
+  tensor_parallel.check_model_parallel(shape.config, m)
+  cache_bytes = whole_cache_bytes(shape.config, T, B, itemsize, m)
   weights_bytes = shape.config.num_params() * itemsize // m
   last_device = mesh.devices.reshape(-1)[-1]
   cache = choose_cache_layout(cache_bytes, weights_bytes, device_memory_bytes(last_device))

@@ -96,12 +96,14 @@ def check_cache(cache, allow_auto: bool = False) -> str:
   return cache
 
 
-def whole_cache_bytes(config, context_len: int, batch: int, itemsize: int, kv_heads: int) -> int:
-  """K and V of what cache="last" puts on one device (kv_heads: the heads one device holds, a
-  tensor-parallel shard's): every position of the prompt on a layer, a window shorter than
-  the prompt's W positions only (its ring, decode.DecodeLayout)."""
-  positions = sum(context_len if w is None else min(w, context_len) for w in config.windows)
-  return 2 * positions * batch * kv_heads * config.head_dim * itemsize
+def whole_cache_bytes(config, context_len: int, batch: int, itemsize: int, shards: int = 1) -> int:
+  """What cache="last" puts on one device of the last rank's model group of `shards`: each
+  layer's past as its kind counts it (models/layer_kinds.py `cache_bytes`): K and V of every
+  position of the prompt, a window's ring of W positions, a latent per position, a linear
+  layer's state and halo whatever the prompt's length."""
+  return sum(
+    kind.cache_bytes(config, context_len, batch, itemsize, shards) for kind in config.layer_kinds
+  )
 
 
 def choose_cache_layout(cache_bytes: int, weights_bytes: int, device_memory: int) -> str:

@@ -77,7 +77,7 @@ def prefill(
   programs (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: own_families.own_family) runs
   them under the same arguments and returns a `ModelCache` (its cache in its own form): rows
   of one length, strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models)
-  or "auto", cache "last" (or "sharded" on latent models in one process).
+  or "auto", cache "auto", "last" or "sharded".
 
   tokens: [B, T] (or [T]) token ids, or a list of rows of different lengths (a ragged
     batch: each row is padded at its end, see `buckets`; `lengths` in the result).
@@ -111,7 +111,8 @@ def prefill(
     prefix and the causal diagonal as two pieces merged by their float32 log-sum-exp (XLA);
     "cudnn": the same two pieces in cuDNN's fused flash kernel.
   cache: "auto" (the default: "last" where the last rank's device holds the weights and the
-    whole cache within kv_cache.WHOLE_CACHE_SHARE of its memory, else "sharded"; the
+    whole cache within kv_cache.WHOLE_CACHE_SHARE of its memory, each layer's past as its
+    kind holds it (K,V, a window's ring, a latent, a linear state), else "sharded"; the
     result's `cache` says which, the same on every process), "last" (the paper's layout:
     the whole cache in prompt order on the last rank's device; moving the ranks' parts there
     is part of the call) or "sharded" (each rank keeps the part it computed; `generate`

@@ -132,10 +132,8 @@ def plan_from_shape(
   if choice is not None and spec.max_ranks == 1:
     mesh, cache = auto_one_device(shape, mesh, cache)
   mesh = _plan_mesh(spec, mesh, T, elsewhere=choice is not None)
-  if cache == AUTO:
-    # A model with its own programs joins its cache on the last rank: a hybrid's only layout,
-    # a latent cache 71x smaller than K,V (DeepSeek-V3).
-    cache = plan_cache(shape, mesh) if family is None else "last"
+  if cache == AUTO:  # every layer kind's past counted as it is held (`plan_cache`)
+    cache = plan_cache(shape, mesh)
   _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
   if family is not None:
     check_own_plan(family, shape.config, spec, cache, mesh, T if shape.padded else 0, timeline)
