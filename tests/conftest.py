@@ -5,10 +5,10 @@ import tempfile
 
 from tests.subprocess_env import SPEED_ONLY_XLA_FLAGS
 
-# SPEED_ONLY_XLA_FLAGS (tests/subprocess_env.py: why level 1): the tests prove correctness,
-# not speed, and LLVM's full optimisation of their tiny programs costs more than running
-# them. It changes how XLA's LLVM backend optimises the emitted code, not the HLO programs:
-# every HLO, FLOP-count and memory-analysis test passes unchanged under it.
+# SPEED_ONLY_XLA_FLAGS (tests/subprocess_env.py: why level 1 and the elemental emitter): the
+# tests prove correctness, not speed, and LLVM's full optimisation of their tiny programs
+# costs more than running them. They change how XLA's backend emits and optimises code, not
+# the HLO programs: every HLO, FLOP-count and memory-analysis test passes unchanged under it.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + f" --xla_force_host_platform_device_count=8 {SPEED_ONLY_XLA_FLAGS}"
