@@ -201,8 +201,12 @@ def test_what_is_not_built_is_refused_by_name(models, tokens):
     kvr_jax.generate(latent, ragged, 2, strategy="kvr", mesh=mesh)
   with pytest.raises(ValueError, match="rows of one length"):
     kvr_jax.prefill(latent, tokens, "ring", mesh, buckets=(32,))
-  with pytest.raises(ValueError, match="no timeline probes"):
-    plan_prefill(latent, tokens, "kvr", mesh, timeline=True)
+  with pytest.raises(
+    ValueError, match=r"no timeline probes under 'ring'; its programs under \['kvr'\]"
+  ):
+    plan_prefill(latent, tokens, "ring", mesh, timeline=True)
+  with pytest.raises(ValueError, match=r"strategy 'single' has no timeline probes"):
+    plan_prefill(hybrid, tokens, "single", timeline=True)
   with pytest.raises(ValueError, match="convolution halo"):
     kvr_jax.prefill(hybrid, tokens[:, :20], "allgather", kvr_jax.make_mesh(4))
   result = kvr_jax.prefill(latent, tokens[:1, :8], "single")

@@ -88,6 +88,27 @@ def test_probes_change_nothing_and_come_in_order(strategy, partition):
   assert len(hops) == (0 if strategy == "allgather" else 3)
 
 
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
+def test_a_latent_models_probes_change_nothing_and_come_in_order():
+  """KV-Runahead on latent layers (bench-deepseek: its hops carry latents) marks its phases as
+  on K,V layers, in program order per rank, and the probes change neither the logits nor
+  the latent cache beyond the strategies' 1e-5."""
+  model = kvr_jax.Model(build_model(preset_config("bench-deepseek")))
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 48)
+  kwargs = dict(strategy="kvr", mesh=kvr_jax.make_mesh(3), partition=[20, 16, 12], cache="last")
+  plain = kvr_jax.prefill(model, tokens, **kwargs)
+  probe.EVENTS.clear()
+  probed = run_prefill(model, plan_prefill(model, tokens, timeline=True, **kwargs), tokens)
+  jax.effects_barrier()
+  assert_close(probed.logits, plain.logits, "probed logits")
+  assert_close(probed.model_cache, plain.model_cache, "probed latents")
+  items = timeline.intervals(
+    [{"start_ns": min(e[3] for e in probe.EVENTS), "events": probe.EVENTS}]
+  )
+  check_order(items, "kvr", model.config.num_layers, 3)
+  assert len({phase for _, _, phase, _, _ in items if phase.startswith("hop")}) == 2
+
+
 def test_timeline_refused_for_strategies_without_probes():
   model = kvr_jax.load_model("tiny-llama")
   with pytest.raises(ValueError, match="strategy 'tsp' has no timeline probes"):

@@ -46,7 +46,7 @@ from kvr_jax.runtime.mesh import (
   spans_processes,
 )
 from kvr_jax.strategies import get_strategy, zigzag
-from kvr_jax.strategies.latent import STRATEGIES, compile_latent
+from kvr_jax.strategies.latent import STRATEGIES, TIMELINE_STRATEGIES, compile_latent
 from models.attention import merge_partials
 from models.base import no_reduce
 from models.kernels import get_kernel
@@ -85,6 +85,7 @@ def prefill_latent(
   attention: str = "flash",
   join: bool = True,
   cache: str = "last",
+  timeline: bool = False,
 ) -> LatentPrefill:
   """`strategy` ("kvr", "ring", "allgather", "tsp") over `mesh`'s ranks; KV-Runahead's rank i
   takes partition[i] tokens (contiguous, in order; None: even), ring and all-gather CP their
@@ -96,8 +97,13 @@ def prefill_latent(
   the benchmark times). cache="sharded": the ranks' latents stay where they were computed
   (`parts`; no move), for `generate(cache="sharded")`.
   With a mesh over several processes only the last rank's process gets the logits and the
-  cache (KV-Runahead's where it lies; the peers' parts sent there rank by rank)."""
+  cache (KV-Runahead's where it lies; the peers' parts sent there rank by rank). timeline:
+  the program marks its phases (kvr_jax.tools.timeline reads them; TIMELINE_STRATEGIES)."""
   _check_arguments(model, strategy, attention, cache, join)
+  if timeline and strategy not in TIMELINE_STRATEGIES:
+    raise ValueError(
+      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
+    )
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh, allow_model=True)
   if p < 2:
@@ -118,7 +124,7 @@ def prefill_latent(
     chunks = spec.layout(T, p, None)
   # KV-Runahead's last hop leaves the program only where cache="last" joins it.
   keep_last = strategy == "kvr" and cache == "last"
-  program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last)
+  program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last, timeline)
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)

@@ -67,6 +67,8 @@ class OwnFamily:
   sharded_stepper: Callable
   # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s ModelCache fields
   one_rank_parts: Callable
+  # The strategies whose programs mark their phases for a timeline (strategies.probe).
+  timeline_strategies: tuple[str, ...] = ()
 
 
 def _plan_options(plan) -> tuple:
@@ -102,10 +104,18 @@ def _run_hybrid(model, tokens_BT, plan, room) -> dict:
 
 
 def _run_latent(model, tokens_BT, plan, room):
-  # Timelines and a split per layer kind are refused by check_own_plan and plan_prefill.
+  # A split per layer kind is refused by plan_prefill; a peer's timeline by check_own_plan.
   partition, strategy, attention, cache = _plan_options(plan)
   ran = latent.prefill_latent(
-    model, tokens_BT, plan.mesh, partition, room, strategy, attention, cache=cache
+    model,
+    tokens_BT,
+    plan.mesh,
+    partition,
+    room,
+    strategy,
+    attention,
+    cache=cache,
+    timeline=plan.timeline,
   )
   return dict(
     logits=ran.logits_BV,
@@ -152,10 +162,10 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
       f"{padded} tokens (a bucket, or the longest row of a ragged batch): pass buckets=None "
       "(launch.run: --buckets=none) with rows of one length"
     )
-  if timeline and (family.name != "hybrid" or spec.max_ranks == 1):
+  if timeline and spec.name not in family.timeline_strategies:
     raise ValueError(
-      f"{what} has no timeline probes under {spec.name!r}"
-      + (" (the hybrids' context-parallel programs have)" if family.name == "hybrid" else "")
+      f"{what} has no timeline probes under {spec.name!r}; its programs under "
+      f"{list(family.timeline_strategies)} have"
     )
 
 
@@ -456,6 +466,7 @@ HYBRID = OwnFamily(
   lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
   _sharded_hybrid_stepper,
   _one_rank_hybrid_parts,
+  timeline_strategies=hybrid.STRATEGIES,
 )
 LATENT = OwnFamily(
   "latent",
@@ -468,6 +479,7 @@ LATENT = OwnFamily(
   lambda cache, T: cache[:, :, :T],
   _sharded_latent_stepper,
   _one_rank_latent_parts,
+  timeline_strategies=latent.TIMELINE_STRATEGIES,
 )
 
 

@@ -42,12 +42,17 @@ from kvr_jax.strategies.base import (
   own_spmd,
   owner_last_row,
 )
+from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead.rank_layer import RankLayer
 from kvr_jax.strategies.runahead.schedule import attends_diagonal_first
 from models.attention import attend_partial
 from models.base import no_reduce
 
 STRATEGIES = ("kvr", "ring", "allgather", "tsp")
+# The strategies whose latent programs mark their phases for a timeline (strategies.probe):
+# KV-Runahead's rank layer marks latent layers as it marks K,V layers; the peers' latent
+# layers have no marks yet.
+TIMELINE_STRATEGIES = ("kvr",)
 
 
 def _project(block, x_BTD, positions_BT):
@@ -67,7 +72,9 @@ def local_heads(model) -> int:
   return stack.wk_b[...].shape[2]
 
 
-def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention, reduce=no_reduce):
+def kvr_latent_rank(
+  model, rank, chunks: tuple[int, ...], attention, reduce=no_reduce, timeline: bool = False
+):
   """KV-Runahead's rank layer (`runahead.rank_layer`, the per-rank program: static lengths)
   on latent layers: its cache entries are the latents, one headless [1, C] per position
   (`LatentAttention.project_entries`), which the hops carry as they carry K,V; with a
@@ -75,7 +82,8 @@ def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention, reduce=no_r
   latents (expanded) before its hop lands, as on K,V layers (`attend_entries_partial`, merged
   by lse); the last hop kept (the last rank holds every position without a move). reduce: a
   model group's sum (its heads and experts split; every shard of a rank computes, sends and
-  receives the same whole latent)."""
+  receives the same whole latent). timeline: the rank layer marks its phases as on K,V
+  layers (strategies.probe)."""
   return RankLayer.at_static_lengths(
     chunks,
     attention,
@@ -83,7 +91,7 @@ def kvr_latent_rank(model, rank, chunks: tuple[int, ...], attention, reduce=no_r
     rank,
     reduce,
     diagonal_first=attends_diagonal_first(attention, len(chunks)),
-    timeline=False,
+    timeline=timeline,
     keep_last_hop=True,  # prefill_latent runs on 2 or more ranks
     dtype=model.dtype,
     q_heads=local_heads(model),
@@ -221,7 +229,13 @@ def last_position(strategy: str, chunks: tuple[int, ...]) -> tuple[int, int]:
 
 @kept_cache(16)
 def compile_latent(
-  strategy: str, graphdef, mesh, chunks: tuple[int, ...], kernel, keep_last: bool = True
+  strategy: str,
+  graphdef,
+  mesh,
+  chunks: tuple[int, ...],
+  kernel,
+  keep_last: bool = True,
+  timeline: bool = False,
 ):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
@@ -231,9 +245,15 @@ def compile_latent(
   tokens is the size of the whole latent cache on every device}). On a ("ranks", "model")
   mesh the state is split over each rank's group (runtime.tensor_parallel: heads, experts,
   MLP columns) and the shards' partial sums added by psum_over_model; the latents, hops and
-  outputs are whole on every shard of a rank."""
+  outputs are whole on every shard of a rank. timeline (KV-Runahead): the program marks its
+  phases (strategies.probe: "embed", each layer's as the rank layer marks them on K,V
+  layers, "logits")."""
   if strategy not in STRATEGIES:
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
+  if timeline and strategy not in TIMELINE_STRATEGIES:
+    raise ValueError(
+      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
+    )
   p, context_len = len(chunks), sum(chunks)
   P = jax.P
   m = model_parallel(mesh)
@@ -247,14 +267,14 @@ def compile_latent(
     rank = jax.lax.axis_index(AXIS)
     tokens_BT = tokens_1BT[0]
     B, T_rank = tokens_BT.shape
-    x_BTD = model.embed(tokens_BT)
+    x_BTD = mark(timeline, "embed", -1, model.embed(tokens_BT))
     L, C = cfg.num_layers, cfg.cache_width
     varying = lambda shape: jax.lax.pcast(jnp.zeros(shape, model.dtype), (AXIS,), to="varying")  # noqa: E731
     out = {"own": varying((L, B, T_rank, C))}
     if strategy == "kvr" and keep_last:
       out["last"] = varying((L, B, sum(chunks[:-1]), C))
     if strategy == "kvr":
-      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce)
+      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce, timeline)
       carry = ranks.empty_buffer(B)
     else:
       carry = None
@@ -282,7 +302,7 @@ def compile_latent(
     x_BTD, _, out = model.scan_layers(layer, (x_BTD, carry, out))
     owner, row = last_position(strategy, chunks)
     logits_BV = model.logits(x_BTD[:, row : row + 1])[:, 0]
-    logits_BV = logits_to_last_rank(logits_BV, owner, p)
+    logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, owner, p))
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
   return own_spmd(program, mesh, P(AXIS))
