@@ -159,6 +159,34 @@ def test_cache_auto_keeps_the_whole_cache_only_where_it_fits(
     assert plan_prefill(ours, tokens, "kvr", mesh, [18, 12]).cache == want, memory
 
 
+@pytest.mark.default_cases("kvr-partition0-None")
+@pytest.mark.parametrize(
+  "strategy, partition, buckets",
+  [("kvr", [12, 10, 8], None), ("allgather", None, (32,)), ("single", None, (32,))],
+)
+def test_a_latent_models_padded_rows_decode_as_each_row_alone(models, strategy, partition, buckets):
+  """A ragged batch (rows of 30 and 19 tokens), or the same rows in a bucket of 32: each row's
+  logits within 1e-5 of the model's own forward on the row alone, and each row's greedy
+  tokens transformers' for the row alone (its decode starts at its own length)."""
+  hf_model, ours = models[LATENT]
+  rng = np.random.RandomState(4)
+  rows = [rng.randint(0, hf_fixtures.VOCAB, n) for n in (30, 19)]
+  mesh = None if strategy == "single" else kvr_jax.make_mesh(3 if partition else 2)
+  kw = dict(strategy=strategy, mesh=mesh, partition=partition, buckets=buckets)
+  out = kvr_jax.generate(ours, rows, NEW, **kw)
+  assert out.prefill.cache == "last" and list(out.prefill.lengths) == [30, 19]
+  assert out.prefill.prompt_len == (30 if buckets is None else 32)
+  forward = jax.jit(lambda m, t: m.forward(t, "flash")[0])
+  for b, row in enumerate(rows):
+    want_logits = ours.module.logits(forward(ours.module, row[None])[:, -1:])[:, 0]
+    assert_close(out.prefill.logits[b : b + 1], want_logits, f"row {b}'s last logits")
+    want = hf_fixtures.hf_greedy(hf_model, row[None], NEW)
+    assert not np.isin(want, ours.config.eos_ids).any()
+    np.testing.assert_array_equal(out.tokens[b : b + 1], want, f"row {b}'s tokens")
+  with pytest.raises(ValueError, match="rows of one length without buckets under cache='sharded'"):
+    kvr_jax.prefill(ours, rows, cache="sharded", **kw)
+
+
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_decode_from_one_prefill_twice_samples_transformers_draws(models, tokens):
   """Sampled decoding (temperature, top-k, seed) from one KV-Runahead prefill of the hybrid,
@@ -198,9 +226,9 @@ def test_what_is_not_built_is_refused_by_name(models, tokens):
     kvr_jax.prefill(hybrid, tokens, "tsp", mesh)
   ragged = [tokens[0, :20], tokens[1]]
   with pytest.raises(ValueError, match="rows of one length"):
-    kvr_jax.generate(latent, ragged, 2, strategy="kvr", mesh=mesh)
+    kvr_jax.generate(hybrid, ragged, 2, strategy="kvr", mesh=mesh)
   with pytest.raises(ValueError, match="rows of one length"):
-    kvr_jax.prefill(latent, tokens, "ring", mesh, buckets=(32,))
+    kvr_jax.prefill(latent, tokens, "ring", mesh, buckets=(32,), cache="sharded")
   with pytest.raises(
     ValueError, match=r"no timeline probes under 'ring'; its programs under \['kvr'\]"
   ):

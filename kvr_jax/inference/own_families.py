@@ -69,6 +69,10 @@ class OwnFamily:
   one_rank_parts: Callable
   # The strategies whose programs mark their phases for a timeline (strategies.probe).
   timeline_strategies: tuple[str, ...] = ()
+  # The cache layouts that run rows padded past their length (a bucket, a ragged batch): a
+  # causal past whose rows after a row's end change nothing before it (latents; a linear
+  # layer's recurrence runs through them).
+  padded_caches: tuple[str, ...] = ()
 
 
 def _plan_options(plan) -> tuple:
@@ -149,18 +153,20 @@ def _grown_latent(cache_LBSC, capacity: int):
 
 def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
   """What a plan for `family` runs so far, refused by name before anything compiles: its
-  strategies and cache layouts, rows of one length, timeline probes on a hybrid's programs
-  alone (on one device, "single", none)."""
+  strategies and cache layouts, rows padded past their length under the layouts that keep
+  them (`padded_caches`), timeline probes under the strategies whose programs mark them."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
   if spec.name not in family.strategies:
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
   if cache not in family.caches:
     raise ValueError(f"{what} keeps its cache as {list(family.caches)}, not cache={cache!r}")
-  if padded:
+  if padded and cache not in family.padded_caches:
+    allowed = f" (padded rows run under cache={list(family.padded_caches)})"
+    allowed = allowed if family.padded_caches else ""
     raise ValueError(
-      f"{what} runs rows of one length without buckets so far; these rows were padded to "
-      f"{padded} tokens (a bucket, or the longest row of a ragged batch): pass buckets=None "
-      "(launch.run: --buckets=none) with rows of one length"
+      f"{what} runs rows of one length without buckets under cache={cache!r} so far{allowed}; "
+      f"these rows were padded to {padded} tokens (a bucket, or the longest row of a ragged "
+      "batch): pass buckets=None (launch.run: --buckets=none) with rows of one length"
     )
   if timeline and spec.name not in family.timeline_strategies:
     raise ValueError(
@@ -281,8 +287,25 @@ def run_own_prefill(
     logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
     if plan.cache == "sharded":  # the cache as the one rank's part
       return ModelCache(logits_BV, **fields, **family.one_rank_parts(cache, plan.prompt_len, mesh))
-    return ModelCache(logits_BV, **fields, model_cache=cache)
-  return ModelCache(**family.run(model, tokens_BT, plan, room), **fields)
+    result = ModelCache(logits_BV, **fields, model_cache=cache)
+  else:
+    result = ModelCache(**family.run(model, tokens_BT, plan, room), **fields)
+  if (lengths_B < plan.prompt_len).any() and result.model_cache is not None:
+    result = _at_last_real_tokens(model, result, tokens_BT, lengths_B)
+  return result
+
+
+def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> ModelCache:
+  """A padded batch's result with each row's logits at its last real token: one decode step of
+  that token at its own position, where the cache lies (the causal prefill left every
+  position before a row's end as that row alone gives it; the token's past entry, already in
+  the cache, is written again identically). The padded positions after a row's end are
+  overwritten by its decoded tokens before any query reads them."""
+  last_tokens_B = np.asarray(tokens_BT)[np.arange(len(lengths_B)), lengths_B - 1]
+  step, cache, _, _ = own_stepper(model, result, lengths_B - 1, 0, 0, consume=True)
+  logits_BV, cache = step(last_tokens_B, 0, cache)
+  logits_BV = jax.device_put(logits_BV, result.device)
+  return dataclasses.replace(result, logits=logits_BV, model_cache=cache)
 
 
 def _state_on(model, mesh):
@@ -480,6 +503,7 @@ LATENT = OwnFamily(
   _sharded_latent_stepper,
   _one_rank_latent_parts,
   timeline_strategies=latent.TIMELINE_STRATEGIES,
+  padded_caches=("last",),
 )
 
 

@@ -75,9 +75,10 @@ def prefill(
   """Runs the prompt phase and returns each row's last-position logits and the KV cache:
   `run_prefill(model, plan_prefill(model, tokens, ...), tokens)`. A model with its own
   programs (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: own_families.own_family) runs
-  them under the same arguments and returns a `ModelCache` (its cache in its own form): rows
-  of one length, strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models)
-  or "auto", cache "auto", "last" or "sharded".
+  them under the same arguments and returns a `ModelCache` (its cache in its own form):
+  strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models) or "auto",
+  cache "auto", "last" or "sharded"; rows of one length (a latent model's also padded ones,
+  a bucket or a ragged batch, with cache="last").
 
   tokens: [B, T] (or [T]) token ids, or a list of rows of different lengths (a ragged
     batch: each row is padded at its end, see `buckets`; `lengths` in the result).
