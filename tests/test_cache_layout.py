@@ -204,6 +204,25 @@ def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, part
   assert last.k_cache.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
 
 
+def test_where_each_prompt_position_lies_hand_worked():
+  """A strategy's CacheLayout says where each prompt position lies, for every kind of past:
+  ring on 10 tokens over 2 ranks (zigzag chunks of 3: rank 0 holds chunks 0 and 3, of which
+  only position 9 is real; rank 1 chunks 1 and 2), TSP over 3 ranks (shards of 4)."""
+  ring = kvr_jax.strategies.get_strategy("ring")
+  layout = ring.cache_layout(10, ring.layout(10, 2, None))
+  assert layout.positions().tolist() == [[0, 1, 2, 9, -1, -1], [3, 4, 5, 6, 7, 8]]
+  assert layout.holder(9) == (0, 3) and layout.holder(3) == (1, 0)
+  # The parts rank after rank (rank 1's rows from 6): position 3 is rank 1's row 0.
+  assert layout.rows_in_prompt_order().tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 11, 3]
+  tsp = kvr_jax.strategies.get_strategy("tsp")
+  layout = tsp.cache_layout(10, tsp.layout(10, 3, None))
+  assert layout.positions().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -1, -1]]
+  assert layout.holder(9) == (2, 1)
+  assert layout.rows_in_prompt_order().tolist() == list(range(10))
+  with pytest.raises(ValueError, match="outside the prompt of 10 tokens"):
+    layout.holder(10)
+
+
 def test_join_affordable_hand_worked():
   """Llama-3.1-8B (32 layers, 8 KV heads x 128) at 131,072 tokens on 8 even ranks in float32:
   the last hop is 7/8 of the prompt, 32 * 2 * 114,688 * 8 * 128 * 4 bytes = 28 GiB on every

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.core.chunks import check_chunks, check_ranks, chunk_starts
+from kvr_jax.core.chunks import check_chunks, check_ranks
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
   check_new_tokens,
@@ -45,7 +45,7 @@ from kvr_jax.runtime.mesh import (
   shard_on,
   spans_processes,
 )
-from kvr_jax.strategies import get_strategy, zigzag
+from kvr_jax.strategies import get_strategy
 from kvr_jax.strategies.latent import STRATEGIES, TIMELINE_STRATEGIES, compile_latent
 from models.attention import merge_partials
 from models.base import no_reduce
@@ -134,7 +134,7 @@ def prefill_latent(
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
   if cache == "sharded":  # nothing moves: each rank keeps its own latents
-    positions = part_positions(strategy, chunks, out["own"].shape[3])
+    positions = spec.cache_layout(T, chunks).positions()
     # Across processes every process decodes (its ranks' parts): the last rank's logits
     # replicated everywhere, so that each samples the same first token.
     replicated = None
@@ -152,8 +152,8 @@ def prefill_latent(
     pieces = stacked_on_last_rank(out["own"], mesh)
     if pieces is None:  # another process's rank is last: it received the parts
       return LatentPrefill(None, None, chunks, capacity, True)
-    order = _contiguous if strategy == "tsp" else _in_prompt_order  # zigzag: ring, allgather
-    cache = jax.jit(order, static_argnums=(1, 2, 3))(pieces, T, p, capacity)
+    rows = spec.cache_layout(T, chunks).rows_in_prompt_order()
+    cache = jax.jit(_in_prompt_order, static_argnums=2)(pieces, rows, capacity)
   return LatentPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
 
 
@@ -187,38 +187,11 @@ def _ranks_in_turn(pieces_pLBcC):
   return jnp.moveaxis(pieces_pLBcC, 0, 2).reshape(L, B, p * c, C)
 
 
-def _in_prompt_order(pieces, T: int, p: int, capacity: int):
-  ranked = _ranks_in_turn(pieces)  # rank 0's two chunks, then rank 1's, ...
-  cache = jnp.take(ranked, jnp.asarray(zigzag.prompt_order(T, p)), axis=2)[:, :, :T]
-  return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - T), (0, 0)))
-
-
-def _contiguous(pieces, T: int, p: int, capacity: int):
-  """TSP's parts, rank 0's chunk first: the prompt's positions in order (padding cut)."""
-  cache = _ranks_in_turn(pieces)[:, :, :T]
-  return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - T), (0, 0)))
-
-
-def part_positions(strategy: str, chunks: tuple[int, ...], rows: int) -> np.ndarray:
-  """[p, rows] int32: the prompt position of each row of each rank's part (-1: padding).
-  KV-Runahead's rank i holds [S_{i-1}, S_i) in its first c_i rows; ring's and all-gather
-  CP's rank r its two zigzag chunks, r and 2p-1-r; TSP's rank r [r c, (r+1) c) (positions past the
-  prompt are padding)."""
-  p, T = len(chunks), sum(chunks)
-  row = np.arange(rows)
-  if strategy == "kvr":
-    starts = chunk_starts(chunks)
-    table = [np.where(row < chunks[i], starts[i] + row, -1) for i in range(p)]
-  elif strategy == "tsp":  # rank r: [r c, (r + 1) c), c = rows, the last ranks' padded
-    table = [np.where(r * rows + row < T, r * rows + row, -1) for r in range(p)]
-  else:
-    c = zigzag.chunk_len(T, p)
-    table = []
-    for r in range(p):
-      first, second = zigzag.rank_chunks(r, p)
-      positions = np.concatenate([first * c + np.arange(c), second * c + np.arange(c)])
-      table.append(np.where(positions < T, positions, -1))
-  return np.asarray(table, np.int32)
+def _in_prompt_order(pieces, rows_S, capacity: int):
+  """The ranks' parts [p, L, B, c, C] as the cache [L, B, capacity, C]: the prompt's rows in
+  order (`CacheLayout.rows_in_prompt_order`), room for decoding after them."""
+  cache = jnp.take(_ranks_in_turn(pieces), rows_S, axis=2)
+  return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - cache.shape[2]), (0, 0)))
 
 
 @kept_cache(8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 
@@ -38,6 +39,31 @@ class CacheLayout:
       for position, length, row in rank_runs
     ]
     return sorted(runs, key=lambda run: run[2])
+
+  def positions(self) -> np.ndarray:
+    """[p, part_len] int32: the prompt position each row of each rank's part holds (-1:
+    padding)."""
+    table = np.full((self.num_ranks, self.part_len), -1, np.int32)
+    for rank, row, position, length in self.runs_in_prompt_order():
+      table[rank, row : row + length] = position + np.arange(length)
+    return table
+
+  def holder(self, position: int) -> tuple[int, int]:
+    """(the rank whose part holds prompt `position`, its row there)."""
+    for rank, row, start, length in self.runs_in_prompt_order():
+      if start <= position < start + length:
+        return rank, row + position - start
+    raise ValueError(f"position {position} is outside the prompt of {self.context_len} tokens")
+
+  def rows_in_prompt_order(self) -> np.ndarray:
+    """[context_len] int32: each prompt position's row in the parts laid rank after rank
+    (rank r's row i at r * part_len + i): what gathers the parts into prompt order."""
+    return np.concatenate(
+      [
+        rank * self.part_len + row + np.arange(length)
+        for rank, row, _, length in self.runs_in_prompt_order()
+      ]
+    ).astype(np.int32)
 
   def check(self) -> None:
     """The runs tile the prompt exactly and fit their parts (a strategy's own invariant)."""

@@ -34,7 +34,7 @@ from flax import nnx
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import tsp, zigzag
+from kvr_jax.strategies import get_strategy, tsp, zigzag
 from kvr_jax.strategies.base import (
   count_trace,
   gather_to_owner,
@@ -205,26 +205,13 @@ def peer_last_layer(strategy: str, block, x_BTD, rank, chunks: tuple[int, ...], 
   else:
     positions_BT = zigzag.positions(rank, zigzag.chunk_len(context_len, p), p, B)
   queries, own_1BT1C = block.project_entries(x_BTD, positions_BT)
-  owner, row = last_position(strategy, chunks)
+  layout = get_strategy(strategy).cache_layout(context_len, chunks)
+  owner, row = layout.holder(context_len - 1)
   every_1BS1C = gather_to_owner(own_1BT1C, owner, p, axis=2)  # only the owner reads them
-  if strategy == "tsp":  # contiguous shards: already in prompt order
-    prompt_1BS1C = every_1BS1C[:, :, :context_len]
-  else:
-    prompt_1BS1C = zigzag.in_prompt_order(every_1BS1C, context_len, p, axis=2)
+  prompt_1BS1C = jnp.take(every_1BS1C, jnp.asarray(layout.rows_in_prompt_order()), axis=2)
   at = (owner, row, context_len - 1)
   x_BTD = owner_last_row(block, x_BTD, queries, prompt_1BS1C, rank, at, reduce)
   return x_BTD, own_1BT1C[0, :, :, 0]
-
-
-def last_position(strategy: str, chunks: tuple[int, ...]) -> tuple[int, int]:
-  """(the rank holding the prompt's last position, its row there) in `strategy`'s layout."""
-  p, context_len = len(chunks), sum(chunks)
-  if strategy == "kvr":
-    return p - 1, chunks[-1] - 1
-  if strategy == "tsp":
-    c = tsp.shard_len(context_len, p)
-    return (context_len - 1) // c, (context_len - 1) % c
-  return zigzag.last_position_owner(context_len, p)
 
 
 @kept_cache(16)
@@ -300,7 +287,7 @@ def compile_latent(
       return x_BTD, carry, out
 
     x_BTD, _, out = model.scan_layers(layer, (x_BTD, carry, out))
-    owner, row = last_position(strategy, chunks)
+    owner, row = get_strategy(strategy).cache_layout(context_len, chunks).holder(context_len - 1)
     logits_BV = model.logits(x_BTD[:, row : row + 1])[:, 0]
     logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, owner, p))
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
