@@ -142,13 +142,18 @@ def prefill_hybrid(
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
+  # KV-Runahead's hops bring every earlier position to the last rank (its full layers'
+  # last hops, its linear layers' chain): it holds the whole cache, nothing moves.
+  joined_in_place = spec.cache_from_last_hop is not None
   if cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts go everywhere
     parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
-    # KV-Runahead's last rank ends the chain; the peers' final state is on every rank and
-    # the prompt's last chunk (its halo) is rank 0's second.
+    # The final state is the last rank's (KV-Runahead's chain ends there; the peers' is on
+    # every rank); the halo, the last inputs, the holder's of the prompt's last position
+    # (the zigzag peers' rank 0: its second chunk).
+    halo_rank, _ = spec.cache_layout(T, chunks).holder(T - 1)
     linear = LinearState(
       replicated_from_rank(out["state"], mesh, p - 1),
-      replicated_from_rank(out["halo"], mesh, p - 1 if strategy == "kvr" else 0),
+      replicated_from_rank(out["halo"], mesh, halo_rank),
     )
     replicated = None
     if spans_processes(mesh):  # every process decodes: the last rank's logits everywhere
@@ -157,10 +162,10 @@ def prefill_hybrid(
     return HybridPrefill(
       logits_BV, None, chunks, capacity, False, parts, layout, linear, replicated, split_full
     )
-  if not join or (logits_BV is None and strategy == "kvr"):
+  if not join or (logits_BV is None and joined_in_place):
     return HybridPrefill(logits_BV, None, chunks, capacity, False, full_chunks=split_full)
   # On a 2-D mesh each device joins its own heads' parts.
-  if strategy == "kvr":  # the last rank holds everything: no move
+  if joined_in_place:  # the last rank holds everything: no move
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
     cache = _kvr_cache(mine, full_chunks, capacity)
   else:  # the parts move to the last rank (every process sends); the last chunk's halo is rank 0's
@@ -168,7 +173,7 @@ def prefill_hybrid(
     if logits_BV is None:  # another process's rank is last: it received the parts
       return HybridPrefill(None, None, chunks, capacity, True)
     cache = _zigzag_cache(mine, T, p, capacity)
-  moved = strategy != "kvr"
+  moved = not joined_in_place
   return HybridPrefill(logits_BV, cache, chunks, capacity, moved, full_chunks=split_full)
 
 

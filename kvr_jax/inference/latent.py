@@ -115,15 +115,16 @@ def prefill_latent(
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]
   spec = get_strategy(strategy)
-  if strategy == "kvr":
+  if spec.partitioned:
     chunks = check_chunks(partition, T, p)
   else:
     if partition is not None:
       raise ValueError(f"strategy {strategy!r} lays the prompt out itself: give no partition")
     check_ranks(T, p)
     chunks = spec.layout(T, p, None)
-  # KV-Runahead's last hop leaves the program only where cache="last" joins it.
-  keep_last = strategy == "kvr" and cache == "last"
+  # KV-Runahead's last hop leaves the program only where cache="last" joins it (its hops
+  # carry the whole latent prefix: the last rank then holds every position, nothing moves).
+  keep_last = spec.keeps_last_hop(cache, chunks, model.config.kinds)
   program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last, timeline)
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
@@ -143,9 +144,9 @@ def prefill_latent(
     return LatentPrefill(
       logits_BV, None, chunks, capacity, False, out["own"], positions, replicated
     )
-  if not join or (logits_BV is None and strategy == "kvr"):
+  if not join or (logits_BV is None and keep_last):
     return LatentPrefill(logits_BV, None, chunks, capacity, False)
-  if strategy == "kvr":  # the last rank holds every position: its last hop and its own chunk
+  if keep_last:  # the last rank holds every position: its last hop and its own chunk
     last, own = shard_on(out["last"], owner), shard_on(out["own"], owner)
     cache = jax.jit(_joined, static_argnums=(2, 3))(last, own, chunks[-1], capacity)
   else:  # every rank's parts move to the last rank (every process sends), into prompt order
@@ -154,7 +155,7 @@ def prefill_latent(
       return LatentPrefill(None, None, chunks, capacity, True)
     rows = spec.cache_layout(T, chunks).rows_in_prompt_order()
     cache = jax.jit(_in_prompt_order, static_argnums=2)(pieces, rows, capacity)
-  return LatentPrefill(logits_BV, cache, chunks, capacity, strategy != "kvr")
+  return LatentPrefill(logits_BV, cache, chunks, capacity, not keep_last)
 
 
 def _check_arguments(model, strategy: str, attention, cache: str, join: bool) -> None:

@@ -255,7 +255,7 @@ def _split_by_kind(partition: Mapping, family, spec) -> tuple[Any, Any]:
   """A split per layer kind, {"linear": .., "full": ..} (each a partition as `prefill` takes
   one), checked: KV-Runahead on a hybrid model (its linear and full layers balance on
   different splits: strategies.hybrid.KindSplit). Returns (linear, full)."""
-  if spec.name != "kvr" or family is None or family.name != "hybrid":
+  if not spec.partitioned or family is None or family.name != "hybrid":
     raise ValueError(
       "a partition per layer kind ({'linear': .., 'full': ..}) is KV-Runahead's on a hybrid "
       f"model (linear and full-attention layers); this plan runs {spec.name!r}"

@@ -200,12 +200,11 @@ def peer_last_layer(strategy: str, block, x_BTD, rank, chunks: tuple[int, ...], 
   finishes it (`strategies.base.owner_last_row`): (x, its own latents [B, T, C])."""
   p, context_len = len(chunks), sum(chunks)
   B, T = x_BTD.shape[:2]
-  if strategy == "tsp":
-    positions_BT = jnp.broadcast_to(rank * T + jnp.arange(T), (B, T))
-  else:
-    positions_BT = zigzag.positions(rank, zigzag.chunk_len(context_len, p), p, B)
-  queries, own_1BT1C = block.project_entries(x_BTD, positions_BT)
+  # Each row's prompt position in the strategy's layout (-1: padding, never read: only the
+  # prompt's rows are gathered, and only its last row's query attends).
   layout = get_strategy(strategy).cache_layout(context_len, chunks)
+  positions_BT = jnp.broadcast_to(jnp.asarray(layout.positions())[rank], (B, T))
+  queries, own_1BT1C = block.project_entries(x_BTD, positions_BT)
   owner, row = layout.holder(context_len - 1)
   every_1BS1C = gather_to_owner(own_1BT1C, owner, p, axis=2)  # only the owner reads them
   prompt_1BS1C = jnp.take(every_1BS1C, jnp.asarray(layout.rows_in_prompt_order()), axis=2)

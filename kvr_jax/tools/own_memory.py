@@ -62,10 +62,10 @@ def measure_latent(config, spec, shape, dtype_name, cache, attention, partition,
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state, mesh = model
   itemsize = np.dtype(dtype_name).itemsize
-  # The kernels prefill_latent runs: flash on the expanded heads (or the one named), TSP's
-  # dense masked scores.
+  # The kernels prefill_latent runs: flash on the expanded heads (or the one named), or the
+  # strategy's own where its kernel is part of it (TSP's dense masked scores).
   named = attention if attention not in (None, "auto") else "flash"
-  kernel = get_kernel("dense" if spec.name == "tsp" else named)
+  kernel = get_kernel(spec.default_attention if spec.fixed_kernel else named)
   chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
   program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
   state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
