@@ -258,13 +258,15 @@ def test_a_second_prefill_traces_nothing_again(checkpoints, tokens, strategy, pa
   assert_close(again.cache.kv_2BSKH, first.cache.kv_2BSKH, "the same cache")
 
 
-def test_kvr_on_hybrid_decodes_transformers_greedy_tokens(checkpoints, tokens):
+@pytest.mark.parametrize(
+  "strategy, kwargs", [("kvr", {"partition": [18, 12]}), ("ring", {"attention": "flash"})]
+)
+def test_a_hybrid_decodes_transformers_greedy_tokens(checkpoints, tokens, strategy, kwargs):
+  """Greedy tokens from KV-Runahead's and ring's caches on a hybrid are transformers'."""
   hf_model, _, ours = checkpoints["qwen3_5-default"]
   want = hf_fixtures.hf_greedy(hf_model, tokens[:1, :30], 6)
   mesh = kvr_jax.make_mesh(2)
-  got = kvr_jax.generate(ours, tokens[:1, :30], 6, strategy="kvr", mesh=mesh, partition=[18, 12])
-  np.testing.assert_array_equal(got.tokens, want)
-  got = kvr_jax.generate(ours, tokens[:1, :30], 6, strategy="ring", mesh=mesh, attention="flash")
+  got = kvr_jax.generate(ours, tokens[:1, :30], 6, strategy=strategy, mesh=mesh, **kwargs)
   np.testing.assert_array_equal(got.tokens, want)
 
 
