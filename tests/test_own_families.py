@@ -159,22 +159,32 @@ def test_cache_auto_keeps_the_whole_cache_only_where_it_fits(
     assert plan_prefill(ours, tokens, "kvr", mesh, [18, 12]).cache == want, memory
 
 
-@pytest.mark.default_cases("kvr-partition0-None")
+@pytest.mark.default_cases("kvr-partition0-None-last", "kvr-partition1-None-sharded")
 @pytest.mark.parametrize(
-  "strategy, partition, buckets",
-  [("kvr", [12, 10, 8], None), ("allgather", None, (32,)), ("single", None, (32,))],
+  "strategy, partition, buckets, cache",
+  [
+    ("kvr", [12, 10, 8], None, "last"),
+    ("kvr", [12, 10, 8], None, "sharded"),
+    ("allgather", None, (32,), "last"),
+    ("tsp", None, (32,), "sharded"),
+    ("single", None, (32,), "last"),
+    ("single", None, None, "sharded"),
+  ],
 )
-def test_a_latent_models_padded_rows_decode_as_each_row_alone(models, strategy, partition, buckets):
-  """A ragged batch (rows of 30 and 19 tokens), or the same rows in a bucket of 32: each row's
-  logits within 1e-5 of the model's own forward on the row alone, and each row's greedy
-  tokens transformers' for the row alone (its decode starts at its own length)."""
+def test_a_latent_models_padded_rows_decode_as_each_row_alone(
+  models, strategy, partition, buckets, cache
+):
+  """A ragged batch (rows of 30 and 19 tokens), or the same rows in a bucket of 32, in either
+  cache layout: each row's logits within 1e-5 of the model's own forward on the row alone,
+  and each row's greedy tokens transformers' for the row alone (its decode starts at its own
+  length; the sharded parts are read up to it)."""
   hf_model, ours = models[LATENT]
   rng = np.random.RandomState(4)
   rows = [rng.randint(0, hf_fixtures.VOCAB, n) for n in (30, 19)]
   mesh = None if strategy == "single" else kvr_jax.make_mesh(3 if partition else 2)
-  kw = dict(strategy=strategy, mesh=mesh, partition=partition, buckets=buckets)
+  kw = dict(strategy=strategy, mesh=mesh, partition=partition, buckets=buckets, cache=cache)
   out = kvr_jax.generate(ours, rows, NEW, **kw)
-  assert out.prefill.cache == "last" and list(out.prefill.lengths) == [30, 19]
+  assert out.prefill.cache == cache and list(out.prefill.lengths) == [30, 19]
   assert out.prefill.prompt_len == (30 if buckets is None else 32)
   forward = jax.jit(lambda m, t: m.forward(t, "flash")[0])
   for b, row in enumerate(rows):
@@ -183,8 +193,6 @@ def test_a_latent_models_padded_rows_decode_as_each_row_alone(models, strategy, 
     want = hf_fixtures.hf_greedy(hf_model, row[None], NEW)
     assert not np.isin(want, ours.config.eos_ids).any()
     np.testing.assert_array_equal(out.tokens[b : b + 1], want, f"row {b}'s tokens")
-  with pytest.raises(ValueError, match="rows of one length without buckets under cache='sharded'"):
-    kvr_jax.prefill(ours, rows, cache="sharded", **kw)
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier
@@ -227,8 +235,8 @@ def test_what_is_not_built_is_refused_by_name(models, tokens):
   ragged = [tokens[0, :20], tokens[1]]
   with pytest.raises(ValueError, match="rows of one length"):
     kvr_jax.generate(hybrid, ragged, 2, strategy="kvr", mesh=mesh)
-  with pytest.raises(ValueError, match="rows of one length"):
-    kvr_jax.prefill(latent, tokens, "ring", mesh, buckets=(32,), cache="sharded")
+  with pytest.raises(ValueError, match="rows of one length without buckets under cache='last'"):
+    kvr_jax.prefill(hybrid, tokens, "ring", mesh, buckets=(32,), cache="last")
   with pytest.raises(
     ValueError, match=r"no timeline probes under 'ring'; its programs under \['kvr'\]"
   ):

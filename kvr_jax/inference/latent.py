@@ -197,10 +197,12 @@ def _in_prompt_order(pieces, rows_S, capacity: int):
 
 @kept_cache(8)
 def latent_sharded_step(graphdef, mesh):
-  """f(state, tokens_B, position, parts [p, L, B, T_rank, C], part positions [p, T_rank],
-  tail [L, B, M, C], tail_index) -> (logits [B, V], tail): one token per row at `position`
-  (every row one length), its latent written into the (donated, replicated) tail at
-  `tail_index`. Each layer, every rank attends the token's absorbed query to its own part
+  """f(state, tokens_B, prompt_lens_B, parts [p, L, B, T_rank, C], part positions [p, T_rank],
+  tail [L, B, M, C], tail_index) -> (logits [B, V], tail): one token per row, row b's at
+  position prompt_lens_B[b] + tail_index, its latent written into the (donated, replicated)
+  tail at `tail_index`; row b reads the parts' positions before prompt_lens_B[b] (a padded
+  row's padding, or the copy of a token the tail holds again, hidden). Each layer, every
+  rank attends the token's absorbed query to its own part
   (`LatentAttention.absorbed_partial`) and, the last rank only, to the tail; the latent-space
   partials merge across the ranks (`merge_across_ranks`, one collective per layer) and go
   through kv_b_proj's value half once. On a ("ranks", "model") mesh each rank's group splits
@@ -210,12 +212,13 @@ def latent_sharded_step(graphdef, mesh):
   m = model_parallel(mesh)
   reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
 
-  def step(state, tokens_B, position, parts_1LBTC, positions_1T, tail_LBMC, tail_index):
+  def step(state, tokens_B, prompt_lens_B, parts_1LBTC, positions_1T, tail_LBMC, tail_index):
     model = nnx.merge(graphdef, state)
     rank, p = jax.lax.axis_index(AXIS), jax.lax.axis_size(AXIS)
     B, M = tokens_B.shape[0], tail_LBMC.shape[2]
-    positions_B1 = jnp.full((B, 1), position, jnp.int32)
-    part_visible_BT = jnp.broadcast_to(positions_1T[0] >= 0, (B, positions_1T.shape[1]))
+    positions_B1 = (prompt_lens_B + tail_index)[:, None]
+    part_T = positions_1T[0]
+    part_visible_BT = (part_T >= 0)[None] & (part_T[None] < prompt_lens_B[:, None])
     tail_visible_BM = jnp.broadcast_to(jnp.arange(M) <= tail_index, (B, M))
 
     def layer(block, l, carry):

@@ -36,6 +36,7 @@ from kvr_jax.runtime.mesh import (
   model_parallel,
   rank_device,
   rank_row_mesh,
+  spans_processes,
 )
 from models.base import no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
@@ -286,11 +287,14 @@ def run_own_prefill(
     logits_BV, cache = forward(state, tokens_BT)
     logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
     if plan.cache == "sharded":  # the cache as the one rank's part
-      return ModelCache(logits_BV, **fields, **family.one_rank_parts(cache, plan.prompt_len, mesh))
-    result = ModelCache(logits_BV, **fields, model_cache=cache)
+      parts = family.one_rank_parts(cache, plan.prompt_len, mesh)
+      result = ModelCache(logits_BV, **fields, **parts)
+    else:
+      result = ModelCache(logits_BV, **fields, model_cache=cache)
   else:
     result = ModelCache(**family.run(model, tokens_BT, plan, room), **fields)
-  if (lengths_B < plan.prompt_len).any() and result.model_cache is not None:
+  held = result.model_cache is not None or result.parts is not None
+  if (lengths_B < plan.prompt_len).any() and held:
     result = _at_last_real_tokens(model, result, tokens_BT, lengths_B)
   return result
 
@@ -300,12 +304,26 @@ def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> Mod
   that token at its own position, where the cache lies (the causal prefill left every
   position before a row's end as that row alone gives it; the token's past entry, already in
   the cache, is written again identically). The padded positions after a row's end are
-  overwritten by its decoded tokens before any query reads them."""
+  overwritten by its decoded tokens before any query reads them. cache="sharded": the
+  family's sharded step with a one-token tail, every rank's part read up to the row's last
+  token only (its copy there hidden), in every process that holds a rank."""
   last_tokens_B = np.asarray(tokens_BT)[np.arange(len(lengths_B)), lengths_B - 1]
-  step, cache, _, _ = own_stepper(model, result, lengths_B - 1, 0, 0, consume=True)
-  logits_BV, cache = step(last_tokens_B, 0, cache)
-  logits_BV = jax.device_put(logits_BV, result.device)
-  return dataclasses.replace(result, logits=logits_BV, model_cache=cache)
+  if result.cache == "last":
+    step, cache, _, _ = own_stepper(model, result, lengths_B - 1, 0, 0, consume=True)
+    logits_BV, cache = step(last_tokens_B, 0, cache)
+    logits_BV = jax.device_put(logits_BV, result.device)
+    return dataclasses.replace(result, logits=logits_BV, model_cache=cache)
+  mesh = result.mesh
+  before_last = dataclasses.replace(result, lengths=lengths_B - 1)
+  step, tail, _, _ = own_family(model.config).sharded_stepper(model, before_last, 1, 0)
+  tokens_B = global_array(last_tokens_B.astype(np.int32), NamedSharding(mesh, jax.P()))
+  replicated_BV, _ = step(tokens_B, 0, tail)
+  owner = rank_device(mesh, mesh.shape[AXIS] - 1)
+  logits_BV = None  # on the last rank's device, in its process
+  if owner.process_index == jax.process_index():
+    logits_BV = jax.device_put(replicated_BV.addressable_shards[0].data, owner)
+  replicated = replicated_BV if spans_processes(mesh) else None
+  return dataclasses.replace(result, logits=logits_BV, replicated_logits=replicated)
 
 
 def _state_on(model, mesh):
@@ -404,16 +422,17 @@ def _sharded_latent_stepper(model, result: ModelCache, max_new_tokens: int, seed
   """cache="sharded" (latent models): every operand replicated over the prefill's mesh but the
   parts, which stay put; the new tokens' latents in a replicated tail. Across processes every
   operand is a global array that every process builds alike, and every process decodes."""
-  mesh, T = result.mesh, result.prompt_len
+  mesh = result.mesh
   replicated = NamedSharding(mesh, jax.P())
   program = latent.latent_sharded_step(model.graphdef, mesh)
   state = _state_on(model, mesh)
   positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
   L, B, _, C = result.parts.shape[1:]
   tail = decode.zeros_on((L, B, max_new_tokens, C), model.dtype, replicated)
+  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
 
   def step(token_B, index, tail):
-    return program(state, token_B, T + index, result.parts, positions, tail, index)
+    return program(state, token_B, prompt_lens_B, result.parts, positions, tail, index)
 
   logits = result.replicated_logits
   if logits is None:  # one process: the owner's logits are every device's to copy
@@ -503,7 +522,7 @@ LATENT = OwnFamily(
   _sharded_latent_stepper,
   _one_rank_latent_parts,
   timeline_strategies=latent.TIMELINE_STRATEGIES,
-  padded_caches=("last",),
+  padded_caches=("last", "sharded"),
 )
 
 

@@ -77,8 +77,8 @@ def prefill(
   programs (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: own_families.own_family) runs
   them under the same arguments and returns a `ModelCache` (its cache in its own form):
   strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models) or "auto",
-  cache "auto", "last" or "sharded"; rows of one length (a latent model's also padded ones,
-  a bucket or a ragged batch, with cache="last").
+  cache "auto", "last" or "sharded"; a hybrid's rows of one length (a latent model's also
+  a bucket or a ragged batch).
 
   tokens: [B, T] (or [T]) token ids, or a list of rows of different lengths (a ragged
     batch: each row is padded at its end, see `buckets`; `lengths` in the result).

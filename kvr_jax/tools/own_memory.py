@@ -98,7 +98,7 @@ def measure_latent(config, spec, shape, dtype_name, cache, attention, partition,
     lowered = step.lower(
       state_shapes,
       struct((batch,), np.int32, replicated),
-      struct((), np.int32, replicated),
+      struct((batch,), np.int32, replicated),
       struct((num_ranks, L, batch, rows, C), dtype, by_rank),
       struct((num_ranks, rows), np.int32, by_rank),
       struct((L, batch, decode_tokens, C), dtype, replicated),
