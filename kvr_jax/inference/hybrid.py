@@ -142,14 +142,11 @@ def prefill_hybrid(
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
-  # KV-Runahead's hops bring every earlier position to the last rank (its full layers'
-  # last hops, its linear layers' chain): it holds the whole cache, nothing moves.
-  joined_in_place = spec.cache_from_last_hop is not None
+  joined_in_place = spec.cache_from_last_hop is not None  # KVR: the last rank holds it all
   if cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts go everywhere
     parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
-    # The final state is the last rank's (KV-Runahead's chain ends there; the peers' is on
-    # every rank); the halo, the last inputs, the holder's of the prompt's last position
-    # (the zigzag peers' rank 0: its second chunk).
+    # The state: the last rank's (the peers' is on every rank); the halo: the rank holding
+    # the prompt's last position (KVR's last rank, the zigzag peers' rank 0).
     halo_rank, _ = spec.cache_layout(T, chunks).holder(T - 1)
     linear = LinearState(
       replicated_from_rank(out["state"], mesh, p - 1),

@@ -25,11 +25,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import decode, hybrid, latent
+from kvr_jax.inference import hybrid, latent, own_sharded
 from kvr_jax.inference.own_program import decode_step_of, group_decode_step
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
@@ -40,7 +39,7 @@ from kvr_jax.runtime.mesh import (
 )
 from models.base import no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
-from models.qwen3_5 import HybridCache, LinearState
+from models.qwen3_5 import HybridCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,12 +325,6 @@ def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> Mod
   return dataclasses.replace(result, logits=logits_BV, replicated_logits=replicated)
 
 
-def _state_on(model, mesh):
-  if model_parallel(mesh) > 1:
-    return model.state_split_over(mesh)
-  return model.state_on(NamedSharding(mesh, jax.P()))
-
-
 @kept_cache(8)
 def one_group_forward(graphdef, mesh, attention: str, cache_spec, capacity: int):
   """strategy="single" for a model with its own programs: (state, tokens [B, T]) -> (the last
@@ -402,99 +395,13 @@ def own_stepper(
   else:
     cache = family.grown(result.model_cache, capacity)
   if group is not None:  # where the group's step reads it (a latent cache joined on one device)
-    cache = jax.device_put(cache, _placements(group, family.group_cache_spec))
+    cache = jax.device_put(cache, own_sharded.placements(group, family.group_cache_spec))
   lengths_B = np.asarray(lengths_B, np.int32)
 
   def step(token_B, index, cache):
     return program(state, placed(token_B), placed(lengths_B + index), cache)
 
   return step, cache, placed(result.logits), placed(jax.random.key(seed))
-
-
-def _placements(mesh, specs):
-  """A NamedSharding on `mesh` for each PartitionSpec of a pytree of them."""
-  return jax.tree.map(
-    lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, jax.P)
-  )
-
-
-def _sharded_latent_stepper(model, result: ModelCache, max_new_tokens: int, seed: int):
-  """cache="sharded" (latent models): every operand replicated over the prefill's mesh but the
-  parts, which stay put; the new tokens' latents in a replicated tail. Across processes every
-  operand is a global array that every process builds alike, and every process decodes."""
-  mesh = result.mesh
-  replicated = NamedSharding(mesh, jax.P())
-  program = latent.latent_sharded_step(model.graphdef, mesh)
-  state = _state_on(model, mesh)
-  positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
-  L, B, _, C = result.parts.shape[1:]
-  tail = decode.zeros_on((L, B, max_new_tokens, C), model.dtype, replicated)
-  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
-
-  def step(token_B, index, tail):
-    return program(state, token_B, prompt_lens_B, result.parts, positions, tail, index)
-
-  logits = result.replicated_logits
-  if logits is None:  # one process: the owner's logits are every device's to copy
-    logits = jax.device_put(result.logits, replicated)
-  key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-  return step, tail, logits, jax.random.wrap_key_data(global_array(key_data, replicated))
-
-
-def _one_rank_latent_parts(cache_LBSC, T: int, mesh) -> dict:
-  """A one-rank prefill's latent cache as that rank's part [1, L, B, T, C]."""
-  parts = jax.device_put(cache_LBSC[None, :, :, :T], NamedSharding(mesh, jax.P(AXIS)))
-  return dict(parts=parts, part_positions=np.arange(T, dtype=np.int32)[None])
-
-
-def _one_rank_hybrid_parts(cache: HybridCache, T: int, mesh) -> dict:
-  """A one-rank prefill's hybrid cache as cache="sharded" holds it: the full layers' K,V as
-  the rank's part [1, L, 2, B*T, K, H] (rows folded by batch), the linear pasts as they are."""
-  L, _, B, _, K, H = cache.kv_2BSKH.shape
-  fold = jax.jit(
-    lambda kv: kv[:, :, :, :T].reshape(1, L, 2, B * T, K, H),
-    out_shardings=NamedSharding(mesh, parts_spec(mesh)),
-  )
-  layout = CacheLayout(context_len=T, part_len=T, segments=(((0, T, 0),),))
-  linear = jax.device_put(cache.linear, _placements(mesh, _linear_specs(mesh)))
-  return dict(parts=fold(cache.kv_2BSKH), cache_layout=layout, linear_state=linear)
-
-
-def _linear_specs(mesh):
-  return hybrid.CACHE_SPECS.linear if model_parallel(mesh) > 1 else LinearState(jax.P(), jax.P())
-
-
-def _sharded_hybrid_stepper(model, result: ModelCache, max_new_tokens: int, seed: int):
-  """cache="sharded" (hybrid models): the full layers' parts stay put, the decoded tokens'
-  K,V in a tail on every rank, the linear pasts on every rank (a copy: the steps write into
-  theirs); every operand a global array that every process builds alike."""
-  mesh, T = result.mesh, result.prompt_len
-  m = model_parallel(mesh)
-  replicated = NamedSharding(mesh, jax.P())
-  program = hybrid.hybrid_sharded_step(model.graphdef, mesh, result.cache_layout)
-  state = _state_on(model, mesh)
-  L, _, rows, K, H = result.parts.shape[1:]
-  B = rows // result.cache_layout.part_len
-  tail_spec = hybrid.CACHE_SPECS.kv_2BSKH if m > 1 else jax.P()
-  tail = decode.zeros_on(
-    (L, 2, B, max_new_tokens, K, H), model.dtype, NamedSharding(mesh, tail_spec)
-  )
-  linear = _copied(result.linear_state)
-  prompt_lens_B = global_array(np.full(B, T, np.int32), replicated)
-
-  def step(token_B, index, caches):
-    logits, tail, linear = program(state, token_B, prompt_lens_B, result.parts, *caches, index)
-    return logits, (tail, linear)
-
-  logits = result.replicated_logits
-  if logits is None:  # one process: the owner's logits are every device's to copy
-    logits = jax.device_put(result.logits, replicated)
-  key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-  return step, (tail, linear), logits, jax.random.wrap_key_data(global_array(key_data, replicated))
-
-
-# A fresh copy of arrays (global ones too), placed as they were, which a step then owns.
-_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 HYBRID = OwnFamily(
@@ -506,8 +413,8 @@ HYBRID = OwnFamily(
   _grown_hybrid,
   hybrid.one_device_layout,
   lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
-  _sharded_hybrid_stepper,
-  _one_rank_hybrid_parts,
+  own_sharded.sharded_hybrid_stepper,
+  own_sharded.one_rank_hybrid_parts,
   timeline_strategies=hybrid.STRATEGIES,
 )
 LATENT = OwnFamily(
@@ -519,8 +426,8 @@ LATENT = OwnFamily(
   _grown_latent,
   lambda config, cache, m: cache,
   lambda cache, T: cache[:, :, :T],
-  _sharded_latent_stepper,
-  _one_rank_latent_parts,
+  own_sharded.sharded_latent_stepper,
+  own_sharded.one_rank_latent_parts,
   timeline_strategies=latent.TIMELINE_STRATEGIES,
   padded_caches=("last", "sharded"),
 )
