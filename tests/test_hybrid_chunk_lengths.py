@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS, global_array
-from kvr_jax.strategies.hybrid import chain_linear_layer
+from kvr_jax.strategies.linear_chain import chain_linear_layer, chain_linear_layer_one_body
 from models.gated_deltanet_layer import LinearState
 from tests import hf_fixtures
 from tests.tolerance import assert_close
@@ -63,14 +63,18 @@ def first_linear_block(model):
   return nnx.merge(graphdef, jax.tree.map(lambda w: w[0], stacked))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def chained(block, parts_pBcD, chunks: tuple[int, ...], mesh):
-  """KV-Runahead's linear layer over `chunks` (rank r's rows in parts[r], padded): each
-  rank's (x [B, c_max, D], leaving state, halo)."""
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def chained(block, parts_pBcD, chunks: tuple[int, ...], mesh, form: str):
+  """KV-Runahead's linear layer in `form` ("per-rank" or "one-body") over `chunks` (rank r's
+  rows in parts[r], padded): each rank's (x [B, c_max, D], leaving state, halo)."""
 
   def per_rank(block, x_1BcD):
     rank = jax.lax.axis_index(AXIS)
-    out = chain_linear_layer(block, x_1BcD[0], rank, chunks)
+    if form == "one-body":
+      c_rank = jnp.asarray(chunks, jnp.int32)[rank]
+      out = chain_linear_layer_one_body(block, x_1BcD[0], rank, c_rank, len(chunks))
+    else:
+      out = chain_linear_layer(block, x_1BcD[0], rank, chunks)
     return jax.tree.map(lambda a: a[None], out)
 
   return jax.shard_map(per_rank, mesh=mesh, in_specs=(jax.P(), jax.P(AXIS)), out_specs=jax.P(AXIS))(
@@ -115,12 +119,13 @@ SWEEP = [
 ]
 
 
-@pytest.mark.default_cases("kernel4-split7-1-2")
+@pytest.mark.default_cases("kernel4-split7-1-2-per-rank", "kernel4-split1-2-3-one-body")
+@pytest.mark.parametrize("form", ["per-rank", "one-body"])
 @pytest.mark.parametrize("kernel, split", SWEEP)
-def test_every_chunk_length_in_every_position(one_device_layer, kernel, split):
-  """One linear layer chained over 3 ranks at a split of `rotations`: every rank's outputs,
-  and the state and halo each leaves, as the layer run on one device over the prompt up to
-  that rank's chunk's end."""
+def test_every_chunk_length_in_every_position(one_device_layer, kernel, split, form):
+  """One linear layer chained over 3 ranks at a split of `rotations`, in either form: every
+  rank's outputs, and the state and halo each leaves, as the layer run on one device over
+  the prompt up to that rank's chunk's end."""
   block, x_BTD, want_x, run = one_device_layer(kernel)
   mesh = kvr_jax.make_mesh(3)
   ends = np.cumsum(split)
@@ -128,10 +133,10 @@ def test_every_chunk_length_in_every_position(one_device_layer, kernel, split):
     [pad_to(x_BTD[:, e - c : e], max(split)) for c, e in zip(split, ends, strict=True)]
   )
   parts = global_array(parts, NamedSharding(mesh, jax.P(AXIS)))
-  x_pBcD, leaving_pBhkv, halo_pBwC = map(np.asarray, chained(block, parts, split, mesh))
+  x_pBcD, leaving_pBhkv, halo_pBwC = map(np.asarray, chained(block, parts, split, mesh, form))
   for r, (c, end) in enumerate(zip(split, ends, strict=True)):
     _, want_past = run(block, x_BTD, jnp.full((2,), end))
-    where = f"kernel {kernel}, split {split}, rank {r}"
+    where = f"{form}: kernel {kernel}, split {split}, rank {r}"
     assert_close(x_pBcD[r, :, :c], want_x[:, end - c : end], f"{where}: outputs")
     assert_close(leaving_pBhkv[r], want_past.state_Bhkv, f"{where}: leaving state")
     assert_close(halo_pBwC[r], want_past.halo_BwC, f"{where}: halo")

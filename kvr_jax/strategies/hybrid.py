@@ -15,7 +15,10 @@ its outputs as o_0 + Q_eff S and its leaving state as A S + B. Then:
               serial work. Rank 0 enters with zeros and runs the plain chunked form. The
               halo rides the chain rather than a hop of its own at the layer's start,
               where each rank would wait for its successor to reach the layer (a
-              collective-permute is a rendezvous on gloo).
+              collective-permute is a rendezvous on gloo). The layer runs in the body the
+              full layers run (`hybrid_body`), per rank or as one body whose every rank,
+              rank 0 too, runs the entry-map form at the split's padded width
+              (strategies.linear_chain).
   ring, allgather
               one all-gather of every chunk's map (A and B), then every rank composes the maps
               of the chunks before each of its own (2p small matmuls): the state pass MaxText
@@ -57,10 +60,14 @@ from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies import zigzag
 from kvr_jax.strategies.allgather import allgather_body
 from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd, reshard_rows
+from kvr_jax.strategies.linear_chain import (
+  chain_linear_layer,
+  chain_linear_layer_one_body,
+  plain_maps,
+)
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.ring import ring_body
-from kvr_jax.strategies.runahead import kvr_body
-from kvr_jax.strategies.runahead.rank_layer import pad_rows
+from kvr_jax.strategies.runahead import check_body, kvr_body
 from models import gated_deltanet as gdn
 from models.base import no_reduce
 from models.layer_kinds import FULL_ATTENTION
@@ -69,24 +76,10 @@ from models.qwen3_5 import FULL, LINEAR, scan_layers
 STRATEGIES = ("kvr", "ring", "allgather")
 # Each strategy's rank maker (strategy_compiler's body_of) and whether it keeps its last hop.
 _BODIES = {
-  "kvr": (functools.partial(kvr_body, body="per-rank"), True),
+  "kvr": (kvr_body, True),
   "ring": (ring_body, False),
   "allgather": (allgather_body, False),
 }
-
-
-def state_chain(leave, first_message, rank, num_ranks: int):
-  """What each rank enters its chunk with: (state [B, h, k, v], the w input rows before its
-  chunk [B, w, C]); rank 0 enters with zeros. p-1 hops: hop k sends rank k's
-  leave(what rank k entered with) -> (its leaving state, the last w inputs up to its chunk's
-  end) to rank k+1. Every rank computes `leave` at every hop (SPMD: small work); only rank
-  k's is sent."""
-  entering = first_message
-  for k in range(num_ranks - 1):
-    message = jax.lax.ppermute(leave(*entering), AXIS, perm=[(k, k + 1)])
-    # zeros reach the ranks outside the pair
-    entering = jax.tree.map(lambda new, old: jnp.where(rank == k + 1, new, old), message, entering)
-  return entering
 
 
 def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zeros):
@@ -99,143 +92,10 @@ def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zero
   g_Bch, beta_Bch = (jnp.where(real_c[:, None], x, 0) for x in (g_Bch, beta_Bch))
   q, k, v, g = block.heads(conv_BcC, g_Bch)
   maps = jax.lax.cond(
-    from_zeros, _plain_maps, lambda ops: gdn.chunked_with_entry_map(*ops), (q, k, v, g, beta_Bch)
+    from_zeros, plain_maps, lambda ops: gdn.chunked_with_entry_map(*ops), (q, k, v, g, beta_Bch)
   )
   w = halo_BwC.shape[1]
   return maps, jax.lax.dynamic_slice_in_dim(mixed_BcC, real_rows - w, w, axis=1)
-
-
-def _plain_maps(operands):
-  """The maps of a span entered with zeros: its plain chunked pass (Q_eff and A zero)."""
-  q = operands[0]
-  state_shape = (q.shape[0], q.shape[2], q.shape[3], operands[2].shape[3])
-  o_Bchv, B_Bhkv = gdn.chunked(*operands, gdn.zeros_as(q, state_shape))
-  A_Bhkk = gdn.zeros_as(q, (*B_Bhkv.shape[:2], q.shape[-1], q.shape[-1]))
-  return o_Bchv, jnp.zeros_like(q), A_Bhkk, B_Bhkv
-
-
-def _at_own_length(rank, chunks: tuple[int, ...], phase, rows: int | None = None):
-  """phase(i, c_i, *operands) -> (arrays with rows on axis 1, arrays without) on rank
-  `rank`'s own static length: a `lax.switch` whose branch i runs rank i's c_i rows, the
-  rowed outputs padded back to `rows` (the longest chunk's by default). The rows past a
-  rank's chunk are never computed: a searched split's short rank does its own tokens' work,
-  not the longest rank's (padded rows would cost it the projections, the entry map and the
-  MLP of tokens it does not hold)."""
-  rows = max(chunks) if rows is None else rows
-
-  def branch(i, *operands):
-    rowed, whole = phase(i, chunks[i], *operands)
-    return jax.tree.map(lambda a: pad_rows(a, rows), rowed), whole
-
-  return lambda *operands: jax.lax.switch(
-    rank, [functools.partial(branch, i) for i in range(len(chunks))], *operands
-  )
-
-
-def _chain_span_maps(block, w: int, i, c, mixed_BcC, g_Bch, beta_Bch):
-  """Rank i's chunk of c rows as maps of what enters it, before anything arrives: rank 0 its
-  outputs and leaving state from zeros; rank i > 0 its rest (rows w..c) as an entry map, the
-  head's w rows left as zeros until the hop brings the state and the halo."""
-  B, C = mixed_BcC.shape[0], mixed_BcC.shape[2]
-  if i == 0:  # the prompt's first chunk: zeros enter it, halo included
-    zero_halo = jnp.zeros((B, w, C), mixed_BcC.dtype)
-    conv_BcC, _ = gdn.causal_conv(mixed_BcC[:, :c], block.conv_kernel(), zero_halo)
-    o_Bchv, q_eff, A_Bhkk, B_Bhkv = _plain_maps(
-      (*block.heads(conv_BcC, g_Bch[:, :c]), beta_Bch[:, :c])
-    )
-    return (o_Bchv, q_eff), (A_Bhkk, B_Bhkv)
-  # The rest: rows w..c (none when c <= w), their convolution's halo the chunk's own
-  # first w rows.
-  conv_BrC, _ = gdn.causal_conv(mixed_BcC[:, w:c], block.conv_kernel(), mixed_BcC[:, :w])
-  operands = (*block.heads(conv_BrC, g_Bch[:, w:c]), beta_Bch[:, w:c])
-  if c <= w:  # no rest: the identity map
-    q_Brhk, v_Brhv = operands[0], operands[2]
-    B, h, d_k, d_v = q_Brhk.shape[0], q_Brhk.shape[2], q_Brhk.shape[3], v_Brhv.shape[3]
-    A_Bhkk = gdn.zeros_as(g_Bch, (B, h, d_k, d_k)) + jnp.eye(d_k)  # (q has no rows)
-    o_Brhv, q_eff_Brhk, B_Bhkv = v_Brhv, q_Brhk, gdn.zeros_as(g_Bch, (B, h, d_k, d_v))
-  else:
-    o_Brhv, q_eff_Brhk, A_Bhkk, B_Bhkv = gdn.chunked_with_entry_map(*operands)
-
-  # The head's w rows, filled once the hop arrives: shaped from w, not sliced from the
-  # rest (a rest shorter than w would give a shorter head and shift every row after it).
-  def before_rest(rest_Br__):
-    head = jnp.zeros((rest_Br__.shape[0], w, *rest_Br__.shape[2:]), rest_Br__.dtype)
-    return jnp.concatenate([head, rest_Br__], axis=1)
-
-  return (before_rest(o_Brhv), before_rest(q_eff_Brhk)), (A_Bhkk, B_Bhkv)
-
-
-def chain_linear_layer(
-  block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_reduce, probe=lambda label, v: v
-):
-  """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
-  (x [B, c_max, D], the state it leaves [B, h, k, v], the last w inputs up to its chunk's
-  end [B, w, C]). Each rank's phases run at its own length (`_at_own_length`). Rank 0 enters
-  with zeros and runs the plain chunked form. Rank i > 0 splits its chunk into a head (its
-  first w rows, or all c of them when c <= w: their convolution needs the rows before the
-  chunk) and the rest (rows w..c, convolved from the chunk's own rows): it runs the rest
-  ahead as an entry map before anything arrives, then one hop brings the entering state and
-  the halo together, the head runs recurrently from them, and the rest's map is applied to
-  the state the head leaves. One message per hop, on the chain: no rank waits at a layer's
-  start for its successor. Any chunk length runs: a chunk shorter than w passes on a halo
-  that ends with its own rows and begins with the halo it received.
-  reduce: a model group's sum (each shard holds some key heads, their state and channels:
-  what its hops carry). probe(label, value) -> value: the timeline's mark at "linear" (the
-  chunk's maps made), "hop" (what the chain brought) and "rest" (the layer's output)."""
-  p, w = len(chunks), block.conv_q.shape[0] - 1
-  # The head reads w rows even where a chunk is shorter: its rows past the chunk are
-  # padding (g = beta = 0 leave the state as it is; their outputs are dropped).
-  head_rows = max(max(chunks), w)
-
-  def inputs(i, c, x_BcD):
-    return block.inputs(x_BcD[:, :c]), ()
-
-  (mixed_BcC, z_Bchv, g_Bch, beta_Bch), _ = _at_own_length(rank, chunks, inputs, head_rows)(x_BcD)
-  c_rank = jnp.asarray(chunks, jnp.int32)[rank]
-
-  def halo_after(entering_halo_BwC):
-    """The last w inputs up to the chunk's end: the chunk's own when c >= w, else the tail of
-    the halo it entered with followed by its c rows."""
-    rows_BwcC = jnp.concatenate([entering_halo_BwC.astype(mixed_BcC.dtype), mixed_BcC], axis=1)
-    return jax.lax.dynamic_slice_in_dim(rows_BwcC, c_rank, w, axis=1)
-
-  (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = probe(
-    "linear",
-    _at_own_length(rank, chunks, functools.partial(_chain_span_maps, block, w), head_rows)(
-      mixed_BcC, g_Bch, beta_Bch
-    ),
-  )
-
-  def head(entering_Bhkv, halo_BwC):
-    """The head's w outputs and the state it leaves, from what the hop brought."""
-    conv_BwC, _ = gdn.causal_conv(mixed_BcC[:, :w], block.conv_kernel(), halo_BwC)
-    q, k, v, g = block.heads(conv_BwC, g_Bch[:, :w])
-    return gdn.recurrent(q, k, v, g, beta_Bch[:, :w], entering_Bhkv)
-
-  def leave(entering_Bhkv, halo_BwC):  # rank 0's A is zero: it leaves B
-    _, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
-    leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
-    return leaving_Bhkv, halo_after(halo_BwC)
-
-  zero_halo = jnp.zeros((mixed_BcC.shape[0], w, mixed_BcC.shape[2]), mixed_BcC.dtype)
-  entering_Bhkv, halo_BwC = probe(
-    "hop", state_chain(leave, (jnp.zeros_like(B_Bhkv), zero_halo), rank, p)
-  )
-  o_head_Bwhv, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
-  leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
-
-  def finish(i, c, x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv):
-    o_Bchv = o_Bchv[:, :c]
-    if i > 0:  # rank 0 entered with zeros: its outputs need no correction
-      rest_Brhv = o_Bchv[:, w:] + jnp.einsum("BThk,Bhkv->BThv", q_eff_Bchk[:, w:c], after_head_Bhkv)
-      head_Bwhv = o_head_Bwhv[:, : min(c, w)].astype(o_Bchv.dtype)
-      o_Bchv = jnp.concatenate([head_Bwhv, rest_Brhv], axis=1)
-    return block.output(x_BcD[:, :c], o_Bchv, z_Bchv[:, :c], reduce), ()
-
-  x_BcD, _ = _at_own_length(rank, chunks, finish)(
-    x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv
-  )
-  return probe("rest", x_BcD), leaving_Bhkv, halo_after(halo_BwC)
 
 
 def zigzag_linear_layer(
@@ -291,8 +151,11 @@ def zigzag_linear_layer(
   return probe("rest", x_B2cD), entering_j[-1], spans[1][1]
 
 
-def _linear_layer(strategy: str, config, rank, chunks: tuple[int, ...], reduce, timeline: bool):
-  """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline."""
+def _linear_layer(
+  strategy: str, config, rank, chunks: tuple[int, ...], reduce, timeline: bool, body: str
+):
+  """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline;
+  KV-Runahead's in the body its full layers run (`body`)."""
   # ([0] where a kind has no layer: only `_empty_outputs`' abstract trace reads it then)
   linear_index_L = jnp.asarray(config.layers_of(LINEAR) or [0], jnp.int32)
 
@@ -300,11 +163,29 @@ def _linear_layer(strategy: str, config, rank, chunks: tuple[int, ...], reduce, 
     def probe(label, value):  # the model's index of linear layer i
       return mark(timeline, label, linear_index_L[i], value)
 
+    if strategy == "kvr" and body == "one":
+      c_rank = jnp.asarray(chunks, jnp.int32)[rank]
+      return chain_linear_layer_one_body(block, x, rank, c_rank, len(chunks), reduce, probe)
     if strategy == "kvr":
       return chain_linear_layer(block, x, rank, chunks, reduce, probe)
     return zigzag_linear_layer(block, x, rank, sum(chunks), len(chunks), reduce, probe)
 
   return linear_layer
+
+
+def hybrid_body(strategy: str, kernel, chunks, full_chunks, body: str | None) -> str | None:
+  """KV-Runahead's program body on a hybrid model, the same for its full and its linear
+  layers: `check_body`'s choice (the one body where the kernel takes lengths as data on
+  more than PER_RANK_UP_TO ranks) or the one asked for. A split per layer kind runs
+  "per-rank": its moves between the two splits are static slices (`KindSplit`). None for the
+  peers (their layers are of one body)."""
+  if strategy != "kvr":
+    return None
+  if full_chunks is not None and full_chunks != chunks:
+    if body == "one":
+      raise ValueError("a split per layer kind runs KV-Runahead's per-rank body, not 'one'")
+    return "per-rank"
+  return check_body(body, kernel, len(chunks))
 
 
 @kept_cache(16)
@@ -317,6 +198,7 @@ def compile_hybrid(
   keep_last_hop: bool = True,
   timeline: bool = False,
   full_chunks: tuple[int, ...] | None = None,
+  body: str | None = None,
 ):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
@@ -332,13 +214,17 @@ def compile_hybrid(
   phases (strategies.probe; the full layers as the strategy's body marks them, the linear
   layers at "linear", "hop" or "allgather", and "rest"; one-dimensional meshes).
   full_chunks (KV-Runahead): the full layers' own split, `chunks` the linear layers' (and
-  the tokens'): the hidden states move between the two at each full layer (`KindSplit`)."""
+  the tokens'): the hidden states move between the two at each full layer (`KindSplit`).
+  body (KV-Runahead): "one" or "per-rank" for both kinds of layer (`hybrid_body`)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
   if full_chunks is not None and strategy != "kvr":
     raise ValueError(f"a split per layer kind is KV-Runahead's; {strategy} lays out its own")
+  body_kind = hybrid_body(strategy, kernel, chunks, full_chunks, body)
   full_chunks = chunks if full_chunks is None else full_chunks
   body_of, keeps = _BODIES[strategy]
+  if strategy == "kvr":
+    body_of = functools.partial(body_of, body=body_kind)
   make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps and keep_last_hop)
   P = jax.P
   m = model_parallel(mesh)
@@ -353,7 +239,7 @@ def compile_hybrid(
     full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
     body = make_body(full_model, rank, tokens_1BT[0], reduce)
 
-    linear_layer = _linear_layer(strategy, model.config, rank, chunks, reduce, timeline)
+    linear_layer = _linear_layer(strategy, model.config, rank, chunks, reduce, timeline, body_kind)
 
     # Each full row's index in the model: the rank layer knows the model's last layer by it
     # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
