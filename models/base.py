@@ -137,10 +137,13 @@ class Block(nnx.Module):
     """`attend` of `queries` over cache entries as `project_entries` gives them."""
     return self.attend(queries, entries_MBSKH[0], entries_MBSKH[1], query_offset, attention)
 
-  def attend_entries_partial(self, queries, entries_MBSKH, query_offset, attention):
+  def attend_entries_partial(self, queries, entries_MBSKH, query_offset, attention, lengths=None):
     """`attend_partial` of `queries` over cache entries as `project_entries` gives them:
-    (out float32, lse float32), to merge with the same queries' partial over other keys."""
-    return self.attend_partial(queries, entries_MBSKH[0], entries_MBSKH[1], query_offset, attention)
+    (out float32, lse float32), to merge with the same queries' partial over other keys.
+    lengths: the inputs' real extent as data (`models.flash.Lengths`)."""
+    return self.attend_partial(
+      queries, entries_MBSKH[0], entries_MBSKH[1], query_offset, attention, lengths=lengths
+    )
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, query_offset, attention) -> jax.Array:
     """This model's attention (causal, with its sliding window if any) at `query_offset`

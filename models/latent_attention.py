@@ -122,14 +122,17 @@ class LatentAttention(nnx.Module):
       q_nope_BTNn, q_rope_BTNr, entries_1BS1C[0, :, :, 0], query_offset, attention
     )
 
-  def attend_entries_partial(self, queries, entries_1BS1C, query_offset, attention):
+  def attend_entries_partial(self, queries, entries_1BS1C, query_offset, attention, lengths=None):
     """`attend_entries` for the kernels that return their log-sum-exp (flash): (out [B, T,
     N, v] float32, lse [B, T, N] float32) over the latents given (expanded here), to merge
-    with the same queries' partial over other latents (KV-Runahead's early diagonal)."""
+    with the same queries' partial over other latents (KV-Runahead's early diagonal).
+    lengths: the inputs' real extent as data (`models.flash.Lengths`; the one body)."""
     q_nope_BTNn, q_rope_BTNr = queries
     q_BTNh = self.expanded_queries(q_nope_BTNn, q_rope_BTNr)
     k_BSNh, v_BSNh = self.expanded_keys_values(entries_1BS1C[0, :, :, 0])
-    out_BTNh, lse_BTN = attend_partial(q_BTNh, k_BSNh, v_BSNh, query_offset, attention)
+    out_BTNh, lse_BTN = attend_partial(
+      q_BTNh, k_BSNh, v_BSNh, query_offset, attention, lengths=lengths
+    )
     return out_BTNh[..., : self.config.v_head_dim], lse_BTN
 
   def attend_absorbed(self, q_nope_BNn, q_rope_BNr, cache_BSC, positions_B):

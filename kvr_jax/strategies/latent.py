@@ -43,10 +43,13 @@ from kvr_jax.strategies.base import (
   owner_last_row,
 )
 from kvr_jax.strategies.probe import mark
-from kvr_jax.strategies.runahead.rank_layer import RankLayer
-from kvr_jax.strategies.runahead.schedule import attends_diagonal_first
+from kvr_jax.strategies.runahead import check_body
+from kvr_jax.strategies.runahead.bodies import one_body_layer
+from kvr_jax.strategies.runahead.rank_layer import RankLayer, pad_rows
+from kvr_jax.strategies.runahead.schedule import OneBodyShape, attends_diagonal_first
 from models.attention import attend_partial
 from models.base import no_reduce
+from models.kernels import get_kernel
 
 STRATEGIES = ("kvr", "ring", "allgather", "tsp")
 # The strategies whose latent programs mark their phases for a timeline (strategies.probe):
@@ -73,17 +76,34 @@ def local_heads(model) -> int:
 
 
 def kvr_latent_rank(
-  model, rank, chunks: tuple[int, ...], attention, reduce=no_reduce, timeline: bool = False
+  model,
+  rank,
+  chunks: tuple[int, ...],
+  attention,
+  reduce=no_reduce,
+  timeline: bool = False,
+  body: str = "per-rank",
 ):
-  """KV-Runahead's rank layer (`runahead.rank_layer`, the per-rank program: static lengths)
-  on latent layers: its cache entries are the latents, one headless [1, C] per position
-  (`LatentAttention.project_entries`), which the hops carry as they carry K,V; with a
-  kernel that returns its log-sum-exp (flash) each rank i > 0 attends its first rows' own
-  latents (expanded) before its hop lands, as on K,V layers (`attend_entries_partial`, merged
-  by lse); the last hop kept (the last rank holds every position without a move). reduce: a
-  model group's sum (its heads and experts split; every shard of a rank computes, sends and
-  receives the same whole latent). timeline: the rank layer marks its phases as on K,V
-  layers (strategies.probe)."""
+  """KV-Runahead's rank layer (`runahead.rank_layer`) on latent layers, in its per-rank body
+  (static lengths) or its one body (`body="one"`, lengths as data: `bodies.one_body_layer`,
+  rows padded to its blocks), as on K,V layers: its cache entries are the latents, one
+  headless [1, C] per position (`LatentAttention.project_entries`), which the hops carry as
+  they carry K,V; with a kernel that returns its log-sum-exp (flash) each rank i > 0 attends
+  its first rows' own latents (expanded) before its hop lands (`attend_entries_partial`,
+  merged by lse); the last hop kept (the last rank holds every position without a move).
+  reduce: a model group's sum (its heads and experts split; every shard of a rank computes,
+  sends and receives the same whole latent). timeline: the rank layer marks its phases as on
+  K,V layers (strategies.probe)."""
+  heads = dict(
+    dtype=model.dtype, q_heads=local_heads(model), entry_shape=(1, 1, model.config.cache_width)
+  )
+  if body == "one":  # prefill_latent runs on 2 or more ranks: the last hop holds the cache
+    kernel = get_kernel(attention)
+    shape = OneBodyShape.of_split(model.config, chunks, kernel)
+    table = shape.table(model.config, chunks)
+    return one_body_layer(
+      model.config, rank, reduce, shape, kernel, timeline, True, table, chunks, **heads
+    )
   return RankLayer.at_static_lengths(
     chunks,
     attention,
@@ -92,10 +112,8 @@ def kvr_latent_rank(
     reduce,
     diagonal_first=attends_diagonal_first(attention, len(chunks)),
     timeline=timeline,
-    keep_last_hop=True,  # prefill_latent runs on 2 or more ranks
-    dtype=model.dtype,
-    q_heads=local_heads(model),
-    entry_shape=(1, 1, model.config.cache_width),
+    keep_last_hop=True,
+    **heads,
   )
 
 
@@ -222,6 +240,7 @@ def compile_latent(
   kernel,
   keep_last: bool = True,
   timeline: bool = False,
+  body: str | None = None,
 ):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
@@ -233,7 +252,8 @@ def compile_latent(
   MLP columns) and the shards' partial sums added by psum_over_model; the latents, hops and
   outputs are whole on every shard of a rank. timeline (KV-Runahead): the program marks its
   phases (strategies.probe: "embed", each layer's as the rank layer marks them on K,V
-  layers, "logits")."""
+  layers, "logits"). body (KV-Runahead): "one" or "per-rank", or None for `check_body`'s
+  choice, as on any model."""
   if strategy not in STRATEGIES:
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
   if timeline and strategy not in TIMELINE_STRATEGIES:
@@ -241,6 +261,7 @@ def compile_latent(
       f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
     )
   p, context_len = len(chunks), sum(chunks)
+  body = check_body(body, kernel, p) if strategy == "kvr" else None
   P = jax.P
   m = model_parallel(mesh)
   reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
@@ -260,8 +281,9 @@ def compile_latent(
     if strategy == "kvr" and keep_last:
       out["last"] = varying((L, B, sum(chunks[:-1]), C))
     if strategy == "kvr":
-      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce, timeline)
+      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce, timeline, body)
       carry = ranks.empty_buffer(B)
+      x_BTD = pad_rows(x_BTD, ranks.rows)  # the one body's rows are whole blocks
     else:
       carry = None
 

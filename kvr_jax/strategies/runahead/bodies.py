@@ -129,18 +129,40 @@ def _one_body_kernel(kernel, block: int, window: int | None):
 def _one_body_rank(
   model, rank, tokens_Bc, reduce, shape, kernel, timeline, keep_last_hop, table, chunks=None
 ) -> RankBody:
-  """The one body's rank: the rank layer at the lengths read from `table` ([3, p]: lengths,
-  starts, early rows) at its index; chunks: the split where it is static (None: the table is
-  the program's operand and the hops are sized as data)."""
-  cfg = model.config
+  """The one body's rank: `one_body_layer` with the model's K,V heads, its tokens padded to
+  the shape's chunk."""
+  layer = one_body_layer(
+    model.config,
+    rank,
+    reduce,
+    shape,
+    kernel,
+    timeline,
+    keep_last_hop,
+    table,
+    chunks,
+    **_heads_and_dtype(model),
+  )
+  tokens_Bc = jnp.pad(tokens_Bc, ((0, 0), (0, shape.chunk_len - tokens_Bc.shape[1])))
+  buffer = layer.empty_buffer(tokens_Bc.shape[0])
+  return RankBody(tokens_Bc, layer.layer, layer.last_row, shape.num_ranks - 1, buffer)
+
+
+def one_body_layer(
+  config, rank, reduce, shape, kernel, timeline, keep_last_hop, table, chunks=None, **heads
+) -> RankLayer:
+  """The one body's rank layer: its lengths read from `table` ([3, p]: lengths, starts,
+  early rows) at its index, its rows `shape.chunk_len`; chunks: the split where it is static
+  (None: the table is the program's operand and the hops are sized as data). heads: dtype,
+  q_heads and entry_shape, what a position's cache entry is (K,V heads, or one latent)."""
   c_p, start_p, early_p = (jnp.asarray(row, jnp.int32) for row in table)
-  layer = RankLayer(
+  return RankLayer(
     chunks=chunks,
     num_ranks=shape.num_ranks,
-    kernel=_one_body_kernel(kernel, shape.block, cfg.narrowest_window),
+    kernel=_one_body_kernel(kernel, shape.block, config.narrowest_window),
     timeline=timeline,
     reduce=reduce,
-    config=cfg,
+    config=config,
     rank=rank,
     lengths=RankLengths(None, c_p[rank], start_p[rank], early_p[rank]),
     static_early_rows=(),
@@ -154,8 +176,5 @@ def _one_body_rank(
     keep_last_hop=keep_last_hop,
     ends=start_p + c_p,
     context_len=shape.context_len,
-    **_heads_and_dtype(model),
+    **heads,
   )
-  tokens_Bc = jnp.pad(tokens_Bc, ((0, 0), (0, shape.chunk_len - tokens_Bc.shape[1])))
-  buffer = layer.empty_buffer(tokens_Bc.shape[0])
-  return RankBody(tokens_Bc, layer.layer, layer.last_row, shape.num_ranks - 1, buffer)

@@ -179,25 +179,31 @@ class RankLayer:
     """The queries [B, rows, ...] of its c real rows and its own cache entries [M, B, rows,
     K, H] (K and V stacked: they travel as one message; or a latent layer's latents): what
     `Block.project_entries` gives. Rows past c zero (the part and the buffer hold only real
-    keys). Traced lengths: K,V layers only (the one body runs the flash kernel)."""
+    keys). Traced lengths: in row blocks of `block` rows, a loop of ceil(c / block) steps."""
     B, c = x_BcD.shape[0], lengths.c
     if lengths.static:
       positions_Bc = jnp.broadcast_to(lengths.start + jnp.arange(c), (B, c))
       queries, own_MBcKH = block.project_entries(x_BcD[:, :c], positions_Bc)
       queries = jax.tree.map(lambda q: pad_rows(q, self.rows), queries)
       return queries, pad_rows(own_MBcKH, self.rows, 2)
-    R, (_, kv_heads, H) = self.block, self.entry_shape
+    R = self.block
 
     def project_block(first_row, x_BRD):
+      """A block's queries (each leaf [B, R, ...]) and entries moved to [B, R, M, K, H]."""
       positions_BR = jnp.broadcast_to(lengths.start + first_row + jnp.arange(R), (B, R))
-      return block.project_qkv(x_BRD, positions_BR)
+      queries, entries_MBRKH = block.project_entries(x_BRD, positions_BR)
+      return (*jax.tree.leaves(queries), jnp.moveaxis(entries_MBRKH, 0, 2))
 
-    zeros = tuple(
-      self.zeros((B, self.rows, heads, H)) for heads in (self.q_heads, kv_heads, kv_heads)
+    blocks = jax.eval_shape(project_block, 0, x_BcD[:, :R])
+    zeros = tuple(self.zeros((s.shape[0], self.rows, *s.shape[2:])) for s in blocks)
+    *query_leaves, own_BcMKH = map_row_blocks(project_block, c, R, (x_BcD,), zeros)
+    x_BRD = jax.ShapeDtypeStruct((B, R, x_BcD.shape[2]), x_BcD.dtype)
+    structure = jax.tree.structure(
+      jax.eval_shape(lambda x: block.project_entries(x, jnp.zeros((B, R), jnp.int32))[0], x_BRD)
     )
-    q_BcNH, k_BcKH, v_BcKH = map_row_blocks(project_block, c, R, (x_BcD,), zeros)
     real_rows_c = jnp.arange(self.rows) < c
-    return q_BcNH, jnp.where(real_rows_c[:, None, None], jnp.stack([k_BcKH, v_BcKH]), 0)
+    own_BcMKH = jnp.where(real_rows_c[:, None, None, None], own_BcMKH, 0)
+    return jax.tree.unflatten(structure, query_leaves), jnp.moveaxis(own_BcMKH, 2, 0)
 
   def early_diagonal(self, lengths: RankLengths, block, q_BcNH, own_2BcKH):
     """Its first early_rows queries against its own keys (causal, offset 0), before the hop:
@@ -206,13 +212,8 @@ class RankLayer:
     kernel visiting only the early ones."""
     rows = lengths.early_rows
     if not lengths.static:
-      return block.attend_partial(
-        q_BcNH,
-        own_2BcKH[0],
-        own_2BcKH[1],
-        0,
-        self.kernel,
-        lengths=Lengths(query_rows=(0, rows), key_end=lengths.c),
+      return block.attend_entries_partial(
+        q_BcNH, own_2BcKH, 0, self.kernel, lengths=Lengths(query_rows=(0, rows), key_end=lengths.c)
       )
     pad_to = max(1, *self.static_early_rows)  # never empty: probes and ordered_after read it
     first_rows = lambda n: jax.tree.map(lambda q: q[:, :n], q_BcNH)  # noqa: E731
@@ -235,10 +236,9 @@ class RankLayer:
     # prefix call and a diagonal call (one kernel walk and one merge less per layer). The early
     # rows' own keys were attended before the hop: they see only the prefix.
     keys_2BSKH = buffer_2BSKH[:, :, : self.keys] if self.num_ranks > 1 else own_2BcKH
-    late_BcNH, late_lse_BcN = block.attend_partial(
+    late_BcNH, late_lse_BcN = block.attend_entries_partial(
       q_BcNH,
-      keys_2BSKH[0],
-      keys_2BSKH[1],
+      keys_2BSKH,
       start,
       self.kernel,
       lengths=Lengths(query_rows=(0, c), key_end=start + c, short_rows=(early_rows, start)),
@@ -246,7 +246,7 @@ class RankLayer:
     early = jnp.arange(self.rows) < early_rows
     early_lse_BcN = jnp.where(early[:, None], diag[1], -jnp.inf)
     attn_BcNH, _ = merge_partials(late_BcNH, late_lse_BcN, diag[0], early_lse_BcN)
-    return attn_BcNH.astype(q_BcNH.dtype)
+    return attn_BcNH.astype(self.dtype)
 
   def _static_prefix(self, block, lengths: RankLengths, buffer_2BSKH, message):
     """Rank i's received keys [first, start): none on rank 0; the last hop's message on the
