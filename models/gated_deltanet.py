@@ -191,27 +191,68 @@ def chunked_with_entry_map(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, chunk: int =
   head. Its outputs are (q_dec_i - intra_i W_i) S_i + intra_i U_i."""
   T = q_BThk.shape[1]
   terms = _chunk_terms(q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, chunk)
-  B, h, d_k, d_v = q_BThk.shape[0], q_BThk.shape[2], q_BThk.shape[3], v_BThv.shape[3]
-  identity = zeros_as(q_BThk, (B, h, d_k, d_k)) + jnp.eye(d_k)
-
-  def step(carry, t):
-    P_Bhkj, R_Bhkv = carry
-    U, W, intra, q_dec, k_dec, decay = t
-    reads_Bhck = q_dec - jnp.einsum("Bhce,Bhek->Bhck", intra, W)  # what o reads of S_i
-    new_Bhcv = U - jnp.einsum("Bhck,Bhkv->Bhcv", W, R_Bhkv)
-    o_Bhcv = jnp.einsum("Bhck,Bhkv->Bhcv", q_dec, R_Bhkv) + jnp.einsum(
-      "Bhce,Bhev->Bhcv", intra, new_Bhcv
-    )
-    q_eff_Bhcj = jnp.einsum("Bhck,Bhkj->Bhcj", reads_Bhck, P_Bhkj)
-    step_Bhkj = decay[..., None, None] * identity - jnp.einsum("Bhck,Bhcj->Bhkj", k_dec, W)
-    R_Bhkv = R_Bhkv * decay[..., None, None] + jnp.einsum("Bhck,Bhcv->Bhkv", k_dec, new_Bhcv)
-    return (jnp.einsum("Bhkj,Bhjl->Bhkl", step_Bhkj, P_Bhkj), R_Bhkv), (o_Bhcv, q_eff_Bhcj)
-
-  zero_state = zeros_as(q_BThk, (B, h, d_k, d_v))
-  (A, B_state), (o_n, q_eff_n) = _over_chunks(step, (identity, zero_state), terms)
+  (A, B_state), (o_n, q_eff_n) = _over_chunks(_entry_map_step, _no_map(q_BThk, v_BThv), terms)
   o_BThv = _unchunk(jnp.moveaxis(o_n, 0, 2), T)
   q_eff_BThk = _unchunk(jnp.moveaxis(q_eff_n, 0, 2), T)
   return o_BThv, q_eff_BThk, A, B_state
+
+
+def chunked_with_entry_map_upto(
+  q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh, real_rows, chunk: int = CHUNK
+):
+  """`chunked_with_entry_map` of the first `real_rows` rows (traced) of T, the rest padding
+  (g = beta = 0): a loop of ceil(real_rows / chunk) steps, each one chunk's terms and its
+  step, so that padding costs at most one chunk (not T - real_rows rows of matmuls). The
+  chunks past them would be the identity map; their outputs are zeros."""
+  B, T, h, _ = q_BThk.shape
+  n = -(-T // chunk)
+  inputs = [
+    jnp.pad(x, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (x.ndim - 2))
+    for x in (q_BThk, k_BThk, v_BThv, g_BTh, beta_BTh)
+  ]
+
+  def one_chunk(j, carry):
+    maps, o_BThv, q_eff_BThk = carry
+    pieces = [jax.lax.dynamic_slice_in_dim(x, j * chunk, chunk, axis=1) for x in inputs]
+    terms = jax.tree.map(lambda x: x[:, :, 0], _chunk_terms(*pieces, chunk))
+    maps, (o_Bhcv, q_eff_Bhck) = _entry_map_step(maps, terms)
+    o_BThv, q_eff_BThk = (
+      jax.lax.dynamic_update_slice_in_dim(out, jnp.moveaxis(x, 1, 2), j * chunk, axis=1)
+      for out, x in ((o_BThv, o_Bhcv), (q_eff_BThk, q_eff_Bhck))
+    )
+    return maps, o_BThv, q_eff_BThk
+
+  maps = _no_map(q_BThk, v_BThv)
+  o_BThv = zeros_as(q_BThk, (B, n * chunk, h, v_BThv.shape[3]))
+  q_eff_BThk = zeros_as(q_BThk, (B, n * chunk, h, q_BThk.shape[3]))
+  steps = (real_rows + chunk - 1) // chunk
+  (A, B_state), o_BThv, q_eff_BThk = jax.lax.fori_loop(
+    0, steps, one_chunk, (maps, o_BThv, q_eff_BThk)
+  )
+  return o_BThv[:, :T], q_eff_BThk[:, :T], A, B_state
+
+
+def _no_map(q_BThk, v_BThv):
+  """(P, R) of an empty span: the identity [B, h, k, k] and zeros [B, h, k, v]."""
+  B, h, d_k, d_v = q_BThk.shape[0], q_BThk.shape[2], q_BThk.shape[3], v_BThv.shape[3]
+  return zeros_as(q_BThk, (B, h, d_k, d_k)) + jnp.eye(d_k), zeros_as(q_BThk, (B, h, d_k, d_v))
+
+
+def _entry_map_step(carry, t):
+  """One chunk of `chunked_with_entry_map`: (P, R) -> (P, R) after it, (o_0, Q_eff) of its
+  rows [B, h, c, ...]."""
+  P_Bhkj, R_Bhkv = carry
+  U, W, intra, q_dec, k_dec, decay = t
+  identity = jnp.eye(P_Bhkj.shape[-1], dtype=P_Bhkj.dtype)
+  reads_Bhck = q_dec - jnp.einsum("Bhce,Bhek->Bhck", intra, W)  # what o reads of S_i
+  new_Bhcv = U - jnp.einsum("Bhck,Bhkv->Bhcv", W, R_Bhkv)
+  o_Bhcv = jnp.einsum("Bhck,Bhkv->Bhcv", q_dec, R_Bhkv) + jnp.einsum(
+    "Bhce,Bhev->Bhcv", intra, new_Bhcv
+  )
+  q_eff_Bhcj = jnp.einsum("Bhck,Bhkj->Bhcj", reads_Bhck, P_Bhkj)
+  step_Bhkj = decay[..., None, None] * identity - jnp.einsum("Bhck,Bhcj->Bhkj", k_dec, W)
+  R_Bhkv = R_Bhkv * decay[..., None, None] + jnp.einsum("Bhck,Bhcv->Bhkv", k_dec, new_Bhcv)
+  return (jnp.einsum("Bhkj,Bhjl->Bhkl", step_Bhkj, P_Bhkj), R_Bhkv), (o_Bhcv, q_eff_Bhcj)
 
 
 def apply_entry_state(o_BThv, q_eff_BThk, A_Bhkk, B_Bhkv, state_Bhkv):

@@ -93,6 +93,27 @@ def test_entry_map_gives_any_entering_state(inputs):
   assert_close(final, want_final, "leaving state from the entry map")
 
 
+@pytest.mark.default_cases("0", "101")
+@pytest.mark.parametrize("real_rows", [0, 37, 64, 101])
+def test_entry_map_up_to_a_traced_length_is_the_real_spans(inputs, real_rows):
+  """`chunked_with_entry_map_upto` over the whole padded span with `real_rows` real rows (the
+  rest padding: g = beta = 0) gives the maps of the real rows alone: the same outputs on them,
+  the same A and B (the one body's linear layer runs it at each rank's length)."""
+  q, k, v, g, beta, _ = inputs
+  real_T = jnp.arange(q.shape[1]) < real_rows
+  g, beta = (jnp.where(real_T[:, None], x, 0) for x in (g, beta))
+  got = jax.jit(gdn.chunked_with_entry_map_upto)(q, k, v, g, beta, jnp.asarray(real_rows))
+  if real_rows == 0:  # no real row: the identity map, and nothing enters the state
+    np.testing.assert_array_equal(got[2], jnp.broadcast_to(jnp.eye(q.shape[3]), got[2].shape))
+    np.testing.assert_array_equal(got[3], 0)
+    return
+  want = gdn.chunked_with_entry_map(*(x[:, :real_rows] for x in (q, k, v, g, beta)))
+  assert_close(got[0][:, :real_rows], want[0], "outputs of the real rows")
+  assert_close(got[1][:, :real_rows], want[1], "Q_eff of the real rows")
+  assert_close(got[2], want[2], "A")
+  assert_close(got[3], want[3], "B")
+
+
 def test_spans_chained_by_their_states_are_the_whole(inputs, expected):
   """Three uneven spans (not chunk-aligned), each entered with the state the previous one
   left, as KV-Runahead's ranks: the whole prompt's outputs and final state."""

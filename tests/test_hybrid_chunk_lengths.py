@@ -72,7 +72,8 @@ def chained(block, parts_pBcD, chunks: tuple[int, ...], mesh, form: str):
     rank = jax.lax.axis_index(AXIS)
     if form == "one-body":
       c_rank = jnp.asarray(chunks, jnp.int32)[rank]
-      out = chain_linear_layer_one_body(block, x_1BcD[0], rank, c_rank, len(chunks))
+      # blocks of 4 rows: most chunks span several, and some end inside one
+      out = chain_linear_layer_one_body(block, x_1BcD[0], rank, c_rank, len(chunks), row_block=4)
     else:
       out = chain_linear_layer(block, x_1BcD[0], rank, chunks)
     return jax.tree.map(lambda a: a[None], out)

@@ -68,6 +68,7 @@ from kvr_jax.strategies.linear_chain import (
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.ring import ring_body
 from kvr_jax.strategies.runahead import check_body, kvr_body
+from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
 from models.base import no_reduce
 from models.layer_kinds import FULL_ATTENTION
@@ -152,10 +153,14 @@ def zigzag_linear_layer(
 
 
 def _linear_layer(
-  strategy: str, config, rank, chunks: tuple[int, ...], reduce, timeline: bool, body: str
+  strategy: str, config, rank, chunks: tuple[int, ...], reduce, timeline: bool, body, kernel
 ):
   """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline;
-  KV-Runahead's in the body its full layers run (`body`)."""
+  KV-Runahead's in the body its full layers run (`body`; the one body's row loops take the
+  full layers' block)."""
+  row_block = None
+  if body == "one":
+    row_block = OneBodyShape.of_split(config.of_kind(FULL_ATTENTION), chunks, kernel).block
   # ([0] where a kind has no layer: only `_empty_outputs`' abstract trace reads it then)
   linear_index_L = jnp.asarray(config.layers_of(LINEAR) or [0], jnp.int32)
 
@@ -165,7 +170,9 @@ def _linear_layer(
 
     if strategy == "kvr" and body == "one":
       c_rank = jnp.asarray(chunks, jnp.int32)[rank]
-      return chain_linear_layer_one_body(block, x, rank, c_rank, len(chunks), reduce, probe)
+      return chain_linear_layer_one_body(
+        block, x, rank, c_rank, len(chunks), reduce, probe, row_block
+      )
     if strategy == "kvr":
       return chain_linear_layer(block, x, rank, chunks, reduce, probe)
     return zigzag_linear_layer(block, x, rank, sum(chunks), len(chunks), reduce, probe)
@@ -178,7 +185,12 @@ def hybrid_body(strategy: str, kernel, chunks, full_chunks, body: str | None) ->
   layers: `check_body`'s choice (the one body where the kernel takes lengths as data on
   more than PER_RANK_UP_TO ranks) or the one asked for. A split per layer kind runs
   "per-rank": its moves between the two splits are static slices (`KindSplit`). None for the
-  peers (their layers are of one body)."""
+  peers (their layers are of one body). Refuses a strategy that runs no hybrid, and a split
+  per layer kind under a peer."""
+  if strategy not in STRATEGIES:
+    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
+  if full_chunks is not None and strategy != "kvr":
+    raise ValueError(f"a split per layer kind is KV-Runahead's; {strategy} lays out its own")
   if strategy != "kvr":
     return None
   if full_chunks is not None and full_chunks != chunks:
@@ -216,10 +228,6 @@ def compile_hybrid(
   full_chunks (KV-Runahead): the full layers' own split, `chunks` the linear layers' (and
   the tokens'): the hidden states move between the two at each full layer (`KindSplit`).
   body (KV-Runahead): "one" or "per-rank" for both kinds of layer (`hybrid_body`)."""
-  if strategy not in STRATEGIES:
-    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
-  if full_chunks is not None and strategy != "kvr":
-    raise ValueError(f"a split per layer kind is KV-Runahead's; {strategy} lays out its own")
   body_kind = hybrid_body(strategy, kernel, chunks, full_chunks, body)
   full_chunks = chunks if full_chunks is None else full_chunks
   body_of, keeps = _BODIES[strategy]
@@ -239,7 +247,9 @@ def compile_hybrid(
     full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
     body = make_body(full_model, rank, tokens_1BT[0], reduce)
 
-    linear_layer = _linear_layer(strategy, model.config, rank, chunks, reduce, timeline, body_kind)
+    linear_layer = _linear_layer(
+      strategy, model.config, rank, chunks, reduce, timeline, body_kind, kernel
+    )
 
     # Each full row's index in the model: the rank layer knows the model's last layer by it
     # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).

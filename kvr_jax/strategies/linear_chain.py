@@ -9,12 +9,14 @@ Two forms, as KV-Runahead's full layers have two bodies (strategies.runahead.bod
                               but every branch is compiled (the program grows with p).
   chain_linear_layer_one_body every rank runs one program at the split's padded width, its
                               length as data: rows past it are padding (g = beta = 0 leave
-                              the state as it is, exactly; their outputs are zeroed). Rank 0
-                              runs the entry-map form from a zero state and halo like every
-                              other rank, where the per-rank form runs the plain chunked
-                              pass: the same values, a [k, k] map per chunk more work. The
-                              program does not grow with p, and the lengths could be the
-                              program's operand.
+                              the state as it is, exactly; their outputs are zeroed), and
+                              the loops over row blocks and 64-token chunks stop at its real
+                              rows (at most a block of padded work each). Rank 0 runs the
+                              entry-map form from a zero state and halo like every other
+                              rank, where the per-rank form runs the plain chunked pass: the
+                              same values, a [k, k] map per chunk more work. The program
+                              does not grow with p, and the lengths could be the program's
+                              operand.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies.runahead.rank_layer import pad_rows
+from kvr_jax.strategies.runahead.hops import varying_axes
+from kvr_jax.strategies.runahead.rank_layer import map_row_blocks, pad_rows
 from models import gated_deltanet as gdn
 from models.base import no_reduce
 
@@ -178,7 +181,14 @@ def chain_linear_layer(
 
 
 def chain_linear_layer_one_body(
-  block, x_BcD, rank, c_rank, num_ranks: int, reduce=no_reduce, probe=lambda label, v: v
+  block,
+  x_BcD,
+  rank,
+  c_rank,
+  num_ranks: int,
+  reduce=no_reduce,
+  probe=lambda label, v: v,
+  row_block: int | None = None,
 ):
   """`chain_linear_layer` in the one body (module docstring): rank `rank` holds c_rank
   (traced) real rows of x [B, c, D], the rest padding. Returns what chain_linear_layer
@@ -187,18 +197,24 @@ def chain_linear_layer_one_body(
   enters it) and the rest (rows w.., convolved from the chunk's own rows), run ahead as an
   entry map; the hop brings the state and the halo, the head runs recurrently from them and
   the rest's map takes the state the head leaves. A chunk shorter than w has a rest of
-  padding alone (the identity map) and leaves a halo that ends with its own rows."""
+  padding alone (the identity map) and leaves a halo that ends with its own rows. The
+  projections and the output (out-proj, MLP) run in loops of `row_block` rows (one block of
+  every row where None) and the rest's entry map in loops of 64-token chunks, their trip
+  counts the rank's real rows: padding costs at most a block of each, as in the full
+  layers' one body."""
   w, width = block.conv_q.shape[0] - 1, x_BcD.shape[1]
-  rows = max(width, w + 1)  # a head of w rows and a rest of at least one
+  R = row_block or max(width, w + 1)
+  rows = -(-max(width, w + 1) // R) * R  # whole blocks: a head of w rows and a rest
   real_r = jnp.arange(rows) < c_rank
   x_BrD = jnp.where(real_r[None, :, None], pad_rows(x_BcD, rows), 0).astype(x_BcD.dtype)
-  mixed_BrC, z_Brhv, g_Brh, beta_Brh = block.inputs(x_BrD)
+  inputs = _in_row_blocks(lambda x_BRD: block.inputs(x_BRD), c_rank, R, reduce, x_BrD)
+  mixed_BrC, z_Brhv, g_Brh, beta_Brh = inputs
   g_Brh, beta_Brh = (jnp.where(real_r[:, None], a, 0) for a in (g_Brh, beta_Brh))
 
   conv_BrC, _ = gdn.causal_conv(mixed_BrC[:, w:], block.conv_kernel(), mixed_BrC[:, :w])
+  rest = (*block.heads(conv_BrC, g_Brh[:, w:]), beta_Brh[:, w:])
   o_rest_Brhv, q_eff_Brhk, A_Bhkk, B_Bhkv = probe(
-    "linear",
-    gdn.chunked_with_entry_map(*block.heads(conv_BrC, g_Brh[:, w:]), beta_Brh[:, w:]),
+    "linear", gdn.chunked_with_entry_map_upto(*rest, c_rank - w)
   )
 
   def halo_after(entering_halo_BwC):
@@ -225,6 +241,29 @@ def chain_linear_layer_one_body(
   leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
   o_rest_Brhv = o_rest_Brhv + jnp.einsum("BThk,Bhkv->BThv", q_eff_Brhk, after_head_Bhkv)
   o_Brhv = jnp.concatenate([o_head_Bwhv.astype(o_rest_Brhv.dtype), o_rest_Brhv], axis=1)
-  x_BrD = block.output(x_BrD, o_Brhv, z_Brhv, reduce)
+  (x_BrD,) = _in_row_blocks(
+    lambda x_BRD, o_BRhv, z_BRhv: (block.output(x_BRD, o_BRhv, z_BRhv, reduce),),
+    c_rank,
+    R,
+    reduce,
+    x_BrD,
+    o_Brhv,
+    z_Brhv,
+  )
   x_BcD = jnp.where(real_r[None, :, None], x_BrD, 0).astype(x_BcD.dtype)[:, :width]
   return probe("rest", x_BcD), leaving_Bhkv, halo_after(halo_BwC)
+
+
+def _in_row_blocks(fn, real_rows, row_block: int, reduce, *inputs):
+  """fn(*row blocks of inputs) -> a tuple of arrays with rows on axis 1, run on the blocks
+  that hold the first `real_rows` rows (traced) alone (`rank_layer.map_row_blocks`); the
+  rows of later blocks are zeros (varying over the rank's axes: `hops.varying_axes`)."""
+  shapes = jax.eval_shape(fn, *(x[:, :row_block] for x in inputs))
+  rows = inputs[0].shape[1]
+  zeros = tuple(
+    jax.lax.pcast(
+      jnp.zeros((s.shape[0], rows, *s.shape[2:]), s.dtype), varying_axes(reduce), to="varying"
+    )
+    for s in shapes
+  )
+  return map_row_blocks(lambda _, *blocks: fn(*blocks), real_rows, row_block, inputs, zeros)
