@@ -63,23 +63,37 @@ def first_linear_block(model):
   return nnx.merge(graphdef, jax.tree.map(lambda w: w[0], stacked))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def chained(block, parts_pBcD, chunks: tuple[int, ...], mesh, form: str):
-  """KV-Runahead's linear layer in `form` ("per-rank" or "one-body") over `chunks` (rank r's
-  rows in parts[r], padded): each rank's (x [B, c_max, D], leaving state, halo)."""
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def chained(block, parts_pBcD, chunks: tuple[int, ...], mesh):
+  """KV-Runahead's linear layer per rank over `chunks` (rank r's rows in parts[r], padded):
+  each rank's (x [B, c_max, D], leaving state, halo)."""
 
   def per_rank(block, x_1BcD):
     rank = jax.lax.axis_index(AXIS)
-    if form == "one-body":
-      c_rank = jnp.asarray(chunks, jnp.int32)[rank]
-      # blocks of 4 rows: most chunks span several, and some end inside one
-      out = chain_linear_layer_one_body(block, x_1BcD[0], rank, c_rank, len(chunks), row_block=4)
-    else:
-      out = chain_linear_layer(block, x_1BcD[0], rank, chunks)
+    out = chain_linear_layer(block, x_1BcD[0], rank, chunks)
     return jax.tree.map(lambda a: a[None], out)
 
   return jax.shard_map(per_rank, mesh=mesh, in_specs=(jax.P(), jax.P(AXIS)), out_specs=jax.P(AXIS))(
     block, parts_pBcD
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def chained_one_body(block, parts_pBcD, lengths_p, mesh):
+  """The same in the one body, the split's lengths as data: one program for every split
+  whose chunks fit the parts' rows."""
+
+  def per_rank(block, x_1BcD, lengths_p):
+    rank = jax.lax.axis_index(AXIS)
+    # blocks of 4 rows: most chunks span several, and some end inside one
+    out = chain_linear_layer_one_body(
+      block, x_1BcD[0], rank, lengths_p[rank], lengths_p.shape[0], row_block=4
+    )
+    return jax.tree.map(lambda a: a[None], out)
+
+  specs = (jax.P(), jax.P(AXIS), jax.P())
+  return jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=jax.P(AXIS))(
+    block, parts_pBcD, lengths_p
   )
 
 
@@ -130,11 +144,15 @@ def test_every_chunk_length_in_every_position(one_device_layer, kernel, split, f
   block, x_BTD, want_x, run = one_device_layer(kernel)
   mesh = kvr_jax.make_mesh(3)
   ends = np.cumsum(split)
-  parts = np.stack(
-    [pad_to(x_BTD[:, e - c : e], max(split)) for c, e in zip(split, ends, strict=True)]
-  )
+  # The one body's parts are as long as the sweep's longest chunk (2w + 1): one program.
+  rows = max(split) if form == "per-rank" else 2 * (kernel - 1) + 1
+  parts = np.stack([pad_to(x_BTD[:, e - c : e], rows) for c, e in zip(split, ends, strict=True)])
   parts = global_array(parts, NamedSharding(mesh, jax.P(AXIS)))
-  x_pBcD, leaving_pBhkv, halo_pBwC = map(np.asarray, chained(block, parts, split, mesh, form))
+  if form == "per-rank":
+    outs = chained(block, parts, split, mesh)
+  else:
+    outs = chained_one_body(block, parts, jnp.asarray(split, jnp.int32), mesh)
+  x_pBcD, leaving_pBhkv, halo_pBwC = map(np.asarray, outs)
   for r, (c, end) in enumerate(zip(split, ends, strict=True)):
     _, want_past = run(block, x_BTD, jnp.full((2,), end))
     where = f"{form}: kernel {kernel}, split {split}, rank {r}"
