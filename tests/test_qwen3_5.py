@@ -375,6 +375,31 @@ def test_kvr_runs_each_linear_layer_at_its_ranks_own_length(checkpoints):
   assert (2, 1) in scans, scans  # rank 0's plain form
 
 
+def test_the_one_bodys_linear_layers_loop_over_their_real_chunks_alone(checkpoints):
+  """In the one body (3 ranks, flash) every rank runs one program at the longest chunk's
+  width, 130 rows on a split of 130, 4 and 4 tokens: its entry map runs in a loop whose trip
+  count is its own rows (`chunked_with_entry_map_upto`, a while loop), never a scan over the
+  width's 64-token chunks, which would cost the short ranks the long rank's work."""
+  from kvr_jax.runtime.mesh import AXIS
+  from kvr_jax.strategies import get_strategy
+  from kvr_jax.strategies.hybrid import compile_hybrid, hybrid_body
+  from models.kernels import get_kernel
+
+  model = checkpoints["qwen3_5-types"][2]
+  mesh, chunks, flash = kvr_jax.make_mesh(3), (130, 4, 4), get_kernel("flash")
+  assert hybrid_body("kvr", flash, chunks, None, None) == "one"
+  program = compile_hybrid("kvr", model.graphdef, mesh, chunks, flash)
+  tokens_pBc = get_strategy("kvr").arrange(np.zeros((1, 138), np.int32), chunks)
+  jaxpr = jax.make_jaxpr(program)(
+    model.state_on(jax.sharding.NamedSharding(mesh, jax.P())),
+    jax.device_put(tokens_pBc, jax.sharding.NamedSharding(mesh, jax.P(AXIS))),
+  )
+  chunk_scans = {scan for scan in _scans(jaxpr.jaxpr) if scan[0] > 1 and scan[1] in (1, 2)}
+  # (3, 1): the head's recurrence over its w = 3 rows; an entry map's scan would be (3, 2)
+  # (the 133 rows after the head in 64-token chunks), the plain form's (3, 1) too.
+  assert chunk_scans <= {(3, 1)}, chunk_scans
+
+
 def test_hybrid_prefill_refuses_by_name(checkpoints, tokens):
   from kvr_jax.inference.hybrid import prefill_hybrid
 
