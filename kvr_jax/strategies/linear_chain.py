@@ -135,12 +135,6 @@ def chain_linear_layer(
   (mixed_BcC, z_Bchv, g_Bch, beta_Bch), _ = _at_own_length(rank, chunks, inputs, head_rows)(x_BcD)
   c_rank = jnp.asarray(chunks, jnp.int32)[rank]
 
-  def halo_after(entering_halo_BwC):
-    """The last w inputs up to the chunk's end: the chunk's own when c >= w, else the tail of
-    the halo it entered with followed by its c rows."""
-    rows_BwcC = jnp.concatenate([entering_halo_BwC.astype(mixed_BcC.dtype), mixed_BcC], axis=1)
-    return jax.lax.dynamic_slice_in_dim(rows_BwcC, c_rank, w, axis=1)
-
   (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = probe(
     "linear",
     _at_own_length(rank, chunks, functools.partial(_chain_span_maps, block, w), head_rows)(
@@ -148,23 +142,9 @@ def chain_linear_layer(
     ),
   )
 
-  def head(entering_Bhkv, halo_BwC):
-    """The head's w outputs and the state it leaves, from what the hop brought."""
-    conv_BwC, _ = gdn.causal_conv(mixed_BcC[:, :w], block.conv_kernel(), halo_BwC)
-    q, k, v, g = block.heads(conv_BwC, g_Bch[:, :w])
-    return gdn.recurrent(q, k, v, g, beta_Bch[:, :w], entering_Bhkv)
-
-  def leave(entering_Bhkv, halo_BwC):  # rank 0's A is zero: it leaves B
-    _, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
-    leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
-    return leaving_Bhkv, halo_after(halo_BwC)
-
-  zero_halo = jnp.zeros((mixed_BcC.shape[0], w, mixed_BcC.shape[2]), mixed_BcC.dtype)
-  entering_Bhkv, halo_BwC = probe(
-    "hop", state_chain(leave, (jnp.zeros_like(B_Bhkv), zero_halo), rank, p)
+  o_head_Bwhv, after_head_Bhkv, leaving_Bhkv, halo_BwC = _chain_the_head(
+    block, mixed_BcC, g_Bch, beta_Bch, (A_Bhkk, B_Bhkv), c_rank, rank, p, probe
   )
-  o_head_Bwhv, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
-  leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
 
   def finish(i, c, x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv):
     o_Bchv = o_Bchv[:, :c]
@@ -177,7 +157,7 @@ def chain_linear_layer(
   x_BcD, _ = _at_own_length(rank, chunks, finish)(
     x_BcD, z_Bchv, o_Bchv, q_eff_Bchk, o_head_Bwhv, after_head_Bhkv
   )
-  return probe("rest", x_BcD), leaving_Bhkv, halo_after(halo_BwC)
+  return probe("rest", x_BcD), leaving_Bhkv, halo_BwC
 
 
 def chain_linear_layer_one_body(
@@ -217,28 +197,9 @@ def chain_linear_layer_one_body(
     "linear", gdn.chunked_with_entry_map_upto(*rest, c_rank - w)
   )
 
-  def halo_after(entering_halo_BwC):
-    """The last w inputs up to the chunk's end (the entering halo's tail where c < w)."""
-    rows_BwrC = jnp.concatenate([entering_halo_BwC.astype(mixed_BrC.dtype), mixed_BrC], axis=1)
-    return jax.lax.dynamic_slice_in_dim(rows_BwrC, c_rank, w, axis=1)
-
-  def head(entering_Bhkv, halo_BwC):
-    """The head's w outputs and the state it leaves, from what the hop brought."""
-    conv_BwC, _ = gdn.causal_conv(mixed_BrC[:, :w], block.conv_kernel(), halo_BwC)
-    q, k, v, g = block.heads(conv_BwC, g_Brh[:, :w])
-    return gdn.recurrent(q, k, v, g, beta_Brh[:, :w], entering_Bhkv)
-
-  def leave(entering_Bhkv, halo_BwC):
-    _, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
-    leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
-    return leaving_Bhkv, halo_after(halo_BwC)
-
-  zero_halo = jnp.zeros((mixed_BrC.shape[0], w, mixed_BrC.shape[2]), mixed_BrC.dtype)
-  entering_Bhkv, halo_BwC = probe(
-    "hop", state_chain(leave, (jnp.zeros_like(B_Bhkv), zero_halo), rank, num_ranks)
+  o_head_Bwhv, after_head_Bhkv, leaving_Bhkv, halo_BwC = _chain_the_head(
+    block, mixed_BrC, g_Brh, beta_Brh, (A_Bhkk, B_Bhkv), c_rank, rank, num_ranks, probe
   )
-  o_head_Bwhv, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
-  leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
   o_rest_Brhv = o_rest_Brhv + jnp.einsum("BThk,Bhkv->BThv", q_eff_Brhk, after_head_Bhkv)
   o_Brhv = jnp.concatenate([o_head_Bwhv.astype(o_rest_Brhv.dtype), o_rest_Brhv], axis=1)
   (x_BrD,) = _in_row_blocks(
@@ -251,7 +212,7 @@ def chain_linear_layer_one_body(
     z_Brhv,
   )
   x_BcD = jnp.where(real_r[None, :, None], x_BrD, 0).astype(x_BcD.dtype)[:, :width]
-  return probe("rest", x_BcD), leaving_Bhkv, halo_after(halo_BwC)
+  return probe("rest", x_BcD), leaving_Bhkv, halo_BwC
 
 
 def _in_row_blocks(fn, real_rows, row_block: int, reduce, *inputs):
@@ -267,3 +228,36 @@ def _in_row_blocks(fn, real_rows, row_block: int, reduce, *inputs):
     for s in shapes
   )
   return map_row_blocks(lambda _, *blocks: fn(*blocks), real_rows, row_block, inputs, zeros)
+
+
+def _chain_the_head(block, mixed_BrC, g_Brh, beta_Brh, maps, c_rank, rank, num_ranks, probe):
+  """Both forms' chain: the hop brings the state and the halo entering the chunk, its head
+  (its first w rows of inputs, g and beta: padding past c_rank has g = beta = 0) runs
+  recurrently from them, and the rest's map (A, B) takes the state the head leaves. Every
+  rank computes what it would send at every hop (rank 0's A is zero: it leaves B). Returns
+  (the head's outputs [B, w, h, v], the state after the head, the leaving state, the last w
+  inputs up to the chunk's end [B, w, C]: the entering halo's tail where c_rank < w)."""
+  w = block.conv_q.shape[0] - 1
+  A_Bhkk, B_Bhkv = maps
+
+  def halo_after(entering_halo_BwC):
+    rows_BwrC = jnp.concatenate([entering_halo_BwC.astype(mixed_BrC.dtype), mixed_BrC], axis=1)
+    return jax.lax.dynamic_slice_in_dim(rows_BwrC, c_rank, w, axis=1)
+
+  def head(entering_Bhkv, halo_BwC):
+    conv_BwC, _ = gdn.causal_conv(mixed_BrC[:, :w], block.conv_kernel(), halo_BwC)
+    q, k, v, g = block.heads(conv_BwC, g_Brh[:, :w])
+    return gdn.recurrent(q, k, v, g, beta_Brh[:, :w], entering_Bhkv)
+
+  def leave(entering_Bhkv, halo_BwC):
+    _, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
+    leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
+    return leaving_Bhkv, halo_after(halo_BwC)
+
+  zero_halo = jnp.zeros((mixed_BrC.shape[0], w, mixed_BrC.shape[2]), mixed_BrC.dtype)
+  entering_Bhkv, halo_BwC = probe(
+    "hop", state_chain(leave, (jnp.zeros_like(B_Bhkv), zero_halo), rank, num_ranks)
+  )
+  o_head_Bwhv, after_head_Bhkv = head(entering_Bhkv, halo_BwC)
+  leaving_Bhkv = jnp.einsum("Bhkj,Bhjv->Bhkv", A_Bhkk, after_head_Bhkv) + B_Bhkv
+  return o_head_Bwhv, after_head_Bhkv, leaving_Bhkv, halo_after(halo_BwC)

@@ -194,13 +194,14 @@ class RankLayer:
       queries, entries_MBRKH = block.project_entries(x_BRD, positions_BR)
       return (*jax.tree.leaves(queries), jnp.moveaxis(entries_MBRKH, 0, 2))
 
-    blocks = jax.eval_shape(project_block, 0, x_BcD[:, :R])
-    zeros = tuple(self.zeros((s.shape[0], self.rows, *s.shape[2:])) for s in blocks)
-    *query_leaves, own_BcMKH = map_row_blocks(project_block, c, R, (x_BcD,), zeros)
-    x_BRD = jax.ShapeDtypeStruct((B, R, x_BcD.shape[2]), x_BcD.dtype)
-    structure = jax.tree.structure(
-      jax.eval_shape(lambda x: block.project_entries(x, jnp.zeros((B, R), jnp.int32))[0], x_BRD)
+    queries, entries_MBRKH = jax.eval_shape(
+      lambda x: block.project_entries(x, jnp.zeros((B, R), jnp.int32)), x_BcD[:, :R]
     )
+    structure = jax.tree.structure(queries)
+    M, _, _, K, H = entries_MBRKH.shape
+    zeros = tuple(self.zeros((B, self.rows, *q.shape[2:])) for q in jax.tree.leaves(queries))
+    zeros = (*zeros, self.zeros((B, self.rows, M, K, H)))
+    *query_leaves, own_BcMKH = map_row_blocks(project_block, c, R, (x_BcD,), zeros)
     real_rows_c = jnp.arange(self.rows) < c
     own_BcMKH = jnp.where(real_rows_c[:, None, None, None], own_BcMKH, 0)
     return jax.tree.unflatten(structure, query_leaves), jnp.moveaxis(own_BcMKH, 2, 0)
