@@ -16,8 +16,13 @@ from jax.sharding import NamedSharding
 
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS, global_array
+from kvr_jax.strategies import TRACE_COUNT, runahead
+from kvr_jax.strategies.hybrid import compile_hybrid
 from kvr_jax.strategies.linear_chain import chain_linear_layer, chain_linear_layer_one_body
+from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models.gated_deltanet_layer import LinearState
+from models.kernels import get_kernel
+from models.layer_kinds import FULL_ATTENTION
 from tests import hf_fixtures
 from tests.tolerance import assert_close
 
@@ -172,18 +177,112 @@ def every_prefix_logits(model, tokens):
   return np.asarray(model.module.logits(x_BTD))
 
 
+def constant_sum_splits(kernel: int) -> list[tuple[int, int, int]]:
+  """Splits over 3 ranks of one prompt, 3(w + 1) tokens, in which every length 1..2w+1
+  stands once first, once in the middle and once last: zero-based (x, (x + w) mod n,
+  3w - both) for n = 2w + 1 (one prompt length: one program of the split as data serves
+  them all)."""
+  w = kernel - 1
+  n = 2 * w + 1
+  zero_based = [(x, (x + w) % n) for x in range(n)]
+  return [tuple(v + 1 for v in (a, b, 3 * w - a - b)) for a, b in zero_based]
+
+
+def test_constant_sum_splits_put_every_length_in_every_position():
+  for kernel in (2, 3, 4, 5):
+    splits, w = constant_sum_splits(kernel), kernel - 1
+    assert {sum(split) for split in splits} == {3 * (w + 1)}
+    for position in range(3):
+      assert sorted(s[position] for s in splits) == list(range(1, 2 * w + 2))
+
+
+def split_as_data(model, splits, kernel: int):
+  """KV-Runahead's record whose one program takes every split of `splits` as data."""
+  full_config = model.config.of_kind(FULL_ATTENTION)
+  shape = OneBodyShape.envelope(full_config, splits[0], get_kernel("flash"), 2 * kernel - 1)
+  return runahead.split_as_data_strategy(model.config, shape)
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("kernel", [2, 3, 4, 5])
-def test_every_chunk_length_through_the_whole_model(checkpoint, kernel):
-  """kvr_jax.prefill at every split of `rotations`: the last logits as one device's."""
+@pytest.mark.parametrize(
+  "kernel, form",
+  [(kernel, "split as data") for kernel in (2, 3, 4, 5)] + [(DEFAULT_KERNEL, "static")],
+)
+def test_every_chunk_length_through_the_whole_model(checkpoint, kernel, form):
+  """kvr_jax.prefill at every split of `constant_sum_splits`: the last logits as one
+  device's. The split as data (`runahead.split_as_data_strategy`) runs them all on one
+  program, traced once; the static split (the default kernel's) compiles one per split."""
   model = checkpoint(kernel)[2]
-  tokens = np.random.RandomState(kernel).randint(0, hf_fixtures.VOCAB, (2, 3 * (2 * kernel - 1)))
-  want = every_prefix_logits(model, tokens)
+  splits = constant_sum_splits(kernel)
+  tokens = np.random.RandomState(kernel).randint(0, hf_fixtures.VOCAB, (2, sum(splits[0])))
+  want = every_prefix_logits(model, tokens)[:, -1]
   mesh = kvr_jax.make_mesh(3)
-  for split in rotations(kernel):
-    n = sum(split)
-    got = kvr_jax.prefill(model, tokens[:, :n], strategy="kvr", mesh=mesh, partition=list(split))
-    assert_close(got.logits, want[:, n - 1], f"kernel {kernel}, split {split}")
+  strategy = split_as_data(model, splits, kernel) if form == "split as data" else "kvr"
+  traced = TRACE_COUNT["kvr-hybrid"]
+  for split in splits:
+    got = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, partition=list(split))
+    assert_close(got.logits, want, f"{form}: kernel {kernel}, split {split}")
+  if form == "split as data":
+    assert TRACE_COUNT["kvr-hybrid"] - traced <= 1, "a program per split"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("cache", ["last", "sharded"])
+def test_the_split_as_data_decodes_transformers_tokens(checkpoint, cache):
+  """Decoding from the split as data's cache: its parts moved onto the last rank and joined
+  (cache="last": no last hop is kept, its size being data) or left where they lie
+  (cache="sharded"), at splits with a short first, middle and last chunk."""
+  hf_model, _, model = checkpoint(DEFAULT_KERNEL)
+  splits = constant_sum_splits(DEFAULT_KERNEL)
+  prompt = np.random.RandomState(11).randint(0, hf_fixtures.VOCAB, (1, sum(splits[0])))
+  want = hf_fixtures.hf_greedy(hf_model, prompt, 5)
+  strategy = split_as_data(model, splits, DEFAULT_KERNEL)
+  for split in (splits[0], splits[3], splits[4]):
+    got = kvr_jax.generate(
+      model,
+      prompt,
+      5,
+      strategy=strategy,
+      mesh=kvr_jax.make_mesh(3),
+      partition=list(split),
+      cache=cache,
+    )
+    np.testing.assert_array_equal(got.tokens, want, err_msg=f"split {split}")
+
+
+def test_the_split_as_data_refuses_what_its_one_program_cannot_run(checkpoint):
+  """Refused by name before anything compiles: a peer, a split per layer kind (its moves are
+  static slices), a 2-D mesh, a kept last hop or timeline probes (the hops' sizes are data)."""
+  model = checkpoint(DEFAULT_KERNEL)[2]
+  splits = constant_sum_splits(DEFAULT_KERNEL)
+  strategy = split_as_data(model, splits, DEFAULT_KERNEL)
+  tokens = np.zeros((1, sum(splits[0])), np.int32)
+  split = list(splits[0])
+  with pytest.raises(ValueError, match="one split for every kind of layer"):
+    kvr_jax.prefill(
+      model,
+      tokens,
+      strategy=strategy,
+      mesh=kvr_jax.make_mesh(3),
+      partition={"linear": split, "full": split},
+    )
+  two = split_as_data(model, [(6, 6)], DEFAULT_KERNEL)
+  with pytest.raises(ValueError, match="runs on a 1-D mesh"):
+    kvr_jax.prefill(
+      model, tokens, strategy=two, mesh=kvr_jax.make_mesh(2, model=2), partition=[6, 6]
+    )
+  shape = strategy.options.split_shape
+  mesh = kvr_jax.make_mesh(3)
+  with pytest.raises(ValueError, match="a split as data is KV-Runahead's"):
+    compile_hybrid("ring", model.graphdef, mesh, None, "flash", split_shape=shape)
+  with pytest.raises(ValueError, match="keeps no last hop and marks no timeline"):
+    compile_hybrid("kvr", model.graphdef, mesh, None, "flash", split_shape=shape)
+  with pytest.raises(ValueError, match="keeps no last hop and marks no timeline"):
+    compile_hybrid("kvr", model.graphdef, mesh, None, "flash", False, True, split_shape=shape)
+  with pytest.raises(ValueError, match="no per-rank body"):
+    compile_hybrid(
+      "kvr", model.graphdef, mesh, None, "flash", False, body="per-rank", split_shape=shape
+    )
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 import kvr_jax
+from kvr_jax.strategies import TRACE_COUNT, runahead
+from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import qwen3_5
 from models.families import config_from_hf
+from models.kernels import get_kernel
 from tests import hf_fixtures
 from tests.tolerance import assert_close, relative_error
 
@@ -239,6 +242,50 @@ def test_hybrid_prefill_equals_one_device(
   assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
   assert result.logits_BV.devices() == {mesh.devices.flat[-1]}
   assert result.moved == (strategy != "kvr")
+
+
+def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
+  """KV-Runahead with the split as data (`runahead.split_as_data_strategy`: one program for
+  every split that fits its envelope), both kinds of layer in its one body: at two splits,
+  the last rank's logits and its whole cache (its parts moved there and joined: no last hop
+  is kept, its size being data) as one device computes them, on one trace."""
+  from kvr_jax.inference.hybrid import prefill_hybrid
+
+  ours, mesh = checkpoints["qwen3_5-types"][2], kvr_jax.make_mesh(3)
+  shape = OneBodyShape.envelope(ours.config, (30, 25, 15), get_kernel("flash"), 32)
+  traced = TRACE_COUNT["kvr-hybrid"]
+  for split in ([30, 25, 15], [6, 32, 32]):
+    result = prefill_hybrid(ours, tokens, mesh, split, "flash", 4, split_shape=shape)
+    want_logits, want = one_device
+    assert_close(result.logits_BV, want_logits, f"{split}: last logits")
+    assert_close(result.cache.kv_2BSKH, want.kv_2BSKH, f"{split}: full layers' K,V")
+    assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, f"{split}: states")
+    assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, f"{split}: halos")
+    assert result.moved and result.logits_BV.devices() == {mesh.devices.flat[-1]}
+  assert TRACE_COUNT["kvr-hybrid"] - traced <= 1, "a program per split"
+
+
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
+def test_the_measured_search_times_a_hybrids_candidates_on_one_program(
+  checkpoints, tokens, tmp_path
+):
+  """objective='measured' on a hybrid: its candidates run on the split as data's program,
+  not a program each (the one program is traced again only where a candidate outgrows its
+  envelope)."""
+  from kvr_jax.tools import measured
+
+  ours, mesh = checkpoints["qwen3_5-types"][2], kvr_jax.make_mesh(2)
+  traced = TRACE_COUNT["kvr-hybrid"]
+  path = str(tmp_path / "measured.json")
+  chunks = measured.measured_search(
+    ours, tokens, mesh, multiple=8, repeats=1, cache_path=path, show_progress=False
+  )
+  with open(path) as f:
+    stored = json.load(f)
+  candidates = {p for key in stored["batches"] for p in key.split(";")}
+  assert sum(chunks) == T and len(candidates) >= 3
+  assert stored["setup"]["program"] == runahead.SPLIT_AS_DATA
+  assert TRACE_COUNT["kvr-hybrid"] - traced < len(candidates) - 1, "a program per candidate"
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

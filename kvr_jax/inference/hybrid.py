@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -34,7 +35,7 @@ from kvr_jax.inference.own_program import (
   stacked_on_last_rank,
 )
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
+from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec, unfold_batch
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -48,12 +49,12 @@ from kvr_jax.runtime.mesh import (
   spans_processes,
   split_dims,
 )
-from kvr_jax.strategies import get_strategy, zigzag
+from kvr_jax.strategies import get_strategy, runahead, zigzag
 from kvr_jax.strategies.base import count_trace
 from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
 from models.base import no_reduce
 from models.kernels import get_kernel
-from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
+from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, unbuilt_kinds
 from models.qwen3_5 import HybridCache, LinearState, scan_layers
 
 
@@ -96,6 +97,7 @@ def prefill_hybrid(
   cache: str = "last",
   timeline: bool = False,
   full_partition=None,
+  split_shape=None,
 ) -> HybridPrefill:
   """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
@@ -111,7 +113,10 @@ def prefill_hybrid(
   states move between them at each full layer (strategies.hybrid.KindSplit). Why: a full
   layer's causal attention wants the earlier ranks' chunks longer, a linear layer's work is
   even per token; one split balances neither. `chunks` stays the tokens' split, the cache's
-  K,V parts lie as `full_partition` cut them."""
+  K,V parts lie as `full_partition` cut them. split_shape (KV-Runahead): an envelope
+  (`OneBodyShape.envelope` of the full layers' config) whose one program takes the split as
+  data (`compile_hybrid(split_shape=)`): a new split that fits it compiles nothing; its
+  parts are the envelope's rows, moved to the last rank for cache="last"."""
   _check_model_and_strategy(model, strategy)
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
@@ -130,24 +135,25 @@ def prefill_hybrid(
   kernel = spec.check_attention(attention)
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
-  program = compile_hybrid(
-    strategy, model.graphdef, mesh, chunks, kernel, cache == "last", timeline, full_chunks
+  program, cache_layout = _program(
+    model, spec, mesh, chunks, kernel, cache == "last", timeline, full_chunks, split_shape
   )
   split_full, full_chunks = full_chunks, chunks if full_chunks is None else full_chunks
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
-  tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
-  logits_pBV, out = program(state, tokens_pBc)
+  logits_pBV, out = program(state, tokens_BT)
   owner = rank_device(mesh, p - 1)
   capacity = T + max_new_tokens
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
-  joined_in_place = spec.cache_from_last_hop is not None  # KVR: the last rank holds it all
+  # KV-Runahead: the last rank holds it all (not with the split as data: its hops' sizes
+  # are data, so its last hop is not kept)
+  joined_in_place = spec.cache_from_last_hop is not None and split_shape is None
   if cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts go everywhere
     parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
     # The state: the last rank's (the peers' is on every rank); the halo: the rank holding
     # the prompt's last position (KVR's last rank, the zigzag peers' rank 0).
-    halo_rank, _ = spec.cache_layout(T, chunks).holder(T - 1)
+    halo_rank, _ = cache_layout(chunks).holder(T - 1)
     linear = LinearState(
       replicated_from_rank(out["state"], mesh, p - 1),
       replicated_from_rank(out["halo"], mesh, halo_rank),
@@ -155,7 +161,7 @@ def prefill_hybrid(
     replicated = None
     if spans_processes(mesh):  # every process decodes: the last rank's logits everywhere
       replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
-    layout = spec.cache_layout(T, full_chunks)
+    layout = cache_layout(full_chunks)
     return HybridPrefill(
       logits_BV, None, chunks, capacity, False, parts, layout, linear, replicated, split_full
     )
@@ -165,13 +171,24 @@ def prefill_hybrid(
   if joined_in_place:  # the last rank holds everything: no move
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
     cache = _kvr_cache(mine, full_chunks, capacity)
-  else:  # the parts move to the last rank (every process sends); the last chunk's halo is rank 0's
-    mine = jax.tree.map(lambda a: stacked_on_last_rank(a, mesh), out)
-    if logits_BV is None:  # another process's rank is last: it received the parts
+  else:  # the parts move to the last rank (every process sends)
+    cache = _moved_cache(out, mesh, chunks, capacity, split_shape)
+    if cache is None:  # another process's rank is last: it received the parts
       return HybridPrefill(None, None, chunks, capacity, True)
-    cache = _zigzag_cache(mine, T, p, capacity)
   moved = not joined_in_place
   return HybridPrefill(logits_BV, cache, chunks, capacity, moved, full_chunks=split_full)
+
+
+def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridCache | None:
+  """The outputs moved onto the last rank and joined there: a peer's zigzag parts (the last
+  chunk's halo is rank 0's), or the split as data's contiguous parts. None in a process that
+  does not hold the last rank."""
+  mine = jax.tree.map(lambda a: stacked_on_last_rank(a, mesh), out)
+  if mine["state"] is None:
+    return None
+  if split_shape is None:
+    return _zigzag_cache(mine, sum(chunks), len(chunks), capacity)
+  return _contiguous_cache(mine, chunks, split_shape.part_len, capacity)
 
 
 def _check_model_and_strategy(model, strategy: str) -> None:
@@ -186,6 +203,34 @@ def _check_model_and_strategy(model, strategy: str) -> None:
     )
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
+
+
+def _program(model, spec, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, split_shape):
+  """(run(state, tokens [B, T]) -> the program's outputs, the cache layout of a split): the
+  strategy's program for this split, or the one program of `split_shape` with the split's
+  table as its operand."""
+  T, rows = sum(chunks), NamedSharding(mesh, jax.P(AXIS))
+  if split_shape is None:
+    program = compile_hybrid(
+      spec.name, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks
+    )
+    return (
+      lambda state, tokens_BT: program(state, global_array(spec.arrange(tokens_BT, chunks), rows)),
+      lambda chunks: spec.cache_layout(T, chunks),
+    )
+  if full_chunks is not None:
+    raise ValueError("a hybrid's split as data takes one split for every kind of layer")
+  program = compile_hybrid(
+    spec.name, model.graphdef, mesh, None, kernel, False, timeline, None, None, split_shape
+  )
+  table = runahead.table_on(mesh, model.config.of_kind(FULL_ATTENTION), split_shape, chunks)
+
+  def run(state, tokens_BT):
+    tokens_pBc = runahead.pad_chunks(tokens_BT, chunks)
+    tokens_pBc = np.pad(tokens_pBc, ((0, 0), (0, 0), (0, split_shape.chunk_len - max(chunks))))
+    return program(state, global_array(tokens_pBc, rows), table)
+
+  return run, lambda chunks: contiguous_layout(chunks, split_shape.part_len)
 
 
 def _last_rank_part(array, mesh):
@@ -254,6 +299,16 @@ def _zigzag_cache(out: dict, T: int, p: int, capacity: int) -> HybridCache:
   ranked = jnp.concatenate(list(parts), axis=3)  # rank order: rank 0's two chunks, then 1's...
   kv = jnp.take(ranked, jnp.asarray(zigzag.prompt_order(T, p)), axis=3)[:, :, :, :T]
   return _padded(kv, out["state"][p - 1], out["halo"][0], capacity)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _contiguous_cache(out: dict, chunks: tuple[int, ...], part_len: int, capacity: int):
+  """Every rank's contiguous part [p, L_full, 2, B*P, K, H] (P = part_len rows, the first
+  chunks[i] of rank i's real) in prompt order; the last rank's leaving state and halo."""
+  count_trace("hybrid-join")
+  parts = unfold_batch(out["full"], part_len)  # [p, L, 2, B, P, K, H]
+  kv = jnp.concatenate([parts[i][:, :, :, :c] for i, c in enumerate(chunks)], axis=3)
+  return _padded(kv, out["state"][-1], out["halo"][-1], capacity)
 
 
 def _padded(kv_L2BTKH, state, halo, capacity: int) -> HybridCache:

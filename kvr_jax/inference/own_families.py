@@ -73,14 +73,24 @@ class OwnFamily:
   # causal past whose rows after a row's end change nothing before it (latents; a linear
   # layer's recurrence runs through them).
   padded_caches: tuple[str, ...] = ()
+  # Whether KV-Runahead's split as data runs (`runahead.split_as_data_strategy`'s record:
+  # one program for every split that fits its envelope).
+  takes_split_as_data: bool = False
 
 
 def _plan_options(plan) -> tuple:
   """(partition, strategy, attention, cache) of a plan as the families' programs take them:
-  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves)."""
+  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves); the
+  split as data's record runs as "kvr" with its shape (`_split_shape`)."""
   spec = plan.strategy
   partition = plan.chunks if spec.partitioned else None
-  return partition, spec.name, plan.kernel.name, plan.cache
+  name = "kvr" if _split_shape(plan) is not None else spec.name
+  return partition, name, plan.kernel.name, plan.cache
+
+
+def _split_shape(plan):
+  """The envelope of KV-Runahead's split as data (`runahead.split_as_data_strategy`), or None."""
+  return getattr(plan.strategy.options, "split_shape", None)
 
 
 def _run_hybrid(model, tokens_BT, plan, room) -> dict:
@@ -96,6 +106,7 @@ def _run_hybrid(model, tokens_BT, plan, room) -> dict:
     cache=cache,
     timeline=plan.timeline,
     full_partition=plan.full_chunks,
+    split_shape=_split_shape(plan),
   )
   return dict(
     logits=ran.logits_BV,
@@ -156,7 +167,8 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
   strategies and cache layouts, rows padded past their length under the layouts that keep
   them (`padded_caches`), timeline probes under the strategies whose programs mark them."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
-  if spec.name not in family.strategies:
+  as_data = getattr(spec.options, "split_shape", None) is not None
+  if spec.name not in family.strategies and not (as_data and family.takes_split_as_data):
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
   if cache not in family.caches:
     raise ValueError(f"{what} keeps its cache as {list(family.caches)}, not cache={cache!r}")
@@ -416,6 +428,7 @@ HYBRID = OwnFamily(
   own_sharded.sharded_hybrid_stepper,
   own_sharded.one_rank_hybrid_parts,
   timeline_strategies=hybrid.STRATEGIES,
+  takes_split_as_data=True,
 )
 LATENT = OwnFamily(
   "latent",

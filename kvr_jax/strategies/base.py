@@ -230,16 +230,20 @@ def spmd(rank_program, mesh, with_table: bool = False):
   return body_2d
 
 
-def own_spmd(rank_program, mesh, out_specs):
+def own_spmd(rank_program, mesh, out_specs, with_table: bool = False):
   """The programs of the models with their own (hybrid, latent): (state, tokens [p, B,
   T_rank]) -> rank_program's outputs placed by `out_specs`. The weights whole on every rank
   (1-D mesh) or split over each rank's "model" row (2-D: `tensor_parallel`'s specs, from the
-  state's structure at trace time)."""
+  state's structure at trace time). with_table: a third operand, the split's table, whole on
+  every rank (1-D meshes only, as `spmd`'s)."""
   P = jax.P
   m = model_parallel(mesh)
   if m == 1:
-    body = jax.shard_map(rank_program, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=out_specs)
+    in_specs = (P(), P(AXIS), P()) if with_table else (P(), P(AXIS))
+    body = jax.shard_map(rank_program, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     return jax.jit(body)
+  if with_table:
+    raise ValueError("a program that takes its split as data runs on a 1-D mesh")
 
   @jax.jit
   def body_2d(state, tokens_pBc):

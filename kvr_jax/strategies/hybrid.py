@@ -67,7 +67,7 @@ from kvr_jax.strategies.linear_chain import (
 )
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.ring import ring_body
-from kvr_jax.strategies.runahead import check_body, kvr_body
+from kvr_jax.strategies.runahead import check_body, kvr_body, one_body_as_data
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
 from models.base import no_reduce
@@ -152,15 +152,10 @@ def zigzag_linear_layer(
   return probe("rest", x_B2cD), entering_j[-1], spans[1][1]
 
 
-def _linear_layer(
-  strategy: str, config, rank, chunks: tuple[int, ...], reduce, timeline: bool, body, kernel
-):
-  """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline;
-  KV-Runahead's in the body its full layers run (`body`; the one body's row loops take the
-  full layers' block)."""
-  row_block = None
-  if body == "one":
-    row_block = OneBodyShape.of_split(config.of_kind(FULL_ATTENTION), chunks, kernel).block
+def _linear_layer(strategy: str, config, rank, chunks, reduce, timeline: bool, one_body):
+  """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline.
+  one_body (KV-Runahead in the one body): (its shape, each rank's length [p] as data); its
+  row loops take the shape's block, the full layers' own."""
   # ([0] where a kind has no layer: only `_empty_outputs`' abstract trace reads it then)
   linear_index_L = jnp.asarray(config.layers_of(LINEAR) or [0], jnp.int32)
 
@@ -168,10 +163,10 @@ def _linear_layer(
     def probe(label, value):  # the model's index of linear layer i
       return mark(timeline, label, linear_index_L[i], value)
 
-    if strategy == "kvr" and body == "one":
-      c_rank = jnp.asarray(chunks, jnp.int32)[rank]
+    if strategy == "kvr" and one_body is not None:
+      shape, lengths_p = one_body
       return chain_linear_layer_one_body(
-        block, x, rank, c_rank, len(chunks), reduce, probe, row_block
+        block, x, rank, lengths_p[rank], shape.num_ranks, reduce, probe, shape.block
       )
     if strategy == "kvr":
       return chain_linear_layer(block, x, rank, chunks, reduce, probe)
@@ -180,19 +175,31 @@ def _linear_layer(
   return linear_layer
 
 
-def hybrid_body(strategy: str, kernel, chunks, full_chunks, body: str | None) -> str | None:
+def hybrid_body(
+  strategy: str, kernel, chunks, full_chunks, body: str | None, split_shape=None
+) -> str | None:
   """KV-Runahead's program body on a hybrid model, the same for its full and its linear
   layers: `check_body`'s choice (the one body where the kernel takes lengths as data on
   more than PER_RANK_UP_TO ranks) or the one asked for. A split per layer kind runs
   "per-rank": its moves between the two splits are static slices (`KindSplit`). None for the
-  peers (their layers are of one body). Refuses a strategy that runs no hybrid, and a split
-  per layer kind under a peer."""
+  peers (their layers are of one body). The split as data (`split_shape`) runs the one body
+  and no split per layer kind (its moves' slices are static). Refuses a strategy that runs no
+  hybrid, and a split per layer kind or a split as data under a peer."""
   if strategy not in STRATEGIES:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
   if full_chunks is not None and strategy != "kvr":
     raise ValueError(f"a split per layer kind is KV-Runahead's; {strategy} lays out its own")
+  if split_shape is not None and strategy != "kvr":
+    raise ValueError(f"a split as data is KV-Runahead's; {strategy} lays out its own")
   if strategy != "kvr":
     return None
+  if split_shape is not None:
+    if full_chunks is not None or body == "per-rank" or chunks is not None:
+      raise ValueError(
+        "a hybrid's split as data runs KV-Runahead's one body on one split for every kind of "
+        "layer, the split its operand (no chunks, no split per layer kind, no per-rank body)"
+      )
+    return "one"
   if full_chunks is not None and full_chunks != chunks:
     if body == "one":
       raise ValueError("a split per layer kind runs KV-Runahead's per-rank body, not 'one'")
@@ -205,12 +212,13 @@ def compile_hybrid(
   strategy: str,
   graphdef,
   mesh,
-  chunks: tuple[int, ...],
+  chunks: tuple[int, ...] | None,
   kernel,
   keep_last_hop: bool = True,
   timeline: bool = False,
   full_chunks: tuple[int, ...] | None = None,
   body: str | None = None,
+  split_shape: OneBodyShape | None = None,
 ):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
@@ -227,42 +235,37 @@ def compile_hybrid(
   layers at "linear", "hop" or "allgather", and "rest"; one-dimensional meshes).
   full_chunks (KV-Runahead): the full layers' own split, `chunks` the linear layers' (and
   the tokens'): the hidden states move between the two at each full layer (`KindSplit`).
-  body (KV-Runahead): "one" or "per-rank" for both kinds of layer (`hybrid_body`)."""
-  body_kind = hybrid_body(strategy, kernel, chunks, full_chunks, body)
-  full_chunks = chunks if full_chunks is None else full_chunks
-  body_of, keeps = _BODIES[strategy]
-  if strategy == "kvr":
-    body_of = functools.partial(body_of, body=body_kind)
-  make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps and keep_last_hop)
-  P = jax.P
-  m = model_parallel(mesh)
-  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
+  body (KV-Runahead): "one" or "per-rank" for both kinds of layer (`hybrid_body`).
+  split_shape (KV-Runahead, chunks None): an envelope (`OneBodyShape.envelope` of the full
+  layers' config) whose one program takes the split as data, a third operand
+  (`OneBodyShape.table`): one program for every split that fits it, both kinds of layer in
+  the one body, the full layers' parts `split_shape.part_len` rows and no last hop kept."""
+  body_kind = hybrid_body(strategy, kernel, chunks, full_chunks, body, split_shape)
+  if split_shape is not None:
+    _check_split_as_data(mesh, timeline, keep_last_hop)
+    make_body = one_body_as_data(split_shape, kernel)
+  else:
+    full_chunks = chunks if full_chunks is None else full_chunks
+    body_of, keeps = _BODIES[strategy]
+    if strategy == "kvr":
+      body_of = functools.partial(body_of, body=body_kind)
+    make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps and keep_last_hop)
+  P, p = jax.P, mesh.shape[AXIS]
+  reduce = tensor_parallel.psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
-  def program(state, tokens_1BT):
+  def program(state, tokens_1BT, *table):
     count_trace(f"{strategy}-hybrid")
     model = nnx.merge(graphdef, state)
     full_config = model.config.of_kind(FULL_ATTENTION)
     rank = jax.lax.axis_index(AXIS)
     # The strategy's rank sees a model of full layers (the ones it runs).
     full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
-    body = make_body(full_model, rank, tokens_1BT[0], reduce)
-
-    linear_layer = _linear_layer(
-      strategy, model.config, rank, chunks, reduce, timeline, body_kind, kernel
-    )
-
-    # Each full row's index in the model: the rank layer knows the model's last layer by it
-    # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
-    full_index_F = jnp.asarray(model.config.layers_of(FULL) or [0], jnp.int32)
-    split_full = KindSplit(chunks, full_chunks, rank, model.config.num_layers)
-
-    def full_layer(block, x, carry, i):
-      block.config = full_config
-      l = full_index_F[i]
-      x = mark(timeline and chunks != full_chunks, "move", l, split_full.enter(x))
-      x, carry, kv = body.layer(block, x, carry, l)
-      return split_full.leave(x, l), carry, kv
-
+    body = make_body(full_model, rank, tokens_1BT[0], reduce, *table)
+    one_body = None  # KV-Runahead's one body: its shape and lengths, static or data
+    if split_shape is not None or body_kind == "one":
+      one_body = _one_body_lengths(full_config, chunks, kernel, split_shape, table)
+    linear_layer = _linear_layer(strategy, model.config, rank, chunks, reduce, timeline, one_body)
+    full_layer = _full_layer(model.config, body, KindSplit(chunks, full_chunks, rank), timeline)
     x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
     out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
 
@@ -281,13 +284,50 @@ def compile_hybrid(
     x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
     last_row = body.last_row
     if strategy == "kvr":  # x is in the linear layers' layout (`chunks`) after every layer
-      last_row = functools.partial(jnp.take, indices=jnp.asarray(chunks)[rank] - 1, axis=1)
+      lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]
+      last_row = functools.partial(jnp.take, indices=lengths_p[rank] - 1, axis=1)
     logits_BV = model.logits(last_row(x)[:, None])[:, 0]
-    logits_BV = logits_to_last_rank(logits_BV, body.owner, len(chunks))
-    logits_BV = mark(timeline, "logits", -1, logits_BV)
+    logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, body.owner, p))
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
-  return own_spmd(program, mesh, (P(AXIS), output_specs(mesh)))
+  return own_spmd(program, mesh, (P(AXIS), output_specs(mesh)), split_shape is not None)
+
+
+def _check_split_as_data(mesh, timeline: bool, keep_last_hop: bool) -> None:
+  """What the split as data does not run, by name: its hops' sizes are data, so no last hop
+  is kept (its parts move for cache="last") and no probe marks them; 1-D meshes."""
+  if timeline or keep_last_hop:
+    raise ValueError("a hybrid's split as data keeps no last hop and marks no timeline")
+  if model_parallel(mesh) > 1:
+    raise ValueError("a program that takes its split as data runs on a 1-D mesh")
+
+
+def _one_body_lengths(full_config, chunks, kernel, split_shape, table) -> tuple:
+  """KV-Runahead's one body on a hybrid: (its shape, each rank's length [p]): the split's
+  own shape and lengths where it is static, the envelope and the table's first row where
+  the split is data."""
+  if split_shape is None:
+    return OneBodyShape.of_split(full_config, chunks, kernel), jnp.asarray(chunks, jnp.int32)
+  return split_shape, jnp.asarray(table[0][0], jnp.int32)
+
+
+def _full_layer(config, body, split_full, timeline: bool):
+  """(block, x, carry, i) -> full layer i in the strategy's rank body, its hidden states
+  moved into the full layers' split and back (`KindSplit`)."""
+  full_config = config.of_kind(FULL_ATTENTION)
+  # Each full row's index in the model: the rank layer knows the model's last layer by it
+  # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
+  full_index_F = jnp.asarray(config.layers_of(FULL) or [0], jnp.int32)
+  moves = timeline and split_full.linear != split_full.full
+
+  def full_layer(block, x, carry, i):
+    block.config = full_config
+    l = full_index_F[i]
+    x = mark(moves, "move", l, split_full.enter(x))
+    x, carry, kv = body.layer(block, x, carry, l)
+    return split_full.leave(x, l, config.num_layers), carry, kv
+
+  return full_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,16 +339,17 @@ class KindSplit:
   layer moves nothing back: only the prompt's last row is read after it, and rank p-1 holds
   it in both splits (moved locally to its row in `linear`). One split for both: no move."""
 
-  linear: tuple[int, ...]
-  full: tuple[int, ...]
+  linear: tuple[int, ...] | None  # None: the split is data, one for both (no move)
+  full: tuple[int, ...] | None
   rank: object
-  num_layers: int
 
   def enter(self, x_BcD):
+    if self.full is None or self.linear == self.full:
+      return x_BcD
     return reshard_rows(x_BcD, self.linear, self.full, self.rank)
 
-  def leave(self, x_BcD, l):
-    if self.linear == self.full:
+  def leave(self, x_BcD, l, num_layers: int):
+    if self.full is None or self.linear == self.full:
       return x_BcD
     p = len(self.full)
 
@@ -320,7 +361,7 @@ class KindSplit:
     def back(x_BcD):
       return reshard_rows(x_BcD, self.full, self.linear, self.rank)
 
-    return jax.lax.cond(l == self.num_layers - 1, last_row_only, back, x_BcD)
+    return jax.lax.cond(l == num_layers - 1, last_row_only, back, x_BcD)
 
 
 def output_specs(mesh) -> dict:

@@ -221,9 +221,11 @@ def _measured_setup(model, tokens, mesh) -> dict:
   kernel = get_strategy("kvr").resolve_attention(
     None, first_device, model.dtype, model.config.narrowest_window
   )
-  # A model with its own programs (hybrid, latent) has one program per split.
-  own = own_family(model.config) is not None
-  one_program = kernel.lengths_as_data and check_mesh(mesh) > 1 and not own
+  # A family with its own programs takes the split as data where it runs that record (a
+  # hybrid does; a latent model has a program per split so far).
+  family = own_family(model.config)
+  takes_data = family is None or family.takes_split_as_data
+  one_program = kernel.lengths_as_data and check_mesh(mesh) > 1 and takes_data
   return {
     "program": runahead.SPLIT_AS_DATA if one_program else "kvr",
     "model": model.source,

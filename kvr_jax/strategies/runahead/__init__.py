@@ -149,6 +149,7 @@ __all__ = [
   "rank_work",
   "rows_before_hop",
   "split_as_data_strategy",
+  "table_on",
   "varying_axes",
   "last_hop_holds_cache",
   "with_body",
@@ -276,7 +277,7 @@ def _split_as_data_program(graphdef, mesh, shape: OneBodyShape, kernel):
 
 
 @kept_cache(64)
-def _table_on(mesh, config, shape: OneBodyShape, chunks: tuple[int, ...]):
+def table_on(mesh, config, shape: OneBodyShape, chunks: tuple[int, ...]):
   """A split's table on every rank of `mesh`, made once per split (not on every call)."""
   return global_array(shape.table(config, chunks), jax.NamedSharding(mesh, jax.P()))
 
@@ -307,7 +308,7 @@ def _split_as_data(options: Options) -> Strategy:
   ):
     refuse(SPLIT_AS_DATA, timeline, keep_last_hop)
     program = _split_as_data_program(graphdef, mesh, shape, get_kernel(attention))
-    table = _table_on(mesh, config, shape, tuple(chunks))
+    table = table_on(mesh, config, shape, tuple(chunks))
     return lambda state, tokens_pBc: program(state, tokens_pBc, table)
 
   return dataclasses.replace(
