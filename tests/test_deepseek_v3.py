@@ -14,8 +14,11 @@ import pytest
 from flax import nnx
 
 import kvr_jax
+from kvr_jax.strategies import TRACE_COUNT, runahead
+from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from launch.harness import latent_forms
 from models.families import config_from_hf
+from models.kernels import get_kernel
 from tests import hf_fixtures
 from tests.tolerance import assert_close, relative_error
 
@@ -284,6 +287,65 @@ def test_latent_prefill_equals_one_device(
   assert_close(result.cache, want_cache, "latent cache")
   assert result.logits_BV.devices() == result.cache.devices() == {mesh.devices.flat[-1]}
   assert result.moved == (strategy != "kvr")
+
+
+def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
+  """KV-Runahead with the split as data (`runahead.split_as_data_strategy`: one program for
+  every split that fits its envelope) on latent layers: at two splits, the last rank's
+  logits and its whole latent cache (the parts moved there: no last hop is kept, its size
+  being data) as one device computes them, on one trace."""
+  from kvr_jax.inference.latent import prefill_latent
+
+  ours, mesh = checkpoints["deepseek-default"][2], kvr_jax.make_mesh(3)
+  shape = OneBodyShape.envelope(ours.config, (16, 14, 10), get_kernel("flash"), 18)
+  traced = TRACE_COUNT["kvr-latent"]
+  for split in ([16, 14, 10], [2, 18, 20]):
+    result = prefill_latent(ours, tokens, mesh, split, 2, split_shape=shape)
+    want_logits, want_cache = one_device
+    assert_close(result.logits_BV, want_logits, f"{split}: last logits")
+    assert_close(result.cache, want_cache, f"{split}: latent cache")
+    assert result.moved and result.cache.devices() == {mesh.devices.flat[-1]}
+  assert TRACE_COUNT["kvr-latent"] - traced <= 1, "a program per split"
+
+
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
+@pytest.mark.parametrize("cache", ["last", "sharded"])
+def test_the_split_as_data_decodes_transformers_tokens(checkpoints, tokens, cache):
+  """kvr_jax.generate with the split as data's record on a latent model: transformers'
+  greedy tokens from its cache, joined on the last rank or left in the ranks' parts, at two
+  splits on one program."""
+  hf_model, _, ours = checkpoints["deepseek-default"]
+  prompt = tokens[:1, :24]
+  want = hf_fixtures.hf_greedy(hf_model, prompt, 6)
+  shape = OneBodyShape.envelope(ours.config, (14, 10), get_kernel("flash"), 20)
+  strategy = runahead.split_as_data_strategy(ours.config, shape)
+  for split in ([14, 10], [4, 20]):
+    got = kvr_jax.generate(
+      ours, prompt, 6, strategy=strategy, mesh=kvr_jax.make_mesh(2), partition=split, cache=cache
+    )
+    np.testing.assert_array_equal(got.tokens, want, err_msg=f"split {split}")
+
+
+@pytest.mark.e2e  # slow (compiling): the end-to-end tier
+def test_the_measured_search_times_a_latent_models_candidates_on_one_program(
+  checkpoints, tokens, tmp_path
+):
+  """objective='measured' on a latent model: its candidates run on the split as data's
+  program, not a program each."""
+  from kvr_jax.tools import measured
+
+  ours, mesh = checkpoints["deepseek-default"][2], kvr_jax.make_mesh(2)
+  traced = TRACE_COUNT["kvr-latent"]
+  path = str(tmp_path / "measured.json")
+  chunks = measured.measured_search(
+    ours, tokens, mesh, multiple=8, repeats=1, cache_path=path, show_progress=False
+  )
+  with open(path) as f:
+    stored = json.load(f)
+  candidates = {p for key in stored["batches"] for p in key.split(";")}
+  assert sum(chunks) == T and len(candidates) >= 3
+  assert stored["setup"]["program"] == runahead.SPLIT_AS_DATA
+  assert TRACE_COUNT["kvr-latent"] - traced < len(candidates) - 1, "a program per candidate"
 
 
 def test_latent_kvr_attends_its_early_diagonal_before_the_hop(checkpoints):

@@ -45,7 +45,7 @@ from kvr_jax.runtime.mesh import (
   shard_on,
   spans_processes,
 )
-from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.strategies.latent import STRATEGIES, TIMELINE_STRATEGIES, compile_latent
 from models.attention import merge_partials
 from models.base import no_reduce
@@ -86,6 +86,7 @@ def prefill_latent(
   join: bool = True,
   cache: str = "last",
   timeline: bool = False,
+  split_shape=None,
 ) -> LatentPrefill:
   """`strategy` ("kvr", "ring", "allgather", "tsp") over `mesh`'s ranks; KV-Runahead's rank i
   takes partition[i] tokens (contiguous, in order; None: even), ring and all-gather CP their
@@ -98,7 +99,10 @@ def prefill_latent(
   (`parts`; no move), for `generate(cache="sharded")`.
   With a mesh over several processes only the last rank's process gets the logits and the
   cache (KV-Runahead's where it lies; the peers' parts sent there rank by rank). timeline:
-  the program marks its phases (kvr_jax.tools.timeline reads them; TIMELINE_STRATEGIES)."""
+  the program marks its phases (kvr_jax.tools.timeline reads them; TIMELINE_STRATEGIES).
+  split_shape (KV-Runahead): an envelope (`OneBodyShape.envelope`) whose one program takes
+  the split as data (`compile_latent(split_shape=)`): a new split that fits it compiles
+  nothing; its parts are the envelope's rows, moved to the last rank for cache="last"."""
   _check_arguments(model, strategy, attention, cache, join)
   if timeline and strategy not in TIMELINE_STRATEGIES:
     raise ValueError(
@@ -115,6 +119,9 @@ def prefill_latent(
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]
   spec = get_strategy(strategy)
+  if split_shape is not None:  # its record: its arrangement, layout and no last hop
+    spec = runahead.split_as_data_strategy(model.config, split_shape)
+    spec.check_attention(attention)
   if spec.partitioned:
     chunks = check_chunks(partition, T, p)
   else:
@@ -125,7 +132,7 @@ def prefill_latent(
   # KV-Runahead's last hop leaves the program only where cache="last" joins it (its hops
   # carry the whole latent prefix: the last rank then holds every position, nothing moves).
   keep_last = spec.keeps_last_hop(cache, chunks, model.config.kinds)
-  program = compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last, timeline)
+  program = _program(model, strategy, mesh, chunks, kernel, keep_last, timeline, split_shape)
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
@@ -156,6 +163,18 @@ def prefill_latent(
     rows = spec.cache_layout(T, chunks).rows_in_prompt_order()
     cache = jax.jit(_in_prompt_order, static_argnums=2)(pieces, rows, capacity)
   return LatentPrefill(logits_BV, cache, chunks, capacity, not keep_last)
+
+
+def _program(model, strategy, mesh, chunks, kernel, keep_last, timeline, split_shape):
+  """run(state, tokens [p, B, T_rank]) -> the program's outputs: the strategy's program for
+  this split, or the one program of `split_shape` with the split's table as its operand."""
+  if split_shape is None:
+    return compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last, timeline)
+  program = compile_latent(
+    strategy, model.graphdef, mesh, None, kernel, False, timeline, split_shape=split_shape
+  )
+  table = runahead.table_on(mesh, model.config, split_shape, chunks)
+  return lambda state, tokens_pBc: program(state, tokens_pBc, table)
 
 
 def _check_arguments(model, strategy: str, attention, cache: str, join: bool) -> None:

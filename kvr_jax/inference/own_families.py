@@ -131,6 +131,7 @@ def _run_latent(model, tokens_BT, plan, room):
     attention,
     cache=cache,
     timeline=plan.timeline,
+    split_shape=_split_shape(plan),
   )
   return dict(
     logits=ran.logits_BV,
@@ -443,6 +444,7 @@ LATENT = OwnFamily(
   own_sharded.one_rank_latent_parts,
   timeline_strategies=latent.TIMELINE_STRATEGIES,
   padded_caches=("last", "sharded"),
+  takes_split_as_data=True,
 )
 
 

@@ -78,11 +78,12 @@ def local_heads(model) -> int:
 def kvr_latent_rank(
   model,
   rank,
-  chunks: tuple[int, ...],
+  chunks: tuple[int, ...] | None,
   attention,
   reduce=no_reduce,
   timeline: bool = False,
   body: str = "per-rank",
+  split_table=None,
 ):
   """KV-Runahead's rank layer (`runahead.rank_layer`) on latent layers, in its per-rank body
   (static lengths) or its one body (`body="one"`, lengths as data: `bodies.one_body_layer`,
@@ -93,12 +94,17 @@ def kvr_latent_rank(
   merged by lse); the last hop kept (the last rank holds every position without a move).
   reduce: a model group's sum (its heads and experts split; every shard of a rank computes,
   sends and receives the same whole latent). timeline: the rank layer marks its phases as on
-  K,V layers (strategies.probe)."""
+  K,V layers (strategies.probe). split_table: (an envelope `OneBodyShape`, its table [3, p],
+  the program's operand): the one body with the split as data, chunks None, no last hop
+  kept (its size is data)."""
   heads = dict(
     dtype=model.dtype, q_heads=local_heads(model), entry_shape=(1, 1, model.config.cache_width)
   )
+  kernel = get_kernel(attention)
+  if split_table is not None:
+    shape, table = split_table
+    return one_body_layer(model.config, rank, reduce, shape, kernel, False, False, table, **heads)
   if body == "one":  # prefill_latent runs on 2 or more ranks: the last hop holds the cache
-    kernel = get_kernel(attention)
     shape = OneBodyShape.of_split(model.config, chunks, kernel)
     table = shape.table(model.config, chunks)
     return one_body_layer(
@@ -236,11 +242,12 @@ def compile_latent(
   strategy: str,
   graphdef,
   mesh,
-  chunks: tuple[int, ...],
+  chunks: tuple[int, ...] | None,
   kernel,
   keep_last: bool = True,
   timeline: bool = False,
   body: str | None = None,
+  split_shape: OneBodyShape | None = None,
 ):
   """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
@@ -253,20 +260,21 @@ def compile_latent(
   outputs are whole on every shard of a rank. timeline (KV-Runahead): the program marks its
   phases (strategies.probe: "embed", each layer's as the rank layer marks them on K,V
   layers, "logits"). body (KV-Runahead): "one" or "per-rank", or None for `check_body`'s
-  choice, as on any model."""
-  if strategy not in STRATEGIES:
-    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
-  if timeline and strategy not in TIMELINE_STRATEGIES:
-    raise ValueError(
-      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
-    )
-  p, context_len = len(chunks), sum(chunks)
-  body = check_body(body, kernel, p) if strategy == "kvr" else None
+  choice, as on any model. split_shape (KV-Runahead, chunks None): an envelope
+  (`OneBodyShape.envelope`) whose one program takes the split as data, a third operand
+  (`OneBodyShape.table`): one program for every split that fits it, its parts
+  `split_shape.part_len` rows, no last hop kept, no probes, a 1-D mesh."""
+  body = _check_latent_program(strategy, mesh, chunks, timeline, keep_last, body, split_shape)
+  if split_shape is None:
+    p, context_len = len(chunks), sum(chunks)
+    body = check_body(body, kernel, p) if strategy == "kvr" else None
+  else:
+    p, context_len = split_shape.num_ranks, split_shape.context_len
   P = jax.P
   m = model_parallel(mesh)
   reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
 
-  def program(state, tokens_1BT):
+  def program(state, tokens_1BT, *table):
     count_trace(f"{strategy}-latent")
     attention = kernel
     model = nnx.merge(graphdef, state)
@@ -281,7 +289,8 @@ def compile_latent(
     if strategy == "kvr" and keep_last:
       out["last"] = varying((L, B, sum(chunks[:-1]), C))
     if strategy == "kvr":
-      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce, timeline, body)
+      split_table = None if split_shape is None else (split_shape, table[0])
+      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce, timeline, body, split_table)
       carry = ranks.empty_buffer(B)
       x_BTD = pad_rows(x_BTD, ranks.rows)  # the one body's rows are whole blocks
     else:
@@ -290,11 +299,12 @@ def compile_latent(
     def layer(block, l, state):
       x_BTD, carry, out = state
       if strategy == "kvr":
-        x_BTD, carry, (own_1R1C, last_1R1C) = ranks.layer(block, x_BTD, carry, l)
-        own = own_1R1C.reshape(B, T_rank, C)
+        # (its own part, and its last hop where kept)
+        x_BTD, carry, emitted = ranks.layer(block, x_BTD, carry, l)
+        own = emitted[0].reshape(B, T_rank, C)
         out = {**out, "own": out["own"].at[l].set(own)}
         if keep_last:
-          out["last"] = out["last"].at[l].set(last_1R1C.reshape(B, -1, C))
+          out["last"] = out["last"].at[l].set(emitted[1].reshape(B, -1, C))
       else:
 
         def every_row(x_BTD):
@@ -308,9 +318,41 @@ def compile_latent(
       return x_BTD, carry, out
 
     x_BTD, _, out = model.scan_layers(layer, (x_BTD, carry, out))
-    owner, row = get_strategy(strategy).cache_layout(context_len, chunks).holder(context_len - 1)
-    logits_BV = model.logits(x_BTD[:, row : row + 1])[:, 0]
+    owner, x_B1D = _prompts_last_row(strategy, chunks, context_len, p, rank, x_BTD, table)
+    logits_BV = model.logits(x_B1D)[:, 0]
     logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, owner, p))
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
-  return own_spmd(program, mesh, P(AXIS))
+  return own_spmd(program, mesh, P(AXIS), split_shape is not None)
+
+
+def _check_latent_program(strategy, mesh, chunks, timeline, keep_last, body, split_shape):
+  """compile_latent's refusals by name; returns the body asked for."""
+  if strategy not in STRATEGIES:
+    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
+  if timeline and strategy not in TIMELINE_STRATEGIES:
+    raise ValueError(
+      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
+    )
+  if split_shape is None:
+    return body
+  if strategy != "kvr" or chunks is not None or body == "per-rank":
+    raise ValueError(
+      "a latent model's split as data runs KV-Runahead's one body, the split its operand (no "
+      f"chunks, no per-rank body), not {strategy!r}"
+    )
+  if timeline or keep_last:
+    raise ValueError("a latent model's split as data keeps no last hop and marks no timeline")
+  if model_parallel(mesh) > 1:
+    raise ValueError("a program that takes its split as data runs on a 1-D mesh")
+  return "one"
+
+
+def _prompts_last_row(strategy, chunks, context_len: int, p: int, rank, x_BTD, table):
+  """(the rank that holds the prompt's last position, its hidden state [B, 1, D] there): its
+  row static (`cache_layout.holder`), or data where the split is (the last rank's length)."""
+  if table:
+    row = jnp.asarray(table[0][0], jnp.int32)[rank] - 1
+    return p - 1, jax.lax.dynamic_slice_in_dim(x_BTD, row, 1, axis=1)
+  owner, row = get_strategy(strategy).cache_layout(context_len, chunks).holder(context_len - 1)
+  return owner, x_BTD[:, row : row + 1]

@@ -221,8 +221,7 @@ def _measured_setup(model, tokens, mesh) -> dict:
   kernel = get_strategy("kvr").resolve_attention(
     None, first_device, model.dtype, model.config.narrowest_window
   )
-  # A family with its own programs takes the split as data where it runs that record (a
-  # hybrid does; a latent model has a program per split so far).
+  # A family with its own programs takes the split as data where it runs that record.
   family = own_family(model.config)
   takes_data = family is None or family.takes_split_as_data
   one_program = kernel.lengths_as_data and check_mesh(mesh) > 1 and takes_data
