@@ -68,13 +68,17 @@ def test_two_processes_four_ranks_match_single_device():
 
 
 @pytest.mark.e2e  # a launched cluster
-def test_every_process_decodes_from_the_sharded_cache_like_single():
-  """cache="sharded" across two processes of two ranks each: every process runs every decode
-  step over the parts where they lie. Both cache layouts (KV-Runahead's contiguous chunks,
-  all-gather CP's zigzag pairs, which ring shares; ring across processes is the test above),
-  a model with windowed and full layers, a ragged batch, sampled tokens; process 0 samples
-  with another seed, so only taking the last rank's token each step keeps the processes
-  together (and equal to single)."""
+def test_both_layouts_decode_a_windowed_models_ragged_rows_like_single():
+  """One cluster of two processes of two ranks each, a model with windowed (64) and full
+  layers, a ragged batch (300 and 211 tokens), sampled tokens, 70 of them (past the window),
+  KV-Runahead's contiguous chunks and all-gather CP's zigzag pairs (which ring shares; ring
+  across processes is test_two_processes_four_ranks_match_single_device), in both layouts:
+  cache="last": KV-Runahead joins its rings from its last hop and its chunk (50 tokens,
+  shorter than the window) in the last rank's process, all-gather CP sums each ring over the
+  ranks and sends only the full layer's parts across; cache="sharded": every process runs
+  every decode step over the parts where they lie. Process 0 samples with another seed, so
+  only taking the last rank's token each step keeps the processes together (and equal to
+  single); the last step's logits agree (every decode step read the cache)."""
   proc, _ = run_launcher(
     "--num_processes=2",
     "--devices_per_process=2",
@@ -82,49 +86,23 @@ def test_every_process_decodes_from_the_sharded_cache_like_single():
     "--row_lengths=300,211",
     "--partition=110,80,60,50",
     "--strategy=kvr,allgather",
-    "--cache=sharded",
+    "--cache=last,sharded",
     "--temperature=1",
     "--debug_other_seed_process=0",
-    "--max_new_tokens=8",
-    "--json",
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
-  assert result["num_ranks"] == 4 and set(result["strategies"]) == {"kvr", "allgather"}
-  for name, run in result["strategies"].items():
-    assert run["cache"] == "sharded", name
-    assert run["relative_logit_error"] <= 1e-5, name
-    assert run["relative_last_step_error"] <= 1e-5, name
-    assert run["tokens_on_every_process"] is True, name
-    assert run["tokens"] == result["single_tokens"], name
-    assert [len(row) for row in run["tokens"]] == [8, 8], name
-
-
-@pytest.mark.e2e  # a launched cluster
-def test_windowed_layers_keep_rings_on_the_last_rank_across_processes():
-  """cache="last" across two processes of two ranks each on a model with windowed (64) and
-  full layers, 300 tokens: KV-Runahead joins its rings from its last hop and its chunk (50
-  tokens, shorter than the window) in the last rank's process; all-gather CP sums each ring
-  over the ranks and sends only the full layer's parts across. Both decode single's tokens
-  from the last rank's rings, and the last step's logits agree."""
-  proc, _ = run_launcher(
-    "--num_processes=2",
-    "--devices_per_process=2",
-    "--model=tiny-gemma",
-    "--context_len=300",
-    "--partition=110,80,60,50",
-    "--strategy=kvr,allgather",
-    "--cache=last",
     "--max_new_tokens=70",
     "--json",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+  assert result["num_ranks"] == 4 and len(result["strategies"]) == 4, sorted(result["strategies"])
+  assert {run["cache"] for run in result["strategies"].values()} == {"last", "sharded"}
   for name, run in result["strategies"].items():
-    assert run["cache"] == "last", name
     assert run["relative_logit_error"] <= 1e-5, name
     assert run["relative_last_step_error"] <= 1e-5, name
     assert run["tokens"] == result["single_tokens"], name
+    assert [len(row) for row in run["tokens"]] == [70, 70], name
+    every = True if run["cache"] == "sharded" else None  # "last": the last rank's process alone
+    assert run["tokens_on_every_process"] is every, name
 
 
 @pytest.mark.e2e  # a launched cluster
