@@ -4,6 +4,8 @@ and a latent-attention model (DeepSeek-V3), under every strategy their programs 
 both meshes and both cache layouts, against the model's own one-device forward (1e-5) and
 transformers' greedy and sampled tokens; and what is not built, refused by name."""
 
+import inspect
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,8 @@ from kvr_jax.inference import kv_cache
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.own_families import ModelCache
 from kvr_jax.inference.prefill import plan_prefill
+from kvr_jax.strategies import runahead
+from models.kernels import get_kernel
 from tests import hf_fixtures
 from tests.tolerance import assert_close
 
@@ -224,6 +228,48 @@ def test_auto_runs_the_cost_models_pick(models, tokens, oracle, case):
   )
   assert_close(out.prefill.logits, oracle[case][0], "last logits")
   np.testing.assert_array_equal(out.tokens, oracle[case][2])
+
+
+@pytest.mark.default_cases("per-rank-3-qwen3_5-types")
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+@pytest.mark.parametrize("body, ranks", [("per-rank", 3), ("one", 2)])
+def test_kvr_with_a_fixed_body_runs_that_body(
+  models, tokens, oracle, monkeypatch, case, body, ranks
+):
+  """KV-Runahead's record with its body fixed (`runahead.with_body`: the benchmark's
+  kvr-per-rank and kvr-one-body, each against the other's default rank count) reaches the
+  family's program builder as that body, and the prefill is one device's."""
+  from kvr_jax.inference import hybrid, latent
+
+  module, name = (hybrid, "compile_hybrid") if case == HYBRID else (latent, "compile_latent")
+  asked, builder = [], getattr(module, name)
+
+  def recording(*args, **kwargs):
+    asked.append(inspect.signature(builder).bind(*args, **kwargs).arguments.get("body"))
+    return builder(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, recording)
+  _, ours = models[case]
+  split = [10, 12, 8] if ranks == 3 else [18, 12]
+  result = kvr_jax.prefill(
+    ours, tokens, runahead.with_body(body), kvr_jax.make_mesh(ranks), split, "flash"
+  )
+  assert asked == [body]
+  assert_close(result.logits, oracle[case][0], f"{body}: last logits")
+  _assert_cache_close(case, result.gather_cache(), oracle[case][1])
+
+
+def test_a_kvr_record_keeps_its_timeline_rule_on_the_families(models, tokens):
+  """A fixed body marks its phases on a hybrid as KV-Runahead does; the split as data marks
+  none (its hops' sizes are data): refused by name at the plan."""
+  _, ours = models[HYBRID]
+  mesh = kvr_jax.make_mesh(2)
+  plan = plan_prefill(ours, tokens, runahead.PER_RANK_STRATEGY, mesh, [18, 12], timeline=True)
+  assert plan.timeline
+  shape = runahead.OneBodyShape.envelope(ours.config, (18, 12), get_kernel("flash"), 20)
+  as_data = runahead.split_as_data_strategy(ours.config, shape)
+  with pytest.raises(ValueError, match="'kvr-split-as-data' has no timeline probes"):
+    plan_prefill(ours, tokens, as_data, mesh, [18, 12], timeline=True)
 
 
 def test_what_is_not_built_is_refused_by_name(models, tokens):

@@ -98,6 +98,7 @@ def prefill_hybrid(
   timeline: bool = False,
   full_partition=None,
   split_shape=None,
+  body: str | None = None,
 ) -> HybridPrefill:
   """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
@@ -116,7 +117,8 @@ def prefill_hybrid(
   K,V parts lie as `full_partition` cut them. split_shape (KV-Runahead): an envelope
   (`OneBodyShape.envelope` of the full layers' config) whose one program takes the split as
   data (`compile_hybrid(split_shape=)`): a new split that fits it compiles nothing; its
-  parts are the envelope's rows, moved to the last rank for cache="last"."""
+  parts are the envelope's rows, moved to the last rank for cache="last". body
+  (KV-Runahead): "one" or "per-rank" for every layer, None for `hybrid_body`'s choice."""
   _check_model_and_strategy(model, strategy)
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
@@ -136,7 +138,7 @@ def prefill_hybrid(
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
   program, cache_layout = _program(
-    model, spec, mesh, chunks, kernel, cache == "last", timeline, full_chunks, split_shape
+    model, spec, mesh, chunks, kernel, (cache == "last", timeline, body), full_chunks, split_shape
   )
   split_full, full_chunks = full_chunks, chunks if full_chunks is None else full_chunks
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
@@ -205,14 +207,15 @@ def _check_model_and_strategy(model, strategy: str) -> None:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
 
 
-def _program(model, spec, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, split_shape):
+def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shape):
   """(run(state, tokens [B, T]) -> the program's outputs, the cache layout of a split): the
   strategy's program for this split, or the one program of `split_shape` with the split's
-  table as its operand."""
+  table as its operand. options: (keep_last_hop, timeline, body), compile_hybrid's."""
   T, rows = sum(chunks), NamedSharding(mesh, jax.P(AXIS))
+  keep_last_hop, timeline, body = options
   if split_shape is None:
     program = compile_hybrid(
-      spec.name, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks
+      spec.name, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body
     )
     return (
       lambda state, tokens_BT: program(state, global_array(spec.arrange(tokens_BT, chunks), rows)),
@@ -221,7 +224,7 @@ def _program(model, spec, mesh, chunks, kernel, keep_last_hop, timeline, full_ch
   if full_chunks is not None:
     raise ValueError("a hybrid's split as data takes one split for every kind of layer")
   program = compile_hybrid(
-    spec.name, model.graphdef, mesh, None, kernel, False, timeline, None, None, split_shape
+    spec.name, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape
   )
   table = runahead.table_on(mesh, model.config.of_kind(FULL_ATTENTION), split_shape, chunks)
 

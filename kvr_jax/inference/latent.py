@@ -87,6 +87,7 @@ def prefill_latent(
   cache: str = "last",
   timeline: bool = False,
   split_shape=None,
+  body: str | None = None,
 ) -> LatentPrefill:
   """`strategy` ("kvr", "ring", "allgather", "tsp") over `mesh`'s ranks; KV-Runahead's rank i
   takes partition[i] tokens (contiguous, in order; None: even), ring and all-gather CP their
@@ -102,12 +103,9 @@ def prefill_latent(
   the program marks its phases (kvr_jax.tools.timeline reads them; TIMELINE_STRATEGIES).
   split_shape (KV-Runahead): an envelope (`OneBodyShape.envelope`) whose one program takes
   the split as data (`compile_latent(split_shape=)`): a new split that fits it compiles
-  nothing; its parts are the envelope's rows, moved to the last rank for cache="last"."""
-  _check_arguments(model, strategy, attention, cache, join)
-  if timeline and strategy not in TIMELINE_STRATEGIES:
-    raise ValueError(
-      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
-    )
+  nothing; its parts are the envelope's rows, moved to the last rank for cache="last". body
+  (KV-Runahead): "one" or "per-rank", None for `check_body`'s choice."""
+  _check_arguments(model, strategy, attention, cache, join, timeline)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh, allow_model=True)
   if p < 2:
@@ -132,7 +130,9 @@ def prefill_latent(
   # KV-Runahead's last hop leaves the program only where cache="last" joins it (its hops
   # carry the whole latent prefix: the last rank then holds every position, nothing moves).
   keep_last = spec.keeps_last_hop(cache, chunks, model.config.kinds)
-  program = _program(model, strategy, mesh, chunks, kernel, keep_last, timeline, split_shape)
+  program = _program(
+    model, strategy, mesh, chunks, kernel, (keep_last, timeline, body), split_shape
+  )
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
@@ -165,19 +165,21 @@ def prefill_latent(
   return LatentPrefill(logits_BV, cache, chunks, capacity, not keep_last)
 
 
-def _program(model, strategy, mesh, chunks, kernel, keep_last, timeline, split_shape):
+def _program(model, strategy, mesh, chunks, kernel, options, split_shape):
   """run(state, tokens [p, B, T_rank]) -> the program's outputs: the strategy's program for
-  this split, or the one program of `split_shape` with the split's table as its operand."""
+  this split, or the one program of `split_shape` with the split's table as its operand.
+  options: (keep_last, timeline, body), compile_latent's."""
+  keep_last, timeline, body = options
   if split_shape is None:
-    return compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last, timeline)
+    return compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last, timeline, body)
   program = compile_latent(
-    strategy, model.graphdef, mesh, None, kernel, False, timeline, split_shape=split_shape
+    strategy, model.graphdef, mesh, None, kernel, False, timeline, body, split_shape
   )
   table = runahead.table_on(mesh, model.config, split_shape, chunks)
   return lambda state, tokens_pBc: program(state, tokens_pBc, table)
 
 
-def _check_arguments(model, strategy: str, attention, cache: str, join: bool) -> None:
+def _check_arguments(model, strategy: str, attention, cache: str, join: bool, timeline) -> None:
   """prefill_latent's refusals that need no tokens or mesh, before anything compiles."""
   latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
   if not latent:
@@ -194,6 +196,10 @@ def _check_arguments(model, strategy: str, attention, cache: str, join: bool) ->
     )
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+  if timeline and strategy not in TIMELINE_STRATEGIES:
+    raise ValueError(
+      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
+    )
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):

@@ -37,6 +37,7 @@ from kvr_jax.runtime.mesh import (
   rank_row_mesh,
   spans_processes,
 )
+from kvr_jax.strategies import runahead
 from models.base import no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 from models.qwen3_5 import HybridCache
@@ -80,17 +81,35 @@ class OwnFamily:
 
 def _plan_options(plan) -> tuple:
   """(partition, strategy, attention, cache) of a plan as the families' programs take them:
-  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves); the
-  split as data's record runs as "kvr" with its shape (`_split_shape`)."""
+  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves); a
+  KV-Runahead record with options (a fixed body, the split as data) runs as "kvr" with
+  them (`_kvr_options`)."""
   spec = plan.strategy
   partition = plan.chunks if spec.partitioned else None
-  name = "kvr" if _split_shape(plan) is not None else spec.name
-  return partition, name, plan.kernel.name, plan.cache
+  return partition, _program_name(spec), plan.kernel.name, plan.cache
+
+
+def _kvr_options(spec) -> runahead.Options | None:
+  """KV-Runahead's options where `spec` is one of its records (the registry's, a fixed
+  body's, the split as data's), else None."""
+  return spec.options if isinstance(spec.options, runahead.Options) else None
+
+
+def _program_name(spec) -> str:
+  """The strategy whose program runs `spec` in a family: "kvr" for each of its records."""
+  return "kvr" if _kvr_options(spec) is not None else spec.name
 
 
 def _split_shape(plan):
   """The envelope of KV-Runahead's split as data (`runahead.split_as_data_strategy`), or None."""
-  return getattr(plan.strategy.options, "split_shape", None)
+  options = _kvr_options(plan.strategy)
+  return None if options is None else options.split_shape
+
+
+def _body(plan):
+  """KV-Runahead's body fixed by its record (`runahead.with_body`), or None (its choice)."""
+  options = _kvr_options(plan.strategy)
+  return None if options is None else options.body
 
 
 def _run_hybrid(model, tokens_BT, plan, room) -> dict:
@@ -107,6 +126,7 @@ def _run_hybrid(model, tokens_BT, plan, room) -> dict:
     timeline=plan.timeline,
     full_partition=plan.full_chunks,
     split_shape=_split_shape(plan),
+    body=_body(plan),
   )
   return dict(
     logits=ran.logits_BV,
@@ -132,6 +152,7 @@ def _run_latent(model, tokens_BT, plan, room):
     cache=cache,
     timeline=plan.timeline,
     split_shape=_split_shape(plan),
+    body=_body(plan),
   )
   return dict(
     logits=ran.logits_BV,
@@ -168,9 +189,11 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
   strategies and cache layouts, rows padded past their length under the layouts that keep
   them (`padded_caches`), timeline probes under the strategies whose programs mark them."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
-  as_data = getattr(spec.options, "split_shape", None) is not None
-  if spec.name not in family.strategies and not (as_data and family.takes_split_as_data):
+  name, options = _program_name(spec), _kvr_options(spec)
+  if name not in family.strategies:
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
+  if options is not None and options.split_shape is not None and not family.takes_split_as_data:
+    raise ValueError(f"{what} does not take KV-Runahead's split as data ({spec.name!r})")
   if cache not in family.caches:
     raise ValueError(f"{what} keeps its cache as {list(family.caches)}, not cache={cache!r}")
   if padded and cache not in family.padded_caches:
@@ -181,7 +204,7 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
       f"these rows were padded to {padded} tokens (a bucket, or the longest row of a ragged "
       "batch): pass buckets=None (launch.run: --buckets=none) with rows of one length"
     )
-  if timeline and spec.name not in family.timeline_strategies:
+  if timeline and name not in family.timeline_strategies:
     raise ValueError(
       f"{what} has no timeline probes under {spec.name!r}; its programs under "
       f"{list(family.timeline_strategies)} have"
