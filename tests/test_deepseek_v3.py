@@ -20,6 +20,7 @@ from launch.harness import latent_forms
 from models.families import config_from_hf
 from models.kernels import get_kernel
 from tests import hf_fixtures
+from tests.measured_checks import assert_candidates_on_one_program
 from tests.tolerance import assert_close, relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
@@ -332,20 +333,8 @@ def test_the_measured_search_times_a_latent_models_candidates_on_one_program(
 ):
   """objective='measured' on a latent model: its candidates run on the split as data's
   program, not a program each."""
-  from kvr_jax.tools import measured
-
   ours, mesh = checkpoints["deepseek-default"][2], kvr_jax.make_mesh(2)
-  traced = TRACE_COUNT["kvr-latent"]
-  path = str(tmp_path / "measured.json")
-  chunks = measured.measured_search(
-    ours, tokens, mesh, multiple=8, repeats=1, cache_path=path, show_progress=False
-  )
-  with open(path) as f:
-    stored = json.load(f)
-  candidates = {p for key in stored["batches"] for p in key.split(";")}
-  assert sum(chunks) == T and len(candidates) >= 3
-  assert stored["setup"]["program"] == runahead.SPLIT_AS_DATA
-  assert TRACE_COUNT["kvr-latent"] - traced < len(candidates) - 1, "a program per candidate"
+  assert_candidates_on_one_program(ours, tokens, mesh, "kvr-latent", tmp_path)
 
 
 def test_latent_kvr_attends_its_early_diagonal_before_the_hop(checkpoints):

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax.strategies import TRACE_COUNT, runahead
+from kvr_jax.strategies import TRACE_COUNT
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import qwen3_5
 from models.families import config_from_hf
 from models.kernels import get_kernel
 from tests import hf_fixtures
+from tests.measured_checks import assert_candidates_on_one_program
 from tests.tolerance import assert_close, relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
@@ -272,20 +273,8 @@ def test_the_measured_search_times_a_hybrids_candidates_on_one_program(
   """objective='measured' on a hybrid: its candidates run on the split as data's program,
   not a program each (the one program is traced again only where a candidate outgrows its
   envelope)."""
-  from kvr_jax.tools import measured
-
   ours, mesh = checkpoints["qwen3_5-types"][2], kvr_jax.make_mesh(2)
-  traced = TRACE_COUNT["kvr-hybrid"]
-  path = str(tmp_path / "measured.json")
-  chunks = measured.measured_search(
-    ours, tokens, mesh, multiple=8, repeats=1, cache_path=path, show_progress=False
-  )
-  with open(path) as f:
-    stored = json.load(f)
-  candidates = {p for key in stored["batches"] for p in key.split(";")}
-  assert sum(chunks) == T and len(candidates) >= 3
-  assert stored["setup"]["program"] == runahead.SPLIT_AS_DATA
-  assert TRACE_COUNT["kvr-hybrid"] - traced < len(candidates) - 1, "a program per candidate"
+  assert_candidates_on_one_program(ours, tokens, mesh, "kvr-hybrid", tmp_path)
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

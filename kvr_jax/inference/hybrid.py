@@ -19,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -227,11 +226,10 @@ def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shap
     spec.name, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape
   )
   table = runahead.table_on(mesh, model.config.of_kind(FULL_ATTENTION), split_shape, chunks)
+  arrange = runahead.split_as_data_strategy(model.config, split_shape).arrange
 
   def run(state, tokens_BT):
-    tokens_pBc = runahead.pad_chunks(tokens_BT, chunks)
-    tokens_pBc = np.pad(tokens_pBc, ((0, 0), (0, 0), (0, split_shape.chunk_len - max(chunks))))
-    return program(state, global_array(tokens_pBc, rows), table)
+    return program(state, global_array(arrange(tokens_BT, chunks), rows), table)
 
   return run, lambda chunks: contiguous_layout(chunks, split_shape.part_len)
 
