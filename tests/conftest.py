@@ -5,7 +5,7 @@ import tempfile
 
 from tests.subprocess_env import SPEED_ONLY_XLA_FLAGS
 
-# SPEED_ONLY_XLA_FLAGS (tests/subprocess_env.py: why level 1 and the elemental emitter): the
+# SPEED_ONLY_XLA_FLAGS (tests/subprocess_env.py: why level 0 and the elemental emitter): the
 # tests prove correctness, not speed, and LLVM's full optimisation of their tiny programs
 # costs more than running them. They change how XLA's backend emits and optimises code, not
 # the HLO programs: every HLO, FLOP-count and memory-analysis test passes unchanged under it.
