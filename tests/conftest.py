@@ -1,6 +1,7 @@
 """Test setup: 8 emulated CPU devices, configured before jax is first imported."""
 
 import os
+import shutil
 import tempfile
 
 from tests.subprocess_env import SPEED_ONLY_XLA_FLAGS
@@ -18,7 +19,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # never to the user's ~/.cache: made once by the first process that loads this file, the
 # pytest-xdist workers and the launchers the tests start inherit it, so the calibration is
 # measured once per run, not once per worker (its files are written atomically).
-if "KVR_JAX_TEST_RUN_CACHE_DIR" not in os.environ:
+# The process that made it removes it when the run ends (`pytest_unconfigure`).
+_RUN_CACHE_MADE_HERE = "KVR_JAX_TEST_RUN_CACHE_DIR" not in os.environ
+if _RUN_CACHE_MADE_HERE:
   os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvr_jax_test_cache_")
 os.environ["KVR_JAX_CACHE_DIR"] = os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"]
 import jax  # noqa: E402
@@ -82,3 +85,12 @@ def pytest_collection_modifyitems(items):
     chosen = item.get_closest_marker("default_cases")
     if chosen is not None and item.callspec.id not in chosen.args:
       item.add_marker(pytest.mark.e2e)
+
+
+def pytest_unconfigure(config):
+  """The run's cache directory goes when the process that made it ends (the pytest-xdist
+  controller, after its workers; or the one process of `-n 0`): after both tiers it holds
+  over 100 MB of compiled programs, which every run would otherwise leave in the temporary
+  directory."""
+  if _RUN_CACHE_MADE_HERE:
+    shutil.rmtree(os.environ["KVR_JAX_TEST_RUN_CACHE_DIR"], ignore_errors=True)
