@@ -184,18 +184,24 @@ def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
 
 
 @kept_cache(64)
-def send_to_last_program(mesh, sender: int):
+def send_to_last_program(mesh, sender: int, spec: tuple | None = None):
   """Rank `sender`'s part sent to rank p-1 (one ppermute; on a 2-D mesh each shard's heads to
   the same shard of rank p-1): parts [p, L, 2, B*P, K, H] in and out; the output is one
   part on every device (the received part on rank p-1, zeros elsewhere), never a
-  prompt-long buffer."""
+  prompt-long buffer. spec: another rank-sharded output's placement (a family's cache
+  pieces: `own_program.stacked_on_last_rank`), default the K,V parts'."""
   p = mesh.shape[AXIS]
 
-  def body(parts_1L2BPKH):
-    return jax.lax.ppermute(parts_1L2BPKH, AXIS, perm=[(sender, p - 1)])
+  def body(piece):
+    return jax.lax.ppermute(piece, AXIS, perm=[(sender, p - 1)])
 
-  spec = parts_spec(mesh)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  if spec is None:
+    spec = parts_spec(mesh)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  spec = jax.P(*spec)
+  # check_vma=False: a piece whole over "model" (a latent) stays so, each shard sending its
+  # own copy.
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
 def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):

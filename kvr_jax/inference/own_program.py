@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
+from kvr_jax.inference.kv_cache import send_to_last_program
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 
@@ -122,7 +123,7 @@ def stacked_on_last_rank(array, mesh):
   on its device (a 1-D mesh, or an output whole on every shard of a rank: a latent), or on its
   model group split over "model" as `array` is (each device stacks what every rank's same
   device held). Copied there in one process; across processes sent by one ppermute per rank
-  (`_send_to_last_rank`: one piece-sized output at a time; every process runs each send).
+  (`kv_cache.send_to_last_program`: one piece-sized output at a time; every process runs each send).
   None in the processes that do not hold the last rank."""
   p = mesh.shape[AXIS]
   devices_pm = mesh.devices.reshape(p, -1)
@@ -136,7 +137,7 @@ def stacked_on_last_rank(array, mesh):
       for j, device in enumerate(last_row):
         pieces[device].append(jax.device_put(by_device[devices_pm[rank, j]], device))
       continue
-    received = array if rank == p - 1 else _send_to_last_rank(mesh, rank, spec)(array)
+    received = array if rank == p - 1 else send_to_last_program(mesh, rank, spec)(array)
     for shard in received.addressable_shards:
       if shard.device in pieces:
         pieces[shard.device].append(shard.data[0])
@@ -150,20 +151,6 @@ def stacked_on_last_rank(array, mesh):
   shape[out_spec.index(MODEL_AXIS)] *= len(last_row)
   row = NamedSharding(rank_row_mesh(mesh, p - 1), jax.P(*out_spec))
   return jax.make_array_from_single_device_arrays(tuple(shape), row, stacked)
-
-
-@kept_cache(32)
-def _send_to_last_rank(mesh, sender: int, spec: tuple):
-  """Rank `sender`'s piece of a [p, ...] output placed by `spec` sent to rank p-1 (one
-  ppermute; on a 2-D mesh each shard's piece to the same shard of rank p-1)."""
-  p = mesh.shape[AXIS]
-
-  def body(piece):
-    return jax.lax.ppermute(piece, AXIS, perm=[(sender, p - 1)])
-
-  spec = jax.P(*spec)
-  # check_vma=False: an output whole over "model" stays so (each shard sends its own copy).
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
 @kept_cache(32)
