@@ -16,6 +16,7 @@ from kvr_jax.inference import kv_cache
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.own_families import ModelCache
 from kvr_jax.inference.prefill import plan_prefill
+from kvr_jax.strategies import base as strategies_base
 from kvr_jax.strategies import runahead
 from models.kernels import get_kernel
 from tests import hf_fixtures
@@ -270,6 +271,23 @@ def test_a_kvr_record_keeps_its_timeline_rule_on_the_families(models, tokens):
   as_data = runahead.split_as_data_strategy(ours.config, shape)
   with pytest.raises(ValueError, match="'kvr-split-as-data' has no timeline probes"):
     plan_prefill(ours, tokens, as_data, mesh, [18, 12], timeline=True)
+
+
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+def test_compiled_memory_measures_the_kernel_the_prefill_runs(models, tokens, monkeypatch, case):
+  """attention="auto" (compiled_memory's default) where the platform's table puts another
+  kernel ("dense") first: the figures are those of the kernel the prefill's plan runs, which
+  on a hybrid or latent model is the strategy's default, the kernel its programs are tested
+  with (flash), not the table's first."""
+  monkeypatch.setitem(strategies_base.AUTO_KERNELS, "cpu", ("dense", "flash"))
+  _, ours = models[case]
+  mesh = kvr_jax.make_mesh(2)
+  runs = plan_prefill(ours, tokens, "kvr", mesh, [18, 12]).kernel.name
+  assert runs == "flash"
+  figures = kvr_jax.compiled_memory(
+    ours.config, "kvr", context_len=T, num_ranks=2, batch=2, partition=[18, 12]
+  )
+  assert figures["attention"] == runs
 
 
 def test_what_is_not_built_is_refused_by_name(models, tokens):

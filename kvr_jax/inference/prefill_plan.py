@@ -139,9 +139,7 @@ def plan_from_shape(
     check_own_plan(family, shape.config, spec, cache, mesh, T if shape.padded else 0, timeline)
   if model_parallel(mesh) > 1:
     _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
-  if family is not None and kernel == AUTO:
-    kernel = get_kernel(spec.default_attention)  # what the family's programs are tested with
-  kernel = _plan_kernel(shape, spec, kernel, mesh.devices.flat[0])
+  kernel = planned_kernel(shape, spec, kernel, mesh.devices.flat[0])
   user_chunks = full_chunks = None
   if isinstance(partition, Mapping):  # a split per layer kind (a hybrid's, KV-Runahead's)
     partition, full_partition = _split_by_kind(partition, family, spec)
@@ -236,6 +234,16 @@ def _plan_mesh(spec, mesh, T: int, elsewhere: bool = False):
       "token; use a smaller mesh"
     )
   return mesh
+
+
+def planned_kernel(shape: PrefillShape, spec, kernel, device):
+  """The kernel record a plan of `shape` runs (`kernel` checked by the strategy: a record or
+  "auto"), what kvr_jax.tools.memory measures too: "auto" resolved for the device's
+  platform, except on a hybrid or latent model, whose own programs run the strategy's
+  default for "auto" (the kernel they are tested with); refused where it cannot run."""
+  if own_family(shape.config) is not None and kernel == AUTO:
+    kernel = get_kernel(spec.default_attention)
+  return _plan_kernel(shape, spec, kernel, device)
 
 
 def _plan_kernel(shape: PrefillShape, spec, kernel, device):

@@ -10,6 +10,8 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.inference import hybrid as hybrid_inference
 from kvr_jax.inference import latent, own_program
+from kvr_jax.inference.prefill_plan import planned_kernel
+from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime import tensor_parallel
@@ -26,7 +28,7 @@ from kvr_jax.tools.xla_memory import (
   report_head,
   struct,
 )
-from models.kernels import get_kernel
+from models.kernels import AttentionKernel
 from models.qwen3_5 import HybridCache, LinearState
 
 
@@ -52,6 +54,15 @@ def own_program_chunks(config, spec, shape, itemsize: int, kernel, partition) ->
   )
 
 
+def prefills_kernel(config, spec, mesh, dtype_name: str, attention, shape) -> AttentionKernel:
+  """The kernel `kvr_jax.prefill` plans for `attention` (checked: a record or "auto") on this
+  mesh (`prefill_plan.planned_kernel`), so that the figures are those of the program it
+  compiles."""
+  context_len, _, batch, _, _ = shape
+  prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
+  return planned_kernel(prompt, spec, attention, mesh.devices.flat[0])
+
+
 def measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
   """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
   (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
@@ -62,10 +73,7 @@ def measure_latent(config, spec, shape, dtype_name, cache, attention, partition,
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state, mesh = model
   itemsize = np.dtype(dtype_name).itemsize
-  # The kernels prefill_latent runs: flash on the expanded heads (or the one named), or the
-  # strategy's own where its kernel is part of it (TSP's dense masked scores).
-  named = attention if attention not in (None, "auto") else "flash"
-  kernel = get_kernel(spec.default_attention if spec.fixed_kernel else named)
+  kernel = prefills_kernel(config, spec, mesh, dtype_name, attention, shape)
   chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
   program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
   state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
@@ -124,7 +132,7 @@ def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition,
   if spec.name not in hybrid.STRATEGIES:
     raise ValueError(f"hybrid models run under {hybrid.STRATEGIES}, not {spec.name!r}")
   itemsize = np.dtype(dtype_name).itemsize
-  kernel = get_kernel(spec.default_attention if attention == "auto" else attention)
+  kernel = prefills_kernel(config, spec, mesh, dtype_name, attention, shape)
   chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
   program = hybrid.compile_hybrid(
     spec.name, graphdef, mesh, tuple(chunks), kernel, keep_last_hop=cache == "last"
