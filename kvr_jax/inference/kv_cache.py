@@ -195,13 +195,12 @@ def send_to_last_program(mesh, sender: int, spec: tuple | None = None):
   def body(piece):
     return jax.lax.ppermute(piece, AXIS, perm=[(sender, p - 1)])
 
-  if spec is None:
-    spec = parts_spec(mesh)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-  spec = jax.P(*spec)
-  # check_vma=False: a piece whole over "model" (a latent) stays so, each shard sending its
-  # own copy.
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+  placed = parts_spec(mesh) if spec is None else jax.P(*spec)
+  # Another output's pieces unchecked (check_vma=False): a piece whole over "model" (a
+  # latent) stays so, each shard sending its own copy.
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=placed, out_specs=placed, check_vma=spec is None)
+  )
 
 
 def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):

@@ -123,7 +123,8 @@ def stacked_on_last_rank(array, mesh):
   on its device (a 1-D mesh, or an output whole on every shard of a rank: a latent), or on its
   model group split over "model" as `array` is (each device stacks what every rank's same
   device held). Copied there in one process; across processes sent by one ppermute per rank
-  (`kv_cache.send_to_last_program`: one piece-sized output at a time; every process runs each send).
+  (`kv_cache.send_to_last_program`: one piece-sized output at a time; every process runs
+  each send).
   None in the processes that do not hold the last rank."""
   p = mesh.shape[AXIS]
   devices_pm = mesh.devices.reshape(p, -1)
