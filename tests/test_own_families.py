@@ -19,6 +19,7 @@ from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.strategies import base as strategies_base
 from kvr_jax.strategies import runahead
 from models.kernels import get_kernel
+from models.layer_kinds import FULL_ATTENTION
 from tests import hf_fixtures
 from tests.tolerance import assert_close
 
@@ -258,6 +259,32 @@ def test_kvr_with_a_fixed_body_runs_that_body(
   assert asked == [body]
   assert_close(result.logits, oracle[case][0], f"{body}: last logits")
   _assert_cache_close(case, result.gather_cache(), oracle[case][1])
+
+
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+def test_a_kvr_record_brings_its_options_to_the_familys_program(models, case):
+  """The families' builders take a strategy's record as the K,V path does: KV-Runahead's
+  record with a fixed body, or its split as data, is the registered program with that body
+  or envelope (one cached program, not a second compile), and a name outside the family is
+  refused with the family's own strategies."""
+  from kvr_jax.strategies.hybrid import compile_hybrid
+  from kvr_jax.strategies.latent import compile_latent
+
+  _, ours = models[case]
+  builder = compile_hybrid if case == HYBRID else compile_latent
+  mesh, chunks, flash = kvr_jax.make_mesh(3), (10, 12, 8), get_kernel("flash")
+  by_record = builder(runahead.with_body("one"), ours.graphdef, mesh, chunks, flash)
+  assert by_record is builder("kvr", ours.graphdef, mesh, chunks, flash, body="one")
+  assert by_record is not builder("kvr", ours.graphdef, mesh, chunks, flash, body="per-rank")
+  config = ours.config.of_kind(FULL_ATTENTION) if case == HYBRID else ours.config
+  shape = runahead.OneBodyShape.envelope(config, chunks, flash, 16)
+  as_data = runahead.split_as_data_strategy(ours.config, shape)
+  options = dict(keep_last_hop=False) if case == HYBRID else dict(keep_last=False)
+  by_record = builder(as_data, ours.graphdef, mesh, None, flash, **options)
+  given = builder("kvr", ours.graphdef, mesh, None, flash, **options, split_shape=shape)
+  assert by_record is given
+  with pytest.raises(ValueError, match=r"models run under \('kvr', 'ring', 'allgather'"):
+    builder("single", ours.graphdef, mesh, chunks, flash)
 
 
 def test_a_kvr_record_keeps_its_timeline_rule_on_the_families(models, tokens):

@@ -423,7 +423,7 @@ def test_the_one_bodys_linear_layers_loop_over_their_real_chunks_alone(checkpoin
 
   model = checkpoints["qwen3_5-types"][2]
   mesh, chunks, flash = kvr_jax.make_mesh(3), (130, 4, 4), get_kernel("flash")
-  assert hybrid_body("kvr", flash, chunks, None, None) == "one"
+  assert hybrid_body(get_strategy("kvr"), flash, chunks, None, None) == "one"
   program = compile_hybrid("kvr", model.graphdef, mesh, chunks, flash)
   tokens_pBc = get_strategy("kvr").arrange(np.zeros((1, 138), np.int32), chunks)
   jaxpr = jax.make_jaxpr(program)(

@@ -24,15 +24,17 @@ def check_layers_run(config, what: str) -> None:
     )
 
 
-def check_full_partition(config, strategy_name: str, full_partition, context_len, num_ranks):
+def check_full_partition(config, spec, full_partition, context_len, num_ranks):
   """KV-Runahead's own split of a hybrid model's full-attention layers, checked (one check
-  for the programs and the cost model), or None where every layer takes the one partition."""
+  for the programs and the cost model), or None where every layer takes the one partition.
+  spec: the strategy's record (strategies.base.Strategy): a split per layer kind is its
+  prefix chain's."""
   if full_partition is None:
     return None
-  if strategy_name != "kvr":
+  if not spec.prefix_chain:
     raise ValueError(
       "full_partition is KV-Runahead's split of a hybrid model's full layers; "
-      f"{strategy_name} lays out its own"
+      f"{spec.name} lays out its own"
     )
   linear = [isinstance(kind, GatedDeltaNetKind) for kind in config.kinds]
   if all(linear) or not any(linear):

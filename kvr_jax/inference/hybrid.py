@@ -48,9 +48,9 @@ from kvr_jax.runtime.mesh import (
   spans_processes,
   split_dims,
 )
-from kvr_jax.strategies import get_strategy, runahead, zigzag
-from kvr_jax.strategies.base import count_trace
-from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
+from kvr_jax.strategies import family_program, runahead, zigzag
+from kvr_jax.strategies.base import Strategy, count_trace
+from kvr_jax.strategies.hybrid import check_runs_hybrid, compile_hybrid
 from models.base import no_reduce
 from models.kernels import get_kernel
 from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, unbuilt_kinds
@@ -91,7 +91,7 @@ def prefill_hybrid(
   partition=None,
   attention="dense",
   max_new_tokens: int = 0,
-  strategy: str = "kvr",
+  strategy: str | Strategy = "kvr",
   join: bool = True,
   cache: str = "last",
   timeline: bool = False,
@@ -99,7 +99,8 @@ def prefill_hybrid(
   split_shape=None,
   body: str | None = None,
 ) -> HybridPrefill:
-  """`strategy` ("kvr", "ring", "allgather") over `mesh`'s ranks; KV-Runahead's rank i takes
+  """`strategy` ("kvr", "ring", "allgather", or a record: KV-Runahead's bring their body and
+  split as data, `strategies.family_program`) over `mesh`'s ranks; KV-Runahead's rank i takes
   partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
   max_new_tokens: room the cache keeps for decoding. join=False: return as soon as the last
   rank's logits exist, the cache left where the program put it (`cache` None; what the
@@ -119,9 +120,9 @@ def prefill_hybrid(
   parts are the envelope's rows, moved to the last rank for cache="last". body
   (KV-Runahead): "one" or "per-rank" for every layer, None for `hybrid_body`'s choice."""
   _check_model_and_strategy(model, strategy)
+  spec, body, split_shape = family_program(strategy, body, split_shape)
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-  spec = get_strategy(strategy)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh, allow_model=True)
   if p < 2:
@@ -131,7 +132,7 @@ def prefill_hybrid(
     tensor_parallel.check_model_parallel(model.config, m)
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
-  full_chunks = check_full_partition(model.config, spec.name, full_partition, T, p)
+  full_chunks = check_full_partition(model.config, spec, full_partition, T, p)
   check_new_tokens(max_new_tokens, 0)
   kernel = spec.check_attention(attention)
   if kernel == "auto":
@@ -192,7 +193,7 @@ def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridC
   return _contiguous_cache(mine, chunks, split_shape.part_len, capacity)
 
 
-def _check_model_and_strategy(model, strategy: str) -> None:
+def _check_model_and_strategy(model, strategy: str | Strategy) -> None:
   """A loaded hybrid model (linear-attention layers) and a strategy that runs it."""
   linear = isinstance(model, Model) and any(
     isinstance(kind, GatedDeltaNetKind) for kind in unbuilt_kinds(model.config)
@@ -202,8 +203,7 @@ def _check_model_and_strategy(model, strategy: str) -> None:
       "prefill_hybrid takes a loaded hybrid model (linear-attention layers, e.g. Qwen3.5); "
       "every other model runs through kvr_jax.prefill"
     )
-  if strategy not in STRATEGIES:
-    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
+  check_runs_hybrid(strategy)
 
 
 def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shape):
@@ -214,7 +214,7 @@ def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shap
   keep_last_hop, timeline, body = options
   if split_shape is None:
     program = compile_hybrid(
-      spec.name, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body
+      spec, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body
     )
     return (
       lambda state, tokens_BT: program(state, global_array(spec.arrange(tokens_BT, chunks), rows)),
@@ -223,7 +223,7 @@ def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shap
   if full_chunks is not None:
     raise ValueError("a hybrid's split as data takes one split for every kind of layer")
   program = compile_hybrid(
-    spec.name, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape
+    spec, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape
   )
   table = runahead.table_on(mesh, model.config.of_kind(FULL_ATTENTION), split_shape, chunks)
   arrange = runahead.split_as_data_strategy(model.config, split_shape).arrange

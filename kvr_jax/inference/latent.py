@@ -45,8 +45,9 @@ from kvr_jax.runtime.mesh import (
   shard_on,
   spans_processes,
 )
-from kvr_jax.strategies import get_strategy, runahead
-from kvr_jax.strategies.latent import STRATEGIES, TIMELINE_STRATEGIES, compile_latent
+from kvr_jax.strategies import family_program, get_strategy, runahead
+from kvr_jax.strategies.base import Strategy
+from kvr_jax.strategies.latent import check_runs_latent, compile_latent
 from models.attention import merge_partials
 from models.base import no_reduce
 from models.kernels import get_kernel
@@ -81,7 +82,7 @@ def prefill_latent(
   mesh,
   partition=None,
   max_new_tokens: int = 0,
-  strategy: str = "kvr",
+  strategy: str | Strategy = "kvr",
   attention: str = "flash",
   join: bool = True,
   cache: str = "last",
@@ -89,7 +90,8 @@ def prefill_latent(
   split_shape=None,
   body: str | None = None,
 ) -> LatentPrefill:
-  """`strategy` ("kvr", "ring", "allgather", "tsp") over `mesh`'s ranks; KV-Runahead's rank i
+  """`strategy` ("kvr", "ring", "allgather", "tsp", or a record: KV-Runahead's bring their body
+  and split as data, `strategies.family_program`) over `mesh`'s ranks; KV-Runahead's rank i
   takes partition[i] tokens (contiguous, in order; None: even), ring and all-gather CP their
   zigzag chunks, TSP
   even contiguous chunks (no partition; its kernel is dense masked scores whatever
@@ -106,6 +108,7 @@ def prefill_latent(
   nothing; its parts are the envelope's rows, moved to the last rank for cache="last". body
   (KV-Runahead): "one" or "per-rank", None for `check_body`'s choice."""
   _check_arguments(model, strategy, attention, cache, join, timeline)
+  spec, body, split_shape = family_program(strategy, body, split_shape)
   tokens_BT = check_tokens(model, tokens)
   p = check_mesh(mesh, allow_model=True)
   if p < 2:
@@ -116,7 +119,7 @@ def prefill_latent(
   kernel = get_kernel(attention)
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]
-  spec = get_strategy(strategy)
+  program_spec = spec
   if split_shape is not None:  # its record: its arrangement, layout and no last hop
     spec = runahead.split_as_data_strategy(model.config, split_shape)
     spec.check_attention(attention)
@@ -124,14 +127,14 @@ def prefill_latent(
     chunks = check_chunks(partition, T, p)
   else:
     if partition is not None:
-      raise ValueError(f"strategy {strategy!r} lays the prompt out itself: give no partition")
+      raise ValueError(f"strategy {spec.name!r} lays the prompt out itself: give no partition")
     check_ranks(T, p)
     chunks = spec.layout(T, p, None)
   # KV-Runahead's last hop leaves the program only where cache="last" joins it (its hops
   # carry the whole latent prefix: the last rank then holds every position, nothing moves).
   keep_last = spec.keeps_last_hop(cache, chunks, model.config.kinds)
   program = _program(
-    model, strategy, mesh, chunks, kernel, (keep_last, timeline, body), split_shape
+    model, program_spec, mesh, chunks, kernel, (keep_last, timeline, body), split_shape
   )
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
@@ -179,7 +182,7 @@ def _program(model, strategy, mesh, chunks, kernel, options, split_shape):
   return lambda state, tokens_pBc: program(state, tokens_pBc, table)
 
 
-def _check_arguments(model, strategy: str, attention, cache: str, join: bool, timeline) -> None:
+def _check_arguments(model, strategy, attention, cache: str, join: bool, timeline) -> None:
   """prefill_latent's refusals that need no tokens or mesh, before anything compiles."""
   latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
   if not latent:
@@ -187,19 +190,14 @@ def _check_arguments(model, strategy: str, attention, cache: str, join: bool, ti
       "prefill_latent takes a loaded latent-attention model (DeepSeek-V3); every other model "
       "runs through kvr_jax.prefill"
     )
-  if strategy not in STRATEGIES:
-    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
-  if strategy == "ring" and not get_kernel(attention).returns_lse:
+  check_runs_latent(strategy, timeline)
+  if get_strategy(strategy).merges_by_lse and not get_kernel(attention).returns_lse:
     raise ValueError(
       f"ring attention merges partials by log-sum-exp: attention={attention!r} returns none "
       "(use flash)"
     )
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-  if timeline and strategy not in TIMELINE_STRATEGIES:
-    raise ValueError(
-      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
-    )
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):

@@ -37,7 +37,9 @@ from kvr_jax.runtime.mesh import (
   rank_row_mesh,
   spans_processes,
 )
-from kvr_jax.strategies import runahead
+from kvr_jax.strategies import family_program
+from kvr_jax.strategies import hybrid as hybrid_programs
+from kvr_jax.strategies import latent as latent_programs
 from models.base import no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 from models.qwen3_5 import HybridCache
@@ -81,35 +83,12 @@ class OwnFamily:
 
 def _plan_options(plan) -> tuple:
   """(partition, strategy, attention, cache) of a plan as the families' programs take them:
-  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves); a
-  KV-Runahead record with options (a fixed body, the split as data) runs as "kvr" with
-  them (`_kvr_options`)."""
+  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves) and the
+  strategy's record itself (KV-Runahead's bring their body and split as data,
+  `strategies.family_program`)."""
   spec = plan.strategy
   partition = plan.chunks if spec.partitioned else None
-  return partition, _program_name(spec), plan.kernel.name, plan.cache
-
-
-def _kvr_options(spec) -> runahead.Options | None:
-  """KV-Runahead's options where `spec` is one of its records (the registry's, a fixed
-  body's, the split as data's), else None."""
-  return spec.options if isinstance(spec.options, runahead.Options) else None
-
-
-def _program_name(spec) -> str:
-  """The strategy whose program runs `spec` in a family: "kvr" for each of its records."""
-  return "kvr" if _kvr_options(spec) is not None else spec.name
-
-
-def _split_shape(plan):
-  """The envelope of KV-Runahead's split as data (`runahead.split_as_data_strategy`), or None."""
-  options = _kvr_options(plan.strategy)
-  return None if options is None else options.split_shape
-
-
-def _body(plan):
-  """KV-Runahead's body fixed by its record (`runahead.with_body`), or None (its choice)."""
-  options = _kvr_options(plan.strategy)
-  return None if options is None else options.body
+  return partition, spec, plan.kernel.name, plan.cache
 
 
 def _run_hybrid(model, tokens_BT, plan, room) -> dict:
@@ -125,8 +104,6 @@ def _run_hybrid(model, tokens_BT, plan, room) -> dict:
     cache=cache,
     timeline=plan.timeline,
     full_partition=plan.full_chunks,
-    split_shape=_split_shape(plan),
-    body=_body(plan),
   )
   return dict(
     logits=ran.logits_BV,
@@ -151,8 +128,6 @@ def _run_latent(model, tokens_BT, plan, room):
     attention,
     cache=cache,
     timeline=plan.timeline,
-    split_shape=_split_shape(plan),
-    body=_body(plan),
   )
   return dict(
     logits=ran.logits_BV,
@@ -189,10 +164,10 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
   strategies and cache layouts, rows padded past their length under the layouts that keep
   them (`padded_caches`), timeline probes under the strategies whose programs mark them."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
-  name, options = _program_name(spec), _kvr_options(spec)
+  name, (_, _, split_shape) = spec.registered_name, family_program(spec)
   if name not in family.strategies:
     raise ValueError(f"{what} runs under {list(family.strategies)}, not {spec.name!r}")
-  if options is not None and options.split_shape is not None and not family.takes_split_as_data:
+  if split_shape is not None and not family.takes_split_as_data:
     raise ValueError(f"{what} does not take KV-Runahead's split as data ({spec.name!r})")
   if cache not in family.caches:
     raise ValueError(f"{what} keeps its cache as {list(family.caches)}, not cache={cache!r}")
@@ -442,7 +417,7 @@ def own_stepper(
 
 HYBRID = OwnFamily(
   "hybrid",
-  ("single", *hybrid.STRATEGIES),
+  ("single", *hybrid_programs.STRATEGIES),
   hybrid.CACHES,
   hybrid.CACHE_SPECS,
   _run_hybrid,
@@ -451,12 +426,12 @@ HYBRID = OwnFamily(
   lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
   own_sharded.sharded_hybrid_stepper,
   own_sharded.one_rank_hybrid_parts,
-  timeline_strategies=hybrid.STRATEGIES,
+  timeline_strategies=hybrid_programs.STRATEGIES,
   takes_split_as_data=True,
 )
 LATENT = OwnFamily(
   "latent",
-  ("single", *latent.STRATEGIES),
+  ("single", *latent_programs.STRATEGIES),
   latent.CACHES,
   jax.P(),  # headless: whole on every shard
   _run_latent,
@@ -465,7 +440,7 @@ LATENT = OwnFamily(
   lambda cache, T: cache[:, :, :T],
   own_sharded.sharded_latent_stepper,
   own_sharded.one_rank_latent_parts,
-  timeline_strategies=latent.TIMELINE_STRATEGIES,
+  timeline_strategies=latent_programs.TIMELINE_STRATEGIES,
   padded_caches=("last", "sharded"),
   takes_split_as_data=True,
 )

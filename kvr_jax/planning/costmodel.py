@@ -248,7 +248,7 @@ def simulate(
   linear layers'; each full layer then moves the hidden states into its split and back
   (`with_moves`)."""
   full_chunks = check_full_partition(
-    config, get_strategy(strategy).name, full_partition, context_len, num_ranks
+    config, get_strategy(strategy), full_partition, context_len, num_ranks
   )
 
   def partition_of(kind):

@@ -31,4 +31,18 @@ def get_strategy(name: str | Strategy) -> Strategy:
   return REGISTRY[name]
 
 
-__all__ = ["REGISTRY", "STRATEGIES", "TRACE_COUNT", "Strategy", "get_strategy"]
+def family_program(strategy, body: str | None = None, split_shape=None) -> tuple:
+  """What a model's own program (strategies.hybrid, strategies.latent) runs for `strategy` (a
+  name or a record): (the registered record whose program it is, KV-Runahead's body, its
+  split as data's envelope), the body and envelope as given or else from a KV-Runahead
+  record's options (`runahead.with_body`, `runahead.split_as_data_strategy`). One record per
+  program, so that a variant and its options given apart compile once."""
+  spec = get_strategy(strategy)
+  options = spec.options if isinstance(spec.options, runahead.Options) else None
+  if options is not None:
+    body = options.body if body is None else body
+    split_shape = options.split_shape if split_shape is None else split_shape
+  return get_strategy(spec.registered_name), body, split_shape
+
+
+__all__ = ["REGISTRY", "STRATEGIES", "TRACE_COUNT", "Strategy", "family_program", "get_strategy"]

@@ -89,4 +89,5 @@ STRATEGY = Strategy(
   **zigzag.PEER_FIELDS,
   attention_note="its chunks attend at a rank-dependent offset (flash, dense) or in ring's "
   "pieces (fused, cudnn)",
+  rank_body=allgather_body,
 )

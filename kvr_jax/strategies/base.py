@@ -118,6 +118,26 @@ class Strategy:
   # The strategy's own frozen options, where it has variants of its program (KV-Runahead:
   # runahead.Options, its body and whether the split is data); None where it has none.
   options: Any = None
+  # The registry's name of the strategy this record is a variant of (KV-Runahead with a
+  # fixed body or its split as data); None for a registered record (`registered_name`).
+  variant_of: str | None = None
+  # Its ranks pass the prompt's prefix down the ranks in order (KV-Runahead): a layer whose
+  # past is a fixed-size state (Gated DeltaNet) passes the state down the same chain, and
+  # the ranks' layout is contiguous chunks; otherwise a model's own programs gather every
+  # rank's state or entries (strategies.hybrid, strategies.latent).
+  prefix_chain: bool = False
+  # It merges attention partials over disjoint keys by their log-sum-exp (ring attention):
+  # a kernel must return one (a model's own programs check it; `attention_kinds` already
+  # holds only such kernels for the K,V programs).
+  merges_by_lse: bool = False
+  # Its rank body maker (`strategy_compiler`'s body_of), which a model's own programs run
+  # for their K,V layers (strategies.hybrid); None where it lends none.
+  rank_body: Callable | None = None
+
+  @property
+  def registered_name(self) -> str:
+    """The registry's name of the strategy whose program this record runs."""
+    return self.variant_of or self.name
 
   def keeps_last_hop(self, cache: str, chunks: tuple[int, ...], kinds: tuple) -> bool:
     """cache="last" can come from what the last rank received (no move): this strategy's hops

@@ -57,30 +57,30 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
-from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.allgather import allgather_body
-from kvr_jax.strategies.base import count_trace, logits_to_last_rank, own_spmd, reshard_rows
+from kvr_jax.strategies import family_program, zigzag
+from kvr_jax.strategies.base import (
+  Strategy,
+  count_trace,
+  logits_to_last_rank,
+  own_spmd,
+  reshard_rows,
+)
 from kvr_jax.strategies.linear_chain import (
   chain_linear_layer,
   chain_linear_layer_one_body,
   plain_maps,
 )
 from kvr_jax.strategies.probe import mark
-from kvr_jax.strategies.ring import ring_body
-from kvr_jax.strategies.runahead import check_body, kvr_body, one_body_as_data
+from kvr_jax.strategies.runahead import check_body, one_body_as_data
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
 from models.base import no_reduce
 from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import FULL, LINEAR, scan_layers
 
+# The registered strategies whose records lend a rank body (`Strategy.rank_body`) for the
+# full layers and say how a linear layer's state crosses the ranks (`Strategy.prefix_chain`).
 STRATEGIES = ("kvr", "ring", "allgather")
-# Each strategy's rank maker (strategy_compiler's body_of) and whether it keeps its last hop.
-_BODIES = {
-  "kvr": (kvr_body, True),
-  "ring": (ring_body, False),
-  "allgather": (allgather_body, False),
-}
 
 
 def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zeros):
@@ -152,7 +152,7 @@ def zigzag_linear_layer(
   return probe("rest", x_B2cD), entering_j[-1], spans[1][1]
 
 
-def _linear_layer(strategy: str, config, rank, chunks, reduce, timeline: bool, one_body):
+def _linear_layer(spec: Strategy, config, rank, chunks, reduce, timeline: bool, one_body):
   """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline.
   one_body (KV-Runahead in the one body): (its shape, each rank's length [p] as data); its
   row loops take the shape's block, the full layers' own."""
@@ -163,12 +163,12 @@ def _linear_layer(strategy: str, config, rank, chunks, reduce, timeline: bool, o
     def probe(label, value):  # the model's index of linear layer i
       return mark(timeline, label, linear_index_L[i], value)
 
-    if strategy == "kvr" and one_body is not None:
+    if spec.prefix_chain and one_body is not None:
       shape, lengths_p = one_body
       return chain_linear_layer_one_body(
         block, x, rank, lengths_p[rank], shape.num_ranks, reduce, probe, shape.block
       )
-    if strategy == "kvr":
+    if spec.prefix_chain:
       return chain_linear_layer(block, x, rank, chunks, reduce, probe)
     return zigzag_linear_layer(block, x, rank, sum(chunks), len(chunks), reduce, probe)
 
@@ -176,7 +176,7 @@ def _linear_layer(strategy: str, config, rank, chunks, reduce, timeline: bool, o
 
 
 def hybrid_body(
-  strategy: str, kernel, chunks, full_chunks, body: str | None, split_shape=None
+  spec: Strategy, kernel, chunks, full_chunks, body: str | None, split_shape=None
 ) -> str | None:
   """KV-Runahead's program body on a hybrid model, the same for its full and its linear
   layers: `check_body`'s choice (the one body where the kernel takes lengths as data on
@@ -185,13 +185,12 @@ def hybrid_body(
   peers (their layers are of one body). The split as data (`split_shape`) runs the one body
   and no split per layer kind (its moves' slices are static). Refuses a strategy that runs no
   hybrid, and a split per layer kind or a split as data under a peer."""
-  if strategy not in STRATEGIES:
-    raise ValueError(f"hybrid models run under {STRATEGIES}, not {strategy!r}")
-  if full_chunks is not None and strategy != "kvr":
-    raise ValueError(f"a split per layer kind is KV-Runahead's; {strategy} lays out its own")
-  if split_shape is not None and strategy != "kvr":
-    raise ValueError(f"a split as data is KV-Runahead's; {strategy} lays out its own")
-  if strategy != "kvr":
+  check_runs_hybrid(spec)
+  if full_chunks is not None and not spec.prefix_chain:
+    raise ValueError(f"a split per layer kind is KV-Runahead's; {spec.name} lays out its own")
+  if split_shape is not None and not spec.prefix_chain:
+    raise ValueError(f"a split as data is KV-Runahead's; {spec.name} lays out its own")
+  if not spec.prefix_chain:
     return None
   if split_shape is not None:
     if full_chunks is not None or body == "per-rank" or chunks is not None:
@@ -207,9 +206,18 @@ def hybrid_body(
   return check_body(body, kernel, len(chunks))
 
 
-@kept_cache(16)
+def check_runs_hybrid(strategy: str | Strategy) -> None:
+  """Refuses a strategy (a name or a record) whose programs run no hybrid model
+  (`STRATEGIES`)."""
+  name, shown = strategy, strategy
+  if isinstance(strategy, Strategy):
+    name, shown = strategy.registered_name, strategy.name
+  if name not in STRATEGIES:
+    raise ValueError(f"hybrid models run under {STRATEGIES}, not {shown!r}")
+
+
 def compile_hybrid(
-  strategy: str,
+  strategy: str | Strategy,
   graphdef,
   mesh,
   chunks: tuple[int, ...] | None,
@@ -220,7 +228,30 @@ def compile_hybrid(
   body: str | None = None,
   split_shape: OneBodyShape | None = None,
 ):
-  """The jitted SPMD program of `strategy` (STRATEGIES) on a hybrid model: (state, tokens
+  """The jitted SPMD program of `strategy` (a name of STRATEGIES or a record: KV-Runahead's
+  records bring their body and split as data, `strategies.family_program`) on a hybrid
+  model: `_compile_hybrid`, cached by the registered record and every option."""
+  check_runs_hybrid(strategy)  # before the registry's lookup: the family's own names in its message
+  spec, body, split_shape = family_program(strategy, body, split_shape)
+  return _compile_hybrid(
+    spec, graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body, split_shape
+  )
+
+
+@kept_cache(16)
+def _compile_hybrid(
+  spec: Strategy,
+  graphdef,
+  mesh,
+  chunks: tuple[int, ...] | None,
+  kernel,
+  keep_last_hop: bool = True,
+  timeline: bool = False,
+  full_chunks: tuple[int, ...] | None = None,
+  body: str | None = None,
+  split_shape: OneBodyShape | None = None,
+):
+  """The jitted SPMD program of `spec` on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
   the prompt's last position's, {"full": each full layer's K,V output as the strategy emits
   it [p, L_full, ...], "state": [p, L_linear, B, h, k, v], "halo": [p, L_linear, B, w, C]}).
@@ -240,21 +271,22 @@ def compile_hybrid(
   layers' config) whose one program takes the split as data, a third operand
   (`OneBodyShape.table`): one program for every split that fits it, both kinds of layer in
   the one body, the full layers' parts `split_shape.part_len` rows and no last hop kept."""
-  body_kind = hybrid_body(strategy, kernel, chunks, full_chunks, body, split_shape)
+  body_kind = hybrid_body(spec, kernel, chunks, full_chunks, body, split_shape)
   if split_shape is not None:
     _check_split_as_data(mesh, timeline, keep_last_hop)
     make_body = one_body_as_data(split_shape, kernel)
   else:
     full_chunks = chunks if full_chunks is None else full_chunks
-    body_of, keeps = _BODIES[strategy]
-    if strategy == "kvr":
+    body_of = spec.rank_body
+    if spec.prefix_chain:
       body_of = functools.partial(body_of, body=body_kind)
-    make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps and keep_last_hop)
+    keeps = spec.cache_from_last_hop is not None and keep_last_hop
+    make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps)
   P, p = jax.P, mesh.shape[AXIS]
   reduce = tensor_parallel.psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
   def program(state, tokens_1BT, *table):
-    count_trace(f"{strategy}-hybrid")
+    count_trace(f"{spec.name}-hybrid")
     model = nnx.merge(graphdef, state)
     full_config = model.config.of_kind(FULL_ATTENTION)
     rank = jax.lax.axis_index(AXIS)
@@ -264,7 +296,7 @@ def compile_hybrid(
     one_body = None  # KV-Runahead's one body: its shape and lengths, static or data
     if split_shape is not None or body_kind == "one":
       one_body = _one_body_lengths(full_config, chunks, kernel, split_shape, table)
-    linear_layer = _linear_layer(strategy, model.config, rank, chunks, reduce, timeline, one_body)
+    linear_layer = _linear_layer(spec, model.config, rank, chunks, reduce, timeline, one_body)
     full_layer = _full_layer(model.config, body, KindSplit(chunks, full_chunks, rank), timeline)
     x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
     out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
@@ -283,7 +315,7 @@ def compile_hybrid(
 
     x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
     last_row = body.last_row
-    if strategy == "kvr":  # x is in the linear layers' layout (`chunks`) after every layer
+    if spec.prefix_chain:  # x is in the linear layers' layout (`chunks`) after every layer
       lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]
       last_row = functools.partial(jnp.take, indices=lengths_p[rank] - 1, axis=1)
     logits_BV = model.logits(last_row(x)[:, None])[:, 0]

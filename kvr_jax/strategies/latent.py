@@ -34,8 +34,9 @@ from flax import nnx
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import get_strategy, tsp, zigzag
+from kvr_jax.strategies import family_program, get_strategy, tsp, zigzag
 from kvr_jax.strategies.base import (
+  Strategy,
   count_trace,
   gather_to_owner,
   logits_to_last_rank,
@@ -53,9 +54,14 @@ from models.kernels import get_kernel
 
 STRATEGIES = ("kvr", "ring", "allgather", "tsp")
 # The strategies whose latent programs mark their phases for a timeline (strategies.probe):
-# KV-Runahead's rank layer marks latent layers as it marks K,V layers; the peers' latent
-# layers have no marks yet.
+# KV-Runahead's rank layer marks latent layers as it marks K,V layers (`runs_timeline`); the
+# peers' latent layers have no marks yet.
 TIMELINE_STRATEGIES = ("kvr",)
+
+
+def runs_timeline(spec: Strategy) -> bool:
+  """Whether `spec`'s latent program marks its phases: the prefix chain's rank layer does."""
+  return spec.prefix_chain
 
 
 def _project(block, x_BTD, positions_BT):
@@ -217,7 +223,7 @@ PEER_LAYERS = {
 }
 
 
-def peer_last_layer(strategy: str, block, x_BTD, rank, chunks: tuple[int, ...], reduce):
+def peer_last_layer(spec: Strategy, block, x_BTD, rank, chunks: tuple[int, ...], reduce):
   """A peer's (ring, all-gather, TSP) part of the model's last layer on latents, where only
   the prompt's last row is read: every rank's latents gathered in prompt order on the owner
   of the last position (`strategies.base.gather_to_owner`), which attends that row and
@@ -226,7 +232,7 @@ def peer_last_layer(strategy: str, block, x_BTD, rank, chunks: tuple[int, ...], 
   B, T = x_BTD.shape[:2]
   # Each row's prompt position in the strategy's layout (-1: padding, never read: only the
   # prompt's rows are gathered, and only its last row's query attends).
-  layout = get_strategy(strategy).cache_layout(context_len, chunks)
+  layout = spec.cache_layout(context_len, chunks)
   positions_BT = jnp.broadcast_to(jnp.asarray(layout.positions())[rank], (B, T))
   queries, own_1BT1C = block.project_entries(x_BTD, positions_BT)
   owner, row = layout.holder(context_len - 1)
@@ -237,9 +243,8 @@ def peer_last_layer(strategy: str, block, x_BTD, rank, chunks: tuple[int, ...], 
   return x_BTD, own_1BT1C[0, :, :, 0]
 
 
-@kept_cache(16)
 def compile_latent(
-  strategy: str,
+  strategy: str | Strategy,
   graphdef,
   mesh,
   chunks: tuple[int, ...] | None,
@@ -249,7 +254,29 @@ def compile_latent(
   body: str | None = None,
   split_shape: OneBodyShape | None = None,
 ):
-  """The jitted SPMD program of `strategy` (STRATEGIES) on a latent-attention model: (state,
+  """The jitted SPMD program of `strategy` (a name of STRATEGIES or a record: KV-Runahead's
+  records bring their body and split as data, `strategies.family_program`) on a latent
+  model: `_compile_latent`, cached by the registered record and every option."""
+  check_runs_latent(strategy)  # before the registry's lookup: the family's own names in its message
+  spec, body, split_shape = family_program(strategy, body, split_shape)
+  return _compile_latent(
+    spec, graphdef, mesh, chunks, kernel, keep_last, timeline, body, split_shape
+  )
+
+
+@kept_cache(16)
+def _compile_latent(
+  spec: Strategy,
+  graphdef,
+  mesh,
+  chunks: tuple[int, ...] | None,
+  kernel,
+  keep_last: bool = True,
+  timeline: bool = False,
+  body: str | None = None,
+  split_shape: OneBodyShape | None = None,
+):
+  """The jitted SPMD program of `spec` on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
   p-1's are the prompt's last position's, {"own": [p, L, B, T_rank, C], and for "kvr" "last":
   [p, L, B, S_{p-2}, C], the last hop's message, where `keep_last`: what cache="last" joins
@@ -264,10 +291,11 @@ def compile_latent(
   (`OneBodyShape.envelope`) whose one program takes the split as data, a third operand
   (`OneBodyShape.table`): one program for every split that fits it, its parts
   `split_shape.part_len` rows, no last hop kept, no probes, a 1-D mesh."""
-  body = _check_latent_program(strategy, mesh, chunks, timeline, keep_last, body, split_shape)
+  body = _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape)
+  chain = spec.prefix_chain
   if split_shape is None:
     p, context_len = len(chunks), sum(chunks)
-    body = check_body(body, kernel, p) if strategy == "kvr" else None
+    body = check_body(body, kernel, p) if chain else None
   else:
     p, context_len = split_shape.num_ranks, split_shape.context_len
   P = jax.P
@@ -275,7 +303,7 @@ def compile_latent(
   reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
 
   def program(state, tokens_1BT, *table):
-    count_trace(f"{strategy}-latent")
+    count_trace(f"{spec.name}-latent")
     attention = kernel
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -286,9 +314,9 @@ def compile_latent(
     L, C = cfg.num_layers, cfg.cache_width
     varying = lambda shape: jax.lax.pcast(jnp.zeros(shape, model.dtype), (AXIS,), to="varying")  # noqa: E731
     out = {"own": varying((L, B, T_rank, C))}
-    if strategy == "kvr" and keep_last:
+    if chain and keep_last:
       out["last"] = varying((L, B, sum(chunks[:-1]), C))
-    if strategy == "kvr":
+    if chain:
       split_table = None if split_shape is None else (split_shape, table[0])
       ranks = kvr_latent_rank(model, rank, chunks, attention, reduce, timeline, body, split_table)
       carry = ranks.empty_buffer(B)
@@ -298,7 +326,7 @@ def compile_latent(
 
     def layer(block, l, state):
       x_BTD, carry, out = state
-      if strategy == "kvr":
+      if chain:
         # (its own part, and its last hop where kept)
         x_BTD, carry, emitted = ranks.layer(block, x_BTD, carry, l)
         own = emitted[0].reshape(B, T_rank, C)
@@ -306,19 +334,13 @@ def compile_latent(
         if keep_last:
           out["last"] = out["last"].at[l].set(emitted[1].reshape(B, -1, C))
       else:
-
-        def every_row(x_BTD):
-          return PEER_LAYERS[strategy](block, x_BTD, rank, context_len, p, attention, reduce)
-
-        def last_row(x_BTD):
-          return peer_last_layer(strategy, block, x_BTD, rank, chunks, reduce)
-
-        x_BTD, own = jax.lax.cond(l == cfg.num_layers - 1, last_row, every_row, x_BTD)
+        last = l == cfg.num_layers - 1
+        x_BTD, own = _peer_layer(spec, block, x_BTD, last, rank, chunks, attention, reduce)
         out = {"own": out["own"].at[l].set(own)}
       return x_BTD, carry, out
 
     x_BTD, _, out = model.scan_layers(layer, (x_BTD, carry, out))
-    owner, x_B1D = _prompts_last_row(strategy, chunks, context_len, p, rank, x_BTD, table)
+    owner, x_B1D = _prompts_last_row(spec, chunks, context_len, p, rank, x_BTD, table)
     logits_BV = model.logits(x_B1D)[:, 0]
     logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, owner, p))
     return jax.tree.map(lambda a: a[None], (logits_BV, out))
@@ -326,20 +348,44 @@ def compile_latent(
   return own_spmd(program, mesh, P(AXIS), split_shape is not None)
 
 
-def _check_latent_program(strategy, mesh, chunks, timeline, keep_last, body, split_shape):
-  """compile_latent's refusals by name; returns the body asked for."""
-  if strategy not in STRATEGIES:
-    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {strategy!r}")
-  if timeline and strategy not in TIMELINE_STRATEGIES:
+def _peer_layer(spec, block, x_BTD, last, rank, chunks, attention, reduce):
+  """A peer's latent layer: its every-row layer (`PEER_LAYERS`), or where `last` (traced:
+  the model's last layer) its part in the prompt's last row alone (`peer_last_layer`): (x,
+  its own latents)."""
+
+  def every_row(x_BTD):
+    layer = PEER_LAYERS[spec.name]
+    return layer(block, x_BTD, rank, sum(chunks), len(chunks), attention, reduce)
+
+  def last_row(x_BTD):
+    return peer_last_layer(spec, block, x_BTD, rank, chunks, reduce)
+
+  return jax.lax.cond(last, last_row, every_row, x_BTD)
+
+
+def check_runs_latent(strategy: str | Strategy, timeline: bool = False) -> None:
+  """Refuses a strategy (a name or a record) whose programs run no latent model
+  (`STRATEGIES`), and probes where its latent program has none (`runs_timeline`)."""
+  name, shown = strategy, strategy
+  if isinstance(strategy, Strategy):
+    name, shown = strategy.registered_name, strategy.name
+  if name not in STRATEGIES:
+    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {shown!r}")
+  if timeline and not runs_timeline(get_strategy(strategy)):
     raise ValueError(
-      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {strategy!r}"
+      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {shown!r}"
     )
+
+
+def _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape):
+  """compile_latent's refusals by name; returns the body asked for."""
+  check_runs_latent(spec, timeline)
   if split_shape is None:
     return body
-  if strategy != "kvr" or chunks is not None or body == "per-rank":
+  if not spec.prefix_chain or chunks is not None or body == "per-rank":
     raise ValueError(
       "a latent model's split as data runs KV-Runahead's one body, the split its operand (no "
-      f"chunks, no per-rank body), not {strategy!r}"
+      f"chunks, no per-rank body), not {spec.name!r}"
     )
   if timeline or keep_last:
     raise ValueError("a latent model's split as data keeps no last hop and marks no timeline")
@@ -348,11 +394,11 @@ def _check_latent_program(strategy, mesh, chunks, timeline, keep_last, body, spl
   return "one"
 
 
-def _prompts_last_row(strategy, chunks, context_len: int, p: int, rank, x_BTD, table):
+def _prompts_last_row(spec, chunks, context_len: int, p: int, rank, x_BTD, table):
   """(the rank that holds the prompt's last position, its hidden state [B, 1, D] there): its
   row static (`cache_layout.holder`), or data where the split is (the last rank's length)."""
   if table:
     row = jnp.asarray(table[0][0], jnp.int32)[rank] - 1
     return p - 1, jax.lax.dynamic_slice_in_dim(x_BTD, row, 1, axis=1)
-  owner, row = get_strategy(strategy).cache_layout(context_len, chunks).holder(context_len - 1)
+  owner, row = spec.cache_layout(context_len, chunks).holder(context_len - 1)
   return owner, x_BTD[:, row : row + 1]

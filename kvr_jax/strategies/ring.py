@@ -114,4 +114,6 @@ STRATEGY = Strategy(
   modelled_layer=modelled_layer,
   **zigzag.PEER_FIELDS,
   attention_note="ring attention merges partials by their log-sum-exp",
+  merges_by_lse=True,
+  rank_body=ring_body,
 )

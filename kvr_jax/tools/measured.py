@@ -246,7 +246,8 @@ def _time_together(
   their searches, and so their compiled programs, would diverge). strategy: "kvr" (each
   split its program, cache="last" as prefill's default) or a split-as-data strategy (one
   program; its parts left where they are: the TTFT, no move)."""
-  cache = "last" if strategy == "kvr" else "sharded"
+  one_program = get_strategy(strategy).options.split_shape is not None
+  cache = "sharded" if one_program else "last"
   variants = {
     ",".join(map(str, chunks)): {
       "strategy": strategy,
@@ -258,7 +259,7 @@ def _time_together(
   }
   # On one program only the first candidate's first call compiles; the others' would only
   # run it once more untimed (a shared program's candidates are all warm after it).
-  first_calls = None if strategy == "kvr" else list(variants)[:1]
+  first_calls = list(variants)[:1] if one_program else None
   timings = time_interleaved(model, tokens, variants, repeats, first_calls)
   samples = np.array([timings[name].runs_s for name in variants], np.float64)
   if jax.process_count() > 1:

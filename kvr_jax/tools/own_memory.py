@@ -75,7 +75,7 @@ def measure_latent(config, spec, shape, dtype_name, cache, attention, partition,
   itemsize = np.dtype(dtype_name).itemsize
   kernel = prefills_kernel(config, spec, mesh, dtype_name, attention, shape)
   chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
-  program = compile_latent(spec.name, graphdef, mesh, tuple(chunks), kernel, cache == "last")
+  program = compile_latent(spec, graphdef, mesh, tuple(chunks), kernel, cache == "last")
   state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
@@ -129,13 +129,12 @@ def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition,
   state, mesh)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state, mesh = model
-  if spec.name not in hybrid.STRATEGIES:
-    raise ValueError(f"hybrid models run under {hybrid.STRATEGIES}, not {spec.name!r}")
+  hybrid.check_runs_hybrid(spec)
   itemsize = np.dtype(dtype_name).itemsize
   kernel = prefills_kernel(config, spec, mesh, dtype_name, attention, shape)
   chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
   program = hybrid.compile_hybrid(
-    spec.name, graphdef, mesh, tuple(chunks), kernel, keep_last_hop=cache == "last"
+    spec, graphdef, mesh, tuple(chunks), kernel, keep_last_hop=cache == "last"
   )
   state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape

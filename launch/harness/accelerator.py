@@ -15,6 +15,7 @@ from kvr_jax.core.chunks import check_ranks
 from kvr_jax.planning import costmodel, presets
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import Model, build_model, resolve_dtype
+from kvr_jax.strategies import get_strategy
 from kvr_jax.strategies.base import AUTO_KERNELS
 from kvr_jax.tools.phases import fitted_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
@@ -179,7 +180,7 @@ def _modelled_rows(config, C, p, fitted, links_name, kernel, single_s, dtype_byt
   )
   rows = []
   for strategy in ("kvr", "ring", "allgather"):
-    kvr = strategy == "kvr"
+    kvr = get_strategy(strategy).partitioned
     sim = costmodel.simulate(
       config, strategy, C, setup, num_ranks=p, partition=chunks if kvr else None
     )

@@ -10,6 +10,7 @@ import dataclasses
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.runtime.loading import preset_config
 from kvr_jax.runtime.roofline import head_work
+from kvr_jax.strategies import get_strategy
 from kvr_jax.strategies.linear_modelled import replicated_linear_layer, state_bytes
 from models.layer_kinds import FULL_ATTENTION
 
@@ -61,7 +62,7 @@ def hybrid_cell(context_len: int, links: str, num_ranks: int = HYBRID_RANKS) -> 
   chunks = search.modelled_search(config, context_len, num_ranks, setup)
   ttft, linear, full = {}, {}, {}
   for strategy in ("kvr", *PEERS):
-    kw = dict(num_ranks=num_ranks, partition=chunks if strategy == "kvr" else None)
+    kw = dict(num_ranks=num_ranks, partition=chunks if get_strategy(strategy).partitioned else None)
     ttft[strategy] = costmodel.simulate(config, strategy, context_len, setup, **kw).ttft
     for kind, out in ((config.linear_kind, linear), (FULL_ATTENTION, full)):
       layer = costmodel.modelled_layer(config.of_kind(kind), strategy, context_len, setup, **kw)

@@ -23,7 +23,7 @@ from kvr_jax.runtime import faults
 from kvr_jax.runtime.links import UNTHROTTLED, rate_bits
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
-from kvr_jax.strategies import runahead
+from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_hardware
@@ -295,7 +295,7 @@ def timeline_job(
       tokens,
       strategy,
       mesh=mesh,
-      partition=partition if strategy == "kvr" else None,
+      partition=partition if get_strategy(strategy).partitioned else None,
       repeats=repeats,
       cache=cache,
     )

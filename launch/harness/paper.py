@@ -14,6 +14,7 @@ import os
 from kvr_jax.core.chunks import even_partition
 from kvr_jax.planning import costmodel, presets, search, tables
 from kvr_jax.runtime.loading import preset_config
+from kvr_jax.strategies import get_strategy
 from launch.harness.report import pyplot
 
 MODELS = ("llama-2-7b", "falcon-7b")
@@ -360,7 +361,7 @@ def windowed_cell(
   chunks = search.modelled_search(config, context_len, num_ranks, setup)
   ttft, windowed, full = {}, {}, {}
   for strategy in ("kvr", "ring", "allgather"):
-    kw = dict(num_ranks=num_ranks, partition=chunks if strategy == "kvr" else None)
+    kw = dict(num_ranks=num_ranks, partition=chunks if get_strategy(strategy).partitioned else None)
     ttft[strategy] = costmodel.simulate(config, strategy, context_len, setup, **kw).ttft
     for window, out in ((config.narrowest_window, windowed), (None, full)):
       layer = costmodel.modelled_layer(

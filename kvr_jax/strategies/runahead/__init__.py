@@ -223,6 +223,8 @@ STRATEGY = Strategy(
   timeline_probes=True,
   cache_from_last_hop=last_hop_holds_cache,
   options=Options(),
+  prefix_chain=True,
+  rank_body=kvr_body,
 )
 
 
@@ -244,6 +246,7 @@ def _with_fixed_body(body: str) -> Strategy:
   return dataclasses.replace(
     STRATEGY,
     name=f"kvr-{name}",
+    variant_of=STRATEGY.name,
     description=f"KV-Runahead's {name} program on every rank count, for comparisons",
     compile=strategy_compiler("kvr", kvr_body, "flash", body=body),
     options=Options(body=body),
@@ -314,6 +317,7 @@ def _split_as_data(options: Options) -> Strategy:
   return dataclasses.replace(
     STRATEGY,
     name=SPLIT_AS_DATA,
+    variant_of=STRATEGY.name,
     description="KV-Runahead on one program for every split that fits its shape",
     attention_kinds=tuple(k for k in CAUSAL_KERNELS if get_kernel(k).lengths_as_data),
     layout=layout,
