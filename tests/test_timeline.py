@@ -109,6 +109,30 @@ def test_a_latent_models_probes_change_nothing_and_come_in_order():
   assert len({phase for _, _, phase, _, _ in items if phase.startswith("hop")}) == 2
 
 
+@pytest.mark.default_cases("allgather")
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_a_latent_models_peers_mark_their_phases_as_on_kv_layers(strategy):
+  """All-gather CP and ring attention on latent layers (bench-deepseek, 3 ranks) mark the
+  phases they mark on K,V layers, in program order per rank (the last layer gathered on
+  the owner of the prompt's last row), ring's p-1 steps each marked, and the probes change
+  neither the logits nor the latent cache beyond the strategies' 1e-5."""
+  model = kvr_jax.Model(build_model(preset_config("bench-deepseek")))
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 48)
+  kwargs = dict(strategy=strategy, mesh=kvr_jax.make_mesh(3), cache="last")
+  plain = kvr_jax.prefill(model, tokens, **kwargs)
+  probe.EVENTS.clear()
+  probed = run_prefill(model, plan_prefill(model, tokens, timeline=True, **kwargs), tokens)
+  jax.effects_barrier()
+  assert_close(probed.logits, plain.logits, "probed logits")
+  assert_close(probed.model_cache, plain.model_cache, "probed latents")
+  items = timeline.intervals(
+    [{"start_ns": min(e[3] for e in probe.EVENTS), "events": probe.EVENTS}]
+  )
+  check_order(items, strategy, model.config.num_layers, 3)
+  steps = {phase for _, _, phase, _, _ in items if phase.startswith("step")}
+  assert len(steps) == (2 if strategy == "ring" else 0)
+
+
 def test_timeline_refused_for_strategies_without_probes():
   model = kvr_jax.load_model("tiny-llama")
   with pytest.raises(ValueError, match="strategy 'tsp' has no timeline probes"):

@@ -102,7 +102,8 @@ def prefill_latent(
   (`parts`; no move), for `generate(cache="sharded")`.
   With a mesh over several processes only the last rank's process gets the logits and the
   cache (KV-Runahead's where it lies; the peers' parts sent there rank by rank). timeline:
-  the program marks its phases (kvr_jax.tools.timeline reads them; TIMELINE_STRATEGIES).
+  the program marks its phases (kvr_jax.tools.timeline reads them; the strategies whose
+  record places probes, `timeline_probes`: kvr, ring, allgather).
   split_shape (KV-Runahead): an envelope (`OneBodyShape.envelope`) whose one program takes
   the split as data (`compile_latent(split_shape=)`): a new split that fits it compiles
   nothing; its parts are the envelope's rows, moved to the last rank for cache="last". body

@@ -70,8 +70,6 @@ class OwnFamily:
   sharded_stepper: Callable
   # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s ModelCache fields
   one_rank_parts: Callable
-  # The strategies whose programs mark their phases for a timeline (strategies.probe).
-  timeline_strategies: tuple[str, ...] = ()
   # The cache layouts that run rows padded past their length (a bucket, a ragged batch): a
   # causal past whose rows after a row's end change nothing before it (latents; a linear
   # layer's recurrence runs through them).
@@ -116,7 +114,7 @@ def _run_hybrid(model, tokens_BT, plan, room) -> dict:
 
 
 def _run_latent(model, tokens_BT, plan, room):
-  # A split per layer kind is refused by plan_prefill; a peer's timeline by check_own_plan.
+  # A split per layer kind is refused by plan_prefill.
   partition, strategy, attention, cache = _plan_options(plan)
   ran = latent.prefill_latent(
     model,
@@ -159,10 +157,11 @@ def _grown_latent(cache_LBSC, capacity: int):
   return _padded_positions(cache_LBSC, 2, capacity)
 
 
-def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int, timeline):
+def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int):
   """What a plan for `family` runs so far, refused by name before anything compiles: its
-  strategies and cache layouts, rows padded past their length under the layouts that keep
-  them (`padded_caches`), timeline probes under the strategies whose programs mark them."""
+  strategies and cache layouts, and rows padded past their length under the layouts that
+  keep them (`padded_caches`). Timeline probes are the record's (`Strategy.timeline_probes`,
+  checked by the plan for every model): the families' programs mark what the K,V ones do."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
   name, (_, _, split_shape) = spec.registered_name, family_program(spec)
   if name not in family.strategies:
@@ -178,11 +177,6 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: in
       f"{what} runs rows of one length without buckets under cache={cache!r} so far{allowed}; "
       f"these rows were padded to {padded} tokens (a bucket, or the longest row of a ragged "
       "batch): pass buckets=None (launch.run: --buckets=none) with rows of one length"
-    )
-  if timeline and name not in family.timeline_strategies:
-    raise ValueError(
-      f"{what} has no timeline probes under {spec.name!r}; its programs under "
-      f"{list(family.timeline_strategies)} have"
     )
 
 
@@ -426,7 +420,6 @@ HYBRID = OwnFamily(
   lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
   own_sharded.sharded_hybrid_stepper,
   own_sharded.one_rank_hybrid_parts,
-  timeline_strategies=hybrid_programs.STRATEGIES,
   takes_split_as_data=True,
 )
 LATENT = OwnFamily(
@@ -440,7 +433,6 @@ LATENT = OwnFamily(
   lambda cache, T: cache[:, :, :T],
   own_sharded.sharded_latent_stepper,
   own_sharded.one_rank_latent_parts,
-  timeline_strategies=latent_programs.TIMELINE_STRATEGIES,
   padded_caches=("last", "sharded"),
   takes_split_as_data=True,
 )

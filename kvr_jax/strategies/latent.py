@@ -53,15 +53,6 @@ from models.base import no_reduce
 from models.kernels import get_kernel
 
 STRATEGIES = ("kvr", "ring", "allgather", "tsp")
-# The strategies whose latent programs mark their phases for a timeline (strategies.probe):
-# KV-Runahead's rank layer marks latent layers as it marks K,V layers (`runs_timeline`); the
-# peers' latent layers have no marks yet.
-TIMELINE_STRATEGIES = ("kvr",)
-
-
-def runs_timeline(spec: Strategy) -> bool:
-  """Whether `spec`'s latent program marks its phases: the prefix chain's rank layer does."""
-  return spec.prefix_chain
 
 
 def _project(block, x_BTD, positions_BT):
@@ -130,16 +121,19 @@ def kvr_latent_rank(
 
 
 def allgather_latent_layer(
-  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce
+  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce, probe=None
 ):
   """A zigzag rank's layer: its two chunks' latents all-gathered with every rank's, the whole
   prompt expanded, its queries attended causally (a `lax.switch` on the rank: each chunk's
-  offset static, as every kernel takes): (x [B, 2c, D], its own latents)."""
+  offset static, as every kernel takes): (x [B, 2c, D], its own latents). probe(label,
+  value) -> value: the timeline's marks, as all-gather CP marks K,V layers ("qkv",
+  "allgather", "attention", "rest")."""
+  probe = probe or _unprobed
   B, p = x_B2cD.shape[0], num_ranks
   c = zigzag.chunk_len(context_len, p)
   positions_B2c = zigzag.positions(rank, c, p, B)
-  q_nope, q_rope, own_B2cC = _project(block, x_B2cD, positions_B2c)
-  every_pB2cC = jax.lax.all_gather(own_B2cC, AXIS)
+  q_nope, q_rope, own_B2cC = probe("qkv", _project(block, x_B2cD, positions_B2c))
+  every_pB2cC = probe("allgather", jax.lax.all_gather(own_B2cC, AXIS))
   # Chunk j is rank j's first half (j < p) or rank 2p-1-j's second half.
   halves = [
     every_pB2cC[j, :, :c] if j < p else every_pB2cC[2 * p - 1 - j, :, c:] for j in range(2 * p)
@@ -158,18 +152,20 @@ def allgather_latent_layer(
   attn = jax.lax.switch(
     rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
   )
-  return _finish(block, x_B2cD, attn, reduce), own_B2cC
+  attn = probe("attention", attn)
+  return probe("rest", _finish(block, x_B2cD, attn, reduce)), own_B2cC
 
 
 def tsp_latent_layer(
-  block, x_BcD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce
+  block, x_BcD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce, probe=None
 ):
   """TSP's rank (the paper's baseline) on latents: its contiguous chunk of c = ceil(C/p) rows
   (the last ranks' padded), every rank's latents all-gathered in prompt order, the whole
   padded prompt expanded, and its queries attended with dense masked scores over every key
   (a `lax.switch` on the rank: each offset static, as the kernels take it; TSP's kernel is
-  part of its definition, so `attention` is not used): (x [B, c, D], its own latents)."""
-  del attention
+  part of its definition, so `attention` is not used): (x [B, c, D], its own latents). No
+  probes: TSP's record places none (`timeline_probes`), on K,V layers or latents."""
+  del attention, probe
   B, p = x_BcD.shape[0], num_ranks
   c = tsp.shard_len(context_len, p)
   positions_Bc = jnp.broadcast_to(rank * c + jnp.arange(c), (B, c))
@@ -186,16 +182,18 @@ def tsp_latent_layer(
 
 
 def ring_latent_layer(
-  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce
+  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce, probe=None
 ):
   """Ring attention's rank on latents: its two zigzag chunks' latents passed around the ring
   (one ppermute per step of [B, 2c, C], the headless latent), and at each step the received
   chunks expanded into its heads' K,V and attended as ring attention does with K,V
   (`zigzag.zigzag_attention` over one-head entries; the kernel must return its log-sum-exp):
-  (x [B, 2c, D], its own latents)."""
+  (x [B, 2c, D], its own latents). probe: the timeline's marks, as ring attention marks K,V
+  layers ("qkv", "step1" .. "step{p-1}" after each step's merge, "attention", "rest")."""
+  probe = probe or _unprobed
   B, p = x_B2cD.shape[0], num_ranks
   c = zigzag.chunk_len(context_len, p)
-  q_nope, q_rope, own_B2cC = _project(block, x_B2cD, zigzag.positions(rank, c, p, B))
+  q_nope, q_rope, own_B2cC = probe("qkv", _project(block, x_B2cD, zigzag.positions(rank, c, p, B)))
   ring = [(i, (i + 1) % p) for i in range(p)]
 
   def passed_on(latents, step):
@@ -209,13 +207,14 @@ def ring_latent_layer(
   q_B2cNh = block.expanded_queries(q_nope, q_rope)
   own_1B2c1C = own_B2cC[None, :, :, None]
   attn = zigzag.zigzag_attention(
-    q_B2cNh, own_1B2c1C, rank, c, p, None, attention, passed_on, attend=attend
+    q_B2cNh, own_1B2c1C, rank, c, p, None, attention, passed_on, attend=attend, probe=probe
   )
-  return _finish(block, x_B2cD, attn[..., : block.config.v_head_dim], reduce), own_B2cC
+  attn = probe("attention", attn[..., : block.config.v_head_dim])
+  return probe("rest", _finish(block, x_B2cD, attn, reduce)), own_B2cC
 
 
-# The peers' rank layers: (block, x, rank, context_len, num_ranks, attention, reduce) ->
-# (x, own).
+# The peers' rank layers: (block, x, rank, context_len, num_ranks, attention, reduce, probe)
+# -> (x, own).
 PEER_LAYERS = {
   "allgather": allgather_latent_layer,
   "ring": ring_latent_layer,
@@ -223,24 +222,29 @@ PEER_LAYERS = {
 }
 
 
-def peer_last_layer(spec: Strategy, block, x_BTD, rank, chunks: tuple[int, ...], reduce):
+def peer_last_layer(
+  spec: Strategy, block, x_BTD, rank, chunks: tuple[int, ...], reduce, probe=None
+):
   """A peer's (ring, all-gather, TSP) part of the model's last layer on latents, where only
   the prompt's last row is read: every rank's latents gathered in prompt order on the owner
   of the last position (`strategies.base.gather_to_owner`), which attends that row and
-  finishes it (`strategies.base.owner_last_row`): (x, its own latents [B, T, C])."""
+  finishes it (`strategies.base.owner_last_row`): (x, its own latents [B, T, C]). probe:
+  the marks of a peer's last K,V layer ("qkv", "gather", "rest")."""
+  probe = probe or _unprobed
   p, context_len = len(chunks), sum(chunks)
   B, T = x_BTD.shape[:2]
   # Each row's prompt position in the strategy's layout (-1: padding, never read: only the
   # prompt's rows are gathered, and only its last row's query attends).
   layout = spec.cache_layout(context_len, chunks)
   positions_BT = jnp.broadcast_to(jnp.asarray(layout.positions())[rank], (B, T))
-  queries, own_1BT1C = block.project_entries(x_BTD, positions_BT)
+  queries, own_1BT1C = probe("qkv", block.project_entries(x_BTD, positions_BT))
   owner, row = layout.holder(context_len - 1)
   every_1BS1C = gather_to_owner(own_1BT1C, owner, p, axis=2)  # only the owner reads them
+  every_1BS1C = probe("gather", every_1BS1C)
   prompt_1BS1C = jnp.take(every_1BS1C, jnp.asarray(layout.rows_in_prompt_order()), axis=2)
   at = (owner, row, context_len - 1)
   x_BTD = owner_last_row(block, x_BTD, queries, prompt_1BS1C, rank, at, reduce)
-  return x_BTD, own_1BT1C[0, :, :, 0]
+  return probe("rest", x_BTD), own_1BT1C[0, :, :, 0]
 
 
 def compile_latent(
@@ -284,11 +288,11 @@ def _compile_latent(
   tokens is the size of the whole latent cache on every device}). On a ("ranks", "model")
   mesh the state is split over each rank's group (runtime.tensor_parallel: heads, experts,
   MLP columns) and the shards' partial sums added by psum_over_model; the latents, hops and
-  outputs are whole on every shard of a rank. timeline (KV-Runahead): the program marks its
-  phases (strategies.probe: "embed", each layer's as the rank layer marks them on K,V
-  layers, "logits"). body (KV-Runahead): "one" or "per-rank", or None for `check_body`'s
-  choice, as on any model. split_shape (KV-Runahead, chunks None): an envelope
-  (`OneBodyShape.envelope`) whose one program takes the split as data, a third operand
+  outputs are whole on every shard of a rank. timeline (the strategies whose record places
+  probes): the program marks its phases (strategies.probe: "embed", each layer's as the
+  strategy marks them on K,V layers, "logits"). body (KV-Runahead): "one" or "per-rank", or
+  None for `check_body`'s choice, as on any model. split_shape (KV-Runahead, chunks None):
+  an envelope (`OneBodyShape.envelope`) whose one program takes the split as data, a third operand
   (`OneBodyShape.table`): one program for every split that fits it, its parts
   `split_shape.part_len` rows, no last hop kept, no probes, a 1-D mesh."""
   body = _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape)
@@ -335,7 +339,9 @@ def _compile_latent(
           out["last"] = out["last"].at[l].set(emitted[1].reshape(B, -1, C))
       else:
         last = l == cfg.num_layers - 1
-        x_BTD, own = _peer_layer(spec, block, x_BTD, last, rank, chunks, attention, reduce)
+        x_BTD, own = _peer_layer(
+          spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline
+        )
         out = {"own": out["own"].at[l].set(own)}
       return x_BTD, carry, out
 
@@ -348,33 +354,41 @@ def _compile_latent(
   return own_spmd(program, mesh, P(AXIS), split_shape is not None)
 
 
-def _peer_layer(spec, block, x_BTD, last, rank, chunks, attention, reduce):
-  """A peer's latent layer: its every-row layer (`PEER_LAYERS`), or where `last` (traced:
+def _unprobed(label: str, value):
+  del label
+  return value
+
+
+def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline):
+  """A peer's latent layer l: its every-row layer (`PEER_LAYERS`), or where `last` (traced:
   the model's last layer) its part in the prompt's last row alone (`peer_last_layer`): (x,
-  its own latents)."""
+  its own latents); marked for the timeline where `timeline`."""
+
+  def probe(label, value):
+    return mark(timeline, label, l, value)
 
   def every_row(x_BTD):
     layer = PEER_LAYERS[spec.name]
-    return layer(block, x_BTD, rank, sum(chunks), len(chunks), attention, reduce)
+    return layer(block, x_BTD, rank, sum(chunks), len(chunks), attention, reduce, probe)
 
   def last_row(x_BTD):
-    return peer_last_layer(spec, block, x_BTD, rank, chunks, reduce)
+    return peer_last_layer(spec, block, x_BTD, rank, chunks, reduce, probe)
 
   return jax.lax.cond(last, last_row, every_row, x_BTD)
 
 
 def check_runs_latent(strategy: str | Strategy, timeline: bool = False) -> None:
   """Refuses a strategy (a name or a record) whose programs run no latent model
-  (`STRATEGIES`), and probes where its latent program has none (`runs_timeline`)."""
+  (`STRATEGIES`), and probes where its record places none (`timeline_probes`)."""
   name, shown = strategy, strategy
   if isinstance(strategy, Strategy):
     name, shown = strategy.registered_name, strategy.name
   if name not in STRATEGIES:
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {shown!r}")
-  if timeline and not runs_timeline(get_strategy(strategy)):
-    raise ValueError(
-      f"a latent model's timeline probes run under {TIMELINE_STRATEGIES}, not {shown!r}"
-    )
+  if timeline and not get_strategy(strategy).timeline_probes:
+    # (KV-Runahead's rank layer marks latent layers as K,V layers; the peers' latent layers
+    # mark the phases their K,V layers mark)
+    raise ValueError(f"strategy {shown!r} has no timeline probes, on latent layers or K,V")
 
 
 def _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape):

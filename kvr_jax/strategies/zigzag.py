@@ -192,6 +192,7 @@ def zigzag_attention(
   layer=-1,
   sinks_N=None,
   attend=None,
+  probe=None,
 ):
   """Rank r's two query chunks (r and 2p-1-r) against every rank's K,V (or cache entries, with
   `attend`: `_chunk_partial`), one source rank per step, each piece a whole c x c block in the
@@ -203,7 +204,11 @@ def zigzag_attention(
 
   At step s the source is src = (r - s) mod p, whose K,V [2, B, 2c, K, H] come from
   `source_kv(previous step's K,V, s)` (ring: a ppermute around the ring; all-gather: its slice
-  of the gathered K,V). Returns [B, 2c, N, H] in q's dtype."""
+  of the gathered K,V). Returns [B, 2c, N, H] in q's dtype. Each step's merge is marked
+  "step{s}" for the timeline: `mark(timeline, ..., layer)`, or probe(label, value) where
+  given (a layer that marks its own phases: the latent ring)."""
+  if probe is None:
+    probe = functools.partial(_marked, timeline, layer)
   first_query_chunk, second_query_chunk = rank, 2 * p - 1 - rank  # chunk indices
   q_first, q_second = q_B2cNH[:, :c], q_B2cNH[:, c:]
   options = dict(c=c, attention=attention, window=window, sinks_N=sinks_N, attend=attend)
@@ -237,8 +242,12 @@ def zigzag_attention(
     kv = source_kv(kv, step)
     src = (rank - step) % p
     step_out, step_lse = jax.lax.cond(src < rank, earlier_rank, later_rank, kv, src)
-    out, lse = mark(timeline, f"step{step}", layer, merge_partials(out, lse, step_out, step_lse))
+    out, lse = probe(f"step{step}", merge_partials(out, lse, step_out, step_lse))
   return out.astype(q_B2cNH.dtype)
+
+
+def _marked(timeline: bool, layer, label: str, value):
+  return mark(timeline, label, layer, value)
 
 
 def in_prompt_order(kv_rank_order, context_len: int, num_ranks: int, axis: int):
