@@ -317,6 +317,52 @@ def test_compiled_memory_measures_the_kernel_the_prefill_runs(models, tokens, mo
   assert figures["attention"] == runs
 
 
+@pytest.mark.parametrize("strategy", ["kvr", "allgather"])
+def test_compiled_memory_measures_a_latent_models_move_onto_the_last_rank(models, strategy):
+  """cache="last" on a latent model: compiled_memory's move figures are what the last rank's
+  device holds to make the cache there, as prefill makes it: KV-Runahead's last hop (the
+  first 18 positions) and its own part (12 real rows of 18) where they lie; all-gather CP's
+  two parts of 2 x 8 zigzag rows each, sent there at once, and the prompt's row order.
+  cache="sharded" moves nothing."""
+  config = models[LATENT][1].config
+  L, C, B = config.num_layers, config.cache_width, 2
+  partition = [18, 12] if strategy == "kvr" else None
+  shape = dict(context_len=T, num_ranks=2, batch=B, partition=partition)
+  figures = kvr_jax.compiled_memory(config, strategy, cache="last", **shape)
+  latent_bytes = L * B * C * 4  # float32, one position
+  held = (18 + 18) * latent_bytes if strategy == "kvr" else 2 * 16 * latent_bytes + T * 4
+  assert held <= figures["move_argument_bytes"] < held + 64
+  assert figures["move_temp_bytes"] >= 0
+  sharded = kvr_jax.compiled_memory(config, strategy, cache="sharded", **shape)
+  assert "move_argument_bytes" not in sharded
+
+
+@pytest.mark.parametrize("strategy", ["kvr", "allgather"])
+def test_compiled_memory_measures_a_hybrid_models_move_onto_the_last_rank(models, strategy):
+  """cache="last" on a hybrid: the move figures are what one device of the last rank holds to
+  make the cache there, as prefill makes it: KV-Runahead's full layers' last hop (18
+  positions) and own part (18 rows) and its linear states where they lie; all-gather CP's
+  two parts of 16 zigzag rows and both ranks' states, sent there at once. On a 2 x 2 mesh
+  each device of the last rank's row holds its heads' share: half the K,V."""
+  from models.layer_kinds import GatedDeltaNetKind
+
+  config = models[HYBRID][1].config
+  full_layers = sum(not isinstance(kind, GatedDeltaNetKind) for kind in config.layer_kinds)
+  B = 2
+  position_bytes = full_layers * 2 * B * config.num_kv_heads * config.head_dim * 4  # K and V
+  partition = [18, 12] if strategy == "kvr" else None
+  for m in (1, 2):
+    figures = kvr_jax.compiled_memory(
+      config, strategy, context_len=T, num_ranks=2, batch=B, partition=partition, model_parallel=m
+    )
+    states = figures["state_cache_bytes"]  # one device's share of the linear layers' states
+    if strategy == "kvr":
+      held = (18 + 18) * position_bytes // m + states
+    else:
+      held = 2 * 16 * position_bytes // m + 2 * states
+    assert held <= figures["move_argument_bytes"] < held + 64, m
+
+
 def test_what_is_not_built_is_refused_by_name(models, tokens):
   _, hybrid = models[HYBRID]
   _, latent = models[LATENT]

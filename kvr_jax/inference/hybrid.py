@@ -172,7 +172,7 @@ def prefill_hybrid(
   # On a 2-D mesh each device joins its own heads' parts.
   if joined_in_place:  # the last rank holds everything: no move
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
-    cache = _kvr_cache(mine, full_chunks, capacity)
+    cache = join_last_hop(mine, full_chunks, capacity)
   else:  # the parts move to the last rank (every process sends)
     cache = _moved_cache(out, mesh, chunks, capacity, split_shape)
     if cache is None:  # another process's rank is last: it received the parts
@@ -189,8 +189,8 @@ def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridC
   if mine["state"] is None:
     return None
   if split_shape is None:
-    return _zigzag_cache(mine, sum(chunks), len(chunks), capacity)
-  return _contiguous_cache(mine, chunks, split_shape.part_len, capacity)
+    return join_zigzag_parts(mine, sum(chunks), len(chunks), capacity)
+  return join_contiguous_parts(mine, chunks, split_shape.part_len, capacity)
 
 
 def _check_model_and_strategy(model, strategy: str | Strategy) -> None:
@@ -278,7 +278,7 @@ def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, .
 # The joins are jitted once, their lengths static: a jit of a fresh closure per call traced
 # and compiled it on every prefill (0.2 s of a 2.8 s TTFT at 16k on bench-qwen3.5-8).
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _kvr_cache(out: dict, chunks: tuple[int, ...], capacity: int) -> HybridCache:
+def join_last_hop(out: dict, chunks: tuple[int, ...], capacity: int) -> HybridCache:
   """The last rank's outputs as the hybrid cache: each full layer's last hop then its own
   chunk, padded to `capacity` positions; each linear layer's state and halo as they are."""
   count_trace("hybrid-join")
@@ -291,7 +291,7 @@ def _kvr_cache(out: dict, chunks: tuple[int, ...], capacity: int) -> HybridCache
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _zigzag_cache(out: dict, T: int, p: int, capacity: int) -> HybridCache:
+def join_zigzag_parts(out: dict, T: int, p: int, capacity: int) -> HybridCache:
   """Every rank's zigzag parts [p, L_full, 2, B*2c, K, H] in prompt order; the final state
   (every rank's is the same) and the last chunk's halo (rank 0's second chunk)."""
   count_trace("hybrid-join")
@@ -303,7 +303,7 @@ def _zigzag_cache(out: dict, T: int, p: int, capacity: int) -> HybridCache:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _contiguous_cache(out: dict, chunks: tuple[int, ...], part_len: int, capacity: int):
+def join_contiguous_parts(out: dict, chunks: tuple[int, ...], part_len: int, capacity: int):
   """Every rank's contiguous part [p, L_full, 2, B*P, K, H] (P = part_len rows, the first
   chunks[i] of rank i's real) in prompt order; the last rank's leaving state and halo."""
   count_trace("hybrid-join")

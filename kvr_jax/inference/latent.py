@@ -159,13 +159,13 @@ def prefill_latent(
     return LatentPrefill(logits_BV, None, chunks, capacity, False)
   if keep_last:  # the last rank holds every position: its last hop and its own chunk
     last, own = shard_on(out["last"], owner), shard_on(out["own"], owner)
-    cache = jax.jit(_joined, static_argnums=(2, 3))(last, own, chunks[-1], capacity)
+    cache = join_last_hop(last, own, chunks[-1], capacity)
   else:  # every rank's parts move to the last rank (every process sends), into prompt order
     pieces = stacked_on_last_rank(out["own"], mesh)
     if pieces is None:  # another process's rank is last: it received the parts
       return LatentPrefill(None, None, chunks, capacity, True)
     rows = spec.cache_layout(T, chunks).rows_in_prompt_order()
-    cache = jax.jit(_in_prompt_order, static_argnums=2)(pieces, rows, capacity)
+    cache = join_in_prompt_order(pieces, rows, capacity)
   return LatentPrefill(logits_BV, cache, chunks, capacity, not keep_last)
 
 
@@ -217,6 +217,12 @@ def _in_prompt_order(pieces, rows_S, capacity: int):
   order (`CacheLayout.rows_in_prompt_order`), room for decoding after them."""
   cache = jnp.take(_ranks_in_turn(pieces), rows_S, axis=2)
   return jnp.pad(cache, ((0, 0), (0, 0), (0, capacity - cache.shape[2]), (0, 0)))
+
+
+# The joins on the last rank's device, jitted once (their lengths static): what prefill runs
+# and what compiled_memory lowers from shapes for its move figures (tools.own_memory).
+join_last_hop = jax.jit(_joined, static_argnums=(2, 3))
+join_in_prompt_order = jax.jit(_in_prompt_order, static_argnums=2)
 
 
 @kept_cache(8)

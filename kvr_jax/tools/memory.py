@@ -320,10 +320,12 @@ def compiled_memory(
 
   A latent-attention model (DeepSeek-V3) is measured in the programs kvr_jax.prefill and
   generate run for it (`measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
-  (its cache is headless, so whole on every device of a model group), no move figures.
-  A hybrid model (Qwen3.5, Qwen3-Next) in those kvr_jax.prefill and generate run
-  (`measure_hybrid`): `kv_cache_bytes` its full layers' K,V and `state_cache_bytes` its
-  linear layers' states and halos (one device's heads of each), no move figures.
+  (its cache is headless, so whole on every device of a model group); its move figures are
+  KV-Runahead's join of its last hop and own part, or a peer's parts all on the last rank's
+  device at once (`latent_move`). A hybrid model (Qwen3.5, Qwen3-Next) in those
+  kvr_jax.prefill and generate run (`measure_hybrid`): `kv_cache_bytes` its full layers' K,V
+  and `state_cache_bytes` its linear layers' states and halos (one device's heads of each);
+  its move figures as a latent model's, with the states (`hybrid_move`).
   """
   config = _config(model)
   spec = get_strategy(strategy)

@@ -16,7 +16,7 @@ from kvr_jax.planning.costmodel import kernel_flags
 from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
-from kvr_jax.runtime.mesh import AXIS, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, rank_device, rank_row_mesh
 from kvr_jax.strategies import hybrid
 from kvr_jax.strategies.latent import compile_latent
 from kvr_jax.tools.xla_memory import (
@@ -80,12 +80,19 @@ def measure_latent(config, spec, shape, dtype_name, cache, attention, partition,
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
   L, C = config.num_layers, config.cache_width
+  lowered = program.lower(state_shapes, tokens)
   result = {
     **report_head(spec, shape, dtype_name, cache, chunks, kernel),
-    **analysis(compile_for_figures(program.lower(state_shapes, tokens), dtype_name)),
+    **analysis(compile_for_figures(lowered, dtype_name)),
     "weights_bytes": weights_bytes,
     "latent_cache_bytes": L * batch * context_len * C * itemsize,
   }
+  if cache == "last":
+    last_device = rank_device(mesh, num_ranks - 1)
+    joins = spec.keeps_last_hop(cache, tuple(chunks), config.kinds)
+    parts = {name: (out.shape[1:], out.dtype) for name, out in lowered.out_info[1].items()}
+    move = latent_move(parts, joins, chunks, context_len + decode_tokens, last_device)
+    result.update(move)
   if not decode_tokens:
     return result
   dtype = np.dtype(dtype_name)
@@ -119,6 +126,54 @@ def measure_latent(config, spec, shape, dtype_name, cache, attention, partition,
   }
 
 
+def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict:
+  """What bringing a latent cache onto the last rank needs on its device (`device`), as
+  prefill_latent runs it: KV-Runahead's join of its last hop and its own part where they lie
+  (`latent.join_last_hop`), or every rank's part sent there and put in prompt order
+  (`latent.join_in_prompt_order`: all p parts on that device at once, beside the cache).
+  parts: the program's outputs on one rank, (shape, dtype) each ({"own": [L, B, T_rank, C],
+  "last": [L, B, S_{p-2}, C] where kept}). capacity: the cache's positions (the prompt and the
+  decoded tokens' room). XLA's `move_argument_bytes` and `move_temp_bytes` of it."""
+  on_device = jax.sharding.SingleDeviceSharding(device)
+  (own_shape, dtype) = parts["own"]
+  if joins:
+    last = struct(*parts["last"], on_device)
+    own = struct(own_shape, dtype, on_device)
+    lowered = latent.join_last_hop.lower(last, own, chunks[-1], capacity)
+  else:
+    pieces = struct((len(chunks), *own_shape), dtype, on_device)
+    rows = struct((sum(chunks),), np.int32, on_device)
+    lowered = latent.join_in_prompt_order.lower(pieces, rows, capacity)
+  move = analysis(lowered.compile())
+  return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
+
+
+def hybrid_move(parts: dict, mesh, joins: bool, chunks, capacity: int) -> dict:
+  """What bringing a hybrid cache onto the last rank needs on one device of it, as
+  prefill_hybrid runs it: KV-Runahead's join of its full layers' last hops and own parts
+  and its linear states where they lie (`hybrid.join_last_hop`), or every rank's parts sent
+  there, stacked, and put in prompt order (`hybrid.join_zigzag_parts`: all p parts at once,
+  beside the cache); on a 2-D mesh each device of the last rank's row its heads. parts: the
+  program's outputs [p, ...] (`compile_hybrid`'s, shapes). capacity: the cache's positions.
+  XLA's `move_argument_bytes` and `move_temp_bytes` of it."""
+  p = len(chunks)
+  row = rank_row_mesh(mesh, p - 1)
+  specs = hybrid.output_specs(mesh)
+
+  def placed(name, stacked):
+    rest = tuple(specs[name])[1:]  # the rank axis dropped, or kept as the stack's, whole
+    spec = jax.P(None, *rest) if stacked else jax.P(*rest)
+    return lambda x: struct(x.shape if stacked else x.shape[1:], x.dtype, NamedSharding(row, spec))
+
+  on_last = {name: jax.tree.map(placed(name, not joins), part) for name, part in parts.items()}
+  if joins:
+    lowered = hybrid_inference.join_last_hop.lower(on_last, chunks, capacity)
+  else:
+    lowered = hybrid_inference.join_zigzag_parts.lower(on_last, sum(chunks), p, capacity)
+  move = analysis(lowered.compile())
+  return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
+
+
 def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
   """compiled_memory of a hybrid model (Qwen3.5, Qwen3-Next): the program prefill_hybrid runs
   (strategies.hybrid.compile_hybrid; its weights split over "model" on a 2-D mesh), its cache
@@ -149,13 +204,18 @@ def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition,
     full_kv = full_kv * layout.part_len // (context_len + decode_tokens)
   else:  # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
     full_kv = full_kv * context_len // (context_len + decode_tokens)
+  lowered = program.lower(state_shapes, tokens)
   result = {
     **report_head(spec, shape, dtype_name, cache, chunks, kernel),
-    **analysis(compile_for_figures(program.lower(state_shapes, tokens), dtype_name)),
+    **analysis(compile_for_figures(lowered, dtype_name)),
     "weights_bytes": weights_bytes,
     "kv_cache_bytes": full_kv,
     "state_cache_bytes": states,
   }
+  if cache == "last":
+    joins = spec.cache_from_last_hop is not None  # KV-Runahead: its last hops, no move
+    parts = lowered.out_info[1]
+    result.update(hybrid_move(parts, mesh, joins, tuple(chunks), context_len + decode_tokens))
   if not decode_tokens:
     return result
   if cache == "sharded":
