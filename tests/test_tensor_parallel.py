@@ -289,6 +289,36 @@ def as_kept(cache_LBCKH, window: int | None) -> np.ndarray:
   return cache
 
 
+@pytest.mark.parametrize("shape, partition", [((2, 4), [23, 14]), ((4, 2), [13, 10, 8, 6])])
+def test_kvr_joins_its_last_hop_on_a_2d_mesh_without_a_move(
+  prefill_models, monkeypatch, shape, partition
+):
+  """cache="last" under KV-Runahead on a ("ranks", "model") mesh: each device of the last
+  rank's row joins its heads' last hop and own part where they lie (no part is sent: the
+  move is made to fail), and the cache on that row, heads split over "model", is the
+  single-device one within 1e-5. A window the prompt outgrew keeps rings: its parts move."""
+  from kvr_jax.inference import kv_cache
+
+  model, oracle = prefill_models["gqa"]
+  mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
+  kw = dict(mesh=mesh, partition=partition, cache="last")
+  assert plan_prefill(model, PROMPT, "kvr", **kw).keep_last_hop
+
+  def no_move(*args, **kwargs):
+    raise AssertionError("a part was sent to the last rank")
+
+  monkeypatch.setattr(kv_cache, "send_onto_last_rank", no_move)
+  result = kvr_jax.prefill(model, PROMPT, "kvr", **kw)
+  assert_close(result.logits, oracle.logits, "logits")
+  k, v = result.decode_cache()
+  assert set(k.devices()) == set(mesh.devices[-1]) and k.sharding.spec[3] == MODEL_AXIS
+  config = model.config
+  assert_close(k, heads_as_sharded(oracle.k_cache, config, shape[1]), "K cache on the last rank")
+  assert_close(v, heads_as_sharded(oracle.v_cache, config, shape[1]), "V cache on the last rank")
+  window, _ = prefill_models["window"]
+  assert not plan_prefill(window, PROMPT, "kvr", **kw).keep_last_hop
+
+
 def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):
   """On 2 x 4 with 2 KV heads (repeated to 4), every collective-permute of the compiled KVR
   program carries one head per shard: [2, B, prefix, 1, H] (the 2 x 1 program's carry 2)."""

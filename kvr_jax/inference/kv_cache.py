@@ -26,7 +26,8 @@ other ranks too, for the duration of the move.
 On a ("ranks", "model") mesh a rank's part is split over its row by KV heads; the same
 program moves every shard's heads to the same shard of the last rank (a ppermute over
 "ranks" per model shard), and the cache is [L, B, C, K, H] over the last rank's row, heads
-split over "model" (`gather_on_model_group`). KV-Runahead's no-move join is not built there.
+split over "model" (`gather_on_model_group`). KV-Runahead's no-move join runs there per
+device of the last rank's row, on its heads (`join_on_model_group`).
 """
 
 from __future__ import annotations
@@ -266,7 +267,29 @@ def gather_on_model_group(kv_parts, layout: CacheLayout, mesh):
   """2-D mesh: (k, v) [L, B, C, K, H] on the last rank's row of devices, heads split over
   "model" (`send_onto_last_rank`: every shard's heads to its counterpart, part by part);
   (None, None) in a process that does not hold that row."""
-  per_device = send_onto_last_rank(kv_parts, layout, mesh)
+  return _heads_on_last_row(send_onto_last_rank(kv_parts, layout, mesh), mesh)
+
+
+def join_on_model_group(kv_parts, last_hop, layout: CacheLayout, mesh):
+  """2-D mesh, KV-Runahead's cache="last" without a move: each device of the last rank's row
+  joins its heads' last hop and own part where they lie (`join_on_device`), (k, v)
+  [L, B, C, K, H] on that row, heads split over "model" as `gather_on_model_group` leaves
+  them; (None, None) in a process that does not hold the row."""
+  p = mesh.shape[AXIS]
+  last_row = list(mesh.devices.reshape(p, -1)[-1])
+  ((position, own_len, row),) = layout.segments[-1]
+  assert row == 0 and last_hop.shape[3] * layout.part_len == position * kv_parts.shape[3]
+  hops = {s.device: s.data for s in last_hop.addressable_shards}
+  parts = {s.device: s.data for s in kv_parts.addressable_shards}
+  if last_row[0] not in hops:
+    return None, None
+  joined = [join_on_device(hops[d], parts[d], position, layout.part_len, own_len) for d in last_row]
+  return _heads_on_last_row(joined, mesh)
+
+
+def _heads_on_last_row(per_device, mesh):
+  """(k, v) [L, B, C, K/m, H] per device of the last rank's row, in the row's order, as one
+  (k, v) [L, B, C, K, H] over that row with heads split over "model"; (None, None) for none."""
   if not per_device:
     return None, None
   group = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)  # where decode runs its step
@@ -391,7 +414,8 @@ def cut_on_last_rank(full_parts, rings, layout: CacheLayout, mesh, kept):
 def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto", last_hop=None):
   """The parts [p, L, 2, B*P, K, H] (sharded by rank) -> (k, v) [L, B, C, K, H] on the last
   rank's device, or (None, None) in a process that does not hold it. On a 2-D mesh: on the
-  last rank's row, heads split over "model" (`gather_on_model_group`; `method` unused).
+  last rank's row, heads split over "model" (`join_on_model_group` from the last hop, else
+  `gather_on_model_group`; `method` unused).
 
   last_hop: KV-Runahead's last-hop messages where its program kept them: the cache is joined
   on the last rank from what it holds (`join_last_hop`), nothing moves. Otherwise method
@@ -400,6 +424,8 @@ def gather_on_last_rank(kv_parts, layout: CacheLayout, mesh, method: str = "auto
   (`send_onto_last_rank`, across processes), "auto" the first when every shard is
   addressable.
   """
+  if model_parallel(mesh) > 1 and last_hop is not None:
+    return join_on_model_group(kv_parts, last_hop, layout, mesh)
   if model_parallel(mesh) > 1:
     return gather_on_model_group(kv_parts, layout, mesh)
   if last_hop is not None:

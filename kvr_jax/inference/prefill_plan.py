@@ -15,6 +15,7 @@ import numpy as np
 
 from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_cache
+from kvr_jax.inference.decode import DecodeLayout
 from kvr_jax.inference.kv_cache import (
   check_cache,
   device_memory_bytes,
@@ -41,7 +42,7 @@ from kvr_jax.runtime.mesh import (
   model_parallel,
   rank_row_mesh,
 )
-from kvr_jax.runtime.tensor_parallel import check_model_parallel
+from kvr_jax.runtime.tensor_parallel import check_model_parallel, kv_heads_per_shard
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO, Strategy
 from models.kernels import AttentionKernel, get_kernel, kernels_where
@@ -319,13 +320,19 @@ def _agreed_kind_split(shape: PrefillShape, partition, mesh, kernel) -> tuple:
 def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memory) -> bool:
   """cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
   where memory allows it on the ranks that hold its zeros (kv_cache.join_affordable: rank
-  0's device, or `device_memory`; across processes process 0's answer); 1-D meshes only."""
+  0's device, or `device_memory`; across processes process 0's answer). On a 2-D mesh each
+  device of the last rank's row joins its heads (kv_cache.join_on_model_group) where every
+  layer keeps every position; a window the prompt outgrew keeps a ring, and its parts move."""
   config, B = shape.config, shape.batch
-  if model_parallel(mesh) > 1 or not spec.keeps_last_hop(cache, chunks, config.kinds):
+  if not spec.keeps_last_hop(cache, chunks, config.kinds):
+    return False
+  m = model_parallel(mesh)
+  if m > 1 and DecodeLayout.of(config, shape.prompt_len).rings != (None,):
     return False
   # With padded rows whether the hop holds every row's window is known per run, from the
   # lengths (`_hop_holds_rows`): a run whose rows it does not hold moves its parts.
-  hop_bytes = last_hop_bytes(config, chunks, B, shape.itemsize, config.num_kv_heads)
+  kv_heads = kv_heads_per_shard(config, m) if m > 1 else config.num_kv_heads
+  hop_bytes = last_hop_bytes(config, chunks, B, shape.itemsize, kv_heads)
   if device_memory is None:
     device_memory = device_memory_bytes(mesh.devices.flat[0])
   joins = join_affordable(hop_bytes, device_memory=device_memory)
