@@ -289,17 +289,21 @@ def as_kept(cache_LBCKH, window: int | None) -> np.ndarray:
   return cache
 
 
-@pytest.mark.parametrize("shape, partition", [((2, 4), [23, 14]), ((4, 2), [13, 10, 8, 6])])
+@pytest.mark.parametrize(
+  "name, shape, partition",
+  [("gqa", (2, 4), [23, 14]), ("gqa", (4, 2), [13, 10, 8, 6]), ("window", (2, 4), [23, 14])],
+)
 def test_kvr_joins_its_last_hop_on_a_2d_mesh_without_a_move(
-  prefill_models, monkeypatch, shape, partition
+  prefill_models, monkeypatch, name, shape, partition
 ):
   """cache="last" under KV-Runahead on a ("ranks", "model") mesh: each device of the last
-  rank's row joins its heads' last hop and own part where they lie (no part is sent: the
-  move is made to fail), and the cache on that row, heads split over "model", is the
-  single-device one within 1e-5. A window the prompt outgrew keeps rings: its parts move."""
-  from kvr_jax.inference import kv_cache
+  rank's row joins its heads' last hop and own part where they lie (nothing moves: the
+  parts' move and the rings' psum are made to fail), and the cache on that row, heads
+  split over "model", is the single-device one within 1e-5; with a window shorter than the
+  prompt (6 of 37), each layer's ring of it, zeros before."""
+  from kvr_jax.inference import kv_cache, sharded_decode
 
-  model, oracle = prefill_models["gqa"]
+  model, oracle = prefill_models[name]
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
   kw = dict(mesh=mesh, partition=partition, cache="last")
   assert plan_prefill(model, PROMPT, "kvr", **kw).keep_last_hop
@@ -307,16 +311,20 @@ def test_kvr_joins_its_last_hop_on_a_2d_mesh_without_a_move(
   def no_move(*args, **kwargs):
     raise AssertionError("a part was sent to the last rank")
 
-  monkeypatch.setattr(kv_cache, "send_onto_last_rank", no_move)
+  monkeypatch.setattr(kv_cache, "send_onto_last_rank", no_move)  # the parts' move
+  monkeypatch.setattr(sharded_decode, "sharded_rings_program", no_move)  # the rings' psum
   result = kvr_jax.prefill(model, PROMPT, "kvr", **kw)
   assert_close(result.logits, oracle.logits, "logits")
-  k, v = result.decode_cache()
+  assert (result.kept is None) == (name != "window")
+  config, m = model.config, shape[1]
+  want_k, want_v = (as_kept(x, config.sliding_window) for x in (oracle.k_cache, oracle.v_cache))
+  k, v = result.k_cache, result.v_cache
   assert set(k.devices()) == set(mesh.devices[-1]) and k.sharding.spec[3] == MODEL_AXIS
-  config = model.config
-  assert_close(k, heads_as_sharded(oracle.k_cache, config, shape[1]), "K cache on the last rank")
-  assert_close(v, heads_as_sharded(oracle.v_cache, config, shape[1]), "V cache on the last rank")
-  window, _ = prefill_models["window"]
-  assert not plan_prefill(window, PROMPT, "kvr", **kw).keep_last_hop
+  assert_close(k, heads_as_sharded(want_k, config, m), "K cache on the last rank")
+  assert_close(v, heads_as_sharded(want_v, config, m), "V cache on the last rank")
+  k, v = result.gather_cache()
+  assert_close(k, want_k, "gathered K cache")
+  assert_close(v, want_v, "gathered V cache")
 
 
 def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):

@@ -270,11 +270,13 @@ def gather_on_model_group(kv_parts, layout: CacheLayout, mesh):
   return _heads_on_last_row(send_onto_last_rank(kv_parts, layout, mesh), mesh)
 
 
-def join_on_model_group(kv_parts, last_hop, layout: CacheLayout, mesh):
+def join_on_model_group(kv_parts, last_hop, layout: CacheLayout, mesh, kept=None, lengths_B=None):
   """2-D mesh, KV-Runahead's cache="last" without a move: each device of the last rank's row
   joins its heads' last hop and own part where they lie (`join_on_device`), (k, v)
   [L, B, C, K, H] on that row, heads split over "model" as `gather_on_model_group` leaves
-  them; (None, None) in a process that does not hold the row."""
+  them; (None, None) in a process that does not hold the row. With `kept` (windows shorter
+  than the prompt): (k, v, rings) as `join_rings_on_device` joins them, each ring's heads
+  split the same way; (None, None, ()) elsewhere."""
   p = mesh.shape[AXIS]
   last_row = list(mesh.devices.reshape(p, -1)[-1])
   ((position, own_len, row),) = layout.segments[-1]
@@ -282,9 +284,22 @@ def join_on_model_group(kv_parts, last_hop, layout: CacheLayout, mesh):
   hops = {s.device: s.data for s in last_hop.addressable_shards}
   parts = {s.device: s.data for s in kv_parts.addressable_shards}
   if last_row[0] not in hops:
-    return None, None
-  joined = [join_on_device(hops[d], parts[d], position, layout.part_len, own_len) for d in last_row]
-  return _heads_on_last_row(joined, mesh)
+    return (None, None) if kept is None else (None, None, ())
+  lengths = (position, layout.part_len, own_len)
+  if kept is None:
+    joined = [join_on_device(hops[d], parts[d], *lengths) for d in last_row]
+    return _heads_on_last_row(joined, mesh)
+  rows_B = np.asarray(lengths_B, np.int32)
+  joined = [
+    join_rings_on_device(hops[d], parts[d], *lengths, kept, jax.device_put(rows_B, d))
+    for d in last_row
+  ]
+  k, v = _heads_on_last_row([j[:2] for j in joined], mesh)
+  rings = tuple(
+    None if ring is None else _heads_on_last_row([j[2][g] for j in joined], mesh)
+    for g, ring in enumerate(kept.rings)
+  )
+  return k, v, rings
 
 
 def _heads_on_last_row(per_device, mesh):
@@ -387,6 +402,8 @@ def kept_on_last_rank(kv_parts, layout: CacheLayout, mesh, kept, lengths_B, last
   parts move only the every-position layers; each window's ring is cut where its positions
   lie and summed over the ranks (sharded_decode.sharded_rings_program: one psum of the window), and
   the last rank keeps its copy."""
+  if last_hop is not None and model_parallel(mesh) > 1:
+    return join_on_model_group(kv_parts, last_hop, layout, mesh, kept, lengths_B)
   if last_hop is not None:
     return join_last_hop(kv_parts, last_hop, layout, mesh, kept, lengths_B)
   lengths = global_array(np.asarray(lengths_B, np.int32), jax.sharding.NamedSharding(mesh, jax.P()))

@@ -15,7 +15,6 @@ import numpy as np
 
 from kvr_jax.core.layer_support import check_layers_run
 from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_cache
-from kvr_jax.inference.decode import DecodeLayout
 from kvr_jax.inference.kv_cache import (
   check_cache,
   device_memory_bytes,
@@ -321,14 +320,11 @@ def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memor
   """cache="last" from what KV-Runahead's last rank received (no move), where it is whole and
   where memory allows it on the ranks that hold its zeros (kv_cache.join_affordable: rank
   0's device, or `device_memory`; across processes process 0's answer). On a 2-D mesh each
-  device of the last rank's row joins its heads (kv_cache.join_on_model_group) where every
-  layer keeps every position; a window the prompt outgrew keeps a ring, and its parts move."""
+  device of the last rank's row joins its heads (kv_cache.join_on_model_group)."""
   config, B = shape.config, shape.batch
   if not spec.keeps_last_hop(cache, chunks, config.kinds):
     return False
   m = model_parallel(mesh)
-  if m > 1 and DecodeLayout.of(config, shape.prompt_len).rings != (None,):
-    return False
   # With padded rows whether the hop holds every row's window is known per run, from the
   # lengths (`_hop_holds_rows`): a run whose rows it does not hold moves its parts.
   kv_heads = kv_heads_per_shard(config, m) if m > 1 else config.num_kv_heads
