@@ -363,6 +363,25 @@ def test_compiled_memory_measures_a_hybrid_models_move_onto_the_last_rank(models
     assert held <= figures["move_argument_bytes"] < held + 64, m
 
 
+def test_compiled_memory_measures_a_hybrids_split_per_layer_kind(models):
+  """compiled_memory plans as prefill does, a split per layer kind too: with the linear layers
+  on [10, 20] and the full layers on [22, 8], the busiest device's K,V part (cache="sharded")
+  is 22 positions, not 20, and KV-Runahead's join on the last rank (cache="last") holds a
+  last hop and own part of 22 rows each beside the linear states."""
+  from models.layer_kinds import GatedDeltaNetKind
+
+  config = models[HYBRID][1].config
+  full_layers = sum(not isinstance(kind, GatedDeltaNetKind) for kind in config.layer_kinds)
+  position_bytes = full_layers * 2 * 2 * config.num_kv_heads * config.head_dim * 4  # B = 2
+  split = {"linear": [10, 20], "full": [22, 8]}
+  shape = dict(context_len=T, num_ranks=2, batch=2, partition=split)
+  sharded = kvr_jax.compiled_memory(config, "kvr", cache="sharded", **shape)
+  assert sharded["chunks"] == [10, 20] and sharded["kv_cache_bytes"] == 22 * position_bytes
+  last = kvr_jax.compiled_memory(config, "kvr", cache="last", **shape)
+  held = (22 + 22) * position_bytes + last["state_cache_bytes"]
+  assert held <= last["move_argument_bytes"] < held + 64
+
+
 def test_what_is_not_built_is_refused_by_name(models, tokens):
   _, hybrid = models[HYBRID]
   _, latent = models[LATENT]

@@ -309,7 +309,8 @@ def compiled_memory(
   model_parallel: devices per rank (a ("ranks", "model") mesh of num_ranks x m devices, the
   weights split as prefill splits them): every figure is then one device's, `weights_bytes`
   its shard of the weights, `kv_cache_bytes` its shard of the whole prompt's cache, and the
-  move that of writing one run into one device's heads of the cache on the last rank's row.
+  move that of writing one run into one device's heads of the cache on the last rank's row
+  (KV-Runahead's: one device's join of its heads' last hop and own part).
 
   decode_tokens > 0: also `decode_argument_bytes`, `decode_output_bytes` (those not written
   into a donated argument's buffer), `decode_temp_bytes`: one decode step of the layout with
@@ -354,17 +355,15 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
-  if isinstance(config.kinds[0], LatentAttentionKind):  # its own programs (prefill_latent)
-    model = (graphdef, state, mesh)
-    return measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model)
-  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):  # prefill_hybrid's
-    model = (graphdef, state, mesh)
-    return measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model)
   # The plan prefill would make for this shape (one process: no answer to agree on).
   prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
   plan = plan_from_shape(
     prompt, spec, mesh, partition, attention, cache, device_memory=device_memory
   )
+  if isinstance(config.kinds[0], LatentAttentionKind):  # its own programs (prefill_latent)
+    return measure_latent(config, plan, shape, dtype_name, (graphdef, state))
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):  # prefill_hybrid's
+    return measure_hybrid(config, plan, shape, dtype_name, (graphdef, state))
   chunks, joined, attention = plan.chunks, plan.keep_last_hop, plan.kernel
   itemsize = prompt.itemsize
   program = plan.compile(graphdef)

@@ -10,17 +10,12 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.inference import hybrid as hybrid_inference
 from kvr_jax.inference import latent, own_program
-from kvr_jax.inference.prefill_plan import planned_kernel
-from kvr_jax.inference.shape import PrefillShape
-from kvr_jax.planning.costmodel import kernel_flags
-from kvr_jax.planning.partition import resolve_partition
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, rank_device, rank_row_mesh
 from kvr_jax.strategies import hybrid
 from kvr_jax.strategies.latent import compile_latent
 from kvr_jax.tools.xla_memory import (
-  MEMORY_PARTITION,
   analysis,
   compile_for_figures,
   decode_bytes,
@@ -28,54 +23,23 @@ from kvr_jax.tools.xla_memory import (
   report_head,
   struct,
 )
-from models.kernels import AttentionKernel
 from models.qwen3_5 import HybridCache, LinearState
 
 
-def own_program_chunks(config, spec, shape, itemsize: int, kernel, partition) -> tuple:
-  """The chunks a model with its own programs (latent, hybrid) prefills on: KV-Runahead's
-  `partition` resolved (MEMORY_PARTITION by default) on a model group of m devices, the
-  peers' own layout."""
-  context_len, num_ranks, batch, m, _ = shape
-  if not spec.partitioned:
-    return tuple(spec.layout(context_len, num_ranks, None))
-  plan = MEMORY_PARTITION if partition is None else partition
-  return tuple(
-    resolve_partition(
-      plan,
-      context_len,
-      num_ranks,
-      config=config,
-      batch=batch,
-      dtype_bytes=itemsize,
-      model_parallel=m,
-      **kernel_flags(kernel),
-    )
-  )
-
-
-def prefills_kernel(config, spec, mesh, dtype_name: str, attention, shape) -> AttentionKernel:
-  """The kernel `kvr_jax.prefill` plans for `attention` (checked: a record or "auto") on this
-  mesh (`prefill_plan.planned_kernel`), so that the figures are those of the program it
-  compiles."""
-  context_len, _, batch, _, _ = shape
-  prompt = PrefillShape(config, dtype_name, context_len, batch, longest=context_len)
-  return planned_kernel(prompt, spec, attention, mesh.devices.flat[0])
-
-
-def measure_latent(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
+def measure_latent(config, plan, shape, dtype_name, model) -> dict:
   """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
-  (strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
+  for `plan` (the prefill's plan of this shape: strategy, mesh, split, kernel, cache;
+  strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
   layer: whole on every device of a model group, whatever m), and with decode_tokens the step
   kvr_jax.generate runs for it: cache="last" on the last rank's group over the joined cache
   grown by them, cache="sharded" on every device over its part and the decoded tokens' latents.
-  model: (graphdef, abstract state, mesh)."""
+  model: (graphdef, abstract state)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
-  graphdef, state, mesh = model
+  (graphdef, state), spec, mesh = model, plan.strategy, plan.mesh
+  chunks, kernel, cache = plan.chunks, plan.kernel, plan.cache
   itemsize = np.dtype(dtype_name).itemsize
-  kernel = prefills_kernel(config, spec, mesh, dtype_name, attention, shape)
-  chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
-  program = compile_latent(spec, graphdef, mesh, tuple(chunks), kernel, cache == "last")
+  joins = spec.keeps_last_hop(cache, chunks, config.kinds)
+  program = compile_latent(spec, graphdef, mesh, chunks, kernel, joins)
   state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
   tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
@@ -89,7 +53,6 @@ def measure_latent(config, spec, shape, dtype_name, cache, attention, partition,
   }
   if cache == "last":
     last_device = rank_device(mesh, num_ranks - 1)
-    joins = spec.keeps_last_hop(cache, tuple(chunks), config.kinds)
     parts = {name: (out.shape[1:], out.dtype) for name, out in lowered.out_info[1].items()}
     move = latent_move(parts, joins, chunks, context_len + decode_tokens, last_device)
     result.update(move)
@@ -148,14 +111,16 @@ def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
 
 
-def hybrid_move(parts: dict, mesh, joins: bool, chunks, capacity: int) -> dict:
+def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int) -> dict:
   """What bringing a hybrid cache onto the last rank needs on one device of it, as
   prefill_hybrid runs it: KV-Runahead's join of its full layers' last hops and own parts
   and its linear states where they lie (`hybrid.join_last_hop`), or every rank's parts sent
   there, stacked, and put in prompt order (`hybrid.join_zigzag_parts`: all p parts at once,
   beside the cache); on a 2-D mesh each device of the last rank's row its heads. parts: the
-  program's outputs [p, ...] (`compile_hybrid`'s, shapes). capacity: the cache's positions.
-  XLA's `move_argument_bytes` and `move_temp_bytes` of it."""
+  program's outputs [p, ...] (`compile_hybrid`'s, shapes). split: (the tokens' chunks, the
+  full layers' K,V parts' chunks). capacity: the cache's positions. XLA's
+  `move_argument_bytes` and `move_temp_bytes` of it."""
+  chunks, full_chunks = split
   p = len(chunks)
   row = rank_row_mesh(mesh, p - 1)
   specs = hybrid.output_specs(mesh)
@@ -167,29 +132,28 @@ def hybrid_move(parts: dict, mesh, joins: bool, chunks, capacity: int) -> dict:
 
   on_last = {name: jax.tree.map(placed(name, not joins), part) for name, part in parts.items()}
   if joins:
-    lowered = hybrid_inference.join_last_hop.lower(on_last, chunks, capacity)
+    lowered = hybrid_inference.join_last_hop.lower(on_last, full_chunks, capacity)
   else:
     lowered = hybrid_inference.join_zigzag_parts.lower(on_last, sum(chunks), p, capacity)
   move = analysis(lowered.compile())
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
 
 
-def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition, model) -> dict:
+def measure_hybrid(config, plan, shape, dtype_name, model) -> dict:
   """compiled_memory of a hybrid model (Qwen3.5, Qwen3-Next): the program prefill_hybrid runs
-  (strategies.hybrid.compile_hybrid; its weights split over "model" on a 2-D mesh), its cache
-  in two parts, one device's share of each: `kv_cache_bytes` the full layers' K,V of every
-  position, `state_cache_bytes` the linear layers' float32 states and convolution halos,
-  whatever the prompt length; with decode_tokens the step generate runs on the last
-  rank's device or group over the joined cache grown by them. model: (graphdef, abstract
-  state, mesh)."""
+  for `plan` (its split per layer kind too; strategies.hybrid.compile_hybrid; its weights
+  split over "model" on a 2-D mesh), its cache in two parts, one device's share of each:
+  `kv_cache_bytes` the full layers' K,V of every position, `state_cache_bytes` the linear
+  layers' float32 states and convolution halos, whatever the prompt length; with
+  decode_tokens the step generate runs on the last rank's device or group over the joined
+  cache grown by them. model: (graphdef, abstract state)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
-  graphdef, state, mesh = model
+  (graphdef, state), spec, mesh = model, plan.strategy, plan.mesh
+  chunks, kernel, cache, full_chunks = plan.chunks, plan.kernel, plan.cache, plan.full_chunks
   hybrid.check_runs_hybrid(spec)
   itemsize = np.dtype(dtype_name).itemsize
-  kernel = prefills_kernel(config, spec, mesh, dtype_name, attention, shape)
-  chunks = own_program_chunks(config, spec, shape, itemsize, kernel, partition)
   program = hybrid.compile_hybrid(
-    spec, graphdef, mesh, tuple(chunks), kernel, keep_last_hop=cache == "last"
+    spec, graphdef, mesh, chunks, kernel, cache == "last", full_chunks=full_chunks
   )
   state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
@@ -199,7 +163,7 @@ def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition,
     int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(part)) // m)
     for part in (past.kv_2BSKH, past.linear)
   )
-  layout = spec.cache_layout(context_len, tuple(chunks))
+  layout = spec.cache_layout(context_len, full_chunks or chunks)  # the K,V parts' split
   if cache == "sharded":  # the busiest device's part: the longest part's rows
     full_kv = full_kv * layout.part_len // (context_len + decode_tokens)
   else:  # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
@@ -215,7 +179,8 @@ def measure_hybrid(config, spec, shape, dtype_name, cache, attention, partition,
   if cache == "last":
     joins = spec.cache_from_last_hop is not None  # KV-Runahead: its last hops, no move
     parts = lowered.out_info[1]
-    result.update(hybrid_move(parts, mesh, joins, tuple(chunks), context_len + decode_tokens))
+    split = (chunks, full_chunks or chunks)  # the tokens', the K,V parts'
+    result.update(hybrid_move(parts, mesh, joins, split, context_len + decode_tokens))
   if not decode_tokens:
     return result
   if cache == "sharded":
