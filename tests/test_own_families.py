@@ -363,6 +363,7 @@ def test_compiled_memory_measures_a_hybrid_models_move_onto_the_last_rank(models
     assert held <= figures["move_argument_bytes"] < held + 64, m
 
 
+@pytest.mark.e2e  # slow (two hybrid programs compiled from shapes): the end-to-end tier
 def test_compiled_memory_measures_a_hybrids_split_per_layer_kind(models):
   """compiled_memory plans as prefill does, a split per layer kind too: with the linear layers
   on [10, 20] and the full layers on [22, 8], the busiest device's K,V part (cache="sharded")

@@ -109,7 +109,7 @@ def test_a_latent_models_probes_change_nothing_and_come_in_order():
   assert len({phase for _, _, phase, _, _ in items if phase.startswith("hop")}) == 2
 
 
-@pytest.mark.default_cases("allgather")
+@pytest.mark.e2e  # slow (compiling bench-deepseek): the end-to-end tier, as KV-Runahead's case
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
 def test_a_latent_models_peers_mark_their_phases_as_on_kv_layers(strategy):
   """All-gather CP and ring attention on latent layers (bench-deepseek, 3 ranks) mark the

@@ -157,7 +157,7 @@ def _grown_latent(cache_LBSC, capacity: int):
   return _padded_positions(cache_LBSC, 2, capacity)
 
 
-def check_own_plan(family: OwnFamily, config, spec, cache: str, mesh, padded: int):
+def check_own_plan(family: OwnFamily, config, spec, cache: str, padded: int):
   """What a plan for `family` runs so far, refused by name before anything compiles: its
   strategies and cache layouts, and rows padded past their length under the layouts that
   keep them (`padded_caches`). Timeline probes are the record's (`Strategy.timeline_probes`,
