@@ -225,11 +225,12 @@ def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shap
   program = compile_hybrid(
     spec, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape
   )
-  table = runahead.table_on(mesh, model.config.of_kind(FULL_ATTENTION), split_shape, chunks)
+  full_config = model.config.of_kind(FULL_ATTENTION)  # the one body's table is the full layers'
+  on_split = runahead.on_split(program, mesh, full_config, split_shape, chunks)
   arrange = runahead.split_as_data_strategy(model.config, split_shape).arrange
 
   def run(state, tokens_BT):
-    return program(state, global_array(arrange(tokens_BT, chunks), rows), table)
+    return on_split(state, global_array(arrange(tokens_BT, chunks), rows))
 
   return run, lambda chunks: contiguous_layout(chunks, split_shape.part_len)
 

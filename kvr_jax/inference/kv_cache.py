@@ -303,8 +303,9 @@ def join_on_model_group(kv_parts, last_hop, layout: CacheLayout, mesh, kept=None
 
 
 def _heads_on_last_row(per_device, mesh):
-  """(k, v) [L, B, C, K/m, H] per device of the last rank's row, in the row's order, as one
-  (k, v) [L, B, C, K, H] over that row with heads split over "model"; (None, None) for none."""
+  """(k, v) [L, B, C, K/m, H] on each device of the last rank's row (each placed by its
+  device) as one (k, v) [L, B, C, K, H] over that row with heads split over "model"; (None,
+  None) for none."""
   if not per_device:
     return None, None
   group = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)  # where decode runs its step

@@ -179,8 +179,7 @@ def _program(model, strategy, mesh, chunks, kernel, options, split_shape):
   program = compile_latent(
     strategy, model.graphdef, mesh, None, kernel, False, timeline, body, split_shape
   )
-  table = runahead.table_on(mesh, model.config, split_shape, chunks)
-  return lambda state, tokens_pBc: program(state, tokens_pBc, table)
+  return runahead.on_split(program, mesh, model.config, split_shape, chunks)
 
 
 def _check_arguments(model, strategy, attention, cache: str, join: bool, timeline) -> None:

@@ -149,6 +149,7 @@ __all__ = [
   "rank_work",
   "rows_before_hop",
   "split_as_data_strategy",
+  "on_split",
   "table_on",
   "varying_axes",
   "last_hop_holds_cache",
@@ -285,6 +286,14 @@ def table_on(mesh, config, shape: OneBodyShape, chunks: tuple[int, ...]):
   return global_array(shape.table(config, chunks), jax.NamedSharding(mesh, jax.P()))
 
 
+def on_split(program, mesh, config, shape: OneBodyShape, chunks: tuple[int, ...]):
+  """A program that takes its split as data (state, tokens, table), bound to one split:
+  (state, tokens) -> its outputs, the split's table its third operand (`table_on`). config:
+  the one the table is made for (a hybrid's full layers')."""
+  table = table_on(mesh, config, shape, tuple(chunks))
+  return lambda state, tokens_pBc: program(state, tokens_pBc, table)
+
+
 def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
   """KV-Runahead on one program for every split of `config`'s model that fits `shape`
   (`OneBodyShape.envelope`): `configured(Options(split_shape=shape, config=config))`."""
@@ -311,8 +320,7 @@ def _split_as_data(options: Options) -> Strategy:
   ):
     refuse(SPLIT_AS_DATA, timeline, keep_last_hop)
     program = _split_as_data_program(graphdef, mesh, shape, get_kernel(attention))
-    table = table_on(mesh, config, shape, tuple(chunks))
-    return lambda state, tokens_pBc: program(state, tokens_pBc, table)
+    return on_split(program, mesh, config, shape, chunks)
 
   return dataclasses.replace(
     STRATEGY,
