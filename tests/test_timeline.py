@@ -93,9 +93,18 @@ def test_a_latent_models_probes_change_nothing_and_come_in_order():
   """KV-Runahead on latent layers (bench-deepseek: its hops carry latents) marks its phases as
   on K,V layers, in program order per rank, and the probes change neither the logits nor
   the latent cache beyond the strategies' 1e-5."""
+  items, num_layers = _probed_latent_model(strategy="kvr", partition=[20, 16, 12])
+  check_order(items, "kvr", num_layers, 3)
+  assert len({phase for _, _, phase, _, _ in items if phase.startswith("hop")}) == 2
+
+
+def _probed_latent_model(**kwargs):
+  """bench-deepseek's prefill on 3 ranks (cache="last"), probed and not: the probes change
+  neither the logits nor the latent cache beyond the strategies' 1e-5. Returns (the probed
+  run's intervals, the model's layer count)."""
   model = kvr_jax.Model(build_model(preset_config("bench-deepseek")))
   tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 48)
-  kwargs = dict(strategy="kvr", mesh=kvr_jax.make_mesh(3), partition=[20, 16, 12], cache="last")
+  kwargs = dict(mesh=kvr_jax.make_mesh(3), cache="last", **kwargs)
   plain = kvr_jax.prefill(model, tokens, **kwargs)
   probe.EVENTS.clear()
   probed = run_prefill(model, plan_prefill(model, tokens, timeline=True, **kwargs), tokens)
@@ -105,8 +114,7 @@ def test_a_latent_models_probes_change_nothing_and_come_in_order():
   items = timeline.intervals(
     [{"start_ns": min(e[3] for e in probe.EVENTS), "events": probe.EVENTS}]
   )
-  check_order(items, "kvr", model.config.num_layers, 3)
-  assert len({phase for _, _, phase, _, _ in items if phase.startswith("hop")}) == 2
+  return items, model.config.num_layers
 
 
 @pytest.mark.e2e  # slow (compiling bench-deepseek): the end-to-end tier, as KV-Runahead's case
@@ -116,19 +124,8 @@ def test_a_latent_models_peers_mark_their_phases_as_on_kv_layers(strategy):
   phases they mark on K,V layers, in program order per rank (the last layer gathered on
   the owner of the prompt's last row), ring's p-1 steps each marked, and the probes change
   neither the logits nor the latent cache beyond the strategies' 1e-5."""
-  model = kvr_jax.Model(build_model(preset_config("bench-deepseek")))
-  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 48)
-  kwargs = dict(strategy=strategy, mesh=kvr_jax.make_mesh(3), cache="last")
-  plain = kvr_jax.prefill(model, tokens, **kwargs)
-  probe.EVENTS.clear()
-  probed = run_prefill(model, plan_prefill(model, tokens, timeline=True, **kwargs), tokens)
-  jax.effects_barrier()
-  assert_close(probed.logits, plain.logits, "probed logits")
-  assert_close(probed.model_cache, plain.model_cache, "probed latents")
-  items = timeline.intervals(
-    [{"start_ns": min(e[3] for e in probe.EVENTS), "events": probe.EVENTS}]
-  )
-  check_order(items, strategy, model.config.num_layers, 3)
+  items, num_layers = _probed_latent_model(strategy=strategy)
+  check_order(items, strategy, num_layers, 3)
   steps = {phase for _, _, phase, _, _ in items if phase.startswith("step")}
   assert len(steps) == (2 if strategy == "ring" else 0)
 

@@ -57,7 +57,7 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
-from kvr_jax.strategies import family_program, zigzag
+from kvr_jax.strategies import family_builder, zigzag
 from kvr_jax.strategies.base import (
   Strategy,
   count_trace,
@@ -216,30 +216,9 @@ def check_runs_hybrid(strategy: str | Strategy) -> None:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {shown!r}")
 
 
-def compile_hybrid(
-  strategy: str | Strategy,
-  graphdef,
-  mesh,
-  chunks: tuple[int, ...] | None,
-  kernel,
-  keep_last_hop: bool = True,
-  timeline: bool = False,
-  full_chunks: tuple[int, ...] | None = None,
-  body: str | None = None,
-  split_shape: OneBodyShape | None = None,
-):
-  """The jitted SPMD program of `strategy` (a name of STRATEGIES or a record: KV-Runahead's
-  records bring their body and split as data, `strategies.family_program`) on a hybrid
-  model: `_compile_hybrid`, cached by the registered record and every option."""
-  check_runs_hybrid(strategy)  # before the registry's lookup: the family's own names in its message
-  spec, body, split_shape = family_program(strategy, body, split_shape)
-  return _compile_hybrid(
-    spec, graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body, split_shape
-  )
-
-
+@family_builder(check_runs_hybrid)
 @kept_cache(16)
-def _compile_hybrid(
+def compile_hybrid(
   spec: Strategy,
   graphdef,
   mesh,
@@ -251,7 +230,8 @@ def _compile_hybrid(
   body: str | None = None,
   split_shape: OneBodyShape | None = None,
 ):
-  """The jitted SPMD program of `spec` on a hybrid model: (state, tokens
+  """The jitted SPMD program of `spec` (a name of STRATEGIES or a record: KV-Runahead's bring
+  their body and split as data, `strategies.family_builder`) on a hybrid model: (state, tokens
   [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
   the prompt's last position's, {"full": each full layer's K,V output as the strategy emits
   it [p, L_full, ...], "state": [p, L_linear, B, h, k, v], "halo": [p, L_linear, B, w, C]}).

@@ -34,7 +34,7 @@ from flax import nnx
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import family_program, get_strategy, tsp, zigzag
+from kvr_jax.strategies import family_builder, get_strategy, tsp, zigzag
 from kvr_jax.strategies.base import (
   Strategy,
   count_trace,
@@ -247,29 +247,23 @@ def peer_last_layer(
   return probe("rest", x_BTD), own_1BT1C[0, :, :, 0]
 
 
-def compile_latent(
-  strategy: str | Strategy,
-  graphdef,
-  mesh,
-  chunks: tuple[int, ...] | None,
-  kernel,
-  keep_last: bool = True,
-  timeline: bool = False,
-  body: str | None = None,
-  split_shape: OneBodyShape | None = None,
-):
-  """The jitted SPMD program of `strategy` (a name of STRATEGIES or a record: KV-Runahead's
-  records bring their body and split as data, `strategies.family_program`) on a latent
-  model: `_compile_latent`, cached by the registered record and every option."""
-  check_runs_latent(strategy)  # before the registry's lookup: the family's own names in its message
-  spec, body, split_shape = family_program(strategy, body, split_shape)
-  return _compile_latent(
-    spec, graphdef, mesh, chunks, kernel, keep_last, timeline, body, split_shape
-  )
+def check_runs_latent(strategy: str | Strategy, timeline: bool = False) -> None:
+  """Refuses a strategy (a name or a record) whose programs run no latent model
+  (`STRATEGIES`), and probes where its record places none (`timeline_probes`)."""
+  name, shown = strategy, strategy
+  if isinstance(strategy, Strategy):
+    name, shown = strategy.registered_name, strategy.name
+  if name not in STRATEGIES:
+    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {shown!r}")
+  if timeline and not get_strategy(strategy).timeline_probes:
+    # (KV-Runahead's rank layer marks latent layers as K,V layers; the peers' latent layers
+    # mark the phases their K,V layers mark)
+    raise ValueError(f"strategy {shown!r} has no timeline probes, on latent layers or K,V")
 
 
+@family_builder(check_runs_latent)
 @kept_cache(16)
-def _compile_latent(
+def compile_latent(
   spec: Strategy,
   graphdef,
   mesh,
@@ -280,7 +274,8 @@ def _compile_latent(
   body: str | None = None,
   split_shape: OneBodyShape | None = None,
 ):
-  """The jitted SPMD program of `spec` on a latent-attention model: (state,
+  """The jitted SPMD program of `spec` (a name of STRATEGIES or a record: KV-Runahead's bring
+  their body and split as data, `strategies.family_builder`) on a latent-attention model: (state,
   tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
   p-1's are the prompt's last position's, {"own": [p, L, B, T_rank, C], and for "kvr" "last":
   [p, L, B, S_{p-2}, C], the last hop's message, where `keep_last`: what cache="last" joins
@@ -375,20 +370,6 @@ def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, ti
     return peer_last_layer(spec, block, x_BTD, rank, chunks, reduce, probe)
 
   return jax.lax.cond(last, last_row, every_row, x_BTD)
-
-
-def check_runs_latent(strategy: str | Strategy, timeline: bool = False) -> None:
-  """Refuses a strategy (a name or a record) whose programs run no latent model
-  (`STRATEGIES`), and probes where its record places none (`timeline_probes`)."""
-  name, shown = strategy, strategy
-  if isinstance(strategy, Strategy):
-    name, shown = strategy.registered_name, strategy.name
-  if name not in STRATEGIES:
-    raise ValueError(f"latent-attention models run under {STRATEGIES}, not {shown!r}")
-  if timeline and not get_strategy(strategy).timeline_probes:
-    # (KV-Runahead's rank layer marks latent layers as K,V layers; the peers' latent layers
-    # mark the phases their K,V layers mark)
-    raise ValueError(f"strategy {shown!r} has no timeline probes, on latent layers or K,V")
 
 
 def _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape):
