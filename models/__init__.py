@@ -1,7 +1,7 @@
 """Flax NNX decoders of the families in models.families (Llama and its switches, Falcon,
 Gemma 3). Device-agnostic per-layer maths; see models/base.py."""
 
-from models.base import Block, CausalLM, scan_blocks
+from models.base import Block, CausalLM, Layer, LayerStack, scan_layers
 from models.config import ModelConfig, RopeConfig
 from models.falcon import Falcon, FalconConfig
 from models.families import (
@@ -25,10 +25,12 @@ __all__ = [
   "Llama",
   "LlamaConfig",
   "ModelConfig",
+  "Layer",
+  "LayerStack",
   "RopeConfig",
   "config_from_dict",
   "config_from_hf",
   "family_of",
   "model_class",
-  "scan_blocks",
+  "scan_layers",
 ]

@@ -1,6 +1,6 @@
 """What every decoder-only model here shares: embeddings, the stacked layer scan, the head.
 
-Layers are stored stacked: every block parameter has a leading [L] axis, so `scan_blocks` runs
+Layers are stored stacked: every block parameter has a leading [L] axis, so `scan_layers` runs
 them with one `jax.lax.scan` (one compiled layer body whatever the depth). A block exposes the
 two halves of its computation that the parallel strategies need separately:
 
@@ -21,7 +21,7 @@ MLP before each residual (the identity on a whole model; kvr_jax passes a psum).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -259,42 +259,90 @@ def in_row_blocks(finish_rows, x_BTD, attn_BTNH, row_block: int | None, reduce) 
   return out_nBsD.swapaxes(0, 1).reshape(B, n * size, D)[:, :T]
 
 
-def scan_blocks(blocks: Block, body: Callable[[Block, Any, Any], tuple[Any, Any]], carry, xs=None):
-  """`lax.scan` over stacked layers: body(block_of_one_layer, carry, x_l) -> (carry, y_l).
+class LayerStack(NamedTuple):
+  """One stack of a model's layer weights (every parameter [L_s, ...]) and the model's layers
+  it holds, in order: row i of the stack is layer `layers[i]`."""
 
-  Layers of different kinds (`ModelConfig.layer_kinds`, models/layer_kinds.py: today their
-  windows differ) run one body per kind: each step a `lax.switch` on the layer's kind, whose
-  branch gives the block its one-kind config (its window and RoPE: `config.of_kind`), so
-  shapes that follow the kind are static per kind
-  (KV-Runahead's hops on a windowed layer carry only what the window needs). The weights
-  are scanned in place, as for uniform layers: no copy of any layer's slice."""
-  graphdef, stacked_state = nnx.split(blocks)
-  config = blocks.config
-  if config.layer_windows is None:
+  blocks: Block
+  layers: tuple[int, ...]
 
-    def step(carry, inputs):
-      layer_state, x_l = inputs
-      return body(nnx.merge(graphdef, layer_state), carry, x_l)
 
-    return jax.lax.scan(step, carry, (stacked_state, xs))
+class Layer(NamedTuple):
+  """What `scan_layers` tells a body of the layer it runs: its index in the model and its row
+  in its stack (traced int32 scalars), and its kind (static: models/layer_kinds.py)."""
 
-  kinds = config.kinds
-  kind_L = jnp.asarray([kinds.index(k) for k in config.layer_kinds], jnp.int32)
+  index: jax.Array
+  row: jax.Array
+  kind: Any
 
-  def kind_body(kind):
-    def run(carry, layer_state, x_l):
-      block = nnx.merge(graphdef, layer_state)
-      block.config = config.of_kind(kind)
-      return body(block, carry, x_l)
 
-    return run
+LayerBody = Callable[[Block, Layer, Any], tuple[Any, Any]]
 
-  def kinds_step(carry, inputs):
-    layer_state, x_l, kind = inputs
-    branches = [kind_body(k) for k in kinds]
-    return jax.lax.switch(kind, branches, carry, layer_state, x_l)
 
-  return jax.lax.scan(kinds_step, carry, (stacked_state, xs, kind_L))
+def scan_layers(model, body: LayerBody, carry) -> tuple[Any, Any]:
+  """Every layer of `model` in order, with `lax.scan`: body(block, layer, carry) -> (carry,
+  y_l); returns (carry, the y_l stacked [L, ...] in layer order). One driver for every model:
+
+  - the weights come from `model.layer_stacks()`, read in place (a scan over a stack, or a
+    dynamic slice of it), never copied per layer;
+  - a step runs one compiled body per (stack, kind) (`lax.switch`), whose block sees its
+    kind's config (`config.of_kind`: a window and its RoPE), so shapes that follow a kind are
+    static per kind (KV-Runahead's hops on a windowed layer carry only what the window needs);
+  - stacks that follow one another (DeepSeek's dense layers, then its experts) run one scan
+    each; stacks whose layers interleave (Qwen3.5's linear and full layers) run one scan over
+    every layer, each step its stack's branch."""
+  config = model.config
+  stacks = model.layer_stacks()
+  kind_L = config.layer_kinds
+  branches, branch_L, row_L = [], [0] * config.num_layers, [0] * config.num_layers
+  for s, stack in enumerate(stacks):
+    graphdef, stacked = nnx.split(stack.blocks)
+    kinds = [k for k in config.kinds if any(kind_L[l] == k for l in stack.layers)]
+    for kind in kinds:
+      for row, l in enumerate(stack.layers):
+        if kind_L[l] == kind:
+          branch_L[l], row_L[l] = len(branches), row
+      kind_config = stack.blocks.config.of_kind(kind)
+      branches.append((s, _layer_branch(body, graphdef, stacked, kind_config, kind)))
+  index_L = jnp.arange(config.num_layers, dtype=jnp.int32)
+  branch_L, row_L = jnp.asarray(branch_L, jnp.int32), jnp.asarray(row_L, jnp.int32)
+
+  def step_of(first: int, runs):
+    def step(carry, inputs):  # inputs: (index, row, branch, the layer's weights or None)
+      index, row, branch, layer_state = inputs
+      if len(runs) == 1:
+        return runs[0](carry, index, row, layer_state)
+      return jax.lax.switch(branch - first, runs, carry, index, row, layer_state)
+
+    return step
+
+  runs = [run for _, run in branches]
+  if [l for stack in stacks for l in stack.layers] != list(range(config.num_layers)):
+    # Interleaved stacks: one scan over every layer, each branch slicing its own stack.
+    return jax.lax.scan(step_of(0, runs), carry, (index_L, row_L, branch_L, None))
+  ys = []
+  for s, stack in enumerate(stacks):  # one scan per stack, over its weights in place
+    which = [b for b, (of, _) in enumerate(branches) if of == s]
+    span = slice(stack.layers[0], stack.layers[-1] + 1)
+    _, stacked = nnx.split(stack.blocks)
+    inputs = (index_L[span], row_L[span], branch_L[span], stacked)
+    carry, y = jax.lax.scan(step_of(which[0], runs[which[0] : which[-1] + 1]), carry, inputs)
+    ys.append(y)
+  return carry, ys[0] if len(ys) == 1 else jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
+
+
+def _layer_branch(body: LayerBody, graphdef, stacked, kind_config, kind):
+  """One (stack, kind)'s step: its layer's weights (given, or read at `row` of the stack),
+  the block seeing its kind's config, then `body`."""
+
+  def run(carry, index, row, layer_state):
+    if layer_state is None:
+      layer_state = jax.tree.map(lambda w: w[row], stacked)
+    block = nnx.merge(graphdef, layer_state)
+    block.config = kind_config
+    return body(block, Layer(index, row, kind), carry)
+
+  return run
 
 
 class CausalLM(nnx.Module):
@@ -313,6 +361,10 @@ class CausalLM(nnx.Module):
   # Subclasses define the final norm.
   def final_norm(self, x_BTD: jax.Array) -> jax.Array:  # pragma: no cover - interface
     raise NotImplementedError
+
+  def layer_stacks(self) -> tuple[LayerStack, ...]:
+    """The stacks of layer weights `scan_layers` runs, each with the layers it holds."""
+    return (LayerStack(self.blocks, tuple(range(self.config.num_layers))),)
 
   def embed(self, tokens_BT: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens_BT, axis=0)
@@ -337,12 +389,12 @@ class CausalLM(nnx.Module):
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
 
-    def layer(block: Block, x_BTD, _):
+    def layer(block: Block, _, x_BTD):
       q, k, v = block.project_qkv(x_BTD, positions_BT)
       attn_BTNH = block.attend(q, k, v, 0, attention)
       return block.finish(x_BTD, attn_BTNH, reduce=reduce), (k, v)
 
-    x_BTD, (k_LBTKH, v_LBTKH) = scan_blocks(self.blocks, layer, self.embed(tokens_BT))
+    x_BTD, (k_LBTKH, v_LBTKH) = scan_layers(self, layer, self.embed(tokens_BT))
     return x_BTD, k_LBTKH, v_LBTKH
 
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:

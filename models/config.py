@@ -162,7 +162,7 @@ class ModelConfig:
 
   @functools.cached_property
   def kinds(self) -> tuple[AttentionKind, ...]:
-    """The distinct kinds of the layers, in the order `scan_blocks` compiles their bodies."""
+    """The distinct kinds of the layers, in the order `scan_layers` compiles their bodies."""
     return kinds_in_order(self.layer_kinds)
 
   @property

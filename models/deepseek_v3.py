@@ -9,8 +9,9 @@ Every layer is multi-head latent attention (models/latent_attention.py) then an 
 (sigmoid scores, a correction bias for the choice only, group-limited top-k, renormalised and
 scaled: models.experts.route_grouped_sigmoid), the routed SwiGLU experts and `shared_experts`
 shared ones (one SwiGLU of shared_experts x f columns, ungated). The two MLP kinds have
-different weights, so the layers are two stacks run one after the other: `dense_blocks` then
-`blocks` (either may be empty: None). Plain RMSNorms (w x). The cache is one latent per token
+different weights, so the layers are two stacks run one after the other (`layer_stacks`:
+`models.base.scan_layers` runs one scan each): `dense_blocks` then `blocks` (either may be
+empty: None). Plain RMSNorms (w x). The cache is one latent per token
 per layer, [L, B, S, C]: prefill writes it, decode attends it in the absorbed form and writes
 the new token's entry in place.
 """
@@ -26,12 +27,14 @@ from flax import nnx
 from models.base import (
   ROW_BLOCK,
   CausalLM,
+  LayerStack,
   finish_one_row,
   first_local_expert,
   in_row_blocks,
   no_reduce,
   normal_param,
   ones_param,
+  scan_layers,
   write_rows,
   zeros_param,
 )
@@ -135,6 +138,12 @@ class DeepseekV3(CausalLM):
   def final_norm(self, x_BTD):
     return rms_norm(x_BTD, self.norm[...], self.config.norm_eps)
 
+  def layer_stacks(self) -> tuple[LayerStack, ...]:
+    """The dense layers' stack, then the experts' (`scan_layers` runs one scan each)."""
+    dense, L = self.config.first_dense_layers, self.config.num_layers
+    stacks = ((self.dense_blocks, range(dense)), (self.blocks, range(dense, L)))
+    return tuple(LayerStack(blocks, tuple(layers)) for blocks, layers in stacks if layers)
+
   def empty_cache(self, batch: int, capacity: int) -> jax.Array:
     """A zero latent cache [L, B, capacity, C]."""
     cfg = self.config
@@ -152,8 +161,8 @@ class DeepseekV3(CausalLM):
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
 
-    def layer(block, l, carry):
-      x_BTD, cache = carry
+    def layer(block, at, carry):
+      l, (x_BTD, cache) = at.index, carry
       h_BTD = block.attention_input(x_BTD)
       q_nope, q_rope = block.queries(h_BTD, positions_BT)
       entry_BTC = block.latents(h_BTD, positions_BT)
@@ -171,10 +180,10 @@ class DeepseekV3(CausalLM):
       else:
         x_BTD = every_row(x_BTD)
       cache = jax.lax.dynamic_update_slice(cache, entry_BTC[None].astype(cache.dtype), (l, 0, 0, 0))
-      return x_BTD, cache
+      return (x_BTD, cache), None
 
     cache = self.empty_cache(B, T if capacity is None else capacity)
-    return self.scan_layers(layer, (self.embed(tokens_BT), cache))
+    return scan_layers(self, layer, (self.embed(tokens_BT), cache))[0]
 
   def __call__(self, tokens_BT):
     """Logits of every position, [B, T, V] float32."""
@@ -189,35 +198,17 @@ class DeepseekV3(CausalLM):
     B = tokens_B.shape[0]
     positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
 
-    def layer(block, l, carry):
-      x_B1D, cache = carry
+    def layer(block, at, carry):
+      l, (x_B1D, cache) = at.index, carry
       h_B1D = block.attention_input(x_B1D)
       q_nope, q_rope = block.queries(h_B1D, positions_B[:, None])
       entry_BC = block.latents(h_B1D, positions_B[:, None])[:, 0]
       cache = write_rows(cache, (l,), positions_B, entry_BC[:, None])
       attn_BNv = block.attend_absorbed(q_nope[:, 0], q_rope[:, 0], cache[l], positions_B)
-      return block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), cache
+      return (block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), cache), None
 
-    x_B1D, cache = self.scan_layers(layer, (self.embed(tokens_B[:, None]), cache))
+    x_B1D, cache = scan_layers(self, layer, (self.embed(tokens_B[:, None]), cache))[0]
     return self.logits(x_B1D)[:, 0], cache
-
-  def scan_layers(self, body, carry):
-    """The dense stack's layers, then the experts' (one `lax.scan` each, the weights read in
-    place): body(block of layer l, l, carry) -> carry, l the layer's index in the model."""
-    first = 0
-    for stack in (self.dense_blocks, self.blocks):
-      if stack is None:
-        continue
-      graphdef, stacked = nnx.split(stack)
-      num = jax.tree.leaves(stacked)[0].shape[0]
-
-      def step(carry, inputs, graphdef=graphdef):
-        layer_state, l = inputs
-        return body(nnx.merge(graphdef, layer_state), l, carry), None
-
-      carry, _ = jax.lax.scan(step, carry, (stacked, first + jnp.arange(num)))
-      first += num
-    return carry
 
 
 # --- Hugging Face config.json and tensor names

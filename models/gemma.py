@@ -5,7 +5,7 @@ L layers. Block parameters carry a leading [L] axis (see models/base.py). What d
 Llama: RMSNorms of the form x (1 + w) computed in float32 (before and after attention and the
 MLP, and of each q and k head), GeGLU with tanh GELU, the embedding times sqrt(D), the
 softmax scaled by query_pre_attn_scalar^-1/2 (folded into q), a tied head, and a window and
-a RoPE per layer kind (`GemmaConfig.with_window`, what `scan_blocks` gives each layer).
+a RoPE per layer kind (`GemmaConfig.with_window`, what `scan_layers` gives each layer).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a layer computes and what its past is, as data: one frozen record per kind of layer,
 in the manner of models/kernels.py.
 
-A model's layers are a sequence of kinds (`ModelConfig.layer_kinds`); `scan_blocks` compiles
+A model's layers are a sequence of kinds (`ModelConfig.layer_kinds`); `scan_layers` compiles
 one layer body per distinct kind (`ModelConfig.kinds`) and gives each its one-kind config
 (`ModelConfig.of_kind`). What the parallel code asks of a layer it asks of its kind:
 

@@ -9,8 +9,9 @@ channels (2 g k + h v), W convolution kernel, w = W - 1.
 Layers follow `layer_types` (transformers' default: three linear layers then one full, repeated).
 The two kinds have different weights, so they are two stacks: `blocks` holds the full-attention
 layers (a `models.base.Block`: project_qkv, attend, finish, as every family's) and
-`linear_blocks` the linear ones. `scan_layers` runs the L layers in order in one `lax.scan`,
-each step its kind's body on its own slice of its kind's stack.
+`linear_blocks` the linear ones. `models.base.scan_layers` runs the L layers in order in one
+`lax.scan` (the stacks interleave), each step its kind's body on its own slice of its kind's
+stack.
 
 A full layer: (1 + w) RMSNorm; q_proj gives each head its query and an output gate; per-head
 (1 + w) q/k norms; RoPE on the first `rotary_dim` features of each head (partial rotary); the
@@ -33,14 +34,17 @@ from flax import nnx
 from models.base import (
   Block,
   CausalLM,
+  LayerStack,
   finish_one_row,
   no_reduce,
   normal_param,
+  scan_layers,
   write_rows,
   zeros_param,
 )
 from models.family import Family
 from models.gated_deltanet_layer import GatedDeltaNetBlock, LinearState, OnePlusNormMlp
+from models.layer_kinds import GatedDeltaNetKind
 from models.norms import rms_norm_one_plus
 from models.qwen3_5_config import (
   FULL,
@@ -129,6 +133,15 @@ class Qwen35(CausalLM):
   def final_norm(self, x_BTD):
     return rms_norm_one_plus(x_BTD, self.norm[...], self.config.norm_eps)
 
+  def layer_stacks(self) -> tuple[LayerStack, ...]:
+    """The linear layers' stack and the full layers', each with the layers it holds (they
+    interleave: `scan_layers` runs them in one scan)."""
+    stacks = (
+      (self.linear_blocks, self.config.layers_of(LINEAR)),
+      (self.blocks, self.config.layers_of(FULL)),
+    )
+    return tuple(LayerStack(blocks, layers) for blocks, layers in stacks if layers)
+
   def empty_cache(self, batch: int, capacity: int) -> HybridCache:
     """A zero past for `batch` rows and `capacity` positions (the prompt and what decode adds)."""
     # Sizes from the weights: a shard's heads and channels where a model axis splits them.
@@ -191,7 +204,7 @@ class Qwen35(CausalLM):
       stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), cache.linear, past)
       return x_BTD, cache._replace(linear=LinearState(*stacked))
 
-    return scan_layers(self, full, linear, (self.embed(tokens_BT), cache))
+    return scan_layers(self, by_kind(full, linear), (self.embed(tokens_BT), cache))[0]
 
   def __call__(self, tokens_BT):
     """Logits of every position, [B, T, V] float32."""
@@ -221,36 +234,21 @@ class Qwen35(CausalLM):
       stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), cache.linear, past)
       return x_B1D, cache._replace(linear=LinearState(*stacked))
 
-    x_B1D, cache = scan_layers(self, full, linear, (self.embed(tokens_B[:, None]), cache))
+    x_B1D, cache = scan_layers(self, by_kind(full, linear), (self.embed(tokens_B[:, None]), cache))[
+      0
+    ]
     return self.logits(x_B1D)[:, 0], cache
 
 
-def scan_layers(model: Qwen35, on_full, on_linear, carry):
-  """One `lax.scan` over the L layers in order: step l runs its kind's body, on_full(block, i,
-  carry) or on_linear(block, i, carry), where i is the layer's row in its kind's stack and the
-  block that row's weights (read in place: a dynamic slice of the stack)."""
-  cfg = model.config
-  stacks = {FULL: nnx.split(model.blocks), LINEAR: nnx.split(model.linear_blocks)}
-  bodies = {FULL: on_full, LINEAR: on_linear}
-  present = [t for t in (LINEAR, FULL) if cfg.layers_of(t)]
-  rows_L = jnp.asarray([cfg.layers_of(t).index(l) for l, t in enumerate(cfg.layer_types)])
-  kind_L = jnp.asarray([present.index(t) for t in cfg.layer_types], jnp.int32)
+def by_kind(on_full, on_linear):
+  """One `scan_layers` body from a full layer's and a linear layer's, each on_*(block, i,
+  carry) -> carry, i the layer's row in its kind's stack."""
 
-  def branch(layer_type):
-    graphdef, stacked = stacks[layer_type]
+  def body(block, layer, carry):
+    on_layer = on_linear if isinstance(layer.kind, GatedDeltaNetKind) else on_full
+    return on_layer(block, layer.row, carry), None
 
-    def run(carry, row):
-      block = nnx.merge(graphdef, jax.tree.map(lambda w: w[row], stacked))
-      return bodies[layer_type](block, row, carry)
-
-    return run
-
-  def step(carry, inputs):
-    kind, row = inputs
-    return jax.lax.switch(kind, [branch(t) for t in present], carry, row), None
-
-  carry, _ = jax.lax.scan(step, carry, (kind_L, rows_L))
-  return carry
+  return body
 
 
 # --- Hugging Face config.json and tensor names

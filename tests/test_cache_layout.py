@@ -26,7 +26,7 @@ from kvr_jax.inference.results import CacheParts
 from kvr_jax.runtime.cache_layout import contiguous_layout
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.tools.memory import compiled_memory
-from models import scan_blocks
+from models import scan_layers
 from tests.tolerance import assert_close
 
 CONTEXT = 29  # not a multiple of 2, 3, 4 or 8 (zigzag and TSP pad, KVR splits unevenly)
@@ -440,13 +440,13 @@ def test_finish_in_row_blocks_equals_whole(models, name):
   x_BTD = jax.numpy.asarray(rng.randn(2, 23, cfg.d_model), jax.numpy.float32)
   attn_BTNH = jax.numpy.asarray(rng.randn(2, 23, cfg.num_heads, cfg.head_dim), jax.numpy.float32)
 
-  def both(block, carry, _):
+  def both(block, _, carry):
     return carry, (
       block.finish(x_BTD, attn_BTNH, row_block=5),
       block.finish(x_BTD, attn_BTNH, None),
     )
 
-  _, (blocked, whole) = jax.jit(lambda: scan_blocks(model.blocks, both, 0))()
+  _, (blocked, whole) = jax.jit(lambda: scan_layers(model, both, 0))()
   assert_close(blocked, whole, "finish in row blocks")
 
 

@@ -3,14 +3,21 @@ strategies, the cost model and the cache join reading them. No program is compil
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from kvr_jax.core.chunks import prefix_ends
 from kvr_jax.planning import costmodel
 from kvr_jax.planning.presets import make_setup
+from kvr_jax.runtime.loading import preset_config
 from kvr_jax.strategies import runahead
 from kvr_jax.strategies.runahead import schedule
 from kvr_jax.strategies.runahead.hops import hop_chain
+from models.base import scan_layers
+from models.families import model_class
 from models.gemma import GemmaConfig
 from models.layer_kinds import FULL_ATTENTION, AttentionKind, kinds_in_order
 from models.llama import LlamaConfig
@@ -135,3 +142,58 @@ def test_the_hop_chain_sends_the_kinds_span(monkeypatch):
     sent.clear()
     hop_chain(buffer, own, jnp.int32(0), chunks, kind)
     assert sent == [((0, 1), lengths[0]), ((1, 2), lengths[1])], kind
+
+
+def _layers_seen(config):
+  """What `scan_layers` hands each layer of a small model of `config`: (index, row, the kind's
+  place in config.kinds, the block's window, a checksum of the block's weights), and the
+  checksums of every stack's rows, for the expected order."""
+  model = model_class(config)(config, rngs=nnx.Rngs(0))
+
+  def checksum(state):
+    return sum(jnp.sum(jnp.abs(w.astype(jnp.float32))) for w in jax.tree.leaves(state))
+
+  def body(block, layer, count):
+    seen = (
+      layer.index,
+      layer.row,
+      jnp.int32(config.kinds.index(layer.kind)),
+      jnp.int32(getattr(block.config.kind, "window", None) or -1),
+      checksum(nnx.state(block)),
+    )
+    return count + 1, seen
+
+  count, seen = jax.jit(lambda: scan_layers(model, body, jnp.int32(0)))()
+  rows = {
+    layer: checksum(jax.tree.map(lambda w, r=row: w[r], nnx.state(stack.blocks)))
+    for stack in model.layer_stacks()
+    for row, layer in enumerate(stack.layers)
+  }
+  return int(count), [np.asarray(s) for s in seen], rows
+
+
+@pytest.mark.parametrize(
+  "name, replace, rows",
+  [
+    ("tiny-gemma", {}, [0, 1, 2, 3]),  # one stack, two kinds (a window of 64, full)
+    ("bench-deepseek", {}, [0, 0, 1, 2]),  # two stacks in turn: 1 dense layer, 3 of experts
+    ("bench-qwen3.5", {}, [0, 1, 2, 0]),  # two stacks in turn: 3 linear layers, then 1 full
+    # Interleaved stacks: one scan, each step its stack's row.
+    ("bench-qwen3.5", {"layer_types": ("full_attention", "linear_attention") * 2}, [0, 0, 1, 1]),
+  ],
+)
+def test_one_scan_driver_runs_every_models_layers_in_order(name, replace, rows):
+  """models.base.scan_layers, the one layer driver of every model: each layer in model order
+  (its index), from its own stack's row (the weights' checksum), with its kind, its block
+  seeing that kind's config (a window of 64 or none), and the outputs stacked in layer order."""
+  config = dataclasses.replace(preset_config(name), **replace)
+  count, (index_L, row_L, kind_L, window_L, weights_L), stack_rows = _layers_seen(config)
+  L = config.num_layers
+  assert count == L
+  np.testing.assert_array_equal(index_L, np.arange(L))
+  np.testing.assert_array_equal(row_L, rows)
+  np.testing.assert_array_equal(kind_L, [config.kinds.index(k) for k in config.layer_kinds])
+  windows = [getattr(k, "window", None) for k in config.layer_kinds]
+  np.testing.assert_array_equal(window_L, [-1 if w is None else w for w in windows])
+  np.testing.assert_allclose(weights_L, [stack_rows[l] for l in range(L)], rtol=1e-6)
+  assert len(set(np.round(weights_L, 3))) == L  # every layer's weights differ: the check can fail

@@ -23,7 +23,7 @@ from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh, split_dims
 from kvr_jax.runtime.tensor_parallel import MODEL_AXIS
 from kvr_jax.strategies import runahead
-from models import scan_blocks
+from models import scan_layers
 from tests.lazy import LazyDict
 from tests.tolerance import assert_close
 
@@ -107,13 +107,13 @@ def test_a_shards_row_blocked_finish_reduces_every_block(whole, name):
   def one_shard(shard_state):
     model = nnx.merge(graphdef, shard_state)
 
-    def layer(block, x_BTD, _):
+    def layer(block, _, x_BTD):
       q_BTNH, k_BTKH, v_BTKH = block.project_qkv(x_BTD, positions_BT)
       attn_BTNH = block.attend(q_BTNH, k_BTKH, v_BTKH, 0, "flash")
       x_BTD = block.finish(x_BTD, attn_BTNH, 5, reduce=tensor_parallel.psum_over_model)
       return x_BTD, None
 
-    x_BTD, _ = scan_blocks(model.blocks, layer, model.embed(tokens_BT))
+    x_BTD, _ = scan_layers(model, layer, model.embed(tokens_BT))
     return model.logits(x_BTD)
 
   logits_m = jax.jit(jax.vmap(one_shard, axis_name=MODEL_AXIS))(shards)

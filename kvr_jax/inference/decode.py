@@ -29,7 +29,7 @@ from flax import nnx
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, split_dims
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
-from models import scan_blocks
+from models import scan_layers
 from models.attention import attend_static
 from models.base import no_reduce, write_rows
 
@@ -114,7 +114,10 @@ def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_redu
   B = tokens_B.shape[0]
   positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
 
-  def layer(block, carry, slot):
+  slots_L = jnp.asarray(layout.slot_of_layer, jnp.int32)  # each layer's row in its group
+
+  def layer(block, at, carry):
+    slot = slots_L[at.index]
     # The cache is carried through the layers and written where it lies (one token's row per
     # sequence, by index): with it donated, no second copy exists during the step; attention
     # reads this layer's [B, S_g, K, H] slice.
@@ -135,10 +138,7 @@ def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_redu
     caches = (*caches[:group], kept, *caches[group + 1 :])
     return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
 
-  slots_L = jnp.asarray(layout.slot_of_layer, jnp.int32)
-  (x_B1D, caches), _ = scan_blocks(
-    model.blocks, layer, (model.embed(tokens_B[:, None]), tuple(caches)), slots_L
-  )
+  (x_B1D, caches), _ = scan_layers(model, layer, (model.embed(tokens_B[:, None]), tuple(caches)))
   return model.logits(x_B1D)[:, 0], caches
 
 

@@ -51,10 +51,10 @@ from kvr_jax.runtime.mesh import (
 from kvr_jax.strategies import family_program, runahead, zigzag
 from kvr_jax.strategies.base import Strategy, count_trace
 from kvr_jax.strategies.hybrid import check_runs_hybrid, compile_hybrid
-from models.base import no_reduce
+from models.base import no_reduce, scan_layers
 from models.kernels import get_kernel
 from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, unbuilt_kinds
-from models.qwen3_5 import HybridCache, LinearState, scan_layers
+from models.qwen3_5 import HybridCache, LinearState, by_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,8 +381,8 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
       return x_B1D, tail_L2BMKH, LinearState(*stacked)
 
     x_B1D = model.embed(tokens_B[:, None])
-    x_B1D, tail_L2BMKH, linear = scan_layers(
-      model, on_full, on_linear, (x_B1D, tail_L2BMKH, linear)
+    (x_B1D, tail_L2BMKH, linear), _ = scan_layers(
+      model, by_kind(on_full, on_linear), (x_B1D, tail_L2BMKH, linear)
     )
     return model.logits(x_B1D)[:, 0], tail_L2BMKH, linear
 

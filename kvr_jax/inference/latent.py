@@ -49,7 +49,7 @@ from kvr_jax.strategies import family_program, get_strategy, runahead
 from kvr_jax.strategies.base import Strategy
 from kvr_jax.strategies.latent import check_runs_latent, compile_latent
 from models.attention import merge_partials
-from models.base import no_reduce
+from models.base import no_reduce, scan_layers
 from models.kernels import get_kernel
 from models.layer_kinds import LatentAttentionKind
 
@@ -250,8 +250,8 @@ def latent_sharded_step(graphdef, mesh):
     part_visible_BT = (part_T >= 0)[None] & (part_T[None] < prompt_lens_B[:, None])
     tail_visible_BM = jnp.broadcast_to(jnp.arange(M) <= tail_index, (B, M))
 
-    def layer(block, l, carry):
-      x_B1D, tail_LBMC = carry
+    def layer(block, at, carry):
+      l, (x_B1D, tail_LBMC) = at.index, carry
       h_B1D = block.attention_input(x_B1D)
       q_nope, q_rope = block.queries(h_B1D, positions_B1)
       entry_B11C = block.latents(h_B1D, positions_B1)[None].astype(tail_LBMC.dtype)
@@ -264,9 +264,9 @@ def latent_sharded_step(graphdef, mesh):
       tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
       out_BNR = merge_across_ranks(*merge_partials(*part, tail_out, tail_lse))
       attn_BNv = block.expand_values(out_BNR.astype(x_B1D.dtype))
-      return block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), tail_LBMC
+      return (block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), tail_LBMC), None
 
-    x_B1D, tail_LBMC = model.scan_layers(layer, (model.embed(tokens_B[:, None]), tail_LBMC))
+    x_B1D, tail_LBMC = scan_layers(model, layer, (model.embed(tokens_B[:, None]), tail_LBMC))[0]
     return model.logits(x_B1D)[:, 0], tail_LBMC
 
   if m == 1:

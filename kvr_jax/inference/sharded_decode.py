@@ -25,7 +25,7 @@ from kvr_jax.inference.decode import (
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel, split_dims
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
-from models import scan_blocks
+from models import scan_layers
 from models.attention import attend_with_lse, merge_partials
 from models.base import no_reduce
 from models.flash import attend_flash
@@ -161,8 +161,10 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayo
   def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, caches, tail_index):
     model = nnx.merge(graphdef, state)
     positions_B = prompt_lens_B + tail_index
+    slots_L = jnp.asarray(kept.slot_of_layer, jnp.int32)  # each layer's row in its group
 
-    def layer(block, carry, slot):
+    def layer(block, at, carry):
+      slot = slots_L[at.index]
       # Each cache is carried and written where it lies (this token's row of the layer's
       # slot, by index), the parts read a layer at a time: no second copy of either.
       x_B1D, caches = carry
@@ -183,9 +185,8 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayo
       caches = (*caches[:group], tail_L2BMKH, *caches[group + 1 :])
       return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
 
-    slots_L = jnp.asarray(kept.slot_of_layer, jnp.int32)
     x_B1D = model.embed(tokens_B[:, None])
-    (x_B1D, caches), _ = scan_blocks(model.blocks, layer, (x_B1D, tuple(caches)), slots_L)
+    (x_B1D, caches), _ = scan_layers(model, layer, (x_B1D, tuple(caches)))
     return model.logits(x_B1D)[:, 0], caches
 
   return _sharded_step_over(step, mesh, kept)

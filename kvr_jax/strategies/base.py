@@ -39,7 +39,7 @@ from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec
 from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies.probe import mark
-from models import scan_blocks
+from models import scan_layers
 from models.base import finish_one_row, no_reduce
 from models.kernels import DEFAULT_CAUSAL_KERNEL, KERNEL_NAMES, KERNELS, AttentionKernel, get_kernel
 
@@ -394,12 +394,11 @@ def rank_program(name: str, graphdef, make_body: Callable, num_ranks: int, timel
     body = make_body(model, jax.lax.axis_index(AXIS), tokens_1BT[0], reduce, *table)
     x_BTD = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
 
-    def layer(block, x_and_carry, l):
-      x_BTD, carry, kv_out = body.layer(block, *x_and_carry, l)
+    def layer(block, at, x_and_carry):
+      x_BTD, carry, kv_out = body.layer(block, *x_and_carry, at.index)
       return (x_BTD, carry), kv_out
 
-    layers_L = jax.numpy.arange(model.config.num_layers)
-    (x_BTD, _), kv_out = scan_blocks(model.blocks, layer, (x_BTD, body.carry), layers_L)
+    (x_BTD, _), kv_out = scan_layers(model, layer, (x_BTD, body.carry))
     logits_BV = model.logits(body.last_row(x_BTD)[:, None])[:, 0]
     logits_BV = logits_to_last_rank(logits_BV, body.owner, num_ranks)
     logits_BV = mark(timeline, "logits", -1, logits_BV)

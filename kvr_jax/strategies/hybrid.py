@@ -74,9 +74,9 @@ from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead import check_body, one_body_as_data
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
-from models.base import no_reduce
+from models.base import no_reduce, scan_layers
 from models.layer_kinds import FULL_ATTENTION
-from models.qwen3_5 import FULL, LINEAR, scan_layers
+from models.qwen3_5 import FULL, LINEAR, by_kind
 
 # The registered strategies whose records lend a rank body (`Strategy.rank_body`) for the
 # full layers and say how a linear layer's state crosses the ranks (`Strategy.prefix_chain`).
@@ -293,7 +293,7 @@ def compile_hybrid(
       out = dict(out, state=out["state"].at[i].set(leaving), halo=out["halo"].at[i].set(halo))
       return x, layer_carry, out
 
-    x, _, out = scan_layers(model, on_full, on_linear, (x, body.carry, out))
+    (x, _, out), _ = scan_layers(model, by_kind(on_full, on_linear), (x, body.carry, out))
     last_row = body.last_row
     if spec.prefix_chain:  # x is in the linear layers' layout (`chunks`) after every layer
       lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]

@@ -49,7 +49,7 @@ from kvr_jax.strategies.runahead.bodies import one_body_layer
 from kvr_jax.strategies.runahead.rank_layer import RankLayer, pad_rows
 from kvr_jax.strategies.runahead.schedule import OneBodyShape, attends_diagonal_first
 from models.attention import attend_partial
-from models.base import no_reduce
+from models.base import no_reduce, scan_layers
 from models.kernels import get_kernel
 
 STRATEGIES = ("kvr", "ring", "allgather", "tsp")
@@ -323,8 +323,8 @@ def compile_latent(
     else:
       carry = None
 
-    def layer(block, l, state):
-      x_BTD, carry, out = state
+    def layer(block, at, state):
+      l, (x_BTD, carry, out) = at.index, state
       if chain:
         # (its own part, and its last hop where kept)
         x_BTD, carry, emitted = ranks.layer(block, x_BTD, carry, l)
@@ -338,9 +338,9 @@ def compile_latent(
           spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline
         )
         out = {"own": out["own"].at[l].set(own)}
-      return x_BTD, carry, out
+      return (x_BTD, carry, out), None
 
-    x_BTD, _, out = model.scan_layers(layer, (x_BTD, carry, out))
+    (x_BTD, _, out), _ = scan_layers(model, layer, (x_BTD, carry, out))
     owner, x_B1D = _prompts_last_row(spec, chunks, context_len, p, rank, x_BTD, table)
     logits_BV = model.logits(x_B1D)[:, 0]
     logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, owner, p))

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.runtime import tensor_parallel
-from models.base import scan_blocks
+from models.base import scan_layers
 from models.layer_kinds import unbuilt_kinds
 
 # A device running this many times the mean rows of its group is called out.
@@ -39,14 +39,14 @@ def expert_rows_per_device(model, tokens, model_parallel: int) -> np.ndarray:
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
 
-    def layer(block, x_BTD, _):
+    def layer(block, _, x_BTD):
       q, k, v = block.project_qkv(x_BTD, positions_BT)
       attn_BTNH = block.attend(q, k, v, 0, "flash")
       device_P = block.routed_experts(x_BTD, attn_BTNH).reshape(-1) // per_device
       counts_m = jnp.zeros(model_parallel, jnp.int32).at[device_P].add(1)
       return block.finish(x_BTD, attn_BTNH), counts_m
 
-    _, counts_Lm = scan_blocks(module.blocks, layer, module.embed(tokens_BT))
+    _, counts_Lm = scan_layers(module, layer, module.embed(tokens_BT))
     return counts_Lm
 
   module = nnx.merge(model.graphdef, model.state_on(jax.devices()[0]))
