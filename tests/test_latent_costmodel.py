@@ -2,11 +2,13 @@
 carries the latent prefix (C numbers per token), every rank pays for expanding what it
 attends, KVR-S weighs both, and what is not built is refused by name. No devices."""
 
+import dataclasses
+
 import pytest
 
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.runtime.loading import preset_config
-from kvr_jax.strategies import latent_modelled
+from kvr_jax.strategies import get_strategy, latent_modelled
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +79,10 @@ def test_ring_passes_latents_around_and_tsp_scores_every_key(deepseek, setup):
   dense = latent_modelled.latent_phases(deepseek, c, C, C, setup)["attention"].flops
   assert dense == 2 * N * c * C * (h + deepseek.v_head_dim)
   assert min(tsp.flops) > max(gather.flops)
-  with pytest.raises(ValueError, match="latent-attention models run under"):
-    latent_modelled.modelled_latent_layer("zigzag", deepseek, C, setup, (C,))
+  # A strategy whose record has no latent layer is refused by name, not modelled as K,V.
+  bare = dataclasses.replace(get_strategy("ring"), kind_layers={})
+  with pytest.raises(ValueError, match="'ring' runs no multi-head latent attention layers"):
+    costmodel.modelled_layer(deepseek, bare, C, setup, num_ranks=p)
 
 
 def test_a_latent_model_group_computes_its_share_and_all_reduces():

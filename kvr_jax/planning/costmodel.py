@@ -70,10 +70,8 @@ from kvr_jax.runtime.roofline import (
   visible_keys,
 )
 from kvr_jax.strategies import get_strategy
-from kvr_jax.strategies.latent_modelled import modelled_latent_layer
-from kvr_jax.strategies.linear_modelled import modelled_linear_layer
 from models.config import ModelConfig
-from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
+from models.layer_kinds import AttentionKind, GatedDeltaNetKind
 
 __all__ = [
   "Collective",
@@ -183,11 +181,11 @@ def modelled_layer(
     chunks = check_chunks(partition, context_len, num_ranks)
   config = model_shard(config, setup.model_parallel)
   chunks = spec.layout(context_len, num_ranks, chunks)
-  if isinstance(config.kind, GatedDeltaNetKind):  # a hybrid model's linear layer
-    return modelled_linear_layer(spec.name, config, context_len, setup, chunks)
-  if isinstance(config.kind, LatentAttentionKind):  # latent attention: the latent travels
-    return modelled_latent_layer(spec.name, config, context_len, setup, chunks)
-  return spec.modelled_layer(config, context_len, setup, chunks)
+  if isinstance(config.kind, AttentionKind):
+    return spec.modelled_layer(config, context_len, setup, chunks)
+  # A kind with a past of its own (a linear layer's state, a latent per position): the
+  # strategy's layer for it, from its record.
+  return spec.layers_of_kind(config.kind).modelled(config, context_len, setup, chunks)
 
 
 # The steps of an attention layer that a prefill's last layer runs for one row only: its

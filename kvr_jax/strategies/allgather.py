@@ -13,15 +13,18 @@ layer; each rank outputs only its own two chunks' K,V (see kvr_jax.inference.kv_
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.runtime.roofline import Collective, Compute, ModelledLayer, phase_work, work_kwargs
-from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, refuse, strategy_compiler
+from kvr_jax.strategies import latent_modelled, linear_modelled, zigzag
+from kvr_jax.strategies.base import KindLayers, Strategy, refuse, strategy_compiler
 from kvr_jax.strategies.probe import mark
 from models.kernels import get_kernel
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 
 def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
@@ -79,6 +82,40 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   return zigzag.peer_layer(config, context_len, setup, costs, middle, attention)
 
 
+def latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce, probe):
+  """All-gather CP on a latent layer (`KindLayers.rank_layer`): its two zigzag chunks' latents
+  all-gathered with every rank's, the whole prompt expanded, its queries attended causally
+  (a `lax.switch` on the rank: each chunk's offset static, as every kernel takes): (x [B, 2c,
+  D], its own latents). probe(label, value) -> value: the timeline's marks, as on K,V layers
+  ("qkv", "allgather", "attention", "rest")."""
+  B, p = x_B2cD.shape[0], num_ranks
+  c = zigzag.chunk_len(context_len, p)
+  positions_B2c = zigzag.positions(rank, c, p, B)
+  (q_nope, q_rope), own_1B2c1C = probe("qkv", block.project_entries(x_B2cD, positions_B2c))
+  own_B2cC = own_1B2c1C[0, :, :, 0]
+  every_pB2cC = probe("allgather", jax.lax.all_gather(own_B2cC, AXIS))
+  # Chunk j is rank j's first half (j < p) or rank 2p-1-j's second half.
+  halves = [
+    every_pB2cC[j, :, :c] if j < p else every_pB2cC[2 * p - 1 - j, :, c:] for j in range(2 * p)
+  ]
+  prompt_BSC = jnp.concatenate(halves, axis=1)  # the padded prompt's latents, in order
+
+  def attend(q_nope, q_rope, prompt_BSC, r):
+    pieces = []
+    for rows, chunk in zip((slice(0, c), slice(c, 2 * c)), zigzag.rank_chunks(r, p), strict=True):
+      keys_BSC = prompt_BSC[:, : (chunk + 1) * c]  # a chunk's queries see up to its own end
+      pieces.append(
+        block.attend_expanded(q_nope[:, rows], q_rope[:, rows], keys_BSC, chunk * c, attention)
+      )
+    return jnp.concatenate(pieces, axis=1)
+
+  attn = jax.lax.switch(
+    rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
+  )
+  attn = probe("attention", attn)
+  return probe("rest", block.finish(x_B2cD, attn, reduce=reduce)), own_B2cC
+
+
 STRATEGY = Strategy(
   name="allgather",
   auto_candidate=True,
@@ -90,4 +127,9 @@ STRATEGY = Strategy(
   attention_note="its chunks attend at a rank-dependent offset (flash, dense) or in ring's "
   "pieces (fused, cudnn)",
   rank_body=allgather_body,
+  kind_layers={
+    LatentAttentionKind: KindLayers(latent_modelled.allgather_latent_layer, latent_layer),
+    # Each rank's linear maps gathered: two zigzag chunks per rank.
+    GatedDeltaNetKind: KindLayers(linear_modelled.gathered_maps_layer(2)),
+  },
 )

@@ -26,7 +26,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,19 @@ TRACE_COUNT: collections.Counter[str] = collections.Counter()
 
 def count_trace(strategy: str) -> None:
   TRACE_COUNT[strategy] += 1
+
+
+class KindLayers(NamedTuple):
+  """A strategy's layer on a layer kind with a past of its own (models.layer_kinds: a latent
+  per position, a linear layer's fixed-size state), as context parallelism is an attention
+  backend per kind: modelled(config, context_len, setup, chunks) -> the `ModelledLayer` the
+  cost model times; rank_layer, where its program runs the kind with a layer of its own (the
+  latent peers': (block, x, rank, context_len, num_ranks, attention, reduce, probe) -> (x,
+  its own latents); None where the program takes the kind another way: KV-Runahead's chain,
+  a hybrid's linear layers)."""
+
+  modelled: Callable[..., Any]
+  rank_layer: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +146,18 @@ class Strategy:
   # Its rank body maker (`strategy_compiler`'s body_of), which a model's own programs run
   # for their K,V layers (strategies.hybrid); None where it lends none.
   rank_body: Callable | None = None
+  # Its layers on the kinds with a past of their own, by the kind record's class
+  # (LatentAttentionKind, GatedDeltaNetKind) -> `KindLayers`; softmax attention over K,V is
+  # `compile`'s and `modelled_layer`'s. A kind it has none for, it does not run. Left out of
+  # the hash: the same for a registered record and its variants.
+  kind_layers: dict = dataclasses.field(default_factory=dict, hash=False)
+
+  def layers_of_kind(self, kind) -> KindLayers:
+    """Its `KindLayers` for a layer of `kind` (a models.layer_kinds record); refused by name
+    where it has none."""
+    if type(kind) not in self.kind_layers:
+      raise ValueError(f"strategy {self.name!r} runs no {kind.name} layers")
+    return self.kind_layers[type(kind)]
 
   @property
   def registered_name(self) -> str:

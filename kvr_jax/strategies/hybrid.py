@@ -57,7 +57,7 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
-from kvr_jax.strategies import family_builder, zigzag
+from kvr_jax.strategies import REGISTRY, family_builder, zigzag
 from kvr_jax.strategies.base import (
   Strategy,
   count_trace,
@@ -79,8 +79,9 @@ from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import FULL, LINEAR, by_kind
 
 # The registered strategies whose records lend a rank body (`Strategy.rank_body`) for the
-# full layers and say how a linear layer's state crosses the ranks (`Strategy.prefix_chain`).
-STRATEGIES = ("kvr", "ring", "allgather")
+# full layers (how a linear layer's state crosses the ranks is `Strategy.prefix_chain`'s):
+# read from the records, not listed by name.
+STRATEGIES = tuple(name for name, spec in REGISTRY.items() if spec.rank_body is not None)
 
 
 def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zeros):

@@ -18,14 +18,16 @@ attention.
   tsp         the paper's baseline: even contiguous chunks, one all-gather of the latents,
               every rank expands the whole prompt and computes dense masked scores.
 
+The peers' rank layers live with their strategies (allgather.latent_layer, ring.latent_layer,
+tsp.latent_layer: each record's `KindLayers.rank_layer` for LatentAttentionKind); this module
+builds the program around them and KV-Runahead's chain.
+
 The program outputs each rank's own latents per layer (and, for KV-Runahead, the last hop's
 message, so the last rank holds every position without a move); `kvr_jax.inference.latent`
 joins them into the model's latent cache on the last rank.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ from flax import nnx
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import family_builder, get_strategy, tsp, zigzag
+from kvr_jax.strategies import REGISTRY, family_builder, get_strategy
 from kvr_jax.strategies.base import (
   Strategy,
   count_trace,
@@ -48,11 +50,20 @@ from kvr_jax.strategies.runahead import check_body
 from kvr_jax.strategies.runahead.bodies import one_body_layer
 from kvr_jax.strategies.runahead.rank_layer import RankLayer, pad_rows
 from kvr_jax.strategies.runahead.schedule import OneBodyShape, attends_diagonal_first
-from models.attention import attend_partial
 from models.base import no_reduce, scan_layers
 from models.kernels import get_kernel
+from models.layer_kinds import LatentAttentionKind
 
-STRATEGIES = ("kvr", "ring", "allgather", "tsp")
+
+def _runs_latent(spec: Strategy) -> bool:
+  """Its program runs latent layers: KV-Runahead's chain carries the latents as K,V, a peer
+  lends its rank layer for them (`KindLayers.rank_layer`)."""
+  lent = spec.kind_layers.get(LatentAttentionKind)
+  return spec.prefix_chain or (lent is not None and lent.rank_layer is not None)
+
+
+# The registered strategies whose programs run latent layers, read from their records.
+STRATEGIES = tuple(name for name, spec in REGISTRY.items() if _runs_latent(spec))
 
 
 def _project(block, x_BTD, positions_BT):
@@ -120,117 +131,12 @@ def kvr_latent_rank(
   )
 
 
-def allgather_latent_layer(
-  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce, probe=None
-):
-  """A zigzag rank's layer: its two chunks' latents all-gathered with every rank's, the whole
-  prompt expanded, its queries attended causally (a `lax.switch` on the rank: each chunk's
-  offset static, as every kernel takes): (x [B, 2c, D], its own latents). probe(label,
-  value) -> value: the timeline's marks, as all-gather CP marks K,V layers ("qkv",
-  "allgather", "attention", "rest")."""
-  probe = probe or _unprobed
-  B, p = x_B2cD.shape[0], num_ranks
-  c = zigzag.chunk_len(context_len, p)
-  positions_B2c = zigzag.positions(rank, c, p, B)
-  q_nope, q_rope, own_B2cC = probe("qkv", _project(block, x_B2cD, positions_B2c))
-  every_pB2cC = probe("allgather", jax.lax.all_gather(own_B2cC, AXIS))
-  # Chunk j is rank j's first half (j < p) or rank 2p-1-j's second half.
-  halves = [
-    every_pB2cC[j, :, :c] if j < p else every_pB2cC[2 * p - 1 - j, :, c:] for j in range(2 * p)
-  ]
-  prompt_BSC = jnp.concatenate(halves, axis=1)  # the padded prompt's latents, in order
-
-  def attend(q_nope, q_rope, prompt_BSC, r):
-    pieces = []
-    for rows, chunk in zip((slice(0, c), slice(c, 2 * c)), zigzag.rank_chunks(r, p), strict=True):
-      keys_BSC = prompt_BSC[:, : (chunk + 1) * c]  # a chunk's queries see up to its own end
-      pieces.append(
-        block.attend_expanded(q_nope[:, rows], q_rope[:, rows], keys_BSC, chunk * c, attention)
-      )
-    return jnp.concatenate(pieces, axis=1)
-
-  attn = jax.lax.switch(
-    rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
-  )
-  attn = probe("attention", attn)
-  return probe("rest", _finish(block, x_B2cD, attn, reduce)), own_B2cC
-
-
-def tsp_latent_layer(
-  block, x_BcD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce, probe=None
-):
-  """TSP's rank (the paper's baseline) on latents: its contiguous chunk of c = ceil(C/p) rows
-  (the last ranks' padded), every rank's latents all-gathered in prompt order, the whole
-  padded prompt expanded, and its queries attended with dense masked scores over every key
-  (a `lax.switch` on the rank: each offset static, as the kernels take it; TSP's kernel is
-  part of its definition, so `attention` is not used): (x [B, c, D], its own latents). No
-  probes: TSP's record places none (`timeline_probes`), on K,V layers or latents."""
-  del attention, probe
-  B, p = x_BcD.shape[0], num_ranks
-  c = tsp.shard_len(context_len, p)
-  positions_Bc = jnp.broadcast_to(rank * c + jnp.arange(c), (B, c))
-  q_nope, q_rope, own_BcC = _project(block, x_BcD, positions_Bc)
-  prompt_BSC = jax.lax.all_gather(own_BcC, AXIS, axis=1, tiled=True)  # [B, p c, C]
-
-  def attend(q_nope, q_rope, prompt_BSC, r):
-    return block.attend_expanded(q_nope, q_rope, prompt_BSC, r * c, "dense")
-
-  attn = jax.lax.switch(
-    rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
-  )
-  return _finish(block, x_BcD, attn, reduce), own_BcC
-
-
-def ring_latent_layer(
-  block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce=no_reduce, probe=None
-):
-  """Ring attention's rank on latents: its two zigzag chunks' latents passed around the ring
-  (one ppermute per step of [B, 2c, C], the headless latent), and at each step the received
-  chunks expanded into its heads' K,V and attended as ring attention does with K,V
-  (`zigzag.zigzag_attention` over one-head entries; the kernel must return its log-sum-exp):
-  (x [B, 2c, D], its own latents). probe: the timeline's marks, as ring attention marks K,V
-  layers ("qkv", "step1" .. "step{p-1}" after each step's merge, "attention", "rest")."""
-  probe = probe or _unprobed
-  B, p = x_B2cD.shape[0], num_ranks
-  c = zigzag.chunk_len(context_len, p)
-  q_nope, q_rope, own_B2cC = probe("qkv", _project(block, x_B2cD, zigzag.positions(rank, c, p, B)))
-  ring = [(i, (i + 1) % p) for i in range(p)]
-
-  def passed_on(latents, step):
-    del step
-    return jax.lax.ppermute(latents, AXIS, perm=ring)
-
-  def attend(q_BcNh, latents_1Bc1C, offset, kernel):
-    k_BcNh, v_BcNh = block.expanded_keys_values(latents_1Bc1C[0, :, :, 0])
-    return attend_partial(q_BcNh, k_BcNh, v_BcNh, offset, kernel)
-
-  q_B2cNh = block.expanded_queries(q_nope, q_rope)
-  own_1B2c1C = own_B2cC[None, :, :, None]
-  attn = zigzag.zigzag_attention(
-    q_B2cNh, own_1B2c1C, rank, c, p, None, attention, passed_on, attend=attend, probe=probe
-  )
-  attn = probe("attention", attn[..., : block.config.v_head_dim])
-  return probe("rest", _finish(block, x_B2cD, attn, reduce)), own_B2cC
-
-
-# The peers' rank layers: (block, x, rank, context_len, num_ranks, attention, reduce, probe)
-# -> (x, own).
-PEER_LAYERS = {
-  "allgather": allgather_latent_layer,
-  "ring": ring_latent_layer,
-  "tsp": tsp_latent_layer,
-}
-
-
-def peer_last_layer(
-  spec: Strategy, block, x_BTD, rank, chunks: tuple[int, ...], reduce, probe=None
-):
+def peer_last_layer(spec: Strategy, block, x_BTD, rank, chunks: tuple[int, ...], reduce, probe):
   """A peer's (ring, all-gather, TSP) part of the model's last layer on latents, where only
   the prompt's last row is read: every rank's latents gathered in prompt order on the owner
   of the last position (`strategies.base.gather_to_owner`), which attends that row and
   finishes it (`strategies.base.owner_last_row`): (x, its own latents [B, T, C]). probe:
   the marks of a peer's last K,V layer ("qkv", "gather", "rest")."""
-  probe = probe or _unprobed
   p, context_len = len(chunks), sum(chunks)
   B, T = x_BTD.shape[:2]
   # Each row's prompt position in the strategy's layout (-1: padding, never read: only the
@@ -349,13 +255,9 @@ def compile_latent(
   return own_spmd(program, mesh, P(AXIS), split_shape is not None)
 
 
-def _unprobed(label: str, value):
-  del label
-  return value
-
-
 def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline):
-  """A peer's latent layer l: its every-row layer (`PEER_LAYERS`), or where `last` (traced:
+  """A peer's latent layer l: its every-row layer (its record's `KindLayers.rank_layer`:
+  allgather.latent_layer, ring.latent_layer, tsp.latent_layer), or where `last` (traced:
   the model's last layer) its part in the prompt's last row alone (`peer_last_layer`): (x,
   its own latents); marked for the timeline where `timeline`."""
 
@@ -363,7 +265,7 @@ def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, ti
     return mark(timeline, label, l, value)
 
   def every_row(x_BTD):
-    layer = PEER_LAYERS[spec.name]
+    layer = spec.layers_of_kind(block.config.kind).rank_layer
     return layer(block, x_BTD, rank, sum(chunks), len(chunks), attention, reduce, probe)
 
   def last_row(x_BTD):

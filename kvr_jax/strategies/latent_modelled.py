@@ -174,21 +174,3 @@ def tsp_latent_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   rank_steps = _computes(work, hw, ("qkv",)) + [Collective("gather latents", gather)]
   rank_steps += _computes(work, hw, ("expand", "attention", "rest"), reduce_s)
   return layer_of([rank_steps] * p, chunks, [work] * p, [(p - 1) * piece] * p)
-
-
-# strategy name -> its modelled latent-attention layer (config, context_len, setup, chunks)
-MODELLED_LATENT = {
-  "single": single_latent_layer,
-  "kvr": kvr_latent_layer,
-  "allgather": allgather_latent_layer,
-  "ring": ring_latent_layer,
-  "tsp": tsp_latent_layer,
-}
-
-
-def modelled_latent_layer(strategy: str, config, context_len: int, setup, chunks):
-  if strategy not in MODELLED_LATENT:
-    raise ValueError(
-      f"latent-attention models run under {tuple(MODELLED_LATENT)}, not {strategy!r}"
-    )
-  return MODELLED_LATENT[strategy](config, context_len, setup, chunks)

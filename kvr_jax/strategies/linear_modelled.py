@@ -194,20 +194,3 @@ def replicated_linear_layer(
     steps.insert(0, Collective("gather x", (p - 1) * (rows / links.slowest(p) + links.latency)))
   sent = [(p - 1) * rows if gather_hidden else 0.0] * p
   return layer_of([steps] * p, (context_len,) * p, [work] * p, sent)
-
-
-# strategy name -> its modelled linear layer (config, context_len, setup, chunks); the
-# peers' zigzag layout gives each rank two chunks, TSP's one.
-MODELLED_LINEAR = {
-  "single": single_linear_layer,
-  "kvr": kvr_linear_layer,
-  "ring": gathered_maps_layer(2),
-  "allgather": gathered_maps_layer(2),
-  "tsp": gathered_maps_layer(1),
-}
-
-
-def modelled_linear_layer(strategy: str, config, context_len: int, setup, chunks):
-  if strategy not in MODELLED_LINEAR:
-    raise ValueError(f"no modelled linear-attention layer for strategy {strategy!r}")
-  return MODELLED_LINEAR[strategy](config, context_len, setup, chunks)

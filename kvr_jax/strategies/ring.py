@@ -29,8 +29,10 @@ import jax
 
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.runtime.roofline import Compute, ModelledLayer, Work, phase_work, work_kwargs
-from kvr_jax.strategies import zigzag
-from kvr_jax.strategies.base import Strategy, refuse, strategy_compiler
+from kvr_jax.strategies import latent_modelled, linear_modelled, zigzag
+from kvr_jax.strategies.base import KindLayers, Strategy, refuse, strategy_compiler
+from models.attention import attend_partial
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 
 def ring_attention(
@@ -105,6 +107,36 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   )
 
 
+def latent_layer(block, x_B2cD, rank, context_len: int, num_ranks: int, attention, reduce, probe):
+  """Ring attention on a latent layer (`KindLayers.rank_layer`): its two zigzag chunks'
+  latents passed around the ring (one ppermute per step of [B, 2c, C], the headless
+  latent), and at each step the received chunks expanded into its heads' K,V and attended
+  as ring attention does with K,V (`zigzag.zigzag_attention` over one-head entries; the
+  kernel must return its log-sum-exp): (x [B, 2c, D], its own latents). probe: the
+  timeline's marks, as on K,V layers ("qkv", "step1" .. "step{p-1}" after each step's
+  merge, "attention", "rest")."""
+  B, p = x_B2cD.shape[0], num_ranks
+  c = zigzag.chunk_len(context_len, p)
+  positions_B2c = zigzag.positions(rank, c, p, B)
+  (q_nope, q_rope), own_1B2c1C = probe("qkv", block.project_entries(x_B2cD, positions_B2c))
+  ring = [(i, (i + 1) % p) for i in range(p)]
+
+  def passed_on(latents, step):
+    del step
+    return jax.lax.ppermute(latents, AXIS, perm=ring)
+
+  def attend(q_BcNh, latents_1Bc1C, offset, kernel):
+    k_BcNh, v_BcNh = block.expanded_keys_values(latents_1Bc1C[0, :, :, 0])
+    return attend_partial(q_BcNh, k_BcNh, v_BcNh, offset, kernel)
+
+  q_B2cNh = block.expanded_queries(q_nope, q_rope)
+  attn = zigzag.zigzag_attention(
+    q_B2cNh, own_1B2c1C, rank, c, p, None, attention, passed_on, attend=attend, probe=probe
+  )
+  attn = probe("attention", attn[..., : block.config.v_head_dim])
+  return probe("rest", block.finish(x_B2cD, attn, reduce=reduce)), own_1B2c1C[0, :, :, 0]
+
+
 STRATEGY = Strategy(
   name="ring",
   auto_candidate=True,
@@ -116,4 +148,9 @@ STRATEGY = Strategy(
   attention_note="ring attention merges partials by their log-sum-exp",
   merges_by_lse=True,
   rank_body=ring_body,
+  kind_layers={
+    LatentAttentionKind: KindLayers(latent_modelled.ring_latent_layer, latent_layer),
+    # Each rank's linear maps gathered: two zigzag chunks per rank.
+    GatedDeltaNetKind: KindLayers(linear_modelled.gathered_maps_layer(2)),
+  },
 )

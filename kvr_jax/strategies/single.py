@@ -19,8 +19,17 @@ from kvr_jax.runtime.roofline import (
   total_work,
   work_kwargs,
 )
-from kvr_jax.strategies.base import CAUSAL_KERNELS, RankBody, Strategy, refuse, strategy_compiler
+from kvr_jax.strategies import latent_modelled, linear_modelled
+from kvr_jax.strategies.base import (
+  CAUSAL_KERNELS,
+  KindLayers,
+  RankBody,
+  Strategy,
+  refuse,
+  strategy_compiler,
+)
 from models.base import finish_one_row
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 
 def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
@@ -89,4 +98,9 @@ STRATEGY = Strategy(
   compile=compile_program,
   modelled_layer=modelled_layer,
   max_ranks=1,
+  # Its program on these kinds is the model's own forward (inference.own_families).
+  kind_layers={
+    LatentAttentionKind: KindLayers(latent_modelled.single_latent_layer),
+    GatedDeltaNetKind: KindLayers(linear_modelled.single_linear_layer),
+  },
 )

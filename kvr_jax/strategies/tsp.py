@@ -8,6 +8,7 @@ p * ceil(C/p); padded keys sit after every real query, so the causal mask hides 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -26,7 +27,16 @@ from kvr_jax.runtime.roofline import (
   total_work,
   work_kwargs,
 )
-from kvr_jax.strategies.base import RankBody, Strategy, owner_last_row, refuse, strategy_compiler
+from kvr_jax.strategies import latent_modelled, linear_modelled
+from kvr_jax.strategies.base import (
+  KindLayers,
+  RankBody,
+  Strategy,
+  owner_last_row,
+  refuse,
+  strategy_compiler,
+)
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 
 def shard_len(context_len: int, num_ranks: int) -> int:
@@ -113,6 +123,30 @@ def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   )
 
 
+def latent_layer(block, x_BcD, rank, context_len: int, num_ranks: int, attention, reduce, probe):
+  """TSP on a latent layer (`KindLayers.rank_layer`): its contiguous chunk of c = ceil(C/p)
+  rows (the last ranks' padded), every rank's latents all-gathered in prompt order, the whole
+  padded prompt expanded, and its queries attended with dense masked scores over every key
+  (a `lax.switch` on the rank: each offset static, as the kernels take it; TSP's kernel is
+  part of its definition, so `attention` is not used): (x [B, c, D], its own latents). No
+  probes: TSP's record places none (`timeline_probes`), on K,V layers or latents."""
+  del attention, probe
+  B, p = x_BcD.shape[0], num_ranks
+  c = shard_len(context_len, p)
+  positions_Bc = jnp.broadcast_to(rank * c + jnp.arange(c), (B, c))
+  (q_nope, q_rope), own_1Bc1C = block.project_entries(x_BcD, positions_Bc)
+  own_BcC = own_1Bc1C[0, :, :, 0]
+  prompt_BSC = jax.lax.all_gather(own_BcC, AXIS, axis=1, tiled=True)  # [B, p c, C]
+
+  def attend(q_nope, q_rope, prompt_BSC, r):
+    return block.attend_expanded(q_nope, q_rope, prompt_BSC, r * c, "dense")
+
+  attn = jax.lax.switch(
+    rank, [functools.partial(attend, r=r) for r in range(p)], q_nope, q_rope, prompt_BSC
+  )
+  return block.finish(x_BcD, attn, reduce=reduce), own_BcC
+
+
 STRATEGY = Strategy(
   name="tsp",
   fixed_kernel=True,
@@ -127,4 +161,9 @@ STRATEGY = Strategy(
   ),
   modelled_layer=modelled_layer,
   attention_note="TSP computes dense masked scores by definition",
+  kind_layers={
+    LatentAttentionKind: KindLayers(latent_modelled.tsp_latent_layer, latent_layer),
+    # Each rank's linear maps gathered: one contiguous chunk per rank.
+    GatedDeltaNetKind: KindLayers(linear_modelled.gathered_maps_layer(1)),
+  },
 )

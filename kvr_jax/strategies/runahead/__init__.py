@@ -87,8 +87,10 @@ from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import chunk_starts
 from kvr_jax.runtime.cache_layout import contiguous_layout
 from kvr_jax.runtime.mesh import global_array
+from kvr_jax.strategies import latent_modelled, linear_modelled
 from kvr_jax.strategies.base import (
   CAUSAL_KERNELS,
+  KindLayers,
   Strategy,
   model_reduce,
   rank_program,
@@ -119,6 +121,7 @@ from kvr_jax.strategies.runahead.schedule import (
   rows_before_hop,
 )
 from models.kernels import get_kernel
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 # What the strategy's callers read, from the modules that own it.
 __all__ = [
@@ -226,6 +229,12 @@ STRATEGY = Strategy(
   options=Options(),
   prefix_chain=True,
   rank_body=kvr_body,
+  # Its chain carries a latent as it carries K,V, and a linear layer's state down the ranks
+  # (strategies.latent, strategies.hybrid: `prefix_chain`).
+  kind_layers={
+    LatentAttentionKind: KindLayers(latent_modelled.kvr_latent_layer),
+    GatedDeltaNetKind: KindLayers(linear_modelled.kvr_linear_layer),
+  },
 )
 
 
