@@ -121,7 +121,8 @@ def compare_strategies(
     timing = time_prefill(model, rows, repeats, cache=cache, buckets=buckets, **kwargs)
     cache_use = CacheUse.now().since(cache_use)
     logits = np.asarray(timing.result.logits)
-    if strategy == "single":  # the comparison's row named on its command line: the reference
+    # The row of the one-device strategy named on the command line is the reference.
+    if strategy != AUTO and get_strategy(strategy).max_ranks == 1:
       reference = logits
     gen = decode_from(
       model,

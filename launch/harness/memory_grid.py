@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies.base import AUTO
 from kvr_jax.tools.memory import MEMORY_PARTITION, compiled_memory
 from launch.harness.report import Table
 from models.config import ModelConfig
@@ -44,7 +45,7 @@ def memory_grid(
       )
       shaped = dataclasses.replace(config, max_position_embeddings=C + decode_tokens)
     for strategy in strategies:
-      one = strategy == "single"
+      one = strategy != AUTO and get_strategy(strategy).max_ranks == 1  # the one-device row
       row = compiled_memory(
         shaped,
         strategy,

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from kvr_jax.inference.prefill import prefill_arguments
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import AXIS, mesh_of_ranks
+from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.timing import synthetic_prompt, time_prefill
 from launch.harness.report import Table, pyplot
 
@@ -72,18 +73,19 @@ def sweep(
         kwargs = prefill_arguments(strategy, mesh=mesh, partition=partition)
         timing = time_prefill(model, tokens, repeats, **kwargs)
         median, result = timing.median_s, timing.result
-        devices = [result.device] if strategy == "single" else list(mesh.devices.reshape(-1))
+        one = get_strategy(result.strategy).max_ranks == 1  # what ran (auto's pick) on one device
+        devices = [result.device] if one else list(mesh.devices.reshape(-1))
         part = "-" if result.partition is None else " ".join(map(str, result.partition))
         rows.append(
           SweepRow(
             strategy,
             C,
-            1 if strategy == "single" else p,
+            1 if one else p,
             part,
             median,
             batch * C / median,
             peak_memory(devices),
-            1 if strategy == "single" else model_parallel,
+            1 if one else model_parallel,
           )
         )
         bar.update()

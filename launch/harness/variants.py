@@ -38,7 +38,8 @@ class Variant:
       raise ValueError(f"variant {self.name!r}: unknown strategy {self.strategy!r}")
     if self.split is not None and self.split not in SPLITS:
       raise ValueError(f"variant {self.name!r}: split {self.split!r} is not one of {SPLITS}")
-    if self.body is not None and (self.strategy != "kvr" or self.body not in BODIES):
+    chain = self.strategy != AUTO and REGISTRY[self.strategy].prefix_chain
+    if self.body is not None and (not chain or self.body not in BODIES):
       raise ValueError(f"variant {self.name!r}: a program body {BODIES} is KV-Runahead's")
     if self.cache is not None and self.cache not in CACHE_LAYOUTS:
       raise ValueError(f"variant {self.name!r}: cache {self.cache!r} is not one of {CACHE_LAYOUTS}")
