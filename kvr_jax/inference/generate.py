@@ -42,7 +42,7 @@ class GenerationResult:
   text: list[str] | None
   # The prefill's result; a ModelCache's cache after `generate` holds the decoded tokens too
   # (the decode wrote into it), after `decode_from` it is as the prefill left it.
-  prefill: PrefillResult | ModelCache
+  prefill: PrefillResult
   # [B, V] float32: the logits the last token of `tokens` was drawn from (None where tokens
   # are); after one token, the prefill's.
   last_logits: np.ndarray | None = None

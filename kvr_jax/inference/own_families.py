@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import hybrid, latent, own_sharded
 from kvr_jax.inference.own_program import decode_step_of, group_decode_step
-from kvr_jax.planning.choice import StrategyChoice
+from kvr_jax.inference.results import PrefillResult
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -180,12 +180,13 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, padded: int):
     )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class ModelCache:
-  """What `prefill` returns for a model with its own programs (`own_family`): the fields
-  every `PrefillResult` has (logits [B, V] float32 on the last rank's first device, None in
-  a process that does not hold it; prompt_len; strategy; partition; attention; lengths;
-  choice; cache: "last" or "sharded") and the cache in the model's own form.
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class ModelCache(PrefillResult):
+  """What `prefill` returns for a model with its own programs (`own_family`): a
+  `PrefillResult` (logits [B, V] float32 on the last rank's first device, None in a process
+  that does not hold it; prompt_len; strategy; partition; attention; lengths; choice) with
+  its cache in the model's own form; `cache` ("last" or "sharded") is a field here, where
+  `WholeCache` and `CacheParts` are one layout each.
 
   model_cache (cache="last"): a hybrid's `HybridCache` (each full layer's K,V, each linear
   layer's state and halo) or a latent model's [L, B, S, C] latents, S = capacity (the prompt
@@ -197,12 +198,6 @@ class ModelCache:
   padding). `gather_cache()`: the cache in one device's layout. `decode_from` reads the
   cache without consuming it."""
 
-  logits: jax.Array | None
-  prompt_len: int
-  strategy: str
-  partition: tuple[int, ...] | None
-  attention: str
-  lengths: np.ndarray
   cache: str
   capacity: int
   family: str
@@ -214,22 +209,14 @@ class ModelCache:
   # cache="sharded" across processes: the logits replicated on every device (every process
   # decodes its ranks' parts and samples the same tokens).
   replicated_logits: jax.Array | None = None
-  # cache="sharded", hybrid models: where each rank's K,V rows lie in the prompt, and the
-  # prompt's final linear states and halos on every rank.
+  # cache="sharded", hybrid models: where each rank's K,V rows lie in the prompt (None on a
+  # latent model, whose parts say it by `part_positions`), and the prompt's final linear
+  # states and halos on every rank.
   cache_layout: Any = None
   linear_state: Any = None
-  choice: StrategyChoice | None = dataclasses.field(default=None, kw_only=True)
   # KV-Runahead on a hybrid with a split per layer kind: the full layers' (`partition` is
   # then the linear layers'); None where one split ran every layer.
-  full_partition: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
-
-  @property
-  def is_local(self) -> bool:
-    return self.logits is not None
-
-  @property
-  def device(self):
-    return next(iter(self.logits.devices()))
+  full_partition: tuple[int, ...] | None = None
 
   def gather_cache(self):
     """The cache (cache="last") as the model's own one-device forward lays it out, on the
@@ -243,6 +230,12 @@ class ModelCache:
     cache = jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.device), self.model_cache)
     cache = family.one_device_layout(self.config, cache, model_parallel(self.mesh))
     return family.prompt_part(cache, self.prompt_len)
+
+  def layer_cache(self, layer: int):
+    """Refused: a hybrid's or latent model's cache is not one (K, V) per layer."""
+    raise ValueError(
+      f"a {self.family} model's cache is its own form, not (K, V) per layer: read gather_cache()"
+    )
 
   @property
   def decode_mesh(self):

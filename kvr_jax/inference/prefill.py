@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode, sharded_decode
-from kvr_jax.inference.own_families import ModelCache, own_family, run_own_prefill
+from kvr_jax.inference.own_families import own_family, run_own_prefill
 from kvr_jax.inference.prefill_plan import PrefillPlan, plan_from_shape
 from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
 from kvr_jax.inference.shape import PrefillShape
@@ -71,11 +71,12 @@ def prefill(
   attention: str | None = None,
   cache: str = "auto",
   buckets=None,
-) -> PrefillResult | ModelCache:
+) -> PrefillResult:
   """Runs the prompt phase and returns each row's last-position logits and the KV cache:
   `run_prefill(model, plan_prefill(model, tokens, ...), tokens)`. A model with its own
   programs (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: own_families.own_family) runs
-  them under the same arguments and returns a `ModelCache` (its cache in its own form):
+  them under the same arguments and returns a `ModelCache` (a `PrefillResult` whose cache is
+  in the model's own form):
   strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models) or "auto",
   cache "auto", "last" or "sharded"; a hybrid's rows of one length (a latent model's also
   a bucket or a ragged batch).
