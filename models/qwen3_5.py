@@ -175,9 +175,9 @@ class Qwen35(CausalLM):
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
     cache = self.empty_cache(B, T if capacity is None else capacity)
-    full_index_F = jnp.asarray(self.config.layers_of(FULL), jnp.int32)
 
-    def full(block, i, carry):
+    def full(block, at, carry):
+      i = at.row  # the layer's row in its kind's stack
       x_BTD, cache = carry
       q, k, v = block.project_qkv(x_BTD, positions_BT)
       kv_2BTKH = jnp.stack([k, v])
@@ -189,7 +189,7 @@ class Qwen35(CausalLM):
         return finish_one_row(block, x_BTD, q, kv_2BTKH, T - 1, T - 1, reduce)
 
       if last_row_only:
-        last = full_index_F[i] == self.config.num_layers - 1
+        last = at.index == self.config.num_layers - 1
         x_BTD = jax.lax.cond(last, last_row, every_row, x_BTD)
       else:
         x_BTD = every_row(x_BTD)
@@ -197,7 +197,8 @@ class Qwen35(CausalLM):
       kv = jax.lax.dynamic_update_slice(cache.kv_2BSKH, kv_2BTKH[None], (i, 0, 0, 0, 0, 0))
       return x_BTD, cache._replace(kv_2BSKH=kv)
 
-    def linear(block, i, carry):
+    def linear(block, at, carry):
+      i = at.row  # the layer's row in its kind's stack
       x_BTD, cache = carry
       past = jax.tree.map(lambda s: s[i], cache.linear)
       x_BTD, past = block.run(x_BTD, past, lengths_B, reduce=reduce)
@@ -219,7 +220,8 @@ class Qwen35(CausalLM):
     B = tokens_B.shape[0]
     positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
 
-    def full(block, i, carry):
+    def full(block, at, carry):
+      i = at.row  # the layer's row in its kind's stack
       x_B1D, cache = carry
       q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
       kv = cache.kv_2BSKH
@@ -228,7 +230,8 @@ class Qwen35(CausalLM):
       attn_B1NH = block.attend(q_B1NH, kv[i, 0], kv[i, 1], positions_B, "dense")
       return block.finish(x_B1D, attn_B1NH, reduce=reduce), cache._replace(kv_2BSKH=kv)
 
-    def linear(block, i, carry):
+    def linear(block, at, carry):
+      i = at.row  # the layer's row in its kind's stack
       x_B1D, cache = carry
       x_B1D, past = block.step(x_B1D, jax.tree.map(lambda s: s[i], cache.linear), reduce)
       stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), cache.linear, past)
@@ -241,12 +244,13 @@ class Qwen35(CausalLM):
 
 
 def by_kind(on_full, on_linear):
-  """One `scan_layers` body from a full layer's and a linear layer's, each on_*(block, i,
-  carry) -> carry, i the layer's row in its kind's stack."""
+  """One `scan_layers` body from a full layer's and a linear layer's, each on_*(block,
+  layer, carry) -> carry (`models.base.Layer`: its index in the model, its row in its
+  kind's stack)."""
 
   def body(block, layer, carry):
     on_layer = on_linear if isinstance(layer.kind, GatedDeltaNetKind) else on_full
-    return on_layer(block, layer.row, carry), None
+    return on_layer(block, layer, carry), None
 
   return body
 

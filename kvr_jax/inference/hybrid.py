@@ -365,7 +365,8 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
     model = nnx.merge(graphdef, state)
     positions_B = prompt_lens_B + tail_index
 
-    def on_full(block, i, carry):
+    def on_full(block, at, carry):
+      i = at.row  # the layer's row in its kind's stack
       x_B1D, tail_L2BMKH, linear = carry
       qkv = block.project_qkv(x_B1D, positions_B[:, None])
       part_2BPKH = unfold_batch(parts_1L2BPKH[0, i], layout.part_len)
@@ -374,7 +375,8 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
       )
       return block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH, linear
 
-    def on_linear(block, i, carry):
+    def on_linear(block, at, carry):
+      i = at.row  # the layer's row in its kind's stack
       x_B1D, tail_L2BMKH, linear = carry
       x_B1D, past = block.step(x_B1D, jax.tree.map(lambda s: s[i], linear), reduce)
       stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), linear, past)

@@ -75,8 +75,8 @@ from kvr_jax.strategies.runahead import check_body, one_body_as_data
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
 from models.base import no_reduce, scan_layers
-from models.layer_kinds import FULL_ATTENTION
-from models.qwen3_5 import FULL, LINEAR, by_kind
+from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind
+from models.qwen3_5 import FULL, LINEAR
 
 # The registered strategies whose records lend a rank body (`Strategy.rank_body`) for the
 # full layers (how a linear layer's state crosses the ranks is `Strategy.prefix_chain`'s):
@@ -153,16 +153,14 @@ def zigzag_linear_layer(
   return probe("rest", x_B2cD), entering_j[-1], spans[1][1]
 
 
-def _linear_layer(spec: Strategy, config, rank, chunks, reduce, timeline: bool, one_body):
-  """(block, x, i) -> the strategy's linear layer i on this rank, marked for the timeline.
-  one_body (KV-Runahead in the one body): (its shape, each rank's length [p] as data); its
-  row loops take the shape's block, the full layers' own."""
-  # ([0] where a kind has no layer: only `_empty_outputs`' abstract trace reads it then)
-  linear_index_L = jnp.asarray(config.layers_of(LINEAR) or [0], jnp.int32)
+def _linear_layer(spec: Strategy, rank, chunks, reduce, timeline: bool, one_body):
+  """(block, x, l) -> the strategy's linear layer (model layer l: the timeline's label) on
+  this rank. one_body (KV-Runahead in the one body): (its shape, each rank's length [p] as
+  data); its row loops take the shape's block, the full layers' own."""
 
-  def linear_layer(block, x, i=0):
-    def probe(label, value):  # the model's index of linear layer i
-      return mark(timeline, label, linear_index_L[i], value)
+  def linear_layer(block, x, l=0):
+    def probe(label, value):
+      return mark(timeline, label, l, value)
 
     if spec.prefix_chain and one_body is not None:
       shape, lengths_p = one_body
@@ -277,24 +275,23 @@ def compile_hybrid(
     one_body = None  # KV-Runahead's one body: its shape and lengths, static or data
     if split_shape is not None or body_kind == "one":
       one_body = _one_body_lengths(full_config, chunks, kernel, split_shape, table)
-    linear_layer = _linear_layer(spec, model.config, rank, chunks, reduce, timeline, one_body)
+    linear_layer = _linear_layer(spec, rank, chunks, reduce, timeline, one_body)
     full_layer = _full_layer(model.config, body, KindSplit(chunks, full_chunks, rank), timeline)
     x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
     out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
 
-    def on_full(block, i, carry):
+    def layer(block, at, carry):  # at: the layer's index in the model, its row in its stack
       x, layer_carry, out = carry
-      x, layer_carry, kv_out = full_layer(block, x, layer_carry, i)
+      i = at.row
+      if isinstance(at.kind, GatedDeltaNetKind):
+        x, leaving, halo = linear_layer(block, x, at.index)
+        out = dict(out, state=out["state"].at[i].set(leaving), halo=out["halo"].at[i].set(halo))
+        return (x, layer_carry, out), None
+      x, layer_carry, kv_out = full_layer(block, x, layer_carry, at.index)
       full = jax.tree.map(lambda s, new: s.at[i].set(new), out["full"], kv_out)
-      return x, layer_carry, dict(out, full=full)
+      return (x, layer_carry, dict(out, full=full)), None
 
-    def on_linear(block, i, carry):
-      x, layer_carry, out = carry
-      x, leaving, halo = linear_layer(block, x, i)
-      out = dict(out, state=out["state"].at[i].set(leaving), halo=out["halo"].at[i].set(halo))
-      return x, layer_carry, out
-
-    (x, _, out), _ = scan_layers(model, by_kind(on_full, on_linear), (x, body.carry, out))
+    (x, _, out), _ = scan_layers(model, layer, (x, body.carry, out))
     last_row = body.last_row
     if spec.prefix_chain:  # x is in the linear layers' layout (`chunks`) after every layer
       lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]
@@ -325,17 +322,13 @@ def _one_body_lengths(full_config, chunks, kernel, split_shape, table) -> tuple:
 
 
 def _full_layer(config, body, split_full, timeline: bool):
-  """(block, x, carry, i) -> full layer i in the strategy's rank body, its hidden states
-  moved into the full layers' split and back (`KindSplit`)."""
-  full_config = config.of_kind(FULL_ATTENTION)
-  # Each full row's index in the model: the rank layer knows the model's last layer by it
-  # (KV-Runahead's ranks before the last skip its attention and rest: nothing reads them).
-  full_index_F = jnp.asarray(config.layers_of(FULL) or [0], jnp.int32)
+  """(block, x, carry, l) -> full layer l (its index in the model: the rank layer knows the
+  model's last layer by it, whose attention and rest KV-Runahead's ranks before the last
+  skip) in the strategy's rank body, its hidden states moved into the full layers' split and
+  back (`KindSplit`)."""
   moves = timeline and split_full.linear != split_full.full
 
-  def full_layer(block, x, carry, i):
-    block.config = full_config
-    l = full_index_F[i]
+  def full_layer(block, x, carry, l):
     x = mark(moves, "move", l, split_full.enter(x))
     x, carry, kv = body.layer(block, x, carry, l)
     return split_full.leave(x, l, config.num_layers), carry, kv
@@ -397,17 +390,23 @@ def _empty_outputs(model, body, full_layer, linear_layer, x) -> dict:
   the stacks."""
   cfg = model.config
   out = {}
-  for name, layer_type, stack, run in (
-    ("full", FULL, model.blocks, lambda b: full_layer(b, x, body.carry, 0)[2]),
-    ("linear", LINEAR, model.linear_blocks, lambda b: linear_layer(b, x)[1:]),
+  for name, layer_type, kind, stack, run in (
+    ("full", FULL, FULL_ATTENTION, model.blocks, lambda b: full_layer(b, x, body.carry, 0)[2]),
+    ("linear", LINEAR, cfg.linear_kind, model.linear_blocks, lambda b: linear_layer(b, x)[1:]),
   ):
     count = len(cfg.layers_of(layer_type))
     graphdef, stacked = nnx.split(stack)
     # No layer of this kind (a Qwen3.5 model of one kind alone): its branch never runs and
     # its outputs hold no layer, shaped from a layer's weights' shapes all the same.
     first_rows = jax.tree.map(lambda w: w[0] if count else jnp.zeros(w.shape[1:], w.dtype), stacked)
-    # The block is made inside the abstract trace: a layer may set its config there.
-    shapes = jax.eval_shape(lambda: run(nnx.merge(graphdef, first_rows)))  # noqa: B023
+
+    # The block is made inside the abstract trace, seeing its kind's config as in the scan.
+    def first_layer():
+      block = nnx.merge(graphdef, first_rows)  # noqa: B023
+      block.config = cfg.of_kind(kind)  # noqa: B023
+      return run(block)  # noqa: B023
+
+    shapes = jax.eval_shape(first_layer)
     zeros = jax.tree.map(
       lambda s: jax.lax.pcast(jnp.zeros((count, *s.shape), s.dtype), (AXIS,), to="varying"),
       shapes,
