@@ -100,8 +100,9 @@ def test_generate_runs_own_family_models_as_one_device(
   result = out.prefill
   # One result type: every prefill's is a PrefillResult, its cache here in the model's form.
   assert isinstance(result, ModelCache) and isinstance(result, kvr_jax.PrefillResult)
-  with pytest.raises(ValueError, match="not \\(K, V\\) per layer"):
-    result.layer_cache(0)
+  for per_layer in (lambda: result.layer_cache(0), result.decode_cache):
+    with pytest.raises(ValueError, match="not \\(K, V\\) per layer"):
+      per_layer()
   assert (result.strategy, result.cache) == (strategy, "last" if cache == "auto" else cache)
   if isinstance(partition, list):
     assert result.partition == tuple(partition)

@@ -237,6 +237,10 @@ class ModelCache(PrefillResult):
       f"a {self.family} model's cache is its own form, not (K, V) per layer: read gather_cache()"
     )
 
+  def decode_cache(self):
+    """Refused as `layer_cache` is: its decode reads `model_cache` (`own_stepper`)."""
+    return self.layer_cache(0)
+
   @property
   def decode_mesh(self):
     """The last rank's model group where the mesh has one (its cache split there), else None."""

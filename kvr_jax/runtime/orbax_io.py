@@ -42,8 +42,13 @@ def save_model(model: Model, directory: str) -> None:
 
   directory = check_save_directory(directory)
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.join(directory, ORBAX_STATE), nnx.to_pure_dict(model.state))
-  checkpointer.wait_until_finished()
+  try:
+    checkpointer.save(os.path.join(directory, ORBAX_STATE), nnx.to_pure_dict(model.state))
+    checkpointer.wait_until_finished()
+  finally:
+    # Its background threads and event loop end here, not when a later garbage collection
+    # finds them (then "Event loop is closed", raised in whatever runs next).
+    checkpointer.close()
   if model.tokenizer is not None:
     model.tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
   # Written last: its presence marks a complete checkpoint.
