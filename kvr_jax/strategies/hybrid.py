@@ -75,8 +75,8 @@ from kvr_jax.strategies.runahead import check_body, one_body_as_data
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
 from models.base import no_reduce, scan_layers
-from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind
-from models.qwen3_5 import FULL, LINEAR
+from models.layer_kinds import FULL_ATTENTION
+from models.qwen3_5 import FULL, LINEAR, by_kind
 
 # The registered strategies whose records lend a rank body (`Strategy.rank_body`) for the
 # full layers (how a linear layer's state crosses the ranks is `Strategy.prefix_chain`'s):
@@ -280,18 +280,19 @@ def compile_hybrid(
     x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
     out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
 
-    def layer(block, at, carry):  # at: the layer's index in the model, its row in its stack
+    def on_full(block, at, carry):  # at: the layer's index in the model, its row in its stack
       x, layer_carry, out = carry
-      i = at.row
-      if isinstance(at.kind, GatedDeltaNetKind):
-        x, leaving, halo = linear_layer(block, x, at.index)
-        out = dict(out, state=out["state"].at[i].set(leaving), halo=out["halo"].at[i].set(halo))
-        return (x, layer_carry, out), None
       x, layer_carry, kv_out = full_layer(block, x, layer_carry, at.index)
-      full = jax.tree.map(lambda s, new: s.at[i].set(new), out["full"], kv_out)
-      return (x, layer_carry, dict(out, full=full)), None
+      full = jax.tree.map(lambda s, new: s.at[at.row].set(new), out["full"], kv_out)
+      return x, layer_carry, dict(out, full=full)
 
-    (x, _, out), _ = scan_layers(model, layer, (x, body.carry, out))
+    def on_linear(block, at, carry):
+      x, layer_carry, out = carry
+      x, leaving, halo = linear_layer(block, x, at.index)
+      state, halo = out["state"].at[at.row].set(leaving), out["halo"].at[at.row].set(halo)
+      return x, layer_carry, dict(out, state=state, halo=halo)
+
+    (x, _, out), _ = scan_layers(model, by_kind(on_full, on_linear), (x, body.carry, out))
     last_row = body.last_row
     if spec.prefix_chain:  # x is in the linear layers' layout (`chunks`) after every layer
       lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]
