@@ -342,6 +342,18 @@ def make_deepseek_model(case: str, seed: int = 0):
   return model
 
 
+def hf_last_logits_float64(hf_model, tokens) -> np.ndarray:
+  """transformers' logits at the last position [B, V], computed in float64 (on a copy: the
+  model stays float32), a reference for float32 programs that each err by a few 1e-6."""
+  import copy
+
+  import torch
+
+  with torch.no_grad():
+    logits = copy.deepcopy(hf_model).double()(torch.tensor(np.asarray(tokens))).logits
+  return logits[:, -1].numpy()
+
+
 def saved_checkpoints(make, cases, tmp_path_factory) -> dict:
   """case -> (torch model `make(case)`, the directory it was saved to with save_pretrained,
   that directory loaded by kvr_jax's own loader)."""

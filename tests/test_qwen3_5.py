@@ -245,6 +245,39 @@ def test_hybrid_prefill_equals_one_device(
   assert result.moved == (strategy != "kvr")
 
 
+@pytest.mark.default_cases("kvr-3-partition0", "allgather-2-None")
+@pytest.mark.parametrize(
+  "strategy, ranks, partition",
+  [
+    ("kvr", 3, [30, 25, 15]),
+    ("kvr", 4, [12, 30, 3, 25]),
+    ("ring", 3, None),
+    ("allgather", 2, None),
+  ],
+)
+def test_padded_rows_stop_each_linear_state_at_their_end(
+  checkpoints, tokens, forward, strategy, ranks, partition
+):
+  """Rows that end before the prompt does (`prefill_hybrid(lengths=)`: at 2, inside the
+  convolution's halo, and at 41, on an inner rank): each linear layer's state and halo are
+  the model's own forward's with the same ends, and every full layer's K,V before each row's
+  end, within 1e-5: the state passes the padding unchanged, the halo is the last inputs
+  before the row's end wherever they lie."""
+  from kvr_jax.inference.hybrid import prefill_hybrid
+
+  ours, ends = checkpoints["qwen3_5-types"][2], np.array([2, 41])
+  mesh = kvr_jax.make_mesh(ranks)
+  result = prefill_hybrid(ours, tokens, mesh, partition, "flash", 0, strategy, lengths=ends)
+  _, want = forward(ours.module, tokens, ends)
+  assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  for b, end in enumerate(ends):
+    got_kv, want_kv = result.cache.kv_2BSKH[:, :, b, :end], want.kv_2BSKH[:, :, b, :end]
+    assert_close(got_kv, want_kv, f"row {b}'s full layers' K,V before its end")
+  with pytest.raises(ValueError, match="lengths must be 2 row ends"):
+    prefill_hybrid(ours, tokens, mesh, partition, "flash", 0, strategy, lengths=[3, T + 1])
+
+
 def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
   """KV-Runahead with the split as data (`runahead.split_as_data_strategy`: one program for
   every split that fits its envelope), both kinds of layer in its one body: at two splits,

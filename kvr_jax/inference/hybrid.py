@@ -7,8 +7,9 @@ kvr_jax/strategies/hybrid.py is the program).
 
 kvr_jax.prefill / generate run these for a hybrid model (kvr_jax.inference.own_families: the
 plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
-family's own entry points (and `join=False`, what the benchmark times). Rows of one length,
-the cache whole on the last rank (split over its group on a 2-D mesh).
+family's own entry points (and `join=False`, what the benchmark times). Rows of one length
+or padded past their ends (`lengths`: a bucket, a ragged batch, 1-D meshes), the cache
+whole on the last rank (split over its group on a 2-D mesh) or left in the ranks' parts.
 Every argument is checked before anything compiles.
 """
 
@@ -19,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -98,6 +100,7 @@ def prefill_hybrid(
   full_partition=None,
   split_shape=None,
   body: str | None = None,
+  lengths=None,
 ) -> HybridPrefill:
   """`strategy` ("kvr", "ring", "allgather", or a record: KV-Runahead's bring their body and
   split as data, `strategies.family_program`) over `mesh`'s ranks; KV-Runahead's rank i takes
@@ -118,18 +121,18 @@ def prefill_hybrid(
   (`OneBodyShape.envelope` of the full layers' config) whose one program takes the split as
   data (`compile_hybrid(split_shape=)`): a new split that fits it compiles nothing; its
   parts are the envelope's rows, moved to the last rank for cache="last". body
-  (KV-Runahead): "one" or "per-rank" for every layer, None for `hybrid_body`'s choice."""
+  (KV-Runahead): "one" or "per-rank" for every layer, None for `hybrid_body`'s choice.
+  lengths: rows padded past their ends (a bucket, a ragged batch; 1-D meshes): each row's
+  prefill end [B], before which its linear layers' states and halos stop
+  (`compile_hybrid(padded=True)`); a causal full layer's rows after it change nothing
+  before it. `kvr_jax.prefill` passes each row's length minus one, and its decode step of
+  the row's last token then runs that token from there (`own_families`)."""
   _check_model_and_strategy(model, strategy)
   spec, body, split_shape = family_program(strategy, body, split_shape)
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
   tokens_BT = check_tokens(model, tokens)
-  p = check_mesh(mesh, allow_model=True)
-  if p < 2:
-    raise ValueError("prefill_hybrid runs on 2 or more ranks; on one device use model.module")
-  m = model_parallel(mesh)
-  if m > 1:
-    tensor_parallel.check_model_parallel(model.config, m)
+  p, m = _checked_mesh(model, mesh)
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
   full_chunks = check_full_partition(model.config, spec, full_partition, T, p)
@@ -137,12 +140,14 @@ def prefill_hybrid(
   kernel = spec.check_attention(attention)
   if kernel == "auto":
     kernel = get_kernel(spec.default_attention)
+  rows = _rows_with_ends(tokens_BT, lengths, m)
+  options = (cache == "last", timeline, body, isinstance(rows, tuple))
   program, cache_layout = _program(
-    model, spec, mesh, chunks, kernel, (cache == "last", timeline, body), full_chunks, split_shape
+    model, spec, mesh, chunks, kernel, options, full_chunks, split_shape
   )
   split_full, full_chunks = full_chunks, chunks if full_chunks is None else full_chunks
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
-  logits_pBV, out = program(state, tokens_BT)
+  logits_pBV, out = program(state, rows)
   owner = rank_device(mesh, p - 1)
   capacity = T + max_new_tokens
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
@@ -181,6 +186,18 @@ def prefill_hybrid(
   return HybridPrefill(logits_BV, cache, chunks, capacity, moved, full_chunks=split_full)
 
 
+def _checked_mesh(model, mesh) -> tuple[int, int]:
+  """(ranks, devices per rank) of a mesh a hybrid prefill runs on: 2 or more ranks, and
+  model groups the model's heads split over."""
+  p = check_mesh(mesh, allow_model=True)
+  if p < 2:
+    raise ValueError("prefill_hybrid runs on 2 or more ranks; on one device use model.module")
+  m = model_parallel(mesh)
+  if m > 1:
+    tensor_parallel.check_model_parallel(model.config, m)
+  return p, m
+
+
 def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridCache | None:
   """The outputs moved onto the last rank and joined there: a peer's zigzag parts (the last
   chunk's halo is rank 0's), or the split as data's contiguous parts. None in a process that
@@ -206,33 +223,52 @@ def _check_model_and_strategy(model, strategy: str | Strategy) -> None:
   check_runs_hybrid(strategy)
 
 
+def _rows_with_ends(tokens_BT, lengths, m: int):
+  """The program's tokens operand: tokens [B, T] where every row runs to the prompt's end,
+  else (tokens, each position minus its row's end [B, T]), refused on a 2-D mesh."""
+  if lengths is None:
+    return tokens_BT
+  B, T = tokens_BT.shape
+  ends_B = np.asarray(lengths, np.int64).reshape(-1)
+  if ends_B.shape != (B,) or (ends_B < 0).any() or (ends_B > T).any():
+    raise ValueError(f"lengths must be {B} row ends in [0, {T}], got {np.asarray(lengths)}")
+  if (ends_B == T).all():
+    return tokens_BT
+  if m > 1:
+    raise ValueError("a mesh with model > 1 runs hybrid rows of one length (no lengths)")
+  return tokens_BT, (np.arange(T)[None] - ends_B[:, None]).astype(np.int32)
+
+
 def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shape):
-  """(run(state, tokens [B, T]) -> the program's outputs, the cache layout of a split): the
+  """(run(state, rows) -> the program's outputs, the cache layout of a split): the
   strategy's program for this split, or the one program of `split_shape` with the split's
-  table as its operand. options: (keep_last_hop, timeline, body), compile_hybrid's."""
-  T, rows = sum(chunks), NamedSharding(mesh, jax.P(AXIS))
-  keep_last_hop, timeline, body = options
+  table as its operand. rows: tokens [B, T], or (tokens, each position minus its row's end)
+  for padded rows (`_rows_with_ends`), laid out alike. options: (keep_last_hop, timeline,
+  body, padded), compile_hybrid's."""
+  T, by_rank = sum(chunks), NamedSharding(mesh, jax.P(AXIS))
+  keep_last_hop, timeline, body, padded = options
   if split_shape is None:
     program = compile_hybrid(
-      spec, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body
+      spec, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body,
+      padded=padded,
+    )  # fmt: skip
+    arrange, run = spec.arrange, program
+    layout = lambda chunks: spec.cache_layout(T, chunks)
+  else:
+    if full_chunks is not None:
+      raise ValueError("a hybrid's split as data takes one split for every kind of layer")
+    program = compile_hybrid(
+      spec, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape, padded
     )
-    return (
-      lambda state, tokens_BT: program(state, global_array(spec.arrange(tokens_BT, chunks), rows)),
-      lambda chunks: spec.cache_layout(T, chunks),
-    )
-  if full_chunks is not None:
-    raise ValueError("a hybrid's split as data takes one split for every kind of layer")
-  program = compile_hybrid(
-    spec, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape
-  )
-  full_config = model.config.of_kind(FULL_ATTENTION)  # the one body's table is the full layers'
-  on_split = runahead.on_split(program, mesh, full_config, split_shape, chunks)
-  arrange = runahead.split_as_data_strategy(model.config, split_shape).arrange
+    full_config = model.config.of_kind(FULL_ATTENTION)  # the one body's table: the full layers'
+    run = runahead.on_split(program, mesh, full_config, split_shape, chunks)
+    arrange = runahead.split_as_data_strategy(model.config, split_shape).arrange
+    layout = lambda chunks: contiguous_layout(chunks, split_shape.part_len)
 
-  def run(state, tokens_BT):
-    return on_split(state, global_array(arrange(tokens_BT, chunks), rows))
+  def laid_out(state, rows):
+    return run(state, jax.tree.map(lambda a: global_array(arrange(a, chunks), by_rank), rows))
 
-  return run, lambda chunks: contiguous_layout(chunks, split_shape.part_len)
+  return laid_out, layout
 
 
 def _last_rank_part(array, mesh):

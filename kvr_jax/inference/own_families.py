@@ -70,13 +70,16 @@ class OwnFamily:
   sharded_stepper: Callable
   # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s ModelCache fields
   one_rank_parts: Callable
-  # The cache layouts that run rows padded past their length (a bucket, a ragged batch): a
-  # causal past whose rows after a row's end change nothing before it (latents; a linear
-  # layer's recurrence runs through them).
-  padded_caches: tuple[str, ...] = ()
   # Whether KV-Runahead's split as data runs (`runahead.split_as_data_strategy`'s record:
   # one program for every split that fits its envelope).
   takes_split_as_data: bool = False
+  # A fixed-size past that a row's padding would advance (a linear layer's state and halo,
+  # where a causal K,V or latent past is written per position): the prefill of padded rows
+  # stops it before each row's last real token, whose decode step then runs it from there.
+  stops_at_row_ends: bool = False
+  # (result, the caches the sharded step returned) -> the result's fields that the step of
+  # a padded row's last real token changed (`_at_last_real_tokens`).
+  after_sharded_step: Callable = lambda result, caches: {}
 
 
 def _plan_options(plan) -> tuple:
@@ -89,7 +92,7 @@ def _plan_options(plan) -> tuple:
   return partition, spec, plan.kernel.name, plan.cache
 
 
-def _run_hybrid(model, tokens_BT, plan, room) -> dict:
+def _run_hybrid(model, tokens_BT, plan, room, ends_B=None) -> dict:
   partition, strategy, attention, cache = _plan_options(plan)
   ran = hybrid.prefill_hybrid(
     model,
@@ -102,6 +105,7 @@ def _run_hybrid(model, tokens_BT, plan, room) -> dict:
     cache=cache,
     timeline=plan.timeline,
     full_partition=plan.full_chunks,
+    lengths=ends_B,
   )
   return dict(
     logits=ran.logits_BV,
@@ -113,8 +117,8 @@ def _run_hybrid(model, tokens_BT, plan, room) -> dict:
   )
 
 
-def _run_latent(model, tokens_BT, plan, room):
-  # A split per layer kind is refused by plan_prefill.
+def _run_latent(model, tokens_BT, plan, room, ends_B=None):
+  # A split per layer kind is refused by plan_prefill; ends_B is None (a causal past).
   partition, strategy, attention, cache = _plan_options(plan)
   ran = latent.prefill_latent(
     model,
@@ -157,11 +161,11 @@ def _grown_latent(cache_LBSC, capacity: int):
   return _padded_positions(cache_LBSC, 2, capacity)
 
 
-def check_own_plan(family: OwnFamily, config, spec, cache: str, padded: int):
-  """What a plan for `family` runs so far, refused by name before anything compiles: its
-  strategies and cache layouts, and rows padded past their length under the layouts that
-  keep them (`padded_caches`). Timeline probes are the record's (`Strategy.timeline_probes`,
-  checked by the plan for every model): the families' programs mark what the K,V ones do."""
+def check_own_plan(family: OwnFamily, config, spec, cache: str):
+  """What a plan for `family` runs, refused by name before anything compiles: its strategies
+  and cache layouts. Timeline probes are the record's (`Strategy.timeline_probes`, checked
+  by the plan for every model): the families' programs mark what the K,V ones do. Rows
+  padded past their length (a bucket, a ragged batch) run in both layouts, as on K,V models."""
   what = f"a {config.architecture} model ({family.name}: its own programs)"
   name, (_, _, split_shape) = spec.registered_name, family_program(spec)
   if name not in family.strategies:
@@ -170,14 +174,6 @@ def check_own_plan(family: OwnFamily, config, spec, cache: str, padded: int):
     raise ValueError(f"{what} does not take KV-Runahead's split as data ({spec.name!r})")
   if cache not in family.caches:
     raise ValueError(f"{what} keeps its cache as {list(family.caches)}, not cache={cache!r}")
-  if padded and cache not in family.padded_caches:
-    allowed = f" (padded rows run under cache={list(family.padded_caches)})"
-    allowed = allowed if family.padded_caches else ""
-    raise ValueError(
-      f"{what} runs rows of one length without buckets under cache={cache!r} so far{allowed}; "
-      f"these rows were padded to {padded} tokens (a bucket, or the longest row of a ragged "
-      "batch): pass buckets=None (launch.run: --buckets=none) with rows of one length"
-    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -275,29 +271,45 @@ def run_own_prefill(
   )
   if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
     return ModelCache(None, **fields)
+  padded = bool((lengths_B < plan.prompt_len).any())
+  ends_B = lengths_B - 1 if padded and family.stops_at_row_ends else None
   if spec.max_ranks == 1:
-    forward = one_group_forward(
-      model.graphdef, mesh, plan.kernel.name, family.group_cache_spec, plan.prompt_len + room
-    )
-    if model_parallel(mesh) > 1:
-      replicated = NamedSharding(mesh, jax.P())
-      state, tokens_BT = model.state_split_over(mesh), jax.device_put(tokens_BT, replicated)
-    else:  # one device, its arrays placed on it alone (no mesh axis in their types)
-      device = mesh.devices.flat[0]
-      state, tokens_BT = model.state_on(device), jax.device_put(tokens_BT, device)
-    logits_BV, cache = forward(state, tokens_BT)
-    logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
-    if plan.cache == "sharded":  # the cache as the one rank's part
-      parts = family.one_rank_parts(cache, plan.prompt_len, mesh)
-      result = ModelCache(logits_BV, **fields, **parts)
-    else:
-      result = ModelCache(logits_BV, **fields, model_cache=cache)
+    result = _one_group_prefill(model, plan, family, tokens_BT, room, ends_B, fields)
   else:
-    result = ModelCache(**family.run(model, tokens_BT, plan, room), **fields)
+    result = ModelCache(**family.run(model, tokens_BT, plan, room, ends_B), **fields)
   held = result.model_cache is not None or result.parts is not None
-  if (lengths_B < plan.prompt_len).any() and held:
+  if padded and held:
     result = _at_last_real_tokens(model, result, tokens_BT, lengths_B)
   return result
+
+
+def _one_group_prefill(model, plan, family, tokens_BT, room, ends_B, fields) -> ModelCache:
+  """strategy="single": the model's own forward on the plan's one device (its model group on
+  a 2-D mesh), its cache joined there or, for cache="sharded", as the one rank's part.
+  ends_B: each row's prefill end (`OwnFamily.stops_at_row_ends`), None for the whole rows."""
+  mesh = plan.mesh
+  forward = one_group_forward(
+    model.graphdef,
+    mesh,
+    plan.kernel.name,
+    family.group_cache_spec,
+    plan.prompt_len + room,
+    ends_B is not None,
+  )
+  ends = () if ends_B is None else (np.asarray(ends_B, np.int32),)
+  if model_parallel(mesh) > 1:
+    replicated = NamedSharding(mesh, jax.P())
+    state = model.state_split_over(mesh)
+    operands = jax.device_put((tokens_BT, *ends), replicated)
+  else:  # one device, its arrays placed on it alone (no mesh axis in their types)
+    device = mesh.devices.flat[0]
+    state, operands = model.state_on(device), jax.device_put((tokens_BT, *ends), device)
+  logits_BV, cache = forward(state, *operands)
+  logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
+  if plan.cache == "sharded":  # the cache as the one rank's part
+    parts = family.one_rank_parts(cache, plan.prompt_len, mesh)
+    return ModelCache(logits_BV, **fields, **parts)
+  return ModelCache(logits_BV, **fields, model_cache=cache)
 
 
 def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> ModelCache:
@@ -307,7 +319,10 @@ def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> Mod
   the cache, is written again identically). The padded positions after a row's end are
   overwritten by its decoded tokens before any query reads them. cache="sharded": the
   family's sharded step with a one-token tail, every rank's part read up to the row's last
-  token only (its copy there hidden), in every process that holds a rank."""
+  token only (its copy there hidden), in every process that holds a rank; what the step
+  changed that decoding reads next is kept (`OwnFamily.after_sharded_step`: a hybrid's
+  linear pasts, and the token's K,V written into its part, where the prefill, stopped
+  before it, left other values)."""
   last_tokens_B = np.asarray(tokens_BT)[np.arange(len(lengths_B)), lengths_B - 1]
   if result.cache == "last":
     step, cache, _, _ = own_stepper(model, result, lengths_B - 1, 0, 0, consume=True)
@@ -316,9 +331,11 @@ def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> Mod
     return dataclasses.replace(result, logits=logits_BV, model_cache=cache)
   mesh = result.mesh
   before_last = dataclasses.replace(result, lengths=lengths_B - 1)
-  step, tail, _, _ = own_family(model.config).sharded_stepper(model, before_last, 1, 0)
+  family = own_family(model.config)
+  step, caches, _, _ = family.sharded_stepper(model, before_last, 1, 0)
   tokens_B = global_array(last_tokens_B.astype(np.int32), NamedSharding(mesh, jax.P()))
-  replicated_BV, _ = step(tokens_B, 0, tail)
+  replicated_BV, caches = step(tokens_B, 0, caches)
+  result = dataclasses.replace(result, **family.after_sharded_step(before_last, caches))
   owner = rank_device(mesh, mesh.shape[AXIS] - 1)
   logits_BV = None  # on the last rank's device, in its process
   if owner.process_index == jax.process_index():
@@ -328,17 +345,22 @@ def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> Mod
 
 
 @kept_cache(8)
-def one_group_forward(graphdef, mesh, attention: str, cache_spec, capacity: int):
+def one_group_forward(
+  graphdef, mesh, attention: str, cache_spec, capacity: int, row_ends: bool = False
+):
   """strategy="single" for a model with its own programs: (state, tokens [B, T]) -> (the last
   position's logits [B, V], the model's cache of `capacity` positions), its own `forward` on
   the mesh of one rank: one device, or a model group whose shards run their heads and experts (the
-  partial sums added over "model") and keep the cache as `cache_spec` places it."""
+  partial sums added over "model") and keep the cache as `cache_spec` places it. row_ends:
+  a third operand, each row's end [B], where the model's past stops (`forward(lengths_B=)`:
+  every row's hidden states computed; the logits at T - 1 are then a padded row's)."""
   m = model_parallel(mesh)
 
-  def forward(state, tokens_BT, reduce=no_reduce):
+  def forward(state, tokens_BT, *ends_B, reduce=no_reduce):
     model = nnx.merge(graphdef, state)
+    lengths = dict(lengths_B=ends_B[0]) if row_ends else dict(last_row_only=True)
     x_BTD, cache = model.forward(
-      tokens_BT, attention=attention, reduce=reduce, capacity=capacity, last_row_only=True
+      tokens_BT, attention=attention, reduce=reduce, capacity=capacity, **lengths
     )
     return model.logits(x_BTD[:, -1:])[:, 0], cache
 
@@ -346,15 +368,15 @@ def one_group_forward(graphdef, mesh, attention: str, cache_spec, capacity: int)
     return jax.jit(forward)
 
   @jax.jit
-  def split(state, tokens_BT):
+  def split(state, tokens_BT, *ends_B):
     # check_vma=False: the psums make the hidden states whole on every shard (as in own_spmd).
     return jax.shard_map(
       functools.partial(forward, reduce=tensor_parallel.psum_over_model),
       mesh=mesh,
-      in_specs=(tensor_parallel.partition_specs(state, m), jax.P()),
+      in_specs=(tensor_parallel.partition_specs(state, m), jax.P(), *(jax.P(),) * row_ends),
       out_specs=(jax.P(), cache_spec),
       check_vma=False,
-    )(state, tokens_BT)
+    )(state, tokens_BT, *ends_B)
 
   return split
 
@@ -418,6 +440,8 @@ HYBRID = OwnFamily(
   own_sharded.sharded_hybrid_stepper,
   own_sharded.one_rank_hybrid_parts,
   takes_split_as_data=True,
+  stops_at_row_ends=True,
+  after_sharded_step=own_sharded.after_hybrid_step,
 )
 LATENT = OwnFamily(
   "latent",
@@ -430,7 +454,6 @@ LATENT = OwnFamily(
   lambda cache, T: cache[:, :, :T],
   own_sharded.sharded_latent_stepper,
   own_sharded.one_rank_latent_parts,
-  padded_caches=("last", "sharded"),
   takes_split_as_data=True,
 )
 

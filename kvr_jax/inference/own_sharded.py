@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode, hybrid, latent
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec
 from kvr_jax.runtime.mesh import AXIS, global_array, model_parallel
@@ -78,7 +79,7 @@ def sharded_hybrid_stepper(model, result, max_new_tokens: int, seed: int):
   """cache="sharded" (hybrid models): the full layers' parts stay put, the decoded tokens'
   K,V in a tail on every rank, the linear pasts on every rank (a copy: the steps write into
   theirs); every operand a global array that every process builds alike."""
-  mesh, T = result.mesh, result.prompt_len
+  mesh = result.mesh
   m = model_parallel(mesh)
   replicated = NamedSharding(mesh, jax.P())
   program = hybrid.hybrid_sharded_step(model.graphdef, mesh, result.cache_layout)
@@ -90,7 +91,8 @@ def sharded_hybrid_stepper(model, result, max_new_tokens: int, seed: int):
     (L, 2, B, max_new_tokens, K, H), model.dtype, NamedSharding(mesh, tail_spec)
   )
   linear = _copied(result.linear_state)
-  prompt_lens_B = global_array(np.full(B, T, np.int32), replicated)
+  # Each row's own length: a padded row's parts are read up to it, its tokens follow it.
+  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
 
   def step(token_B, index, caches):
     logits, tail, linear = program(state, token_B, prompt_lens_B, result.parts, *caches, index)
@@ -101,6 +103,38 @@ def sharded_hybrid_stepper(model, result, max_new_tokens: int, seed: int):
     logits = jax.device_put(result.logits, replicated)
   key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
   return step, (tail, linear), logits, jax.random.wrap_key_data(global_array(key_data, replicated))
+
+
+def after_hybrid_step(result, caches) -> dict:
+  """What the sharded step of each padded row's last real token (at `result.lengths`, the
+  prefill stopped before it) leaves for decoding: the linear pasts after it, and the token's
+  K,V (the tail's first entry) written into the part that holds its position, in place of
+  the prefill's, which came from the linear layers stopped before it."""
+  tail_L2BMKH, linear = caches
+  layout, mesh = result.cache_layout, result.mesh
+  p, B = layout.num_ranks, len(result.lengths)
+  beyond = B * layout.part_len  # a row index no part has: that rank writes nothing
+  rows_pB = np.full((p, B), beyond, np.int32)
+  for b, position in enumerate(np.asarray(result.lengths)):
+    rank, row = layout.holder(int(position))
+    rows_pB[rank, b] = b * layout.part_len + row  # the parts fold the batch into their rows
+  rows_pB = global_array(rows_pB, NamedSharding(mesh, jax.P(AXIS)))
+  return dict(
+    parts=_written_into_parts(mesh)(result.parts, tail_L2BMKH, rows_pB), linear_state=linear
+  )
+
+
+@kept_cache(8)
+def _written_into_parts(mesh):
+  """(parts [p, L, 2, B*P, K, H], tail [L, 2, B, M, K, H], rows [p, B]) -> the parts with
+  the tail's first entry of row b at rank r's row rows[r, b] (past the part: not written)."""
+
+  def write(parts_1L2RKH, tail_L2BMKH, rows_1B):
+    new_L2BKH = tail_L2BMKH[:, :, :, 0].astype(parts_1L2RKH.dtype)
+    return parts_1L2RKH[0].at[:, :, rows_1B[0]].set(new_L2BKH, mode="drop")[None]
+
+  specs = (parts_spec(mesh), jax.P(), jax.P(AXIS))
+  return jax.jit(jax.shard_map(write, mesh=mesh, in_specs=specs, out_specs=parts_spec(mesh)))
 
 
 # A fresh copy of arrays (global ones too), placed as they were, which a step then owns.

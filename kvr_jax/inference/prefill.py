@@ -78,8 +78,8 @@ def prefill(
   them under the same arguments and returns a `ModelCache` (a `PrefillResult` whose cache is
   in the model's own form):
   strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models) or "auto",
-  cache "auto", "last" or "sharded"; a hybrid's rows of one length (a latent model's also
-  a bucket or a ragged batch).
+  cache "auto", "last" or "sharded", buckets and ragged batches as on any model (a
+  hybrid's linear layers stop each padded row's state at its end).
 
   tokens: [B, T] (or [T]) token ids, or a list of rows of different lengths (a ragged
     batch: each row is padded at its end, see `buckets`; `lengths` in the result).

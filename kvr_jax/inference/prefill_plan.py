@@ -136,7 +136,7 @@ def plan_from_shape(
     cache = plan_cache(shape, mesh)
   _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
   if family is not None:
-    check_own_plan(family, shape.config, spec, cache, T if shape.padded else 0)
+    check_own_plan(family, shape.config, spec, cache)
   if model_parallel(mesh) > 1:
     _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
   kernel = planned_kernel(shape, spec, kernel, mesh.devices.flat[0])

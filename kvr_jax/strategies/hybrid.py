@@ -68,10 +68,13 @@ from kvr_jax.strategies.base import (
 from kvr_jax.strategies.linear_chain import (
   chain_linear_layer,
   chain_linear_layer_one_body,
+  halo_at_row_ends,
   plain_maps,
+  stop_at_row_ends,
 )
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead import check_body, one_body_as_data
+from kvr_jax.strategies.runahead.rank_layer import pad_rows
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
 from models.base import no_reduce, scan_layers
@@ -108,14 +111,17 @@ def zigzag_linear_layer(
   num_ranks: int,
   reduce=no_reduce,
   probe=lambda label, v: v,
+  real_B2c=None,
 ):
   """A peer's linear layer on rank `rank`'s two zigzag chunks r and 2p-1-r (module
   docstring): (x [B, 2c, D], the prompt's final state [B, h, k, v] (the same on every rank),
   the last w real inputs of the prompt's last chunk [B, w, C] (rank 0 holds it)).
   probe(label, value) -> value: the timeline's mark at "linear" (the spans' maps made),
-  "allgather" (every chunk's map here) and "rest" (the layer's output)."""
+  "allgather" (every chunk's map here) and "rest" (the layer's output). real_B2c: the rows
+  before each row's end (`linear_chain.stop_at_row_ends`; None: every row)."""
   p, c = num_ranks, zigzag.chunk_len(context_len, num_ranks)
   mixed, z_B2chv, g, beta = block.inputs(x_B2cD)
+  g, beta = stop_at_row_ends(g, beta, real_B2c)
   w = block.conv_q.shape[0] - 1
   halves = [slice(0, c), slice(c, 2 * c)]
   chunk_ids = (rank, 2 * p - 1 - rank)
@@ -153,10 +159,13 @@ def zigzag_linear_layer(
   return probe("rest", x_B2cD), entering_j[-1], spans[1][1]
 
 
-def _linear_layer(spec: Strategy, rank, chunks, reduce, timeline: bool, one_body):
+def _linear_layer(spec: Strategy, rank, chunks, reduce, timeline: bool, one_body, from_end_Bc):
   """(block, x, l) -> the strategy's linear layer (model layer l: the timeline's label) on
   this rank. one_body (KV-Runahead in the one body): (its shape, each rank's length [p] as
-  data); its row loops take the shape's block, the full layers' own."""
+  data); its row loops take the shape's block, the full layers' own. from_end_Bc (rows
+  padded past their ends): each held row's position minus its row's end; the state stops
+  at each row's end and the halo is the last w inputs before it (`halo_at_row_ends`)."""
+  real_Bc = None if from_end_Bc is None else from_end_Bc < 0
 
   def linear_layer(block, x, l=0):
     def probe(label, value):
@@ -164,12 +173,18 @@ def _linear_layer(spec: Strategy, rank, chunks, reduce, timeline: bool, one_body
 
     if spec.prefix_chain and one_body is not None:
       shape, lengths_p = one_body
-      return chain_linear_layer_one_body(
-        block, x, rank, lengths_p[rank], shape.num_ranks, reduce, probe, shape.block
+      x_out, leaving, halo = chain_linear_layer_one_body(
+        block, x, rank, lengths_p[rank], shape.num_ranks, reduce, probe, shape.block, real_Bc
       )
-    if spec.prefix_chain:
-      return chain_linear_layer(block, x, rank, chunks, reduce, probe)
-    return zigzag_linear_layer(block, x, rank, sum(chunks), len(chunks), reduce, probe)
+    elif spec.prefix_chain:
+      x_out, leaving, halo = chain_linear_layer(block, x, rank, chunks, reduce, probe, real_Bc)
+    else:
+      x_out, leaving, halo = zigzag_linear_layer(
+        block, x, rank, sum(chunks), len(chunks), reduce, probe, real_Bc
+      )
+    if from_end_Bc is not None:
+      halo = halo_at_row_ends(block, x, from_end_Bc, halo.shape[1]).astype(halo.dtype)
+    return x_out, leaving, halo
 
   return linear_layer
 
@@ -228,6 +243,7 @@ def compile_hybrid(
   full_chunks: tuple[int, ...] | None = None,
   body: str | None = None,
   split_shape: OneBodyShape | None = None,
+  padded: bool = False,
 ):
   """The jitted SPMD program of `spec` (a name of STRATEGIES or a record: KV-Runahead's bring
   their body and split as data, `strategies.family_builder`) on a hybrid model: (state, tokens
@@ -264,8 +280,9 @@ def compile_hybrid(
   P, p = jax.P, mesh.shape[AXIS]
   reduce = tensor_parallel.psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
-  def program(state, tokens_1BT, *table):
+  def program(state, rows_1BT, *table):
     count_trace(f"{spec.name}-hybrid")
+    tokens_1BT, from_end_1BT = rows_1BT if padded else (rows_1BT, None)
     model = nnx.merge(graphdef, state)
     full_config = model.config.of_kind(FULL_ATTENTION)
     rank = jax.lax.axis_index(AXIS)
@@ -275,9 +292,10 @@ def compile_hybrid(
     one_body = None  # KV-Runahead's one body: its shape and lengths, static or data
     if split_shape is not None or body_kind == "one":
       one_body = _one_body_lengths(full_config, chunks, kernel, split_shape, table)
-    linear_layer = _linear_layer(spec, rank, chunks, reduce, timeline, one_body)
-    full_layer = _full_layer(model.config, body, KindSplit(chunks, full_chunks, rank), timeline)
     x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
+    from_end_Bc = None if from_end_1BT is None else pad_rows(from_end_1BT[0], x.shape[1])
+    linear_layer = _linear_layer(spec, rank, chunks, reduce, timeline, one_body, from_end_Bc)
+    full_layer = _full_layer(model.config, body, KindSplit(chunks, full_chunks, rank), timeline)
     out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
 
     def on_full(block, at, carry):  # at: the layer's index in the model, its row in its stack

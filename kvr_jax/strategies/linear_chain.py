@@ -56,6 +56,32 @@ def plain_maps(operands):
   return o_Bchv, jnp.zeros_like(q), A_Bhkk, B_Bhkv
 
 
+def stop_at_row_ends(g_Bch, beta_Bch, real_Bc):
+  """g and beta zeroed where a row has ended (real_Bc False: the padding past a row's end in
+  a bucket or a ragged batch, [B, c] as the tokens are laid out, padded with False to g's
+  rows): g = beta = 0 leaves the state as it is, so every span leaves each row's state at
+  its own end exactly. real_Bc None: every row runs to the end of the prompt."""
+  if real_Bc is None:
+    return g_Bch, beta_Bch
+  real_Bc1 = pad_rows(real_Bc, g_Bch.shape[1])[..., None]
+  return jnp.where(real_Bc1, g_Bch, 0), jnp.where(real_Bc1, beta_Bch, 0)
+
+
+def halo_at_row_ends(block, x_BcD, from_end_Bc, w: int):
+  """Each row's last w real inputs [B, w, C] (the convolution's halo a decode step reads),
+  wherever they lie: from_end_Bc is each held row's position minus its row's end (the
+  padding that lays chunks out is 0: no position of the halo), so position end - w + j is
+  slot j. Every rank adds the layer inputs x of the slots it holds (a one-hot sum: exact),
+  one psum over the ranks of [B, w, D] brings them everywhere, and the slots' inputs are
+  projected there; a slot before the prompt (a row shorter than w) is the zero halo a
+  prompt enters with."""
+  slot_Bcw = (from_end_Bc + w)[..., None] == jnp.arange(w)
+  x_BwD = jax.lax.psum(jnp.einsum("Bcw,BcD->BwD", slot_Bcw.astype(x_BcD.dtype), x_BcD), AXIS)
+  filled_Bw = jax.lax.psum(slot_Bcw.sum(1, dtype=jnp.int32), AXIS) > 0
+  mixed_BwC = block.inputs(x_BwD)[0]
+  return jnp.where(filled_Bw[..., None], mixed_BwC, 0).astype(mixed_BwC.dtype)
+
+
 def _at_own_length(rank, chunks: tuple[int, ...], phase, rows: int | None = None):
   """phase(i, c_i, *operands) -> (arrays with rows on axis 1, arrays without) on rank
   `rank`'s own static length: a `lax.switch` whose branch i runs rank i's c_i rows, the
@@ -108,7 +134,13 @@ def _chain_span_maps(block, w: int, i, c, mixed_BcC, g_Bch, beta_Bch):
 
 
 def chain_linear_layer(
-  block, x_BcD, rank, chunks: tuple[int, ...], reduce=no_reduce, probe=lambda label, v: v
+  block,
+  x_BcD,
+  rank,
+  chunks: tuple[int, ...],
+  reduce=no_reduce,
+  probe=lambda label, v: v,
+  real_Bc=None,
 ):
   """KV-Runahead's linear layer on rank `rank`'s contiguous chunk (module docstring):
   (x [B, c_max, D], the state it leaves [B, h, k, v], the last w inputs up to its chunk's
@@ -123,7 +155,8 @@ def chain_linear_layer(
   that ends with its own rows and begins with the halo it received.
   reduce: a model group's sum (each shard holds some key heads, their state and channels:
   what its hops carry). probe(label, value) -> value: the timeline's mark at "linear" (the
-  chunk's maps made), "hop" (what the chain brought) and "rest" (the layer's output)."""
+  chunk's maps made), "hop" (what the chain brought) and "rest" (the layer's output).
+  real_Bc: the rows before each row's end (`stop_at_row_ends`; None: every row)."""
   p, w = len(chunks), block.conv_q.shape[0] - 1
   # The head reads w rows even where a chunk is shorter: its rows past the chunk are
   # padding (g = beta = 0 leave the state as it is; their outputs are dropped).
@@ -133,6 +166,7 @@ def chain_linear_layer(
     return block.inputs(x_BcD[:, :c]), ()
 
   (mixed_BcC, z_Bchv, g_Bch, beta_Bch), _ = _at_own_length(rank, chunks, inputs, head_rows)(x_BcD)
+  g_Bch, beta_Bch = stop_at_row_ends(g_Bch, beta_Bch, real_Bc)
   c_rank = jnp.asarray(chunks, jnp.int32)[rank]
 
   (o_Bchv, q_eff_Bchk), (A_Bhkk, B_Bhkv) = probe(
@@ -169,6 +203,7 @@ def chain_linear_layer_one_body(
   reduce=no_reduce,
   probe=lambda label, v: v,
   row_block: int | None = None,
+  real_Bc=None,
 ):
   """`chain_linear_layer` in the one body (module docstring): rank `rank` holds c_rank
   (traced) real rows of x [B, c, D], the rest padding. Returns what chain_linear_layer
@@ -181,7 +216,7 @@ def chain_linear_layer_one_body(
   projections and the output (out-proj, MLP) run in loops of `row_block` rows (one block of
   every row where None) and the rest's entry map in loops of 64-token chunks, their trip
   counts the rank's real rows: padding costs at most a block of each, as in the full
-  layers' one body."""
+  layers' one body. real_Bc: the rows before each row's end (`stop_at_row_ends`)."""
   w, width = block.conv_q.shape[0] - 1, x_BcD.shape[1]
   R = row_block or max(width, w + 1)
   rows = -(-max(width, w + 1) // R) * R  # whole blocks: a head of w rows and a rest
@@ -190,6 +225,7 @@ def chain_linear_layer_one_body(
   inputs = _in_row_blocks(lambda x_BRD: block.inputs(x_BRD), c_rank, R, reduce, x_BrD)
   mixed_BrC, z_Brhv, g_Brh, beta_Brh = inputs
   g_Brh, beta_Brh = (jnp.where(real_r[:, None], a, 0) for a in (g_Brh, beta_Brh))
+  g_Brh, beta_Brh = stop_at_row_ends(g_Brh, beta_Brh, real_Bc)
 
   conv_BrC, _ = gdn.causal_conv(mixed_BrC[:, w:], block.conv_kernel(), mixed_BrC[:, :w])
   rest = (*block.heads(conv_BrC, g_Brh[:, w:]), beta_Brh[:, w:])
