@@ -31,6 +31,7 @@ from kvr_jax.inference import sharded_decode
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
   check_new_tokens,
+  check_ranks_mesh,
   check_tokens,
   replicated_from_rank,
   stacked_on_last_rank,
@@ -41,7 +42,6 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   MODEL_AXIS,
-  check_mesh,
   global_array,
   model_parallel,
   rank_device,
@@ -132,7 +132,7 @@ def prefill_hybrid(
   if cache not in CACHES:
     raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
   tokens_BT = check_tokens(model, tokens)
-  p, m = _checked_mesh(model, mesh)
+  p, m = check_ranks_mesh(model, mesh, "prefill_hybrid")
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
   full_chunks = check_full_partition(model.config, spec, full_partition, T, p)
@@ -184,18 +184,6 @@ def prefill_hybrid(
       return HybridPrefill(None, None, chunks, capacity, True)
   moved = not joined_in_place
   return HybridPrefill(logits_BV, cache, chunks, capacity, moved, full_chunks=split_full)
-
-
-def _checked_mesh(model, mesh) -> tuple[int, int]:
-  """(ranks, devices per rank) of a mesh a hybrid prefill runs on: 2 or more ranks, and
-  model groups the model's heads split over."""
-  p = check_mesh(mesh, allow_model=True)
-  if p < 2:
-    raise ValueError("prefill_hybrid runs on 2 or more ranks; on one device use model.module")
-  m = model_parallel(mesh)
-  if m > 1:
-    tensor_parallel.check_model_parallel(model.config, m)
-  return p, m
 
 
 def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridCache | None:

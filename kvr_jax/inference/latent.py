@@ -30,6 +30,7 @@ from kvr_jax.core.chunks import check_chunks, check_ranks
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
   check_new_tokens,
+  check_ranks_mesh,
   check_tokens,
   stacked_on_last_rank,
 )
@@ -38,7 +39,6 @@ from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
-  check_mesh,
   global_array,
   model_parallel,
   rank_device,
@@ -111,12 +111,7 @@ def prefill_latent(
   _check_arguments(model, strategy, attention, cache, join, timeline)
   spec, body, split_shape = family_program(strategy, body, split_shape)
   tokens_BT = check_tokens(model, tokens)
-  p = check_mesh(mesh, allow_model=True)
-  if p < 2:
-    raise ValueError("prefill_latent runs on 2 or more ranks; on one device use model.module")
-  m = model_parallel(mesh)
-  if m > 1:
-    tensor_parallel.check_model_parallel(model.config, m)
+  p, m = check_ranks_mesh(model, mesh, "prefill_latent")
   kernel = get_kernel(attention)
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]

@@ -76,10 +76,10 @@ def halo_at_row_ends(block, x_BcD, from_end_Bc, w: int):
   projected there; a slot before the prompt (a row shorter than w) is the zero halo a
   prompt enters with."""
   slot_Bcw = (from_end_Bc + w)[..., None] == jnp.arange(w)
-  x_BwD = jax.lax.psum(jnp.einsum("Bcw,BcD->BwD", slot_Bcw.astype(x_BcD.dtype), x_BcD), AXIS)
-  filled_Bw = jax.lax.psum(slot_Bcw.sum(1, dtype=jnp.int32), AXIS) > 0
+  held_BwD = jnp.einsum("Bcw,BcD->BwD", slot_Bcw.astype(x_BcD.dtype), x_BcD)
+  x_BwD, count_Bw = jax.lax.psum((held_BwD, slot_Bcw.sum(1, dtype=jnp.int32)), AXIS)
   mixed_BwC = block.inputs(x_BwD)[0]
-  return jnp.where(filled_Bw[..., None], mixed_BwC, 0).astype(mixed_BwC.dtype)
+  return jnp.where(count_Bw[..., None] > 0, mixed_BwC, 0)
 
 
 def _at_own_length(rank, chunks: tuple[int, ...], phase, rows: int | None = None):
