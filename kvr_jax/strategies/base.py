@@ -18,6 +18,11 @@ part are which prompt positions; `kvr_jax.inference.kv_cache` brings the parts o
 rank in prompt order (cache="last") or decodes from them where they are (cache="sharded").
 `kvr_jax.inference.prefill` dispatches on the registry in kvr_jax/strategies/__init__.py and
 knows nothing else about any strategy.
+
+Every program of every model is one runner (`rank_program` under `spmd`) around a rank's
+`RankBody`: the strategy's own on a K,V model; on a hybrid or latent model a body of the
+family's programs (strategies.hybrid, strategies.latent) around the strategy's, whose
+outputs are that model's pasts (a latent per position, a linear layer's state and halo).
 """
 
 from __future__ import annotations
@@ -240,49 +245,19 @@ def model_reduce(mesh):
   return tensor_parallel.psum_over_model if model_parallel(mesh) > 1 else no_reduce
 
 
-def spmd(rank_program, mesh, with_table: bool = False):
-  """The common program shape: tokens and both outputs sharded by rank; the weights whole on
-  every rank (1-D mesh) or split over each rank's "model" row (2-D: `tensor_parallel`'s
-  specs, from the state's own structure at trace time), where the K,V outputs' heads are
-  split over "model" too. with_table: a third operand, the split's table, whole on every
-  rank (1-D meshes only)."""
-  P = jax.P
-  if model_parallel(mesh) == 1:
-    in_specs = (P(), P(AXIS), P()) if with_table else (P(), P(AXIS))
-    body = jax.shard_map(rank_program, mesh=mesh, in_specs=in_specs, out_specs=(P(AXIS), P(AXIS)))
-    return jax.jit(body)
-  if with_table:
-    raise ValueError("a program that takes its split as data runs on a 1-D mesh")
-
-  # Every K,V output (the parts, KV-Runahead's last hops) is [p, L, 2, rows, K, H].
-  kv_spec = parts_spec(mesh)
-
-  @jax.jit
-  def body_2d(state, tokens_pBc):
-    state_specs = tensor_parallel.partition_specs(state, model_parallel(mesh))
-    # check_vma=False: the hidden states and logits are whole on every shard of a rank (the
-    # psums make them so), but KV-Runahead's per-rank lax.switch joins its operands' types
-    # and marks them varying over "model", which the type check would then refuse as a
-    # carry and as the logits output. tests/test_tensor_parallel.py checks the values.
-    return jax.shard_map(
-      rank_program,
-      mesh=mesh,
-      in_specs=(state_specs, P(AXIS)),
-      out_specs=(P(AXIS), kv_spec),
-      check_vma=False,
-    )(state, tokens_pBc)
-
-  return body_2d
-
-
-def own_spmd(rank_program, mesh, out_specs, with_table: bool = False):
-  """The programs of the models with their own (hybrid, latent): (state, tokens [p, B,
-  T_rank]) -> rank_program's outputs placed by `out_specs`. The weights whole on every rank
-  (1-D mesh) or split over each rank's "model" row (2-D: `tensor_parallel`'s specs, from the
-  state's structure at trace time). with_table: a third operand, the split's table, whole on
-  every rank (1-D meshes only, as `spmd`'s)."""
+def spmd(rank_program, mesh, out_specs=None, with_table: bool = False):
+  """Every strategy's program over the mesh: the tokens (an array, or a tuple of arrays
+  [p, B, T_rank]) and the outputs sharded by rank; the weights whole on every rank (1-D
+  mesh) or split over each rank's "model" row (2-D: `tensor_parallel`'s specs, from the
+  state's own structure at trace time). out_specs: how rank_program's outputs lie, None for
+  the K,V programs' (logits by rank, every K,V output [p, L, 2, rows, K, H] by rank, its heads
+  split over "model" on a 2-D mesh); a model whose layers output other pasts gives its own
+  (strategies.hybrid.output_specs). with_table: a third operand, the split's table, whole on
+  every rank (1-D meshes only)."""
   P = jax.P
   m = model_parallel(mesh)
+  if out_specs is None:
+    out_specs = (P(AXIS), P(AXIS) if m == 1 else parts_spec(mesh))
   if m == 1:
     in_specs = (P(), P(AXIS), P()) if with_table else (P(), P(AXIS))
     body = jax.shard_map(rank_program, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
@@ -292,12 +267,15 @@ def own_spmd(rank_program, mesh, out_specs, with_table: bool = False):
 
   @jax.jit
   def body_2d(state, tokens_pBc):
-    # check_vma=False as in `spmd`: the psums make the hidden states (and what is computed
-    # from them) whole on every shard of a rank, which the type check cannot see.
+    state_specs = tensor_parallel.partition_specs(state, m)
+    # check_vma=False: the hidden states and logits are whole on every shard of a rank (the
+    # psums make them so), but KV-Runahead's per-rank lax.switch joins its operands' types
+    # and marks them varying over "model", which the type check would then refuse as a
+    # carry and as the logits output. tests/test_tensor_parallel.py checks the values.
     return jax.shard_map(
       rank_program,
       mesh=mesh,
-      in_specs=(tensor_parallel.partition_specs(state, m), P(AXIS)),
+      in_specs=(state_specs, P(AXIS)),
       out_specs=out_specs,
       check_vma=False,
     )(state, tokens_pBc)
@@ -390,13 +368,19 @@ class RankBody:
   tokens_BT, reduce)` (rank traced: `lax.axis_index`). The runner does the rest.
 
   tokens_BT: the tokens its layers run on (padded where the strategy pads them).
-  layer(block, x_BTD, carry, l) -> (x_BTD, carry, kv_out): one layer, from the same
-    `project_qkv` / `attend` / `finish` calls as every strategy; kv_out is what the layer
-    outputs (the rank's own K,V, batch folded: `fold_batch`; a tuple where it keeps more).
+  layer(block, x_BTD, carry, at) -> (x_BTD, carry, out_l): one layer (at: the scan's
+    models.base.Layer: its index in the model, its row in its stack, its kind), from the
+    same `project_qkv` / `attend` / `finish` calls as every strategy; out_l is what the
+    layer outputs (the rank's own K,V, batch folded: `fold_batch`; a tuple where it keeps
+    more; a latent model's latents), the same shapes in every layer.
   carry: what the layers carry beside the hidden states (KV-Runahead's buffer), or None.
   last_row(x_BTD) -> [B, D]: the row of this rank holding the prompt's last position when
     this rank is `owner`.
   owner: the rank computing the prompt's last position; its logits move to rank p-1.
+  outputs(carry, out_L) -> what the rank outputs besides its logits, from the carry after
+    the last layer and the layers' out_l stacked [L, ...]: None for the stacked out_l. A
+    model whose layer kinds output pasts of different shapes (a hybrid's K,V and linear
+    states) writes each into its kind's buffer in the carry, and reads them here.
   """
 
   tokens_BT: Any
@@ -404,30 +388,35 @@ class RankBody:
   last_row: Callable
   owner: int
   carry: Any = None
+  outputs: Callable | None = None
 
 
 def rank_program(name: str, graphdef, make_body: Callable, num_ranks: int, timeline: bool, reduce):
-  """The program every strategy runs per rank, (state, tokens [1, B, T], *table) ->
-  (logits [1, B, V], kv outputs [1, L, ...]): count the trace, merge the model, build the
-  strategy's `RankBody`, embed, scan its layer over the stacked blocks, and the last
-  position's logits on rank p-1 (probed at both ends when `timeline`). table: the split as
-  data, where the body takes it (`make_body(..., table)`), else nothing."""
+  """The program every strategy runs per rank on every model, (state, tokens [1, B, T] (or a
+  tuple of such: the body's), *table) -> (logits [1, B, V], outputs [1, L, ...]): count the
+  trace, merge the model, build the `RankBody` (the strategy's, or a model family's around
+  it: strategies.latent, strategies.hybrid), embed, scan its layer over the model's layers
+  (`models.scan_layers`: one compiled body per layer kind), and the last position's logits
+  on rank p-1 (probed at both ends when `timeline`). table: the split as data, where the
+  body takes it (`make_body(..., table)`), else nothing."""
 
   def program(state, tokens_1BT, *table):
     count_trace(name)
     model = nnx.merge(graphdef, state)
-    body = make_body(model, jax.lax.axis_index(AXIS), tokens_1BT[0], reduce, *table)
+    tokens = jax.tree.map(lambda t: t[0], tokens_1BT)
+    body = make_body(model, jax.lax.axis_index(AXIS), tokens, reduce, *table)
     x_BTD = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
 
     def layer(block, at, x_and_carry):
-      x_BTD, carry, kv_out = body.layer(block, *x_and_carry, at.index)
-      return (x_BTD, carry), kv_out
+      x_BTD, carry, out_l = body.layer(block, *x_and_carry, at)
+      return (x_BTD, carry), out_l
 
-    (x_BTD, _), kv_out = scan_layers(model, layer, (x_BTD, body.carry))
+    (x_BTD, carry), out_L = scan_layers(model, layer, (x_BTD, body.carry))
+    outputs = out_L if body.outputs is None else body.outputs(carry, out_L)
     logits_BV = model.logits(body.last_row(x_BTD)[:, None])[:, 0]
     logits_BV = logits_to_last_rank(logits_BV, body.owner, num_ranks)
     logits_BV = mark(timeline, "logits", -1, logits_BV)
-    return logits_BV[None], jax.tree.map(lambda kv: kv[None], kv_out)
+    return logits_BV[None], jax.tree.map(lambda out: out[None], outputs)
 
   return program
 

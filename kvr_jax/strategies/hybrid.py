@@ -54,16 +54,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
 from kvr_jax.strategies import REGISTRY, family_builder, zigzag
 from kvr_jax.strategies.base import (
+  RankBody,
   Strategy,
-  count_trace,
-  logits_to_last_rank,
-  own_spmd,
+  model_reduce,
+  rank_program,
   reshard_rows,
+  spmd,
 )
 from kvr_jax.strategies.linear_chain import (
   chain_linear_layer,
@@ -77,7 +77,7 @@ from kvr_jax.strategies.runahead import check_body, one_body_as_data
 from kvr_jax.strategies.runahead.rank_layer import pad_rows
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
-from models.base import no_reduce, scan_layers
+from models.base import Layer, no_reduce
 from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import FULL, LINEAR, by_kind
 
@@ -269,57 +269,86 @@ def compile_hybrid(
   body_kind = hybrid_body(spec, kernel, chunks, full_chunks, body, split_shape)
   if split_shape is not None:
     _check_split_as_data(mesh, timeline, keep_last_hop)
-    make_body = one_body_as_data(split_shape, kernel)
+    full_body = one_body_as_data(split_shape, kernel)
   else:
     full_chunks = chunks if full_chunks is None else full_chunks
     body_of = spec.rank_body
     if spec.prefix_chain:
       body_of = functools.partial(body_of, body=body_kind)
     keeps = spec.cache_from_last_hop is not None and keep_last_hop
-    make_body = body_of(graphdef, full_chunks, kernel, timeline, keeps)
-  P, p = jax.P, mesh.shape[AXIS]
-  reduce = tensor_parallel.psum_over_model if model_parallel(mesh) > 1 else no_reduce
+    full_body = body_of(graphdef, full_chunks, kernel, timeline, keeps)
+  layers = _HybridLayers(spec, kernel, chunks, full_chunks, timeline, split_shape, body_kind)
+  make_body = functools.partial(_hybrid_rank_body, layers, full_body, padded)
+  p = mesh.shape[AXIS]
+  program = rank_program(
+    f"{spec.name}-hybrid", graphdef, make_body, p, timeline, model_reduce(mesh)
+  )
+  return spmd(program, mesh, (jax.P(AXIS), output_specs(mesh)), split_shape is not None)
 
-  def program(state, rows_1BT, *table):
-    count_trace(f"{spec.name}-hybrid")
-    tokens_1BT, from_end_1BT = rows_1BT if padded else (rows_1BT, None)
-    model = nnx.merge(graphdef, state)
-    full_config = model.config.of_kind(FULL_ATTENTION)
-    rank = jax.lax.axis_index(AXIS)
-    # The strategy's rank sees a model of full layers (the ones it runs).
-    full_model = types.SimpleNamespace(config=full_config, blocks=model.blocks)
-    body = make_body(full_model, rank, tokens_1BT[0], reduce, *table)
-    one_body = None  # KV-Runahead's one body: its shape and lengths, static or data
-    if split_shape is not None or body_kind == "one":
-      one_body = _one_body_lengths(full_config, chunks, kernel, split_shape, table)
-    x = mark(timeline, "embed", -1, model.embed(body.tokens_BT))
-    from_end_Bc = None if from_end_1BT is None else pad_rows(from_end_1BT[0], x.shape[1])
-    linear_layer = _linear_layer(spec, rank, chunks, reduce, timeline, one_body, from_end_Bc)
-    full_layer = _full_layer(model.config, body, KindSplit(chunks, full_chunks, rank), timeline)
-    out = _empty_outputs(model, body, full_layer, lambda block, x: linear_layer(block, x), x)
 
-    def on_full(block, at, carry):  # at: the layer's index in the model, its row in its stack
-      x, layer_carry, out = carry
-      x, layer_carry, kv_out = full_layer(block, x, layer_carry, at.index)
-      full = jax.tree.map(lambda s, new: s.at[at.row].set(new), out["full"], kv_out)
-      return x, layer_carry, dict(out, full=full)
+@dataclasses.dataclass(frozen=True)
+class _HybridLayers:
+  """What a hybrid rank's layers are built from (`compile_hybrid`'s checked arguments):
+  body_kind is `hybrid_body`'s."""
 
-    def on_linear(block, at, carry):
-      x, layer_carry, out = carry
-      x, leaving, halo = linear_layer(block, x, at.index)
-      state, halo = out["state"].at[at.row].set(leaving), out["halo"].at[at.row].set(halo)
-      return x, layer_carry, dict(out, state=state, halo=halo)
+  spec: Strategy
+  kernel: object
+  chunks: tuple[int, ...] | None
+  full_chunks: tuple[int, ...] | None
+  timeline: bool
+  split_shape: OneBodyShape | None
+  body_kind: str | None
 
-    (x, _, out), _ = scan_layers(model, by_kind(on_full, on_linear), (x, body.carry, out))
-    last_row = body.last_row
-    if spec.prefix_chain:  # x is in the linear layers' layout (`chunks`) after every layer
-      lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]
-      last_row = functools.partial(jnp.take, indices=lengths_p[rank] - 1, axis=1)
-    logits_BV = model.logits(last_row(x)[:, None])[:, 0]
-    logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, body.owner, p))
-    return jax.tree.map(lambda a: a[None], (logits_BV, out))
 
-  return own_spmd(program, mesh, (P(AXIS), output_specs(mesh)), split_shape is not None)
+def _hybrid_rank_body(layers, full_body, padded: bool, model, rank, rows_BT, reduce, *table):
+  """A hybrid rank's `RankBody`: the strategy's rank body (`full_body`, its make_body) on
+  the full layers, which it sees as a model of full layers alone, and the strategy's linear
+  layer on the others; each kind's outputs written into its buffer in the carry at the
+  layer's row in its stack ({"full": the K,V the strategy emits, "state", "halo"}).
+  rows_BT: the tokens, or where `padded` (tokens, each position minus its row's end)."""
+  spec, chunks = layers.spec, layers.chunks
+  tokens_BT, from_end_BT = rows_BT if padded else (rows_BT, None)
+  full_config = model.config.of_kind(FULL_ATTENTION)
+  full = full_body(
+    types.SimpleNamespace(config=full_config, blocks=model.blocks), rank, tokens_BT, reduce, *table
+  )
+  one_body = None  # KV-Runahead's one body: its shape and lengths, static or data
+  if layers.split_shape is not None or layers.body_kind == "one":
+    one_body = _one_body_lengths(full_config, chunks, layers.kernel, layers.split_shape, table)
+  c = full.tokens_BT.shape[1]
+  from_end_Bc = None if from_end_BT is None else pad_rows(from_end_BT, c)
+  linear_layer = _linear_layer(spec, rank, chunks, reduce, layers.timeline, one_body, from_end_Bc)
+  split = KindSplit(chunks, layers.full_chunks, rank)
+  full_layer = _full_layer(model.config, full, split, layers.timeline)
+  # The buffers' shapes from a layer of each kind traced abstractly on this rank's rows (the
+  # embedding here is for its shape alone: nothing reads it, and XLA drops it).
+  x = model.embed(full.tokens_BT)
+  out = _empty_outputs(model, full, full_layer, lambda block, x: linear_layer(block, x), x)
+
+  def on_full(block, at, state):  # at: the layer's index in the model, its row in its stack
+    x, (layer_carry, out) = state
+    x, layer_carry, kv_out = full_layer(block, x, layer_carry, at)
+    written = jax.tree.map(lambda s, new: s.at[at.row].set(new), out["full"], kv_out)
+    return x, (layer_carry, dict(out, full=written))
+
+  def on_linear(block, at, state):
+    x, (layer_carry, out) = state
+    x, leaving, halo = linear_layer(block, x, at.index)
+    state, halo = out["state"].at[at.row].set(leaving), out["halo"].at[at.row].set(halo)
+    return x, (layer_carry, dict(out, state=state, halo=halo))
+
+  step = by_kind(on_full, on_linear)
+
+  def layer(block, x, carry, at):
+    (x, carry), _ = step(block, at, (x, carry))
+    return x, carry, None
+
+  last_row = full.last_row
+  if spec.prefix_chain:  # x is in the linear layers' layout (`chunks`) after every layer
+    lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]
+    last_row = functools.partial(jnp.take, indices=lengths_p[rank] - 1, axis=1)
+  outputs = lambda carry, _: carry[1]  # noqa: E731  (the kinds' buffers)
+  return RankBody(full.tokens_BT, layer, last_row, full.owner, (full.carry, out), outputs)
 
 
 def _check_split_as_data(mesh, timeline: bool, keep_last_hop: bool) -> None:
@@ -341,16 +370,16 @@ def _one_body_lengths(full_config, chunks, kernel, split_shape, table) -> tuple:
 
 
 def _full_layer(config, body, split_full, timeline: bool):
-  """(block, x, carry, l) -> full layer l (its index in the model: the rank layer knows the
+  """(block, x, carry, at) -> full layer at.index (its index in the model: the rank layer knows the
   model's last layer by it, whose attention and rest KV-Runahead's ranks before the last
   skip) in the strategy's rank body, its hidden states moved into the full layers' split and
   back (`KindSplit`)."""
   moves = timeline and split_full.linear != split_full.full
 
-  def full_layer(block, x, carry, l):
-    x = mark(moves, "move", l, split_full.enter(x))
-    x, carry, kv = body.layer(block, x, carry, l)
-    return split_full.leave(x, l, config.num_layers), carry, kv
+  def full_layer(block, x, carry, at):
+    x = mark(moves, "move", at.index, split_full.enter(x))
+    x, carry, kv = body.layer(block, x, carry, at)
+    return split_full.leave(x, at.index, config.num_layers), carry, kv
 
   return full_layer
 
@@ -408,9 +437,10 @@ def _empty_outputs(model, body, full_layer, linear_layer, x) -> dict:
   one full and one linear layer traced abstractly (`jax.eval_shape`) on the first rows of
   the stacks."""
   cfg = model.config
+  first = Layer(jnp.int32(0), jnp.int32(0), FULL_ATTENTION)
   out = {}
   for name, layer_type, kind, stack, run in (
-    ("full", FULL, FULL_ATTENTION, model.blocks, lambda b: full_layer(b, x, body.carry, 0)[2]),
+    ("full", FULL, FULL_ATTENTION, model.blocks, lambda b: full_layer(b, x, body.carry, first)[2]),
     ("linear", LINEAR, cfg.linear_kind, model.linear_blocks, lambda b: linear_layer(b, x)[1:]),
   ):
     count = len(cfg.layers_of(layer_type))

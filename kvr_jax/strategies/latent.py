@@ -29,28 +29,29 @@ joins them into the model's latent cache on the last rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import AXIS, model_parallel
 from kvr_jax.strategies import REGISTRY, family_builder, get_strategy
 from kvr_jax.strategies.base import (
+  RankBody,
   Strategy,
-  count_trace,
   gather_to_owner,
-  logits_to_last_rank,
-  own_spmd,
+  model_reduce,
   owner_last_row,
+  rank_program,
+  spmd,
 )
 from kvr_jax.strategies.probe import mark
 from kvr_jax.strategies.runahead import check_body
 from kvr_jax.strategies.runahead.bodies import one_body_layer
 from kvr_jax.strategies.runahead.rank_layer import RankLayer, pad_rows
 from kvr_jax.strategies.runahead.schedule import OneBodyShape, attends_diagonal_first
-from models.base import no_reduce, scan_layers
+from models.base import no_reduce
 from models.kernels import get_kernel
 from models.layer_kinds import LatentAttentionKind
 
@@ -197,62 +198,71 @@ def compile_latent(
   (`OneBodyShape.table`): one program for every split that fits it, its parts
   `split_shape.part_len` rows, no last hop kept, no probes, a 1-D mesh."""
   body = _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape)
-  chain = spec.prefix_chain
   if split_shape is None:
-    p, context_len = len(chunks), sum(chunks)
-    body = check_body(body, kernel, p) if chain else None
+    p = len(chunks)
+    body = check_body(body, kernel, p) if spec.prefix_chain else None
   else:
-    p, context_len = split_shape.num_ranks, split_shape.context_len
-  P = jax.P
-  m = model_parallel(mesh)
-  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
+    p = split_shape.num_ranks
+  ranks = _LatentRanks(spec, chunks, kernel, keep_last, timeline, body, split_shape)
+  program = rank_program(
+    f"{spec.name}-latent", graphdef, ranks.rank_body, p, timeline, model_reduce(mesh)
+  )
+  # The latents are whole on every shard of a rank: every output lies by rank alone.
+  return spmd(program, mesh, jax.P(AXIS), split_shape is not None)
 
-  def program(state, tokens_1BT, *table):
-    count_trace(f"{spec.name}-latent")
-    attention = kernel
-    model = nnx.merge(graphdef, state)
-    cfg = model.config
-    rank = jax.lax.axis_index(AXIS)
-    tokens_BT = tokens_1BT[0]
+
+@dataclasses.dataclass(frozen=True)
+class _LatentRanks:
+  """compile_latent's checked arguments (body: `check_body`'s choice, None for a peer),
+  from which each rank builds its body."""
+
+  spec: Strategy
+  chunks: tuple[int, ...] | None
+  kernel: object
+  keep_last: bool
+  timeline: bool
+  body: str | None
+  split_shape: OneBodyShape | None
+
+  def rank_body(self, model, rank, tokens_BT, reduce, *table) -> RankBody:
+    """A latent rank's `RankBody`: KV-Runahead's rank layer with the latents as its entries
+    (`kvr_latent_rank`, its tokens padded to the one body's rows) or a peer's latent layer
+    (`_peer_layer`); every layer outputs {"own": its rows' latents [B, T_rank, C], and
+    KV-Runahead's "last" where `keep_last`}."""
+    spec, chunks, kernel, keep_last, timeline = (
+      self.spec,
+      self.chunks,
+      self.kernel,
+      self.keep_last,
+      self.timeline,
+    )
     B, T_rank = tokens_BT.shape
-    x_BTD = mark(timeline, "embed", -1, model.embed(tokens_BT))
-    L, C = cfg.num_layers, cfg.cache_width
-    varying = lambda shape: jax.lax.pcast(jnp.zeros(shape, model.dtype), (AXIS,), to="varying")  # noqa: E731
-    out = {"own": varying((L, B, T_rank, C))}
-    if chain and keep_last:
-      out["last"] = varying((L, B, sum(chunks[:-1]), C))
-    if chain:
-      split_table = None if split_shape is None else (split_shape, table[0])
-      ranks = kvr_latent_rank(model, rank, chunks, attention, reduce, timeline, body, split_table)
-      carry = ranks.empty_buffer(B)
-      x_BTD = pad_rows(x_BTD, ranks.rows)  # the one body's rows are whole blocks
-    else:
-      carry = None
+    cfg = model.config
+    C = cfg.cache_width
+    owner, last_row = _prompts_last_row(spec, chunks, self.split_shape, rank, table)
+    if not spec.prefix_chain:
 
-    def layer(block, at, state):
-      l, (x_BTD, carry, out) = at.index, state
-      if chain:
-        # (its own part, and its last hop where kept)
-        x_BTD, carry, emitted = ranks.layer(block, x_BTD, carry, l)
-        own = emitted[0].reshape(B, T_rank, C)
-        out = {**out, "own": out["own"].at[l].set(own)}
-        if keep_last:
-          out["last"] = out["last"].at[l].set(emitted[1].reshape(B, -1, C))
-      else:
-        last = l == cfg.num_layers - 1
+      def peer_layer(block, x_BTD, carry, at):
+        last = at.index == cfg.num_layers - 1
         x_BTD, own = _peer_layer(
-          spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline
+          spec, block, x_BTD, at.index, last, rank, chunks, kernel, reduce, timeline
         )
-        out = {"own": out["own"].at[l].set(own)}
-      return (x_BTD, carry, out), None
+        return x_BTD, carry, {"own": own}
 
-    (x_BTD, _, out), _ = scan_layers(model, layer, (x_BTD, carry, out))
-    owner, x_B1D = _prompts_last_row(spec, chunks, context_len, p, rank, x_BTD, table)
-    logits_BV = model.logits(x_B1D)[:, 0]
-    logits_BV = mark(timeline, "logits", -1, logits_to_last_rank(logits_BV, owner, p))
-    return jax.tree.map(lambda a: a[None], (logits_BV, out))
+      return RankBody(tokens_BT, peer_layer, last_row, owner)
+    split_table = None if self.split_shape is None else (self.split_shape, table[0])
+    ranks = kvr_latent_rank(model, rank, chunks, kernel, reduce, timeline, self.body, split_table)
 
-  return own_spmd(program, mesh, P(AXIS), split_shape is not None)
+    def chain_layer(block, x_BTD, carry, at):
+      # (its own part, and its last hop where kept)
+      x_BTD, carry, emitted = ranks.layer(block, x_BTD, carry, at)
+      out = {"own": emitted[0].reshape(B, T_rank, C)}
+      if keep_last:
+        out["last"] = emitted[1].reshape(B, -1, C)
+      return x_BTD, carry, out
+
+    tokens_BT = pad_rows(tokens_BT, ranks.rows)  # the one body's rows are whole blocks
+    return RankBody(tokens_BT, chain_layer, last_row, owner, ranks.empty_buffer(B))
 
 
 def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline):
@@ -291,11 +301,13 @@ def _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_s
   return "one"
 
 
-def _prompts_last_row(spec, chunks, context_len: int, p: int, rank, x_BTD, table):
-  """(the rank that holds the prompt's last position, its hidden state [B, 1, D] there): its
-  row static (`cache_layout.holder`), or data where the split is (the last rank's length)."""
+def _prompts_last_row(spec, chunks, split_shape, rank, table) -> tuple:
+  """(the rank that holds the prompt's last position, x [B, T, D] -> its hidden state [B, D]
+  there): its row static (`cache_layout.holder`), or data where the split is (the last
+  rank's length)."""
   if table:
     row = jnp.asarray(table[0][0], jnp.int32)[rank] - 1
-    return p - 1, jax.lax.dynamic_slice_in_dim(x_BTD, row, 1, axis=1)
+    return split_shape.num_ranks - 1, lambda x: jax.lax.dynamic_index_in_dim(x, row, 1, False)
+  context_len = sum(chunks)
   owner, row = spec.cache_layout(context_len, chunks).holder(context_len - 1)
-  return owner, x_BTD[:, row : row + 1]
+  return owner, lambda x: x[:, row]

@@ -54,7 +54,8 @@ def single_body(graphdef, chunks, attention, timeline, keep_last_hop):
 
     last_layer = model.config.num_layers - 1
 
-    def layer(block, x_BCD, carry, l):
+    def layer(block, x_BCD, carry, at):
+      l = at.index
       q_BCNH, k_BCKH, v_BCKH = block.project_qkv(x_BCD, positions_BC)
       kv_2BCKH = jnp.stack([k_BCKH, v_BCKH])
 

@@ -56,7 +56,8 @@ def tsp_body(graphdef, chunks, attention, timeline, keep_last_hop):
     offset = rank * c
     positions_Bc = jnp.broadcast_to(offset + jnp.arange(c), (B, c))
 
-    def layer(block, x_BcD, carry, l):
+    def layer(block, x_BcD, carry, at):
+      l = at.index
       q_BcNH, k_BcKH, v_BcKH = block.project_qkv(x_BcD, positions_Bc)
       # [2, B, p*c, K, H]: every rank gets every rank's K,V
       kv = jax.lax.all_gather(jnp.stack([k_BcKH, v_BcKH]), AXIS, axis=2, tiled=True)

@@ -127,7 +127,8 @@ def peer_body(chunks: tuple[int, ...], timeline: bool, attend_chunks) -> Callabl
     positions_B2c = positions(rank, c, p, tokens_B2c.shape[0])
     last_layer = model.config.num_layers - 1
 
-    def layer(block, x_B2cD, carry, l):
+    def layer(block, x_B2cD, carry, at):
+      l = at.index
       q_B2cNH, k_B2cKH, v_B2cKH = block.project_qkv(x_B2cD, positions_B2c)
       own_2B2cKH = jnp.stack([k_B2cKH, v_B2cKH])
       q_B2cNH, own_2B2cKH = mark(timeline, "qkv", l, (q_B2cNH, own_2B2cKH))

@@ -312,10 +312,12 @@ class RankLayer:
       after,
     )
 
-  def layer(self, block, x_BcD, buffer_2BSKH, l):
-    """One layer of the rank: project, early diagonal, hops, attend, finish (each phase at its
-    lengths); returns (x, buffer, what the layer outputs: its own K,V part, and the last
-    hop's message where it is kept)."""
+  def layer(self, block, x_BcD, buffer_2BSKH, at):
+    """One layer of the rank (`at`: the scan's models.base.Layer, l its index in the model):
+    project, early diagonal, hops, attend, finish (each phase at its lengths); returns (x,
+    buffer, what the layer outputs: its own K,V part, and the last hop's message where it is
+    kept)."""
+    l = at.index
     timeline = self.timeline
     q_BcNH, own_2BcKH = self.each_rank(self.project, block, x_BcD)
     q_BcNH, own_2BcKH = mark(timeline, "qkv", l, (q_BcNH, own_2BcKH))
