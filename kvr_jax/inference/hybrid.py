@@ -21,7 +21,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
@@ -36,7 +35,6 @@ from kvr_jax.inference.own_program import (
   replicated_from_rank,
   stacked_on_last_rank,
 )
-from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec, unfold_batch
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
@@ -53,7 +51,6 @@ from kvr_jax.runtime.mesh import (
 from kvr_jax.strategies import family_program, runahead, zigzag
 from kvr_jax.strategies.base import Strategy, count_trace
 from kvr_jax.strategies.hybrid import check_runs_hybrid, compile_hybrid
-from models.base import no_reduce, scan_layers
 from models.kernels import get_kernel
 from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, unbuilt_kinds
 from models.qwen3_5 import HybridCache, LinearState, by_kind
@@ -370,63 +367,46 @@ CACHES = ("last", "sharded")
 
 
 @kept_cache(8)
+@kept_cache(16)
 def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
   """f(state, tokens_B, prompt_lens_B, parts [p, L_full, 2, B*P, K, H], tail [L_full, 2, B,
   M, K, H], linear (LinearState, replicated), tail_index) -> (logits [B, V], tail, linear):
-  one token per row at position prompt_lens_B[b] + tail_index from cache="sharded". A full
-  layer: every rank attends the token's query to its own part where it lies
-  (`sharded_decode.part_attention`, rank r's runs `layout.segments[r]`), the last rank also to the
-  decoded tokens' tail (this token's K,V written there at `tail_index`), and the partials
-  merge across the ranks (one collective per layer), as K,V models' sharded decode does. A
-  linear layer: its recurrent step on every rank alike, on the replicated state and halo.
-  The tail and linear pasts are donated. On a ("ranks", "model") mesh each rank's group
-  splits heads, key heads and experts (its shards' sums over "model"), the parts, tail and
-  linear pasts split by head as the prefill split them."""
-  m = model_parallel(mesh)
-  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
+  one token per row at position prompt_lens_B[b] + tail_index from cache="sharded"
+  (`sharded_decode.sharded_step_program`). A full layer: every rank attends the token's
+  query to its own part where it lies (`sharded_decode.part_attention`, rank r's runs
+  `layout.segments[r]`), the last rank also to the decoded tokens' tail (this token's K,V
+  written there at `tail_index`), and the partials merge across the ranks (one collective
+  per layer), as K,V models' sharded decode does. A linear layer: its recurrent step on
+  every rank alike, on the replicated state and halo. The tail and linear pasts are
+  donated. On a ("ranks", "model") mesh each rank's group splits heads, key heads and
+  experts (its shards' sums over "model"), the parts, tail and linear pasts split by head as
+  the prefill split them."""
 
-  def step(state, tokens_B, prompt_lens_B, parts_1L2BPKH, tail_L2BMKH, linear, tail_index):
-    model = nnx.merge(graphdef, state)
-    positions_B = prompt_lens_B + tail_index
+  def on_full(block, at, carry):
+    x_B1D, (tail_L2BMKH, linear), step = carry
+    i = at.row  # the layer's row in its kind's stack
+    qkv = block.project_qkv(x_B1D, step.positions_B[:, None])
+    part_2BPKH = unfold_batch(step.inputs[0][0, i], layout.part_len)
+    attn_B1NH, tail_L2BMKH = sharded_decode.attend_parts_and_tail(
+      qkv, part_2BPKH, tail_L2BMKH, i, layout, step.positions_B, step.prompt_lens_B,
+      step.tail_index, None,
+    )  # fmt: skip
+    return block.finish(x_B1D, attn_B1NH, reduce=step.reduce), (tail_L2BMKH, linear)
 
-    def on_full(block, at, carry):
-      i = at.row  # the layer's row in its kind's stack
-      x_B1D, tail_L2BMKH, linear = carry
-      qkv = block.project_qkv(x_B1D, positions_B[:, None])
-      part_2BPKH = unfold_batch(parts_1L2BPKH[0, i], layout.part_len)
-      attn_B1NH, tail_L2BMKH = sharded_decode.attend_parts_and_tail(
-        qkv, part_2BPKH, tail_L2BMKH, i, layout, positions_B, prompt_lens_B, tail_index, None
-      )
-      return block.finish(x_B1D, attn_B1NH, reduce=reduce), tail_L2BMKH, linear
+  def on_linear(block, at, carry):
+    x_B1D, (tail_L2BMKH, linear), step = carry
+    i = at.row  # the layer's row in its kind's stack
+    x_B1D, past = block.step(x_B1D, jax.tree.map(lambda s: s[i], linear), step.reduce)
+    stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), linear, past)
+    return x_B1D, (tail_L2BMKH, LinearState(*stacked))
 
-    def on_linear(block, at, carry):
-      i = at.row  # the layer's row in its kind's stack
-      x_B1D, tail_L2BMKH, linear = carry
-      x_B1D, past = block.step(x_B1D, jax.tree.map(lambda s: s[i], linear), reduce)
-      stacked = jax.tree.map(lambda s, new: s.at[i].set(new.astype(s.dtype)), linear, past)
-      return x_B1D, tail_L2BMKH, LinearState(*stacked)
+  by_layer_kind = by_kind(on_full, on_linear)
 
-    x_B1D = model.embed(tokens_B[:, None])
-    (x_B1D, tail_L2BMKH, linear), _ = scan_layers(
-      model, by_kind(on_full, on_linear), (x_B1D, tail_L2BMKH, linear)
-    )
-    return model.logits(x_B1D)[:, 0], tail_L2BMKH, linear
+  def layer(block, at, x_B1D, caches, step):
+    return by_layer_kind(block, at, (x_B1D, caches, step))[0]
 
-  P = jax.P
-  split = m > 1
-  tail_spec = CACHE_SPECS.kv_2BSKH if split else P()
-  linear_spec = CACHE_SPECS.linear if split else LinearState(P(), P())
-
-  @functools.partial(jax.jit, donate_argnums=(4, 5))
-  def program(state, tokens_B, prompt_lens_B, parts, tail, linear, tail_index):
-    weights = tensor_parallel.partition_specs(state, m) if split else P()
-    return jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(weights, P(), P(), parts_spec(mesh), tail_spec, linear_spec, P()),
-      out_specs=(P(), tail_spec, linear_spec),
-      # As decode's sharded step on a 2-D mesh: the psummed logits are whole on every shard.
-      check_vma=not split,
-    )(state, tokens_B, prompt_lens_B, parts, tail, linear, tail_index)
-
-  return program
+  split = model_parallel(mesh) > 1
+  tail_spec = CACHE_SPECS.kv_2BSKH if split else jax.P()
+  linear_spec = CACHE_SPECS.linear if split else LinearState(jax.P(), jax.P())
+  specs = ((parts_spec(mesh),), (tail_spec, linear_spec))
+  return sharded_decode.sharded_step_program(graphdef, mesh, layer, *specs)

@@ -17,16 +17,15 @@ Every argument is checked before anything compiles.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import check_chunks, check_ranks
+from kvr_jax.inference import sharded_decode
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
   check_new_tokens,
@@ -35,12 +34,10 @@ from kvr_jax.inference.own_program import (
   stacked_on_last_rank,
 )
 from kvr_jax.inference.sharded_decode import merge_across_ranks
-from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
-  model_parallel,
   rank_device,
   shard_on,
   spans_processes,
@@ -49,7 +46,6 @@ from kvr_jax.strategies import family_program, get_strategy, runahead
 from kvr_jax.strategies.base import Strategy
 from kvr_jax.strategies.latent import check_runs_latent, compile_latent
 from models.attention import merge_partials
-from models.base import no_reduce, scan_layers
 from models.kernels import get_kernel
 from models.layer_kinds import LatentAttentionKind
 
@@ -220,68 +216,40 @@ join_in_prompt_order = jax.jit(_in_prompt_order, static_argnums=2)
 
 
 @kept_cache(8)
+@kept_cache(16)
 def latent_sharded_step(graphdef, mesh):
   """f(state, tokens_B, prompt_lens_B, parts [p, L, B, T_rank, C], part positions [p, T_rank],
   tail [L, B, M, C], tail_index) -> (logits [B, V], tail): one token per row, row b's at
-  position prompt_lens_B[b] + tail_index, its latent written into the (donated, replicated)
-  tail at `tail_index`; row b reads the parts' positions before prompt_lens_B[b] (a padded
-  row's padding, or the copy of a token the tail holds again, hidden). Each layer, every
-  rank attends the token's absorbed query to its own part
-  (`LatentAttention.absorbed_partial`) and, the last rank only, to the tail; the latent-space
-  partials merge across the ranks (`merge_across_ranks`, one collective per layer) and go
-  through kv_b_proj's value half once. On a ("ranks", "model") mesh each rank's group splits
-  the heads and experts (its shards' sums over "model"); the parts and tail are whole on every
-  shard of a rank."""
-  P = jax.P
-  m = model_parallel(mesh)
-  reduce = tensor_parallel.psum_over_model if m > 1 else no_reduce
+  position prompt_lens_B[b] + tail_index (`sharded_decode.sharded_step_program`), its latent
+  written into the (donated, replicated) tail at `tail_index`; row b reads the parts'
+  positions before prompt_lens_B[b] (a padded row's padding, or the copy of a token the tail
+  holds again, hidden). Each layer, every rank attends the token's absorbed query to its own
+  part (`LatentAttention.absorbed_partial`) and, the last rank only, to the tail; the
+  latent-space partials merge across the ranks (`merge_across_ranks`, one collective per
+  layer) and go through kv_b_proj's value half once. On a ("ranks", "model") mesh each
+  rank's group splits the heads and experts (its shards' sums over "model"); the parts and
+  tail are whole on every shard of a rank."""
 
-  def step(state, tokens_B, prompt_lens_B, parts_1LBTC, positions_1T, tail_LBMC, tail_index):
-    model = nnx.merge(graphdef, state)
-    rank, p = jax.lax.axis_index(AXIS), jax.lax.axis_size(AXIS)
-    B, M = tokens_B.shape[0], tail_LBMC.shape[2]
-    positions_B1 = (prompt_lens_B + tail_index)[:, None]
-    part_T = positions_1T[0]
-    part_visible_BT = (part_T >= 0)[None] & (part_T[None] < prompt_lens_B[:, None])
-    tail_visible_BM = jnp.broadcast_to(jnp.arange(M) <= tail_index, (B, M))
-
-    def layer(block, at, carry):
-      l, (x_B1D, tail_LBMC) = at.index, carry
-      h_B1D = block.attention_input(x_B1D)
-      q_nope, q_rope = block.queries(h_B1D, positions_B1)
-      entry_B11C = block.latents(h_B1D, positions_B1)[None].astype(tail_LBMC.dtype)
-      tail_LBMC = jax.lax.dynamic_update_slice(tail_LBMC, entry_B11C, (l, 0, tail_index, 0))
-      q_BNC = block.absorbed_query(q_nope[:, 0], q_rope[:, 0])
-      part = block.absorbed_partial(
-        jax.lax.pcast(q_BNC, (AXIS,), to="varying"), parts_1LBTC[0, l], part_visible_BT[:, None]
-      )
-      tail_out, tail_lse = block.absorbed_partial(q_BNC, tail_LBMC[l], tail_visible_BM[:, None])
-      tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
-      out_BNR = merge_across_ranks(*merge_partials(*part, tail_out, tail_lse))
-      attn_BNv = block.expand_values(out_BNR.astype(x_B1D.dtype))
-      return (block.finish(x_B1D, attn_BNv[:, None], reduce=reduce), tail_LBMC), None
-
-    x_B1D, tail_LBMC = scan_layers(model, layer, (model.embed(tokens_B[:, None]), tail_LBMC))[0]
-    return model.logits(x_B1D)[:, 0], tail_LBMC
-
-  if m == 1:
-    sharded = jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(P(), P(), P(), P(AXIS), P(AXIS), P(), P()),
-      out_specs=(P(), P()),
+  def layer(block, at, x_B1D, caches, step):
+    (tail_LBMC,), (parts_1LBTC, positions_1T) = caches, step.inputs
+    l, rank, p = at.index, jax.lax.axis_index(AXIS), jax.lax.axis_size(AXIS)
+    B, M = x_B1D.shape[0], tail_LBMC.shape[2]
+    positions_B1, part_T = step.positions_B[:, None], positions_1T[0]
+    part_visible_BT = (part_T >= 0)[None] & (part_T[None] < step.prompt_lens_B[:, None])
+    tail_visible_BM = jnp.broadcast_to(jnp.arange(M) <= step.tail_index, (B, M))
+    h_B1D = block.attention_input(x_B1D)
+    q_nope, q_rope = block.queries(h_B1D, positions_B1)
+    entry_B11C = block.latents(h_B1D, positions_B1)[None].astype(tail_LBMC.dtype)
+    tail_LBMC = jax.lax.dynamic_update_slice(tail_LBMC, entry_B11C, (l, 0, step.tail_index, 0))
+    q_BNC = block.absorbed_query(q_nope[:, 0], q_rope[:, 0])
+    part = block.absorbed_partial(
+      jax.lax.pcast(q_BNC, (AXIS,), to="varying"), parts_1LBTC[0, l], part_visible_BT[:, None]
     )
-    return jax.jit(sharded, donate_argnums=(5,))
+    tail_out, tail_lse = block.absorbed_partial(q_BNC, tail_LBMC[l], tail_visible_BM[:, None])
+    tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
+    out_BNR = merge_across_ranks(*merge_partials(*part, tail_out, tail_lse))
+    attn_BNv = block.expand_values(out_BNR.astype(x_B1D.dtype))
+    return block.finish(x_B1D, attn_BNv[:, None], reduce=step.reduce), (tail_LBMC,)
 
-  @functools.partial(jax.jit, donate_argnums=(5,))
-  def split(state, *args):
-    # check_vma=False: the psums over "model" make the logits and tail whole on every shard.
-    return jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(tensor_parallel.partition_specs(state, m), P(), P(), P(AXIS), P(AXIS), P(), P()),
-      out_specs=(P(), P()),
-      check_vma=False,
-    )(state, *args)
-
-  return split
+  specs = ((jax.P(AXIS), jax.P(AXIS)), (jax.P(),))
+  return sharded_decode.sharded_step_program(graphdef, mesh, layer, *specs)

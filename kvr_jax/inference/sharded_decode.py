@@ -7,6 +7,8 @@ padded rows' last real tokens over the parts."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -142,54 +144,101 @@ def merge_across_ranks(out_B1NH, lse_B1N):
   return numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
+class StepInputs(NamedTuple):
+  """What every layer of a sharded decode step reads beside its block and carry:
+  positions_B (each row's new token's position: prompt_lens_B + tail_index), prompt_lens_B,
+  tail_index (the decoded tokens' slot), inputs (the step's read-only operands as this rank
+  holds them: a part [1, ...] where they lie by rank), reduce (a model group's sum)."""
+
+  positions_B: jax.Array
+  prompt_lens_B: jax.Array
+  tail_index: jax.Array
+  inputs: tuple
+  reduce: Callable
+
+
+def sharded_step_program(graphdef, mesh, layer, input_specs: tuple, cache_specs: tuple):
+  """The decode step over cache="sharded" of every model, jitted over `mesh`: f(state,
+  tokens_B, prompt_lens_B, *inputs, *caches, tail_index) -> (logits [B, V], *caches): one
+  token per row at position prompt_lens_B[b] + tail_index. layer(block, at, x_B1D, caches,
+  step: StepInputs) -> (x_B1D, caches): one layer (`models.scan_layers`' Layer `at`: one
+  compiled body per kind), attending what each rank holds (the inputs: the prompt's parts)
+  and writing the caches it carries (the decoded tokens' tail, a ring, a linear layer's
+  state: donated, written where they lie). input_specs, cache_specs: how each operand lies
+  over the mesh. Tokens, lengths, tail_index and the logits are replicated; on a 1-D mesh
+  the weights too, on a ("ranks", "model") mesh they are split as the prefill split them
+  (`Model.state_split_over(mesh)`; the psums over "model" make the logits whole on every
+  shard, which the type check cannot see: check_vma off there, as in strategies.base.spmd)."""
+  P, m = jax.P, model_parallel(mesh)
+  reduce = psum_over_model if m > 1 else no_reduce
+  n_inputs = len(input_specs)
+
+  def step(state, tokens_B, prompt_lens_B, *operands):
+    model = nnx.merge(graphdef, state)
+    inputs, caches, tail_index = operands[:n_inputs], operands[n_inputs:-1], operands[-1]
+    at_step = StepInputs(prompt_lens_B + tail_index, prompt_lens_B, tail_index, inputs, reduce)
+
+    def body(block, at, carry):
+      return layer(block, at, *carry, at_step), None
+
+    x_B1D = model.embed(tokens_B[:, None])
+    (x_B1D, caches), _ = scan_layers(model, body, (x_B1D, tuple(caches)))
+    return model.logits(x_B1D)[:, 0], *caches
+
+  def program(state, tokens_B, prompt_lens_B, *operands):
+    weights = partition_specs(state, m) if m > 1 else P()
+    return jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(weights, P(), P(), *input_specs, *cache_specs, P()),
+      out_specs=(P(), *cache_specs),
+      check_vma=m == 1,
+    )(state, tokens_B, prompt_lens_B, *operands)
+
+  first_cache = 3 + n_inputs
+  return jax.jit(program, donate_argnums=tuple(range(first_cache, first_cache + len(cache_specs))))
+
+
 @kept_cache(32)
 def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayout):
   """f(state, tokens_B, prompt_lens_B, kv_parts [p, L_f, 2, B*P, K, H], caches, tail_index)
   -> (logits [B, V], caches): one token per sequence from a sharded cache, row b at position
-  prompt_lens_B[b] + tail_index. `kept` (`sharded_rings`) says what each layer keeps: the
-  L_f layers of its every-position group have parts (rank r's holding each row's prompt
-  positions `layout.segments[r]`, padding after a ragged row's length) and a tail [L_f, 2, B,
-  M, K, H] of the decoded tokens' K,V, this one's written at `tail_index`; a windowed layer
-  whose window the prompt outgrew keeps a ring of it ((k, v) [L_g, B, W, K, H], replicated:
-  every rank attends it alike, no merge). `caches` (donated): per group of `kept`, the tail
-  or the ring. Tokens, lengths and logits are replicated; the parts stay sharded by rank. On
-  a 1-D mesh the weights are replicated; on a ("ranks", "model") mesh they are split as the
-  prefill split them (`Model.state_split_over(mesh)`) and every cache's heads over
-  "model"."""
-  reduce = psum_over_model if model_parallel(mesh) > 1 else no_reduce
+  prompt_lens_B[b] + tail_index (`sharded_step_program`). `kept` (`sharded_rings`) says what
+  each layer keeps: the L_f layers of its every-position group have parts (rank r's holding
+  each row's prompt positions `layout.segments[r]`, padding after a ragged row's length) and
+  a tail [L_f, 2, B, M, K, H] of the decoded tokens' K,V, this one's written at
+  `tail_index`; a windowed layer whose window the prompt outgrew keeps a ring of it ((k, v)
+  [L_g, B, W, K, H], replicated: every rank attends it alike, no merge). `caches` (donated):
+  per group of `kept`, the tail or the ring. The parts stay sharded by rank; on a
+  ("ranks", "model") mesh every cache's heads are split over "model"."""
+  slots_L = kept.slot_of_layer  # each layer's row in its group
 
-  def step(state, tokens_B, prompt_lens_B, kv_parts_1L2BPKH, caches, tail_index):
-    model = nnx.merge(graphdef, state)
-    positions_B = prompt_lens_B + tail_index
-    slots_L = jnp.asarray(kept.slot_of_layer, jnp.int32)  # each layer's row in its group
-
-    def layer(block, at, carry):
-      slot = slots_L[at.index]
-      # Each cache is carried and written where it lies (this token's row of the layer's
-      # slot, by index), the parts read a layer at a time: no second copy of either.
-      x_B1D, caches = carry
-      window = block.config.kind.window  # this layer's kind (they may differ)
-      group = kept.group_of_window(window)
-      q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
-      if kept.rings[group] is not None:
-        attn_B1NH, written = ring_attention(
-          block, q_B1NH, k_B1KH, v_B1KH, caches[group], slot, positions_B, kept.rings[group]
-        )
-        caches = (*caches[:group], written, *caches[group + 1 :])
-        return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
-      part_2BPKH = unfold_batch(kv_parts_1L2BPKH[0, slot], layout.part_len)
-      attn_B1NH, tail_L2BMKH = attend_parts_and_tail(
-        (q_B1NH, k_B1KH, v_B1KH), part_2BPKH, caches[group], slot, layout, positions_B,
-        prompt_lens_B, tail_index, window, block.sinks_N,
+  def layer(block, at, x_B1D, caches, step):
+    # Each cache is carried and written where it lies (this token's row of the layer's slot,
+    # by index), the parts read a layer at a time: no second copy of either.
+    (caches,) = caches
+    slot = jnp.asarray(slots_L, jnp.int32)[at.index]
+    window = block.config.kind.window  # this layer's kind (they may differ)
+    group = kept.group_of_window(window)
+    q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, step.positions_B[:, None])
+    if kept.rings[group] is not None:
+      attn_B1NH, written = ring_attention(
+        block, q_B1NH, k_B1KH, v_B1KH, caches[group], slot, step.positions_B, kept.rings[group]
+      )
+    else:
+      part_2BPKH = unfold_batch(step.inputs[0][0, slot], layout.part_len)
+      attn_B1NH, written = attend_parts_and_tail(
+        (q_B1NH, k_B1KH, v_B1KH), part_2BPKH, caches[group], slot, layout, step.positions_B,
+        step.prompt_lens_B, step.tail_index, window, block.sinks_N,
       )  # fmt: skip
-      caches = (*caches[:group], tail_L2BMKH, *caches[group + 1 :])
-      return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
+    caches = (*caches[:group], written, *caches[group + 1 :])
+    return block.finish(x_B1D, attn_B1NH, reduce=step.reduce), (caches,)
 
-    x_B1D = model.embed(tokens_B[:, None])
-    (x_B1D, caches), _ = scan_layers(model, layer, (x_B1D, tuple(caches)))
-    return model.logits(x_B1D)[:, 0], caches
-
-  return _sharded_step_over(step, mesh, kept)
+  split = model_parallel(mesh) > 1
+  tail = split_dims("L2BTKH", K=MODEL_AXIS) if split else jax.P()
+  ring = split_dims("LBWKH", K=MODEL_AXIS) if split else jax.P()
+  caches_spec = tuple(tail if w is None else (ring, ring) for w in kept.rings)
+  return sharded_step_program(graphdef, mesh, layer, (parts_spec(mesh),), (caches_spec,))
 
 
 def attend_parts_and_tail(
@@ -225,30 +274,6 @@ def attend_parts_and_tail(
   tail_lse = jnp.where(rank == p - 1, tail_lse, -jnp.inf)  # counted once, on the last rank
   out, lse = merge_partials(out, lse, tail_out, tail_lse)
   return merge_across_ranks(out, lse).astype(q_B1NH.dtype), tail_L2BMKH
-
-
-def _sharded_step_over(step, mesh, kept: DecodeLayout):
-  """The jitted SPMD program of the sharded step on `mesh`: the parts by rank, everything
-  else replicated on a 1-D mesh; on a 2-D mesh the weights split (their partition specs from
-  the state at trace time) and the tail's and the rings' heads over "model"."""
-  P = jax.P
-  split = model_parallel(mesh) > 1
-  tail = split_dims("L2BTKH", K=MODEL_AXIS) if split else P()
-  ring = split_dims("LBWKH", K=MODEL_AXIS) if split else P()
-  caches_spec = tuple(tail if w is None else (ring, ring) for w in kept.rings)
-
-  def body(state, tokens_B, prompt_lens_B, kv_parts, caches, tail_index):
-    weights = partition_specs(state, model_parallel(mesh)) if split else P()
-    return jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(weights, P(), P(), parts_spec(mesh), caches_spec, P()),
-      out_specs=(P(), caches_spec),
-      # As in strategies.base.spmd on a 2-D mesh: the psummed logits are whole on every shard.
-      check_vma=not split,
-    )(state, tokens_B, prompt_lens_B, kv_parts, caches, tail_index)
-
-  return jax.jit(body, donate_argnums=(4,))
 
 
 def last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B):
