@@ -77,6 +77,11 @@ class OwnFamily:
   # where a causal K,V or latent past is written per position): the prefill of padded rows
   # stops it before each row's last real token, whose decode step then runs it from there.
   stops_at_row_ends: bool = False
+  # (plan, graphdef, padded) -> the prefill program of `plan` (PrefillPlan.compile): the
+  # family's program builder with the plan's strategy, mesh, split, kernel, cache and probes;
+  # padded: rows padded past their ends (`stops_at_row_ends`: each position's distance from
+  # its row's end beside the tokens).
+  compile: Callable | None = None
   # (result, the caches the sharded step returned) -> the result's fields that the step of
   # a padded row's last real token changed (`_at_last_real_tokens`).
   after_sharded_step: Callable = lambda result, caches: {}
@@ -137,6 +142,27 @@ def _run_latent(model, tokens_BT, plan, room, ends_B=None):
     parts=ran.parts,
     part_positions=ran.part_positions,
     replicated_logits=ran.replicated_logits,
+  )
+
+
+def _compile_hybrid(plan, graphdef, padded: bool = False):
+  """The plan's hybrid program (strategies.hybrid.compile_hybrid), as prefill_hybrid
+  compiles it: cache="last" keeps KV-Runahead's last hops; the full layers' own split."""
+  return hybrid_programs.compile_hybrid(
+    plan.strategy, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.cache == "last",
+    plan.timeline, full_chunks=plan.full_chunks, padded=padded,
+  )  # fmt: skip
+
+
+def _compile_latent(plan, graphdef, padded: bool = False):
+  """The plan's latent program (strategies.latent.compile_latent), as prefill_latent
+  compiles it: KV-Runahead's last hop kept where cache="last" joins it (a latent layer's hop
+  carries the whole prefix). A causal past takes padded rows as they are (padded unused)."""
+  del padded
+  spec = plan.strategy
+  keep_last = plan.cache == "last" and spec.cache_from_last_hop is not None
+  return latent_programs.compile_latent(
+    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, keep_last, plan.timeline
   )
 
 
@@ -441,6 +467,7 @@ HYBRID = OwnFamily(
   own_sharded.one_rank_hybrid_parts,
   takes_split_as_data=True,
   stops_at_row_ends=True,
+  compile=_compile_hybrid,
   after_sharded_step=own_sharded.after_hybrid_step,
 )
 LATENT = OwnFamily(
@@ -455,6 +482,7 @@ LATENT = OwnFamily(
   own_sharded.sharded_latent_stepper,
   own_sharded.one_rank_latent_parts,
   takes_split_as_data=True,
+  compile=_compile_latent,
 )
 
 

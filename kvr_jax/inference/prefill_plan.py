@@ -90,6 +90,9 @@ class PrefillPlan:
   # ..}, or what "search" or "auto" modelled faster): the full layers' chunks; `partition`
   # and `chunks` are then the linear layers'.
   full_chunks: tuple[int, ...] | None = None
+  # A model with its own programs (a hybrid, a latent model): its family
+  # (own_families.OwnFamily), whose programs run the plan; None for a K,V model.
+  family: Any = None
 
   @property
   def cache_layout(self) -> CacheLayout:
@@ -99,8 +102,13 @@ class PrefillPlan:
     """The compiled program (cached by the strategy)."""
     return self.compile(model.graphdef)
 
-  def compile(self, graphdef):
-    """The program for a model of `graphdef` (a loaded model's, or one built from shapes)."""
+  def compile(self, graphdef, padded: bool = False):
+    """The program for a model of `graphdef` (a loaded model's, or one built from shapes):
+    the strategy's, or on a model with its own programs its family's (`OwnFamily.compile`;
+    padded: rows padded past their ends, which a linear layer's state stops at; a K,V
+    program takes padded rows as it takes any)."""
+    if self.family is not None:
+      return self.family.compile(self, graphdef, padded)
     return self.strategy.compile(
       graphdef, self.mesh, self.chunks, self.kernel, self.timeline, self.keep_last_hop
     )
@@ -167,6 +175,7 @@ def plan_from_shape(
     shape.padded,
     choice,
     full_chunks,
+    family,
   )
 
 

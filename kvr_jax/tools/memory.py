@@ -33,6 +33,7 @@ from kvr_jax.inference.kv_cache import (
   join_rings_on_device,
   place,
 )
+from kvr_jax.inference.own_families import HYBRID, LATENT
 from kvr_jax.inference.prefill_plan import check_partition_applies, plan_from_shape
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.partition import PartitionPlan
@@ -42,7 +43,7 @@ from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
 from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh, split_dims
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
-from kvr_jax.tools.own_memory import measure_hybrid, measure_latent
+from kvr_jax.tools.own_memory import hybrid_figures, latent_figures
 from kvr_jax.tools.xla_memory import (
   HOISTING_NOTE,
   LOW_PRECISION,
@@ -58,7 +59,6 @@ from kvr_jax.tools.xla_memory import (
 from models.config import ModelConfig
 from models.families import config_from_dict
 from models.kernels import AttentionKernel
-from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 __all__ = [
   "HOISTING_NOTE",
@@ -320,12 +320,13 @@ def compiled_memory(
   `decode_cache_bytes`, the K,V among those arguments.
 
   A latent-attention model (DeepSeek-V3) is measured in the programs kvr_jax.prefill and
-  generate run for it (`measure_latent`): `latent_cache_bytes` in place of `kv_cache_bytes`
-  (its cache is headless, so whole on every device of a model group); its move figures are
-  KV-Runahead's join of its last hop and own part, or a peer's parts all on the last rank's
-  device at once (`latent_move`). A hybrid model (Qwen3.5, Qwen3-Next) in those
-  kvr_jax.prefill and generate run (`measure_hybrid`): `kv_cache_bytes` its full layers' K,V
-  and `state_cache_bytes` its linear layers' states and halos (one device's heads of each);
+  generate run for it (its plan's program; `own_memory.latent_figures`): `latent_cache_bytes`
+  in place of `kv_cache_bytes` (its cache is headless, so whole on every device of a model
+  group); its move figures are KV-Runahead's join of its last hop and own part, or a peer's
+  parts all on the last rank's device at once (`latent_move`). A hybrid model (Qwen3.5,
+  Qwen3-Next) in those kvr_jax.prefill and generate run (`own_memory.hybrid_figures`):
+  `kv_cache_bytes` its full layers' K,V and `state_cache_bytes` its linear layers' states and
+  halos (one device's heads of each);
   its move figures as a latent model's, with the states (`hybrid_move`).
   """
   config = _config(model)
@@ -350,8 +351,10 @@ def compiled_memory(
 
 
 def _measure(config, spec, shape, dtype_name, cache, attention, partition, device_memory):
-  """compiled_memory on this process's devices (enough of them): the program compiled from
-  shapes, XLA's analysis of it and of the move after it."""
+  """compiled_memory on this process's devices (enough of them): the plan prefill would make
+  for this shape, its program (`PrefillPlan.compile`: the strategy's, or a hybrid's or latent
+  model's own) compiled from shapes and XLA's analysis of it, then the figures of the model's
+  past (`_PAST_FIGURES`): its cache's bytes, the move after the program and the decode step."""
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
@@ -360,32 +363,45 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   plan = plan_from_shape(
     prompt, spec, mesh, partition, attention, cache, device_memory=device_memory
   )
-  if isinstance(config.kinds[0], LatentAttentionKind):  # its own programs (prefill_latent)
-    return measure_latent(config, plan, shape, dtype_name, (graphdef, state))
-  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):  # prefill_hybrid's
-    return measure_hybrid(config, plan, shape, dtype_name, (graphdef, state))
-  chunks, joined, attention = plan.chunks, plan.keep_last_hop, plan.kernel
-  itemsize = prompt.itemsize
-  program = plan.compile(graphdef)
-  state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
-  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
-  tokens = jax.ShapeDtypeStruct(tokens_shape, np.int32, sharding=NamedSharding(mesh, jax.P(AXIS)))
+  state_shapes, weights_bytes = placed_state(config, state, mesh, m, prompt.itemsize)
+  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), plan.chunks).shape
+  tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
+  lowered = plan.compile(graphdef).lower(state_shapes, tokens)
+  past_figures = _PAST_FIGURES[plan.family]
+  return {
+    **report_head(spec, shape, dtype_name, cache, plan.chunks, plan.kernel),
+    **analysis(compile_for_figures(lowered, dtype_name)),
+    "weights_bytes": weights_bytes,
+    **past_figures(config, plan, lowered, shape, dtype_name, (graphdef, state, state_shapes)),
+  }
+
+
+def _kv_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
+  """A K,V model's figures past its prefill program's: whether KV-Runahead's last rank
+  joins its last hops (`joins_last_hop`), the whole prompt's K,V (`kv_cache_bytes`), the
+  move onto the last rank (`_move_memory`) and the decode step (`_decode_memory`)."""
+  del lowered
+  context_len, _, batch, m, decode_tokens = shape
+  graphdef, state, _ = model
+  chunks, cache = plan.chunks, plan.cache
   K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
   result = {
-    **report_head(spec, shape, dtype_name, cache, chunks, attention),
-    "joins_last_hop": joined,
-    **analysis(compile_for_figures(program.lower(state_shapes, tokens), dtype_name)),
-    "weights_bytes": weights_bytes,
-    "kv_cache_bytes": L * 2 * batch * context_len * K * H * itemsize,
+    "joins_last_hop": plan.keep_last_hop,
+    "kv_cache_bytes": L * 2 * batch * context_len * K * H * np.dtype(dtype_name).itemsize,
   }
-  layout = spec.cache_layout(context_len, chunks)
-  result.update(_move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m))
+  layout = plan.strategy.cache_layout(context_len, chunks)
+  moved = (config, plan.mesh, layout, chunks, cache, plan.keep_last_hop, batch, dtype_name, m)
+  result.update(_move_memory(*moved))
   if decode_tokens:
     decode_shape = (context_len, batch, m, decode_tokens)
     result.update(
-      _decode_memory(config, graphdef, state, mesh, layout, cache, decode_shape, dtype_name)
+      _decode_memory(config, graphdef, state, plan.mesh, layout, cache, decode_shape, dtype_name)
     )
   return result
+
+
+# compiled_memory's figures of each kind of past, by the model's family (None: K,V).
+_PAST_FIGURES = {None: _kv_figures, HYBRID: hybrid_figures, LATENT: latent_figures}
 
 
 def _in_subprocess(

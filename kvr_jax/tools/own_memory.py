@@ -1,6 +1,8 @@
-"""compiled_memory of the models with their own programs: latent attention (DeepSeek-V3:
-strategies.latent.compile_latent) and hybrids (Qwen3.5, Qwen3-Next:
-strategies.hybrid.compile_hybrid)."""
+"""compiled_memory's figures of the models with their own pasts, past their prefill program's
+(which kvr_jax.tools.memory lowers from the plan for every model): latent attention
+(DeepSeek-V3: a latent per position) and hybrids (Qwen3.5, Qwen3-Next: full layers' K,V and
+linear layers' states): each one's cache bytes, cache="last"'s move onto the last rank and the
+decode step generate runs after it."""
 
 from __future__ import annotations
 
@@ -14,48 +16,35 @@ from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, rank_device, rank_row_mesh
 from kvr_jax.strategies import hybrid
-from kvr_jax.strategies.latent import compile_latent
 from kvr_jax.tools.xla_memory import (
   analysis,
   compile_for_figures,
   decode_bytes,
   placed_state,
-  report_head,
   struct,
 )
 from models.qwen3_5 import HybridCache, LinearState
 
 
-def measure_latent(config, plan, shape, dtype_name, model) -> dict:
-  """compiled_memory of a latent-attention model (DeepSeek-V3): the program prefill_latent runs
-  for `plan` (the prefill's plan of this shape: strategy, mesh, split, kernel, cache;
-  strategies.latent.compile_latent), its latent cache (one headless C-wide entry per token and
-  layer: whole on every device of a model group, whatever m), and with decode_tokens the step
-  kvr_jax.generate runs for it: cache="last" on the last rank's group over the joined cache
-  grown by them, cache="sharded" on every device over its part and the decoded tokens' latents.
-  model: (graphdef, abstract state)."""
+def latent_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
+  """compiled_memory's figures of a latent-attention model (DeepSeek-V3) past its prefill
+  program's (`lowered`: the plan's program, strategies.latent.compile_latent, lowered from
+  shapes): its latent cache (one headless C-wide entry per token and layer: whole on every
+  device of a model group, whatever m), cache="last"'s move (`latent_move`), and with
+  decode_tokens the step kvr_jax.generate runs for it: cache="last" on the last rank's group
+  over the joined cache grown by them, cache="sharded" on every device over its part and the
+  decoded tokens' latents. model: (graphdef, abstract state, its placed shapes)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
-  (graphdef, state), spec, mesh = model, plan.strategy, plan.mesh
-  chunks, kernel, cache = plan.chunks, plan.kernel, plan.cache
+  graphdef, state, state_shapes = model
+  mesh, chunks, cache = plan.mesh, plan.chunks, plan.cache
   itemsize = np.dtype(dtype_name).itemsize
-  joins = spec.keeps_last_hop(cache, chunks, config.kinds)
-  program = compile_latent(spec, graphdef, mesh, chunks, kernel, joins)
-  state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
-  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
-  tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
   L, C = config.num_layers, config.cache_width
-  lowered = program.lower(state_shapes, tokens)
-  result = {
-    **report_head(spec, shape, dtype_name, cache, chunks, kernel),
-    **analysis(compile_for_figures(lowered, dtype_name)),
-    "weights_bytes": weights_bytes,
-    "latent_cache_bytes": L * batch * context_len * C * itemsize,
-  }
+  result = {"latent_cache_bytes": L * batch * context_len * C * itemsize}
   if cache == "last":
     last_device = rank_device(mesh, num_ranks - 1)
     parts = {name: (out.shape[1:], out.dtype) for name, out in lowered.out_info[1].items()}
-    move = latent_move(parts, joins, chunks, context_len + decode_tokens, last_device)
-    result.update(move)
+    joins = "last" in parts  # KV-Runahead's program kept its last hop
+    result.update(latent_move(parts, joins, chunks, context_len + decode_tokens, last_device))
   if not decode_tokens:
     return result
   dtype = np.dtype(dtype_name)
@@ -71,7 +60,7 @@ def measure_latent(config, plan, shape, dtype_name, model) -> dict:
     lowered = step.lower(row_state, vector, vector, grown)
   else:
     step = latent.latent_sharded_step(graphdef, mesh)
-    rows = tokens_shape[-1]
+    rows = lowered.out_info[1]["own"].shape[3]
     by_rank, replicated = NamedSharding(mesh, jax.P(AXIS)), NamedSharding(mesh, jax.P())
     lowered = step.lower(
       state_shapes,
@@ -83,10 +72,7 @@ def measure_latent(config, plan, shape, dtype_name, model) -> dict:
       struct((), np.int32, replicated),
     )
   stats = compile_for_figures(lowered, dtype_name).memory_analysis()
-  return {
-    **result,
-    **decode_bytes(stats),
-  }
+  return {**result, **decode_bytes(stats)}
 
 
 def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict:
@@ -139,25 +125,20 @@ def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int) -> dict:
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
 
 
-def measure_hybrid(config, plan, shape, dtype_name, model) -> dict:
-  """compiled_memory of a hybrid model (Qwen3.5, Qwen3-Next): the program prefill_hybrid runs
-  for `plan` (its split per layer kind too; strategies.hybrid.compile_hybrid; its weights
-  split over "model" on a 2-D mesh), its cache in two parts, one device's share of each:
+def hybrid_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
+  """compiled_memory's figures of a hybrid model (Qwen3.5, Qwen3-Next) past its prefill
+  program's (`lowered`: the plan's program, strategies.hybrid.compile_hybrid, its weights
+  split over "model" on a 2-D mesh): its cache in two parts, one device's share of each:
   `kv_cache_bytes` the full layers' K,V of every position, `state_cache_bytes` the linear
-  layers' float32 states and convolution halos, whatever the prompt length; with
-  decode_tokens the step generate runs on the last rank's device or group over the joined
-  cache grown by them. model: (graphdef, abstract state)."""
+  layers' float32 states and convolution halos, whatever the prompt length; cache="last"'s
+  move (`hybrid_move`); with decode_tokens the step generate runs on the last rank's device
+  or group over the joined cache grown by them, or over the parts (cache="sharded"). model:
+  (graphdef, abstract state, its placed shapes)."""
   context_len, num_ranks, batch, m, decode_tokens = shape
-  (graphdef, state), spec, mesh = model, plan.strategy, plan.mesh
-  chunks, kernel, cache, full_chunks = plan.chunks, plan.kernel, plan.cache, plan.full_chunks
-  hybrid.check_runs_hybrid(spec)
+  graphdef, state, state_shapes = model
+  spec, mesh, chunks, cache = plan.strategy, plan.mesh, plan.chunks, plan.cache
+  full_chunks = plan.full_chunks
   itemsize = np.dtype(dtype_name).itemsize
-  program = hybrid.compile_hybrid(
-    spec, graphdef, mesh, chunks, kernel, cache == "last", full_chunks=full_chunks
-  )
-  state_shapes, weights_bytes = placed_state(config, state, mesh, m, itemsize)
-  tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), chunks).shape
-  tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
   past = _hybrid_cache_shapes(config, batch, context_len + decode_tokens, m, dtype_name)
   full_kv, states = (
     int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(part)) // m)
@@ -168,19 +149,12 @@ def measure_hybrid(config, plan, shape, dtype_name, model) -> dict:
     full_kv = full_kv * layout.part_len // (context_len + decode_tokens)
   else:  # the prompt's positions (the decoded tokens' counted with the decode step's arguments)
     full_kv = full_kv * context_len // (context_len + decode_tokens)
-  lowered = program.lower(state_shapes, tokens)
-  result = {
-    **report_head(spec, shape, dtype_name, cache, chunks, kernel),
-    **analysis(compile_for_figures(lowered, dtype_name)),
-    "weights_bytes": weights_bytes,
-    "kv_cache_bytes": full_kv,
-    "state_cache_bytes": states,
-  }
+  result = {"kv_cache_bytes": full_kv, "state_cache_bytes": states}
   if cache == "last":
     joins = spec.cache_from_last_hop is not None  # KV-Runahead: its last hops, no move
-    parts = lowered.out_info[1]
     split = (chunks, full_chunks or chunks)  # the tokens', the K,V parts'
-    result.update(hybrid_move(parts, mesh, joins, split, context_len + decode_tokens))
+    capacity = context_len + decode_tokens
+    result.update(hybrid_move(lowered.out_info[1], mesh, joins, split, capacity))
   if not decode_tokens:
     return result
   if cache == "sharded":
@@ -203,10 +177,7 @@ def measure_hybrid(config, plan, shape, dtype_name, model) -> dict:
   stats = compile_for_figures(
     step.lower(row_state, vector, vector, grown), dtype_name
   ).memory_analysis()
-  return {
-    **result,
-    **decode_bytes(stats),
-  }
+  return {**result, **decode_bytes(stats)}
 
 
 def _hybrid_sharded_step_lowered(config, graphdef, state_shapes, mesh, layout, shape, dtype_name):
