@@ -367,7 +367,6 @@ CACHES = ("last", "sharded")
 
 
 @kept_cache(8)
-@kept_cache(16)
 def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
   """f(state, tokens_B, prompt_lens_B, parts [p, L_full, 2, B*P, K, H], tail [L_full, 2, B,
   M, K, H], linear (LinearState, replicated), tail_index) -> (logits [B, V], tail, linear):

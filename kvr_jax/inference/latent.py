@@ -216,7 +216,6 @@ join_in_prompt_order = jax.jit(_in_prompt_order, static_argnums=2)
 
 
 @kept_cache(8)
-@kept_cache(16)
 def latent_sharded_step(graphdef, mesh):
   """f(state, tokens_B, prompt_lens_B, parts [p, L, B, T_rank, C], part positions [p, T_rank],
   tail [L, B, M, C], tail_index) -> (logits [B, V], tail): one token per row, row b's at
