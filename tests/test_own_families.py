@@ -4,6 +4,7 @@ and a latent-attention model (DeepSeek-V3), under every strategy their programs 
 both meshes and both cache layouts, against the model's own one-device forward (1e-5) and
 transformers' greedy and sampled tokens; and what is not built, refused by name."""
 
+import dataclasses
 import inspect
 
 import jax
@@ -295,6 +296,36 @@ def test_kvr_with_a_fixed_body_runs_that_body(
     assert_close(oracle[case][0], want_logits, "the one device's last logits")
   assert_close(result.logits, want_logits, f"{body}: last logits")
   _assert_cache_close(case, result.gather_cache(), oracle[case][1])
+
+
+@pytest.mark.parametrize("strategy", ["kvr", "single"])
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+def test_a_kernel_record_reaches_the_familys_program_whole(
+  models, tokens, oracle, monkeypatch, case, strategy
+):
+  """A kernel given as a record (its own block sizes) is the kernel the family's program
+  runs, not the registry's record of its name: the builder (or the one device's forward)
+  is asked for that record, and the logits are still the one device's."""
+  from kvr_jax.inference import hybrid, latent, own_families
+
+  small = dataclasses.replace(get_kernel("flash"), query_block=8, key_block=8)
+  if strategy == "single":
+    module, name, argument = own_families, "one_group_forward", "attention"
+  else:
+    module = hybrid if case == HYBRID else latent
+    name, argument = ("compile_hybrid" if case == HYBRID else "compile_latent"), "kernel"
+  asked, builder = [], getattr(module, name)
+
+  def recording(*args, **kwargs):
+    asked.append(inspect.signature(builder).bind(*args, **kwargs).arguments[argument])
+    return builder(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, recording)
+  _, ours = models[case]
+  mesh, split = (None, None) if strategy == "single" else (kvr_jax.make_mesh(2), [18, 12])
+  result = kvr_jax.prefill(ours, tokens, strategy, mesh, split, small)
+  assert [get_kernel(kernel) for kernel in asked] == [small]
+  assert_close(result.logits, oracle[case][0], f"{strategy} with 8-row blocks: last logits")
 
 
 @pytest.mark.parametrize("case", [HYBRID, LATENT])

@@ -88,13 +88,13 @@ class OwnFamily:
 
 
 def _plan_options(plan) -> tuple:
-  """(partition, strategy, attention, cache) of a plan as the families' programs take them:
+  """(partition, strategy, kernel, cache) of a plan as the families' programs take them:
   KV-Runahead's chunks (None for the strategies that lay the prompt out themselves) and the
   strategy's record itself (KV-Runahead's bring their body and split as data,
   `strategies.family_program`)."""
   spec = plan.strategy
   partition = plan.chunks if spec.partitioned else None
-  return partition, spec, plan.kernel.name, plan.cache
+  return partition, spec, plan.kernel, plan.cache
 
 
 def _run_hybrid(model, tokens_BT, plan, room, ends_B=None) -> dict:
@@ -317,7 +317,7 @@ def _one_group_prefill(model, plan, family, tokens_BT, room, ends_B, fields) -> 
   forward = one_group_forward(
     model.graphdef,
     mesh,
-    plan.kernel.name,
+    plan.kernel,  # the record: a kernel given with its own block sizes runs with them
     family.group_cache_spec,
     plan.prompt_len + room,
     ends_B is not None,
@@ -371,9 +371,7 @@ def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> Mod
 
 
 @kept_cache(8)
-def one_group_forward(
-  graphdef, mesh, attention: str, cache_spec, capacity: int, row_ends: bool = False
-):
+def one_group_forward(graphdef, mesh, attention, cache_spec, capacity: int, row_ends: bool = False):
   """strategy="single" for a model with its own programs: (state, tokens [B, T]) -> (the last
   position's logits [B, V], the model's cache of `capacity` positions), its own `forward` on
   the mesh of one rank: one device, or a model group whose shards run their heads and experts (the
