@@ -133,6 +133,7 @@ def prefill_hybrid(
   T = tokens_BT.shape[1]
   chunks = _check_layout(model, spec, partition, T, p)
   full_chunks = check_full_partition(model.config, spec, full_partition, T, p)
+  check_split(model.config, spec, T, p, full_chunks, split_shape)
   check_new_tokens(max_new_tokens, 0)
   kernel = spec.check_attention(attention)
   if kernel == "auto":
@@ -142,17 +143,52 @@ def prefill_hybrid(
   program, cache_layout = _program(
     model, spec, mesh, chunks, kernel, options, full_chunks, split_shape
   )
+  # KV-Runahead: the last rank holds it all (not with the split as data: its hops' sizes
+  # are data, so its last hop is not kept)
+  joined_in_place = spec.cache_from_last_hop is not None and split_shape is None
+  split = (chunks, full_chunks, split_shape)
+  placed = (cache, join, joined_in_place)
+  return _ran(model, program, rows, mesh, split, cache_layout, T + max_new_tokens, placed)
+
+
+def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None) -> HybridPrefill:
+  """kvr_jax.prefill's run of a hybrid's plan (a PrefillPlan, checked when it was made:
+  plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T] (each
+  row's prefill end `ends_B` where rows are padded), its cache joined with room for `room`
+  more positions or left in its parts, as `prefill_hybrid` runs it."""
+  _, _, split_shape = family_program(plan.strategy, None, None)
+  mesh, chunks, record = plan.mesh, plan.chunks, plan.strategy
+  T = tokens_BT.shape[1]
+  rows = _rows_with_ends(tokens_BT, ends_B, model_parallel(mesh))
+  program = plan.compile(model.graphdef, padded=isinstance(rows, tuple))
+  by_rank = NamedSharding(mesh, jax.P(AXIS))
+
+  def laid_out(state, rows):
+    return program(
+      state, jax.tree.map(lambda a: global_array(record.arrange(a, chunks), by_rank), rows)
+    )
+
+  joined_in_place = record.cache_from_last_hop is not None and split_shape is None
+  split = (chunks, plan.full_chunks, split_shape)
+  placed = (plan.cache, True, joined_in_place)
+  layout = lambda split_of: record.cache_layout(T, split_of)  # noqa: E731
+  return _ran(model, laid_out, rows, mesh, split, layout, T + room, placed)
+
+
+def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed) -> HybridPrefill:
+  """The program run on `rows` and its outputs placed as asked: split (the tokens' chunks,
+  the full layers' own or None, the split as data's envelope or None); cache_layout(chunks)
+  -> where a split's parts lie; placed (cache, join, whether the last rank holds the whole
+  cache without a move)."""
+  (chunks, full_chunks, split_shape), (cache, join, joined_in_place) = split, placed
+  p, m, T = len(chunks), model_parallel(mesh), jax.tree.leaves(rows)[0].shape[1]
   split_full, full_chunks = full_chunks, chunks if full_chunks is None else full_chunks
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   logits_pBV, out = program(state, rows)
   owner = rank_device(mesh, p - 1)
-  capacity = T + max_new_tokens
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
-  # KV-Runahead: the last rank holds it all (not with the split as data: its hops' sizes
-  # are data, so its last hop is not kept)
-  joined_in_place = spec.cache_from_last_hop is not None and split_shape is None
   if cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts go everywhere
     parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
     # The state: the last rank's (the peers' is on every rank); the halo: the rank holding
@@ -240,8 +276,6 @@ def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shap
     arrange, run = spec.arrange, program
     layout = lambda chunks: spec.cache_layout(T, chunks)
   else:
-    if full_chunks is not None:
-      raise ValueError("a hybrid's split as data takes one split for every kind of layer")
     program = compile_hybrid(
       spec, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape, padded
     )
@@ -274,16 +308,27 @@ def _last_rank_part(array, mesh):
 
 
 def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, ...]:
-  """The strategy's chunks. KV-Runahead runs any chunk length (a chunk shorter than the
-  convolution's halo passes on the tail of the halo it received); a peer's zigzag chunks
-  each take their halo from one neighbour, so each must hold at least the halo's w rows."""
+  """The strategy's chunks: the partition checked, or the strategy's own layout (what a
+  split runs is `check_split`'s)."""
   if spec.partitioned:
     return check_chunks(partition, T, p)
   if partition is not None:
     raise ValueError(f"strategy {spec.name!r} lays the prompt out itself: give no partition")
   check_ranks(T, p)
-  chunks = spec.layout(T, p, None)
-  halo = model.config.linear_conv_kernel - 1
+  return spec.layout(T, p, None)
+
+
+def check_split(config, spec, T: int, p: int, full_chunks=None, split_shape=None) -> None:
+  """What a hybrid's split runs, refused by name before anything compiles (kvr_jax.prefill's
+  plan asks it too: `OwnFamily.check_split`): a peer's zigzag chunks each take their
+  convolution halo from one neighbour, so each must hold at least its w rows (KV-Runahead's
+  chunks pass on the tail of the halo they received: any length); KV-Runahead's split as
+  data (`split_shape`, or the record's) runs one split for every kind of layer."""
+  if full_chunks is not None and (split_shape or family_program(spec)[2]) is not None:
+    raise ValueError("a hybrid's split as data takes one split for every kind of layer")
+  if spec.partitioned:
+    return
+  halo = config.linear_conv_kernel - 1
   c = zigzag.chunk_len(T, p)  # 2p chunks of c: the last ones hold what is left, or padding
   shortest = min(min(c, max(T - j * c, 0)) for j in range(2 * p))
   if shortest < halo:
@@ -294,7 +339,6 @@ def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, .
       f"is {halo + 1}): give a longer prompt, fewer ranks, or strategy='kvr', which runs "
       "any split"
     )
-  return chunks
 
 
 # The joins are jitted once, their lengths static: a jit of a fresh closure per call traced

@@ -38,6 +38,7 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
+  model_parallel,
   rank_device,
   shard_on,
   spans_processes,
@@ -128,11 +129,32 @@ def prefill_latent(
   program = _program(
     model, program_spec, mesh, chunks, kernel, (keep_last, timeline, body), split_shape
   )
+  placed = (cache, join, keep_last)
+  return _ran(model, program, spec, mesh, tokens_BT, chunks, T + max_new_tokens, placed)
+
+
+def prefill_planned(model: Model, plan, tokens_BT, room: int = 0) -> LatentPrefill:
+  """kvr_jax.prefill's run of a latent model's plan (a PrefillPlan, checked when it was
+  made: plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T], its
+  cache joined with room for `room` more positions or left in its parts, as
+  `prefill_latent` runs it (KV-Runahead's last hop kept where cache="last" joins it)."""
+  program = plan.compile(model.graphdef)
+  keep_last = plan.cache == "last" and plan.strategy.cache_from_last_hop is not None
+  placed = (plan.cache, True, keep_last)
+  T = tokens_BT.shape[1]
+  return _ran(model, program, plan.strategy, plan.mesh, tokens_BT, plan.chunks, T + room, placed)
+
+
+def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -> LatentPrefill:
+  """The program run on tokens_BT (laid out as `spec` lays them out: a strategy's record,
+  or the split as data's) and its outputs placed as asked: placed (cache, join, whether the
+  program kept KV-Runahead's last hop, from which the last rank holds the cache)."""
+  cache, join, keep_last = placed
+  p, m, T = len(chunks), model_parallel(mesh), tokens_BT.shape[1]
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
   owner = rank_device(mesh, p - 1)
-  capacity = T + max_new_tokens
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)

@@ -37,11 +37,11 @@ from kvr_jax.runtime.mesh import (
   rank_row_mesh,
   spans_processes,
 )
-from kvr_jax.strategies import family_program
+from kvr_jax.strategies import family_program, runahead
 from kvr_jax.strategies import hybrid as hybrid_programs
 from kvr_jax.strategies import latent as latent_programs
 from models.base import no_reduce
-from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
+from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, LatentAttentionKind
 from models.qwen3_5 import HybridCache
 
 
@@ -82,36 +82,16 @@ class OwnFamily:
   # padded: rows padded past their ends (`stops_at_row_ends`: each position's distance from
   # its row's end beside the tokens).
   compile: Callable | None = None
+  # (config, strategy record, T, p, the full layers' own chunks or None) -> None: what the
+  # family's programs refuse of a split, by name, once the plan has made it.
+  check_split: Callable | None = None
   # (result, the caches the sharded step returned) -> the result's fields that the step of
   # a padded row's last real token changed (`_at_last_real_tokens`).
   after_sharded_step: Callable = lambda result, caches: {}
 
 
-def _plan_options(plan) -> tuple:
-  """(partition, strategy, kernel, cache) of a plan as the families' programs take them:
-  KV-Runahead's chunks (None for the strategies that lay the prompt out themselves) and the
-  strategy's record itself (KV-Runahead's bring their body and split as data,
-  `strategies.family_program`)."""
-  spec = plan.strategy
-  partition = plan.chunks if spec.partitioned else None
-  return partition, spec, plan.kernel, plan.cache
-
-
 def _run_hybrid(model, tokens_BT, plan, room, ends_B=None) -> dict:
-  partition, strategy, attention, cache = _plan_options(plan)
-  ran = hybrid.prefill_hybrid(
-    model,
-    tokens_BT,
-    plan.mesh,
-    partition,
-    attention,
-    room,
-    strategy,
-    cache=cache,
-    timeline=plan.timeline,
-    full_partition=plan.full_chunks,
-    lengths=ends_B,
-  )
+  ran = hybrid.prefill_planned(model, plan, tokens_BT, room, ends_B)
   return dict(
     logits=ran.logits_BV,
     model_cache=ran.cache,
@@ -124,18 +104,7 @@ def _run_hybrid(model, tokens_BT, plan, room, ends_B=None) -> dict:
 
 def _run_latent(model, tokens_BT, plan, room, ends_B=None):
   # A split per layer kind is refused by plan_prefill; ends_B is None (a causal past).
-  partition, strategy, attention, cache = _plan_options(plan)
-  ran = latent.prefill_latent(
-    model,
-    tokens_BT,
-    plan.mesh,
-    partition,
-    room,
-    strategy,
-    attention,
-    cache=cache,
-    timeline=plan.timeline,
-  )
+  ran = latent.prefill_planned(model, plan, tokens_BT, room)
   return dict(
     logits=ran.logits_BV,
     model_cache=ran.cache,
@@ -147,11 +116,21 @@ def _run_latent(model, tokens_BT, plan, room, ends_B=None):
 
 def _compile_hybrid(plan, graphdef, padded: bool = False):
   """The plan's hybrid program (strategies.hybrid.compile_hybrid), as prefill_hybrid
-  compiles it: cache="last" keeps KV-Runahead's last hops; the full layers' own split."""
-  return hybrid_programs.compile_hybrid(
-    plan.strategy, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.cache == "last",
-    plan.timeline, full_chunks=plan.full_chunks, padded=padded,
+  compiles it: cache="last" keeps KV-Runahead's last hops; the full layers' own split; a
+  split as data's one program bound to the plan's split (`runahead.on_split`, the full
+  layers' table)."""
+  spec, body, split_shape = family_program(plan.strategy, None, None)
+  if split_shape is None:
+    return hybrid_programs.compile_hybrid(
+      spec, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.cache == "last",
+      plan.timeline, plan.full_chunks, body, padded=padded,
+    )  # fmt: skip
+  program = hybrid_programs.compile_hybrid(
+    spec, graphdef, plan.mesh, None, plan.kernel, False, plan.timeline, None, body, split_shape,
+    padded,
   )  # fmt: skip
+  full_config = plan.strategy.options.config.of_kind(FULL_ATTENTION)
+  return runahead.on_split(program, plan.mesh, full_config, split_shape, plan.chunks)
 
 
 def _compile_latent(plan, graphdef, padded: bool = False):
@@ -159,10 +138,16 @@ def _compile_latent(plan, graphdef, padded: bool = False):
   compiles it: KV-Runahead's last hop kept where cache="last" joins it (a latent layer's hop
   carries the whole prefix). A causal past takes padded rows as they are (padded unused)."""
   del padded
-  spec = plan.strategy
-  keep_last = plan.cache == "last" and spec.cache_from_last_hop is not None
+  spec, body, split_shape = family_program(plan.strategy, None, None)
+  if split_shape is not None:  # its one program, bound to the plan's split
+    program = latent_programs.compile_latent(
+      spec, graphdef, plan.mesh, None, plan.kernel, False, plan.timeline, body, split_shape
+    )
+    config = plan.strategy.options.config
+    return runahead.on_split(program, plan.mesh, config, split_shape, plan.chunks)
+  keep_last = plan.cache == "last" and plan.strategy.cache_from_last_hop is not None
   return latent_programs.compile_latent(
-    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, keep_last, plan.timeline
+    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, keep_last, plan.timeline, body
   )
 
 
@@ -466,6 +451,7 @@ HYBRID = OwnFamily(
   takes_split_as_data=True,
   stops_at_row_ends=True,
   compile=_compile_hybrid,
+  check_split=hybrid.check_split,
   after_sharded_step=own_sharded.after_hybrid_step,
 )
 LATENT = OwnFamily(

@@ -157,6 +157,8 @@ def plan_from_shape(
   if spec.partitioned and user_chunks is None:
     user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
+  if family is not None and family.check_split is not None:
+    family.check_split(shape.config, spec, T, mesh.shape[AXIS], full_chunks)
   keep_last_hop = False
   if family is None:
     keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
