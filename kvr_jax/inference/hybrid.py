@@ -168,9 +168,8 @@ def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None) -
       state, jax.tree.map(lambda a: global_array(record.arrange(a, chunks), by_rank), rows)
     )
 
-  joined_in_place = record.cache_from_last_hop is not None and split_shape is None
   split = (chunks, plan.full_chunks, split_shape)
-  placed = (plan.cache, True, joined_in_place)
+  placed = (plan.cache, True, plan.keep_last_hop)
   layout = lambda split_of: record.cache_layout(T, split_of)  # noqa: E731
   return _ran(model, laid_out, rows, mesh, split, layout, T + room, placed)
 

@@ -108,7 +108,7 @@ def prefill_latent(
   _check_arguments(model, strategy, attention, cache, join, timeline)
   spec, body, split_shape = family_program(strategy, body, split_shape)
   tokens_BT = check_tokens(model, tokens)
-  p, m = check_ranks_mesh(model, mesh, "prefill_latent")
+  p, _ = check_ranks_mesh(model, mesh, "prefill_latent")
   kernel = get_kernel(attention)
   check_new_tokens(max_new_tokens, 0)
   T = tokens_BT.shape[1]
@@ -139,8 +139,7 @@ def prefill_planned(model: Model, plan, tokens_BT, room: int = 0) -> LatentPrefi
   cache joined with room for `room` more positions or left in its parts, as
   `prefill_latent` runs it (KV-Runahead's last hop kept where cache="last" joins it)."""
   program = plan.compile(model.graphdef)
-  keep_last = plan.cache == "last" and plan.strategy.cache_from_last_hop is not None
-  placed = (plan.cache, True, keep_last)
+  placed = (plan.cache, True, plan.keep_last_hop)
   T = tokens_BT.shape[1]
   return _ran(model, program, plan.strategy, plan.mesh, tokens_BT, plan.chunks, T + room, placed)
 

@@ -122,7 +122,7 @@ def _compile_hybrid(plan, graphdef, padded: bool = False):
   spec, body, split_shape = family_program(plan.strategy, None, None)
   if split_shape is None:
     return hybrid_programs.compile_hybrid(
-      spec, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.cache == "last",
+      spec, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.keep_last_hop,
       plan.timeline, plan.full_chunks, body, padded=padded,
     )  # fmt: skip
   program = hybrid_programs.compile_hybrid(
@@ -145,9 +145,8 @@ def _compile_latent(plan, graphdef, padded: bool = False):
     )
     config = plan.strategy.options.config
     return runahead.on_split(program, plan.mesh, config, split_shape, plan.chunks)
-  keep_last = plan.cache == "last" and plan.strategy.cache_from_last_hop is not None
   return latent_programs.compile_latent(
-    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, keep_last, plan.timeline, body
+    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.keep_last_hop, plan.timeline, body
   )
 
 

@@ -69,7 +69,8 @@ class PrefillPlan:
   prompt_len: T, the rows' padded length (their bucket). batch: B. partition: the chunk
   lengths the user's partition resolved to (partitioned strategies), else None. chunks: each
   rank's token count as the program sees them (`Strategy.layout`). keep_last_hop: KV-Runahead's
-  last rank keeps what its hops brought, so cache="last" needs no move (where memory allows).
+  last rank keeps what its hops brought, so cache="last" needs no move (where memory allows; on a
+  hybrid or latent model wherever cache="last" runs KV-Runahead with its hops static).
   timeline: the program carries phase probes (kvr_jax.tools.timeline).
   """
 
@@ -159,9 +160,10 @@ def plan_from_shape(
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
   if family is not None and family.check_split is not None:
     family.check_split(shape.config, spec, T, mesh.shape[AXIS], full_chunks)
-  keep_last_hop = False
   if family is None:
     keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
+  else:  # what the family's program keeps: KV-Runahead's last hops wherever cache="last"
+    keep_last_hop = cache == "last" and spec.cache_from_last_hop is not None
   return PrefillPlan(
     spec,
     mesh,

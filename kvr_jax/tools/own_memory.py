@@ -151,7 +151,7 @@ def hybrid_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
     full_kv = full_kv * context_len // (context_len + decode_tokens)
   result = {"kv_cache_bytes": full_kv, "state_cache_bytes": states}
   if cache == "last":
-    joins = spec.cache_from_last_hop is not None  # KV-Runahead: its last hops, no move
+    joins = plan.keep_last_hop  # KV-Runahead: its last hops, no move
     split = (chunks, full_chunks or chunks)  # the tokens', the K,V parts'
     capacity = context_len + decode_tokens
     result.update(hybrid_move(lowered.out_info[1], mesh, joins, split, capacity))
