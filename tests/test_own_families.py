@@ -274,7 +274,7 @@ def test_kvr_with_a_fixed_body_runs_that_body(
   by 5e-6 can differ by 1e-5 (per-rank on 3 ranks and the one device's did, on opposite
   sides of the float64 ones, 2026-12-01). DeepSeek's experts do not run in float64 in
   transformers."""
-  from kvr_jax.strategies import hybrid, latent
+  from kvr_jax.inference import hybrid, latent
 
   module, name = (hybrid, "compile_hybrid") if case == HYBRID else (latent, "compile_latent")
   asked, builder = [], getattr(module, name)
@@ -306,8 +306,7 @@ def test_a_kernel_record_reaches_the_familys_program_whole(
   """A kernel given as a record (its own block sizes) is the kernel the family's program
   runs, not the registry's record of its name: the builder (or the one device's forward)
   is asked for that record, and the logits are still the one device's."""
-  from kvr_jax.inference import own_families
-  from kvr_jax.strategies import hybrid, latent
+  from kvr_jax.inference import hybrid, latent, own_families
 
   small = dataclasses.replace(get_kernel("flash"), query_block=8, key_block=8)
   if strategy == "single":

@@ -266,20 +266,13 @@ def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shap
   for padded rows (`_rows_with_ends`), laid out alike. options: (keep_last_hop, timeline,
   body, padded), compile_hybrid's."""
   T, by_rank = sum(chunks), NamedSharding(mesh, jax.P(AXIS))
-  keep_last_hop, timeline, body, padded = options
+  run = bound_program(
+    spec, model.graphdef, mesh, chunks, kernel, options, full_chunks, split_shape, model.config
+  )
   if split_shape is None:
-    program = compile_hybrid(
-      spec, model.graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body,
-      padded=padded,
-    )  # fmt: skip
-    arrange, run = spec.arrange, program
+    arrange = spec.arrange
     layout = lambda chunks: spec.cache_layout(T, chunks)
   else:
-    program = compile_hybrid(
-      spec, model.graphdef, mesh, None, kernel, False, timeline, None, body, split_shape, padded
-    )
-    full_config = model.config.of_kind(FULL_ATTENTION)  # the one body's table: the full layers'
-    run = runahead.on_split(program, mesh, full_config, split_shape, chunks)
     arrange = runahead.split_as_data_strategy(model.config, split_shape).arrange
     layout = lambda chunks: contiguous_layout(chunks, split_shape.part_len)
 
@@ -287,6 +280,24 @@ def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shap
     return run(state, jax.tree.map(lambda a: global_array(arrange(a, chunks), by_rank), rows))
 
   return laid_out, layout
+
+
+def bound_program(spec, graphdef, mesh, chunks, kernel, options, full_chunks, split_shape, config):
+  """(state, tokens laid out [p, B, T_rank]) -> the program's outputs: `compile_hybrid`'s
+  program for this split, or the one program of `split_shape` bound to it (its table the
+  full layers' of `config`: `runahead.on_split`). options: (keep_last_hop, timeline, body,
+  padded), compile_hybrid's. What prefill_hybrid and a plan (`OwnFamily.compile`) run."""
+  keep_last_hop, timeline, body, padded = options
+  if split_shape is None:
+    return compile_hybrid(
+      spec, graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body,
+      padded=padded,
+    )  # fmt: skip
+  program = compile_hybrid(
+    spec, graphdef, mesh, None, kernel, False, timeline, None, body, split_shape, padded
+  )
+  full_config = config.of_kind(FULL_ATTENTION)  # the one body's table: the full layers'
+  return runahead.on_split(program, mesh, full_config, split_shape, chunks)
 
 
 def _last_rank_part(array, mesh):

@@ -126,8 +126,9 @@ def prefill_latent(
   # KV-Runahead's last hop leaves the program only where cache="last" joins it (its hops
   # carry the whole latent prefix: the last rank then holds every position, nothing moves).
   keep_last = spec.keeps_last_hop(cache, chunks, model.config.kinds)
-  program = _program(
-    model, program_spec, mesh, chunks, kernel, (keep_last, timeline, body), split_shape
+  options = (keep_last, timeline, body)
+  program = bound_program(
+    program_spec, model.graphdef, mesh, chunks, kernel, options, split_shape, model.config
   )
   placed = (cache, join, keep_last)
   return _ran(model, program, spec, mesh, tokens_BT, chunks, T + max_new_tokens, placed)
@@ -181,17 +182,18 @@ def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -
   return LatentPrefill(logits_BV, cache, chunks, capacity, not keep_last)
 
 
-def _program(model, strategy, mesh, chunks, kernel, options, split_shape):
+def bound_program(strategy, graphdef, mesh, chunks, kernel, options, split_shape, config):
   """run(state, tokens [p, B, T_rank]) -> the program's outputs: the strategy's program for
-  this split, or the one program of `split_shape` with the split's table as its operand.
-  options: (keep_last, timeline, body), compile_latent's."""
+  this split, or the one program of `split_shape` bound to it (its table `config`'s:
+  `runahead.on_split`). options: (keep_last, timeline, body), compile_latent's. What
+  prefill_latent and a plan (`OwnFamily.compile`) run."""
   keep_last, timeline, body = options
   if split_shape is None:
-    return compile_latent(strategy, model.graphdef, mesh, chunks, kernel, keep_last, timeline, body)
+    return compile_latent(strategy, graphdef, mesh, chunks, kernel, keep_last, timeline, body)
   program = compile_latent(
-    strategy, model.graphdef, mesh, None, kernel, False, timeline, body, split_shape
+    strategy, graphdef, mesh, None, kernel, False, timeline, body, split_shape
   )
-  return runahead.on_split(program, mesh, model.config, split_shape, chunks)
+  return runahead.on_split(program, mesh, config, split_shape, chunks)
 
 
 def _check_arguments(model, strategy, attention, cache: str, join: bool, timeline) -> None:

@@ -37,11 +37,11 @@ from kvr_jax.runtime.mesh import (
   rank_row_mesh,
   spans_processes,
 )
-from kvr_jax.strategies import family_program, runahead
+from kvr_jax.strategies import family_program
 from kvr_jax.strategies import hybrid as hybrid_programs
 from kvr_jax.strategies import latent as latent_programs
 from models.base import no_reduce
-from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, LatentAttentionKind
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 from models.qwen3_5 import HybridCache
 
 
@@ -120,17 +120,12 @@ def _compile_hybrid(plan, graphdef, padded: bool = False):
   split as data's one program bound to the plan's split (`runahead.on_split`, the full
   layers' table)."""
   spec, body, split_shape = family_program(plan.strategy, None, None)
-  if split_shape is None:
-    return hybrid_programs.compile_hybrid(
-      spec, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.keep_last_hop,
-      plan.timeline, plan.full_chunks, body, padded=padded,
-    )  # fmt: skip
-  program = hybrid_programs.compile_hybrid(
-    spec, graphdef, plan.mesh, None, plan.kernel, False, plan.timeline, None, body, split_shape,
-    padded,
+  options = (plan.keep_last_hop, plan.timeline, body, padded)
+  config = plan.strategy.options.config if split_shape is not None else None
+  return hybrid.bound_program(
+    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, options, plan.full_chunks,
+    split_shape, config,
   )  # fmt: skip
-  full_config = plan.strategy.options.config.of_kind(FULL_ATTENTION)
-  return runahead.on_split(program, plan.mesh, full_config, split_shape, plan.chunks)
 
 
 def _compile_latent(plan, graphdef, padded: bool = False):
@@ -139,14 +134,10 @@ def _compile_latent(plan, graphdef, padded: bool = False):
   carries the whole prefix). A causal past takes padded rows as they are (padded unused)."""
   del padded
   spec, body, split_shape = family_program(plan.strategy, None, None)
-  if split_shape is not None:  # its one program, bound to the plan's split
-    program = latent_programs.compile_latent(
-      spec, graphdef, plan.mesh, None, plan.kernel, False, plan.timeline, body, split_shape
-    )
-    config = plan.strategy.options.config
-    return runahead.on_split(program, plan.mesh, config, split_shape, plan.chunks)
-  return latent_programs.compile_latent(
-    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, plan.keep_last_hop, plan.timeline, body
+  options = (plan.keep_last_hop, plan.timeline, body)
+  config = plan.strategy.options.config if split_shape is not None else None
+  return latent.bound_program(
+    spec, graphdef, plan.mesh, plan.chunks, plan.kernel, options, split_shape, config
   )
 
 
