@@ -21,6 +21,7 @@ from models.families import config_from_hf
 from models.kernels import get_kernel
 from tests import hf_fixtures
 from tests.measured_checks import assert_candidates_on_one_program
+from tests.own_prefill import prefilled
 from tests.tolerance import assert_close, relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
@@ -169,12 +170,8 @@ def test_multi_token_prediction_layers_ignored_and_said(checkpoints, tmp_path):
   np.testing.assert_array_equal(loaded.module.embedding[...], ours.module.embedding[...])
 
 
-def test_hybrid_programs_and_unknown_kernels_refuse_latent_models_by_name(checkpoints, tokens):
-  from kvr_jax.inference.hybrid import prefill_hybrid
-
+def test_unknown_kernels_refuse_latent_models_by_name(checkpoints, tokens):
   _, _, ours = checkpoints["deepseek-default"]
-  with pytest.raises(ValueError, match="linear-attention layers"):
-    prefill_hybrid(ours, tokens, kvr_jax.make_mesh(2), [20, 20])
   with pytest.raises(ValueError, match="'paged'"):
     ours.module.forward(jnp.asarray(tokens), attention="paged")
 
@@ -278,15 +275,13 @@ def test_latent_prefill_equals_one_device(
   """KV-Runahead's hops carry the latent prefix (4 ranks: forwarding buffers), all-gather CP
   gathers every rank's latents; each rank expands what it holds: the last rank's logits and
   its whole latent cache as one device computes them, KV-Runahead's with no move."""
-  from kvr_jax.inference.latent import prefill_latent
-
   ours = checkpoints["deepseek-default"][2]
   mesh = kvr_jax.make_mesh(ranks)
-  result = prefill_latent(ours, tokens, mesh, partition, 2, strategy, attention)
+  result = prefilled(ours, tokens, mesh, partition, attention, 2, strategy)
   want_logits, want_cache = one_device
-  assert_close(result.logits_BV, want_logits, "last logits")
-  assert_close(result.cache, want_cache, "latent cache")
-  assert result.logits_BV.devices() == result.cache.devices() == {mesh.devices.flat[-1]}
+  assert_close(result.logits, want_logits, "last logits")
+  assert_close(result.model_cache, want_cache, "latent cache")
+  assert result.logits.devices() == result.model_cache.devices() == {mesh.devices.flat[-1]}
   assert result.moved == (strategy != "kvr")
 
 
@@ -295,17 +290,16 @@ def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
   every split that fits its envelope) on latent layers: at two splits, the last rank's
   logits and its whole latent cache (the parts moved there: no last hop is kept, its size
   being data) as one device computes them, on one trace."""
-  from kvr_jax.inference.latent import prefill_latent
-
   ours, mesh = checkpoints["deepseek-default"][2], kvr_jax.make_mesh(3)
   shape = OneBodyShape.envelope(ours.config, (16, 14, 10), get_kernel("flash"), 18)
+  as_data = runahead.split_as_data_strategy(ours.config, shape)
   traced = TRACE_COUNT["kvr-latent"]
   for split in ([16, 14, 10], [2, 18, 20]):
-    result = prefill_latent(ours, tokens, mesh, split, 2, split_shape=shape)
+    result = prefilled(ours, tokens, mesh, split, "flash", 2, as_data)
     want_logits, want_cache = one_device
-    assert_close(result.logits_BV, want_logits, f"{split}: last logits")
-    assert_close(result.cache, want_cache, f"{split}: latent cache")
-    assert result.moved and result.cache.devices() == {mesh.devices.flat[-1]}
+    assert_close(result.logits, want_logits, f"{split}: last logits")
+    assert_close(result.model_cache, want_cache, f"{split}: latent cache")
+    assert result.moved and result.model_cache.devices() == {mesh.devices.flat[-1]}
   assert TRACE_COUNT["kvr-latent"] - traced <= 1, "a program per split"
 
 
@@ -398,14 +392,13 @@ def test_sharded_latent_cache_decodes_in_place(
   """cache="sharded": the ranks' latents stay where the prefill computed them (nothing moves),
   each decode step merges every rank's absorbed partial over its own part (and the last
   rank's over the decoded tokens): transformers' greedy tokens."""
-  from kvr_jax.inference.latent import prefill_latent
   from kvr_jax.runtime.mesh import AXIS
 
   hf_model, _, ours = checkpoints["deepseek-default"]
   prompt = tokens[:, :length]
   mesh = kvr_jax.make_mesh(ranks)
-  result = prefill_latent(ours, prompt, mesh, partition, 6, strategy, cache="sharded")
-  assert result.cache is None and result.parts.sharding.spec[0] == AXIS
+  result = prefilled(ours, prompt, mesh, partition, None, 6, strategy, cache="sharded")
+  assert result.model_cache is None and result.parts.sharding.spec[0] == AXIS
   assert {s.device for s in result.parts.addressable_shards} == set(mesh.devices.flat)
   assert sorted(p for p in result.part_positions.flat if p >= 0) == list(range(length))
   got = kvr_jax.generate(
@@ -469,14 +462,12 @@ def test_latent_prefill_on_a_2d_mesh_equals_one_device(
   experts E/m whole per device, the shared expert and the dense first layer by column, the
   latent (headless) whole on every shard, and what the hops carry: the last rank's logits and
   its whole latent cache as one device computes them."""
-  from kvr_jax.inference.latent import prefill_latent
-
   ours = checkpoints["deepseek-default"][2]
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
-  result = prefill_latent(ours, tokens, mesh, partition, 2, strategy, attention)
+  result = prefilled(ours, tokens, mesh, partition, attention, 2, strategy)
   want_logits, want_cache = one_device
-  assert_close(result.logits_BV, want_logits, "last logits")
-  assert_close(result.cache, want_cache, "latent cache")
+  assert_close(result.logits, want_logits, "last logits")
+  assert_close(result.model_cache, want_cache, "latent cache")
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier
@@ -563,24 +554,17 @@ def test_a_latent_layers_rest_runs_in_row_blocks_as_whole(checkpoints, tokens):
 
 
 def test_latent_prefill_refuses_by_name(checkpoints, tokens):
-  from kvr_jax.inference.latent import prefill_latent
-
-  ours = checkpoints["deepseek-default"][2]
-  with pytest.raises(ValueError, match="2 or more ranks"):
-    prefill_latent(ours, tokens, kvr_jax.make_mesh(1), [T])
-  with pytest.raises(ValueError, match="run under"):
-    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), None, strategy="zigzag")
+  ours, two = checkpoints["deepseek-default"][2], kvr_jax.make_mesh(2)
+  with pytest.raises(ValueError, match="unknown strategy 'zigzag'"):
+    prefilled(ours, tokens, two, None, strategy="zigzag")
   with pytest.raises(ValueError, match="log-sum-exp"):
-    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), None, strategy="ring", attention="dense")
-  with pytest.raises(ValueError, match="give no partition"):
-    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), [20, 20], strategy="allgather")
-  with pytest.raises(ValueError, match="token ids"):
-    prefill_latent(ours, tokens + 1000, kvr_jax.make_mesh(2), [20, 20])
-  with pytest.raises(ValueError, match="cache must be one of"):
-    prefill_latent(ours, tokens, kvr_jax.make_mesh(2), [20, 20], cache="parts")
-  with pytest.raises(ValueError, match="latent-attention model"):
-    llama = kvr_jax.load_model("tiny-llama")
-    prefill_latent(llama, tokens, kvr_jax.make_mesh(2), [20, 20])
+    prefilled(ours, tokens, two, None, "dense", strategy="ring")
+  with pytest.raises(ValueError, match="lays the prompt out itself"):
+    prefilled(ours, tokens, two, [20, 20], strategy="allgather")
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    prefilled(ours, tokens + 1000, two, [20, 20])
+  with pytest.raises(ValueError, match="unknown cache layout .parts."):
+    prefilled(ours, tokens, two, [20, 20], cache="parts")
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

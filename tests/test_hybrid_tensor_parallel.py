@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax.inference.hybrid import prefill_hybrid
 from kvr_jax.runtime.mesh import AXIS
 from tests import hf_fixtures
+from tests.own_prefill import prefilled
 from tests.tolerance import assert_close
 
 T = 70  # no multiple of the 64-token chunk, and longer than one
@@ -102,14 +102,11 @@ def test_prefill_on_a_2d_mesh_matches_one_device(
   states, its heads' convolution channels) within 1e-5 of one device's."""
   model = checkpoints[name][2]
   mesh = kvr_jax.make_mesh(shape[0], model=shape[1])
-  full = None
-  if isinstance(partition, dict):  # the full layers on their own split
-    partition, full = partition["linear"], partition["full"]
-  result = prefill_hybrid(model, tokens, mesh, partition, "flash", 2, strategy, full_partition=full)
+  result = prefilled(model, tokens, mesh, partition, "flash", 2, strategy)
   want_logits, want_cache = one_device[name]
-  assert_close(result.logits_BV, want_logits, "last logits")
+  assert_close(result.logits, want_logits, "last logits")
   m = shape[1]
-  cache = result.cache  # split over the last rank's group by head: device j's part is its own
+  cache = result.model_cache  # split over the last rank's group by head: device j's part is its own
   parts = [
     [np.asarray(shard.data) for shard in sorted(a.addressable_shards, key=_model_index)]
     for a in (cache.kv_2BSKH, cache.linear.state_Bhkv, cache.linear.halo_BwC)
@@ -182,8 +179,8 @@ def test_loaded_straight_into_shards(checkpoints, tokens, one_device):
   second = [s for s in state["linear_blocks"]["w_v"].addressable_shards if s.index[2].start]
   want = np.asarray(whole.state["linear_blocks"]["w_v"][...])[:, :, h // 2 :]
   np.testing.assert_array_equal(np.asarray(second[0].data), want)
-  result = prefill_hybrid(split, tokens, mesh, [40, 30], "flash", 2)
-  assert_close(result.logits_BV, one_device["next"][0], "last logits")
+  result = prefilled(split, tokens, mesh, [40, 30], "flash", 2)
+  assert_close(result.logits, one_device["next"][0], "last logits")
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier
@@ -214,7 +211,7 @@ def test_a_group_that_does_not_split_the_key_heads_is_refused(checkpoints, token
   """Qwen3-Next's 2 key heads on 4 shards: refused by name before anything compiles."""
   model = checkpoints["next"][2]
   with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\)"):
-    prefill_hybrid(model, tokens, kvr_jax.make_mesh(2, model=4), [40, 30], "flash")
+    prefilled(model, tokens, kvr_jax.make_mesh(2, model=4), [40, 30], "flash")
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax.strategies import TRACE_COUNT
+from kvr_jax.strategies import TRACE_COUNT, runahead
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import qwen3_5
 from models.families import config_from_hf
 from models.kernels import get_kernel
 from tests import hf_fixtures
 from tests.measured_checks import assert_candidates_on_one_program
+from tests.own_prefill import prefilled
 from tests.tolerance import assert_close, relative_error
 
 MODEL_TOL = 1e-4  # whole models against transformers, float32
@@ -231,17 +232,15 @@ def test_hybrid_prefill_equals_one_device(
   peers on their zigzag chunks (the last 7 tokens long at 4 ranks), full and linear layers
   interleaved: the last rank's logits and its whole cache (K,V of the full layers, each
   linear layer's state and halo) as one device computes them; KV-Runahead's with no move."""
-  from kvr_jax.inference.hybrid import prefill_hybrid
-
   ours = checkpoints["qwen3_5-types"][2]
   mesh = kvr_jax.make_mesh(ranks)
-  result = prefill_hybrid(ours, tokens, mesh, partition, attention, 4, strategy)
+  result = prefilled(ours, tokens, mesh, partition, attention, 4, strategy)
   want_logits, want = one_device
-  assert_close(result.logits_BV, want_logits, "last logits")
-  assert_close(result.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
-  assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
-  assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
-  assert result.logits_BV.devices() == {mesh.devices.flat[-1]}
+  assert_close(result.logits, want_logits, "last logits")
+  assert_close(result.model_cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(result.model_cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(result.model_cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  assert result.logits.devices() == {mesh.devices.flat[-1]}
   assert result.moved == (strategy != "kvr")
 
 
@@ -258,16 +257,18 @@ def test_hybrid_prefill_equals_one_device(
 def test_padded_rows_stop_each_linear_state_at_their_end(
   checkpoints, tokens, forward, strategy, ranks, partition
 ):
-  """Rows that end before the prompt does (`prefill_hybrid(lengths=)`: at 2, inside the
+  """Rows that end before the prompt does (`hybrid.prefill_planned(ends_B=)`: at 2, inside the
   convolution's halo, and at 41, on an inner rank): each linear layer's state and halo are
   the model's own forward's with the same ends, and every full layer's K,V before each row's
   end, within 1e-5: the state passes the padding unchanged, the halo is the last inputs
   before the row's end wherever they lie."""
-  from kvr_jax.inference.hybrid import prefill_hybrid
+  from kvr_jax.inference import hybrid
+  from kvr_jax.inference.prefill import plan_prefill
 
   ours, ends = checkpoints["qwen3_5-types"][2], np.array([2, 41])
   mesh = kvr_jax.make_mesh(ranks)
-  result = prefill_hybrid(ours, tokens, mesh, partition, "flash", 0, strategy, lengths=ends)
+  plan = plan_prefill(ours, tokens, strategy, mesh, partition, "flash", "last")
+  result = hybrid.prefill_planned(ours, plan, tokens, 0, ends)
   _, want = forward(ours.module, tokens, ends)
   assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
   assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
@@ -275,7 +276,7 @@ def test_padded_rows_stop_each_linear_state_at_their_end(
     got_kv, want_kv = result.cache.kv_2BSKH[:, :, b, :end], want.kv_2BSKH[:, :, b, :end]
     assert_close(got_kv, want_kv, f"row {b}'s full layers' K,V before its end")
   with pytest.raises(ValueError, match="lengths must be 2 row ends"):
-    prefill_hybrid(ours, tokens, mesh, partition, "flash", 0, strategy, lengths=[3, T + 1])
+    hybrid.prefill_planned(ours, plan, tokens, 0, [3, T + 1])
 
 
 def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
@@ -283,19 +284,19 @@ def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
   every split that fits its envelope), both kinds of layer in its one body: at two splits,
   the last rank's logits and its whole cache (its parts moved there and joined: no last hop
   is kept, its size being data) as one device computes them, on one trace."""
-  from kvr_jax.inference.hybrid import prefill_hybrid
-
   ours, mesh = checkpoints["qwen3_5-types"][2], kvr_jax.make_mesh(3)
   shape = OneBodyShape.envelope(ours.config, (30, 25, 15), get_kernel("flash"), 32)
+  as_data = runahead.split_as_data_strategy(ours.config, shape)
   traced = TRACE_COUNT["kvr-hybrid"]
   for split in ([30, 25, 15], [6, 32, 32]):
-    result = prefill_hybrid(ours, tokens, mesh, split, "flash", 4, split_shape=shape)
-    want_logits, want = one_device
-    assert_close(result.logits_BV, want_logits, f"{split}: last logits")
-    assert_close(result.cache.kv_2BSKH, want.kv_2BSKH, f"{split}: full layers' K,V")
-    assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, f"{split}: states")
-    assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, f"{split}: halos")
-    assert result.moved and result.logits_BV.devices() == {mesh.devices.flat[-1]}
+    result = prefilled(ours, tokens, mesh, split, "flash", 4, as_data)
+    want_logits, (want_kv, want_linear) = one_device
+    assert_close(result.logits, want_logits, f"{split}: last logits")
+    assert_close(result.model_cache.kv_2BSKH, want_kv, f"{split}: full layers' K,V")
+    got_linear = result.model_cache.linear
+    assert_close(got_linear.state_Bhkv, want_linear.state_Bhkv, f"{split}: states")
+    assert_close(got_linear.halo_BwC, want_linear.halo_BwC, f"{split}: halos")
+    assert result.moved and result.logits.devices() == {mesh.devices.flat[-1]}
   assert TRACE_COUNT["kvr-hybrid"] - traced <= 1, "a program per split"
 
 
@@ -315,16 +316,13 @@ def test_the_measured_search_times_a_hybrids_candidates_on_one_program(
 def test_a_second_prefill_traces_nothing_again(checkpoints, tokens, strategy, partition):
   """The same prefill again (cache "last") reuses its program and its join of the cache: a
   join traced per call cost 0.2 s of a 2.8 s TTFT at 16k (docs/measurements.md)."""
-  from kvr_jax.inference.hybrid import prefill_hybrid
-  from kvr_jax.strategies import TRACE_COUNT
-
   ours, mesh = checkpoints["qwen3_5-types"][2], kvr_jax.make_mesh(2)
-  first = prefill_hybrid(ours, tokens, mesh, partition, "flash", 4, strategy)
+  first = prefilled(ours, tokens, mesh, partition, "flash", 4, strategy)
   before = dict(TRACE_COUNT)
-  again = prefill_hybrid(ours, tokens, mesh, partition, "flash", 4, strategy)
+  again = prefilled(ours, tokens, mesh, partition, "flash", 4, strategy)
   assert TRACE_COUNT["hybrid-join"] == before["hybrid-join"] >= 1
   assert TRACE_COUNT[f"{strategy}-hybrid"] == before[f"{strategy}-hybrid"]
-  assert_close(again.cache.kv_2BSKH, first.cache.kv_2BSKH, "the same cache")
+  assert_close(again.model_cache.kv_2BSKH, first.model_cache.kv_2BSKH, "the same cache")
 
 
 @pytest.mark.parametrize(
@@ -470,17 +468,13 @@ def test_the_one_bodys_linear_layers_loop_over_their_real_chunks_alone(checkpoin
 
 
 def test_hybrid_prefill_refuses_by_name(checkpoints, tokens):
-  from kvr_jax.inference.hybrid import prefill_hybrid
-
   ours = checkpoints["qwen3_5-types"][2]
   # 20 tokens in 8 zigzag chunks of 3: the last two hold 2 and 0 real tokens, less than the
   # halo of 3 that a peer's chunk takes from one neighbour (KV-Runahead runs any split).
   with pytest.raises(ValueError, match="as short as 0 tokens.*convolution halo of 3"):
-    prefill_hybrid(ours, tokens[:, :20], kvr_jax.make_mesh(4), None, strategy="ring")
-  with pytest.raises(ValueError, match="2 or more ranks"):
-    prefill_hybrid(ours, tokens, kvr_jax.make_mesh(1), [T])
-  with pytest.raises(ValueError, match="token ids"):
-    prefill_hybrid(ours, tokens + 1000, kvr_jax.make_mesh(2), [35, 35])
+    kvr_jax.prefill(ours, tokens[:, :20], strategy="ring", mesh=kvr_jax.make_mesh(4))
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    kvr_jax.prefill(ours, tokens + 1000, strategy="kvr", mesh=kvr_jax.make_mesh(2))
 
 
 def test_qwen35_27b_preset_is_the_published_model():
@@ -527,24 +521,21 @@ def test_kvr_with_a_split_per_layer_kind_equals_one_device(
   """KV-Runahead's full layers on their own split, the linear layers on theirs (the hidden
   states moved between the two at every full layer): the last rank's logits and whole
   cache, and cache="sharded"'s parts laid out by the full layers' split, as one device."""
-  from kvr_jax.inference.hybrid import prefill_hybrid
-
   ours = checkpoints[case][2]
   module = ours.module
   x_BTD, want = jax.jit(lambda m, t: m.forward(t, capacity=T + 4))(module, tokens)
   want_logits = module.logits(x_BTD)[:, -1]
   mesh = kvr_jax.make_mesh(len(partition))
-  got = prefill_hybrid(ours, tokens, mesh, partition, "dense", 4, full_partition=full_partition)
-  assert_close(got.logits_BV, want_logits, "last logits")
-  assert_close(got.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
-  assert_close(got.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
-  assert_close(got.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
-  assert got.chunks == tuple(partition) and got.full_chunks == tuple(full_partition)
-  sharded = prefill_hybrid(
-    ours, tokens, mesh, partition, "dense", 4, cache="sharded", full_partition=full_partition
-  )
-  assert_close(sharded.logits_BV, want_logits, "last logits, cache='sharded'")
-  assert sharded.layout == kvr_jax.strategies.get_strategy("kvr").cache_layout(
+  kinds = {"linear": partition, "full": full_partition}
+  got = prefilled(ours, tokens, mesh, kinds, "dense", 4)
+  assert_close(got.logits, want_logits, "last logits")
+  assert_close(got.model_cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(got.model_cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(got.model_cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  assert got.partition == tuple(partition) and got.full_partition == tuple(full_partition)
+  sharded = prefilled(ours, tokens, mesh, kinds, "dense", 4, cache="sharded")
+  assert_close(sharded.logits, want_logits, "last logits, cache='sharded'")
+  assert sharded.cache_layout == kvr_jax.strategies.get_strategy("kvr").cache_layout(
     T, tuple(full_partition)
   )
 
@@ -617,7 +608,3 @@ def test_a_split_per_layer_kind_refused_by_name(checkpoints, tokens):
     kvr_jax.prefill(ours, prompt, strategy="kvr", mesh=mesh, partition={**kinds, "full": [24, 7]})
   with pytest.raises(ValueError, match="strategy='auto' chooses"):
     kvr_jax.prefill(ours, prompt, strategy="auto", mesh=mesh, partition=kinds)
-  from kvr_jax.inference.hybrid import prefill_hybrid
-
-  with pytest.raises(ValueError, match="full_partition is KV-Runahead's"):
-    prefill_hybrid(ours, prompt, mesh, None, strategy="ring", full_partition=[23, 7])

@@ -116,14 +116,14 @@ def test_kvr_prefill_equals_one_device(checkpoints, tokens):
   """KV-Runahead on uneven chunks: the last logits and every layer's past as one device
   computes them (the experts route each rank's own rows; the MLP is per row, so the peers,
   whose layers tests/test_qwen3_5.py covers, run it alike)."""
-  from kvr_jax.inference.hybrid import prefill_hybrid
+  from tests.own_prefill import prefilled
 
   ours = checkpoints["qwen3_next"][2]
   x_BTD, want = jax.jit(lambda m, t: m.forward(t, capacity=T + 2))(ours.module, tokens)
-  result = prefill_hybrid(ours, tokens, kvr_jax.make_mesh(3), [30, 25, 15], "flash", 2)
-  assert_close(result.logits_BV, ours.module.logits(x_BTD)[:, -1], "last logits")
-  assert_close(result.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
-  assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  result = prefilled(ours, tokens, kvr_jax.make_mesh(3), [30, 25, 15], "flash", 2)
+  assert_close(result.logits, ours.module.logits(x_BTD)[:, -1], "last logits")
+  assert_close(result.model_cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(result.model_cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

@@ -151,7 +151,9 @@ def prefill_hybrid(
   return _ran(model, program, rows, mesh, split, cache_layout, T + max_new_tokens, placed)
 
 
-def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None) -> HybridPrefill:
+def prefill_planned(
+  model: Model, plan, tokens_BT, room: int = 0, ends_B=None, join: bool = True
+) -> HybridPrefill:
   """kvr_jax.prefill's run of a hybrid's plan (a PrefillPlan, checked when it was made:
   plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T] (each
   row's prefill end `ends_B` where rows are padded), its cache joined with room for `room`
@@ -169,7 +171,7 @@ def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None) -
     )
 
   split = (chunks, plan.full_chunks, split_shape)
-  placed = (plan.cache, True, plan.keep_last_hop)
+  placed = (plan.cache, join, plan.keep_last_hop)
   layout = lambda split_of: record.cache_layout(T, split_of)  # noqa: E731
   return _ran(model, laid_out, rows, mesh, split, layout, T + room, placed)
 

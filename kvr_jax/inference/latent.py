@@ -134,13 +134,13 @@ def prefill_latent(
   return _ran(model, program, spec, mesh, tokens_BT, chunks, T + max_new_tokens, placed)
 
 
-def prefill_planned(model: Model, plan, tokens_BT, room: int = 0) -> LatentPrefill:
+def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, join=True) -> LatentPrefill:
   """kvr_jax.prefill's run of a latent model's plan (a PrefillPlan, checked when it was
   made: plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T], its
   cache joined with room for `room` more positions or left in its parts, as
   `prefill_latent` runs it (KV-Runahead's last hop kept where cache="last" joins it)."""
   program = plan.compile(model.graphdef)
-  placed = (plan.cache, True, plan.keep_last_hop)
+  placed = (plan.cache, join, plan.keep_last_hop)
   T = tokens_BT.shape[1]
   return _ran(model, program, plan.strategy, plan.mesh, tokens_BT, plan.chunks, T + room, placed)
 

@@ -51,10 +51,11 @@ class OwnFamily:
   model's own forward on one device or one rank's model group). caches: the layouts its
   decode reads ("last": joined on the last rank; "sharded": left in the ranks' parts).
   group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a pytree
-  of them). run(model, tokens_BT, plan, room) -> the `ModelCache` fields the prefill of
-  `plan` (a PrefillPlan: its mesh, strategy, split, kernel, cache, probes) made: logits
-  [B, V] on the last rank's first device, and the joined cache (with room for `room` more
-  positions) or the ranks' parts.
+  of them). run(model, tokens_BT, plan, room, ends_B, join) -> the `ModelCache` fields the
+  prefill of `plan` (a PrefillPlan: its mesh, strategy, split, kernel, cache, probes) made:
+  logits [B, V] on the last rank's first device, and the joined cache (with room for `room`
+  more positions; join=False: none, the outputs left where the program put them) or the
+  ranks' parts.
   grown(cache, capacity) -> the cache with room for `capacity` positions (a fresh buffer: the
   decode steps donate theirs). sharded_stepper(model, result, max_new_tokens, seed): decode
   from cache="sharded" (`own_stepper`'s return)."""
@@ -90,8 +91,8 @@ class OwnFamily:
   after_sharded_step: Callable = lambda result, caches: {}
 
 
-def _run_hybrid(model, tokens_BT, plan, room, ends_B=None) -> dict:
-  ran = hybrid.prefill_planned(model, plan, tokens_BT, room, ends_B)
+def _run_hybrid(model, tokens_BT, plan, room, ends_B=None, join=True) -> dict:
+  ran = hybrid.prefill_planned(model, plan, tokens_BT, room, ends_B, join)
   return dict(
     logits=ran.logits_BV,
     model_cache=ran.cache,
@@ -99,18 +100,20 @@ def _run_hybrid(model, tokens_BT, plan, room, ends_B=None) -> dict:
     cache_layout=ran.layout,
     linear_state=ran.linear,
     replicated_logits=ran.replicated_logits,
+    moved=ran.moved,
   )
 
 
-def _run_latent(model, tokens_BT, plan, room, ends_B=None):
+def _run_latent(model, tokens_BT, plan, room, ends_B=None, join=True):
   # A split per layer kind is refused by plan_prefill; ends_B is None (a causal past).
-  ran = latent.prefill_planned(model, plan, tokens_BT, room)
+  ran = latent.prefill_planned(model, plan, tokens_BT, room, join)
   return dict(
     logits=ran.logits_BV,
     model_cache=ran.cache,
     parts=ran.parts,
     part_positions=ran.part_positions,
     replicated_logits=ran.replicated_logits,
+    moved=ran.moved,
   )
 
 
@@ -214,6 +217,9 @@ class ModelCache(PrefillResult):
   # KV-Runahead on a hybrid with a split per layer kind: the full layers' (`partition` is
   # then the linear layers'); None where one split ran every layer.
   full_partition: tuple[int, ...] | None = None
+  # cache="last": whether the ranks' parts moved onto the last rank (the peers, the split as
+  # data's parts) or were there already (KV-Runahead's last hops and own chunk: no move).
+  moved: bool = False
 
   def gather_cache(self):
     """The cache (cache="last") as the model's own one-device forward lays it out, on the
@@ -221,12 +227,21 @@ class ModelCache(PrefillResult):
     (`hybrid.one_device_layout`); a latent cache as it is."""
     if self.cache != "last":
       raise ValueError(f"gather_cache reads cache='last'; this prefill ran cache={self.cache!r}")
+    self.check_held()
     family = own_family(self.config)
     # The prompt's positions (not the room kept for decoding), through the host: a group's
     # arrays are typed with its mesh's axes, which one device lacks.
     cache = jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.device), self.model_cache)
     cache = family.one_device_layout(self.config, cache, model_parallel(self.mesh))
     return family.prompt_part(cache, self.prompt_len)
+
+  def check_held(self) -> None:
+    """Refuses a cache="last" result without its cache, by why."""
+    if self.cache == "last" and self.model_cache is None:
+      raise ValueError(
+        "this result holds no cache: its prefill left it where the program put it "
+        "(run_prefill(move_cache=False)), or another process's rank is last and holds it"
+      )
 
   def layer_cache(self, layer: int):
     """Refused: a hybrid's or latent model's cache is not one (K, V) per layer."""
@@ -247,14 +262,24 @@ class ModelCache(PrefillResult):
 
 
 def run_own_prefill(
-  model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray, room: int = 0
+  model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray, room: int = 0, join: bool = True
 ) -> ModelCache:
   """Runs `plan` (kvr_jax.inference.prefill_plan.PrefillPlan, checked by `check_own_plan`) with the
   family's own program; "single" is the model's own forward on the plan's one device (its
-  model group on a 2-D mesh). room: positions the cache keeps for decoding. A process that
-  holds no device of the mesh (auto's pick of one
+  model group on a 2-D mesh). room: positions the cache keeps for decoding. join=False
+  (`run_prefill(move_cache=False)`, what a benchmark times): with cache="last", return once
+  the last rank's logits exist, the program's outputs left where it put them (no cache in the
+  result: KV-Runahead's last rank holds the whole cache there already, the peers' is spread
+  over their ranks). A process that holds no device of the mesh (auto's pick of one
   device in another process) gets no logits and no cache."""
   family = own_family(model.config)
+  padded = bool((lengths_B < plan.prompt_len).any())
+  if padded and not join and plan.cache == "last":
+    raise ValueError(
+      f"move_cache=False runs a {family.name} model's rows of one length: these are padded "
+      "past their lengths, whose logits are read from the joined cache (move the cache, or "
+      "give rows of one length)"
+    )
   spec, mesh = plan.strategy, plan.mesh
   fields = dict(
     prompt_len=plan.prompt_len,
@@ -272,12 +297,11 @@ def run_own_prefill(
   )
   if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
     return ModelCache(None, **fields)
-  padded = bool((lengths_B < plan.prompt_len).any())
   ends_B = lengths_B - 1 if padded and family.stops_at_row_ends else None
   if spec.max_ranks == 1:
     result = _one_group_prefill(model, plan, family, tokens_BT, room, ends_B, fields)
   else:
-    result = ModelCache(**family.run(model, tokens_BT, plan, room, ends_B), **fields)
+    result = ModelCache(**family.run(model, tokens_BT, plan, room, ends_B, join), **fields)
   held = result.model_cache is not None or result.parts is not None
   if padded and held:
     result = _at_last_real_tokens(model, result, tokens_BT, lengths_B)
@@ -394,6 +418,7 @@ def own_stepper(
       f"this cache is a {result.family} model's; decode it with the model that made it"
     )
   family = own_family(model.config)
+  result.check_held()
   if result.cache == "sharded":
     return family.sharded_stepper(model, result, max_new_tokens, seed)
   group = result.decode_mesh

@@ -171,7 +171,7 @@ def run_prefill(
   tokens_BT, lengths_B = _planned_rows(model, plan, tokens)
   T = tokens_BT.shape[1]
   if own_family(model.config) is not None:
-    return run_own_prefill(model, plan, tokens_BT, lengths_B, decode_room)
+    return run_own_prefill(model, plan, tokens_BT, lengths_B, decode_room, move_cache)
   B, padded = plan.batch, bool((lengths_B < T).any())
   if padded and not plan.padded:
     raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")

@@ -44,8 +44,9 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   # prefill's plan and its run, the cache left where it was computed until it is timed apart
   plan = plan_prefill(model, tokens, cache=cache, **kwargs)
   cache = plan.cache  # "auto" resolved
-  result = run_prefill(model, plan, tokens, move_cache=cache != "last")
-  if isinstance(result, ModelCache):  # a hybrid or latent model: its join is part of its call
+  # A hybrid or latent model: its join is part of its call (its figures as prefill's).
+  result = run_prefill(model, plan, tokens, move_cache=cache != "last" or plan.family is not None)
+  if isinstance(result, ModelCache):
     jax.block_until_ready((result.logits, result.model_cache, result.parts))
     return result, time.perf_counter() - start, 0.0
   jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))

@@ -7,8 +7,10 @@ layers on their own split where that models faster, as `partition="search"` runs
 the one split beside it as "kvr-one"), and even; the peers; the single device alone; every
 figure MEASURED here.
 
-A call ends when the last rank's logits of the prompt's last position are ready, the cache
-left where the program put it (`join=False`): KV-Runahead's last rank then
+Each variant is planned once (`kvr_jax.inference.prefill.plan_prefill`, as `kvr_jax.prefill`
+plans it). A call runs that plan and ends when the last rank's logits of the prompt's last
+position are ready, the cache left where the program put it (`run_prefill(move_cache=False)`):
+KV-Runahead's last rank then
 already holds the whole cache, the peers' is spread over their ranks (their move onto the
 last rank is not in the figure: the comparison favours the peers). The variants of one
 length are called once each (their compiles), then `rounds` rounds time one call of each in
@@ -25,8 +27,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from kvr_jax.core.chunks import even_partition
-from kvr_jax.inference.hybrid import prefill_hybrid
-from kvr_jax.inference.latent import prefill_latent
+from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import distributed, links
@@ -37,16 +38,9 @@ from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_hybrid_hardware, fitted_latent_hardware
 from kvr_jax.tools.timing import round_order, synthetic_prompt
 from launch.harness.report import Table
-from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
+from models.layer_kinds import GatedDeltaNetKind
 
 PEERS = ("ring", "allgather")
-
-
-def _prefill_and_peers(model):
-  """The model's own prefill entry point; the peers are the same for both (PEERS)."""
-  if isinstance(model.config.kinds[0], LatentAttentionKind):
-    return prefill_latent, PEERS
-  return prefill_hybrid, PEERS
 
 
 def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -> dict:
@@ -70,36 +64,31 @@ def _variants(model, context_len: int, num_ranks: int, measured: bool = False) -
   searched, kinds = _searched_split(model, context_len, num_ranks, mesh)
   even = even_partition(context_len, num_ranks)
 
-  prefill, peers = _prefill_and_peers(model)
-
-  def call(strategy, partition=None, **kw):
-    return lambda: (
-      prefill(
-        model, tokens, mesh, partition, strategy=strategy, attention="flash", join=False, **kw
-      ).logits_BV
-    )
+  def call(strategy, partition=None, cache="last"):
+    plan = plan_prefill(model, tokens, strategy, mesh, partition, "flash", cache)
+    return lambda: run_prefill(model, plan, tokens, move_cache=False).logits
 
   # KVR-S is what partition="search" runs: on a hybrid the full layers on their own split
   # where that models faster ("kvr-one": the one split searched for both kinds, beside it).
   # ":sharded": KV-Runahead's parts left where computed, as the peers' are (the figure
   # without it has the last rank keep its last hops: the cache joined there).
   linear, full = kinds if kinds is not None and kinds[1] is not None else (searched, None)
-  kw = {} if full is None else {"full_partition": full}
   split = searched if full is None else (linear, full)
+  by_kind = list(searched) if full is None else {"linear": list(linear), "full": list(full)}
   variants = {
-    "kvr-search": call("kvr", linear, **kw),
-    "kvr-search:sharded": call("kvr", linear, cache="sharded", **kw),
-    "kvr-even": call("kvr", even),
-    **{peer: call(peer) for peer in peers},
+    "kvr-search": call("kvr", by_kind),
+    "kvr-search:sharded": call("kvr", by_kind, cache="sharded"),
+    "kvr-even": call("kvr", list(even)),
+    **{peer: call(peer) for peer in PEERS},
   }
   splits = {"kvr-search": split, "kvr-search:sharded": split, "kvr-even": even}
   if full is not None:
-    variants["kvr-one:sharded"] = call("kvr", searched, cache="sharded")
+    variants["kvr-one:sharded"] = call("kvr", list(searched), cache="sharded")
     splits["kvr-one:sharded"] = searched
   if measured:
     plan = PartitionPlan("search", objective="measured")
     splits["kvr-measured"] = tuple(measured_partition(model, tokens, mesh, plan))
-    variants["kvr-measured"] = call("kvr", splits["kvr-measured"])
+    variants["kvr-measured"] = call("kvr", list(splits["kvr-measured"]))
   return variants, splits
 
 
