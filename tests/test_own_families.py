@@ -453,6 +453,32 @@ def test_compiled_memory_measures_a_hybrids_split_per_layer_kind(models):
   assert held <= last["move_argument_bytes"] < held + 64
 
 
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+@pytest.mark.parametrize("strategy, partition", [("kvr", [18, 12]), ("allgather", None)])
+def test_run_prefill_can_leave_the_cache_where_the_program_put_it(
+  models, tokens, oracle, case, strategy, partition
+):
+  """run_prefill(move_cache=False), what the benchmark times: the last rank's logits as one
+  device's, no cache joined (the result refuses to be read or decoded, by why); padded rows,
+  whose logits come from the joined cache, refused before anything runs."""
+  from kvr_jax.inference.prefill import run_prefill
+
+  _, ours = models[case]
+  mesh = kvr_jax.make_mesh(2)
+  plan = plan_prefill(ours, tokens, strategy, mesh, partition, cache="last")
+  result = run_prefill(ours, plan, tokens, move_cache=False)
+  assert_close(result.logits, oracle[case][0], "last logits")
+  assert result.model_cache is None and result.logits.devices() == {mesh.devices.flat[-1]}
+  with pytest.raises(ValueError, match="move_cache=False"):
+    result.gather_cache()
+  with pytest.raises(ValueError, match="holds no cache"):
+    decode_from(ours, result, 2)
+  ragged = [tokens[0, :20], tokens[1]]
+  padded = plan_prefill(ours, ragged, strategy, mesh, partition, cache="last")
+  with pytest.raises(ValueError, match="rows of one length"):
+    run_prefill(ours, padded, ragged, move_cache=False)
+
+
 def test_what_is_not_built_is_refused_by_name(models, tokens):
   _, hybrid = models[HYBRID]
   _, latent = models[LATENT]

@@ -1,16 +1,12 @@
-"""Prefill of a hybrid model (Qwen3.5: linear and full layers) with KV-Runahead or a peer over a
-1-D mesh, or a 2-D one whose ranks are model groups (heads, key heads, experts and MLP columns
-split over "model": kvr_jax.runtime.tensor_parallel), and greedy or sampled decoding from the
-cache the last rank then holds (on a 2-D mesh split over its group, each device its own heads'
-K,V, states and channels): `prefill_hybrid` (`kvr_jax.prefill` and `generate` call it;
-kvr_jax/strategies/hybrid.py is the program).
-
-kvr_jax.prefill / generate run these for a hybrid model (kvr_jax.inference.own_families: the
-plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
-family's own entry points (and `join=False`, what the benchmark times). Rows of one length
-or padded past their ends (`lengths`: a bucket, a ragged batch, 1-D meshes), the cache
-whole on the last rank (split over its group on a 2-D mesh) or left in the ranks' parts.
-Every argument is checked before anything compiles.
+"""Placing a hybrid model's prefill (Qwen3.5, Qwen3-Next: linear and full layers; its program
+is kvr_jax/strategies/hybrid.py) and decoding from its cache: `prefill_planned` runs a
+`PrefillPlan`'s program (`kvr_jax.prefill` plans it and checks every argument; 1-D mesh, or
+a 2-D one whose ranks are model groups: heads, key heads, experts and MLP columns split over
+"model", kvr_jax.runtime.tensor_parallel) and places its outputs: the cache joined on the last
+rank (KV-Runahead's last hops and own chunk where they lie; the peers' parts moved there,
+across processes too; on a 2-D mesh split over its group by head, `CACHE_SPECS`), or left
+in the ranks' parts (cache="sharded": `hybrid_sharded_step` decodes them where they lie).
+Rows of one length or padded past their ends (a bucket, a ragged batch; 1-D meshes).
 """
 
 from __future__ import annotations
@@ -24,18 +20,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.core.chunks import check_chunks, check_ranks
-from kvr_jax.core.layer_support import check_full_partition
 from kvr_jax.inference import sharded_decode
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
-  check_new_tokens,
-  check_ranks_mesh,
-  check_tokens,
   replicated_from_rank,
   stacked_on_last_rank,
 )
-from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec, unfold_batch
+from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -49,10 +40,9 @@ from kvr_jax.runtime.mesh import (
   split_dims,
 )
 from kvr_jax.strategies import family_program, runahead, zigzag
-from kvr_jax.strategies.base import Strategy, count_trace
-from kvr_jax.strategies.hybrid import check_runs_hybrid, compile_hybrid
-from models.kernels import get_kernel
-from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, unbuilt_kinds
+from kvr_jax.strategies.base import count_trace
+from kvr_jax.strategies.hybrid import compile_hybrid
+from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import HybridCache, LinearState, by_kind
 
 
@@ -83,81 +73,13 @@ class HybridPrefill:
   full_chunks: tuple[int, ...] | None = None
 
 
-def prefill_hybrid(
-  model: Model,
-  tokens,
-  mesh,
-  partition=None,
-  attention="dense",
-  max_new_tokens: int = 0,
-  strategy: str | Strategy = "kvr",
-  join: bool = True,
-  cache: str = "last",
-  timeline: bool = False,
-  full_partition=None,
-  split_shape=None,
-  body: str | None = None,
-  lengths=None,
-) -> HybridPrefill:
-  """`strategy` ("kvr", "ring", "allgather", or a record: KV-Runahead's bring their body and
-  split as data, `strategies.family_program`) over `mesh`'s ranks; KV-Runahead's rank i takes
-  partition[i] tokens (contiguous, in order), the peers their zigzag chunks (no partition).
-  max_new_tokens: room the cache keeps for decoding. join=False: return as soon as the last
-  rank's logits exist, the cache left where the program put it (`cache` None; what the
-  benchmark times). With a mesh over several processes only the last rank's process gets the
-  logits and the cache (the peers' parts sent there rank by rank, every process sending).
-  cache="sharded": nothing moves; each rank keeps its full layers' K,V part (`parts`, laid
-  out as `layout` says) and every rank gets the prompt's final linear states and halos
-  (`linear`, one psum of their fixed size), for `hybrid_sharded_step`. timeline: the program
-  marks its phases (kvr_jax.tools.timeline reads them). full_partition (KV-Runahead): the
-  full layers' own split, `partition` the linear layers' (and the tokens'); the hidden
-  states move between them at each full layer (strategies.hybrid.KindSplit). Why: a full
-  layer's causal attention wants the earlier ranks' chunks longer, a linear layer's work is
-  even per token; one split balances neither. `chunks` stays the tokens' split, the cache's
-  K,V parts lie as `full_partition` cut them. split_shape (KV-Runahead): an envelope
-  (`OneBodyShape.envelope` of the full layers' config) whose one program takes the split as
-  data (`compile_hybrid(split_shape=)`): a new split that fits it compiles nothing; its
-  parts are the envelope's rows, moved to the last rank for cache="last". body
-  (KV-Runahead): "one" or "per-rank" for every layer, None for `hybrid_body`'s choice.
-  lengths: rows padded past their ends (a bucket, a ragged batch; 1-D meshes): each row's
-  prefill end [B], before which its linear layers' states and halos stop
-  (`compile_hybrid(padded=True)`); a causal full layer's rows after it change nothing
-  before it. `kvr_jax.prefill` passes each row's length minus one, and its decode step of
-  the row's last token then runs that token from there (`own_families`)."""
-  _check_model_and_strategy(model, strategy)
-  spec, body, split_shape = family_program(strategy, body, split_shape)
-  if cache not in CACHES:
-    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-  tokens_BT = check_tokens(model, tokens)
-  p, m = check_ranks_mesh(model, mesh, "prefill_hybrid")
-  T = tokens_BT.shape[1]
-  chunks = _check_layout(model, spec, partition, T, p)
-  full_chunks = check_full_partition(model.config, spec, full_partition, T, p)
-  check_split(model.config, spec, T, p, full_chunks, split_shape)
-  check_new_tokens(max_new_tokens, 0)
-  kernel = spec.check_attention(attention)
-  if kernel == "auto":
-    kernel = get_kernel(spec.default_attention)
-  rows = _rows_with_ends(tokens_BT, lengths, m)
-  options = (cache == "last", timeline, body, isinstance(rows, tuple))
-  program, cache_layout = _program(
-    model, spec, mesh, chunks, kernel, options, full_chunks, split_shape
-  )
-  # KV-Runahead: the last rank holds it all (not with the split as data: its hops' sizes
-  # are data, so its last hop is not kept)
-  joined_in_place = spec.cache_from_last_hop is not None and split_shape is None
-  split = (chunks, full_chunks, split_shape)
-  placed = (cache, join, joined_in_place)
-  return _ran(model, program, rows, mesh, split, cache_layout, T + max_new_tokens, placed)
-
-
 def prefill_planned(
   model: Model, plan, tokens_BT, room: int = 0, ends_B=None, join: bool = True
 ) -> HybridPrefill:
   """kvr_jax.prefill's run of a hybrid's plan (a PrefillPlan, checked when it was made:
   plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T] (each
   row's prefill end `ends_B` where rows are padded), its cache joined with room for `room`
-  more positions or left in its parts, as `prefill_hybrid` runs it."""
+  more positions or left in its parts (join=False: neither, `run_prefill(move_cache=False)`)."""
   _, _, split_shape = family_program(plan.strategy, None, None)
   mesh, chunks, record = plan.mesh, plan.chunks, plan.strategy
   T = tokens_BT.shape[1]
@@ -232,19 +154,6 @@ def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridC
   return join_contiguous_parts(mine, chunks, split_shape.part_len, capacity)
 
 
-def _check_model_and_strategy(model, strategy: str | Strategy) -> None:
-  """A loaded hybrid model (linear-attention layers) and a strategy that runs it."""
-  linear = isinstance(model, Model) and any(
-    isinstance(kind, GatedDeltaNetKind) for kind in unbuilt_kinds(model.config)
-  )
-  if not linear:
-    raise ValueError(
-      "prefill_hybrid takes a loaded hybrid model (linear-attention layers, e.g. Qwen3.5); "
-      "every other model runs through kvr_jax.prefill"
-    )
-  check_runs_hybrid(strategy)
-
-
 def _rows_with_ends(tokens_BT, lengths, m: int):
   """The program's tokens operand: tokens [B, T] where every row runs to the prompt's end,
   else (tokens, each position minus its row's end [B, T]), refused on a 2-D mesh."""
@@ -261,34 +170,11 @@ def _rows_with_ends(tokens_BT, lengths, m: int):
   return tokens_BT, (np.arange(T)[None] - ends_B[:, None]).astype(np.int32)
 
 
-def _program(model, spec, mesh, chunks, kernel, options, full_chunks, split_shape):
-  """(run(state, rows) -> the program's outputs, the cache layout of a split): the
-  strategy's program for this split, or the one program of `split_shape` with the split's
-  table as its operand. rows: tokens [B, T], or (tokens, each position minus its row's end)
-  for padded rows (`_rows_with_ends`), laid out alike. options: (keep_last_hop, timeline,
-  body, padded), compile_hybrid's."""
-  T, by_rank = sum(chunks), NamedSharding(mesh, jax.P(AXIS))
-  run = bound_program(
-    spec, model.graphdef, mesh, chunks, kernel, options, full_chunks, split_shape, model.config
-  )
-  if split_shape is None:
-    arrange = spec.arrange
-    layout = lambda chunks: spec.cache_layout(T, chunks)
-  else:
-    arrange = runahead.split_as_data_strategy(model.config, split_shape).arrange
-    layout = lambda chunks: contiguous_layout(chunks, split_shape.part_len)
-
-  def laid_out(state, rows):
-    return run(state, jax.tree.map(lambda a: global_array(arrange(a, chunks), by_rank), rows))
-
-  return laid_out, layout
-
-
 def bound_program(spec, graphdef, mesh, chunks, kernel, options, full_chunks, split_shape, config):
   """(state, tokens laid out [p, B, T_rank]) -> the program's outputs: `compile_hybrid`'s
   program for this split, or the one program of `split_shape` bound to it (its table the
   full layers' of `config`: `runahead.on_split`). options: (keep_last_hop, timeline, body,
-  padded), compile_hybrid's. What prefill_hybrid and a plan (`OwnFamily.compile`) run."""
+  padded), compile_hybrid's. What a plan runs (`OwnFamily.compile`)."""
   keep_last_hop, timeline, body, padded = options
   if split_shape is None:
     return compile_hybrid(
@@ -319,24 +205,13 @@ def _last_rank_part(array, mesh):
   return jax.make_array_from_single_device_arrays(tuple(shape), row, shards)
 
 
-def _check_layout(model: Model, spec, partition, T: int, p: int) -> tuple[int, ...]:
-  """The strategy's chunks: the partition checked, or the strategy's own layout (what a
-  split runs is `check_split`'s)."""
-  if spec.partitioned:
-    return check_chunks(partition, T, p)
-  if partition is not None:
-    raise ValueError(f"strategy {spec.name!r} lays the prompt out itself: give no partition")
-  check_ranks(T, p)
-  return spec.layout(T, p, None)
-
-
-def check_split(config, spec, T: int, p: int, full_chunks=None, split_shape=None) -> None:
+def check_split(config, spec, T: int, p: int, full_chunks=None) -> None:
   """What a hybrid's split runs, refused by name before anything compiles (kvr_jax.prefill's
-  plan asks it too: `OwnFamily.check_split`): a peer's zigzag chunks each take their
+  plan asks it: `OwnFamily.check_split`): a peer's zigzag chunks each take their
   convolution halo from one neighbour, so each must hold at least its w rows (KV-Runahead's
   chunks pass on the tail of the halo they received: any length); KV-Runahead's split as
-  data (`split_shape`, or the record's) runs one split for every kind of layer."""
-  if full_chunks is not None and (split_shape or family_program(spec)[2]) is not None:
+  data (the record's `split_shape`) runs one split for every kind of layer."""
+  if full_chunks is not None and family_program(spec)[2] is not None:
     raise ValueError("a hybrid's split as data takes one split for every kind of layer")
   if spec.partitioned:
     return

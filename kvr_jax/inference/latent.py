@@ -1,17 +1,13 @@
-"""Prefill of a latent-attention model (DeepSeek-V3) with KV-Runahead, ring, all-gather CP or TSP
-over a 1-D mesh, or a 2-D one whose ranks are model groups (heads and experts split over
-"model": kvr_jax.runtime.tensor_parallel; the latent whole on every shard), and decoding (greedy
-or sampled) from its latent cache: `prefill_latent` (`kvr_jax.prefill` and `generate` call it)
-(kvr_jax/strategies/latent.py is the program). The cache is joined on the last rank
-(cache="last": KV-Runahead's last hop and own chunk where they lie, the peers' parts moved), or
-left in the ranks' parts (cache="sharded": each decode step attends every part where it lies in
-the absorbed form and merges the partials across the ranks, pass-Q as for K,V caches in
-kvr_jax.inference.decode; the decoded tokens' latents on every rank, counted on the last).
-
-kvr_jax.prefill / generate run these for a latent model (kvr_jax.inference.own_families: the
-plan, "auto", the split by name, decoding with end-of-sequence stops); these functions are the
-family's own entry points (and `join=False`, what the benchmark times). Rows of one length.
-Every argument is checked before anything compiles.
+"""Placing a latent-attention model's prefill (DeepSeek-V3, Kimi K2, Moonlight; its program is
+kvr_jax/strategies/latent.py: KV-Runahead, ring, all-gather CP or TSP) and decoding from its
+latent cache: `prefill_planned` runs a `PrefillPlan`'s program (`kvr_jax.prefill` plans it and
+checks every argument; 1-D mesh, or a 2-D one whose ranks are model groups: heads and experts
+split over "model", kvr_jax.runtime.tensor_parallel, the latent whole on every shard) and
+places its outputs: the cache joined on the last rank (cache="last": KV-Runahead's last hop
+and own chunk where they lie, the peers' parts moved), or left in the ranks' parts
+(cache="sharded": `latent_sharded_step` attends every part where it lies in the absorbed form
+and merges the partials across the ranks, pass-Q as for K,V caches; the decoded tokens'
+latents on every rank, counted on the last).
 """
 
 from __future__ import annotations
@@ -24,13 +20,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.core.chunks import check_chunks, check_ranks
 from kvr_jax.inference import sharded_decode
 from kvr_jax.inference.decode import from_last_rank
 from kvr_jax.inference.own_program import (
-  check_new_tokens,
-  check_ranks_mesh,
-  check_tokens,
   stacked_on_last_rank,
 )
 from kvr_jax.inference.sharded_decode import merge_across_ranks
@@ -43,12 +35,9 @@ from kvr_jax.runtime.mesh import (
   shard_on,
   spans_processes,
 )
-from kvr_jax.strategies import family_program, get_strategy, runahead
-from kvr_jax.strategies.base import Strategy
-from kvr_jax.strategies.latent import check_runs_latent, compile_latent
+from kvr_jax.strategies import runahead
+from kvr_jax.strategies.latent import compile_latent
 from models.attention import merge_partials
-from models.kernels import get_kernel
-from models.layer_kinds import LatentAttentionKind
 
 CACHES = ("last", "sharded")
 
@@ -73,72 +62,12 @@ class LatentPrefill:
   replicated_logits: jax.Array | None = None
 
 
-def prefill_latent(
-  model: Model,
-  tokens,
-  mesh,
-  partition=None,
-  max_new_tokens: int = 0,
-  strategy: str | Strategy = "kvr",
-  attention: str = "flash",
-  join: bool = True,
-  cache: str = "last",
-  timeline: bool = False,
-  split_shape=None,
-  body: str | None = None,
-) -> LatentPrefill:
-  """`strategy` ("kvr", "ring", "allgather", "tsp", or a record: KV-Runahead's bring their body
-  and split as data, `strategies.family_program`) over `mesh`'s ranks; KV-Runahead's rank i
-  takes partition[i] tokens (contiguous, in order; None: even), ring and all-gather CP their
-  zigzag chunks, TSP
-  even contiguous chunks (no partition; its kernel is dense masked scores whatever
-  `attention` says). max_new_tokens: room the cache keeps for decoding. attention: the expanded
-  heads' kernel (models.kernels: dense, blocked, flash, ...). join=False: return as soon as
-  the last rank's logits exist, the cache left where the program put it (`cache` None; what
-  the benchmark times). cache="sharded": the ranks' latents stay where they were computed
-  (`parts`; no move), for `generate(cache="sharded")`.
-  With a mesh over several processes only the last rank's process gets the logits and the
-  cache (KV-Runahead's where it lies; the peers' parts sent there rank by rank). timeline:
-  the program marks its phases (kvr_jax.tools.timeline reads them; the strategies whose
-  record places probes, `timeline_probes`: kvr, ring, allgather).
-  split_shape (KV-Runahead): an envelope (`OneBodyShape.envelope`) whose one program takes
-  the split as data (`compile_latent(split_shape=)`): a new split that fits it compiles
-  nothing; its parts are the envelope's rows, moved to the last rank for cache="last". body
-  (KV-Runahead): "one" or "per-rank", None for `check_body`'s choice."""
-  _check_arguments(model, strategy, attention, cache, join, timeline)
-  spec, body, split_shape = family_program(strategy, body, split_shape)
-  tokens_BT = check_tokens(model, tokens)
-  p, _ = check_ranks_mesh(model, mesh, "prefill_latent")
-  kernel = get_kernel(attention)
-  check_new_tokens(max_new_tokens, 0)
-  T = tokens_BT.shape[1]
-  program_spec = spec
-  if split_shape is not None:  # its record: its arrangement, layout and no last hop
-    spec = runahead.split_as_data_strategy(model.config, split_shape)
-    spec.check_attention(attention)
-  if spec.partitioned:
-    chunks = check_chunks(partition, T, p)
-  else:
-    if partition is not None:
-      raise ValueError(f"strategy {spec.name!r} lays the prompt out itself: give no partition")
-    check_ranks(T, p)
-    chunks = spec.layout(T, p, None)
-  # KV-Runahead's last hop leaves the program only where cache="last" joins it (its hops
-  # carry the whole latent prefix: the last rank then holds every position, nothing moves).
-  keep_last = spec.keeps_last_hop(cache, chunks, model.config.kinds)
-  options = (keep_last, timeline, body)
-  program = bound_program(
-    program_spec, model.graphdef, mesh, chunks, kernel, options, split_shape, model.config
-  )
-  placed = (cache, join, keep_last)
-  return _ran(model, program, spec, mesh, tokens_BT, chunks, T + max_new_tokens, placed)
-
-
 def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, join=True) -> LatentPrefill:
   """kvr_jax.prefill's run of a latent model's plan (a PrefillPlan, checked when it was
   made: plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T], its
-  cache joined with room for `room` more positions or left in its parts, as
-  `prefill_latent` runs it (KV-Runahead's last hop kept where cache="last" joins it)."""
+  cache joined with room for `room` more positions or left in its parts (join=False:
+  neither, `run_prefill(move_cache=False)`; KV-Runahead's last hop kept where cache="last"
+  joins it)."""
   program = plan.compile(model.graphdef)
   placed = (plan.cache, join, plan.keep_last_hop)
   T = tokens_BT.shape[1]
@@ -186,7 +115,7 @@ def bound_program(strategy, graphdef, mesh, chunks, kernel, options, split_shape
   """run(state, tokens [p, B, T_rank]) -> the program's outputs: the strategy's program for
   this split, or the one program of `split_shape` bound to it (its table `config`'s:
   `runahead.on_split`). options: (keep_last, timeline, body), compile_latent's. What
-  prefill_latent and a plan (`OwnFamily.compile`) run."""
+  a plan (`OwnFamily.compile`) and `prefill_planned` run."""
   keep_last, timeline, body = options
   if split_shape is None:
     return compile_latent(strategy, graphdef, mesh, chunks, kernel, keep_last, timeline, body)
@@ -194,24 +123,6 @@ def bound_program(strategy, graphdef, mesh, chunks, kernel, options, split_shape
     strategy, graphdef, mesh, None, kernel, False, timeline, body, split_shape
   )
   return runahead.on_split(program, mesh, config, split_shape, chunks)
-
-
-def _check_arguments(model, strategy, attention, cache: str, join: bool, timeline) -> None:
-  """prefill_latent's refusals that need no tokens or mesh, before anything compiles."""
-  latent = isinstance(model, Model) and isinstance(model.config.kinds[0], LatentAttentionKind)
-  if not latent:
-    raise ValueError(
-      "prefill_latent takes a loaded latent-attention model (DeepSeek-V3); every other model "
-      "runs through kvr_jax.prefill"
-    )
-  check_runs_latent(strategy, timeline)
-  if get_strategy(strategy).merges_by_lse and not get_kernel(attention).returns_lse:
-    raise ValueError(
-      f"ring attention merges partials by log-sum-exp: attention={attention!r} returns none "
-      "(use flash)"
-    )
-  if cache not in CACHES:
-    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):

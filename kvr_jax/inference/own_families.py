@@ -118,8 +118,8 @@ def _run_latent(model, tokens_BT, plan, room, ends_B=None, join=True):
 
 
 def _compile_hybrid(plan, graphdef, padded: bool = False):
-  """The plan's hybrid program (strategies.hybrid.compile_hybrid), as prefill_hybrid
-  compiles it: cache="last" keeps KV-Runahead's last hops; the full layers' own split; a
+  """The plan's hybrid program (strategies.hybrid.compile_hybrid, by `hybrid.bound_program`):
+  cache="last" keeps KV-Runahead's last hops; the full layers' own split; a
   split as data's one program bound to the plan's split (`runahead.on_split`, the full
   layers' table)."""
   spec, body, split_shape = family_program(plan.strategy, None, None)
@@ -132,8 +132,8 @@ def _compile_hybrid(plan, graphdef, padded: bool = False):
 
 
 def _compile_latent(plan, graphdef, padded: bool = False):
-  """The plan's latent program (strategies.latent.compile_latent), as prefill_latent
-  compiles it: KV-Runahead's last hop kept where cache="last" joins it (a latent layer's hop
+  """The plan's latent program (strategies.latent.compile_latent, by `latent.bound_program`):
+  KV-Runahead's last hop kept where cache="last" joins it (a latent layer's hop
   carries the whole prefix). A causal past takes padded rows as they are (padded unused)."""
   del padded
   spec, body, split_shape = family_program(plan.strategy, None, None)

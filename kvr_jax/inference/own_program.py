@@ -17,18 +17,7 @@ from jax.sharding import NamedSharding
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference.kv_cache import send_to_last_program
 from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, check_mesh, model_parallel, rank_row_mesh
-
-
-def check_tokens(model, tokens) -> np.ndarray:
-  """A non-empty [batch, length] integer array of ids in the model's vocabulary."""
-  tokens_BT = np.asarray(tokens)
-  if tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer) or tokens_BT.size == 0:
-    raise ValueError(f"tokens must be a non-empty [batch, length] integer array, got {tokens!r}")
-  vocab = model.config.vocab_size
-  if tokens_BT.min() < 0 or tokens_BT.max() >= vocab:
-    raise ValueError(f"token ids must be in [0, {vocab}) for this model")
-  return tokens_BT
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh
 
 
 def _is_integer(value) -> bool:
@@ -64,25 +53,6 @@ def check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed) -> No
     raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
   if not _is_integer(seed) or not -(2**63) <= seed < 2**63:
     raise ValueError(f"`seed` must be an integer in [-2**63, 2**63), got {seed!r}")
-
-
-def check_ranks_mesh(model, mesh, entry: str) -> tuple[int, int]:
-  """(ranks, devices per rank) of the mesh a family's parallel prefill (`entry`, its name in
-  the message) runs on: 2 or more ranks, and model groups the model's heads split over."""
-  p = check_mesh(mesh, allow_model=True)
-  if p < 2:
-    raise ValueError(f"{entry} runs on 2 or more ranks; on one device use model.module")
-  m = model_parallel(mesh)
-  if m > 1:
-    tensor_parallel.check_model_parallel(model.config, m)
-  return p, m
-
-
-def check_new_tokens(max_new_tokens, least: int) -> None:
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-    raise ValueError(f"max_new_tokens must be an integer >= {least}, got {max_new_tokens!r}")
-  if max_new_tokens < least:
-    raise ValueError(f"max_new_tokens must be an integer >= {least}, got {max_new_tokens!r}")
 
 
 @kept_cache(8)

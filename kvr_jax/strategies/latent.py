@@ -113,7 +113,7 @@ def kvr_latent_rank(
   if split_table is not None:
     shape, table = split_table
     return one_body_layer(model.config, rank, reduce, shape, kernel, False, False, table, **heads)
-  if body == "one":  # prefill_latent runs on 2 or more ranks: the last hop holds the cache
+  if body == "one":  # a plan runs it on 2 or more ranks: the last hop holds the cache
     shape = OneBodyShape.of_split(model.config, chunks, kernel)
     table = shape.table(model.config, chunks)
     return one_body_layer(

@@ -76,13 +76,13 @@ def latent_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
 
 
 def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict:
-  """What bringing a latent cache onto the last rank needs on its device (`device`), as
-  prefill_latent runs it: KV-Runahead's join of its last hop and its own part where they lie
-  (`latent.join_last_hop`), or every rank's part sent there and put in prompt order
-  (`latent.join_in_prompt_order`: all p parts on that device at once, beside the cache).
-  parts: the program's outputs on one rank, (shape, dtype) each ({"own": [L, B, T_rank, C],
-  "last": [L, B, S_{p-2}, C] where kept}). capacity: the cache's positions (the prompt and the
-  decoded tokens' room). XLA's `move_argument_bytes` and `move_temp_bytes` of it."""
+  """What bringing a latent cache onto the last rank needs on its device (`device`), as prefill runs
+  it (`latent.prefill_planned`): KV-Runahead's join of its last hop and its own part where they
+  lie (`latent.join_last_hop`), or every rank's part sent there and put in prompt order
+  (`latent.join_in_prompt_order`: all p parts on that device at once, beside the cache). parts:
+  the program's outputs on one rank, (shape, dtype) each ({"own": [L, B, T_rank, C], "last": [L,
+  B, S_{p-2}, C] where kept}). capacity: the cache's positions (the prompt and the decoded tokens'
+  room). XLA's `move_argument_bytes` and `move_temp_bytes` of it."""
   on_device = jax.sharding.SingleDeviceSharding(device)
   (own_shape, dtype) = parts["own"]
   if joins:
@@ -98,14 +98,14 @@ def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict
 
 
 def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int) -> dict:
-  """What bringing a hybrid cache onto the last rank needs on one device of it, as
-  prefill_hybrid runs it: KV-Runahead's join of its full layers' last hops and own parts
-  and its linear states where they lie (`hybrid.join_last_hop`), or every rank's parts sent
-  there, stacked, and put in prompt order (`hybrid.join_zigzag_parts`: all p parts at once,
-  beside the cache); on a 2-D mesh each device of the last rank's row its heads. parts: the
-  program's outputs [p, ...] (`compile_hybrid`'s, shapes). split: (the tokens' chunks, the
-  full layers' K,V parts' chunks). capacity: the cache's positions. XLA's
-  `move_argument_bytes` and `move_temp_bytes` of it."""
+  """What bringing a hybrid cache onto the last rank needs on one device of it, as prefill runs it
+  (`hybrid.prefill_planned`): KV-Runahead's join of its full layers' last hops and own parts and
+  its linear states where they lie (`hybrid.join_last_hop`), or every rank's parts sent there,
+  stacked, and put in prompt order (`hybrid.join_zigzag_parts`: all p parts at once, beside the
+  cache); on a 2-D mesh each device of the last rank's row its heads. parts: the program's outputs
+  [p, ...] (`compile_hybrid`'s, shapes). split: (the tokens' chunks, the full layers' K,V parts'
+  chunks). capacity: the cache's positions. XLA's `move_argument_bytes` and `move_temp_bytes` of
+  it."""
   chunks, full_chunks = split
   p = len(chunks)
   row = rank_row_mesh(mesh, p - 1)
