@@ -268,12 +268,12 @@ def test_padded_rows_stop_each_linear_state_at_their_end(
   ours, ends = checkpoints["qwen3_5-types"][2], np.array([2, 41])
   mesh = kvr_jax.make_mesh(ranks)
   plan = plan_prefill(ours, tokens, strategy, mesh, partition, "flash", "last")
-  result = hybrid.prefill_planned(ours, plan, tokens, 0, ends)
+  got = hybrid.prefill_planned(ours, plan, tokens, 0, ends)["model_cache"]
   _, want = forward(ours.module, tokens, ends)
-  assert_close(result.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
-  assert_close(result.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  assert_close(got.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(got.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
   for b, end in enumerate(ends):
-    got_kv, want_kv = result.cache.kv_2BSKH[:, :, b, :end], want.kv_2BSKH[:, :, b, :end]
+    got_kv, want_kv = got.kv_2BSKH[:, :, b, :end], want.kv_2BSKH[:, :, b, :end]
     assert_close(got_kv, want_kv, f"row {b}'s full layers' K,V before its end")
   with pytest.raises(ValueError, match="lengths must be 2 row ends"):
     hybrid.prefill_planned(ours, plan, tokens, 0, [3, T + 1])

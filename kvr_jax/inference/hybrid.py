@@ -11,7 +11,6 @@ Rows of one length or padded past their ends (a bucket, a ragged batch; 1-D mesh
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -46,40 +45,21 @@ from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import HybridCache, LinearState, by_kind
 
 
-@dataclasses.dataclass(frozen=True)
-class HybridPrefill:
-  """logits_BV: the prompt's last position's logits (on the last rank's device). cache: the
-  model's `HybridCache` there, with room for `capacity` positions. chunks: each rank's
-  tokens as the strategy laid them out. moved: whether the cache was moved onto the last
-  rank (the peers) or was there already (KV-Runahead's last hop and own chunk). On a 2-D
-  mesh the cache is split over the last rank's group by head (`CACHE_SPECS`): device j holds
-  its KV heads, its value heads' states and its q, k, v heads' convolution channels (so the
-  halo's channels are in device order, each device's q, k, v in turn)."""
-
-  logits_BV: jax.Array
-  cache: HybridCache
-  chunks: tuple[int, ...]
-  capacity: int
-  moved: bool
-  # cache="sharded": the full layers' K,V parts [p, L_full, 2, B*P, K, H] by rank, where
-  # `layout` says each rank's rows lie in the prompt; the prompt's final linear pasts on
-  # every rank (replicated); across processes the logits replicated everywhere.
-  parts: jax.Array | None = None
-  layout: CacheLayout | None = None
-  linear: LinearState | None = None
-  replicated_logits: jax.Array | None = None
-  # KV-Runahead with a split per layer kind: the full layers' (the cache's K,V parts lie as
-  # it cut them); None where every layer took `chunks`.
-  full_chunks: tuple[int, ...] | None = None
-
-
 def prefill_planned(
   model: Model, plan, tokens_BT, room: int = 0, ends_B=None, join: bool = True
-) -> HybridPrefill:
+) -> dict:
   """kvr_jax.prefill's run of a hybrid's plan (a PrefillPlan, checked when it was made:
   plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T] (each
   row's prefill end `ends_B` where rows are padded), its cache joined with room for `room`
-  more positions or left in its parts (join=False: neither, `run_prefill(move_cache=False)`)."""
+  more positions or left in its parts (join=False: neither, `run_prefill(move_cache=False)`).
+  The `ModelCache` fields it made: logits [B, V] on the last rank's device (None in another
+  process); model_cache, the `HybridCache` there (on a 2-D mesh split over the last rank's
+  group by head, `CACHE_SPECS`: device j holds its KV heads, its value heads' states and its
+  q, k, v heads' convolution channels, so the halo's channels are in device order); moved
+  (the peers' parts moved there, KV-Runahead's last hop and own chunk there already); or for
+  cache="sharded" the full layers' K,V parts [p, L_full, 2, B*P, K, H] by rank, laid out as
+  cache_layout says, the prompt's final linear pasts on every rank (linear_state) and, across
+  processes, the logits replicated everywhere (replicated_logits)."""
   _, _, split_shape = family_program(plan.strategy, None, None)
   mesh, chunks, record = plan.mesh, plan.chunks, plan.strategy
   T = tokens_BT.shape[1]
@@ -98,14 +78,14 @@ def prefill_planned(
   return _ran(model, laid_out, rows, mesh, split, layout, T + room, placed)
 
 
-def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed) -> HybridPrefill:
+def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed) -> dict:
   """The program run on `rows` and its outputs placed as asked: split (the tokens' chunks,
   the full layers' own or None, the split as data's envelope or None); cache_layout(chunks)
   -> where a split's parts lie; placed (cache, join, whether the last rank holds the whole
   cache without a move)."""
   (chunks, full_chunks, split_shape), (cache, join, joined_in_place) = split, placed
   p, m, T = len(chunks), model_parallel(mesh), jax.tree.leaves(rows)[0].shape[1]
-  split_full, full_chunks = full_chunks, chunks if full_chunks is None else full_chunks
+  full_chunks = chunks if full_chunks is None else full_chunks
   state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
   logits_pBV, out = program(state, rows)
   owner = rank_device(mesh, p - 1)
@@ -124,12 +104,15 @@ def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed)
     replicated = None
     if spans_processes(mesh):  # every process decodes: the last rank's logits everywhere
       replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
-    layout = cache_layout(full_chunks)
-    return HybridPrefill(
-      logits_BV, None, chunks, capacity, False, parts, layout, linear, replicated, split_full
+    return dict(
+      logits=logits_BV,
+      parts=parts,
+      cache_layout=cache_layout(full_chunks),
+      linear_state=linear,
+      replicated_logits=replicated,
     )
   if not join or (logits_BV is None and joined_in_place):
-    return HybridPrefill(logits_BV, None, chunks, capacity, False, full_chunks=split_full)
+    return dict(logits=logits_BV)
   # On a 2-D mesh each device joins its own heads' parts.
   if joined_in_place:  # the last rank holds everything: no move
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
@@ -137,9 +120,8 @@ def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed)
   else:  # the parts move to the last rank (every process sends)
     cache = _moved_cache(out, mesh, chunks, capacity, split_shape)
     if cache is None:  # another process's rank is last: it received the parts
-      return HybridPrefill(None, None, chunks, capacity, True)
-  moved = not joined_in_place
-  return HybridPrefill(logits_BV, cache, chunks, capacity, moved, full_chunks=split_full)
+      return dict(logits=None, moved=True)
+  return dict(logits=logits_BV, model_cache=cache, moved=not joined_in_place)
 
 
 def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridCache | None:

@@ -12,11 +12,8 @@ latents on every rank, counted on the last).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
@@ -42,39 +39,26 @@ from models.attention import merge_partials
 CACHES = ("last", "sharded")
 
 
-@dataclasses.dataclass(frozen=True)
-class LatentPrefill:
-  """logits_BV: the prompt's last position's logits (on the last rank's device). cache: the
-  model's latent cache there, [L, B, capacity, C]. chunks: each rank's tokens as the strategy
-  laid them out. moved: whether the cache was moved onto the last rank (all-gather CP's
-  parts) or was there already (KV-Runahead's last hop and own chunk)."""
-
-  logits_BV: jax.Array
-  cache: jax.Array
-  chunks: tuple[int, ...]
-  capacity: int
-  moved: bool
-  # cache="sharded": each rank's latents where the program left them, [p, L, B, T_rank, C]
-  # (sharded by rank), and the prompt position of each rank's rows, [p, T_rank] (-1: padding).
-  parts: jax.Array | None = None
-  part_positions: np.ndarray | None = None
-  # cache="sharded" across processes: the logits replicated on every device of the mesh.
-  replicated_logits: jax.Array | None = None
-
-
-def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, join=True) -> LatentPrefill:
+def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None, join=True) -> dict:
   """kvr_jax.prefill's run of a latent model's plan (a PrefillPlan, checked when it was
   made: plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T], its
   cache joined with room for `room` more positions or left in its parts (join=False:
   neither, `run_prefill(move_cache=False)`; KV-Runahead's last hop kept where cache="last"
-  joins it)."""
+  joins it). The `ModelCache` fields it made: logits [B, V] on the last rank's device (None in
+  another process); model_cache, the latent cache there [L, B, T + room, C]; moved (the
+  peers' parts moved there, KV-Runahead's last hop and own chunk there already); or for
+  cache="sharded" each rank's latents where the program left them, [p, L, B, T_rank, C]
+  (parts), the prompt position of each of their rows [p, T_rank] (part_positions, -1:
+  padding) and, across processes, the logits replicated everywhere. ends_B: unused (a
+  causal past takes padded rows as they are)."""
+  del ends_B
   program = plan.compile(model.graphdef)
   placed = (plan.cache, join, plan.keep_last_hop)
   T = tokens_BT.shape[1]
   return _ran(model, program, plan.strategy, plan.mesh, tokens_BT, plan.chunks, T + room, placed)
 
 
-def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -> LatentPrefill:
+def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -> dict:
   """The program run on tokens_BT (laid out as `spec` lays them out: a strategy's record,
   or the split as data's) and its outputs placed as asked: placed (cache, join, whether the
   program kept KV-Runahead's last hop, from which the last rank holds the cache)."""
@@ -94,21 +78,21 @@ def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -
     replicated = None
     if spans_processes(mesh):
       replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
-    return LatentPrefill(
-      logits_BV, None, chunks, capacity, False, out["own"], positions, replicated
+    return dict(
+      logits=logits_BV, parts=out["own"], part_positions=positions, replicated_logits=replicated
     )
   if not join or (logits_BV is None and keep_last):
-    return LatentPrefill(logits_BV, None, chunks, capacity, False)
+    return dict(logits=logits_BV)
   if keep_last:  # the last rank holds every position: its last hop and its own chunk
     last, own = shard_on(out["last"], owner), shard_on(out["own"], owner)
     cache = join_last_hop(last, own, chunks[-1], capacity)
   else:  # every rank's parts move to the last rank (every process sends), into prompt order
     pieces = stacked_on_last_rank(out["own"], mesh)
     if pieces is None:  # another process's rank is last: it received the parts
-      return LatentPrefill(None, None, chunks, capacity, True)
+      return dict(logits=None, moved=True)
     rows = spec.cache_layout(T, chunks).rows_in_prompt_order()
     cache = join_in_prompt_order(pieces, rows, capacity)
-  return LatentPrefill(logits_BV, cache, chunks, capacity, not keep_last)
+  return dict(logits=logits_BV, model_cache=cache, moved=not keep_last)
 
 
 def bound_program(strategy, graphdef, mesh, chunks, kernel, options, split_shape, config):

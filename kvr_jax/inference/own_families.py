@@ -51,7 +51,7 @@ class OwnFamily:
   model's own forward on one device or one rank's model group). caches: the layouts its
   decode reads ("last": joined on the last rank; "sharded": left in the ranks' parts).
   group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a pytree
-  of them). run(model, tokens_BT, plan, room, ends_B, join) -> the `ModelCache` fields the
+  of them). run(model, plan, tokens_BT, room, ends_B, join) -> the `ModelCache` fields the
   prefill of `plan` (a PrefillPlan: its mesh, strategy, split, kernel, cache, probes) made:
   logits [B, V] on the last rank's first device, and the joined cache (with room for `room`
   more positions; join=False: none, the outputs left where the program put them) or the
@@ -89,32 +89,6 @@ class OwnFamily:
   # (result, the caches the sharded step returned) -> the result's fields that the step of
   # a padded row's last real token changed (`_at_last_real_tokens`).
   after_sharded_step: Callable = lambda result, caches: {}
-
-
-def _run_hybrid(model, tokens_BT, plan, room, ends_B=None, join=True) -> dict:
-  ran = hybrid.prefill_planned(model, plan, tokens_BT, room, ends_B, join)
-  return dict(
-    logits=ran.logits_BV,
-    model_cache=ran.cache,
-    parts=ran.parts,
-    cache_layout=ran.layout,
-    linear_state=ran.linear,
-    replicated_logits=ran.replicated_logits,
-    moved=ran.moved,
-  )
-
-
-def _run_latent(model, tokens_BT, plan, room, ends_B=None, join=True):
-  # A split per layer kind is refused by plan_prefill; ends_B is None (a causal past).
-  ran = latent.prefill_planned(model, plan, tokens_BT, room, join)
-  return dict(
-    logits=ran.logits_BV,
-    model_cache=ran.cache,
-    parts=ran.parts,
-    part_positions=ran.part_positions,
-    replicated_logits=ran.replicated_logits,
-    moved=ran.moved,
-  )
 
 
 def _compile_hybrid(plan, graphdef, padded: bool = False):
@@ -301,7 +275,7 @@ def run_own_prefill(
   if spec.max_ranks == 1:
     result = _one_group_prefill(model, plan, family, tokens_BT, room, ends_B, fields)
   else:
-    result = ModelCache(**family.run(model, tokens_BT, plan, room, ends_B, join), **fields)
+    result = ModelCache(**family.run(model, plan, tokens_BT, room, ends_B, join), **fields)
   held = result.model_cache is not None or result.parts is not None
   if padded and held:
     result = _at_last_real_tokens(model, result, tokens_BT, lengths_B)
@@ -457,7 +431,7 @@ HYBRID = OwnFamily(
   ("single", *hybrid_programs.STRATEGIES),
   hybrid.CACHES,
   hybrid.CACHE_SPECS,
-  _run_hybrid,
+  hybrid.prefill_planned,
   _grown_hybrid,
   hybrid.one_device_layout,
   lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
@@ -474,7 +448,7 @@ LATENT = OwnFamily(
   ("single", *latent_programs.STRATEGIES),
   latent.CACHES,
   jax.P(),  # headless: whole on every shard
-  _run_latent,
+  latent.prefill_planned,
   _grown_latent,
   lambda config, cache, m: cache,
   lambda cache, T: cache[:, :, :T],
