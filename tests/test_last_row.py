@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvr_jax
-from kvr_jax.inference.prefill import _placed_state, plan_prefill
+from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, global_array
 from kvr_jax.strategies import hybrid, latent, runahead
@@ -57,7 +57,7 @@ def _program_rows(model, strategy, ranks: int, width: int, **kwargs) -> set[int]
   plan = plan_prefill(model, tokens, strategy=strategy, mesh=mesh, **kwargs)
   arranged = plan.strategy.arrange(np.asarray(tokens), plan.chunks)
   tokens_pBc = global_array(arranged, jax.sharding.NamedSharding(mesh, jax.P(AXIS)))
-  jaxpr = jax.make_jaxpr(plan.program(model))(_placed_state(model, mesh), tokens_pBc)
+  jaxpr = jax.make_jaxpr(plan.program(model))(model.state_for(mesh), tokens_pBc)
   return _matmul_rows(jaxpr.jaxpr, width)
 
 
@@ -180,7 +180,7 @@ def test_own_programs_finish_one_row_in_the_last_layer(own_models, family, strat
     program = latent.compile_latent(strategy, model.graphdef, mesh, chunks, "flash")
   arranged = kvr_jax.strategies.get_strategy(strategy).arrange(tokens, chunks)
   tokens_pBc = global_array(arranged, jax.sharding.NamedSharding(mesh, jax.P(AXIS)))
-  jaxpr = jax.make_jaxpr(program)(_placed_state(model, mesh), tokens_pBc)
+  jaxpr = jax.make_jaxpr(program)(model.state_for(mesh), tokens_pBc)
   got = _matmul_rows(jaxpr.jaxpr, _mlp_width(model))
   assert got == rows | {1}, got
 
@@ -207,7 +207,7 @@ def test_the_one_row_branch_is_the_one_taken(strategy, ranks):
     plan = plan_prefill(model, tokens, strategy=strategy, mesh=mesh)
     arranged = plan.strategy.arrange(np.asarray(tokens), plan.chunks)
     tokens_pBc = global_array(arranged, jax.sharding.NamedSharding(mesh, jax.P(AXIS)))
-    lowered = plan.program(model).lower(_placed_state(model, mesh), tokens_pBc)
+    lowered = plan.program(model).lower(model.state_for(mesh), tokens_pBc)
     return lowered.compile().cost_analysis()["flops"]
 
   one_row, whole = program_flops(1), program_flops(2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,6 @@ from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.inference.buckets import check_prompts
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.own_families import ModelCache, own_stepper
-from kvr_jax.inference.own_program import check_sampling
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.inference.results import CacheParts, PrefillResult
 from kvr_jax.inference.text import encode_text
@@ -29,6 +29,41 @@ from kvr_jax.runtime.mesh import (
   spans_processes,
   split_dims,
 )
+
+
+def _is_integer(value) -> bool:
+  """Python and numpy integers, not bools."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+# Sampling divides float32 logits by the temperature: below float32's smallest normal number
+# the division is no longer a temperature (it underflows), so such values are refused.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
+def check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
+  """The decoding arguments `generate` takes, refused by name (also called by the command
+  lines before anything compiles)."""
+  if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+  if not _is_real(temperature) or not temperature >= 0 or not np.isfinite(temperature):
+    raise ValueError(f"`temperature` must be a finite number >= 0, got {temperature!r}")
+  if 0 < temperature < MIN_TEMPERATURE:
+    raise ValueError(
+      f"`temperature`={temperature!r} is below float32's smallest normal number "
+      f"({MIN_TEMPERATURE:.3g}); use temperature=0 for greedy decoding"
+    )
+  vocab = model.config.vocab_size
+  if top_k is not None and (not _is_integer(top_k) or not 1 <= top_k <= vocab):
+    raise ValueError(f"`top_k` must be an integer in [1, {vocab}], got {top_k!r}")
+  if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+  if not _is_integer(seed) or not -(2**63) <= seed < 2**63:
+    raise ValueError(f"`seed` must be an integer in [-2**63, 2**63), got {seed!r}")
 
 
 @dataclasses.dataclass
@@ -227,11 +262,10 @@ def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
   every operand is a global array that every process builds alike."""
   replicated = NamedSharding(result.mesh, jax.P())
   B, (L_f, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
-  if model_parallel(result.mesh) > 1:  # the weights and the tail's heads split over "model"
-    state = model.state_split_over(result.mesh)
+  state = model.state_for(result.mesh)
+  heads = replicated  # the tail's heads: split over "model" where the weights' are
+  if model_parallel(result.mesh) > 1:
     heads = NamedSharding(result.mesh, split_dims("L2BTKH", K=MODEL_AXIS))
-  else:
-    state, heads = model.state_on(replicated), replicated
   kept = result.kept or decode.DecodeLayout.whole(L_f)
   tail = decode.zeros_on((L_f, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, heads)
   caches = tuple(
@@ -246,11 +280,7 @@ def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
     index = global_array(np.int32(index), replicated)
     return program(state, token_B, prompt_lens_B, result.kv_parts, caches, index)
 
-  logits = result.replicated_logits
-  if logits is None:
-    logits = jax.device_put(result.logits, replicated)
-  key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-  return step, caches, logits, jax.random.wrap_key_data(global_array(key_data, replicated))
+  return step, caches, *sharded_decode.first_draw(result, seed)
 
 
 # A fresh copy of arrays (global ones too), which a step then owns and donates.

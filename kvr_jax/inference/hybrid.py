@@ -5,7 +5,8 @@ a 2-D one whose ranks are model groups: heads, key heads, experts and MLP column
 "model", kvr_jax.runtime.tensor_parallel) and places its outputs: the cache joined on the last
 rank (KV-Runahead's last hops and own chunk where they lie; the peers' parts moved there,
 across processes too; on a 2-D mesh split over its group by head, `CACHE_SPECS`), or left
-in the ranks' parts (cache="sharded": `hybrid_sharded_step` decodes them where they lie).
+in the ranks' parts (cache="sharded": `hybrid_sharded_step` decodes them where they lie,
+`sharded_hybrid_stepper` is `decode_from`'s loop over it).
 Rows of one length or padded past their ends (a bucket, a ragged batch; 1-D meshes).
 """
 
@@ -19,9 +20,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import sharded_decode
-from kvr_jax.inference.decode import from_last_rank
-from kvr_jax.inference.own_program import (
+from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference.rank_moves import (
   replicated_from_rank,
   stacked_on_last_rank,
 )
@@ -32,6 +32,7 @@ from kvr_jax.runtime.mesh import (
   MODEL_AXIS,
   global_array,
   model_parallel,
+  placements,
   rank_device,
   rank_row_mesh,
   shard_on,
@@ -84,9 +85,9 @@ def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed)
   -> where a split's parts lie; placed (cache, join, whether the last rank holds the whole
   cache without a move)."""
   (chunks, full_chunks, split_shape), (cache, join, joined_in_place) = split, placed
-  p, m, T = len(chunks), model_parallel(mesh), jax.tree.leaves(rows)[0].shape[1]
+  p, T = len(chunks), jax.tree.leaves(rows)[0].shape[1]
   full_chunks = chunks if full_chunks is None else full_chunks
-  state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
+  state = model.state_for(mesh)
   logits_pBV, out = program(state, rows)
   owner = rank_device(mesh, p - 1)
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
@@ -103,7 +104,7 @@ def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed)
     )
     replicated = None
     if spans_processes(mesh):  # every process decodes: the last rank's logits everywhere
-      replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
+      replicated = decode.from_last_rank(mesh, ranked=True)(logits_pBV)
     return dict(
       logits=logits_BV,
       parts=parts,
@@ -322,3 +323,82 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
   linear_spec = CACHE_SPECS.linear if split else LinearState(jax.P(), jax.P())
   specs = ((parts_spec(mesh),), (tail_spec, linear_spec))
   return sharded_decode.sharded_step_program(graphdef, mesh, layer, *specs)
+
+
+def one_rank_hybrid_parts(cache: HybridCache, T: int, mesh) -> dict:
+  """A one-rank prefill's hybrid cache as cache="sharded" holds it: the full layers' K,V as
+  the rank's part [1, L, 2, B*T, K, H] (rows folded by batch), the linear pasts as they are."""
+  L, _, B, _, K, H = cache.kv_2BSKH.shape
+  fold = jax.jit(
+    lambda kv: kv[:, :, :, :T].reshape(1, L, 2, B * T, K, H),
+    out_shardings=NamedSharding(mesh, parts_spec(mesh)),
+  )
+  layout = CacheLayout(context_len=T, part_len=T, segments=(((0, T, 0),),))
+  linear = jax.device_put(cache.linear, placements(mesh, _linear_specs(mesh)))
+  return dict(parts=fold(cache.kv_2BSKH), cache_layout=layout, linear_state=linear)
+
+
+def _linear_specs(mesh):
+  return CACHE_SPECS.linear if model_parallel(mesh) > 1 else LinearState(jax.P(), jax.P())
+
+
+def sharded_hybrid_stepper(model, result, max_new_tokens: int, seed: int):
+  """cache="sharded" (hybrid models): the full layers' parts stay put, the decoded tokens'
+  K,V in a tail on every rank, the linear pasts on every rank (a copy: the steps write into
+  theirs); every operand a global array that every process builds alike."""
+  mesh = result.mesh
+  m = model_parallel(mesh)
+  replicated = NamedSharding(mesh, jax.P())
+  program = hybrid_sharded_step(model.graphdef, mesh, result.cache_layout)
+  state = model.state_for(mesh)
+  L, _, rows, K, H = result.parts.shape[1:]
+  B = rows // result.cache_layout.part_len
+  tail_spec = CACHE_SPECS.kv_2BSKH if m > 1 else jax.P()
+  tail = decode.zeros_on(
+    (L, 2, B, max_new_tokens, K, H), model.dtype, NamedSharding(mesh, tail_spec)
+  )
+  linear = _copied(result.linear_state)
+  # Each row's own length: a padded row's parts are read up to it, its tokens follow it.
+  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
+
+  def step(token_B, index, caches):
+    logits, tail, linear = program(state, token_B, prompt_lens_B, result.parts, *caches, index)
+    return logits, (tail, linear)
+
+  return step, (tail, linear), *sharded_decode.first_draw(result, seed)
+
+
+def after_hybrid_step(result, caches) -> dict:
+  """What the sharded step of each padded row's last real token (at `result.lengths`, the
+  prefill stopped before it) leaves for decoding: the linear pasts after it, and the token's
+  K,V (the tail's first entry) written into the part that holds its position, in place of
+  the prefill's, which came from the linear layers stopped before it."""
+  tail_L2BMKH, linear = caches
+  layout, mesh = result.cache_layout, result.mesh
+  p, B = layout.num_ranks, len(result.lengths)
+  beyond = B * layout.part_len  # a row index no part has: that rank writes nothing
+  rows_pB = np.full((p, B), beyond, np.int32)
+  for b, position in enumerate(np.asarray(result.lengths)):
+    rank, row = layout.holder(int(position))
+    rows_pB[rank, b] = b * layout.part_len + row  # the parts fold the batch into their rows
+  rows_pB = global_array(rows_pB, NamedSharding(mesh, jax.P(AXIS)))
+  return dict(
+    parts=_written_into_parts(mesh)(result.parts, tail_L2BMKH, rows_pB), linear_state=linear
+  )
+
+
+@kept_cache(8)
+def _written_into_parts(mesh):
+  """(parts [p, L, 2, B*P, K, H], tail [L, 2, B, M, K, H], rows [p, B]) -> the parts with
+  the tail's first entry of row b at rank r's row rows[r, b] (past the part: not written)."""
+
+  def write(parts_1L2RKH, tail_L2BMKH, rows_1B):
+    new_L2BKH = tail_L2BMKH[:, :, :, 0].astype(parts_1L2RKH.dtype)
+    return parts_1L2RKH[0].at[:, :, rows_1B[0]].set(new_L2BKH, mode="drop")[None]
+
+  specs = (parts_spec(mesh), jax.P(), jax.P(AXIS))
+  return jax.jit(jax.shard_map(write, mesh=mesh, in_specs=specs, out_specs=parts_spec(mesh)))
+
+
+# A fresh copy of arrays (global ones too), placed as they were, which a step then owns.
+_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))

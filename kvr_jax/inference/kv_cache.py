@@ -41,6 +41,7 @@ import numpy as np
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference.rank_moves import send_to_last_program
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.mesh import (
   AXIS,
@@ -182,26 +183,6 @@ def copy_onto(kv_parts, layout: CacheLayout, mesh, device):
     piece = jax.device_put(real_rows(parts[rank][0], row, length, layout.part_len), on_device)
     k, v = place(k, v, piece, position)
   return k, v
-
-
-@kept_cache(64)
-def send_to_last_program(mesh, sender: int, spec: tuple | None = None):
-  """Rank `sender`'s part sent to rank p-1 (one ppermute; on a 2-D mesh each shard's heads to
-  the same shard of rank p-1): parts [p, L, 2, B*P, K, H] in and out; the output is one
-  part on every device (the received part on rank p-1, zeros elsewhere), never a
-  prompt-long buffer. spec: another rank-sharded output's placement (a family's cache
-  pieces: `own_program.stacked_on_last_rank`), default the K,V parts'."""
-  p = mesh.shape[AXIS]
-
-  def body(piece):
-    return jax.lax.ppermute(piece, AXIS, perm=[(sender, p - 1)])
-
-  placed = parts_spec(mesh) if spec is None else jax.P(*spec)
-  # Another output's pieces unchecked (check_vma=False): a piece whole over "model" (a
-  # latent) stays so, each shard sending its own copy.
-  return jax.jit(
-    jax.shard_map(body, mesh=mesh, in_specs=placed, out_specs=placed, check_vma=spec is None)
-  )
 
 
 def send_onto_last_rank(kv_parts, layout: CacheLayout, mesh):

@@ -7,19 +7,20 @@ places its outputs: the cache joined on the last rank (cache="last": KV-Runahead
 and own chunk where they lie, the peers' parts moved), or left in the ranks' parts
 (cache="sharded": `latent_sharded_step` attends every part where it lies in the absorbed form
 and merges the partials across the ranks, pass-Q as for K,V caches; the decoded tokens'
-latents on every rank, counted on the last).
+latents on every rank, counted on the last; `sharded_latent_stepper` is `decode_from`'s loop
+over it).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import sharded_decode
-from kvr_jax.inference.decode import from_last_rank
-from kvr_jax.inference.own_program import (
+from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference.rank_moves import (
   stacked_on_last_rank,
 )
 from kvr_jax.inference.sharded_decode import merge_across_ranks
@@ -27,7 +28,6 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
-  model_parallel,
   rank_device,
   shard_on,
   spans_processes,
@@ -63,8 +63,8 @@ def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -
   or the split as data's) and its outputs placed as asked: placed (cache, join, whether the
   program kept KV-Runahead's last hop, from which the last rank holds the cache)."""
   cache, join, keep_last = placed
-  p, m, T = len(chunks), model_parallel(mesh), tokens_BT.shape[1]
-  state = model.state_split_over(mesh) if m > 1 else model.state_on(NamedSharding(mesh, jax.P()))
+  p, T = len(chunks), tokens_BT.shape[1]
+  state = model.state_for(mesh)
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits_pBV, out = program(state, tokens_pBc)
   owner = rank_device(mesh, p - 1)
@@ -77,7 +77,7 @@ def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -
     # replicated everywhere, so that each samples the same first token.
     replicated = None
     if spans_processes(mesh):
-      replicated = from_last_rank(mesh, ranked=True)(logits_pBV)
+      replicated = decode.from_last_rank(mesh, ranked=True)(logits_pBV)
     return dict(
       logits=logits_BV, parts=out["own"], part_positions=positions, replicated_logits=replicated
     )
@@ -170,3 +170,28 @@ def latent_sharded_step(graphdef, mesh):
 
   specs = ((jax.P(AXIS), jax.P(AXIS)), (jax.P(),))
   return sharded_decode.sharded_step_program(graphdef, mesh, layer, *specs)
+
+
+def sharded_latent_stepper(model, result, max_new_tokens: int, seed: int):
+  """cache="sharded" (latent models): every operand replicated over the prefill's mesh but the
+  parts, which stay put; the new tokens' latents in a replicated tail. Across processes every
+  operand is a global array that every process builds alike, and every process decodes."""
+  mesh = result.mesh
+  replicated = NamedSharding(mesh, jax.P())
+  program = latent_sharded_step(model.graphdef, mesh)
+  state = model.state_for(mesh)
+  positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
+  L, B, _, C = result.parts.shape[1:]
+  tail = decode.zeros_on((L, B, max_new_tokens, C), model.dtype, replicated)
+  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
+
+  def step(token_B, index, tail):
+    return program(state, token_B, prompt_lens_B, result.parts, positions, tail, index)
+
+  return step, tail, *sharded_decode.first_draw(result, seed)
+
+
+def one_rank_latent_parts(cache_LBSC, T: int, mesh) -> dict:
+  """A one-rank prefill's latent cache as that rank's part [1, L, B, T, C]."""
+  parts = jax.device_put(cache_LBSC[None, :, :, :T], NamedSharding(mesh, jax.P(AXIS)))
+  return dict(parts=parts, part_positions=np.arange(T, dtype=np.int32)[None])

@@ -25,14 +25,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import hybrid, latent, own_sharded
-from kvr_jax.inference.own_program import decode_step_of, group_decode_step
+from kvr_jax.inference import hybrid, latent
+from kvr_jax.inference.decode import decode_step_of, group_decode_step
 from kvr_jax.inference.results import PrefillResult
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
   model_parallel,
+  placements,
   rank_device,
   rank_row_mesh,
   spans_processes,
@@ -417,7 +418,7 @@ def own_stepper(
   else:
     cache = family.grown(result.model_cache, capacity)
   if group is not None:  # where the group's step reads it (a latent cache joined on one device)
-    cache = jax.device_put(cache, own_sharded.placements(group, family.group_cache_spec))
+    cache = jax.device_put(cache, placements(group, family.group_cache_spec))
   lengths_B = np.asarray(lengths_B, np.int32)
 
   def step(token_B, index, cache):
@@ -435,13 +436,13 @@ HYBRID = OwnFamily(
   _grown_hybrid,
   hybrid.one_device_layout,
   lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
-  own_sharded.sharded_hybrid_stepper,
-  own_sharded.one_rank_hybrid_parts,
+  hybrid.sharded_hybrid_stepper,
+  hybrid.one_rank_hybrid_parts,
   takes_split_as_data=True,
   stops_at_row_ends=True,
   compile=_compile_hybrid,
   check_split=hybrid.check_split,
-  after_sharded_step=own_sharded.after_hybrid_step,
+  after_sharded_step=hybrid.after_hybrid_step,
 )
 LATENT = OwnFamily(
   "latent",
@@ -452,8 +453,8 @@ LATENT = OwnFamily(
   _grown_latent,
   lambda config, cache, m: cache,
   lambda cache, T: cache[:, :, :T],
-  own_sharded.sharded_latent_stepper,
-  own_sharded.one_rank_latent_parts,
+  latent.sharded_latent_stepper,
+  latent.one_rank_latent_parts,
   takes_split_as_data=True,
   compile=_compile_latent,
 )

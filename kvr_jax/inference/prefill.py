@@ -27,7 +27,6 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
-  model_parallel,
   rank_device,
   shard_on,
   spans_processes,
@@ -178,7 +177,7 @@ def run_prefill(
   spec, mesh, chunks, cache = plan.strategy, plan.mesh, plan.chunks, plan.cache
   if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
     return _held_elsewhere(plan, lengths_B, move_cache)
-  state = _placed_state(model, mesh)
+  state = model.state_for(mesh)
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
   logits, kv_parts = plan.program(model)(state, tokens_pBc)
   last_hop = None
@@ -260,14 +259,6 @@ def _held_elsewhere(plan: PrefillPlan, lengths_B, move_cache: bool) -> PrefillRe
   if plan.cache == "sharded" or not move_cache:
     return CacheParts(None, **common, kv_parts=None, mesh=plan.mesh)
   return WholeCache(None, **common, k_layers=None, v_layers=None)
-
-
-def _placed_state(model: Model, mesh):
-  """The weights where the plan's program reads them: split over each rank's "model" row on a
-  2-D mesh, else whole on every device."""
-  if model_parallel(mesh) > 1:
-    return model.state_split_over(mesh)
-  return model.state_on(NamedSharding(mesh, jax.P()))
 
 
 def _piece_on(array: jax.Array, device):

@@ -294,3 +294,16 @@ def last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B
     global_array(np.int32(0), replicated),
   )
   return logits
+
+
+def first_draw(result, seed: int):
+  """What every process's first decode step from cache="sharded" starts from, replicated over
+  the prefill's mesh: the prompt's last logits (across processes the program's replicated
+  copy; in one process the owner's, copied to every device) and the sampling key (every
+  process builds it alike, so that each samples the same tokens)."""
+  replicated = NamedSharding(result.mesh, jax.P())
+  logits = result.replicated_logits
+  if logits is None:
+    logits = jax.device_put(result.logits, replicated)
+  key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+  return logits, jax.random.wrap_key_data(global_array(key_data, replicated))

@@ -12,7 +12,7 @@ import numbers
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 # The mesh axis of the prompt: chunks (KV-Runahead ranks, TSP sequence shards) live along it.
 AXIS = "ranks"
@@ -183,3 +183,10 @@ def shard_on(array: jax.Array, device) -> jax.Array | None:
       # A plain single-device array: the shard of a mesh array keeps the mesh's axis type.
       return jax.device_put(shard.data[0], jax.sharding.SingleDeviceSharding(device))
   return None
+
+
+def placements(mesh, specs):
+  """A NamedSharding on `mesh` for each PartitionSpec of a pytree of them."""
+  return jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, jax.P)
+  )

@@ -93,6 +93,13 @@ class Model:
       )
     return self._remember(sharding_or_device)
 
+  def state_for(self, mesh) -> Any:
+    """The weights where a program over `mesh` reads them: split over each rank's "model" row
+    on a ("ranks", "model") mesh (`state_split_over`), else whole on every device (`state_on`)."""
+    if model_parallel(mesh) > 1:
+      return self.state_split_over(mesh)
+    return self.state_on(jax.sharding.NamedSharding(mesh, jax.P()))
+
   def state_split_over(self, mesh) -> Any:
     """The weights split over a ("ranks", "model") mesh Megatron-style (every rank's row
     holds the same split: kvr_jax.runtime.tensor_parallel), cached per mesh like `state_on`.

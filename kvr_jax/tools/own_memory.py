@@ -10,11 +10,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kvr_jax.inference import decode, latent
 from kvr_jax.inference import hybrid as hybrid_inference
-from kvr_jax.inference import latent, own_program
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
-from kvr_jax.runtime.mesh import AXIS, rank_device, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_device, rank_row_mesh
 from kvr_jax.strategies import hybrid
 from kvr_jax.tools.xla_memory import (
   analysis,
@@ -48,16 +48,9 @@ def latent_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
   if not decode_tokens:
     return result
   dtype = np.dtype(dtype_name)
-  if cache == "last":
-    row = rank_row_mesh(mesh, num_ranks - 1)
-    step = own_program.group_decode_step(graphdef, row, jax.P()) if m > 1 else None
-    row_state, _ = placed_state(config, state, row, m, itemsize)
-    replicated = NamedSharding(row, jax.P())
-    vector = struct((batch,), np.int32, replicated)
-    grown = struct((L, batch, context_len + decode_tokens, C), dtype, replicated)
-    if step is None:  # one device: the model's own decode step, as kvr_jax.generate runs it
-      step = own_program.decode_step_of(graphdef)
-    lowered = step.lower(row_state, vector, vector, grown)
+  if cache == "last":  # the latent cache whole on every device of the group
+    grown = jax.ShapeDtypeStruct((L, batch, context_len + decode_tokens, C), dtype)
+    lowered = _step_on_last_rank(config, plan, model, batch, grown, jax.P(), itemsize)
   else:
     step = latent.latent_sharded_step(graphdef, mesh)
     rows = lowered.out_info[1]["own"].shape[3]
@@ -163,21 +156,31 @@ def hybrid_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
     )
     stats = compile_for_figures(lowered, dtype_name).memory_analysis()
     return {**result, **decode_bytes(stats)}
-  row = rank_row_mesh(mesh, num_ranks - 1)
+  specs = hybrid_inference.CACHE_SPECS  # split by head over the group
+  lowered = _step_on_last_rank(config, plan, model, batch, past, specs, itemsize)
+  stats = compile_for_figures(lowered, dtype_name).memory_analysis()
+  return {**result, **decode_bytes(stats)}
+
+
+def _step_on_last_rank(config, plan, model, batch: int, grown, group_specs, itemsize: int):
+  """The model's own decode step that generate runs after cache="last", lowered from shapes
+  over the joined cache grown by the decoded tokens (`grown`, shapes): on the last rank's
+  device (`decode.decode_step_of`) or its model group (`decode.group_decode_step`, the cache
+  placed by `group_specs`: `OwnFamily.group_cache_spec`)."""
+  graphdef, state, _ = model
+  mesh, m = plan.mesh, model_parallel(plan.mesh)
+  row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
   row_state, _ = placed_state(config, state, row, m, itemsize)
   vector = struct((batch,), np.int32, NamedSharding(row, jax.P()))
-  specs = hybrid_inference.CACHE_SPECS if m > 1 else jax.tree.map(lambda _: jax.P(), past)
+  specs = group_specs if m > 1 else jax.tree.map(lambda _: jax.P(), grown)
   grown = jax.tree.map(
-    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(row, spec)), past, specs
+    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(row, spec)), grown, specs
   )
   if m > 1:
-    step = own_program.group_decode_step(graphdef, row, hybrid_inference.CACHE_SPECS)
+    step = decode.group_decode_step(graphdef, row, group_specs)
   else:  # one device: the model's own decode step, as generate runs it
-    step = own_program.decode_step_of(graphdef)
-  stats = compile_for_figures(
-    step.lower(row_state, vector, vector, grown), dtype_name
-  ).memory_analysis()
-  return {**result, **decode_bytes(stats)}
+    step = decode.decode_step_of(graphdef)
+  return step.lower(row_state, vector, vector, grown)
 
 
 def _hybrid_sharded_step_lowered(config, graphdef, state_shapes, mesh, layout, shape, dtype_name):
