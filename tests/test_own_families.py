@@ -373,14 +373,13 @@ def test_a_kvr_record_keeps_its_timeline_rule_on_the_families(models, tokens):
 @pytest.mark.parametrize("case", [HYBRID, LATENT])
 def test_compiled_memory_measures_the_kernel_the_prefill_runs(models, tokens, monkeypatch, case):
   """attention="auto" (compiled_memory's default) where the platform's table puts another
-  kernel ("dense") first: the figures are those of the kernel the prefill's plan runs, which
-  on a hybrid or latent model is the strategy's default, the kernel its programs are tested
-  with (flash), not the table's first."""
+  kernel ("dense") first: the prefill's plan runs the table's first, as on any model, and
+  the figures are that kernel's."""
   monkeypatch.setitem(strategies_base.AUTO_KERNELS, "cpu", ("dense", "flash"))
   _, ours = models[case]
   mesh = kvr_jax.make_mesh(2)
   runs = plan_prefill(ours, tokens, "kvr", mesh, [18, 12]).kernel.name
-  assert runs == "flash"
+  assert runs == "dense"
   figures = kvr_jax.compiled_memory(
     ours.config, "kvr", context_len=T, num_ranks=2, batch=2, partition=[18, 12]
   )
@@ -451,6 +450,40 @@ def test_compiled_memory_measures_a_hybrids_split_per_layer_kind(models):
   last = kvr_jax.compiled_memory(config, "kvr", cache="last", **shape)
   held = (22 + 22) * position_bytes + last["state_cache_bytes"]
   assert held <= last["move_argument_bytes"] < held + 64
+
+
+class _FakeGPU:
+  """An NVIDIA GPU as the kernel records see one (this machine has none)."""
+
+  platform = "gpu"
+  client = type("Client", (), {"platform_version": "cuda 12.8"})()
+
+
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+def test_auto_kernel_is_the_platforms_and_fused_runs_every_strategy(
+  models, tokens, oracle, case, monkeypatch
+):
+  """attention="auto" on a hybrid or latent model resolves per platform as on any model:
+  cuDNN on an NVIDIA GPU in bfloat16 for every strategy that runs it (TSP: dense scores by
+  definition), flash on this CPU; and "fused", cuDNN's two pieces in XLA, runs each of them
+  as one device does."""
+  from kvr_jax.inference.prefill_plan import planned_kernel
+  from kvr_jax.inference.shape import PrefillShape
+  from kvr_jax.strategies import get_strategy
+  from models import kernels
+
+  _, ours = models[case]
+  monkeypatch.setattr(kernels, "cudnn_available", lambda: True)
+  shape = PrefillShape(ours.config, "bfloat16", T, 2, T)
+  names = kvr_jax.inference.own_families.own_family(ours.config).strategies
+  for name in names:
+    want = "dense" if name == "tsp" else "cudnn"
+    assert planned_kernel(shape, get_strategy(name), "auto", _FakeGPU()).name == want, name
+  mesh = kvr_jax.make_mesh(2)
+  assert kvr_jax.prefill(ours, tokens, "kvr", mesh).attention == "flash"
+  for name in (n for n in names if n not in ("single", "tsp")):
+    result = kvr_jax.prefill(ours, tokens, name, mesh, attention="fused")
+    assert_close(result.logits, oracle[case][0], f"{name}: last logits")
 
 
 @pytest.mark.parametrize("case", [HYBRID, LATENT])

@@ -44,7 +44,7 @@ from kvr_jax.runtime.mesh import (
 from kvr_jax.runtime.tensor_parallel import check_model_parallel, kv_heads_per_shard
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO, Strategy
-from models.kernels import AttentionKernel, get_kernel, kernels_where
+from models.kernels import AttentionKernel, kernels_where
 
 
 def _single_device_mesh(mesh):
@@ -251,17 +251,11 @@ def _plan_mesh(spec, mesh, T: int, elsewhere: bool = False):
 
 def planned_kernel(shape: PrefillShape, spec, kernel, device):
   """The kernel record a plan of `shape` runs (`kernel` checked by the strategy: a record or
-  "auto"), what kvr_jax.tools.memory measures too: "auto" resolved for the device's
-  platform, except on a hybrid or latent model, whose own programs run the strategy's
-  default for "auto" (the kernel they are tested with); refused where it cannot run."""
-  if own_family(shape.config) is not None and kernel == AUTO:
-    kernel = get_kernel(spec.default_attention)
-  return _plan_kernel(shape, spec, kernel, device)
-
-
-def _plan_kernel(shape: PrefillShape, spec, kernel, device):
-  """The kernel record that runs ("auto" resolved for the mesh's platform), refused where it
-  cannot run on this device and dtype."""
+  "auto"), what kvr_jax.tools.memory measures too: "auto" resolved for the device's platform
+  (`Strategy.resolve_attention`: cuDNN on NVIDIA GPUs in bfloat16/float16 without a window)
+  on every model, a hybrid's or latent model's too (their full and latent layers attend
+  through the strategies' kernels: "fused", cuDNN's pieces in XLA, is exact on both);
+  refused where it cannot run on this device and dtype."""
   kernel = spec.resolve_attention(kernel, device, shape.dtype, shape.config.narrowest_window)
   reason = kernel.why_not(device, shape.dtype, None)  # the window was checked by name
   if reason is not None:
