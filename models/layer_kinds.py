@@ -68,6 +68,12 @@ class AttentionKind:
     a, end = self.hop_span(end)
     return 2 * batch * (end - a) * config.num_kv_heads * config.head_dim * dtype_bytes
 
+  def kept_hop_bytes(self, config, prefix: int, batch: int, dtype_bytes: int, kv_heads: int):
+    """Bytes of the last hop that cache="last" keeps as the last rank's cache, on every rank
+    (SPMD's one output shape): K and V of the whole `prefix` (its buffer is prefix-long even
+    where a window cuts the hop), `kv_heads` heads (one device's share of a model group)."""
+    return 2 * batch * prefix * kv_heads * config.head_dim * dtype_bytes
+
   def decode_keys(self, length: int) -> int:
     """Positions of a `length`-token past the next token's query reads."""
     return length if self.window is None else min(length, self.window)
@@ -120,6 +126,10 @@ class GatedDeltaNetKind:
     halo = (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
     return batch * (state + halo)
 
+  def kept_hop_bytes(self, config, prefix: int, batch: int, dtype_bytes: int, kv_heads: int):
+    """None kept: its hop is the state and halo, which leave the program whatever the cache."""
+    return 0
+
   def cache_bytes(self, config, context_len: int, batch: int, dtype_bytes: int, shards: int = 1):
     """Bytes of this layer's past on one device of a model group of `shards`, whatever the
     prompt's length: the hop's state and halo, split by head and channel over the group."""
@@ -159,6 +169,10 @@ class LatentAttentionKind:
   def hop_bytes(self, config, end: int, batch: int, dtype_bytes: int) -> int:
     """Bytes of a hop into a chunk at `end`: the latent prefix, one headless copy."""
     return batch * end * (self.latent_dim + self.rope_dim) * dtype_bytes
+
+  def kept_hop_bytes(self, config, prefix: int, batch: int, dtype_bytes: int, kv_heads: int):
+    """The latent prefix the last hop carries, headless (whole on every shard of a group)."""
+    return self.hop_bytes(config, prefix, batch, dtype_bytes)
 
   def decode_keys(self, length: int) -> int:
     return length

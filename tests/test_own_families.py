@@ -452,6 +452,35 @@ def test_compiled_memory_measures_a_hybrids_split_per_layer_kind(models):
   assert held <= last["move_argument_bytes"] < held + 64
 
 
+@pytest.mark.parametrize(
+  "case, partition",
+  [
+    (HYBRID, [18, 12]),
+    (HYBRID, {"linear": [10, 12, 8], "full": [14, 10, 6]}),  # the K,V parts by the full split
+    (LATENT, [10, 12, 8]),
+  ],
+)
+def test_kvr_last_moves_where_the_join_does_not_fit(models, tokens, oracle, case, partition):
+  """On a device too small for the last hops' zeros on the other ranks (here: pretended, 64
+  KiB; a hybrid's full layers' K,V and a latent prefix counted as their kinds keep them),
+  KV-Runahead's parts move onto the last rank and are put in prompt order: the cache is one
+  device's."""
+  from kvr_jax.inference.prefill import run_prefill
+  from kvr_jax.inference.prefill_plan import plan_from_shape
+  from kvr_jax.inference.shape import PrefillShape
+
+  _, ours = models[case]
+  mesh = kvr_jax.make_mesh(len(partition["full"] if isinstance(partition, dict) else partition))
+  shape = PrefillShape.of_model(ours, np.full(2, T), T)
+  assert plan_from_shape(shape, "kvr", mesh, partition, cache="last").keep_last_hop
+  small = plan_from_shape(shape, "kvr", mesh, partition, cache="last", device_memory=64 * 1024)
+  assert not small.keep_last_hop
+  result = run_prefill(ours, small, tokens)
+  assert result.moved and result.model_cache is not None
+  assert_close(result.logits, oracle[case][0], "last logits")
+  _assert_cache_close(case, result.gather_cache(), oracle[case][1])
+
+
 class _FakeGPU:
   """An NVIDIA GPU as the kernel records see one (this machine has none)."""
 

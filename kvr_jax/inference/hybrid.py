@@ -61,7 +61,6 @@ def prefill_planned(
   cache="sharded" the full layers' K,V parts [p, L_full, 2, B*P, K, H] by rank, laid out as
   cache_layout says, the prompt's final linear pasts on every rank (linear_state) and, across
   processes, the logits replicated everywhere (replicated_logits)."""
-  _, _, split_shape = family_program(plan.strategy, None, None)
   mesh, chunks, record = plan.mesh, plan.chunks, plan.strategy
   T = tokens_BT.shape[1]
   rows = _rows_with_ends(tokens_BT, ends_B, model_parallel(mesh))
@@ -73,7 +72,7 @@ def prefill_planned(
       state, jax.tree.map(lambda a: global_array(record.arrange(a, chunks), by_rank), rows)
     )
 
-  split = (chunks, plan.full_chunks, split_shape)
+  split = (chunks, plan.full_chunks)
   placed = (plan.cache, join, plan.keep_last_hop)
   layout = lambda split_of: record.cache_layout(T, split_of)  # noqa: E731
   return _ran(model, laid_out, rows, mesh, split, layout, T + room, placed)
@@ -81,10 +80,10 @@ def prefill_planned(
 
 def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed) -> dict:
   """The program run on `rows` and its outputs placed as asked: split (the tokens' chunks,
-  the full layers' own or None, the split as data's envelope or None); cache_layout(chunks)
-  -> where a split's parts lie; placed (cache, join, whether the last rank holds the whole
-  cache without a move)."""
-  (chunks, full_chunks, split_shape), (cache, join, joined_in_place) = split, placed
+  the full layers' own or None); cache_layout(chunks) -> where a split's parts lie (the
+  plan's record's: a split as data's parts are its envelope's rows); placed (cache, join,
+  whether the last rank holds the whole cache without a move)."""
+  (chunks, full_chunks), (cache, join, joined_in_place) = split, placed
   p, T = len(chunks), jax.tree.leaves(rows)[0].shape[1]
   full_chunks = chunks if full_chunks is None else full_chunks
   state = model.state_for(mesh)
@@ -118,23 +117,24 @@ def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed)
   if joined_in_place:  # the last rank holds everything: no move
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
     cache = join_last_hop(mine, full_chunks, capacity)
-  else:  # the parts move to the last rank (every process sends)
-    cache = _moved_cache(out, mesh, chunks, capacity, split_shape)
+  else:  # the parts move to the last rank (every process sends), put in prompt order
+    # The K,V parts lie as the full layers' split cut them; the halo is the rank's that
+    # holds the prompt's last position (KVR's last rank, the zigzag peers' rank 0).
+    halo_rank, _ = cache_layout(chunks).holder(T - 1)
+    cache = _moved_cache(out, mesh, cache_layout(full_chunks), halo_rank, capacity)
     if cache is None:  # another process's rank is last: it received the parts
       return dict(logits=None, moved=True)
   return dict(logits=logits_BV, model_cache=cache, moved=not joined_in_place)
 
 
-def _moved_cache(out: dict, mesh, chunks, capacity: int, split_shape) -> HybridCache | None:
-  """The outputs moved onto the last rank and joined there: a peer's zigzag parts (the last
-  chunk's halo is rank 0's), or the split as data's contiguous parts. None in a process that
+def _moved_cache(out: dict, mesh, layout, halo_rank: int, capacity: int) -> HybridCache | None:
+  """The outputs moved onto the last rank and joined there in prompt order (`layout`: where
+  each rank's K,V rows lie; any strategy's, the split as data's too). None in a process that
   does not hold the last rank."""
   mine = jax.tree.map(lambda a: stacked_on_last_rank(a, mesh), out)
   if mine["state"] is None:
     return None
-  if split_shape is None:
-    return join_zigzag_parts(mine, sum(chunks), len(chunks), capacity)
-  return join_contiguous_parts(mine, chunks, split_shape.part_len, capacity)
+  return join_in_prompt_order(mine, layout, halo_rank, capacity)
 
 
 def _rows_with_ends(tokens_BT, lengths, m: int):
@@ -227,25 +227,15 @@ def join_last_hop(out: dict, chunks: tuple[int, ...], capacity: int) -> HybridCa
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def join_zigzag_parts(out: dict, T: int, p: int, capacity: int) -> HybridCache:
-  """Every rank's zigzag parts [p, L_full, 2, B*2c, K, H] in prompt order; the final state
-  (every rank's is the same) and the last chunk's halo (rank 0's second chunk)."""
+def join_in_prompt_order(out: dict, layout: CacheLayout, halo_rank: int, capacity: int):
+  """Every rank's K,V part [p, L_full, 2, B*P, K, H] (P = layout.part_len rows) in prompt
+  order (`CacheLayout.rows_in_prompt_order`), padded to `capacity` positions; the final
+  linear state (the last rank's: every peer's is the same) and the halo of `halo_rank`."""
   count_trace("hybrid-join")
-  c = zigzag.chunk_len(T, p)
-  parts = unfold_batch(out["full"], 2 * c)  # [p, L, 2, B, 2c, K, H]
-  ranked = jnp.concatenate(list(parts), axis=3)  # rank order: rank 0's two chunks, then 1's...
-  kv = jnp.take(ranked, jnp.asarray(zigzag.prompt_order(T, p)), axis=3)[:, :, :, :T]
-  return _padded(kv, out["state"][p - 1], out["halo"][0], capacity)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def join_contiguous_parts(out: dict, chunks: tuple[int, ...], part_len: int, capacity: int):
-  """Every rank's contiguous part [p, L_full, 2, B*P, K, H] (P = part_len rows, the first
-  chunks[i] of rank i's real) in prompt order; the last rank's leaving state and halo."""
-  count_trace("hybrid-join")
-  parts = unfold_batch(out["full"], part_len)  # [p, L, 2, B, P, K, H]
-  kv = jnp.concatenate([parts[i][:, :, :, :c] for i, c in enumerate(chunks)], axis=3)
-  return _padded(kv, out["state"][-1], out["halo"][-1], capacity)
+  parts = unfold_batch(out["full"], layout.part_len)  # [p, L, 2, B, P, K, H]
+  ranked = jnp.concatenate(list(parts), axis=3)  # rank 0's rows, then rank 1's, ...
+  kv = jnp.take(ranked, jnp.asarray(layout.rows_in_prompt_order()), axis=3)
+  return _padded(kv, out["state"][-1], out["halo"][halo_rank], capacity)
 
 
 def _padded(kv_L2BTKH, state, halo, capacity: int) -> HybridCache:

@@ -76,8 +76,13 @@ def device_memory_bytes(device) -> int:
 
 
 def last_hop_bytes(config, chunks, batch: int, itemsize: int, kv_heads: int) -> int:
-  """The join's output on every rank: each layer's last hop, S_{p-2} positions of K and V."""
-  return config.num_layers * 2 * batch * sum(chunks[:-1]) * kv_heads * config.head_dim * itemsize
+  """The join's output on every rank: each layer's last hop (S_{p-2} positions) as its kind
+  keeps it (`kept_hop_bytes`: K,V of `kv_heads` heads, a latent prefix, none for a linear
+  layer). chunks: the split the hops follow (a hybrid's full layers' own where they have one)."""
+  prefix = sum(chunks[:-1])
+  return sum(
+    kind.kept_hop_bytes(config, prefix, batch, itemsize, kv_heads) for kind in config.layer_kinds
+  )
 
 
 def join_affordable(hop_bytes: int, device_memory: int) -> bool:

@@ -162,8 +162,10 @@ def plan_from_shape(
     family.check_split(shape.config, spec, T, mesh.shape[AXIS], full_chunks)
   if family is None:
     keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
-  else:  # what the family's program keeps: KV-Runahead's last hops wherever cache="last"
+  else:  # the family's program: KV-Runahead's last hops (whole prefixes) wherever cache="last"
     keep_last_hop = cache == "last" and spec.cache_from_last_hop is not None
+    hops = full_chunks or chunks  # the split a hybrid's full layers' hops follow
+    keep_last_hop = keep_last_hop and _join_affordable(shape, hops, mesh, device_memory)
   return PrefillPlan(
     spec,
     mesh,
@@ -328,12 +330,17 @@ def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memor
   where memory allows it on the ranks that hold its zeros (kv_cache.join_affordable: rank
   0's device, or `device_memory`; across processes process 0's answer). On a 2-D mesh each
   device of the last rank's row joins its heads (kv_cache.join_on_model_group)."""
-  config, B = shape.config, shape.batch
-  if not spec.keeps_last_hop(cache, chunks, config.kinds):
+  if not spec.keeps_last_hop(cache, chunks, shape.config.kinds):
     return False
-  m = model_parallel(mesh)
   # With padded rows whether the hop holds every row's window is known per run, from the
   # lengths (`_hop_holds_rows`): a run whose rows it does not hold moves its parts.
+  return _join_affordable(shape, chunks, mesh, device_memory)
+
+
+def _join_affordable(shape: PrefillShape, chunks, mesh, device_memory) -> bool:
+  """Whether the last hops' zeros on the ranks before the last fit (kv_cache.join_affordable,
+  each layer's hop as its kind keeps it: `last_hop_bytes`), process 0's answer."""
+  config, B, m = shape.config, shape.batch, model_parallel(mesh)
   kv_heads = kv_heads_per_shard(config, m) if m > 1 else config.num_kv_heads
   hop_bytes = last_hop_bytes(config, chunks, B, shape.itemsize, kv_heads)
   if device_memory is None:

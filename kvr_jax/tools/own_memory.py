@@ -90,14 +90,15 @@ def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
 
 
-def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int) -> dict:
+def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int, record) -> dict:
   """What bringing a hybrid cache onto the last rank needs on one device of it, as prefill runs it
   (`hybrid.prefill_planned`): KV-Runahead's join of its full layers' last hops and own parts and
   its linear states where they lie (`hybrid.join_last_hop`), or every rank's parts sent there,
-  stacked, and put in prompt order (`hybrid.join_zigzag_parts`: all p parts at once, beside the
+  stacked, and put in prompt order (`hybrid.join_in_prompt_order`: all p parts at once, beside the
   cache); on a 2-D mesh each device of the last rank's row its heads. parts: the program's outputs
   [p, ...] (`compile_hybrid`'s, shapes). split: (the tokens' chunks, the full layers' K,V parts'
-  chunks). capacity: the cache's positions. XLA's `move_argument_bytes` and `move_temp_bytes` of
+  chunks). capacity: the cache's positions. record: the plan's strategy (its cache layout).
+  XLA's `move_argument_bytes` and `move_temp_bytes` of
   it."""
   chunks, full_chunks = split
   p = len(chunks)
@@ -113,7 +114,10 @@ def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int) -> dict:
   if joins:
     lowered = hybrid_inference.join_last_hop.lower(on_last, full_chunks, capacity)
   else:
-    lowered = hybrid_inference.join_zigzag_parts.lower(on_last, sum(chunks), p, capacity)
+    T = sum(chunks)
+    layout = record.cache_layout(T, full_chunks)
+    halo_rank, _ = record.cache_layout(T, chunks).holder(T - 1)
+    lowered = hybrid_inference.join_in_prompt_order.lower(on_last, layout, halo_rank, capacity)
   move = analysis(lowered.compile())
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
 
@@ -147,7 +151,7 @@ def hybrid_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
     joins = plan.keep_last_hop  # KV-Runahead: its last hops, no move
     split = (chunks, full_chunks or chunks)  # the tokens', the K,V parts'
     capacity = context_len + decode_tokens
-    result.update(hybrid_move(lowered.out_info[1], mesh, joins, split, capacity))
+    result.update(hybrid_move(lowered.out_info[1], mesh, joins, split, capacity, spec))
   if not decode_tokens:
     return result
   if cache == "sharded":
