@@ -62,69 +62,61 @@ def prefill_planned(
   cache_layout says, the prompt's final linear pasts on every rank (linear_state) and, across
   processes, the logits replicated everywhere (replicated_logits)."""
   mesh, chunks, record = plan.mesh, plan.chunks, plan.strategy
-  T = tokens_BT.shape[1]
+  T, p = tokens_BT.shape[1], len(chunks)
   rows = _rows_with_ends(tokens_BT, ends_B, model_parallel(mesh))
   program = plan.compile(model.graphdef, padded=isinstance(rows, tuple))
   by_rank = NamedSharding(mesh, jax.P(AXIS))
-
-  def laid_out(state, rows):
-    return program(
-      state, jax.tree.map(lambda a: global_array(record.arrange(a, chunks), by_rank), rows)
-    )
-
-  split = (chunks, plan.full_chunks)
-  placed = (plan.cache, join, plan.keep_last_hop)
-  layout = lambda split_of: record.cache_layout(T, split_of)  # noqa: E731
-  return _ran(model, laid_out, rows, mesh, split, layout, T + room, placed)
-
-
-def _ran(model, program, rows, mesh, split, cache_layout, capacity: int, placed) -> dict:
-  """The program run on `rows` and its outputs placed as asked: split (the tokens' chunks,
-  the full layers' own or None); cache_layout(chunks) -> where a split's parts lie (the
-  plan's record's: a split as data's parts are its envelope's rows); placed (cache, join,
-  whether the last rank holds the whole cache without a move)."""
-  (chunks, full_chunks), (cache, join, joined_in_place) = split, placed
-  p, T = len(chunks), jax.tree.leaves(rows)[0].shape[1]
-  full_chunks = chunks if full_chunks is None else full_chunks
-  state = model.state_for(mesh)
-  logits_pBV, out = program(state, rows)
-  owner = rank_device(mesh, p - 1)
-  logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
+  laid_out = jax.tree.map(lambda a: global_array(record.arrange(a, chunks), by_rank), rows)
+  logits_pBV, out = program(model.state_for(mesh), laid_out)
+  logits_BV = shard_on(logits_pBV, rank_device(mesh, p - 1))  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
-  if cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts go everywhere
-    parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
-    # The state: the last rank's (the peers' is on every rank); the halo: the rank holding
-    # the prompt's last position (KVR's last rank, the zigzag peers' rank 0).
-    halo_rank, _ = cache_layout(chunks).holder(T - 1)
-    linear = LinearState(
-      replicated_from_rank(out["state"], mesh, p - 1),
-      replicated_from_rank(out["halo"], mesh, halo_rank),
-    )
-    replicated = None
-    if spans_processes(mesh):  # every process decodes: the last rank's logits everywhere
-      replicated = decode.from_last_rank(mesh, ranked=True)(logits_pBV)
-    return dict(
-      logits=logits_BV,
-      parts=parts,
-      cache_layout=cache_layout(full_chunks),
-      linear_state=linear,
-      replicated_logits=replicated,
-    )
-  if not join or (logits_BV is None and joined_in_place):
+  kv_layout, halo_rank = parts_layout(record, T, chunks, plan.full_chunks)
+  if plan.cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts everywhere
+    return _left_in_parts(out, logits_BV, logits_pBV, mesh, kv_layout, halo_rank)
+  if not join or (logits_BV is None and plan.keep_last_hop):
     return dict(logits=logits_BV)
+  capacity = T + room
   # On a 2-D mesh each device joins its own heads' parts.
-  if joined_in_place:  # the last rank holds everything: no move
+  if plan.keep_last_hop:  # the last rank holds everything: no move
     mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
-    cache = join_last_hop(mine, full_chunks, capacity)
+    cache = join_last_hop(mine, plan.full_chunks or chunks, capacity)
   else:  # the parts move to the last rank (every process sends), put in prompt order
-    # The K,V parts lie as the full layers' split cut them; the halo is the rank's that
-    # holds the prompt's last position (KVR's last rank, the zigzag peers' rank 0).
-    halo_rank, _ = cache_layout(chunks).holder(T - 1)
-    cache = _moved_cache(out, mesh, cache_layout(full_chunks), halo_rank, capacity)
+    cache = _moved_cache(out, mesh, kv_layout, halo_rank, capacity)
     if cache is None:  # another process's rank is last: it received the parts
       return dict(logits=None, moved=True)
-  return dict(logits=logits_BV, model_cache=cache, moved=not joined_in_place)
+  return dict(logits=logits_BV, model_cache=cache, moved=not plan.keep_last_hop)
+
+
+def parts_layout(record, T: int, chunks, full_chunks) -> tuple:
+  """(where each rank's K,V rows lie: the full layers' split as `record` lays it out, the
+  rank whose halo is the prompt's: the one holding its last position in the tokens' split,
+  KVR's last rank, the zigzag peers' rank 0). What the join of moved parts, the sharded
+  layout and compiled_memory's move figures read."""
+  halo_rank, _ = record.cache_layout(T, chunks).holder(T - 1)
+  return record.cache_layout(T, full_chunks or chunks), halo_rank
+
+
+def _left_in_parts(out, logits_BV, logits_pBV, mesh, layout, halo_rank: int) -> dict:
+  """cache="sharded"'s fields: the K,V parts where they lie, the final linear state (the last
+  rank's; every peer's is the same) and the prompt's halo on every rank (one psum each),
+  and across processes the last rank's logits everywhere (every process decodes)."""
+  p = mesh.shape[AXIS]
+  parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
+  linear = LinearState(
+    replicated_from_rank(out["state"], mesh, p - 1),
+    replicated_from_rank(out["halo"], mesh, halo_rank),
+  )
+  replicated = None
+  if spans_processes(mesh):
+    replicated = decode.from_last_rank(mesh, ranked=True)(logits_pBV)
+  return dict(
+    logits=logits_BV,
+    parts=parts,
+    cache_layout=layout,
+    linear_state=linear,
+    replicated_logits=replicated,
+  )
 
 
 def _moved_cache(out: dict, mesh, layout, halo_rank: int, capacity: int) -> HybridCache | None:

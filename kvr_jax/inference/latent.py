@@ -52,26 +52,17 @@ def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None, j
   padding) and, across processes, the logits replicated everywhere. ends_B: unused (a
   causal past takes padded rows as they are)."""
   del ends_B
-  program = plan.compile(model.graphdef)
-  placed = (plan.cache, join, plan.keep_last_hop)
-  T = tokens_BT.shape[1]
-  return _ran(model, program, plan.strategy, plan.mesh, tokens_BT, plan.chunks, T + room, placed)
-
-
-def _ran(model, program, spec, mesh, tokens_BT, chunks, capacity: int, placed) -> dict:
-  """The program run on tokens_BT (laid out as `spec` lays them out: a strategy's record,
-  or the split as data's) and its outputs placed as asked: placed (cache, join, whether the
-  program kept KV-Runahead's last hop, from which the last rank holds the cache)."""
-  cache, join, keep_last = placed
+  mesh, chunks, spec, keep_last = plan.mesh, plan.chunks, plan.strategy, plan.keep_last_hop
   p, T = len(chunks), tokens_BT.shape[1]
-  state = model.state_for(mesh)
+  program = plan.compile(model.graphdef)
   tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
-  logits_pBV, out = program(state, tokens_pBc)
+  logits_pBV, out = program(model.state_for(mesh), tokens_pBc)
   owner = rank_device(mesh, p - 1)
   logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
-  if cache == "sharded":  # nothing moves: each rank keeps its own latents
+  capacity = T + room
+  if plan.cache == "sharded":  # nothing moves: each rank keeps its own latents
     positions = spec.cache_layout(T, chunks).positions()
     # Across processes every process decodes (its ranks' parts): the last rank's logits
     # replicated everywhere, so that each samples the same first token.

@@ -114,9 +114,7 @@ def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int, record) ->
   if joins:
     lowered = hybrid_inference.join_last_hop.lower(on_last, full_chunks, capacity)
   else:
-    T = sum(chunks)
-    layout = record.cache_layout(T, full_chunks)
-    halo_rank, _ = record.cache_layout(T, chunks).holder(T - 1)
+    layout, halo_rank = hybrid_inference.parts_layout(record, sum(chunks), chunks, full_chunks)
     lowered = hybrid_inference.join_in_prompt_order.lower(on_last, layout, halo_rank, capacity)
   move = analysis(lowered.compile())
   return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
