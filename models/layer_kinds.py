@@ -16,7 +16,7 @@ Three kinds today: softmax attention over a K,V prefix, with or without a slidin
 latent attention, whose past is a compressed latent per token (`LatentAttentionKind`,
 DeepSeek-V3: models/latent_attention.py). prefill's K,V strategies run the first; a model
 with another kind (`unbuilt_kinds`) runs under the same prefill and generate through its
-family's own programs (kvr_jax.inference.own_families), as its kind's `runs_today` says.
+cache form's programs (kvr_jax.inference.cache_form), as its kind's `runs_today` says.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ What is checked here: the programs' matmuls (their jaxpr: the last layer's MLP r
 row, and no strategy runs an MLP on any other row count than its chunks' and that one), and
 that the one-row path is the layer's own output at that row (1e-5). Which branch runs is in
 the timeline probes (tests/test_timeline.py); every strategy's logits against the oracle in
-tests/test_strategies.py, test_peers.py, test_own_families.py and test_qwen3_5.py."""
+tests/test_strategies.py, test_peers.py, test_cache_forms.py and test_qwen3_5.py."""
 
 import dataclasses
 

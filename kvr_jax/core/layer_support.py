@@ -11,7 +11,7 @@ from models.layer_kinds import GatedDeltaNetKind, unbuilt_kinds
 def check_layers_run(config, what: str) -> None:
   """Refuses `what` (a prefill's K,V strategies, tensor parallelism) on a model with layers
   they do not run (each kind says how it runs: linear and latent attention through their
-  families' own programs, kvr_jax.inference.own_families, which prefill calls for them)."""
+  cache form's programs, kvr_jax.inference.cache_form, which prefill runs for them)."""
   unbuilt = unbuilt_kinds(config)
   if unbuilt:
     names = ", ".join(kind.name for kind in unbuilt)

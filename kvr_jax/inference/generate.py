@@ -17,9 +17,8 @@ from jax.sharding import NamedSharding
 from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.inference.buckets import check_prompts
 from kvr_jax.inference.kv_cache import check_cache
-from kvr_jax.inference.own_families import ModelCache, own_stepper
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
-from kvr_jax.inference.results import CacheParts, PrefillResult
+from kvr_jax.inference.results import CacheParts, ModelCache, PrefillResult
 from kvr_jax.inference.text import encode_text
 from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
@@ -194,7 +193,7 @@ def _decode(
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
   agree = _as_is
   if isinstance(result, ModelCache):  # a hybrid or latent model: its own decode step
-    stepper = functools.partial(own_stepper, consume=consume)
+    stepper = functools.partial(decode.model_cache_stepper, consume=consume)
     if result.parts is not None and spans_processes(result.mesh):
       agree = decode.from_last_rank(result.mesh, ranked=False)  # as cache="sharded" below
   elif result.cache == "sharded":

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference.cache_form import CacheForm, padded_positions
 from kvr_jax.inference.rank_moves import (
   replicated_from_rank,
   stacked_on_last_rank,
@@ -41,7 +42,7 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.strategies import family_program, runahead, zigzag
 from kvr_jax.strategies.base import count_trace
-from kvr_jax.strategies.hybrid import compile_hybrid
+from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
 from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import HybridCache, LinearState, by_kind
 
@@ -145,22 +146,24 @@ def _rows_with_ends(tokens_BT, lengths, m: int):
   return tokens_BT, (np.arange(T)[None] - ends_B[:, None]).astype(np.int32)
 
 
-def bound_program(spec, graphdef, mesh, chunks, kernel, options, full_chunks, split_shape, config):
-  """(state, tokens laid out [p, B, T_rank]) -> the program's outputs: `compile_hybrid`'s
-  program for this split, or the one program of `split_shape` bound to it (its table the
-  full layers' of `config`: `runahead.on_split`). options: (keep_last_hop, timeline, body,
-  padded), compile_hybrid's. What a plan runs (`OwnFamily.compile`)."""
-  keep_last_hop, timeline, body, padded = options
+def compiled(plan, graphdef, padded: bool = False):
+  """The plan's program (`PrefillPlan.compile`): (state, tokens laid out [p, B, T_rank]) ->
+  `compile_hybrid`'s outputs for the plan's strategy, split, kernel and probes (cache="last"
+  keeps KV-Runahead's last hops where the plan affords them; the full layers' own split), or
+  a split as data's one program bound to the plan's split (its table the full layers':
+  `runahead.on_split`). padded: rows padded past their ends, where the linear pasts stop."""
+  spec, body, split_shape = family_program(plan.strategy, None, None)
+  mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
   if split_shape is None:
     return compile_hybrid(
-      spec, graphdef, mesh, chunks, kernel, keep_last_hop, timeline, full_chunks, body,
-      padded=padded,
+      spec, graphdef, mesh, plan.chunks, kernel, plan.keep_last_hop, timeline,
+      plan.full_chunks, body, padded=padded,
     )  # fmt: skip
   program = compile_hybrid(
     spec, graphdef, mesh, None, kernel, False, timeline, None, body, split_shape, padded
   )
-  full_config = config.of_kind(FULL_ATTENTION)  # the one body's table: the full layers'
-  return runahead.on_split(program, mesh, full_config, split_shape, chunks)
+  full_config = plan.strategy.options.config.of_kind(FULL_ATTENTION)  # the table's layers
+  return runahead.on_split(program, mesh, full_config, split_shape, plan.chunks)
 
 
 def _last_rank_part(array, mesh):
@@ -182,7 +185,7 @@ def _last_rank_part(array, mesh):
 
 def check_split(config, spec, T: int, p: int, full_chunks=None) -> None:
   """What a hybrid's split runs, refused by name before anything compiles (kvr_jax.prefill's
-  plan asks it: `OwnFamily.check_split`): a peer's zigzag chunks each take their
+  plan asks it: `CacheForm.check_split`): a peer's zigzag chunks each take their
   convolution halo from one neighbour, so each must hold at least its w rows (KV-Runahead's
   chunks pass on the tail of the halo they received: any length); KV-Runahead's split as
   data (the record's `split_shape`) runs one split for every kind of layer."""
@@ -384,3 +387,33 @@ def _written_into_parts(mesh):
 
 # A fresh copy of arrays (global ones too), placed as they were, which a step then owns.
 _copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def grown(cache: HybridCache, capacity: int) -> HybridCache:
+  """The cache with room for `capacity` positions, a fresh buffer: K,V [L_full, 2, B, S, K, H]
+  grow along S; a linear layer's state and halo do not grow."""
+  return cache._replace(
+    kv_2BSKH=padded_positions(cache.kv_2BSKH, 3, capacity),
+    linear=jax.tree.map(jnp.copy, cache.linear),
+  )
+
+
+FORM = CacheForm(
+  "hybrid",
+  ("single", *STRATEGIES),
+  CACHES,
+  CACHE_SPECS,
+  prefill_planned,
+  grown,
+  one_device_layout,
+  lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
+  sharded_hybrid_stepper,
+  one_rank_hybrid_parts,
+  compiled,
+  takes_split_as_data=True,
+  splits_per_kind=True,
+  stops_at_row_ends=True,
+  check_split=check_split,
+  after_sharded_step=after_hybrid_step,
+)

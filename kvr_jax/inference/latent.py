@@ -13,6 +13,8 @@ over it).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference.cache_form import CacheForm, padded_positions
 from kvr_jax.inference.rank_moves import (
   stacked_on_last_rank,
 )
@@ -32,8 +35,8 @@ from kvr_jax.runtime.mesh import (
   shard_on,
   spans_processes,
 )
-from kvr_jax.strategies import runahead
-from kvr_jax.strategies.latent import compile_latent
+from kvr_jax.strategies import family_program, runahead
+from kvr_jax.strategies.latent import STRATEGIES, compile_latent
 from models.attention import merge_partials
 
 CACHES = ("last", "sharded")
@@ -86,18 +89,22 @@ def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None, j
   return dict(logits=logits_BV, model_cache=cache, moved=not keep_last)
 
 
-def bound_program(strategy, graphdef, mesh, chunks, kernel, options, split_shape, config):
-  """run(state, tokens [p, B, T_rank]) -> the program's outputs: the strategy's program for
-  this split, or the one program of `split_shape` bound to it (its table `config`'s:
-  `runahead.on_split`). options: (keep_last, timeline, body), compile_latent's. What
-  a plan (`OwnFamily.compile`) and `prefill_planned` run."""
-  keep_last, timeline, body = options
+def compiled(plan, graphdef, padded: bool = False):
+  """The plan's program (`PrefillPlan.compile`): (state, tokens [p, B, T_rank]) ->
+  `compile_latent`'s outputs for the plan's strategy, split, kernel and probes (KV-Runahead's
+  last hop kept where cache="last" joins it: a latent layer's hop carries the whole prefix),
+  or a split as data's one program bound to the plan's split (`runahead.on_split`). A causal
+  past takes padded rows as they are (padded unused)."""
+  del padded
+  spec, body, split_shape = family_program(plan.strategy, None, None)
+  mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
   if split_shape is None:
-    return compile_latent(strategy, graphdef, mesh, chunks, kernel, keep_last, timeline, body)
-  program = compile_latent(
-    strategy, graphdef, mesh, None, kernel, False, timeline, body, split_shape
-  )
-  return runahead.on_split(program, mesh, config, split_shape, chunks)
+    return compile_latent(
+      spec, graphdef, mesh, plan.chunks, kernel, plan.keep_last_hop, timeline, body
+    )
+  program = compile_latent(spec, graphdef, mesh, None, kernel, False, timeline, body, split_shape)
+  config = plan.strategy.options.config
+  return runahead.on_split(program, mesh, config, split_shape, plan.chunks)
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):
@@ -186,3 +193,25 @@ def one_rank_latent_parts(cache_LBSC, T: int, mesh) -> dict:
   """A one-rank prefill's latent cache as that rank's part [1, L, B, T, C]."""
   parts = jax.device_put(cache_LBSC[None, :, :, :T], NamedSharding(mesh, jax.P(AXIS)))
   return dict(parts=parts, part_positions=np.arange(T, dtype=np.int32)[None])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def grown(cache_LBSC, capacity: int):
+  """The latent cache [L, B, S, C] with room for `capacity` positions, a fresh buffer."""
+  return padded_positions(cache_LBSC, 2, capacity)
+
+
+FORM = CacheForm(
+  "latent",
+  ("single", *STRATEGIES),
+  CACHES,
+  jax.P(),  # headless: whole on every shard
+  prefill_planned,
+  grown,
+  lambda config, cache, m: cache,
+  lambda cache, T: cache[:, :, :T],
+  sharded_latent_stepper,
+  one_rank_latent_parts,
+  compiled,
+  takes_split_as_data=True,
+)

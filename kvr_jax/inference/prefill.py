@@ -16,9 +16,8 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.inference import buckets as buckets_lib
 from kvr_jax.inference import decode, sharded_decode
-from kvr_jax.inference.own_families import own_family, run_own_prefill
 from kvr_jax.inference.prefill_plan import PrefillPlan, plan_from_shape
-from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
+from kvr_jax.inference.results import CacheParts, ModelCache, PrefillResult, WholeCache
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.partition import (
   PartitionPlan,
@@ -27,11 +26,12 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
+  model_parallel,
   rank_device,
   shard_on,
   spans_processes,
 )
-from kvr_jax.strategies import get_strategy
+from kvr_jax.strategies import get_strategy, single
 from kvr_jax.strategies.base import AUTO, last_rank
 from models.kernels import get_kernel
 
@@ -73,9 +73,9 @@ def prefill(
 ) -> PrefillResult:
   """Runs the prompt phase and returns each row's last-position logits and the KV cache:
   `run_prefill(model, plan_prefill(model, tokens, ...), tokens)`. A model with its own
-  programs (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: own_families.own_family) runs
-  them under the same arguments and returns a `ModelCache` (a `PrefillResult` whose cache is
-  in the model's own form):
+  cache form (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: inference.cache_form) runs
+  its programs under the same arguments and returns a `ModelCache` (a `PrefillResult` whose
+  cache is in the model's own form):
   strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models) or "auto",
   cache "auto", "last" or "sharded", buckets and ragged batches as on any model (a
   hybrid's linear layers stop each padded row's state at its end).
@@ -169,8 +169,8 @@ def run_prefill(
   the last rank (what kvr_jax.tools.timing times apart)."""
   tokens_BT, lengths_B = _planned_rows(model, plan, tokens)
   T = tokens_BT.shape[1]
-  if own_family(model.config) is not None:
-    return run_own_prefill(model, plan, tokens_BT, lengths_B, decode_room, move_cache)
+  if plan.cache_form is not None:  # a hybrid's or latent model's own cache form
+    return _run_model_cache(model, plan, tokens_BT, lengths_B, decode_room, move_cache)
   B, padded = plan.batch, bool((lengths_B < T).any())
   if padded and not plan.padded:
     raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")
@@ -268,3 +268,111 @@ def _piece_on(array: jax.Array, device):
   if piece is None:
     return None
   return jax.device_put(piece, jax.sharding.SingleDeviceSharding(device))
+
+
+def _run_model_cache(
+  model, plan, tokens_BT: np.ndarray, lengths_B: np.ndarray, room: int = 0, join: bool = True
+) -> ModelCache:
+  """`run_prefill` of a model whose cache has its own form (`plan.cache_form`, which the
+  plan checked: `CacheForm.check_plan`): the form's program; "single" is the model's own
+  forward on the plan's one device (its model group on a 2-D mesh). room: positions the
+  cache keeps for decoding. join=False
+  (`run_prefill(move_cache=False)`, what a benchmark times): with cache="last", return once
+  the last rank's logits exist, the program's outputs left where it put them (no cache in the
+  result: KV-Runahead's last rank holds the whole cache there already, the peers' is spread
+  over their ranks). A process that holds no device of the mesh (auto's pick of one
+  device in another process) gets no logits and no cache."""
+  form = plan.cache_form
+  padded = bool((lengths_B < plan.prompt_len).any())
+  if padded and not join and plan.cache == "last":
+    raise ValueError(
+      f"move_cache=False runs a {form.name} model's rows of one length: these are padded "
+      "past their lengths, whose logits are read from the joined cache (move the cache, or "
+      "give rows of one length)"
+    )
+  spec, mesh = plan.strategy, plan.mesh
+  fields = dict(
+    prompt_len=plan.prompt_len,
+    strategy=spec.name,
+    partition=plan.partition,
+    attention=plan.kernel.name,
+    lengths=lengths_B,
+    cache=plan.cache,
+    capacity=plan.prompt_len + room,
+    form=form,
+    mesh=mesh,
+    config=model.config,
+    choice=plan.choice,
+    full_partition=plan.full_chunks,
+  )
+  if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+    return ModelCache(None, **fields)
+  ends_B = lengths_B - 1 if padded and form.stops_at_row_ends else None
+  if spec.max_ranks == 1:
+    result = _one_group_prefill(model, plan, form, tokens_BT, room, ends_B, fields)
+  else:
+    result = ModelCache(**form.run(model, plan, tokens_BT, room, ends_B, join), **fields)
+  held = result.model_cache is not None or result.parts is not None
+  if padded and held:
+    result = _at_last_real_tokens(model, result, tokens_BT, lengths_B)
+  return result
+
+
+def _one_group_prefill(model, plan, form, tokens_BT, room, ends_B, fields) -> ModelCache:
+  """strategy="single": the model's own forward on the plan's one device (its model group on
+  a 2-D mesh), its cache joined there or, for cache="sharded", as the one rank's part.
+  ends_B: each row's prefill end (`CacheForm.stops_at_row_ends`), None for the whole rows."""
+  mesh = plan.mesh
+  forward = single.one_group_forward(
+    model.graphdef,
+    mesh,
+    plan.kernel,  # the record: a kernel given with its own block sizes runs with them
+    form.group_cache_spec,
+    plan.prompt_len + room,
+    ends_B is not None,
+  )
+  ends = () if ends_B is None else (np.asarray(ends_B, np.int32),)
+  if model_parallel(mesh) > 1:
+    replicated = NamedSharding(mesh, jax.P())
+    state = model.state_split_over(mesh)
+    operands = jax.device_put((tokens_BT, *ends), replicated)
+  else:  # one device, its arrays placed on it alone (no mesh axis in their types)
+    device = mesh.devices.flat[0]
+    state, operands = model.state_on(device), jax.device_put((tokens_BT, *ends), device)
+  logits_BV, cache = forward(state, *operands)
+  logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
+  if plan.cache == "sharded":  # the cache as the one rank's part
+    parts = form.one_rank_parts(cache, plan.prompt_len, mesh)
+    return ModelCache(logits_BV, **fields, **parts)
+  return ModelCache(logits_BV, **fields, model_cache=cache)
+
+
+def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> ModelCache:
+  """A padded batch's result with each row's logits at its last real token: one decode step of
+  that token at its own position, where the cache lies (the causal prefill left every
+  position before a row's end as that row alone gives it; the token's past entry, already in
+  the cache, is written again identically). The padded positions after a row's end are
+  overwritten by its decoded tokens before any query reads them. cache="sharded": the
+  form's sharded step with a one-token tail, every rank's part read up to the row's last
+  token only (its copy there hidden), in every process that holds a rank; what the step
+  changed that decoding reads next is kept (`CacheForm.after_sharded_step`: a hybrid's
+  linear pasts, and the token's K,V written into its part, where the prefill, stopped
+  before it, left other values)."""
+  last_tokens_B = np.asarray(tokens_BT)[np.arange(len(lengths_B)), lengths_B - 1]
+  if result.cache == "last":
+    step, cache, _, _ = decode.model_cache_stepper(model, result, lengths_B - 1, 0, 0, True)
+    logits_BV, cache = step(last_tokens_B, 0, cache)
+    logits_BV = jax.device_put(logits_BV, result.device)
+    return dataclasses.replace(result, logits=logits_BV, model_cache=cache)
+  mesh = result.mesh
+  before_last = dataclasses.replace(result, lengths=lengths_B - 1)
+  step, caches, _, _ = result.form.sharded_stepper(model, before_last, 1, 0)
+  tokens_B = global_array(last_tokens_B.astype(np.int32), NamedSharding(mesh, jax.P()))
+  replicated_BV, caches = step(tokens_B, 0, caches)
+  result = dataclasses.replace(result, **result.form.after_sharded_step(before_last, caches))
+  owner = rank_device(mesh, mesh.shape[AXIS] - 1)
+  logits_BV = None  # on the last rank's device, in its process
+  if owner.process_index == jax.process_index():
+    logits_BV = jax.device_put(replicated_BV.addressable_shards[0].data, owner)
+  replicated = replicated_BV if spans_processes(mesh) else None
+  return dataclasses.replace(result, logits=logits_BV, replicated_logits=replicated)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from kvr_jax.core.layer_support import check_layers_run
+from kvr_jax.inference import hybrid, latent
 from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_cache
 from kvr_jax.inference.kv_cache import (
   check_cache,
@@ -21,7 +22,6 @@ from kvr_jax.inference.kv_cache import (
   join_affordable,
   last_hop_bytes,
 )
-from kvr_jax.inference.own_families import check_own_plan, own_family
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.planning.costmodel import kernel_flags
@@ -45,6 +45,7 @@ from kvr_jax.runtime.tensor_parallel import check_model_parallel, kv_heads_per_s
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO, Strategy
 from models.kernels import AttentionKernel, kernels_where
+from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 
 def _single_device_mesh(mesh):
@@ -91,9 +92,9 @@ class PrefillPlan:
   # ..}, or what "search" or "auto" modelled faster): the full layers' chunks; `partition`
   # and `chunks` are then the linear layers'.
   full_chunks: tuple[int, ...] | None = None
-  # A model with its own programs (a hybrid, a latent model): its family
-  # (own_families.OwnFamily), whose programs run the plan; None for a K,V model.
-  family: Any = None
+  # A model whose cache has its own form (a hybrid, a latent model: `cache_form_of`), whose
+  # programs run the plan; None for a K,V model.
+  cache_form: Any = None
 
   @property
   def cache_layout(self) -> CacheLayout:
@@ -105,11 +106,11 @@ class PrefillPlan:
 
   def compile(self, graphdef, padded: bool = False):
     """The program for a model of `graphdef` (a loaded model's, or one built from shapes):
-    the strategy's, or on a model with its own programs its family's (`OwnFamily.compile`;
+    the strategy's, or on a model whose cache has its own form the form's (`CacheForm.compile`;
     padded: rows padded past their ends, which a linear layer's state stops at; a K,V
     program takes padded rows as it takes any)."""
-    if self.family is not None:
-      return self.family.compile(self, graphdef, padded)
+    if self.cache_form is not None:
+      return self.cache_form.compile(self, graphdef, padded)
     return self.strategy.compile(
       graphdef, self.mesh, self.chunks, self.kernel, self.timeline, self.keep_last_hop
     )
@@ -132,37 +133,37 @@ def plan_from_shape(
   kvr_jax.tools.memory compiles from shapes. device_memory: the bytes of the device planned
   for (KV-Runahead's join of its last hops), default the mesh's own."""
   T, choice = shape.prompt_len, None
-  family = own_family(shape.config)  # a hybrid or latent model: its own programs run the plan
+  form = cache_form_of(shape.config)  # a hybrid or latent model: its form's programs run
   if isinstance(strategy, str) and strategy == AUTO:
     strategy, partition, choice = choose_auto_strategy(shape, mesh, partition, attention)
   spec = get_strategy(strategy)
   cache = check_cache(cache, allow_auto=True)
-  kernel = _check_model_and_kernel(shape.config, spec, attention, timeline, family)
+  kernel = _check_model_and_kernel(shape.config, spec, attention, timeline, form)
   if choice is not None and spec.max_ranks == 1:
     mesh, cache = auto_one_device(shape, mesh, cache)
   mesh = _plan_mesh(spec, mesh, T, elsewhere=choice is not None)
   if cache == AUTO:  # every layer kind's past counted as it is held (`plan_cache`)
     cache = plan_cache(shape, mesh)
   _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
-  if family is not None:
-    check_own_plan(family, shape.config, spec, cache)
+  if form is not None:
+    form.check_plan(shape.config, spec, cache)
   if model_parallel(mesh) > 1:
     _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
   kernel = planned_kernel(shape, spec, kernel, mesh.devices.flat[0])
   user_chunks = full_chunks = None
   if isinstance(partition, Mapping):  # a split per layer kind (a hybrid's, KV-Runahead's)
-    partition, full_partition = _split_by_kind(partition, family, spec)
+    partition, full_partition = _split_by_kind(partition, form, spec)
     full_chunks = _plan_partition(shape, full_partition, mesh, kernel)
   elif spec.partitioned and searches_kind_split(partition, shape.config):
     user_chunks, full_chunks = _agreed_kind_split(shape, partition, mesh, kernel)
   if spec.partitioned and user_chunks is None:
     user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
-  if family is not None and family.check_split is not None:
-    family.check_split(shape.config, spec, T, mesh.shape[AXIS], full_chunks)
-  if family is None:
+  if form is not None and form.check_split is not None:
+    form.check_split(shape.config, spec, T, mesh.shape[AXIS], full_chunks)
+  if form is None:
     keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
-  else:  # the family's program: KV-Runahead's last hops (whole prefixes) wherever cache="last"
+  else:  # the form's programs: KV-Runahead's last hops (whole prefixes) wherever cache="last"
     keep_last_hop = cache == "last" and spec.cache_from_last_hop is not None
     hops = full_chunks or chunks  # the split a hybrid's full layers' hops follow
     keep_last_hop = keep_last_hop and _join_affordable(shape, hops, mesh, device_memory)
@@ -181,14 +182,25 @@ def plan_from_shape(
     shape.padded,
     choice,
     full_chunks,
-    family,
+    form,
   )
 
 
-def _check_model_and_kernel(config, spec, attention, timeline, family=None):
-  """The model's layer kinds (those of a model with its own programs: `family`), the probes
+def cache_form_of(config):
+  """The cache form of `config`'s model where its past is not (K, V) per layer: a hybrid's
+  (any Gated DeltaNet layer: hybrid.FORM) or a latent model's (latent.FORM); None for a
+  model of softmax attention layers alone (the strategies' K,V programs run it)."""
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):
+    return hybrid.FORM
+  if any(isinstance(kind, LatentAttentionKind) for kind in config.kinds):
+    return latent.FORM
+  return None
+
+
+def _check_model_and_kernel(config, spec, attention, timeline, form=None):
+  """The model's layer kinds (those of a model whose cache has its own form: `form`), the probes
   and the kernel named (or "auto") against the strategy and the model's window."""
-  if family is None:
+  if form is None:
     check_layers_run(config, "prefill")
   if timeline and not spec.timeline_probes:
     raise ValueError(
@@ -268,15 +280,15 @@ def planned_kernel(shape: PrefillShape, spec, kernel, device):
 KIND_SPLIT_KEYS = ("linear", "full")
 
 
-def _split_by_kind(partition: Mapping, family, spec) -> tuple[Any, Any]:
+def _split_by_kind(partition: Mapping, form, spec) -> tuple[Any, Any]:
   """A split per layer kind, {"linear": .., "full": ..} (each a partition as `prefill` takes
   one), checked: KV-Runahead on a hybrid model (its linear and full layers balance on
   different splits: strategies.hybrid.KindSplit). Returns (linear, full)."""
-  if not spec.partitioned or family is None or family.name != "hybrid":
+  if not spec.partitioned or form is None or not form.splits_per_kind:
     raise ValueError(
       "a partition per layer kind ({'linear': .., 'full': ..}) is KV-Runahead's on a hybrid "
       f"model (linear and full-attention layers); this plan runs {spec.name!r}"
-      + ("" if family is not None and family.name == "hybrid" else " on a model of one kind")
+      + ("" if form is not None and form.splits_per_kind else " on a model of one kind")
     )
   if sorted(partition) != sorted(KIND_SPLIT_KEYS):
     raise ValueError(

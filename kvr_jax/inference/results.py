@@ -1,5 +1,7 @@
 """What `prefill` returns: the last position's logits and the cache, whole on the last rank
-(`WholeCache`, cache="last") or in the ranks' parts (`CacheParts`, cache="sharded")."""
+(`WholeCache`, cache="last") or in the ranks' parts (`CacheParts`, cache="sharded"), or for a
+model whose cache has its own form (a hybrid's, a latent model's: `CacheForm`) that cache in
+either layout (`ModelCache`)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from kvr_jax.inference.cache_form import CacheForm
 from kvr_jax.inference.decode import DecodeLayout
 from kvr_jax.inference.kv_cache import cut_on_last_rank, gather_on_last_rank, kept_on_last_rank
 from kvr_jax.inference.sharded_decode import prompt_order_of_rings
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime.cache_layout import CacheLayout
+from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_row_mesh
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -227,3 +231,90 @@ class CacheParts(PrefillResult):
       self.kv_parts, self.cache_layout, self.mesh, kept, self.lengths, self.last_hop
     )
     return WholeCache(**common, k_layers=k, v_layers=v, kept=kept, rings=rings)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class ModelCache(PrefillResult):
+  """What `prefill` returns for a model with its own programs (a `CacheForm`): a
+  `PrefillResult` (logits [B, V] float32 on the last rank's first device, None in a process
+  that does not hold it; prompt_len; strategy; partition; attention; lengths; choice) with
+  its cache in the model's own form; `cache` ("last" or "sharded") is a field here, where
+  `WholeCache` and `CacheParts` are one layout each.
+
+  model_cache (cache="last"): a hybrid's `HybridCache` (each full layer's K,V, each linear
+  layer's state and halo) or a latent model's [L, B, S, C] latents, S = capacity (the prompt
+  and the room kept for decoding: `generate`'s new tokens, written there), on the
+  last rank's device, or split over its model group on a 2-D mesh (`decode_mesh`; by head,
+  hybrid.CACHE_SPECS; a latent cache whole on each shard). parts, part_positions
+  (cache="sharded", latent models): each rank's latents where the program left them
+  [p, L, B, T_rank, C] and the prompt position of each of their rows [p, T_rank] (-1:
+  padding). `gather_cache()`: the cache in one device's layout. `decode_from` reads the
+  cache without consuming it."""
+
+  cache: str
+  capacity: int
+  form: CacheForm = dataclasses.field(repr=False)  # the model's (hybrid.FORM, latent.FORM)
+  mesh: Any
+  config: Any = dataclasses.field(repr=False)
+  model_cache: Any = None
+  parts: jax.Array | None = None
+  part_positions: np.ndarray | None = None
+  # cache="sharded" across processes: the logits replicated on every device (every process
+  # decodes its ranks' parts and samples the same tokens).
+  replicated_logits: jax.Array | None = None
+  # cache="sharded", hybrid models: where each rank's K,V rows lie in the prompt (None on a
+  # latent model, whose parts say it by `part_positions`), and the prompt's final linear
+  # states and halos on every rank.
+  cache_layout: Any = None
+  linear_state: Any = None
+  # KV-Runahead on a hybrid with a split per layer kind: the full layers' (`partition` is
+  # then the linear layers'); None where one split ran every layer.
+  full_partition: tuple[int, ...] | None = None
+  # cache="last": whether the ranks' parts moved onto the last rank (the peers, the split as
+  # data's parts) or were there already (KV-Runahead's last hops and own chunk: no move).
+  moved: bool = False
+
+  def gather_cache(self):
+    """The cache (cache="last") as the model's own one-device forward lays it out, on the
+    last rank's first device: a hybrid's split over a model group put back in order
+    (`hybrid.one_device_layout`); a latent cache as it is."""
+    if self.cache != "last":
+      raise ValueError(f"gather_cache reads cache='last'; this prefill ran cache={self.cache!r}")
+    self.check_held()
+    form = self.form
+    # The prompt's positions (not the room kept for decoding), through the host: a group's
+    # arrays are typed with its mesh's axes, which one device lacks.
+    cache = jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.device), self.model_cache)
+    cache = form.one_device_layout(self.config, cache, model_parallel(self.mesh))
+    return form.prompt_part(cache, self.prompt_len)
+
+  def check_held(self) -> None:
+    """Refuses a cache="last" result without its cache, by why."""
+    if self.cache == "last" and self.model_cache is None:
+      raise ValueError(
+        "this result holds no cache: its prefill left it where the program put it "
+        "(run_prefill(move_cache=False)), or another process's rank is last and holds it"
+      )
+
+  @property
+  def family(self) -> str:
+    """The cache form's name ("hybrid", "latent")."""
+    return self.form.name
+
+  def layer_cache(self, layer: int):
+    """Refused: a hybrid's or latent model's cache is not one (K, V) per layer."""
+    raise ValueError(
+      f"a {self.family} model's cache is its own form, not (K, V) per layer: read gather_cache()"
+    )
+
+  def decode_cache(self):
+    """Refused as `layer_cache` is: its decode reads `model_cache`
+    (`decode.model_cache_stepper`)."""
+    return self.layer_cache(0)
+
+  @property
+  def decode_mesh(self):
+    """The last rank's model group where the mesh has one (its cache split there), else None."""
+    if model_parallel(self.mesh) == 1:
+      return None
+    return rank_row_mesh(self.mesh, self.mesh.shape[AXIS] - 1)

@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, split_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ def parts_spec(mesh):
   on a ("ranks", "model") mesh its heads over "model"."""
   if model_parallel(mesh) == 1:
     return jax.P(AXIS)
-  return jax.P(AXIS, None, None, None, MODEL_AXIS, None)
+  return split_dims("pL2RKH", p=AXIS, K=MODEL_AXIS)
 
 
 def unfold_batch(kv_2BPKH_folded, part_len: int):

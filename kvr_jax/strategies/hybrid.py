@@ -55,7 +55,7 @@ from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.cache_layout import parts_spec
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, split_dims
 from kvr_jax.strategies import REGISTRY, family_builder, zigzag
 from kvr_jax.strategies.base import (
   RankBody,
@@ -427,8 +427,8 @@ def output_specs(mesh) -> dict:
     return {"full": P(AXIS), "state": P(AXIS), "halo": P(AXIS)}
   return {
     "full": parts_spec(mesh),
-    "state": P(AXIS, None, None, MODEL_AXIS),
-    "halo": P(AXIS, None, None, None, MODEL_AXIS),
+    "state": split_dims("pLBhkv", p=AXIS, h=MODEL_AXIS),
+    "halo": split_dims("pLBwC", p=AXIS, C=MODEL_AXIS),
   }
 
 

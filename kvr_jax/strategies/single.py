@@ -6,11 +6,17 @@ It runs under the same interface as the parallel strategies (a mesh of one devic
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from kvr_jax.core.caches import kept_cache
+from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import fold_batch
+from kvr_jax.runtime.mesh import model_parallel
 from kvr_jax.runtime.roofline import (
   Compute,
   ModelledLayer,
@@ -28,7 +34,7 @@ from kvr_jax.strategies.base import (
   refuse,
   strategy_compiler,
 )
-from models.base import finish_one_row
+from models.base import finish_one_row, no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
 
@@ -99,9 +105,46 @@ STRATEGY = Strategy(
   compile=compile_program,
   modelled_layer=modelled_layer,
   max_ranks=1,
-  # Its program on these kinds is the model's own forward (inference.own_families).
+  # Its program on these kinds is the model's own forward (`one_group_forward`).
   kind_layers={
     LatentAttentionKind: KindLayers(latent_modelled.single_latent_layer),
     GatedDeltaNetKind: KindLayers(linear_modelled.single_linear_layer),
   },
 )
+
+
+@kept_cache(8)
+def one_group_forward(graphdef, mesh, attention, cache_spec, capacity: int, row_ends: bool = False):
+  """strategy="single" for a model whose cache has its own form (a hybrid, a latent model):
+  (state, tokens [B, T]) -> (the last position's logits [B, V], the model's cache of
+  `capacity` positions), its own `forward` on the mesh of one rank: one device, or a model
+  group whose shards run their heads and experts (the partial sums added over "model") and
+  keep the cache as `cache_spec` places it. row_ends:
+  a third operand, each row's end [B], where the model's past stops (`forward(lengths_B=)`:
+  every row's hidden states computed; the logits at T - 1 are then a padded row's)."""
+  m = model_parallel(mesh)
+
+  def forward(state, tokens_BT, *ends_B, reduce=no_reduce):
+    model = nnx.merge(graphdef, state)
+    lengths = dict(lengths_B=ends_B[0]) if row_ends else dict(last_row_only=True)
+    x_BTD, cache = model.forward(
+      tokens_BT, attention=attention, reduce=reduce, capacity=capacity, **lengths
+    )
+    return model.logits(x_BTD[:, -1:])[:, 0], cache
+
+  if m == 1:
+    return jax.jit(forward)
+
+  @jax.jit
+  def split(state, tokens_BT, *ends_B):
+    # check_vma=False: the psums make the hidden states whole on every shard (as in the rank
+    # programs: strategies.base.spmd).
+    return jax.shard_map(
+      functools.partial(forward, reduce=tensor_parallel.psum_over_model),
+      mesh=mesh,
+      in_specs=(tensor_parallel.partition_specs(state, m), jax.P(), *(jax.P(),) * row_ends),
+      out_specs=(jax.P(), cache_spec),
+      check_vma=False,
+    )(state, tokens_BT, *ends_B)
+
+  return split

@@ -24,8 +24,8 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from kvr_jax.core import resources
-from kvr_jax.inference.own_families import own_family
 from kvr_jax.inference.prefill import plan_prefill
+from kvr_jax.inference.prefill_plan import cache_form_of
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.planning.search import Compare, descend_by_comparison
 from kvr_jax.runtime.loading import Model
@@ -221,9 +221,9 @@ def _measured_setup(model, tokens, mesh) -> dict:
   kernel = get_strategy("kvr").resolve_attention(
     None, first_device, model.dtype, model.config.narrowest_window
   )
-  # A family with its own programs takes the split as data where it runs that record.
-  family = own_family(model.config)
-  takes_data = family is None or family.takes_split_as_data
+  # A model whose cache has its own form takes the split as data where its form runs it.
+  form = cache_form_of(model.config)
+  takes_data = form is None or form.takes_split_as_data
   one_program = kernel.lengths_as_data and check_mesh(mesh) > 1 and takes_data
   return {
     "program": runahead.SPLIT_AS_DATA if one_program else "kvr",

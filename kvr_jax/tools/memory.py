@@ -26,14 +26,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference import decode, hybrid, latent, sharded_decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
   join_on_device,
   join_rings_on_device,
   place,
 )
-from kvr_jax.inference.own_families import HYBRID, LATENT
 from kvr_jax.inference.prefill_plan import check_partition_applies, plan_from_shape
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.partition import PartitionPlan
@@ -367,7 +366,7 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), plan.chunks).shape
   tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
   lowered = plan.compile(graphdef).lower(state_shapes, tokens)
-  past_figures = _PAST_FIGURES[plan.family]
+  past_figures = _PAST_FIGURES[plan.cache_form]
   return {
     **report_head(spec, shape, dtype_name, cache, plan.chunks, plan.kernel),
     **analysis(compile_for_figures(lowered, dtype_name)),
@@ -401,7 +400,7 @@ def _kv_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
 
 
 # compiled_memory's figures of each kind of past, by the model's family (None: K,V).
-_PAST_FIGURES = {None: _kv_figures, HYBRID: hybrid_figures, LATENT: latent_figures}
+_PAST_FIGURES = {None: _kv_figures, hybrid.FORM: hybrid_figures, latent.FORM: latent_figures}
 
 
 def _in_subprocess(

@@ -168,7 +168,7 @@ def _step_on_last_rank(config, plan, model, batch: int, grown, group_specs, item
   """The model's own decode step that generate runs after cache="last", lowered from shapes
   over the joined cache grown by the decoded tokens (`grown`, shapes): on the last rank's
   device (`decode.decode_step_of`) or its model group (`decode.group_decode_step`, the cache
-  placed by `group_specs`: `OwnFamily.group_cache_spec`)."""
+  placed by `group_specs`: `CacheForm.group_cache_spec`)."""
   graphdef, state, _ = model
   mesh, m = plan.mesh, model_parallel(plan.mesh)
   row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)

@@ -10,9 +10,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from kvr_jax.inference.own_families import ModelCache
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
-from kvr_jax.inference.results import PrefillResult
+from kvr_jax.inference.results import ModelCache, PrefillResult
 from kvr_jax.runtime.loading import Model
 
 
@@ -45,7 +44,8 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   plan = plan_prefill(model, tokens, cache=cache, **kwargs)
   cache = plan.cache  # "auto" resolved
   # A hybrid or latent model: its join is part of its call (its figures as prefill's).
-  result = run_prefill(model, plan, tokens, move_cache=cache != "last" or plan.family is not None)
+  own_form = plan.cache_form is not None
+  result = run_prefill(model, plan, tokens, move_cache=cache != "last" or own_form)
   if isinstance(result, ModelCache):
     jax.block_until_ready((result.logits, result.model_cache, result.parts))
     return result, time.perf_counter() - start, 0.0

@@ -1,5 +1,5 @@
-"""kvr_jax.prefill / generate / decode_from on the models with their own context-parallel
-programs (kvr_jax.inference.own_families): a hybrid (Qwen3.5's Gated DeltaNet and full layers)
+"""kvr_jax.prefill / generate / decode_from on the models whose cache has its own form
+(kvr_jax.inference.cache_form: hybrid.FORM, latent.FORM): a hybrid (Qwen3.5's Gated DeltaNet and full layers)
 and a latent-attention model (DeepSeek-V3), under every strategy their programs run, "auto",
 both meshes and both cache layouts, against the model's own one-device forward (1e-5) and
 transformers' greedy and sampled tokens; and what is not built, refused by name."""
@@ -15,7 +15,8 @@ import kvr_jax
 from kvr_jax.inference import auto as auto_module
 from kvr_jax.inference import kv_cache
 from kvr_jax.inference.generate import decode_from
-from kvr_jax.inference.own_families import ModelCache
+from kvr_jax.inference.prefill_plan import cache_form_of
+from kvr_jax.inference.results import ModelCache
 from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.strategies import base as strategies_base
 from kvr_jax.strategies import runahead
@@ -87,7 +88,7 @@ RUNS = [
 
 @pytest.mark.default_cases("deepseek-default-tsp-shape10-None-last")
 @pytest.mark.parametrize("case, strategy, shape, partition, cache", RUNS)
-def test_generate_runs_own_family_models_as_one_device(
+def test_generate_runs_hybrid_and_latent_models_as_one_device(
   models, tokens, oracle, case, strategy, shape, partition, cache
 ):
   """The same call as for any model: the prefill's logits within 1e-5 of the model's own
@@ -306,11 +307,12 @@ def test_a_kernel_record_reaches_the_familys_program_whole(
   """A kernel given as a record (its own block sizes) is the kernel the family's program
   runs, not the registry's record of its name: the builder (or the one device's forward)
   is asked for that record, and the logits are still the one device's."""
-  from kvr_jax.inference import hybrid, latent, own_families
+  from kvr_jax.inference import hybrid, latent
+  from kvr_jax.strategies import single
 
   small = dataclasses.replace(get_kernel("flash"), query_block=8, key_block=8)
   if strategy == "single":
-    module, name, argument = own_families, "one_group_forward", "attention"
+    module, name, argument = single, "one_group_forward", "attention"
   else:
     module = hybrid if case == HYBRID else latent
     name, argument = ("compile_hybrid" if case == HYBRID else "compile_latent"), "kernel"
@@ -504,7 +506,7 @@ def test_auto_kernel_is_the_platforms_and_fused_runs_every_strategy(
   _, ours = models[case]
   monkeypatch.setattr(kernels, "cudnn_available", lambda: True)
   shape = PrefillShape(ours.config, "bfloat16", T, 2, T)
-  names = kvr_jax.inference.own_families.own_family(ours.config).strategies
+  names = cache_form_of(ours.config).strategies
   for name in names:
     want = "dense" if name == "tsp" else "cudnn"
     assert planned_kernel(shape, get_strategy(name), "auto", _FakeGPU()).name == want, name
