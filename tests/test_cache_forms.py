@@ -1,8 +1,9 @@
 """kvr_jax.prefill / generate / decode_from on the models whose cache has its own form
-(kvr_jax.inference.cache_form: hybrid.FORM, latent.FORM): a hybrid (Qwen3.5's Gated DeltaNet and full layers)
-and a latent-attention model (DeepSeek-V3), under every strategy their programs run, "auto",
-both meshes and both cache layouts, against the model's own one-device forward (1e-5) and
-transformers' greedy and sampled tokens; and what is not built, refused by name."""
+(kvr_jax.inference.cache_form: hybrid.FORM, latent.FORM): a hybrid (Qwen3.5's Gated DeltaNet
+and full layers) and a latent-attention model (DeepSeek-V3), under every strategy their
+programs run, "auto", both meshes and both cache layouts, against the model's own one-device
+forward (1e-5) and transformers' greedy and sampled tokens; and what is not built, refused
+by name."""
 
 import dataclasses
 import inspect
@@ -15,9 +16,9 @@ import kvr_jax
 from kvr_jax.inference import auto as auto_module
 from kvr_jax.inference import kv_cache
 from kvr_jax.inference.generate import decode_from
+from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.inference.prefill_plan import cache_form_of
 from kvr_jax.inference.results import ModelCache
-from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.strategies import base as strategies_base
 from kvr_jax.strategies import runahead
 from models.kernels import get_kernel
@@ -242,6 +243,26 @@ def test_decode_from_one_prefill_twice_samples_transformers_draws(models, tokens
   for _ in range(2):
     got = decode_from(ours, result, NEW, temperature=1.5, top_k=40, seed=5)
     np.testing.assert_array_equal(got.tokens, want)
+
+
+def test_generate_decodes_into_its_prefills_cache_and_decode_from_into_a_copy(
+  models, tokens, oracle
+):
+  """generate's prefill keeps room for its new tokens and its decode writes them there (one
+  copy of the cache: the result's stepper consumes it); decode_from decodes from a grown
+  copy, the prefill's cache left as it was, and decodes the same tokens."""
+  _, ours = models[LATENT]
+  out = kvr_jax.generate(ours, tokens, NEW)
+  written = np.asarray(out.prefill.model_cache)  # [L, B, T + NEW, C]
+  assert written.shape[2] == T + NEW
+  # Every fed token's latents (the new ones but the last, which is drawn, never fed).
+  assert (np.abs(written[:, :, T : T + NEW - 1]).sum(-1) > 0).all()
+  assert not written[:, :, T + NEW - 1].any()
+  result = kvr_jax.prefill(ours, tokens)
+  before = np.asarray(result.model_cache)
+  again = decode_from(ours, result, NEW)
+  np.testing.assert_array_equal(again.tokens, oracle[LATENT][2])
+  np.testing.assert_array_equal(np.asarray(result.model_cache), before)
 
 
 @pytest.mark.default_cases("deepseek-default")

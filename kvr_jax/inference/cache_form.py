@@ -33,7 +33,7 @@ class CacheForm:
   positions; join=False: none, the outputs left where the program put them) or the ranks'
   parts. grown(cache, capacity) -> the cache with room for `capacity` positions (a fresh
   buffer: the decode steps donate theirs). sharded_stepper(model, result, max_new_tokens,
-  seed): decode from cache="sharded" (`decode.model_cache_stepper`'s return)."""
+  seed): decode from cache="sharded" (`steppers.model_cache_stepper`'s return)."""
 
   name: str
   strategies: tuple[str, ...]

@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, placements, split_dims
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, split_dims
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from models import scan_layers
 from models.attention import attend_static
@@ -382,53 +381,3 @@ def group_decode_step(graphdef, row_mesh, cache_spec):
     )(state, tokens_B, positions_B, cache)
 
   return step
-
-
-def model_cache_stepper(
-  model, result, lengths_B, max_new_tokens: int, seed: int, consume: bool = False
-):
-  """`decode_from`'s stepper for a `ModelCache` (a hybrid's or latent model's cache):
-  (step(token_B, index, cache) -> (logits, cache), the first cache, the prompt's logits, the
-  sampling key), placed where the cache lies. cache="last": the model's own decode step on
-  the last rank's device (its model group on a 2-D mesh, the cache split as the prefill left
-  it), from a grown copy of the cache (consume: from the prefill's own cache where it has the
-  room, written in place);
-  cache="sharded": every rank attends its own part (latent.latent_sharded_step)."""
-  if model.config != result.config:
-    raise ValueError(
-      f"this cache is a {result.config.architecture} model's ({result.family} cache); decode "
-      "it with the model that made it"
-    )
-  form = result.form
-  result.check_held()
-  if result.cache == "sharded":
-    return form.sharded_stepper(model, result, max_new_tokens, seed)
-  group = result.decode_mesh
-  if group is None:
-    device = result.device
-    state = model.state_on(device)
-    program = decode_step_of(model.graphdef)
-
-    def placed(x):
-      return jax.device_put(x, device)
-  else:
-    replicated = NamedSharding(group, jax.P())
-    state = model.state_split_over(group)
-    program = group_decode_step(model.graphdef, group, form.group_cache_spec)
-
-    def placed(x):
-      return jax.device_put(x, replicated)
-
-  capacity = result.prompt_len + max_new_tokens
-  if consume and result.capacity >= capacity:
-    cache = result.model_cache  # generate's own: the steps donate and write into it
-  else:
-    cache = form.grown(result.model_cache, capacity)
-  if group is not None:  # where the group's step reads it (a latent cache joined on one device)
-    cache = jax.device_put(cache, placements(group, form.group_cache_spec))
-  lengths_B = np.asarray(lengths_B, np.int32)
-
-  def step(token_B, index, cache):
-    return program(state, placed(token_B), placed(lengths_B + index), cache)
-
-  return step, cache, placed(result.logits), placed(jax.random.key(seed))

@@ -4,30 +4,19 @@ it already lives (the last rank's device after KV-Runahead), with greedy or samp
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
-from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference import decode
 from kvr_jax.inference.buckets import check_prompts
 from kvr_jax.inference.kv_cache import check_cache
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
-from kvr_jax.inference.results import CacheParts, ModelCache, PrefillResult
+from kvr_jax.inference.results import PrefillResult
 from kvr_jax.inference.text import encode_text
 from kvr_jax.runtime.loading import Model
-from kvr_jax.runtime.mesh import (
-  MODEL_AXIS,
-  global_array,
-  model_parallel,
-  spans_processes,
-  split_dims,
-)
 
 
 def _is_integer(value) -> bool:
@@ -155,15 +144,6 @@ def generate(
   return _decode(model, result, max_new_tokens, *sampling, consume=True, on_token=on_token)
 
 
-def _on_model_groups(result: PrefillResult) -> bool:
-  """The prefill ran on a ("ranks", "model") mesh: its mesh says so, or its cache's heads are
-  split over "model" (a result rebuilt around a gathered cache, as timing does)."""
-  if isinstance(result, CacheParts):
-    return model_parallel(result.mesh) > 1
-  spec = getattr(getattr(result.k_layers, "sharding", None), "spec", ())
-  return MODEL_AXIS in tuple(spec)
-
-
 def decode_from(
   model: Model,
   result: PrefillResult,
@@ -185,125 +165,31 @@ def _decode(
   model, result, max_new_tokens, temperature, top_k, top_p, seed, consume: bool, on_token=None
 ):
   """`decode_from`; consume: a `ModelCache`'s decode may write into the prefill's own cache
-  where it has room (`generate`'s, made with room for the new tokens)."""
+  where it has room (`generate`'s, made with room for the new tokens). Each cache layout
+  decodes by its result's own stepper (`PrefillResult.stepper`, kvr_jax.inference.steppers)
+  in the one token loop below."""
   check_sampling(model, max_new_tokens, temperature, top_k, top_p, seed)
   max_new_tokens, seed = int(max_new_tokens), int(seed)
   top_k = None if top_k is None else int(top_k)
   _check_length(model, int(np.max(result.lengths, initial=0)), max_new_tokens)
   lengths_B = np.asarray(result.lengths, np.int32)  # row b decodes from position lengths_B[b]
+  if not result.decodes_here:
+    return GenerationResult(None, None, result)  # another process holds the cache, generates
   agree = _as_is
-  if isinstance(result, ModelCache):  # a hybrid or latent model: its own decode step
-    stepper = functools.partial(decode.model_cache_stepper, consume=consume)
-    if result.parts is not None and spans_processes(result.mesh):
-      agree = decode.from_last_rank(result.mesh, ranked=False)  # as cache="sharded" below
-  elif result.cache == "sharded":
+  if result.decodes_in_every_process:
     # Every process runs every step over the parts where they lie, and all of them take the
     # token the last rank sampled, so that they run the same next step and stop together.
-    stepper = _sharded_stepper
-    if spans_processes(result.mesh):
-      agree = decode.from_last_rank(result.mesh, ranked=False)
-  elif _on_model_groups(result):
-    stepper = _model_group_stepper
-  else:
-    stepper = _whole_cache_stepper
-  # With cache="sharded" every process decodes the parts it holds (auto's pick of one device
-  # holds none in the other processes).
-  decodes_parts_here = (stepper is _sharded_stepper and result.kv_parts is not None) or (
-    isinstance(result, ModelCache) and result.parts is not None
-  )
-  if not (decodes_parts_here or result.is_local):
-    return GenerationResult(None, None, result)  # another process holds the cache, generates
-  step, tail, logits, key = stepper(model, result, lengths_B, max_new_tokens, seed)
-  out, last_logits = _decode_loop(
+    agree = decode.from_last_rank(result.mesh, ranked=False)
+  step, tail, logits, key = result.stepper(model, lengths_B, max_new_tokens, seed, consume)
+  out, last_logits, tail = _decode_loop(
     model, step, tail, logits, key, max_new_tokens, (temperature, top_k, top_p), agree, on_token
   )
   text = None
   if model.tokenizer is not None:
     text = [model.tokenizer.decode(row, skip_special_tokens=True) for row in out]
+  # A cache the decode consumed (generate's own) is the last step's now.
+  result = result.after_decode(tail, consume, max_new_tokens)
   return GenerationResult(out, text, result, last_logits)
-
-
-# Each stepper returns (step(token_B, index, tail) -> (logits, tail), the first tail, the
-# prompt's logits and the sampling key), all placed where that cache layout decodes.
-
-
-def _model_group_stepper(model, result, lengths_B, max_new_tokens, seed):
-  """Tensor parallelism, cache="last": the last rank's row of devices decodes as shards of
-  the model, from the cache there (heads split), a windowed layer keeping only its window
-  as on one device (`_whole_cache_stepper`)."""
-  group = result.k_layers.sharding.mesh
-  replicated = NamedSharding(group, jax.P())
-  state = model.state_split_over(group)
-  capacity = result.prompt_len + max_new_tokens
-  layout = decode.DecodeLayout.of(model.config, capacity)
-  program = decode.model_group_decode_step(model.graphdef, group, layout)
-  lengths = jax.device_put(lengths_B, replicated)
-  caches = decode.decode_caches(
-    result.k_layers, result.v_layers, lengths, layout, capacity, result.kept, result.rings
-  )
-  heads = NamedSharding(group, split_dims("LBSKH", K=MODEL_AXIS))
-  caches = jax.device_put(caches, heads)  # where the step reads them (a no-op where they are)
-
-  def step(token_B, index, caches):
-    token_B = jax.device_put(token_B, replicated)
-    positions_B = jax.device_put(lengths_B + index, replicated)
-    return program(state, token_B, positions_B, caches)
-
-  logits = jax.device_put(result.logits, replicated)
-  return step, caches, logits, jax.device_put(jax.random.key(seed), replicated)
-
-
-def _sharded_stepper(model, result, lengths_B, max_new_tokens, seed):
-  """cache="sharded": every operand replicated over the prefill's mesh but the cache parts,
-  which stay put; each step attends every part where it lies
-  (sharded_decode.sharded_decode_program), and a windowed layer whose window the prompt
-  outgrew its ring (`result.rings`, copied: the steps write into theirs). Across processes
-  every operand is a global array that every process builds alike."""
-  replicated = NamedSharding(result.mesh, jax.P())
-  B, (L_f, K, H) = len(lengths_B), (result.kv_parts.shape[1], *result.kv_parts.shape[4:])
-  state = model.state_for(result.mesh)
-  heads = replicated  # the tail's heads: split over "model" where the weights' are
-  if model_parallel(result.mesh) > 1:
-    heads = NamedSharding(result.mesh, split_dims("L2BTKH", K=MODEL_AXIS))
-  kept = result.kept or decode.DecodeLayout.whole(L_f)
-  tail = decode.zeros_on((L_f, 2, B, max_new_tokens, K, H), result.kv_parts.dtype, heads)
-  caches = tuple(
-    tail if ring is None else _copied(result.rings[group]) for group, ring in enumerate(kept.rings)
-  )
-  program = sharded_decode.sharded_decode_program(
-    model.graphdef, result.mesh, result.cache_layout, kept
-  )
-  prompt_lens_B = global_array(lengths_B, replicated)
-
-  def step(token_B, index, caches):
-    index = global_array(np.int32(index), replicated)
-    return program(state, token_B, prompt_lens_B, result.kv_parts, caches, index)
-
-  return step, caches, *sharded_decode.first_draw(result, seed)
-
-
-# A fresh copy of arrays (global ones too), which a step then owns and donates.
-_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
-
-
-def _whole_cache_stepper(model, result, lengths_B, max_new_tokens, seed):
-  """cache="last": decode on the device holding the whole cache, grown there for the new
-  tokens; a windowed layer keeps only its window (a ring, decode.DecodeLayout) where the
-  window is shorter than the prompt and the new tokens."""
-  device = result.device
-  state = model.state_on(device)
-  capacity = result.prompt_len + max_new_tokens
-  layout = decode.DecodeLayout.of(model.config, capacity)
-  lengths_on_device = jax.device_put(lengths_B, device)
-  caches = decode.decode_caches(
-    result.k_layers, result.v_layers, lengths_on_device, layout, capacity, result.kept, result.rings
-  )
-
-  def step(token_B, index, caches):
-    positions_B = jax.device_put(lengths_B + index, device)
-    return decode.ring_decode_step(model.graphdef, layout, state, token_B, positions_B, caches)
-
-  return step, caches, result.logits, jax.device_put(jax.random.key(seed), device)
 
 
 def _as_is(token_B):
@@ -315,9 +201,10 @@ def _decode_loop(
 ):
   """Token by token until every row has met an EOS or `max_new_tokens`: ([B, max_new_tokens]
   tokens, every row's tokens after its EOS the EOS again, also where decoding stopped early
-  because every row had met one; the last token's logits). sampling: (temperature, top_k,
-  top_p). agree(token) -> the token every process continues with (the last rank's, across
-  processes). on_token([B] tokens) after each step, before the next is computed."""
+  because every row had met one; the last token's logits; the last step's tail). sampling:
+  (temperature, top_k, top_p). agree(token) -> the token every process continues with (the
+  last rank's, across processes). on_token([B] tokens) after each step, before the next is
+  computed."""
   temperature, top_k, top_p = sampling
   eos = np.asarray(model.config.eos_ids, np.int32)
   B = logits.shape[0]
@@ -334,4 +221,4 @@ def _decode_loop(
     if done.all() or index == max_new_tokens - 1:
       break
     logits, tail = step(token_B, index, tail)
-  return out, np.asarray(logits.addressable_shards[0].data)
+  return out, np.asarray(logits.addressable_shards[0].data), tail

@@ -360,7 +360,7 @@ def _at_last_real_tokens(model, result: ModelCache, tokens_BT, lengths_B) -> Mod
   before it, left other values)."""
   last_tokens_B = np.asarray(tokens_BT)[np.arange(len(lengths_B)), lengths_B - 1]
   if result.cache == "last":
-    step, cache, _, _ = decode.model_cache_stepper(model, result, lengths_B - 1, 0, 0, True)
+    step, cache, _, _ = result.stepper(model, lengths_B - 1, 0, 0, consume=True)
     logits_BV, cache = step(last_tokens_B, 0, cache)
     logits_BV = jax.device_put(logits_BV, result.device)
     return dataclasses.replace(result, logits=logits_BV, model_cache=cache)

@@ -11,13 +11,14 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from kvr_jax.inference import steppers
 from kvr_jax.inference.cache_form import CacheForm
 from kvr_jax.inference.decode import DecodeLayout
 from kvr_jax.inference.kv_cache import cut_on_last_rank, gather_on_last_rank, kept_on_last_rank
 from kvr_jax.inference.sharded_decode import prompt_order_of_rings
 from kvr_jax.planning.choice import StrategyChoice
 from kvr_jax.runtime.cache_layout import CacheLayout
-from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, rank_row_mesh, spans_processes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,6 +57,32 @@ class PrefillResult:
   @property
   def device(self):
     return next(iter(self.logits.devices()))
+
+  @property
+  def decodes_here(self) -> bool:
+    """Whether this process decodes from this cache: it holds the last rank's logits (or,
+    left in parts, some rank's part)."""
+    return self.is_local
+
+  @property
+  def decodes_in_every_process(self) -> bool:
+    """Whether every process runs each decode step (the cache left in parts over a mesh that
+    spans processes), all of them taking the last rank's token."""
+    return False
+
+  def stepper(self, model, lengths_B, max_new_tokens: int, seed: int, consume: bool = False):
+    """decode_from's stepper for this cache's layout (kvr_jax.inference.steppers): (step,
+    the first tail, the prompt's logits, the sampling key). consume: the decode may write
+    into the prefill's own cache where it has the room (a ModelCache of generate's; a K,V
+    cache grows into a fresh buffer either way)."""
+    raise NotImplementedError  # pragma: no cover - interface
+
+  def after_decode(self, tail, consume: bool, max_new_tokens: int) -> PrefillResult:
+    """This result after a decode of `max_new_tokens` from it (`stepper(consume=)`; tail: the
+    last step's cache): itself, its cache as the prefill left it (a K,V decode writes into a
+    grown copy)."""
+    del tail, consume, max_new_tokens
+    return self
 
   def gather_cache(self) -> tuple[jax.Array, jax.Array]:
     """(K, V) [L, B, S, K, H] in prompt order on the last rank's device (its row of devices on
@@ -137,6 +164,14 @@ class WholeCache(PrefillResult):
       self.k_layers, self.v_layers, self.kept, self.rings, self.lengths, self.prompt_len
     )
 
+  def stepper(self, model, lengths_B, max_new_tokens: int, seed: int, consume: bool = False):
+    # On a ("ranks", "model") mesh the cache's heads are split over the last rank's row (a
+    # result rebuilt around a gathered cache, as timing does, says so by its sharding).
+    spec = getattr(getattr(self.k_layers, "sharding", None), "spec", ())
+    on_group = MODEL_AXIS in tuple(spec)
+    stepper = steppers.model_group_stepper if on_group else steppers.whole_cache_stepper
+    return stepper(model, self, lengths_B, max_new_tokens, seed)
+
   def groups(self) -> tuple[DecodeLayout, tuple]:
     """(layout, caches): the cache as decode's whole-cache step reads it, per group of the
     layout (the every-position layers, then each ring), with no copy."""
@@ -184,6 +219,17 @@ class CacheParts(PrefillResult):
   rings: tuple = ()
 
   cache: ClassVar[str] = "sharded"
+
+  @property
+  def decodes_here(self) -> bool:
+    return self.kv_parts is not None or self.is_local  # a rank's part, or the logits
+
+  @property
+  def decodes_in_every_process(self) -> bool:
+    return spans_processes(self.mesh)
+
+  def stepper(self, model, lengths_B, max_new_tokens: int, seed: int, consume: bool = False):
+    return steppers.sharded_stepper(model, self, lengths_B, max_new_tokens, seed)
 
   def decode_cache(self) -> tuple[jax.Array, jax.Array]:
     if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
@@ -297,6 +343,31 @@ class ModelCache(PrefillResult):
       )
 
   @property
+  def decodes_here(self) -> bool:
+    return self.parts is not None or self.is_local  # a rank's part, or the logits
+
+  @property
+  def decodes_in_every_process(self) -> bool:
+    return self.parts is not None and spans_processes(self.mesh)
+
+  def stepper(self, model, lengths_B, max_new_tokens: int, seed: int, consume: bool = False):
+    return steppers.model_cache_stepper(model, self, lengths_B, max_new_tokens, seed, consume)
+
+  def consumed_by(self, consume: bool, max_new_tokens: int) -> bool:
+    """Whether a decode of `max_new_tokens` writes into this cache itself (generate's own,
+    made with the room: consume), its buffer donated to the steps, not into a grown copy."""
+    fits = self.capacity >= self.prompt_len + max_new_tokens
+    return consume and fits and self.cache == "last"
+
+  def after_decode(self, tail, consume: bool, max_new_tokens: int) -> ModelCache:
+    """Where the decode consumed this cache (`consumed_by`): this result with the last step's
+    cache (the prompt's positions and the fed tokens'), the prefill's buffer being donated;
+    else itself."""
+    if self.consumed_by(consume, max_new_tokens):
+      return dataclasses.replace(self, model_cache=tail)
+    return self
+
+  @property
   def family(self) -> str:
     """The cache form's name ("hybrid", "latent")."""
     return self.form.name
@@ -309,7 +380,7 @@ class ModelCache(PrefillResult):
 
   def decode_cache(self):
     """Refused as `layer_cache` is: its decode reads `model_cache`
-    (`decode.model_cache_stepper`)."""
+    (`steppers.model_cache_stepper`)."""
     return self.layer_cache(0)
 
   @property
