@@ -27,19 +27,26 @@ class CacheForm:
   one device or one rank's model group). caches: the layouts its decode reads ("last": joined
   on the last rank; "sharded": left in the ranks' parts). group_cache_spec: how the joined
   cache lies over a model group (a PartitionSpec or a pytree of them).
-  run(model, plan, tokens_BT, room, ends_B, join) -> the `ModelCache` fields the prefill of
-  `plan` (a PrefillPlan: its mesh, strategy, split, kernel, cache, probes) made: logits [B, V]
-  on the last rank's first device, and the joined cache (with room for `room` more
-  positions; join=False: none, the outputs left where the program put them) or the ranks'
-  parts. grown(cache, capacity) -> the cache with room for `capacity` positions (a fresh
-  buffer: the decode steps donate theirs). sharded_stepper(model, result, max_new_tokens,
-  seed): decode from cache="sharded" (`steppers.model_cache_stepper`'s return)."""
+  How the past travels after the program (`prefill.prefill_outputs` runs one of them on the
+  program's outputs `out`, per rank [p, ...], for a plan): left_in_parts(out, plan) ->
+  cache="sharded"'s `ModelCache` fields; joined_from_last_hop(out, plan, capacity) -> the
+  cache of `capacity` positions from the last rank's outputs alone (KV-Runahead's kept last
+  hops: no move); joined_from_parts(out, plan, capacity) -> the cache from every rank's
+  parts moved onto the last rank in prompt order (None in a process without it).
+  operands(tokens_BT, ends_B, m) -> the program's tokens operand (where rows end before the
+  prompt, what the past needs to stop there). grown(cache, capacity) -> the cache with room
+  for `capacity` positions (a fresh buffer: the decode steps donate theirs).
+  sharded_stepper(model, result, max_new_tokens, seed): decode from cache="sharded"
+  (`steppers.model_cache_stepper`'s return)."""
 
   name: str
   strategies: tuple[str, ...]
   caches: tuple[str, ...]
   group_cache_spec: Any
-  run: Callable
+  operands: Callable
+  left_in_parts: Callable
+  joined_from_last_hop: Callable
+  joined_from_parts: Callable
   grown: Callable
   one_device_layout: Callable  # (config, cache split over m, m) -> the model's own layout
   prompt_part: Callable  # (cache, T) -> its first T positions (the room for decoding cut)

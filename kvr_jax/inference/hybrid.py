@@ -1,8 +1,8 @@
-"""Placing a hybrid model's prefill (Qwen3.5, Qwen3-Next: linear and full layers; its program
-is kvr_jax/strategies/hybrid.py) and decoding from its cache: `prefill_planned` runs a
-`PrefillPlan`'s program (`kvr_jax.prefill` plans it and checks every argument; 1-D mesh, or
-a 2-D one whose ranks are model groups: heads, key heads, experts and MLP columns split over
-"model", kvr_jax.runtime.tensor_parallel) and places its outputs: the cache joined on the last
+"""A hybrid model's cache form (Qwen3.5, Qwen3-Next: linear and full layers; its program is
+kvr_jax/strategies/hybrid.py), `FORM`: `kvr_jax.prefill` plans and runs its program as any
+model's (`prefill.prefill_outputs`; 1-D mesh, or a 2-D one whose ranks are model groups:
+heads, key heads, experts and MLP columns split over "model", kvr_jax.runtime.tensor_parallel)
+and this module places its outputs and decodes from them: the cache joined on the last
 rank (KV-Runahead's last hops and own chunk where they lie; the peers' parts moved there,
 across processes too; on a 2-D mesh split over its group by head, `CACHE_SPECS`), or left
 in the ranks' parts (cache="sharded": `hybrid_sharded_step` decodes them where they lie,
@@ -27,7 +27,6 @@ from kvr_jax.inference.rank_moves import (
   stacked_on_last_rank,
 )
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
-from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   MODEL_AXIS,
@@ -37,7 +36,6 @@ from kvr_jax.runtime.mesh import (
   rank_device,
   rank_row_mesh,
   shard_on,
-  spans_processes,
   split_dims,
 )
 from kvr_jax.strategies import family_program, runahead, zigzag
@@ -47,46 +45,42 @@ from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import HybridCache, LinearState, by_kind
 
 
-def prefill_planned(
-  model: Model, plan, tokens_BT, room: int = 0, ends_B=None, join: bool = True
-) -> dict:
-  """kvr_jax.prefill's run of a hybrid's plan (a PrefillPlan, checked when it was made:
-  plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T] (each
-  row's prefill end `ends_B` where rows are padded), its cache joined with room for `room`
-  more positions or left in its parts (join=False: neither, `run_prefill(move_cache=False)`).
-  The `ModelCache` fields it made: logits [B, V] on the last rank's device (None in another
-  process); model_cache, the `HybridCache` there (on a 2-D mesh split over the last rank's
-  group by head, `CACHE_SPECS`: device j holds its KV heads, its value heads' states and its
-  q, k, v heads' convolution channels, so the halo's channels are in device order); moved
-  (the peers' parts moved there, KV-Runahead's last hop and own chunk there already); or for
-  cache="sharded" the full layers' K,V parts [p, L_full, 2, B*P, K, H] by rank, laid out as
-  cache_layout says, the prompt's final linear pasts on every rank (linear_state) and, across
-  processes, the logits replicated everywhere (replicated_logits)."""
-  mesh, chunks, record = plan.mesh, plan.chunks, plan.strategy
-  T, p = tokens_BT.shape[1], len(chunks)
-  rows = _rows_with_ends(tokens_BT, ends_B, model_parallel(mesh))
-  program = plan.compile(model.graphdef, padded=isinstance(rows, tuple))
-  by_rank = NamedSharding(mesh, jax.P(AXIS))
-  laid_out = jax.tree.map(lambda a: global_array(record.arrange(a, chunks), by_rank), rows)
-  logits_pBV, out = program(model.state_for(mesh), laid_out)
-  logits_BV = shard_on(logits_pBV, rank_device(mesh, p - 1))  # None in the other processes
-  if logits_BV is None:  # another process's rank is last: this one returns when its part is done
-    jax.block_until_ready(out)
-  kv_layout, halo_rank = parts_layout(record, T, chunks, plan.full_chunks)
-  if plan.cache == "sharded":  # nothing moves: the K,V parts stay, the linear pasts everywhere
-    return _left_in_parts(out, logits_BV, logits_pBV, mesh, kv_layout, halo_rank)
-  if not join or (logits_BV is None and plan.keep_last_hop):
-    return dict(logits=logits_BV)
-  capacity = T + room
-  # On a 2-D mesh each device joins its own heads' parts.
-  if plan.keep_last_hop:  # the last rank holds everything: no move
-    mine = jax.tree.map(lambda a: _last_rank_part(a, mesh), out)
-    cache = join_last_hop(mine, plan.full_chunks or chunks, capacity)
-  else:  # the parts move to the last rank (every process sends), put in prompt order
-    cache = _moved_cache(out, mesh, kv_layout, halo_rank, capacity)
-    if cache is None:  # another process's rank is last: it received the parts
-      return dict(logits=None, moved=True)
-  return dict(logits=logits_BV, model_cache=cache, moved=not plan.keep_last_hop)
+def left_in_parts(out: dict, plan) -> dict:
+  """cache="sharded"'s `ModelCache` fields (`CacheForm.left_in_parts`): the full layers' K,V
+  parts where they lie [p, L_full, 2, B*P, K, H] by rank, laid out as cache_layout says, the
+  final linear state (the last rank's; every peer's is the same) and the prompt's halo on
+  every rank (one psum each)."""
+  mesh, p = plan.mesh, plan.mesh.shape[AXIS]
+  layout, halo_rank = parts_layout(plan.strategy, plan.prompt_len, plan.chunks, plan.full_chunks)
+  parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
+  linear = LinearState(
+    replicated_from_rank(out["state"], mesh, p - 1),
+    replicated_from_rank(out["halo"], mesh, halo_rank),
+  )
+  return dict(parts=parts, cache_layout=layout, linear_state=linear)
+
+
+def joined_from_last_hop(out: dict, plan, capacity: int) -> HybridCache:
+  """The `HybridCache` of `capacity` positions from the last rank's outputs alone
+  (`CacheForm.joined_from_last_hop`): each full layer's last hop and own chunk, each linear
+  layer's state and halo, without a move; on a 2-D mesh each device joins its own heads'
+  (split over the last rank's group by head, `CACHE_SPECS`: device j holds its KV heads, its
+  value heads' states and its q, k, v heads' convolution channels, so the halo's channels
+  are in device order)."""
+  mine = jax.tree.map(lambda a: _last_rank_part(a, plan.mesh), out)
+  return join_last_hop(mine, plan.full_chunks or plan.chunks, capacity)
+
+
+def joined_from_parts(out: dict, plan, capacity: int) -> HybridCache | None:
+  """The outputs moved onto the last rank (every process sends) and joined there in prompt
+  order (`CacheForm.joined_from_parts`: the full layers' parts as the strategy's cache
+  layout says, any strategy's, the split as data's too). None in a process that does not
+  hold the last rank."""
+  layout, halo_rank = parts_layout(plan.strategy, plan.prompt_len, plan.chunks, plan.full_chunks)
+  mine = jax.tree.map(lambda a: stacked_on_last_rank(a, plan.mesh), out)
+  if mine["state"] is None:
+    return None
+  return join_in_prompt_order(mine, layout, halo_rank, capacity)
 
 
 def parts_layout(record, T: int, chunks, full_chunks) -> tuple:
@@ -98,41 +92,10 @@ def parts_layout(record, T: int, chunks, full_chunks) -> tuple:
   return record.cache_layout(T, full_chunks or chunks), halo_rank
 
 
-def _left_in_parts(out, logits_BV, logits_pBV, mesh, layout, halo_rank: int) -> dict:
-  """cache="sharded"'s fields: the K,V parts where they lie, the final linear state (the last
-  rank's; every peer's is the same) and the prompt's halo on every rank (one psum each),
-  and across processes the last rank's logits everywhere (every process decodes)."""
-  p = mesh.shape[AXIS]
-  parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
-  linear = LinearState(
-    replicated_from_rank(out["state"], mesh, p - 1),
-    replicated_from_rank(out["halo"], mesh, halo_rank),
-  )
-  replicated = None
-  if spans_processes(mesh):
-    replicated = decode.from_last_rank(mesh, ranked=True)(logits_pBV)
-  return dict(
-    logits=logits_BV,
-    parts=parts,
-    cache_layout=layout,
-    linear_state=linear,
-    replicated_logits=replicated,
-  )
-
-
-def _moved_cache(out: dict, mesh, layout, halo_rank: int, capacity: int) -> HybridCache | None:
-  """The outputs moved onto the last rank and joined there in prompt order (`layout`: where
-  each rank's K,V rows lie; any strategy's, the split as data's too). None in a process that
-  does not hold the last rank."""
-  mine = jax.tree.map(lambda a: stacked_on_last_rank(a, mesh), out)
-  if mine["state"] is None:
-    return None
-  return join_in_prompt_order(mine, layout, halo_rank, capacity)
-
-
-def _rows_with_ends(tokens_BT, lengths, m: int):
-  """The program's tokens operand: tokens [B, T] where every row runs to the prompt's end,
-  else (tokens, each position minus its row's end [B, T]), refused on a 2-D mesh."""
+def operands(tokens_BT, lengths, m: int):
+  """The program's tokens operand (`CacheForm.operands`): tokens [B, T] where every row runs
+  to the prompt's end, else (tokens, each position minus its row's end [B, T]: the linear
+  layers stop each row's state there), refused on a 2-D mesh."""
   if lengths is None:
     return tokens_BT
   B, T = tokens_BT.shape
@@ -400,17 +363,20 @@ def grown(cache: HybridCache, capacity: int) -> HybridCache:
 
 
 FORM = CacheForm(
-  "hybrid",
-  ("single", *STRATEGIES),
-  CACHES,
-  CACHE_SPECS,
-  prefill_planned,
-  grown,
-  one_device_layout,
-  lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
-  sharded_hybrid_stepper,
-  one_rank_hybrid_parts,
-  compiled,
+  name="hybrid",
+  strategies=("single", *STRATEGIES),
+  caches=CACHES,
+  group_cache_spec=CACHE_SPECS,
+  operands=operands,
+  left_in_parts=left_in_parts,
+  joined_from_last_hop=joined_from_last_hop,
+  joined_from_parts=joined_from_parts,
+  grown=grown,
+  one_device_layout=one_device_layout,
+  prompt_part=lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
+  sharded_stepper=sharded_hybrid_stepper,
+  one_rank_parts=one_rank_hybrid_parts,
+  compile=compiled,
   takes_split_as_data=True,
   splits_per_kind=True,
   stops_at_row_ends=True,

@@ -1,10 +1,11 @@
 """Placing a latent-attention model's prefill (DeepSeek-V3, Kimi K2, Moonlight; its program is
 kvr_jax/strategies/latent.py: KV-Runahead, ring, all-gather CP or TSP) and decoding from its
-latent cache: `prefill_planned` runs a `PrefillPlan`'s program (`kvr_jax.prefill` plans it and
-checks every argument; 1-D mesh, or a 2-D one whose ranks are model groups: heads and experts
-split over "model", kvr_jax.runtime.tensor_parallel, the latent whole on every shard) and
-places its outputs: the cache joined on the last rank (cache="last": KV-Runahead's last hop
-and own chunk where they lie, the peers' parts moved), or left in the ranks' parts
+latent cache, its cache form `FORM`: `kvr_jax.prefill` plans and runs its program as any
+model's (`prefill.prefill_outputs`; 1-D mesh, or a 2-D one whose ranks are model groups: heads
+and experts split over "model", kvr_jax.runtime.tensor_parallel, the latent whole on every
+shard) and this module places its outputs: the cache joined on the last rank (cache="last":
+KV-Runahead's last hop and own chunk where they lie, the peers' parts moved), or left in the
+ranks' parts
 (cache="sharded": `latent_sharded_step` attends every part where it lies in the absorbed form
 and merges the partials across the ranks, pass-Q as for K,V caches; the decoded tokens'
 latents on every rank, counted on the last; `sharded_latent_stepper` is `decode_from`'s loop
@@ -27,13 +28,11 @@ from kvr_jax.inference.rank_moves import (
   stacked_on_last_rank,
 )
 from kvr_jax.inference.sharded_decode import merge_across_ranks
-from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
   rank_device,
   shard_on,
-  spans_processes,
 )
 from kvr_jax.strategies import family_program, runahead
 from kvr_jax.strategies.latent import STRATEGIES, compile_latent
@@ -42,51 +41,39 @@ from models.attention import merge_partials
 CACHES = ("last", "sharded")
 
 
-def prefill_planned(model: Model, plan, tokens_BT, room: int = 0, ends_B=None, join=True) -> dict:
-  """kvr_jax.prefill's run of a latent model's plan (a PrefillPlan, checked when it was
-  made: plan_from_shape): the plan's program (`PrefillPlan.compile`) on tokens_BT [B, T], its
-  cache joined with room for `room` more positions or left in its parts (join=False:
-  neither, `run_prefill(move_cache=False)`; KV-Runahead's last hop kept where cache="last"
-  joins it). The `ModelCache` fields it made: logits [B, V] on the last rank's device (None in
-  another process); model_cache, the latent cache there [L, B, T + room, C]; moved (the
-  peers' parts moved there, KV-Runahead's last hop and own chunk there already); or for
-  cache="sharded" each rank's latents where the program left them, [p, L, B, T_rank, C]
-  (parts), the prompt position of each of their rows [p, T_rank] (part_positions, -1:
-  padding) and, across processes, the logits replicated everywhere. ends_B: unused (a
-  causal past takes padded rows as they are)."""
-  del ends_B
-  mesh, chunks, spec, keep_last = plan.mesh, plan.chunks, plan.strategy, plan.keep_last_hop
-  p, T = len(chunks), tokens_BT.shape[1]
-  program = plan.compile(model.graphdef)
-  tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
-  logits_pBV, out = program(model.state_for(mesh), tokens_pBc)
-  owner = rank_device(mesh, p - 1)
-  logits_BV = shard_on(logits_pBV, owner)  # None in the other processes
-  if logits_BV is None:  # another process's rank is last: this one returns when its part is done
-    jax.block_until_ready(out)
-  capacity = T + room
-  if plan.cache == "sharded":  # nothing moves: each rank keeps its own latents
-    positions = spec.cache_layout(T, chunks).positions()
-    # Across processes every process decodes (its ranks' parts): the last rank's logits
-    # replicated everywhere, so that each samples the same first token.
-    replicated = None
-    if spans_processes(mesh):
-      replicated = decode.from_last_rank(mesh, ranked=True)(logits_pBV)
-    return dict(
-      logits=logits_BV, parts=out["own"], part_positions=positions, replicated_logits=replicated
-    )
-  if not join or (logits_BV is None and keep_last):
-    return dict(logits=logits_BV)
-  if keep_last:  # the last rank holds every position: its last hop and its own chunk
-    last, own = shard_on(out["last"], owner), shard_on(out["own"], owner)
-    cache = join_last_hop(last, own, chunks[-1], capacity)
-  else:  # every rank's parts move to the last rank (every process sends), into prompt order
-    pieces = stacked_on_last_rank(out["own"], mesh)
-    if pieces is None:  # another process's rank is last: it received the parts
-      return dict(logits=None, moved=True)
-    rows = spec.cache_layout(T, chunks).rows_in_prompt_order()
-    cache = join_in_prompt_order(pieces, rows, capacity)
-  return dict(logits=logits_BV, model_cache=cache, moved=not keep_last)
+def operands(tokens_BT, ends_B, m: int):
+  """The program's tokens operand (`CacheForm.operands`): the tokens as they are, padded
+  rows too (a causal past is written per position; ends_B and m unused)."""
+  del ends_B, m
+  return tokens_BT
+
+
+def left_in_parts(out: dict, plan) -> dict:
+  """cache="sharded"'s `ModelCache` fields (`CacheForm.left_in_parts`): each rank's latents
+  where the program left them, [p, L, B, T_rank, C] (parts), and the prompt position of each
+  of their rows [p, T_rank] (part_positions, -1: padding)."""
+  positions = plan.strategy.cache_layout(plan.prompt_len, plan.chunks).positions()
+  return dict(parts=out["own"], part_positions=positions)
+
+
+def joined_from_last_hop(out: dict, plan, capacity: int):
+  """The latent cache [L, B, capacity, C] from the last rank's outputs alone
+  (`CacheForm.joined_from_last_hop`): its last hop (the whole prefix) and its own chunk, on
+  its device, without a move."""
+  owner = rank_device(plan.mesh, len(plan.chunks) - 1)
+  last, own = shard_on(out["last"], owner), shard_on(out["own"], owner)
+  return join_last_hop(last, own, plan.chunks[-1], capacity)
+
+
+def joined_from_parts(out: dict, plan, capacity: int):
+  """Every rank's latents moved onto the last rank (every process sends) and put in prompt
+  order there (`CacheForm.joined_from_parts`); None in a process that does not hold the
+  last rank."""
+  pieces = stacked_on_last_rank(out["own"], plan.mesh)
+  if pieces is None:
+    return None
+  rows = plan.strategy.cache_layout(plan.prompt_len, plan.chunks).rows_in_prompt_order()
+  return join_in_prompt_order(pieces, rows, capacity)
 
 
 def compiled(plan, graphdef, padded: bool = False):
@@ -202,16 +189,19 @@ def grown(cache_LBSC, capacity: int):
 
 
 FORM = CacheForm(
-  "latent",
-  ("single", *STRATEGIES),
-  CACHES,
-  jax.P(),  # headless: whole on every shard
-  prefill_planned,
-  grown,
-  lambda config, cache, m: cache,
-  lambda cache, T: cache[:, :, :T],
-  sharded_latent_stepper,
-  one_rank_latent_parts,
-  compiled,
+  name="latent",
+  strategies=("single", *STRATEGIES),
+  caches=CACHES,
+  group_cache_spec=jax.P(),  # headless: whole on every shard
+  operands=operands,
+  left_in_parts=left_in_parts,
+  joined_from_last_hop=joined_from_last_hop,
+  joined_from_parts=joined_from_parts,
+  grown=grown,
+  one_device_layout=lambda config, cache, m: cache,
+  prompt_part=lambda cache, T: cache[:, :, :T],
+  sharded_stepper=sharded_latent_stepper,
+  one_rank_parts=one_rank_latent_parts,
+  compile=compiled,
   takes_split_as_data=True,
 )

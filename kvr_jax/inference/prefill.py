@@ -311,11 +311,43 @@ def _run_model_cache(
   if spec.max_ranks == 1:
     result = _one_group_prefill(model, plan, form, tokens_BT, room, ends_B, fields)
   else:
-    result = ModelCache(**form.run(model, plan, tokens_BT, room, ends_B, join), **fields)
+    result = ModelCache(**prefill_outputs(model, plan, tokens_BT, room, ends_B, join), **fields)
   held = result.model_cache is not None or result.parts is not None
   if padded and held:
     result = _at_last_real_tokens(model, result, tokens_BT, lengths_B)
   return result
+
+
+def prefill_outputs(model, plan, tokens_BT, room: int, ends_B, join: bool) -> dict:
+  """The plan's program (`PrefillPlan.compile`: its cache form's) on tokens_BT [B, T] (each
+  row's prefill end `ends_B` where rows are padded: `CacheForm.operands`), and the
+  `ModelCache` fields of what it made: logits [B, V] on the last rank's device (None in
+  another process), and the cache joined there with room for `room` more positions (from
+  KV-Runahead's kept last hops without a move, else from the parts moved there: `moved`), or
+  left in the ranks' parts (cache="sharded"; across processes the logits replicated
+  everywhere: every process decodes), or neither (join=False: the outputs left where the
+  program put them, `run_prefill(move_cache=False)`)."""
+  form, mesh, chunks = plan.cache_form, plan.mesh, plan.chunks
+  rows = form.operands(tokens_BT, ends_B, model_parallel(mesh))
+  program = plan.compile(model.graphdef, padded=isinstance(rows, tuple))
+  by_rank = NamedSharding(mesh, jax.P(AXIS))
+  laid_out = jax.tree.map(lambda a: global_array(plan.strategy.arrange(a, chunks), by_rank), rows)
+  logits_pBV, out = program(model.state_for(mesh), laid_out)
+  logits_BV = shard_on(logits_pBV, rank_device(mesh, len(chunks) - 1))  # None elsewhere
+  if logits_BV is None:  # another process's rank is last: this one returns when its part is done
+    jax.block_until_ready(out)
+  if plan.cache == "sharded":  # nothing moves
+    replicated = None
+    if spans_processes(mesh):
+      replicated = decode.from_last_rank(mesh, ranked=True)(logits_pBV)
+    return dict(logits=logits_BV, replicated_logits=replicated, **form.left_in_parts(out, plan))
+  if not join or (logits_BV is None and plan.keep_last_hop):
+    return dict(logits=logits_BV)
+  capacity = plan.prompt_len + room
+  if plan.keep_last_hop:  # the last rank holds every position: its last hops and own chunk
+    return dict(logits=logits_BV, model_cache=form.joined_from_last_hop(out, plan, capacity))
+  cache = form.joined_from_parts(out, plan, capacity)  # every process sends its parts
+  return dict(logits=logits_BV, model_cache=cache, moved=True)  # both None without the last rank
 
 
 def _one_group_prefill(model, plan, form, tokens_BT, room, ends_B, fields) -> ModelCache:

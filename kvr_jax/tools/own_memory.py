@@ -70,7 +70,7 @@ def latent_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
 
 def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict:
   """What bringing a latent cache onto the last rank needs on its device (`device`), as prefill runs
-  it (`latent.prefill_planned`): KV-Runahead's join of its last hop and its own part where they
+  it (`latent.FORM`'s joins): KV-Runahead's join of its last hop and its own part where they
   lie (`latent.join_last_hop`), or every rank's part sent there and put in prompt order
   (`latent.join_in_prompt_order`: all p parts on that device at once, beside the cache). parts:
   the program's outputs on one rank, (shape, dtype) each ({"own": [L, B, T_rank, C], "last": [L,
@@ -92,7 +92,7 @@ def latent_move(parts: dict, joins: bool, chunks, capacity: int, device) -> dict
 
 def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int, record) -> dict:
   """What bringing a hybrid cache onto the last rank needs on one device of it, as prefill runs it
-  (`hybrid.prefill_planned`): KV-Runahead's join of its full layers' last hops and own parts and
+  (`hybrid.FORM`'s joins): KV-Runahead's join of its full layers' last hops and own parts and
   its linear states where they lie (`hybrid.join_last_hop`), or every rank's parts sent there,
   stacked, and put in prompt order (`hybrid.join_in_prompt_order`: all p parts at once, beside the
   cache); on a 2-D mesh each device of the last rank's row its heads. parts: the program's outputs
