@@ -51,6 +51,12 @@ class AttentionKind:
     """The first key position any query at or after `position` can see (0 without a window)."""
     return 0 if self.window is None else max(0, position - self.window + 1)
 
+  def last_hop_holds(self, hop_end: int, last: int) -> bool:
+    """Whether the last hop (into the last chunk, at `hop_end`) and the last rank's own chunk
+    hold all of this layer's past that decode reads from position `last` on: every key its
+    window lets a later query see."""
+    return self.first_key(hop_end) <= self.first_key(last)
+
   def hop_span(self, end: int) -> tuple[int, int]:
     """The positions [a, end) a hop into a chunk that starts at `end` carries: the whole
     prefix, or with a window only its last W-1 keys (all any later query can see): bounded by
@@ -130,6 +136,10 @@ class GatedDeltaNetKind:
     """None kept: its hop is the state and halo, which leave the program whatever the cache."""
     return 0
 
+  def last_hop_holds(self, hop_end: int, last: int) -> bool:
+    """Always: its past is the state and halo the last rank computes itself, whole."""
+    return True
+
   def cache_bytes(self, config, context_len: int, batch: int, dtype_bytes: int, shards: int = 1):
     """Bytes of this layer's past on one device of a model group of `shards`, whatever the
     prompt's length: the hop's state and halo, split by head and channel over the group."""
@@ -162,6 +172,9 @@ class LatentAttentionKind:
 
   def first_key(self, position: int) -> int:
     return 0  # no window: every earlier latent
+
+  def last_hop_holds(self, hop_end: int, last: int) -> bool:
+    return True  # its hop carries the whole latent prefix
 
   def hop_span(self, end: int) -> tuple[int, int]:
     return 0, end

@@ -90,6 +90,21 @@ def test_the_last_hop_holds_the_cache_on_every_kind_past_one_rank():
   spec = runahead.STRATEGY
   assert spec.keeps_last_hop("last", chunks, (AttentionKind(8),))
   assert not spec.keeps_last_hop("sharded", chunks, (AttentionKind(8),))
+  # A hybrid's kinds (a linear layer's past is the state its rank computes) and a latent
+  # model's (the hop is the latent prefix) answer too; a kind that says no is heard.
+  for name in ("bench-qwen3.5", "bench-deepseek"):
+    kinds = preset_config(name).kinds
+    assert spec.keeps_last_hop("last", chunks, kinds), name
+    assert not spec.keeps_last_hop("last", (90,), kinds), name
+    assert not spec.keeps_last_hop("last", chunks, (*kinds, _HopShort())), name
+
+
+@dataclasses.dataclass(frozen=True)
+class _HopShort(AttentionKind):
+  """A made-up kind whose last hop never holds what decode reads."""
+
+  def last_hop_holds(self, hop_end: int, last: int) -> bool:
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

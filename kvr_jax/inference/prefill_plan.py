@@ -161,12 +161,8 @@ def plan_from_shape(
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
   if form is not None and form.check_split is not None:
     form.check_split(shape.config, spec, T, mesh.shape[AXIS], full_chunks)
-  if form is None:
-    keep_last_hop = _keeps_last_hop(shape, spec, cache, chunks, mesh, device_memory)
-  else:  # the form's programs: KV-Runahead's last hops (whole prefixes) wherever cache="last"
-    keep_last_hop = cache == "last" and spec.cache_from_last_hop is not None
-    hops = full_chunks or chunks  # the split a hybrid's full layers' hops follow
-    keep_last_hop = keep_last_hop and _join_affordable(shape, hops, mesh, device_memory)
+  hops = full_chunks or chunks  # the split a hybrid's full layers' hops follow
+  keep_last_hop = _keeps_last_hop(shape, spec, cache, hops, mesh, device_memory)
   return PrefillPlan(
     spec,
     mesh,

@@ -77,17 +77,18 @@ def hop_span(k: int, chunks: tuple[int, ...], kind: AttentionKind) -> tuple[int,
   return kind.hop_span(prefix_ends(chunks)[k])
 
 
-def last_hop_holds_cache(chunks: tuple[int, ...], kinds: tuple[AttentionKind, ...]) -> bool:
+def last_hop_holds_cache(chunks: tuple[int, ...], kinds: tuple) -> bool:
   """The last hop's message and the last rank's own chunk hold every key that decode reads
-  from the prompt's last position on, on every layer kind: the last rank can keep them as the
-  cache (`compile_program(keep_last_hop=True)`), nothing moves. On a full layer the hop is
-  the whole prefix; on a windowed one (W) its last W-1 keys [S_{p-2} - W + 1, S_{p-2}),
-  whose window with the own chunk reaches back past the last position's (so the cache is
-  zeros before them). One rank has no hop."""
+  from the prompt's last position on, on every layer kind (each kind's `last_hop_holds`): the
+  last rank can keep them as the cache (`compile_program(keep_last_hop=True)`), nothing
+  moves. On a full layer the hop is the whole prefix; on a windowed one (W) its last W-1 keys
+  [S_{p-2} - W + 1, S_{p-2}), whose window with the own chunk reaches back past the last
+  position's (so the cache is zeros before them); a latent layer's is the latent prefix; a
+  linear layer's past is the state the last rank computes. One rank has no hop."""
   if len(chunks) < 2:
     return False
   hop_end, last = prefix_ends(chunks)[-2], sum(chunks) - 1
-  return all(kind.first_key(hop_end) <= kind.first_key(last) for kind in kinds)
+  return all(kind.last_hop_holds(hop_end, last) for kind in kinds)
 
 
 def check_keep_last_hop(keep_last_hop: bool, chunks: tuple[int, ...], kinds) -> None:
