@@ -16,17 +16,18 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from kvr_jax.strategies import family_program
+from kvr_jax.strategies import REGISTRY, family_program, registered_record
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheForm:
   """One model cache form's contract with the prefill and decode paths.
 
-  strategies: the parallel ones its programs run (with "single", the model's own forward on
-  one device or one rank's model group). caches: the layouts its decode reads ("last": joined
-  on the last rank; "sharded": left in the ranks' parts). group_cache_spec: how the joined
-  cache lies over a model group (a PartitionSpec or a pytree of them).
+  runs(record): whether its programs run a registered strategy's record (the parallel ones by
+  what the record lends; every one-rank record runs as the model's own forward on one device
+  or one rank's model group); `strategies` names them. caches: the layouts its decode reads
+  ("last": joined on the last rank; "sharded": left in the ranks' parts). group_cache_spec:
+  how the joined cache lies over a model group (a PartitionSpec or a pytree of them).
   How the past travels after the program (`prefill.prefill_outputs` runs one of them on the
   program's outputs `out`, per rank [p, ...], for a plan): left_in_parts(out, plan) ->
   cache="sharded"'s `ModelCache` fields; joined_from_last_hop(out, plan, capacity) -> the
@@ -40,7 +41,7 @@ class CacheForm:
   (`steppers.model_cache_stepper`'s return)."""
 
   name: str
-  strategies: tuple[str, ...]
+  runs: Callable
   caches: tuple[str, ...]
   group_cache_spec: Any
   operands: Callable
@@ -75,6 +76,14 @@ class CacheForm:
   # a padded row's last real token changed (prefill's `_at_last_real_tokens`).
   after_sharded_step: Callable = lambda result, caches: {}
 
+  @property
+  def strategies(self) -> tuple[str, ...]:
+    """The registered strategies this form's programs run, by name (messages, tests)."""
+    return tuple(name for name, record in REGISTRY.items() if self._runs(record))
+
+  def _runs(self, record) -> bool:
+    return record.max_ranks == 1 or self.runs(record)
+
   def check_plan(self, config, spec, cache: str) -> None:
     """What a plan for this form runs, refused by name before anything compiles: its
     strategies and cache layouts. Timeline probes are the record's (`Strategy.timeline_probes`,
@@ -82,8 +91,8 @@ class CacheForm:
     padded past their length (a bucket, a ragged batch) run in both layouts, as on K,V
     models."""
     what = f"a {config.architecture} model ({self.name} cache)"
-    name, (_, _, split_shape) = spec.registered_name, family_program(spec)
-    if name not in self.strategies:
+    record, (_, _, split_shape) = registered_record(spec), family_program(spec)
+    if record is None or not self._runs(record):
       raise ValueError(f"{what} runs under {list(self.strategies)}, not {spec.name!r}")
     if split_shape is not None and not self.takes_split_as_data:
       raise ValueError(f"{what} does not take KV-Runahead's split as data ({spec.name!r})")

@@ -40,7 +40,7 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.strategies import family_program, runahead, zigzag
 from kvr_jax.strategies.base import count_trace
-from kvr_jax.strategies.hybrid import STRATEGIES, compile_hybrid
+from kvr_jax.strategies.hybrid import compile_hybrid, runs_hybrid
 from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import HybridCache, LinearState, by_kind
 
@@ -364,7 +364,7 @@ def grown(cache: HybridCache, capacity: int) -> HybridCache:
 
 FORM = CacheForm(
   name="hybrid",
-  strategies=("single", *STRATEGIES),
+  runs=runs_hybrid,
   caches=CACHES,
   group_cache_spec=CACHE_SPECS,
   operands=operands,

@@ -35,7 +35,7 @@ from kvr_jax.runtime.mesh import (
   shard_on,
 )
 from kvr_jax.strategies import family_program, runahead
-from kvr_jax.strategies.latent import STRATEGIES, compile_latent
+from kvr_jax.strategies.latent import compile_latent, runs_latent
 from models.attention import merge_partials
 
 CACHES = ("last", "sharded")
@@ -190,7 +190,7 @@ def grown(cache_LBSC, capacity: int):
 
 FORM = CacheForm(
   name="latent",
-  strategies=("single", *STRATEGIES),
+  runs=runs_latent,
   caches=CACHES,
   group_cache_spec=jax.P(),  # headless: whole on every shard
   operands=operands,

@@ -34,6 +34,14 @@ def get_strategy(name: str | Strategy) -> Strategy:
   return REGISTRY[name]
 
 
+def registered_record(strategy) -> Strategy | None:
+  """The registered record whose program `strategy` (a name or a record: a variant resolves
+  to the record it was made from, `Strategy.registered_name`) runs; None for an unknown
+  name. What a family's programs ask of a strategy is then its record's, never its name."""
+  name = strategy.registered_name if isinstance(strategy, Strategy) else strategy
+  return REGISTRY.get(name) if isinstance(name, str) else None
+
+
 def family_program(strategy, body: str | None = None, split_shape=None) -> tuple:
   """What a model's own program (strategies.hybrid, strategies.latent) runs for `strategy` (a
   name or a record): (the registered record whose program it is, KV-Runahead's body, its

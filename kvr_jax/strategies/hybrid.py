@@ -56,7 +56,7 @@ from flax import nnx
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, split_dims
-from kvr_jax.strategies import REGISTRY, family_builder, zigzag
+from kvr_jax.strategies import REGISTRY, family_builder, registered_record, zigzag
 from kvr_jax.strategies.base import (
   RankBody,
   Strategy,
@@ -81,10 +81,15 @@ from models.base import Layer, no_reduce
 from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import FULL, LINEAR, by_kind
 
-# The registered strategies whose records lend a rank body (`Strategy.rank_body`) for the
-# full layers (how a linear layer's state crosses the ranks is `Strategy.prefix_chain`'s):
-# read from the records, not listed by name.
-STRATEGIES = tuple(name for name, spec in REGISTRY.items() if spec.rank_body is not None)
+
+def runs_hybrid(spec: Strategy) -> bool:
+  """Its record lends a rank body (`Strategy.rank_body`) for the full layers (how a linear
+  layer's state crosses the ranks is `Strategy.prefix_chain`'s)."""
+  return spec.rank_body is not None
+
+
+# The registered strategies whose programs run hybrids: read from the records, not listed.
+STRATEGIES = tuple(name for name, spec in REGISTRY.items() if runs_hybrid(spec))
 
 
 def _span_maps(block, mixed_BcC, halo_BwC, g_Bch, beta_Bch, real_rows, from_zeros):
@@ -222,11 +227,10 @@ def hybrid_body(
 
 def check_runs_hybrid(strategy: str | Strategy) -> None:
   """Refuses a strategy (a name or a record) whose programs run no hybrid model
-  (`STRATEGIES`)."""
-  name, shown = strategy, strategy
-  if isinstance(strategy, Strategy):
-    name, shown = strategy.registered_name, strategy.name
-  if name not in STRATEGIES:
+  (`runs_hybrid`, asked of its registered record)."""
+  shown = strategy.name if isinstance(strategy, Strategy) else strategy
+  record = registered_record(strategy)
+  if record is None or not runs_hybrid(record):
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {shown!r}")
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import REGISTRY, family_builder, get_strategy
+from kvr_jax.strategies import REGISTRY, family_builder, get_strategy, registered_record
 from kvr_jax.strategies.base import (
   RankBody,
   Strategy,
@@ -56,7 +56,7 @@ from models.kernels import get_kernel
 from models.layer_kinds import LatentAttentionKind
 
 
-def _runs_latent(spec: Strategy) -> bool:
+def runs_latent(spec: Strategy) -> bool:
   """Its program runs latent layers: KV-Runahead's chain carries the latents as K,V, a peer
   lends its rank layer for them (`KindLayers.rank_layer`)."""
   lent = spec.kind_layers.get(LatentAttentionKind)
@@ -64,7 +64,7 @@ def _runs_latent(spec: Strategy) -> bool:
 
 
 # The registered strategies whose programs run latent layers, read from their records.
-STRATEGIES = tuple(name for name, spec in REGISTRY.items() if _runs_latent(spec))
+STRATEGIES = tuple(name for name, spec in REGISTRY.items() if runs_latent(spec))
 
 
 def _project(block, x_BTD, positions_BT):
@@ -156,11 +156,11 @@ def peer_last_layer(spec: Strategy, block, x_BTD, rank, chunks: tuple[int, ...],
 
 def check_runs_latent(strategy: str | Strategy, timeline: bool = False) -> None:
   """Refuses a strategy (a name or a record) whose programs run no latent model
-  (`STRATEGIES`), and probes where its record places none (`timeline_probes`)."""
-  name, shown = strategy, strategy
-  if isinstance(strategy, Strategy):
-    name, shown = strategy.registered_name, strategy.name
-  if name not in STRATEGIES:
+  (`runs_latent`, asked of its registered record), and probes where its record places none
+  (`timeline_probes`)."""
+  shown = strategy.name if isinstance(strategy, Strategy) else strategy
+  record = registered_record(strategy)
+  if record is None or not runs_latent(record):
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {shown!r}")
   if timeline and not get_strategy(strategy).timeline_probes:
     # (KV-Runahead's rank layer marks latent layers as K,V layers; the peers' latent layers
