@@ -174,12 +174,11 @@ def run_prefill(
   B, padded = plan.batch, bool((lengths_B < T).any())
   if padded and not plan.padded:
     raise ValueError("these prompts are padded past their lengths, the plan's were not: plan them")
-  spec, mesh, chunks, cache = plan.strategy, plan.mesh, plan.chunks, plan.cache
+  mesh, chunks, cache = plan.mesh, plan.chunks, plan.cache
   if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
     return _held_elsewhere(plan, lengths_B, move_cache)
   state = model.state_for(mesh)
-  tokens_pBc = global_array(spec.arrange(tokens_BT, chunks), NamedSharding(mesh, jax.P(AXIS)))
-  logits, kv_parts = plan.program(model)(state, tokens_pBc)
+  logits, kv_parts = _run_program(model, plan, tokens_BT)
   last_hop = None
   if plan.keep_last_hop:
     kv_parts, last_hop = kv_parts
@@ -329,11 +328,8 @@ def prefill_outputs(model, plan, tokens_BT, room: int, ends_B, join: bool) -> di
   program put them, `run_prefill(move_cache=False)`)."""
   form, mesh, chunks = plan.cache_form, plan.mesh, plan.chunks
   rows = form.operands(tokens_BT, ends_B, model_parallel(mesh))
-  program = plan.compile(model.graphdef, padded=isinstance(rows, tuple))
-  by_rank = NamedSharding(mesh, jax.P(AXIS))
-  laid_out = jax.tree.map(lambda a: global_array(plan.strategy.arrange(a, chunks), by_rank), rows)
-  logits_pBV, out = program(model.state_for(mesh), laid_out)
-  logits_BV = shard_on(logits_pBV, rank_device(mesh, len(chunks) - 1))  # None elsewhere
+  logits_pBV, out = _run_program(model, plan, rows, padded=isinstance(rows, tuple))
+  logits_BV = shard_on(logits_pBV, rank_device(mesh, last_rank(chunks)))  # None elsewhere
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done
     jax.block_until_ready(out)
   if plan.cache == "sharded":  # nothing moves
@@ -348,6 +344,17 @@ def prefill_outputs(model, plan, tokens_BT, room: int, ends_B, join: bool) -> di
     return dict(logits=logits_BV, model_cache=form.joined_from_last_hop(out, plan, capacity))
   cache = form.joined_from_parts(out, plan, capacity)  # every process sends its parts
   return dict(logits=logits_BV, model_cache=cache, moved=True)  # both None without the last rank
+
+
+def _run_program(model, plan, rows, padded: bool = False):
+  """(logits [p, B, V], the program's other outputs): the plan's program (`PrefillPlan.compile`)
+  on `rows` (tokens [B, T], or a tuple of [B, T] operands) laid out by rank as its strategy
+  arranges them, every model's."""
+  by_rank = NamedSharding(plan.mesh, jax.P(AXIS))
+  arranged = jax.tree.map(
+    lambda a: global_array(plan.strategy.arrange(a, plan.chunks), by_rank), rows
+  )
+  return plan.compile(model.graphdef, padded)(model.state_for(plan.mesh), arranged)
 
 
 def _one_group_prefill(model, plan, form, tokens_BT, room, ends_B, fields) -> ModelCache:
