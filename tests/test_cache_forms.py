@@ -6,6 +6,7 @@ forward (1e-5) and transformers' greedy and sampled tokens; and what is not buil
 by name."""
 
 import dataclasses
+import functools
 import inspect
 
 import jax
@@ -298,7 +299,7 @@ def test_kvr_with_a_fixed_body_runs_that_body(
   transformers."""
   from kvr_jax.inference import hybrid, latent
 
-  module, name = (hybrid, "compile_hybrid") if case == HYBRID else (latent, "compile_latent")
+  module, name = (hybrid if case == HYBRID else latent), "compile_by_kind"
   asked, builder = [], getattr(module, name)
 
   def recording(*args, **kwargs):
@@ -336,7 +337,7 @@ def test_a_kernel_record_reaches_the_familys_program_whole(
     module, name, argument = single, "one_group_forward", "attention"
   else:
     module = hybrid if case == HYBRID else latent
-    name, argument = ("compile_hybrid" if case == HYBRID else "compile_latent"), "kernel"
+    name, argument = "compile_by_kind", "kernel"
   asked, builder = [], getattr(module, name)
 
   def recording(*args, **kwargs):
@@ -357,11 +358,10 @@ def test_a_kvr_record_brings_its_options_to_the_familys_program(models, case):
   record with a fixed body, or its split as data, is the registered program with that body
   or envelope (one cached program, not a second compile), and a name outside the family is
   refused with the family's own strategies."""
-  from kvr_jax.strategies.hybrid import compile_hybrid
-  from kvr_jax.strategies.latent import compile_latent
+  from kvr_jax.strategies.by_kind import compile_by_kind
 
   _, ours = models[case]
-  builder = compile_hybrid if case == HYBRID else compile_latent
+  builder = functools.partial(compile_by_kind, kinds=ours.config.kinds)
   mesh, chunks, flash = kvr_jax.make_mesh(3), (10, 12, 8), get_kernel("flash")
   by_record = builder(runahead.with_body("one"), ours.graphdef, mesh, chunks, flash)
   assert by_record is builder("kvr", ours.graphdef, mesh, chunks, flash, body="one")
@@ -369,7 +369,7 @@ def test_a_kvr_record_brings_its_options_to_the_familys_program(models, case):
   config = ours.config.of_kind(FULL_ATTENTION) if case == HYBRID else ours.config
   shape = runahead.OneBodyShape.envelope(config, chunks, flash, 16)
   as_data = runahead.split_as_data_strategy(ours.config, shape)
-  options = dict(keep_last_hop=False) if case == HYBRID else dict(keep_last=False)
+  options = dict(keep_last_hop=False)  # a split as data keeps no last hop
   by_record = builder(as_data, ours.graphdef, mesh, None, flash, **options)
   given = builder("kvr", ours.graphdef, mesh, None, flash, **options, split_shape=shape)
   assert by_record is given

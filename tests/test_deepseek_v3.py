@@ -416,13 +416,15 @@ def test_a_hop_carries_the_latent_not_the_heads(checkpoints):
 
   from kvr_jax.runtime.mesh import AXIS
   from kvr_jax.strategies import get_strategy
-  from kvr_jax.strategies.latent import compile_latent
+  from kvr_jax.strategies.by_kind import compile_by_kind
   from models.kernels import get_kernel
 
   ours = checkpoints["deepseek-default"][2]
   cfg, chunks, B = ours.config, (16, 12, 12), 2
   mesh = kvr_jax.make_mesh(3)
-  program = compile_latent("kvr", ours.graphdef, mesh, chunks, get_kernel("flash"))
+  program = compile_by_kind(
+    "kvr", ours.graphdef, mesh, chunks, get_kernel("flash"), ours.config.kinds
+  )
   tokens_pBc = get_strategy("kvr").arrange(np.zeros((B, sum(chunks)), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))

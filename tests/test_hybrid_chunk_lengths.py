@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS, global_array
 from kvr_jax.strategies import TRACE_COUNT, runahead
-from kvr_jax.strategies.hybrid import compile_hybrid
+from kvr_jax.strategies.by_kind import compile_by_kind
 from kvr_jax.strategies.linear_chain import chain_linear_layer, chain_linear_layer_one_body
 from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models.gated_deltanet_layer import LinearState
@@ -272,16 +272,17 @@ def test_the_split_as_data_refuses_what_its_one_program_cannot_run(checkpoint):
       model, tokens, strategy=two, mesh=kvr_jax.make_mesh(2, model=2), partition=[6, 6]
     )
   shape = strategy.options.split_shape
-  mesh = kvr_jax.make_mesh(3)
+  mesh, kinds = kvr_jax.make_mesh(3), model.config.kinds
+  build = functools.partial(compile_by_kind, graphdef=model.graphdef, mesh=mesh, chunks=None)
   with pytest.raises(ValueError, match="a split as data is KV-Runahead's"):
-    compile_hybrid("ring", model.graphdef, mesh, None, "flash", split_shape=shape)
+    build("ring", kernel="flash", kinds=kinds, split_shape=shape)
   with pytest.raises(ValueError, match="keeps no last hop and marks no timeline"):
-    compile_hybrid("kvr", model.graphdef, mesh, None, "flash", split_shape=shape)
+    build("kvr", kernel="flash", kinds=kinds, split_shape=shape)
   with pytest.raises(ValueError, match="keeps no last hop and marks no timeline"):
-    compile_hybrid("kvr", model.graphdef, mesh, None, "flash", False, True, split_shape=shape)
+    build("kvr", kernel="flash", kinds=kinds, keep_last_hop=False, timeline=True, split_shape=shape)
   with pytest.raises(ValueError, match="no per-rank body"):
-    compile_hybrid(
-      "kvr", model.graphdef, mesh, None, "flash", False, body="per-rank", split_shape=shape
+    build(
+      "kvr", kernel="flash", kinds=kinds, keep_last_hop=False, body="per-rank", split_shape=shape
     )
 
 

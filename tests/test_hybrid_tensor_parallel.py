@@ -187,14 +187,16 @@ def test_loaded_straight_into_shards(checkpoints, tokens, one_device):
 def test_a_linear_layers_hop_carries_the_shards_own_state(checkpoints):
   """In the compiled KV-Runahead program on 2 x 2, a linear layer's hops carry each shard's
   state [B, h/m, k, v] and its halo [B, w, C/m], never the whole layer's."""
-  from kvr_jax.strategies.hybrid import compile_hybrid
+  from kvr_jax.strategies.by_kind import compile_by_kind
   from models.kernels import get_kernel
 
   model = checkpoints["next"][2]
   cfg, B, m = model.config, 2, 2
   mesh = kvr_jax.make_mesh(2, model=m)
   chunks = (24, 16)
-  program = compile_hybrid("kvr", model.graphdef, mesh, chunks, get_kernel("flash"))
+  program = compile_by_kind(
+    "kvr", model.graphdef, mesh, chunks, get_kernel("flash"), model.config.kinds
+  )
   tokens = jax.device_put(
     np.zeros((2, B, 24), np.int32), jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   )

@@ -20,7 +20,7 @@ import kvr_jax
 from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, global_array
-from kvr_jax.strategies import hybrid, latent, runahead
+from kvr_jax.strategies import by_kind, runahead
 from models.base import finish_one_row
 from tests import hf_fixtures
 from tests.tolerance import assert_close
@@ -172,12 +172,13 @@ def test_own_programs_finish_one_row_in_the_last_layer(own_models, family, strat
   mesh = kvr_jax.make_mesh(ranks)
   chunks = (24, 16) if strategy == "kvr" else None
   tokens = np.asarray(kvr_jax.synthetic_prompt(model.config.vocab_size, T))
+  kinds = model.config.kinds
   if family == "hybrid":
     chunks = chunks or hybrid_layout(strategy, ranks)
-    program = hybrid.compile_hybrid(strategy, model.graphdef, mesh, chunks, "flash")
+    program = by_kind.compile_by_kind(strategy, model.graphdef, mesh, chunks, "flash", kinds)
   else:
     chunks = chunks or hybrid_layout(strategy, ranks)
-    program = latent.compile_latent(strategy, model.graphdef, mesh, chunks, "flash")
+    program = by_kind.compile_by_kind(strategy, model.graphdef, mesh, chunks, "flash", kinds)
   arranged = kvr_jax.strategies.get_strategy(strategy).arrange(tokens, chunks)
   tokens_pBc = global_array(arranged, jax.sharding.NamedSharding(mesh, jax.P(AXIS)))
   jaxpr = jax.make_jaxpr(program)(model.state_for(mesh), tokens_pBc)

@@ -359,13 +359,15 @@ def _collective_shapes(model, strategy, partition, op="collective-permute"):
 
   from kvr_jax.runtime.mesh import AXIS
   from kvr_jax.strategies import get_strategy
-  from kvr_jax.strategies.hybrid import compile_hybrid
+  from kvr_jax.strategies.by_kind import compile_by_kind
   from models.kernels import get_kernel
 
   mesh = kvr_jax.make_mesh(len(partition))
   spec, partition = get_strategy(strategy), tuple(partition)
   chunks = spec.layout(sum(partition), len(partition), partition)
-  program = compile_hybrid(strategy, model.graphdef, mesh, chunks, get_kernel("flash"))
+  program = compile_by_kind(
+    strategy, model.graphdef, mesh, chunks, get_kernel("flash"), model.config.kinds
+  )
   tokens_pBc = spec.arrange(np.zeros((2, sum(partition)), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
@@ -425,12 +427,14 @@ def test_kvr_runs_each_linear_layer_at_its_ranks_own_length(checkpoints):
   carries two states (P, R), the plain form's one."""
   from kvr_jax.runtime.mesh import AXIS
   from kvr_jax.strategies import get_strategy
-  from kvr_jax.strategies.hybrid import compile_hybrid
+  from kvr_jax.strategies.by_kind import compile_by_kind
   from models.kernels import get_kernel
 
   model = checkpoints["qwen3_5-types"][2]
   mesh, chunks = kvr_jax.make_mesh(2), (66, 4)
-  program = compile_hybrid("kvr", model.graphdef, mesh, chunks, get_kernel("flash"))
+  program = compile_by_kind(
+    "kvr", model.graphdef, mesh, chunks, get_kernel("flash"), model.config.kinds
+  )
   tokens_pBc = get_strategy("kvr").arrange(np.zeros((1, 70), np.int32), chunks)
   jaxpr = jax.make_jaxpr(program)(
     model.state_on(jax.sharding.NamedSharding(mesh, jax.P())),
@@ -448,13 +452,13 @@ def test_the_one_bodys_linear_layers_loop_over_their_real_chunks_alone(checkpoin
   width's 64-token chunks, which would cost the short ranks the long rank's work."""
   from kvr_jax.runtime.mesh import AXIS
   from kvr_jax.strategies import get_strategy
-  from kvr_jax.strategies.hybrid import compile_hybrid, hybrid_body
+  from kvr_jax.strategies.by_kind import compile_by_kind, program_body
   from models.kernels import get_kernel
 
   model = checkpoints["qwen3_5-types"][2]
   mesh, chunks, flash = kvr_jax.make_mesh(3), (130, 4, 4), get_kernel("flash")
-  assert hybrid_body(get_strategy("kvr"), flash, chunks, None, None) == "one"
-  program = compile_hybrid("kvr", model.graphdef, mesh, chunks, flash)
+  assert program_body(get_strategy("kvr"), mesh, flash, chunks, None, None, None) == "one"
+  program = compile_by_kind("kvr", model.graphdef, mesh, chunks, flash, model.config.kinds)
   tokens_pBc = get_strategy("kvr").arrange(np.zeros((1, 138), np.int32), chunks)
   jaxpr = jax.make_jaxpr(program)(
     model.state_on(jax.sharding.NamedSharding(mesh, jax.P())),

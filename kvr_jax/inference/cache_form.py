@@ -63,7 +63,7 @@ class CacheForm:
   # one program for every split that fits its envelope).
   takes_split_as_data: bool = False
   # Whether KV-Runahead takes a split per layer kind ({"linear": .., "full": ..}: a hybrid's
-  # two kinds of layer balance on different splits, strategies.hybrid.KindSplit).
+  # two kinds of layer balance on different splits, strategies.kind_program.KindSplit).
   splits_per_kind: bool = False
   # A fixed-size past that a row's padding would advance (a linear layer's state and halo,
   # where a causal K,V or latent past is written per position): the prefill of padded rows

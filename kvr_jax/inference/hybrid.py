@@ -40,7 +40,8 @@ from kvr_jax.runtime.mesh import (
 )
 from kvr_jax.strategies import family_program, runahead, zigzag
 from kvr_jax.strategies.base import count_trace
-from kvr_jax.strategies.hybrid import compile_hybrid, runs_hybrid
+from kvr_jax.strategies.by_kind import compile_by_kind
+from kvr_jax.strategies.hybrid import runs_hybrid
 from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import HybridCache, LinearState, by_kind
 
@@ -52,7 +53,7 @@ def left_in_parts(out: dict, plan) -> dict:
   every rank (one psum each)."""
   mesh, p = plan.mesh, plan.mesh.shape[AXIS]
   layout, halo_rank = parts_layout(plan.strategy, plan.prompt_len, plan.chunks, plan.full_chunks)
-  parts = out["full"][0] if isinstance(out["full"], tuple) else out["full"]
+  parts = out["kv"][0] if isinstance(out["kv"], tuple) else out["kv"]
   linear = LinearState(
     replicated_from_rank(out["state"], mesh, p - 1),
     replicated_from_rank(out["halo"], mesh, halo_rank),
@@ -111,20 +112,21 @@ def operands(tokens_BT, lengths, m: int):
 
 def compiled(plan, graphdef, padded: bool = False):
   """The plan's program (`PrefillPlan.compile`): (state, tokens laid out [p, B, T_rank]) ->
-  `compile_hybrid`'s outputs for the plan's strategy, split, kernel and probes (cache="last"
+  `compile_by_kind`'s outputs for the plan's strategy, split, kernel and probes (cache="last"
   keeps KV-Runahead's last hops where the plan affords them; the full layers' own split), or
   a split as data's one program bound to the plan's split (its table the full layers':
   `runahead.on_split`). padded: rows padded past their ends, where the linear pasts stop."""
   spec, body, split_shape = family_program(plan.strategy, None, None)
   mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
   if split_shape is None:
-    return compile_hybrid(
-      spec, graphdef, mesh, plan.chunks, kernel, plan.keep_last_hop, timeline,
+    return compile_by_kind(
+      spec, graphdef, mesh, plan.chunks, kernel, plan.kinds, plan.keep_last_hop, timeline,
       plan.full_chunks, body, padded=padded,
     )  # fmt: skip
-  program = compile_hybrid(
-    spec, graphdef, mesh, None, kernel, False, timeline, None, body, split_shape, padded
-  )
+  program = compile_by_kind(
+    spec, graphdef, mesh, None, kernel, plan.kinds, False, timeline, None, body, split_shape,
+    padded,
+  )  # fmt: skip
   full_config = plan.strategy.options.config.of_kind(FULL_ATTENTION)  # the table's layers
   return runahead.on_split(program, mesh, full_config, split_shape, plan.chunks)
 
@@ -177,7 +179,7 @@ def join_last_hop(out: dict, chunks: tuple[int, ...], capacity: int) -> HybridCa
   chunk, padded to `capacity` positions; each linear layer's state and halo as they are."""
   count_trace("hybrid-join")
   c_last, prefix, c_max = chunks[-1], sum(chunks[:-1]), max(chunks)
-  own, last_hop = out["full"]
+  own, last_hop = out["kv"]
   parts = [unfold_batch(own, c_max)[:, :, :, :c_last]]
   if prefix:
     parts.insert(0, unfold_batch(last_hop, prefix))
@@ -190,7 +192,7 @@ def join_in_prompt_order(out: dict, layout: CacheLayout, halo_rank: int, capacit
   order (`CacheLayout.rows_in_prompt_order`), padded to `capacity` positions; the final
   linear state (the last rank's: every peer's is the same) and the halo of `halo_rank`."""
   count_trace("hybrid-join")
-  parts = unfold_batch(out["full"], layout.part_len)  # [p, L, 2, B, P, K, H]
+  parts = unfold_batch(out["kv"], layout.part_len)  # [p, L, 2, B, P, K, H]
   ranked = jnp.concatenate(list(parts), axis=3)  # rank 0's rows, then rank 1's, ...
   kv = jnp.take(ranked, jnp.asarray(layout.rows_in_prompt_order()), axis=3)
   return _padded(kv, out["state"][-1], out["halo"][halo_rank], capacity)

@@ -35,7 +35,8 @@ from kvr_jax.runtime.mesh import (
   shard_on,
 )
 from kvr_jax.strategies import family_program, runahead
-from kvr_jax.strategies.latent import compile_latent, runs_latent
+from kvr_jax.strategies.by_kind import compile_by_kind
+from kvr_jax.strategies.latent import runs_latent
 from models.attention import merge_partials
 
 CACHES = ("last", "sharded")
@@ -78,7 +79,7 @@ def joined_from_parts(out: dict, plan, capacity: int):
 
 def compiled(plan, graphdef, padded: bool = False):
   """The plan's program (`PrefillPlan.compile`): (state, tokens [p, B, T_rank]) ->
-  `compile_latent`'s outputs for the plan's strategy, split, kernel and probes (KV-Runahead's
+  `compile_by_kind`'s outputs for the plan's strategy, split, kernel and probes (KV-Runahead's
   last hop kept where cache="last" joins it: a latent layer's hop carries the whole prefix),
   or a split as data's one program bound to the plan's split (`runahead.on_split`). A causal
   past takes padded rows as they are (padded unused)."""
@@ -86,10 +87,14 @@ def compiled(plan, graphdef, padded: bool = False):
   spec, body, split_shape = family_program(plan.strategy, None, None)
   mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
   if split_shape is None:
-    return compile_latent(
-      spec, graphdef, mesh, plan.chunks, kernel, plan.keep_last_hop, timeline, body
-    )
-  program = compile_latent(spec, graphdef, mesh, None, kernel, False, timeline, body, split_shape)
+    return compile_by_kind(
+      spec, graphdef, mesh, plan.chunks, kernel, plan.kinds, plan.keep_last_hop, timeline,
+      body=body,
+    )  # fmt: skip
+  program = compile_by_kind(
+    spec, graphdef, mesh, None, kernel, plan.kinds, False, timeline, body=body,
+    split_shape=split_shape,
+  )  # fmt: skip
   config = plan.strategy.options.config
   return runahead.on_split(program, mesh, config, split_shape, plan.chunks)
 

@@ -99,7 +99,7 @@ def prefill(
     earliest tokens), or "even", "search", "balanced", "predict", or a `PartitionPlan` (see
     kvr_jax.planning.partition). On a hybrid model also one per layer kind,
     {"linear": .., "full": ..}: the full layers on their own split, the hidden states moved
-    between the two at each full layer (strategies.hybrid.KindSplit; the result's
+    between the two at each full layer (strategies.kind_program.KindSplit; the result's
     `full_partition`). There "search" (modelled) searches the pair
     (`search.kind_split_search`) and gives the full layers their own split where that
     models faster; `full_partition` is None where it kept one split.

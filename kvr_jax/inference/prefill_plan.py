@@ -95,6 +95,8 @@ class PrefillPlan:
   # A model whose cache has its own form (a hybrid, a latent model: `cache_form_of`), whose
   # programs run the plan; None for a K,V model.
   cache_form: Any = None
+  # The model's layer kinds (`ModelConfig.kinds`): what its program is assembled from.
+  kinds: tuple = ()
 
   @property
   def cache_layout(self) -> CacheLayout:
@@ -179,6 +181,7 @@ def plan_from_shape(
     choice,
     full_chunks,
     form,
+    shape.config.kinds,
   )
 
 
@@ -279,7 +282,7 @@ KIND_SPLIT_KEYS = ("linear", "full")
 def _split_by_kind(partition: Mapping, form, spec) -> tuple[Any, Any]:
   """A split per layer kind, {"linear": .., "full": ..} (each a partition as `prefill` takes
   one), checked: KV-Runahead on a hybrid model (its linear and full layers balance on
-  different splits: strategies.hybrid.KindSplit). Returns (linear, full)."""
+  different splits: strategies.kind_program.KindSplit). Returns (linear, full)."""
   if not spec.partitioned or form is None or not form.splits_per_kind:
     raise ValueError(
       "a partition per layer kind ({'linear': .., 'full': ..}) is KV-Runahead's on a hybrid "

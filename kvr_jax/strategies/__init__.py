@@ -5,9 +5,6 @@ layer for the cost model and a STRATEGY),
 add it to REGISTRY below, and add its row to the parity matrix in tests/test_strategies.py.
 """
 
-import functools
-import inspect
-
 from kvr_jax.strategies import allgather, ring, runahead, single, tsp
 from kvr_jax.strategies.base import TRACE_COUNT, Strategy
 
@@ -56,38 +53,11 @@ def family_program(strategy, body: str | None = None, split_shape=None) -> tuple
   return get_strategy(spec.registered_name), body, split_shape
 
 
-def family_builder(check_runs):
-  """A model family's program builder (`build(spec, ..., body=, split_shape=)`, cached by its
-  arguments) as its callers call it: with a strategy's name or record first, refused by
-  `check_runs` (the family's own names in its message) and then resolved by
-  `family_program`, so that a KV-Runahead variant and its options given apart reach one
-  cached program."""
-
-  def wrap(build):
-    signature = inspect.signature(build)
-
-    @functools.wraps(build)
-    def compile_program(strategy, *args, **kwargs):
-      check_runs(strategy)  # before the registry's lookup
-      bound = signature.bind(strategy, *args, **kwargs)
-      bound.apply_defaults()
-      options = bound.arguments
-      spec, options["body"], options["split_shape"] = family_program(
-        strategy, options["body"], options["split_shape"]
-      )
-      return build(spec, *list(options.values())[1:])
-
-    return compile_program
-
-  return wrap
-
-
 __all__ = [
   "REGISTRY",
   "STRATEGIES",
   "TRACE_COUNT",
   "Strategy",
-  "family_builder",
   "family_program",
   "get_strategy",
 ]

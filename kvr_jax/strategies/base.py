@@ -20,8 +20,9 @@ rank in prompt order (cache="last") or decodes from them where they are (cache="
 knows nothing else about any strategy.
 
 Every program of every model is one runner (`rank_program` under `spmd`) around a rank's
-`RankBody`: the strategy's own on a K,V model; on a hybrid or latent model a body of the
-family's programs (strategies.hybrid, strategies.latent) around the strategy's, whose
+`RankBody`: the strategy's own on a K,V model; on a model of other kinds of past the one
+builder's (strategies.by_kind), composed from each kind's part (the strategy's own rank body
+for softmax layers, strategies.hybrid's and strategies.latent's for the others), whose
 outputs are that model's pasts (a latent per position, a linear layer's state and halo).
 """
 
@@ -252,7 +253,7 @@ def spmd(rank_program, mesh, out_specs=None, with_table: bool = False):
   state's own structure at trace time). out_specs: how rank_program's outputs lie, None for
   the K,V programs' (logits by rank, every K,V output [p, L, 2, rows, K, H] by rank, its heads
   split over "model" on a 2-D mesh); a model whose layers output other pasts gives its own
-  (strategies.hybrid.output_specs). with_table: a third operand, the split's table, whole on
+  (strategies.by_kind: each kind's `KindProgram.output_specs`). with_table: a third operand, the split's table, whole on
   every rank (1-D meshes only)."""
   P = jax.P
   m = model_parallel(mesh)
@@ -395,7 +396,7 @@ def rank_program(name: str, graphdef, make_body: Callable, num_ranks: int, timel
   """The program every strategy runs per rank on every model, (state, tokens [1, B, T] (or a
   tuple of such: the body's), *table) -> (logits [1, B, V], outputs [1, L, ...]): count the
   trace, merge the model, build the `RankBody` (the strategy's, or a model family's around
-  it: strategies.latent, strategies.hybrid), embed, scan its layer over the model's layers
+  it: strategies.by_kind), embed, scan its layer over the model's layers
   (`models.scan_layers`: one compiled body per layer kind), and the last position's logits
   on rank p-1 (probed at both ends when `timeline`). table: the split as data, where the
   body takes it (`make_body(..., table)`), else nothing."""

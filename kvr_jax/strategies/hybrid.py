@@ -16,7 +16,7 @@ its outputs as o_0 + Q_eff S and its leaving state as A S + B. Then:
               halo rides the chain rather than a hop of its own at the layer's start,
               where each rank would wait for its successor to reach the layer (a
               collective-permute is a rendezvous on gloo). The layer runs in the body the
-              full layers run (`hybrid_body`), per rank or as one body whose every rank,
+              full layers run (`by_kind.program_body`), per rank or as one body whose every rank,
               rank 0 too, runs the entry-map form at the split's padded width
               (strategies.linear_chain).
   ring, allgather
@@ -30,14 +30,15 @@ point in one collective-permute per direction (every span holds at least w token
 otherwise). Rows past a span's real length are padding: g = beta = 0
 leaves the state as it is (exact), and their outputs are dropped.
 
-KV-Runahead's full layers may take their own split (`compile_hybrid(full_chunks=)`,
-`KindSplit`): a full layer's causal attention wants the earlier ranks' chunks longer, a
+KV-Runahead's full layers may take their own split (`by_kind.compile_by_kind(full_chunks=)`,
+`kind_program.KindSplit`): a full layer's causal attention wants the earlier ranks' chunks longer, a
 linear layer's work is even per token, and where each hop is a rendezvous every layer runs
 at its slower rank's pace. The hidden states then move into the full split at each full
 layer's start and back at its end (each rank's edge rows to its neighbour, D numbers a
 token); the tokens, the linear layers and the logits keep `chunks`.
 
-The program outputs each rank's full layers' K,V as the strategy emits them and each linear
+This module is the linear layers' part in the one builder (strategies.by_kind: `PROGRAM`); the
+program outputs each rank's full layers' K,V as the strategy emits them ("kv") and each linear
 layer's leaving state and halo; `kvr_jax.inference.hybrid` joins them into the model's
 `HybridCache` on the last rank (KV-Runahead: its last hop and own chunk, no move; the peers:
 their parts moved and reordered).
@@ -45,26 +46,13 @@ their parts moved and reordered).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import types
-
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, model_parallel, split_dims
-from kvr_jax.strategies import REGISTRY, family_builder, registered_record, zigzag
-from kvr_jax.strategies.base import (
-  RankBody,
-  Strategy,
-  model_reduce,
-  rank_program,
-  reshard_rows,
-  spmd,
-)
+from kvr_jax.strategies import REGISTRY, registered_record, zigzag
+from kvr_jax.strategies.base import Strategy
+from kvr_jax.strategies.kind_program import KindPart, KindProgram, ProgramArgs, RankContext
 from kvr_jax.strategies.linear_chain import (
   chain_linear_layer,
   chain_linear_layer_one_body,
@@ -73,13 +61,8 @@ from kvr_jax.strategies.linear_chain import (
   stop_at_row_ends,
 )
 from kvr_jax.strategies.probe import mark
-from kvr_jax.strategies.runahead import check_body, one_body_as_data
-from kvr_jax.strategies.runahead.rank_layer import pad_rows
-from kvr_jax.strategies.runahead.schedule import OneBodyShape
 from models import gated_deltanet as gdn
-from models.base import Layer, no_reduce
-from models.layer_kinds import FULL_ATTENTION
-from models.qwen3_5 import FULL, LINEAR, by_kind
+from models.base import no_reduce
 
 
 def runs_hybrid(spec: Strategy) -> bool:
@@ -194,37 +177,6 @@ def _linear_layer(spec: Strategy, rank, chunks, reduce, timeline: bool, one_body
   return linear_layer
 
 
-def hybrid_body(
-  spec: Strategy, kernel, chunks, full_chunks, body: str | None, split_shape=None
-) -> str | None:
-  """KV-Runahead's program body on a hybrid model, the same for its full and its linear
-  layers: `check_body`'s choice (the one body where the kernel takes lengths as data on
-  more than PER_RANK_UP_TO ranks) or the one asked for. A split per layer kind runs
-  "per-rank": its moves between the two splits are static slices (`KindSplit`). None for the
-  peers (their layers are of one body). The split as data (`split_shape`) runs the one body
-  and no split per layer kind (its moves' slices are static). Refuses a strategy that runs no
-  hybrid, and a split per layer kind or a split as data under a peer."""
-  check_runs_hybrid(spec)
-  if full_chunks is not None and not spec.prefix_chain:
-    raise ValueError(f"a split per layer kind is KV-Runahead's; {spec.name} lays out its own")
-  if split_shape is not None and not spec.prefix_chain:
-    raise ValueError(f"a split as data is KV-Runahead's; {spec.name} lays out its own")
-  if not spec.prefix_chain:
-    return None
-  if split_shape is not None:
-    if full_chunks is not None or body == "per-rank" or chunks is not None:
-      raise ValueError(
-        "a hybrid's split as data runs KV-Runahead's one body on one split for every kind of "
-        "layer, the split its operand (no chunks, no split per layer kind, no per-rank body)"
-      )
-    return "one"
-  if full_chunks is not None and full_chunks != chunks:
-    if body == "one":
-      raise ValueError("a split per layer kind runs KV-Runahead's per-rank body, not 'one'")
-    return "per-rank"
-  return check_body(body, kernel, len(chunks))
-
-
 def check_runs_hybrid(strategy: str | Strategy) -> None:
   """Refuses a strategy (a name or a record) whose programs run no hybrid model
   (`runs_hybrid`, asked of its registered record)."""
@@ -234,238 +186,41 @@ def check_runs_hybrid(strategy: str | Strategy) -> None:
     raise ValueError(f"hybrid models run under {STRATEGIES}, not {shown!r}")
 
 
-@family_builder(check_runs_hybrid)
-@kept_cache(16)
-def compile_hybrid(
-  spec: Strategy,
-  graphdef,
-  mesh,
-  chunks: tuple[int, ...] | None,
-  kernel,
-  keep_last_hop: bool = True,
-  timeline: bool = False,
-  full_chunks: tuple[int, ...] | None = None,
-  body: str | None = None,
-  split_shape: OneBodyShape | None = None,
-  padded: bool = False,
-):
-  """The jitted SPMD program of `spec` (a name of STRATEGIES or a record: KV-Runahead's bring
-  their body and split as data, `strategies.family_builder`) on a hybrid model: (state, tokens
-  [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank p-1's are
-  the prompt's last position's, {"full": each full layer's K,V output as the strategy emits
-  it [p, L_full, ...], "state": [p, L_linear, B, h, k, v], "halo": [p, L_linear, B, w, C]}).
-  On a ("ranks", "model") mesh the state is split over each rank's group
-  (runtime.tensor_parallel: heads, key heads with their value heads, experts, MLP columns),
-  the shards' partial sums added by psum_over_model, and every output's heads split over
-  "model" (`output_specs`: shard j's K,V heads, value heads' states and its q, k, v heads'
-  convolution channels, so a halo's channels are in shard order). keep_last_hop=False:
-  KV-Runahead's full layers emit its ranks' own parts alone (cache="sharded": the last hop,
-  a prefix-long output on the last rank, is not kept). timeline: the program marks its
-  phases (strategies.probe; the full layers as the strategy's body marks them, the linear
-  layers at "linear", "hop" or "allgather", and "rest"; one-dimensional meshes).
-  full_chunks (KV-Runahead): the full layers' own split, `chunks` the linear layers' (and
-  the tokens'): the hidden states move between the two at each full layer (`KindSplit`).
-  body (KV-Runahead): "one" or "per-rank" for both kinds of layer (`hybrid_body`).
-  split_shape (KV-Runahead, chunks None): an envelope (`OneBodyShape.envelope` of the full
-  layers' config) whose one program takes the split as data, a third operand
-  (`OneBodyShape.table`): one program for every split that fits it, both kinds of layer in
-  the one body, the full layers' parts `split_shape.part_len` rows and no last hop kept."""
-  body_kind = hybrid_body(spec, kernel, chunks, full_chunks, body, split_shape)
-  if split_shape is not None:
-    _check_split_as_data(mesh, timeline, keep_last_hop)
-    full_body = one_body_as_data(split_shape, kernel)
-  else:
-    full_chunks = chunks if full_chunks is None else full_chunks
-    body_of = spec.rank_body
-    if spec.prefix_chain:
-      body_of = functools.partial(body_of, body=body_kind)
-    keeps = spec.cache_from_last_hop is not None and keep_last_hop
-    full_body = body_of(graphdef, full_chunks, kernel, timeline, keeps)
-  layers = _HybridLayers(spec, kernel, chunks, full_chunks, timeline, split_shape, body_kind)
-  make_body = functools.partial(_hybrid_rank_body, layers, full_body, padded)
-  p = mesh.shape[AXIS]
-  program = rank_program(
-    f"{spec.name}-hybrid", graphdef, make_body, p, timeline, model_reduce(mesh)
+def linear_part(args: ProgramArgs, ctx: RankContext, kind) -> KindPart:
+  """A Gated DeltaNet layer's part in a rank's program (strategies.by_kind): the strategy's
+  linear layer (KV-Runahead's chain in its body, or the peers' all-gathered maps), its
+  outputs {"state": the layer's leaving state [B, h, k, v], "halo": the last w inputs
+  [B, w, C]} (at each row's end where rows are padded past them)."""
+  del kind
+  layer = _linear_layer(
+    args.spec, ctx.rank, args.chunks, ctx.reduce, args.timeline, ctx.one_body, ctx.from_end_BT
   )
-  return spmd(program, mesh, (jax.P(AXIS), output_specs(mesh)), split_shape is not None)
+
+  def part_layer(block, x, carry, at):
+    x, leaving, halo = layer(block, x, at.index)
+    return x, carry, {"state": leaving, "halo": halo}
+
+  return KindPart(part_layer, ctx.model.linear_blocks)
 
 
-@dataclasses.dataclass(frozen=True)
-class _HybridLayers:
-  """What a hybrid rank's layers are built from (`compile_hybrid`'s checked arguments):
-  body_kind is `hybrid_body`'s."""
-
-  spec: Strategy
-  kernel: object
-  chunks: tuple[int, ...] | None
-  full_chunks: tuple[int, ...] | None
-  timeline: bool
-  split_shape: OneBodyShape | None
-  body_kind: str | None
-
-
-def _hybrid_rank_body(layers, full_body, padded: bool, model, rank, rows_BT, reduce, *table):
-  """A hybrid rank's `RankBody`: the strategy's rank body (`full_body`, its make_body) on
-  the full layers, which it sees as a model of full layers alone, and the strategy's linear
-  layer on the others; each kind's outputs written into its buffer in the carry at the
-  layer's row in its stack ({"full": the K,V the strategy emits, "state", "halo"}).
-  rows_BT: the tokens, or where `padded` (tokens, each position minus its row's end)."""
-  spec, chunks = layers.spec, layers.chunks
-  tokens_BT, from_end_BT = rows_BT if padded else (rows_BT, None)
-  full_config = model.config.of_kind(FULL_ATTENTION)
-  full = full_body(
-    types.SimpleNamespace(config=full_config, blocks=model.blocks), rank, tokens_BT, reduce, *table
-  )
-  one_body = None  # KV-Runahead's one body: its shape and lengths, static or data
-  if layers.split_shape is not None or layers.body_kind == "one":
-    one_body = _one_body_lengths(full_config, chunks, layers.kernel, layers.split_shape, table)
-  c = full.tokens_BT.shape[1]
-  from_end_Bc = None if from_end_BT is None else pad_rows(from_end_BT, c)
-  linear_layer = _linear_layer(spec, rank, chunks, reduce, layers.timeline, one_body, from_end_Bc)
-  split = KindSplit(chunks, layers.full_chunks, rank)
-  full_layer = _full_layer(model.config, full, split, layers.timeline)
-  # The buffers' shapes from a layer of each kind traced abstractly on this rank's rows (the
-  # embedding here is for its shape alone: nothing reads it, and XLA drops it).
-  x = model.embed(full.tokens_BT)
-  out = _empty_outputs(model, full, full_layer, lambda block, x: linear_layer(block, x), x)
-
-  def on_full(block, at, state):  # at: the layer's index in the model, its row in its stack
-    x, (layer_carry, out) = state
-    x, layer_carry, kv_out = full_layer(block, x, layer_carry, at)
-    written = jax.tree.map(lambda s, new: s.at[at.row].set(new), out["full"], kv_out)
-    return x, (layer_carry, dict(out, full=written))
-
-  def on_linear(block, at, state):
-    x, (layer_carry, out) = state
-    x, leaving, halo = linear_layer(block, x, at.index)
-    state, halo = out["state"].at[at.row].set(leaving), out["halo"].at[at.row].set(halo)
-    return x, (layer_carry, dict(out, state=state, halo=halo))
-
-  step = by_kind(on_full, on_linear)
-
-  def layer(block, x, carry, at):
-    (x, carry), _ = step(block, at, (x, carry))
-    return x, carry, None
-
-  last_row = full.last_row
-  if spec.prefix_chain:  # x is in the linear layers' layout (`chunks`) after every layer
-    lengths_p = jnp.asarray(chunks) if one_body is None else one_body[1]
-    last_row = functools.partial(jnp.take, indices=lengths_p[rank] - 1, axis=1)
-  outputs = lambda carry, _: carry[1]  # noqa: E731  (the kinds' buffers)
-  return RankBody(full.tokens_BT, layer, last_row, full.owner, (full.carry, out), outputs)
-
-
-def _check_split_as_data(mesh, timeline: bool, keep_last_hop: bool) -> None:
-  """What the split as data does not run, by name: its hops' sizes are data, so no last hop
-  is kept (its parts move for cache="last") and no probe marks them; 1-D meshes."""
-  if timeline or keep_last_hop:
-    raise ValueError("a hybrid's split as data keeps no last hop and marks no timeline")
-  if model_parallel(mesh) > 1:
-    raise ValueError("a program that takes its split as data runs on a 1-D mesh")
-
-
-def _one_body_lengths(full_config, chunks, kernel, split_shape, table) -> tuple:
-  """KV-Runahead's one body on a hybrid: (its shape, each rank's length [p]): the split's
-  own shape and lengths where it is static, the envelope and the table's first row where
-  the split is data."""
-  if split_shape is None:
-    return OneBodyShape.of_split(full_config, chunks, kernel), jnp.asarray(chunks, jnp.int32)
-  return split_shape, jnp.asarray(table[0][0], jnp.int32)
-
-
-def _full_layer(config, body, split_full, timeline: bool):
-  """(block, x, carry, at) -> full layer at.index (its index in the model: the rank layer knows the
-  model's last layer by it, whose attention and rest KV-Runahead's ranks before the last
-  skip) in the strategy's rank body, its hidden states moved into the full layers' split and
-  back (`KindSplit`)."""
-  moves = timeline and split_full.linear != split_full.full
-
-  def full_layer(block, x, carry, at):
-    x = mark(moves, "move", at.index, split_full.enter(x))
-    x, carry, kv = body.layer(block, x, carry, at)
-    return split_full.leave(x, at.index, config.num_layers), carry, kv
-
-  return full_layer
-
-
-@dataclasses.dataclass(frozen=True)
-class KindSplit:
-  """KV-Runahead's hidden states between the linear layers' split (`linear`, the tokens'
-  layout, in which every layer leaves them) and the full layers' (`full`): a full layer
-  enters by moving them into its split and leaves by moving them back
-  (`strategies.base.reshard_rows`: each rank's edge rows to its neighbour). The model's last
-  layer moves nothing back: only the prompt's last row is read after it, and rank p-1 holds
-  it in both splits (moved locally to its row in `linear`). One split for both: no move."""
-
-  linear: tuple[int, ...] | None  # None: the split is data, one for both (no move)
-  full: tuple[int, ...] | None
-  rank: object
-
-  def enter(self, x_BcD):
-    if self.full is None or self.linear == self.full:
-      return x_BcD
-    return reshard_rows(x_BcD, self.linear, self.full, self.rank)
-
-  def leave(self, x_BcD, l, num_layers: int):
-    if self.full is None or self.linear == self.full:
-      return x_BcD
-    p = len(self.full)
-
-    def last_row_only(x_BcD):  # rank p-1's last row at its place in `linear`
-      row_BD = x_BcD[:, self.full[p - 1] - 1]
-      at = jnp.zeros((x_BcD.shape[0], max(self.linear), x_BcD.shape[2]), x_BcD.dtype)
-      return at.at[:, self.linear[p - 1] - 1].set(row_BD)
-
-    def back(x_BcD):
-      return reshard_rows(x_BcD, self.full, self.linear, self.rank)
-
-    return jax.lax.cond(l == num_layers - 1, last_row_only, back, x_BcD)
-
-
-def output_specs(mesh) -> dict:
-  """compile_hybrid's outputs by rank, their heads over "model" on a 2-D mesh: the full
-  layers' K,V [p, L, 2, rows, K, H] (every array the strategy emits), the linear layers'
-  states [p, L, B, h, k, v] and halos [p, L, B, w, C]."""
+def output_specs(mesh, args=None) -> dict:
+  """A linear layer's outputs by rank, their heads over "model" on a 2-D mesh: the states
+  [p, L, B, h, k, v] and halos [p, L, B, w, C] (a shard's value heads' states, its q, k, v
+  heads' convolution channels: a halo's channels are in shard order)."""
+  del args
   P = jax.P
   if model_parallel(mesh) == 1:
-    return {"full": P(AXIS), "state": P(AXIS), "halo": P(AXIS)}
+    return {"state": P(AXIS), "halo": P(AXIS)}
   return {
-    "full": parts_spec(mesh),
     "state": split_dims("pLBhkv", p=AXIS, h=MODEL_AXIS),
     "halo": split_dims("pLBwC", p=AXIS, C=MODEL_AXIS),
   }
 
 
-def _empty_outputs(model, body, full_layer, linear_layer, x) -> dict:
-  """Zero buffers, varying over the ranks, for what every layer outputs: their shapes from
-  one full and one linear layer traced abstractly (`jax.eval_shape`) on the first rows of
-  the stacks."""
-  cfg = model.config
-  first = Layer(jnp.int32(0), jnp.int32(0), FULL_ATTENTION)
-  out = {}
-  for name, layer_type, kind, stack, run in (
-    ("full", FULL, FULL_ATTENTION, model.blocks, lambda b: full_layer(b, x, body.carry, first)[2]),
-    ("linear", LINEAR, cfg.linear_kind, model.linear_blocks, lambda b: linear_layer(b, x)[1:]),
-  ):
-    count = len(cfg.layers_of(layer_type))
-    graphdef, stacked = nnx.split(stack)
-    # No layer of this kind (a Qwen3.5 model of one kind alone): its branch never runs and
-    # its outputs hold no layer, shaped from a layer's weights' shapes all the same.
-    first_rows = jax.tree.map(lambda w: w[0] if count else jnp.zeros(w.shape[1:], w.dtype), stacked)
+def _check(strategy, timeline: bool) -> None:
+  del timeline  # the full layers' rank body refuses probes it does not place
+  check_runs_hybrid(strategy)
 
-    # The block is made inside the abstract trace, seeing its kind's config as in the scan.
-    def first_layer():
-      block = nnx.merge(graphdef, first_rows)  # noqa: B023
-      block.config = cfg.of_kind(kind)  # noqa: B023
-      return run(block)  # noqa: B023
 
-    shapes = jax.eval_shape(first_layer)
-    zeros = jax.tree.map(
-      lambda s: jax.lax.pcast(jnp.zeros((count, *s.shape), s.dtype), (AXIS,), to="varying"),
-      shapes,
-    )
-    if name == "full":
-      out["full"] = zeros
-    else:
-      out["state"], out["halo"] = zeros
-  return out
+# Gated DeltaNet layers in the one builder (strategies.by_kind.KIND_PROGRAMS).
+PROGRAM = KindProgram(_check, linear_part, output_specs, "hybrid")

@@ -20,7 +20,8 @@ attention.
 
 The peers' rank layers live with their strategies (allgather.latent_layer, ring.latent_layer,
 tsp.latent_layer: each record's `KindLayers.rank_layer` for LatentAttentionKind); this module
-builds the program around them and KV-Runahead's chain.
+is the latent layers' part in the one builder (strategies.by_kind: `PROGRAM`), the peers'
+layers and KV-Runahead's chain.
 
 The program outputs each rank's own latents per layer (and, for KV-Runahead, the last hop's
 message, so the last rank holds every position without a move); `kvr_jax.inference.latent`
@@ -29,27 +30,16 @@ joins them into the model's latent cache on the last rank.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import REGISTRY, family_builder, get_strategy, registered_record
-from kvr_jax.strategies.base import (
-  RankBody,
-  Strategy,
-  gather_to_owner,
-  model_reduce,
-  owner_last_row,
-  rank_program,
-  spmd,
-)
+from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.strategies import REGISTRY, get_strategy, registered_record
+from kvr_jax.strategies.base import Strategy, gather_to_owner, owner_last_row
+from kvr_jax.strategies.kind_program import KindPart, KindProgram, ProgramArgs, RankContext
 from kvr_jax.strategies.probe import mark
-from kvr_jax.strategies.runahead import check_body
 from kvr_jax.strategies.runahead.bodies import one_body_layer
-from kvr_jax.strategies.runahead.rank_layer import RankLayer, pad_rows
+from kvr_jax.strategies.runahead.rank_layer import RankLayer
 from kvr_jax.strategies.runahead.schedule import OneBodyShape, attends_diagonal_first
 from models.base import no_reduce
 from models.kernels import get_kernel
@@ -168,103 +158,6 @@ def check_runs_latent(strategy: str | Strategy, timeline: bool = False) -> None:
     raise ValueError(f"strategy {shown!r} has no timeline probes, on latent layers or K,V")
 
 
-@family_builder(check_runs_latent)
-@kept_cache(16)
-def compile_latent(
-  spec: Strategy,
-  graphdef,
-  mesh,
-  chunks: tuple[int, ...] | None,
-  kernel,
-  keep_last: bool = True,
-  timeline: bool = False,
-  body: str | None = None,
-  split_shape: OneBodyShape | None = None,
-):
-  """The jitted SPMD program of `spec` (a name of STRATEGIES or a record: KV-Runahead's bring
-  their body and split as data, `strategies.family_builder`) on a latent-attention model: (state,
-  tokens [p, B, T_rank] as the strategy arranges them) -> per rank (logits [p, B, V]: rank
-  p-1's are the prompt's last position's, {"own": [p, L, B, T_rank, C], and for "kvr" "last":
-  [p, L, B, S_{p-2}, C], the last hop's message, where `keep_last`: what cache="last" joins
-  on the last rank; without it no rank writes out a prefix-long buffer per layer, which at 1M
-  tokens is the size of the whole latent cache on every device}). On a ("ranks", "model")
-  mesh the state is split over each rank's group (runtime.tensor_parallel: heads, experts,
-  MLP columns) and the shards' partial sums added by psum_over_model; the latents, hops and
-  outputs are whole on every shard of a rank. timeline (the strategies whose record places
-  probes): the program marks its phases (strategies.probe: "embed", each layer's as the
-  strategy marks them on K,V layers, "logits"). body (KV-Runahead): "one" or "per-rank", or
-  None for `check_body`'s choice, as on any model. split_shape (KV-Runahead, chunks None):
-  an envelope (`OneBodyShape.envelope`) whose one program takes the split as data, a third operand
-  (`OneBodyShape.table`): one program for every split that fits it, its parts
-  `split_shape.part_len` rows, no last hop kept, no probes, a 1-D mesh."""
-  body = _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape)
-  if split_shape is None:
-    p = len(chunks)
-    body = check_body(body, kernel, p) if spec.prefix_chain else None
-  else:
-    p = split_shape.num_ranks
-  ranks = _LatentRanks(spec, chunks, kernel, keep_last, timeline, body, split_shape)
-  program = rank_program(
-    f"{spec.name}-latent", graphdef, ranks.rank_body, p, timeline, model_reduce(mesh)
-  )
-  # The latents are whole on every shard of a rank: every output lies by rank alone.
-  return spmd(program, mesh, jax.P(AXIS), split_shape is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _LatentRanks:
-  """compile_latent's checked arguments (body: `check_body`'s choice, None for a peer),
-  from which each rank builds its body."""
-
-  spec: Strategy
-  chunks: tuple[int, ...] | None
-  kernel: object
-  keep_last: bool
-  timeline: bool
-  body: str | None
-  split_shape: OneBodyShape | None
-
-  def rank_body(self, model, rank, tokens_BT, reduce, *table) -> RankBody:
-    """A latent rank's `RankBody`: KV-Runahead's rank layer with the latents as its entries
-    (`kvr_latent_rank`, its tokens padded to the one body's rows) or a peer's latent layer
-    (`_peer_layer`); every layer outputs {"own": its rows' latents [B, T_rank, C], and
-    KV-Runahead's "last" where `keep_last`}."""
-    spec, chunks, kernel, keep_last, timeline = (
-      self.spec,
-      self.chunks,
-      self.kernel,
-      self.keep_last,
-      self.timeline,
-    )
-    B, T_rank = tokens_BT.shape
-    cfg = model.config
-    C = cfg.cache_width
-    owner, last_row = _prompts_last_row(spec, chunks, self.split_shape, rank, table)
-    if not spec.prefix_chain:
-
-      def peer_layer(block, x_BTD, carry, at):
-        last = at.index == cfg.num_layers - 1
-        x_BTD, own = _peer_layer(
-          spec, block, x_BTD, at.index, last, rank, chunks, kernel, reduce, timeline
-        )
-        return x_BTD, carry, {"own": own}
-
-      return RankBody(tokens_BT, peer_layer, last_row, owner)
-    split_table = None if self.split_shape is None else (self.split_shape, table[0])
-    ranks = kvr_latent_rank(model, rank, chunks, kernel, reduce, timeline, self.body, split_table)
-
-    def chain_layer(block, x_BTD, carry, at):
-      # (its own part, and its last hop where kept)
-      x_BTD, carry, emitted = ranks.layer(block, x_BTD, carry, at)
-      out = {"own": emitted[0].reshape(B, T_rank, C)}
-      if keep_last:
-        out["last"] = emitted[1].reshape(B, -1, C)
-      return x_BTD, carry, out
-
-    tokens_BT = pad_rows(tokens_BT, ranks.rows)  # the one body's rows are whole blocks
-    return RankBody(tokens_BT, chain_layer, last_row, owner, ranks.empty_buffer(B))
-
-
 def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline):
   """A peer's latent layer l: its every-row layer (its record's `KindLayers.rank_layer`:
   allgather.latent_layer, ring.latent_layer, tsp.latent_layer), or where `last` (traced:
@@ -284,30 +177,54 @@ def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, ti
   return jax.lax.cond(last, last_row, every_row, x_BTD)
 
 
-def _check_latent_program(spec, mesh, chunks, timeline, keep_last, body, split_shape):
-  """compile_latent's refusals by name; returns the body asked for."""
-  check_runs_latent(spec, timeline)
-  if split_shape is None:
-    return body
-  if not spec.prefix_chain or chunks is not None or body == "per-rank":
-    raise ValueError(
-      "a latent model's split as data runs KV-Runahead's one body, the split its operand (no "
-      f"chunks, no per-rank body), not {spec.name!r}"
-    )
-  if timeline or keep_last:
-    raise ValueError("a latent model's split as data keeps no last hop and marks no timeline")
-  if model_parallel(mesh) > 1:
-    raise ValueError("a program that takes its split as data runs on a 1-D mesh")
-  return "one"
+def latent_part(args: ProgramArgs, ctx: RankContext, kind) -> KindPart:
+  """A latent layer's part in a rank's program (strategies.by_kind): KV-Runahead's rank layer
+  with the latents as its entries (`kvr_latent_rank`: the chain in its body, or the split as
+  data's one body) or a peer's latent layer (`_peer_layer`); every layer outputs {"own": its
+  rows' latents [B, T_rank, C], and KV-Runahead's "last", the last hop's message [B, S, C],
+  where the last hop is kept}."""
+  del kind
+  spec, model, rank, chunks = args.spec, ctx.model, ctx.rank, args.chunks
+  cfg, B = model.config, ctx.tokens_BT.shape[0]
+  stack = model.layer_stacks()[0].blocks
+  if not spec.prefix_chain:
+
+    def peer_layer(block, x_BTD, carry, at):
+      last = at.index == cfg.num_layers - 1
+      x_BTD, own = _peer_layer(
+        spec, block, x_BTD, at.index, last, rank, chunks, args.kernel, ctx.reduce, args.timeline
+      )
+      return x_BTD, carry, {"own": own}
+
+    return KindPart(peer_layer, stack)
+  split_table = None if args.split_shape is None else (args.split_shape, ctx.table[0])
+  ranks = kvr_latent_rank(
+    model, rank, chunks, args.kernel, ctx.reduce, args.timeline, args.body, split_table
+  )
+  keep_last = _keeps_last(args)
+
+  def chain_layer(block, x_BTD, carry, at):
+    x_BTD, carry, emitted = ranks.layer(block, x_BTD, carry, at)  # (its own part, last hop)
+    out = {"own": emitted[0].reshape(B, -1, cfg.cache_width)}
+    if keep_last:
+      out["last"] = emitted[1].reshape(B, -1, cfg.cache_width)
+    return x_BTD, carry, out
+
+  return KindPart(chain_layer, stack, ranks.empty_buffer(B))
 
 
-def _prompts_last_row(spec, chunks, split_shape, rank, table) -> tuple:
-  """(the rank that holds the prompt's last position, x [B, T, D] -> its hidden state [B, D]
-  there): its row static (`cache_layout.holder`), or data where the split is (the last
-  rank's length)."""
-  if table:
-    row = jnp.asarray(table[0][0], jnp.int32)[rank] - 1
-    return split_shape.num_ranks - 1, lambda x: jax.lax.dynamic_index_in_dim(x, row, 1, False)
-  context_len = sum(chunks)
-  owner, row = spec.cache_layout(context_len, chunks).holder(context_len - 1)
-  return owner, lambda x: x[:, row]
+def _keeps_last(args: ProgramArgs) -> bool:
+  """KV-Runahead's latent program outputs its last hop (what cache="last" joins on the last
+  rank) where the plan keeps it; without it no rank writes out a prefix-long buffer per
+  layer, which at 1M tokens is the size of the whole latent cache on every device."""
+  return args.spec.prefix_chain and args.keep_last_hop and args.split_shape is None
+
+
+def output_specs(mesh, args: ProgramArgs) -> dict:
+  """The latents are whole on every shard of a rank: every output lies by rank alone."""
+  del mesh
+  return {"own": jax.P(AXIS), "last": jax.P(AXIS)} if _keeps_last(args) else {"own": jax.P(AXIS)}
+
+
+# Latent layers in the one builder (strategies.by_kind.KIND_PROGRAMS).
+PROGRAM = KindProgram(check_runs_latent, latent_part, output_specs, "latent")

@@ -15,7 +15,7 @@ from kvr_jax.inference import hybrid as hybrid_inference
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_device, rank_row_mesh
-from kvr_jax.strategies import hybrid
+from kvr_jax.strategies import by_kind, hybrid
 from kvr_jax.tools.xla_memory import (
   analysis,
   compile_for_figures,
@@ -28,7 +28,7 @@ from models.qwen3_5 import HybridCache, LinearState
 
 def latent_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
   """compiled_memory's figures of a latent-attention model (DeepSeek-V3) past its prefill
-  program's (`lowered`: the plan's program, strategies.latent.compile_latent, lowered from
+  program's (`lowered`: the plan's program, strategies.by_kind.compile_by_kind, lowered from
   shapes): its latent cache (one headless C-wide entry per token and layer: whole on every
   device of a model group, whatever m), cache="last"'s move (`latent_move`), and with
   decode_tokens the step kvr_jax.generate runs for it: cache="last" on the last rank's group
@@ -96,14 +96,14 @@ def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int, record) ->
   its linear states where they lie (`hybrid.join_last_hop`), or every rank's parts sent there,
   stacked, and put in prompt order (`hybrid.join_in_prompt_order`: all p parts at once, beside the
   cache); on a 2-D mesh each device of the last rank's row its heads. parts: the program's outputs
-  [p, ...] (`compile_hybrid`'s, shapes). split: (the tokens' chunks, the full layers' K,V parts'
+  [p, ...] (`compile_by_kind`'s, shapes). split: (the tokens' chunks, the full layers' K,V parts'
   chunks). capacity: the cache's positions. record: the plan's strategy (its cache layout).
   XLA's `move_argument_bytes` and `move_temp_bytes` of
   it."""
   chunks, full_chunks = split
   p = len(chunks)
   row = rank_row_mesh(mesh, p - 1)
-  specs = hybrid.output_specs(mesh)
+  specs = {**by_kind.attention_specs(mesh), **hybrid.output_specs(mesh)}
 
   def placed(name, stacked):
     rest = tuple(specs[name])[1:]  # the rank axis dropped, or kept as the stack's, whole
@@ -122,7 +122,7 @@ def hybrid_move(parts: dict, mesh, joins: bool, split, capacity: int, record) ->
 
 def hybrid_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
   """compiled_memory's figures of a hybrid model (Qwen3.5, Qwen3-Next) past its prefill
-  program's (`lowered`: the plan's program, strategies.hybrid.compile_hybrid, its weights
+  program's (`lowered`: the plan's program, strategies.by_kind.compile_by_kind, its weights
   split over "model" on a 2-D mesh): its cache in two parts, one device's share of each:
   `kv_cache_bytes` the full layers' K,V of every position, `state_cache_bytes` the linear
   layers' float32 states and convolution halos, whatever the prompt length; cache="last"'s
