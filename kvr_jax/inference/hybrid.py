@@ -118,13 +118,15 @@ def compiled(plan, graphdef, padded: bool = False):
   `runahead.on_split`). padded: rows padded past their ends, where the linear pasts stop."""
   spec, body, split_shape = family_program(plan.strategy, None, None)
   mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
+  # The cache holds the full layers' K,V even where no layer is full (empty, as decode reads it).
+  kinds = tuple(dict.fromkeys((*plan.kinds, FULL_ATTENTION)))
   if split_shape is None:
     return compile_by_kind(
-      spec, graphdef, mesh, plan.chunks, kernel, plan.kinds, plan.keep_last_hop, timeline,
+      spec, graphdef, mesh, plan.chunks, kernel, kinds, plan.keep_last_hop, timeline,
       plan.full_chunks, body, padded=padded,
     )  # fmt: skip
   program = compile_by_kind(
-    spec, graphdef, mesh, None, kernel, plan.kinds, False, timeline, None, body, split_shape,
+    spec, graphdef, mesh, None, kernel, kinds, False, timeline, None, body, split_shape,
     padded,
   )  # fmt: skip
   full_config = plan.strategy.options.config.of_kind(FULL_ATTENTION)  # the table's layers

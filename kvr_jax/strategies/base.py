@@ -253,8 +253,8 @@ def spmd(rank_program, mesh, out_specs=None, with_table: bool = False):
   state's own structure at trace time). out_specs: how rank_program's outputs lie, None for
   the K,V programs' (logits by rank, every K,V output [p, L, 2, rows, K, H] by rank, its heads
   split over "model" on a 2-D mesh); a model whose layers output other pasts gives its own
-  (strategies.by_kind: each kind's `KindProgram.output_specs`). with_table: a third operand, the split's table, whole on
-  every rank (1-D meshes only)."""
+  (strategies.by_kind: each kind's `KindProgram.output_specs`). with_table: a third operand,
+  the split's table, whole on every rank (1-D meshes only)."""
   P = jax.P
   m = model_parallel(mesh)
   if out_specs is None:

@@ -144,7 +144,11 @@ def _output_buffers(model, kinds, parts, carries, x_BTD) -> tuple[dict, dict]:
   shapes, writes = {}, {}
   for kind, part, carry in zip(kinds, parts, carries, strict=True):
     graphdef, stacked = nnx.split(part.blocks)
-    first_rows = jax.tree.map(lambda w: w[0], stacked)
+    # A kind no layer has (a hybrid of linear layers alone): its branch never runs and its
+    # buffers hold no layer, shaped from a layer's weights' shapes all the same.
+    first_rows = jax.tree.map(
+      lambda w: w[0] if w.shape[0] else jnp.zeros(w.shape[1:], w.dtype), stacked
+    )
 
     def first_layer(graphdef=graphdef, first_rows=first_rows, part=part, kind=kind, carry=carry):
       block = nnx.merge(graphdef, first_rows)
@@ -227,7 +231,7 @@ def attention_part(args: ProgramArgs, ctx: RankContext, kind) -> KindPart:
   body = make_body(view, ctx.rank, ctx.tokens_BT, ctx.reduce, *ctx.table)
   if body.tokens_BT.shape != ctx.tokens_BT.shape:
     raise ValueError(f"the rank body pads its rows to {body.tokens_BT.shape}, not the program's")
-  split = KindSplit(args.chunks, args.full_chunks, ctx.rank)
+  split = KindSplit(args.chunks, full_chunks, ctx.rank)
   moves = args.timeline and split.linear != split.full
 
   def layer(block, x, carry, at):
@@ -250,9 +254,12 @@ class _KindView:
 
 
 def _stack_of(model, kind):
-  """The stacked weights of `model`'s layers of `kind` (one stack holds them)."""
+  """The stacked weights of `model`'s layers of `kind` (one stack holds them; where no layer
+  is of it, the model's `blocks`, its softmax layers' stack, empty)."""
   kind_L = model.config.layer_kinds
   held = [s.blocks for s in model.layer_stacks() if any(kind_L[l] == kind for l in s.layers)]
+  if not held:
+    return model.blocks
   if len(held) != 1:
     raise ValueError(f"{kind.name} layers lie in {len(held)} stacks; a kind's part runs one")
   return held[0]
