@@ -23,7 +23,7 @@ from tests.tolerance import assert_close
   [
     ("tiny-llama", "kvr", (14, 10)),  # one kind: the scan's stacked outputs
     ("tiny-gemma", "kvr", (14, 10)),  # a windowed and a full kind: one buffer of both
-    ("tiny-gemma", "ring", None),
+    pytest.param("tiny-gemma", "ring", None, marks=pytest.mark.e2e),  # a peer's body
   ],
 )
 def test_the_one_builder_gives_the_strategys_own_program(preset, strategy, chunks):
