@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import family_program, get_strategy, hybrid, latent
+from kvr_jax.strategies import family_program, get_strategy, hybrid, latent, registered_record
 from kvr_jax.strategies.base import RankBody, Strategy, model_reduce, rank_program, spmd
 from kvr_jax.strategies.kind_program import (
   KindProgram,
@@ -39,7 +39,8 @@ from models.layer_kinds import AttentionKind, GatedDeltaNetKind, LatentAttention
 
 def _check_attention(strategy, timeline: bool) -> None:
   del timeline  # its rank body refuses probes it does not place
-  if get_strategy(get_strategy(strategy).registered_name).rank_body is None:
+  record = registered_record(strategy)
+  if record is None or record.rank_body is None:
     shown = strategy.name if isinstance(strategy, Strategy) else strategy
     raise ValueError(f"strategy {shown!r} lends no rank body for softmax layers among others")
 
