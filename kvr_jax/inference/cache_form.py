@@ -54,11 +54,10 @@ class CacheForm:
   sharded_stepper: Callable
   # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s ModelCache fields
   one_rank_parts: Callable
-  # (plan, graphdef, padded) -> the prefill program of `plan` (PrefillPlan.compile): the
-  # form's program builder with the plan's strategy, mesh, split, kernel, cache and probes;
-  # padded: rows padded past their ends (`stops_at_row_ends`: each position's distance from
-  # its row's end beside the tokens).
-  compile: Callable
+  # The layer kinds whose outputs the cache holds even where no layer of the model is of
+  # them (a hybrid's full layers' K,V: empty, as decode reads it), beside the model's own
+  # (`strategies.by_kind.compile_plan`, the plan's program).
+  also_kinds: tuple = ()
   # Whether KV-Runahead's split as data runs (`runahead.split_as_data_strategy`'s record:
   # one program for every split that fits its envelope).
   takes_split_as_data: bool = False

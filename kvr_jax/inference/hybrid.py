@@ -38,9 +38,8 @@ from kvr_jax.runtime.mesh import (
   shard_on,
   split_dims,
 )
-from kvr_jax.strategies import family_program, runahead, zigzag
+from kvr_jax.strategies import family_program, zigzag
 from kvr_jax.strategies.base import count_trace
-from kvr_jax.strategies.by_kind import compile_by_kind
 from kvr_jax.strategies.hybrid import runs_hybrid
 from models.layer_kinds import FULL_ATTENTION
 from models.qwen3_5 import HybridCache, LinearState, by_kind
@@ -108,29 +107,6 @@ def operands(tokens_BT, lengths, m: int):
   if m > 1:
     raise ValueError("a mesh with model > 1 runs hybrid rows of one length (no lengths)")
   return tokens_BT, (np.arange(T)[None] - ends_B[:, None]).astype(np.int32)
-
-
-def compiled(plan, graphdef, padded: bool = False):
-  """The plan's program (`PrefillPlan.compile`): (state, tokens laid out [p, B, T_rank]) ->
-  `compile_by_kind`'s outputs for the plan's strategy, split, kernel and probes (cache="last"
-  keeps KV-Runahead's last hops where the plan affords them; the full layers' own split), or
-  a split as data's one program bound to the plan's split (its table the full layers':
-  `runahead.on_split`). padded: rows padded past their ends, where the linear pasts stop."""
-  spec, body, split_shape = family_program(plan.strategy, None, None)
-  mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
-  # The cache holds the full layers' K,V even where no layer is full (empty, as decode reads it).
-  kinds = tuple(dict.fromkeys((*plan.kinds, FULL_ATTENTION)))
-  if split_shape is None:
-    return compile_by_kind(
-      spec, graphdef, mesh, plan.chunks, kernel, kinds, plan.keep_last_hop, timeline,
-      plan.full_chunks, body, padded=padded,
-    )  # fmt: skip
-  program = compile_by_kind(
-    spec, graphdef, mesh, None, kernel, kinds, False, timeline, None, body, split_shape,
-    padded,
-  )  # fmt: skip
-  full_config = plan.strategy.options.config.of_kind(FULL_ATTENTION)  # the table's layers
-  return runahead.on_split(program, mesh, full_config, split_shape, plan.chunks)
 
 
 def _last_rank_part(array, mesh):
@@ -380,7 +356,7 @@ FORM = CacheForm(
   prompt_part=lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
   sharded_stepper=sharded_hybrid_stepper,
   one_rank_parts=one_rank_hybrid_parts,
-  compile=compiled,
+  also_kinds=(FULL_ATTENTION,),
   takes_split_as_data=True,
   splits_per_kind=True,
   stops_at_row_ends=True,

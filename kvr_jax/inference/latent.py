@@ -34,8 +34,6 @@ from kvr_jax.runtime.mesh import (
   rank_device,
   shard_on,
 )
-from kvr_jax.strategies import family_program, runahead
-from kvr_jax.strategies.by_kind import compile_by_kind
 from kvr_jax.strategies.latent import runs_latent
 from models.attention import merge_partials
 
@@ -75,28 +73,6 @@ def joined_from_parts(out: dict, plan, capacity: int):
     return None
   rows = plan.strategy.cache_layout(plan.prompt_len, plan.chunks).rows_in_prompt_order()
   return join_in_prompt_order(pieces, rows, capacity)
-
-
-def compiled(plan, graphdef, padded: bool = False):
-  """The plan's program (`PrefillPlan.compile`): (state, tokens [p, B, T_rank]) ->
-  `compile_by_kind`'s outputs for the plan's strategy, split, kernel and probes (KV-Runahead's
-  last hop kept where cache="last" joins it: a latent layer's hop carries the whole prefix),
-  or a split as data's one program bound to the plan's split (`runahead.on_split`). A causal
-  past takes padded rows as they are (padded unused)."""
-  del padded
-  spec, body, split_shape = family_program(plan.strategy, None, None)
-  mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
-  if split_shape is None:
-    return compile_by_kind(
-      spec, graphdef, mesh, plan.chunks, kernel, plan.kinds, plan.keep_last_hop, timeline,
-      body=body,
-    )  # fmt: skip
-  program = compile_by_kind(
-    spec, graphdef, mesh, None, kernel, plan.kinds, False, timeline, body=body,
-    split_shape=split_shape,
-  )  # fmt: skip
-  config = plan.strategy.options.config
-  return runahead.on_split(program, mesh, config, split_shape, plan.chunks)
 
 
 def _joined(last_LBsC, own_LBcC, c_last: int, capacity: int):
@@ -207,6 +183,5 @@ FORM = CacheForm(
   prompt_part=lambda cache, T: cache[:, :, :T],
   sharded_stepper=sharded_latent_stepper,
   one_rank_parts=one_rank_latent_parts,
-  compile=compiled,
   takes_split_as_data=True,
 )

@@ -318,7 +318,7 @@ def _run_model_cache(
 
 
 def prefill_outputs(model, plan, tokens_BT, room: int, ends_B, join: bool) -> dict:
-  """The plan's program (`PrefillPlan.compile`: its cache form's) on tokens_BT [B, T] (each
+  """The plan's program (`PrefillPlan.compile`) on tokens_BT [B, T] (each
   row's prefill end `ends_B` where rows are padded: `CacheForm.operands`), and the
   `ModelCache` fields of what it made: logits [B, V] on the last rank's device (None in
   another process), and the cache joined there with room for `room` more positions (from

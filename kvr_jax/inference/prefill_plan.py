@@ -44,6 +44,7 @@ from kvr_jax.runtime.mesh import (
 from kvr_jax.runtime.tensor_parallel import check_model_parallel, kv_heads_per_shard
 from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO, Strategy
+from kvr_jax.strategies.by_kind import compile_plan
 from models.kernels import AttentionKernel, kernels_where
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
@@ -107,15 +108,11 @@ class PrefillPlan:
     return self.compile(model.graphdef)
 
   def compile(self, graphdef, padded: bool = False):
-    """The program for a model of `graphdef` (a loaded model's, or one built from shapes):
-    the strategy's, or on a model whose cache has its own form the form's (`CacheForm.compile`;
-    padded: rows padded past their ends, which a linear layer's state stops at; a K,V
-    program takes padded rows as it takes any)."""
-    if self.cache_form is not None:
-      return self.cache_form.compile(self, graphdef, padded)
-    return self.strategy.compile(
-      graphdef, self.mesh, self.chunks, self.kernel, self.timeline, self.keep_last_hop
-    )
+    """The program for a model of `graphdef` (a loaded model's, or one built from shapes),
+    every model's (`strategies.by_kind.compile_plan`; padded: rows padded past their ends,
+    which a linear layer's state stops at; a causal past takes padded rows as it takes any)."""
+    also_kinds = () if self.cache_form is None else self.cache_form.also_kinds
+    return compile_plan(self, graphdef, padded, also_kinds)
 
 
 def plan_from_shape(

@@ -9,9 +9,10 @@ and run by the one strategy runner (`base.rank_program` under `base.spmd`).
                          chain, or a peer's latent layer
 
 A new kind of layer is a record in models/layer_kinds.py, its part (a `KindProgram`) and one
-line here; no builder is copied. The K,V models' programs are their strategies' own
-`compile` (the same rank bodies, every output one [p, L, ...] array); here a model of softmax
-layers alone outputs {"kv": that array}.
+line here; no builder is copied. `compile_plan` is every model's program for a plan
+(`PrefillPlan.compile`): a model of softmax layers alone runs its strategy's own program
+(`Strategy.compile`: the same rank body on the whole model, each layer's window its own,
+the K,V one [p, L, ...] array), any other `compile_by_kind`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import jax.numpy as jnp
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.mesh import AXIS, model_parallel
-from kvr_jax.strategies import family_program, get_strategy, hybrid, latent, registered_record
+from kvr_jax.strategies import (
+  family_program,
+  get_strategy,
+  hybrid,
+  latent,
+  registered_record,
+  runahead,
+)
 from kvr_jax.strategies.base import RankBody, Strategy, model_reduce, rank_program, spmd
 from kvr_jax.strategies.kind_program import (
   KindProgram,
@@ -58,6 +66,34 @@ KIND_PROGRAMS: dict[type, KindProgram] = {
   LatentAttentionKind: latent.PROGRAM,
   AttentionKind: KindProgram(_check_attention, attention_part, attention_specs),
 }
+
+
+def compile_plan(plan, graphdef, padded: bool = False, also_kinds: tuple = ()):
+  """The program of `plan` (a `PrefillPlan`) on a model of `graphdef`, every model's
+  (`PrefillPlan.compile`): (state, tokens laid out by rank) -> (logits [p, B, V], outputs).
+  A model of softmax layers alone: its strategy's own program (outputs its K,V [p, L, 2,
+  rows, K, H]). Any other: `compile_by_kind` on the plan's kinds and `also_kinds` (those whose
+  outputs its cache holds even where no layer is of them: a hybrid's full layers' K,V), with
+  the plan's strategy, split (the full layers' own, `plan.full_chunks`), kernel, kept last
+  hops and probes; a split as data's one program bound to the plan's split (its table made
+  for the layers whose past is an entry per position: `runahead.on_split`). padded: rows
+  padded past their ends (the tokens operand a tuple: `CacheForm.operands`)."""
+  kinds = tuple(dict.fromkeys((*plan.kinds, *also_kinds)))
+  mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
+  if all(isinstance(kind, AttentionKind) for kind in kinds):
+    return plan.strategy.compile(graphdef, mesh, plan.chunks, kernel, timeline, plan.keep_last_hop)
+  spec, body, split_shape = family_program(plan.strategy, None, None)
+  if split_shape is None:
+    return compile_by_kind(
+      spec, graphdef, mesh, plan.chunks, kernel, kinds, plan.keep_last_hop, timeline,
+      plan.full_chunks, body, padded=padded,
+    )  # fmt: skip
+  program = compile_by_kind(
+    spec, graphdef, mesh, None, kernel, kinds, False, timeline, None, body, split_shape, padded
+  )
+  entries = next(kind for kind in kinds if hasattr(kind, "hop_span"))
+  table_config = plan.strategy.options.config.of_kind(entries)
+  return runahead.on_split(program, mesh, table_config, split_shape, plan.chunks)
 
 
 def compile_by_kind(
