@@ -297,9 +297,9 @@ def test_kvr_with_a_fixed_body_runs_that_body(
   by 5e-6 can differ by 1e-5 (per-rank on 3 ranks and the one device's did, on opposite
   sides of the float64 ones, 2026-12-01). DeepSeek's experts do not run in float64 in
   transformers."""
-  from kvr_jax.inference import hybrid, latent
+  from kvr_jax.strategies import by_kind
 
-  module, name = (hybrid if case == HYBRID else latent), "compile_by_kind"
+  module, name = by_kind, "compile_by_kind"  # what the plan's program asks (compile_plan)
   asked, builder = [], getattr(module, name)
 
   def recording(*args, **kwargs):
@@ -329,15 +329,13 @@ def test_a_kernel_record_reaches_the_familys_program_whole(
   """A kernel given as a record (its own block sizes) is the kernel the family's program
   runs, not the registry's record of its name: the builder (or the one device's forward)
   is asked for that record, and the logits are still the one device's."""
-  from kvr_jax.inference import hybrid, latent
-  from kvr_jax.strategies import single
+  from kvr_jax.strategies import by_kind, single
 
   small = dataclasses.replace(get_kernel("flash"), query_block=8, key_block=8)
   if strategy == "single":
     module, name, argument = single, "one_group_forward", "attention"
   else:
-    module = hybrid if case == HYBRID else latent
-    name, argument = "compile_by_kind", "kernel"
+    module, name, argument = by_kind, "compile_by_kind", "kernel"
   asked, builder = [], getattr(module, name)
 
   def recording(*args, **kwargs):
