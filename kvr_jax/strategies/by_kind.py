@@ -91,8 +91,7 @@ def compile_plan(plan, graphdef, padded: bool = False, also_kinds: tuple = ()):
   program = compile_by_kind(
     spec, graphdef, mesh, None, kernel, kinds, False, timeline, None, body, split_shape, padded
   )
-  entries = next(kind for kind in kinds if hasattr(kind, "hop_span"))
-  table_config = plan.strategy.options.config.of_kind(entries)
+  table_config = plan.strategy.options.config.of_kind(_entries_kind(kinds))
   return runahead.on_split(program, mesh, table_config, split_shape, plan.chunks)
 
 
@@ -211,11 +210,16 @@ def _rank_body(args: ProgramArgs, kinds, model, rank, rows_BT, reduce, *table) -
   return RankBody(tokens_BT, layer, last_row, owner, carry, outputs)
 
 
+def _entries_kind(kinds):
+  """The first of `kinds` whose past is an entry per position (softmax or latent: what
+  KV-Runahead's hops carry; its one body's shape and a split as data's table are made for
+  its layers)."""
+  return next(kind for kind in kinds if hasattr(kind, "hop_span"))
+
+
 def _entries_config(config):
-  """The config of the layers whose past is an entry per position (softmax or latent: what
-  KV-Runahead's hops carry), from which its one body's shape is made."""
-  kind = next(kind for kind in config.kinds if hasattr(kind, "hop_span"))
-  return config.of_kind(kind)
+  """The config of the layers whose past is an entry per position (`_entries_kind`)."""
+  return config.of_kind(_entries_kind(config.kinds))
 
 
 def _one_body_lengths(config, args: ProgramArgs, table) -> tuple:
