@@ -16,7 +16,8 @@ from kvr_jax.planning import costmodel, layer_timeline, presets, search, tables
 from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies import REGISTRY, runahead, single, tsp, zigzag
+from kvr_jax.strategies import REGISTRY, runahead, tsp, zigzag
+from kvr_jax.strategies.by_kind import compile_by_kind
 from models.config import ModelConfig
 from models.falcon import FalconConfig
 from models.llama import LlamaConfig
@@ -271,7 +272,7 @@ def test_single_program_flops_match_xla(name):
   model, config = _one_layer(name)
   C = 512
   mesh = kvr_jax.make_mesh(1)
-  fn = single.compile_program(model.graphdef, mesh, (C,), "dense")
+  fn = compile_by_kind("single", model.graphdef, mesh, (C,), "dense", config.kinds, False)
   by_rank = jax.NamedSharding(mesh, jax.P(AXIS))
   tokens = jax.ShapeDtypeStruct((1, 1, C), np.int32, sharding=by_rank)
   state = model.state_on(jax.NamedSharding(mesh, jax.P()))
@@ -288,7 +289,7 @@ def test_tsp_program_flops_match_xla(name):
   model, config = _one_layer(name)
   C, p = 1000, 4  # padded to 4 x 250
   mesh = kvr_jax.make_mesh(p)
-  fn = tsp.compile_program(model.graphdef, mesh, tsp.layout(C, p))
+  fn = compile_by_kind("tsp", model.graphdef, mesh, tsp.layout(C, p), "dense", config.kinds, False)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
   tokens = jax.device_put(tsp.pad_shards(np.zeros((1, C), np.int32), p), by_rank)

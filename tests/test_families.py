@@ -15,6 +15,7 @@ import pytest
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import runahead
+from kvr_jax.strategies.by_kind import compile_by_kind
 from models import config_from_dict, config_from_hf
 from models.masks import window_start
 from tests import hf_fixtures
@@ -131,7 +132,7 @@ def test_window_is_exercised(families, hf_reference, tokens):
 
 def _kv_permutes(model, chunks, B=2):
   mesh = kvr_jax.make_mesh(len(chunks))
-  fn = runahead.compile_program(model.graphdef, mesh, chunks, "flash")
+  fn = compile_by_kind("kvr", model.graphdef, mesh, chunks, "flash", model.config.kinds, False)
   tokens = runahead.pad_chunks(np.zeros((B, sum(chunks)), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))

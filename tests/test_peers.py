@@ -14,6 +14,7 @@ import pytest
 import kvr_jax
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import allgather, ring, zigzag
+from kvr_jax.strategies.by_kind import compile_by_kind
 from tests.matrix import pairwise
 
 REL_TOL = 1e-5
@@ -155,7 +156,8 @@ def test_zigzag_layout():
 def _hlo(strategy_module, model, p, C, B=1):
   mesh = kvr_jax.make_mesh(p)
   chunks = zigzag.layout(C, p)
-  fn = strategy_module.compile_program(model.graphdef, mesh, chunks)
+  spec, kinds = strategy_module.STRATEGY, model.config.kinds
+  fn = compile_by_kind(spec, model.graphdef, mesh, chunks, "flash", kinds, False)
   tokens = zigzag.arrange(np.zeros((B, C), np.int32), chunks)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))

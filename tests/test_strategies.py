@@ -19,6 +19,7 @@ from kvr_jax.planning import costmodel
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.strategies import TRACE_COUNT, runahead
+from kvr_jax.strategies.by_kind import compile_by_kind
 from kvr_jax.strategies.runahead import schedule
 from kvr_jax.tools import measured, phases
 from models.falcon import FalconConfig
@@ -255,7 +256,8 @@ def test_bad_meshes_fail_before_compiling(models):
 
 def _compiled_kvr_hlo(model, chunks, batch=1):
   mesh = kvr_jax.make_mesh(len(chunks))
-  fn = runahead.compile_program(model.graphdef, mesh, tuple(chunks))
+  kinds = model.config.kinds
+  fn = compile_by_kind("kvr", model.graphdef, mesh, tuple(chunks), "flash", kinds, False)
   tokens = runahead.pad_chunks(np.zeros((batch, sum(chunks)), np.int32), tuple(chunks))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
@@ -582,7 +584,8 @@ def test_ordered_after_is_a_data_dependence():
 
 def _compiled_size(model, chunks, body):
   mesh = kvr_jax.make_mesh(len(chunks))
-  fn = runahead.compile_program(model.graphdef, mesh, tuple(chunks), "flash", body=body)
+  kinds = model.config.kinds
+  fn = compile_by_kind("kvr", model.graphdef, mesh, tuple(chunks), "flash", kinds, False, body=body)
   tokens = runahead.pad_chunks(np.zeros((1, sum(chunks)), np.int32), tuple(chunks))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   by_rank = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
@@ -602,9 +605,9 @@ def test_one_body_program_does_not_grow_with_ranks(models):
 
 def test_one_body_refuses_static_kernels(models):
   with pytest.raises(ValueError, match="one-body KV-Runahead program runs attention in"):
-    runahead.compile_program(
-      models["tiny-llama"].graphdef, kvr_jax.make_mesh(2), (7, 6), "fused", body="one"
-    )
+    model = models["tiny-llama"]
+    mesh, kinds = kvr_jax.make_mesh(2), model.config.kinds
+    compile_by_kind("kvr", model.graphdef, mesh, (7, 6), "fused", kinds, False, body="one")
 
 
 def test_kvr_variants_are_one_record_with_frozen_options(models):

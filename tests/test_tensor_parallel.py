@@ -22,7 +22,7 @@ from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.runtime.mesh import AXIS, check_mesh, rank_row_mesh, split_dims
 from kvr_jax.runtime.tensor_parallel import MODEL_AXIS
-from kvr_jax.strategies import runahead
+from kvr_jax.strategies.by_kind import compile_by_kind
 from models import scan_layers
 from tests.lazy import LazyDict
 from tests.tolerance import assert_close
@@ -334,7 +334,8 @@ def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):
   hops = {}
   for ranks, m in [(2, 4), (2, 1)]:
     mesh = kvr_jax.make_mesh(ranks, model=m)
-    program = runahead.compile_program(model.graphdef, mesh, (23, 14), "flash")
+    kinds = model.config.kinds
+    program = compile_by_kind("kvr", model.graphdef, mesh, (23, 14), "flash", kinds, False)
     replicated = jax.NamedSharding(mesh, PartitionSpec())
     state = model.state_split_over(mesh) if m > 1 else model.state_on(replicated)
     by_rank = jax.NamedSharding(mesh, PartitionSpec(AXIS))

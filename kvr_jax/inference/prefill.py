@@ -178,7 +178,8 @@ def run_prefill(
   if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
     return _held_elsewhere(plan, lengths_B, move_cache)
   state = model.state_for(mesh)
-  logits, kv_parts = _run_program(model, plan, tokens_BT)
+  logits, outputs = _run_program(model, plan, tokens_BT)
+  kv_parts = outputs["kv"]
   last_hop = None
   if plan.keep_last_hop:
     kv_parts, last_hop = kv_parts

@@ -1,7 +1,7 @@
 """Layer 3: prefill strategies, one module each, one interface (base.Strategy), one registry.
 
-Adding a strategy: write its module (layout, arrange, compile, its modelled
-layer for the cost model and a STRATEGY),
+Adding a strategy: write its module (layout, arrange, its rank body, its modelled
+layer for the cost model and a STRATEGY; its program is the one builder's, by_kind),
 add it to REGISTRY below, and add its row to the parity matrix in tests/test_strategies.py.
 """
 

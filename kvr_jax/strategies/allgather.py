@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.runtime.roofline import Collective, Compute, ModelledLayer, phase_work, work_kwargs
 from kvr_jax.strategies import latent_modelled, linear_modelled, zigzag
-from kvr_jax.strategies.base import KindLayers, Strategy, refuse, strategy_compiler
+from kvr_jax.strategies.base import KindLayers, Strategy, refuse
 from kvr_jax.strategies.probe import mark
 from models.kernels import get_kernel
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
@@ -60,10 +60,6 @@ def allgather_body(graphdef, chunks, attention, timeline, keep_last_hop):
     return jnp.concatenate(outs, axis=1)
 
   return zigzag.peer_body(chunks, timeline, attend_chunks)
-
-
-# f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H]).
-compile_program = strategy_compiler("allgather", allgather_body, "flash")
 
 
 def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
@@ -121,7 +117,6 @@ STRATEGY = Strategy(
   auto_candidate=True,
   description="all-gather context parallelism: zigzag chunks, one all_gather of K,V per layer",
   attention_kinds=("flash", "dense", "fused", "cudnn"),
-  compile=compile_program,
   modelled_layer=modelled_layer,
   **zigzag.PEER_FIELDS,
   attention_note="its chunks attend at a rank-dependent offset (flash, dense) or in ring's "

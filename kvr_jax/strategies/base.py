@@ -1,29 +1,29 @@
 """The interface every prefill strategy implements, and the one trace counter they share.
 
 A strategy is a frozen `Strategy`: how it lays the prompt out over the ranks of a 1-D mesh
-(`layout`, `arrange`), how it compiles one SPMD program for (graphdef, mesh, chunks,
-attention) (`compile`), which prompt positions each rank's part of the KV cache holds
-(`cache_layout`) and its layer as the cost model sees it (`modelled_layer`). Every program
-has the same signature:
+(`layout`, `arrange`), what one rank runs (`rank_body`), which prompt positions each rank's
+part of the KV cache holds (`cache_layout`) and its layer as the cost model sees it
+(`modelled_layer`). Its program, on every model, comes from the one builder
+(strategies.by_kind.compile_by_kind), and has one signature:
 
-  program(state, tokens_pBc) -> (logits_pBV, kv_parts [p, L, 2, B*P, K, H])
+  program(state, tokens_pBc) -> (logits_pBV, {"kv": kv_parts [p, L, 2, B*P, K, H], ...})
 
 state replicated over the mesh, tokens_pBc each rank's tokens (from `arrange`), outputs
-sharded by rank. Only the last rank's logits are the answer (the runner moves them there,
-where decode continues). kv_parts holds, on
-every rank, only the K,V that rank computed (its chunk, or its two zigzag chunks), padded to
-the longest part P, batch folded into the rows (`fold_batch` says why): never a prompt-long
-copy per rank. `CacheLayout` says which rows of each
-part are which prompt positions; `kvr_jax.inference.kv_cache` brings the parts onto the last
-rank in prompt order (cache="last") or decodes from them where they are (cache="sharded").
+sharded by rank, one entry per kind of past the model's layers keep. Only the last rank's
+logits are the answer (the runner moves them there, where decode continues). kv_parts
+holds, on every rank, only the K,V that rank computed (its chunk, or its two zigzag
+chunks), padded to the longest part P, batch folded into the rows (`fold_batch` says why):
+never a prompt-long copy per rank. `CacheLayout` says which rows of each part are which
+prompt positions; `kvr_jax.inference.kv_cache` brings the parts onto the last rank in
+prompt order (cache="last") or decodes from them where they are (cache="sharded").
 `kvr_jax.inference.prefill` dispatches on the registry in kvr_jax/strategies/__init__.py and
 knows nothing else about any strategy.
 
-Every program of every model is one runner (`rank_program` under `spmd`) around a rank's
-`RankBody`: the strategy's own on a K,V model; on a model of other kinds of past the one
-builder's (strategies.by_kind), composed from each kind's part (the strategy's own rank body
-for softmax layers, strategies.hybrid's and strategies.latent's for the others), whose
-outputs are that model's pasts (a latent per position, a linear layer's state and halo).
+Every program is one runner (`rank_program` under `spmd`) around a rank's `RankBody`: the
+strategy's own on a model of softmax layers; on a model of other kinds of past composed
+from each kind's part (the strategy's own rank body for softmax layers, strategies.hybrid's
+and strategies.latent's for the others), whose outputs are that model's pasts (a latent per
+position, a linear layer's state and halo).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvr_jax.core.caches import kept_cache
 from kvr_jax.core.chunks import chunk_starts, moved_rows
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import CacheLayout, contiguous_layout, parts_spec
@@ -98,10 +97,11 @@ class Strategy:
   layout(context_len, num_ranks, chunks) -> chunks: each rank's token count as the program
     sees it (chunks is the validated partition for a partitioned strategy, else None).
   arrange(tokens_BC, chunks) -> [p, B, c_max] host tokens, each rank's slice padded.
-  compile(graphdef, mesh, chunks, attention, timeline=False, keep_last_hop=False) -> the
-    jitted program, one signature for every strategy (`strategy_compiler`: cached by every
-    argument, the kernel as its record; timeline=True only where `timeline_probes`,
-    keep_last_hop=True only where `cache_from_last_hop`).
+  rank_body(graphdef, chunks, kernel, timeline, keep_last_hop, **options) -> make_body: what
+    one rank runs (see `RankBody`), refusing what the strategy does not run (timeline probes,
+    a kept last hop). Its program, on any model, is the one builder's
+    (strategies.by_kind.compile_by_kind): the same rank body on a model of softmax layers,
+    and on each softmax layer among layers of other kinds.
   cache_layout(context_len, chunks) -> the CacheLayout of the program's kv_parts output.
   modelled_layer(config, context_len, setup, chunks) -> its program's layer as the cost model
     sees it (runtime.roofline.ModelledLayer: per rank, the phases, messages and waits in
@@ -115,15 +115,15 @@ class Strategy:
   attention_kinds: tuple[str, ...]
   layout: Callable[[int, int, tuple[int, ...] | None], tuple[int, ...]]
   arrange: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
-  compile: Callable[..., Callable]
+  rank_body: Callable[..., Callable]
   modelled_layer: Callable[..., Any]
   cache_layout: Callable[[int, tuple[int, ...]], CacheLayout] = lambda C, chunks: contiguous_layout(
     chunks
   )
   max_ranks: int | None = None
-  # compile(..., timeline=True) places probes at its phase boundaries (strategies.probe).
+  # rank_body(..., timeline=True) places probes at its phase boundaries (strategies.probe).
   timeline_probes: bool = False
-  # (chunks, the model's layer kinds) -> whether compile(..., keep_last_hop=True) can return
+  # (chunks, the model's layer kinds) -> whether rank_body(..., keep_last_hop=True) can return
   # what the last rank received, from which it holds the whole cache without a move
   # (KV-Runahead's hops carry it); None: the strategy's cache="last" always moves the parts.
   cache_from_last_hop: Callable[[tuple[int, ...], tuple], bool] | None = None
@@ -149,9 +149,10 @@ class Strategy:
   # a kernel must return one (a model's own programs check it; `attention_kinds` already
   # holds only such kernels for the K,V programs).
   merges_by_lse: bool = False
-  # Its rank body maker (`strategy_compiler`'s body_of), which a model's own programs run
-  # for their K,V layers (strategies.hybrid); None where it lends none.
-  rank_body: Callable | None = None
+  # Its ranks hold two zigzag chunks each (r and 2p-1-r: the ring and all-gather peers): a
+  # linear layer's state is made from every chunk's map gathered on every rank
+  # (strategies.hybrid), where a prefix chain passes it down the ranks.
+  zigzag_chunks: bool = False
   # Its layers on the kinds with a past of their own, by the kind record's class
   # (LatentAttentionKind, GatedDeltaNetKind) -> `KindLayers`; softmax attention over K,V is
   # `compile`'s and `modelled_layer`'s. A kind it has none for, it does not run. Left out of
@@ -420,38 +421,6 @@ def rank_program(name: str, graphdef, make_body: Callable, num_ranks: int, timel
     return logits_BV[None], jax.tree.map(lambda out: out[None], outputs)
 
   return program
-
-
-def strategy_compiler(name: str, body_of: Callable, default_attention: str, **options):
-  """A strategy's `compile(graphdef, mesh, chunks, attention, timeline=False,
-  keep_last_hop=False, **options)`: the jitted SPMD program of `rank_program` over the mesh,
-  cached by every argument (the kernel as its record, so block sizes too).
-
-  body_of(graphdef, chunks, kernel, timeline, keep_last_hop, **options) -> make_body (see
-  `RankBody`); it refuses what the strategy does not run (timeline probes, keep_last_hop)."""
-
-  @kept_cache(64)
-  def cached(graphdef, mesh, chunks, kernel, timeline, keep_last_hop, options):
-    make_body = body_of(graphdef, chunks, kernel, timeline, keep_last_hop, **dict(options))
-    program = rank_program(name, graphdef, make_body, len(chunks), timeline, model_reduce(mesh))
-    return spmd(program, mesh)
-
-  def compile_program(
-    graphdef,
-    mesh,
-    chunks,
-    attention=default_attention,
-    timeline=False,
-    keep_last_hop=False,
-    **kwargs,
-  ):
-    given = {**options, **kwargs}
-    kernel = get_kernel(attention)
-    return cached(
-      graphdef, mesh, tuple(chunks), kernel, timeline, keep_last_hop, tuple(sorted(given.items()))
-    )
-
-  return compile_program
 
 
 def refuse(name: str, timeline: bool = False, keep_last_hop: bool = False) -> None:

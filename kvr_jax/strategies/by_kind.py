@@ -1,21 +1,23 @@
-"""The one program builder of a model whose layers are of several kinds of past: each kind's
-part (strategies.kind_program) from its record in KIND_PROGRAMS, composed into one rank body
+"""The one program builder: every strategy's program on every model, a rank body per kind of
+past (strategies.kind_program) from its record in KIND_PROGRAMS, composed into one rank body
 and run by the one strategy runner (`base.rank_program` under `base.spmd`).
 
   softmax attention      kind_program.attention_part: the strategy's own rank body
+                         (`Strategy.rank_body`): on a model of softmax layers alone, the
+                         whole model's (each layer's window its own)
   Gated DeltaNet         strategies.hybrid.PROGRAM: the state down KV-Runahead's chain, or
-                         every chunk's map all-gathered by the peers
+                         every chunk's map all-gathered by the zigzag peers
   latent attention       strategies.latent.PROGRAM: the latents as one-head entries down the
                          chain, or a peer's latent layer
 
 A new kind of layer is a record in models/layer_kinds.py, its part (a `KindProgram`) and one
-line here; no builder is copied. `compile_plan` is every model's program for a plan
-(`PrefillPlan.compile`): a model of softmax layers alone runs its strategy's own program
-(`Strategy.compile`: the same rank body on the whole model, each layer's window its own,
-the K,V one [p, L, ...] array), any other `compile_by_kind`'s.
+line here; a new strategy is a record with its rank body; no builder is copied.
+`compile_plan` is every model's program for a plan (`PrefillPlan.compile`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -28,16 +30,16 @@ from kvr_jax.strategies import (
   get_strategy,
   hybrid,
   latent,
-  registered_record,
   runahead,
 )
-from kvr_jax.strategies.base import RankBody, Strategy, model_reduce, rank_program, spmd
+from kvr_jax.strategies.base import RankBody, model_reduce, rank_program, spmd
 from kvr_jax.strategies.kind_program import (
   KindProgram,
   ProgramArgs,
   RankContext,
   attention_part,
   compose,
+  strategy_body,
 )
 from kvr_jax.strategies.runahead.rank_layer import pad_rows
 from kvr_jax.strategies.runahead.schedule import OneBodyShape, check_body
@@ -46,11 +48,10 @@ from models.layer_kinds import AttentionKind, GatedDeltaNetKind, LatentAttention
 
 
 def _check_attention(strategy, timeline: bool) -> None:
-  del timeline  # its rank body refuses probes it does not place
-  record = registered_record(strategy)
-  if record is None or record.rank_body is None:
-    shown = strategy.name if isinstance(strategy, Strategy) else strategy
-    raise ValueError(f"strategy {shown!r} lends no rank body for softmax layers among others")
+  """Every registered strategy runs softmax layers (its own rank body, which refuses probes
+  it does not place); an unknown name is refused by name."""
+  del timeline
+  get_strategy(strategy)
 
 
 def attention_specs(mesh, args=None) -> dict:
@@ -70,9 +71,8 @@ KIND_PROGRAMS: dict[type, KindProgram] = {
 
 def compile_plan(plan, graphdef, padded: bool = False, also_kinds: tuple = ()):
   """The program of `plan` (a `PrefillPlan`) on a model of `graphdef`, every model's
-  (`PrefillPlan.compile`): (state, tokens laid out by rank) -> (logits [p, B, V], outputs).
-  A model of softmax layers alone: its strategy's own program (outputs its K,V [p, L, 2,
-  rows, K, H]). Any other: `compile_by_kind` on the plan's kinds and `also_kinds` (those whose
+  (`PrefillPlan.compile`): (state, tokens laid out by rank) -> (logits [p, B, V], {each
+  kind's outputs}): `compile_by_kind` on the plan's kinds and `also_kinds` (those whose
   outputs its cache holds even where no layer is of them: a hybrid's full layers' K,V), with
   the plan's strategy, split (the full layers' own, `plan.full_chunks`), kernel, kept last
   hops and probes; a split as data's one program bound to the plan's split (its table made
@@ -80,8 +80,6 @@ def compile_plan(plan, graphdef, padded: bool = False, also_kinds: tuple = ()):
   padded past their ends (the tokens operand a tuple: `CacheForm.operands`)."""
   kinds = tuple(dict.fromkeys((*plan.kinds, *also_kinds)))
   mesh, kernel, timeline = plan.mesh, plan.kernel, plan.timeline
-  if all(isinstance(kind, AttentionKind) for kind in kinds):
-    return plan.strategy.compile(graphdef, mesh, plan.chunks, kernel, timeline, plan.keep_last_hop)
   spec, body, split_shape = family_program(plan.strategy, None, None)
   if split_shape is None:
     return compile_by_kind(
@@ -91,7 +89,8 @@ def compile_plan(plan, graphdef, padded: bool = False, also_kinds: tuple = ()):
   program = compile_by_kind(
     spec, graphdef, mesh, None, kernel, kinds, False, timeline, None, body, split_shape, padded
   )
-  table_config = plan.strategy.options.config.of_kind(_entries_kind(kinds))
+  config = plan.strategy.options.config
+  table_config = config if _one_attention_part(kinds) else config.of_kind(_entries_kind(kinds))
   return runahead.on_split(program, mesh, table_config, split_shape, plan.chunks)
 
 
@@ -154,6 +153,8 @@ def _compiled(
     specs.update(program.output_specs(mesh, args))
   label = next((program.label for program in programs if program.label), "")
   name = f"{spec.name}-{label}" if label else spec.name
+  if not label and split_shape is not None:  # a K,V model's one program for every split
+    name = runahead.SPLIT_AS_DATA
   p = mesh.shape[AXIS]
   make_body = lambda *traced: _rank_body(args, kinds, *traced)  # noqa: E731
   program = rank_program(name, graphdef, make_body, p, timeline, model_reduce(mesh))
@@ -195,6 +196,8 @@ def _rank_body(args: ProgramArgs, kinds, model, rank, rows_BT, reduce, *table) -
   blocks), each kind's part (`KIND_PROGRAMS`), composed (`kind_program.compose`), and the
   row holding the prompt's last position."""
   tokens_BT, from_end_BT = rows_BT if args.padded else (rows_BT, None)
+  if _one_attention_part(kinds):
+    return _whole_model_body(args, model, rank, tokens_BT, reduce, table)
   one_body = None
   if args.body == "one":
     one_body = _one_body_lengths(_entries_config(model.config), args, table)
@@ -208,6 +211,25 @@ def _rank_body(args: ProgramArgs, kinds, model, rank, rows_BT, reduce, *table) -
   layer, carry, outputs = compose(model, kinds, parts, model.embed(tokens_BT))
   owner, last_row = _prompts_last_row(args, rank, table)
   return RankBody(tokens_BT, layer, last_row, owner, carry, outputs)
+
+
+def _one_attention_part(kinds) -> bool:
+  """A model of softmax layers alone (each layer's window its own): the strategy's own rank
+  body runs the whole model as one part, its K,V the scan's stacked outputs."""
+  return all(isinstance(kind, AttentionKind) for kind in kinds)
+
+
+def _whole_model_body(args: ProgramArgs, model, rank, tokens_BT, reduce, table) -> RankBody:
+  """The strategy's own `RankBody` on the whole model (`kind_program.strategy_body`), its
+  outputs named: {"kv": what its layers emit, stacked [L, ...]} (a tuple with KV-Runahead's
+  kept last hops)."""
+  body = strategy_body(args, args.chunks)(model, rank, tokens_BT, reduce, *table)
+  own = body.outputs
+
+  def outputs(carry, out_L):
+    return {"kv": out_L if own is None else own(carry, out_L)}
+
+  return dataclasses.replace(body, outputs=outputs)
 
 
 def _entries_kind(kinds):

@@ -66,9 +66,12 @@ from models.base import no_reduce
 
 
 def runs_hybrid(spec: Strategy) -> bool:
-  """Its record lends a rank body (`Strategy.rank_body`) for the full layers (how a linear
-  layer's state crosses the ranks is `Strategy.prefix_chain`'s)."""
-  return spec.rank_body is not None
+  """Its linear layers' state crosses the ranks: down KV-Runahead's chain
+  (`Strategy.prefix_chain`), or from every zigzag chunk's map gathered by the peers
+  (`Strategy.zigzag_chunks`); its full layers run its own rank body. TSP's even chunks
+  have no linear layer of their own (it is the paper's K,V baseline); "single" runs every
+  model as its own forward (`CacheForm.runs`)."""
+  return spec.prefix_chain or spec.zigzag_chunks
 
 
 # The registered strategies whose programs run hybrids: read from the records, not listed.
@@ -166,7 +169,7 @@ def _linear_layer(spec: Strategy, rank, chunks, reduce, timeline: bool, one_body
       )
     elif spec.prefix_chain:
       x_out, leaving, halo = chain_linear_layer(block, x, rank, chunks, reduce, probe, real_Bc)
-    else:
+    else:  # the zigzag peers (`runs_hybrid`)
       x_out, leaving, halo = zigzag_linear_layer(
         block, x, rank, sum(chunks), len(chunks), reduce, probe, real_Bc
       )

@@ -210,22 +210,27 @@ class KindSplit:
     return jax.lax.cond(l == num_layers - 1, last_row_only, back, x_BcD)
 
 
+def strategy_body(args: ProgramArgs, chunks: tuple[int, ...] | None) -> Callable:
+  """The strategy's own rank body's maker (`Strategy.rank_body`) on `chunks`: KV-Runahead's
+  in the program's body, or its split as data's one body (`bodies.one_body_as_data`); the
+  last hop kept where the strategy keeps one and the program asks it."""
+  spec = args.spec
+  if args.split_shape is not None:
+    return one_body_as_data(args.split_shape, args.kernel)
+  options = dict(body=args.body) if spec.prefix_chain else {}
+  keeps = spec.cache_from_last_hop is not None and args.keep_last_hop
+  return spec.rank_body(args.graphdef, chunks, args.kernel, args.timeline, keeps, **options)
+
+
 def attention_part(args: ProgramArgs, ctx: RankContext, kind) -> KindPart:
   """Softmax attention over K,V, on a model of several kinds: the strategy's own rank body
   (`Strategy.rank_body`; KV-Runahead's in the plan's body, or its split as data's one body)
   on a view of the model holding this kind's layers alone, its hidden states moved into its
   own split and back (`KindSplit`, where KV-Runahead's softmax layers take one). Outputs
   {"kv": the K,V the strategy emits}."""
-  spec, model = args.spec, ctx.model
+  model = ctx.model
   full_chunks = args.chunks if args.full_chunks is None else args.full_chunks
-  if args.split_shape is not None:
-    make_body = one_body_as_data(args.split_shape, args.kernel)
-  else:
-    options = dict(body=args.body) if spec.prefix_chain else {}
-    keeps = spec.cache_from_last_hop is not None and args.keep_last_hop
-    make_body = spec.rank_body(
-      args.graphdef, full_chunks, args.kernel, args.timeline, keeps, **options
-    )
+  make_body = strategy_body(args, full_chunks)
   config, blocks = model.config.of_kind(kind), _stack_of(model, kind)
   view = _KindView(config, blocks)
   body = make_body(view, ctx.rank, ctx.tokens_BT, ctx.reduce, *ctx.table)

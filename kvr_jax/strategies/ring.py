@@ -30,7 +30,7 @@ import jax
 from kvr_jax.runtime.mesh import AXIS
 from kvr_jax.runtime.roofline import Compute, ModelledLayer, Work, phase_work, work_kwargs
 from kvr_jax.strategies import latent_modelled, linear_modelled, zigzag
-from kvr_jax.strategies.base import KindLayers, Strategy, refuse, strategy_compiler
+from kvr_jax.strategies.base import KindLayers, Strategy, refuse
 from models.attention import attend_partial
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
@@ -76,10 +76,6 @@ def ring_body(graphdef, chunks, attention, timeline, keep_last_hop):
     )
 
   return zigzag.peer_body(chunks, timeline, attend_chunks)
-
-
-# f(state, tokens [p, B, 2c]) -> (logits [p, B, V], kv parts [p, L, 2, B*2c, K, H]).
-compile_program = strategy_compiler("ring", ring_body, "flash")
 
 
 def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
@@ -142,7 +138,6 @@ STRATEGY = Strategy(
   auto_candidate=True,
   description="zigzag ring attention: 2p chunks, K,V passed around the ring, flash partials",
   attention_kinds=("flash", "fused", "cudnn"),
-  compile=compile_program,
   modelled_layer=modelled_layer,
   **zigzag.PEER_FIELDS,
   attention_note="ring attention merges partials by their log-sum-exp",

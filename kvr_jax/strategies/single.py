@@ -32,7 +32,6 @@ from kvr_jax.strategies.base import (
   RankBody,
   Strategy,
   refuse,
-  strategy_compiler,
 )
 from models.base import finish_one_row, no_reduce
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
@@ -80,10 +79,6 @@ def single_body(graphdef, chunks, attention, timeline, keep_last_hop):
   return make_body
 
 
-# f(state, tokens [1, B, C]) -> (logits [1, B, V], kv [1, L, 2, B*C, K, H]).
-compile_program = strategy_compiler("single", single_body, "flash")
-
-
 def modelled_layer(config, context_len: int, setup, chunks) -> ModelledLayer:
   """One layer on one device: qkv, causal attention over the whole prompt, the rest."""
   del chunks  # (context_len,)
@@ -102,7 +97,7 @@ STRATEGY = Strategy(
   attention_kinds=CAUSAL_KERNELS,
   layout=layout,
   arrange=arrange,
-  compile=compile_program,
+  rank_body=single_body,
   modelled_layer=modelled_layer,
   max_ranks=1,
   # Its program on these kinds is the model's own forward (`one_group_forward`).

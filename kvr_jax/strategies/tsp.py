@@ -34,7 +34,6 @@ from kvr_jax.strategies.base import (
   Strategy,
   owner_last_row,
   refuse,
-  strategy_compiler,
 )
 from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
 
@@ -86,10 +85,6 @@ def layout(context_len: int, num_ranks: int, chunks=None) -> tuple[int, ...]:
   del chunks  # TSP always splits evenly
   c = shard_len(context_len, num_ranks)
   return tuple(max(0, min(c, context_len - r * c)) for r in range(num_ranks))
-
-
-# Jitted TSP prefill: f(state, tokens [p, B, c]) -> (logits [p, B, V], kv [p, L, 2, B*c, K, H]).
-compile_program = strategy_compiler("tsp", tsp_body, "dense")
 
 
 def pad_shards(tokens_BC, num_ranks: int):
@@ -156,7 +151,7 @@ STRATEGY = Strategy(
   attention_kinds=("dense",),
   layout=layout,
   arrange=lambda tokens_BC, chunks: pad_shards(tokens_BC, len(chunks)),
-  compile=compile_program,
+  rank_body=tsp_body,
   cache_layout=lambda context_len, chunks: contiguous_layout(
     layout(context_len, len(chunks)), part_len=shard_len(context_len, len(chunks))
   ),

@@ -265,6 +265,7 @@ PEER_FIELDS = dict(
   arrange=arrange,
   cache_layout=cache_layout,
   timeline_probes=True,
+  zigzag_chunks=True,
 )
 
 

@@ -1,7 +1,7 @@
 """Per-device memory of a prefill program, from XLA's own analysis of it compiled from shapes.
 
 Nothing is allocated: the weights and tokens are `ShapeDtypeStruct`s, the program is the one
-`prefill` runs (the same `Strategy.compile`), and `compiled.memory_analysis()` reports what
+`prefill` runs (the same `PrefillPlan.compile`), and `compiled.memory_analysis()` reports what
 XLA will allocate on each device: its arguments (the replicated weights and the rank's
 tokens), its outputs (the logits and the rank's part of the KV cache) and its temporaries
 (every buffer the program needs while it runs, at XLA's peak). On a CPU host with fewer

@@ -14,7 +14,7 @@ One jitted SPMD program; every rank runs the layer loop below on its own chunk. 
   finish     MLP c0      MLP c1            MLP c2               MLP c3
 
 Every rank holds a [B, c_max] padded chunk because SPMD needs one static shape. Two bodies
-(`compile_program(body=)`):
+(`Options.body`):
   "one" (`one_body`; the flash kernel): every rank runs one body, its real length,
     start and early rows are data; the projections and the MLP run over row blocks in loops
     whose trip count is the rank's length, and the flash kernel visits only the query and
@@ -92,13 +92,8 @@ from kvr_jax.strategies.base import (
   CAUSAL_KERNELS,
   KindLayers,
   Strategy,
-  model_reduce,
-  rank_program,
-  refuse,
-  spmd,
-  strategy_compiler,
 )
-from kvr_jax.strategies.runahead.bodies import one_body, one_body_as_data, per_rank_body
+from kvr_jax.strategies.runahead.bodies import one_body, per_rank_body
 from kvr_jax.strategies.runahead.hops import hop_chain, hop_chain_as_data, varying_axes
 from kvr_jax.strategies.runahead.modelled import (
   RankWork,
@@ -135,7 +130,6 @@ __all__ = [
   "OneBodyShape",
   "Options",
   "RankWork",
-  "compile_program",
   "configured",
   "early_rows_in_blocks",
   "hop_chain",
@@ -161,22 +155,19 @@ __all__ = [
 
 
 def kvr_body(graphdef, chunks, attention, timeline, keep_last_hop, body=None):
-  """KV-Runahead's rank (`strategy_compiler`'s body_of). body: "one" (every rank runs one
+  """KV-Runahead's rank (`Strategy.rank_body`). body: "one" (every rank runs one
   program body, lengths as data; the default for the kernels with `lengths_as_data` on more
   than PER_RANK_UP_TO ranks) or "per-rank" (a switch branch per rank, the default otherwise);
   part of the cache key.
 
-  The compiled program: f(state, tokens [p, B, c_max]) -> (logits [p, B, V], kv parts [p, L,
-  2, B*c_max, K, H]); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
-  keep_last_hop (only where `last_hop_holds_cache`): the second output is (kv parts, last-hop
-  messages [p, L, 2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's
-  first S_{p-2} positions."""
+  Its program: f(state, tokens [p, B, c_max]) -> (logits [p, B, V], {"kv": kv parts [p, L,
+  2, B*c_max, K, H]}); rank p-1's logits are the answer, rank i's part is its chunk's K,V.
+  keep_last_hop (only where `last_hop_holds_cache`): "kv" is (kv parts, last-hop messages
+  [p, L, 2, B*S_{p-2}, K, H], batch folded), rank p-1's message being the prompt's first
+  S_{p-2} positions."""
   body = check_body(body, attention, len(chunks))
   make = one_body if body == "one" else per_rank_body
   return make(graphdef, chunks, attention, timeline, keep_last_hop)
-
-
-compile_program = strategy_compiler("kvr", kvr_body, "flash")
 
 
 def pad_chunks(tokens_BC, chunks: tuple[int, ...]):
@@ -200,8 +191,8 @@ class Options:
   "per-rank" (a switch branch per rank, every kernel), or None (`check_body`'s choice for the
   kernel and rank count). split_shape: an envelope (`OneBodyShape.envelope`) whose one
   program takes the split as data, with `config` (the model's, for the split's table); None:
-  the split is static, a program per split. Kept last hop and probes are per call
-  (`compile(keep_last_hop=, timeline=)`); the split as data refuses both."""
+  the split is static, a program per split. Kept last hop and probes are per program
+  (`by_kind.compile_by_kind(keep_last_hop=, timeline=)`); the split as data refuses both."""
 
   body: str | None = None
   split_shape: OneBodyShape | None = None
@@ -222,7 +213,6 @@ STRATEGY = Strategy(
   attention_kinds=CAUSAL_KERNELS,
   layout=layout,
   arrange=pad_chunks,
-  compile=compile_program,
   modelled_layer=modelled_layer,
   timeline_probes=True,
   cache_from_last_hop=last_hop_holds_cache,
@@ -258,7 +248,6 @@ def _with_fixed_body(body: str) -> Strategy:
     name=f"kvr-{name}",
     variant_of=STRATEGY.name,
     description=f"KV-Runahead's {name} program on every rank count, for comparisons",
-    compile=strategy_compiler("kvr", kvr_body, "flash", body=body),
     options=Options(body=body),
   )
 
@@ -274,19 +263,6 @@ def with_body(body: str | None) -> Strategy:
 
 
 SPLIT_AS_DATA = "kvr-split-as-data"
-
-
-@kept_cache(16)
-def _split_as_data_program(graphdef, mesh, shape: OneBodyShape, kernel):
-  program = rank_program(
-    SPLIT_AS_DATA,
-    graphdef,
-    one_body_as_data(shape, kernel),
-    shape.num_ranks,
-    False,
-    model_reduce(mesh),
-  )
-  return spmd(program, mesh, with_table=True)
 
 
 @kept_cache(64)
@@ -313,8 +289,9 @@ def split_as_data_strategy(config, shape: OneBodyShape) -> Strategy:
 def _split_as_data(options: Options) -> Strategy:
   """The split is the program's operand and its hops are sized as data, so a new split
   compiles nothing. Its parts are `shape.part_len` rows (the envelope's chunk); cache="last"
-  moves them."""
-  config, shape = options.config, options.split_shape
+  moves them. Its program is the one builder's (strategies.by_kind.compile_plan: the one
+  body as data, `bodies.one_body_as_data`, its table made from `options.config`)."""
+  shape = options.split_shape
 
   def layout(context_len: int, num_ranks: int, chunks) -> tuple[int, ...]:
     shape.check_split(tuple(chunks))
@@ -324,13 +301,6 @@ def _split_as_data(options: Options) -> Strategy:
     tokens_pBc = pad_chunks(tokens_BC, chunks)
     return np.pad(tokens_pBc, ((0, 0), (0, 0), (0, shape.chunk_len - tokens_pBc.shape[2])))
 
-  def compile_program(
-    graphdef, mesh, chunks, attention="flash", timeline=False, keep_last_hop=False
-  ):
-    refuse(SPLIT_AS_DATA, timeline, keep_last_hop)
-    program = _split_as_data_program(graphdef, mesh, shape, get_kernel(attention))
-    return on_split(program, mesh, config, shape, chunks)
-
   return dataclasses.replace(
     STRATEGY,
     name=SPLIT_AS_DATA,
@@ -339,7 +309,6 @@ def _split_as_data(options: Options) -> Strategy:
     attention_kinds=tuple(k for k in CAUSAL_KERNELS if get_kernel(k).lengths_as_data),
     layout=layout,
     arrange=arrange,
-    compile=compile_program,
     cache_layout=lambda C, chunks: contiguous_layout(chunks, shape.part_len),
     timeline_probes=False,
     cache_from_last_hop=None,

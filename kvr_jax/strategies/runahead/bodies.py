@@ -1,6 +1,6 @@
 """KV-Runahead's two program bodies: the one rank layer (`rank_layer.RankLayer`) with its
 lengths static per switch branch ("per-rank") or traced ("one": the one body, its split
-static or the program's operand). Each returns strategy_compiler's `make_body`.
+static or the program's operand). Each returns a `make_body` (`Strategy.rank_body`).
 
   per-rank  for the kernels whose bounds must be static (dense, blocked, fused, cudnn), and
             the reference the one body is measured against (`body="per-rank"`): no FLOP on

@@ -80,7 +80,7 @@ def hop_span(k: int, chunks: tuple[int, ...], kind: AttentionKind) -> tuple[int,
 def last_hop_holds_cache(chunks: tuple[int, ...], kinds: tuple) -> bool:
   """The last hop's message and the last rank's own chunk hold every key that decode reads
   from the prompt's last position on, on every layer kind (each kind's `last_hop_holds`): the
-  last rank can keep them as the cache (`compile_program(keep_last_hop=True)`), nothing
+  last rank can keep them as the cache (`by_kind.compile_by_kind(keep_last_hop=True)`), nothing
   moves. On a full layer the hop is the whole prefix; on a windowed one (W) its last W-1 keys
   [S_{p-2} - W + 1, S_{p-2}), whose window with the own chunk reaches back past the last
   position's (so the cache is zeros before them); a latent layer's is the latent prefix; a
