@@ -197,12 +197,14 @@ class LatentAttentionKind:
 
 
 def kinds_in_order(kinds) -> tuple:
-  """The distinct kinds of a model's layers, one compiled layer body each: linear kinds
-  first, then windowed attention, smallest window first, then full attention."""
+  """The distinct kinds of a model's layers, one compiled layer body each: the kinds of a
+  past of their own first (a linear layer's state; by name among themselves), then windowed
+  attention, smallest window first, then full attention. A kind without a window (a made-up
+  kind, tests/test_by_kind.py) orders as one with none."""
 
   def order(kind):
-    linear = not isinstance(kind, AttentionKind)
-    return (not linear, kind.window is None, kind.window or 0)
+    window = getattr(kind, "window", None)
+    return (isinstance(kind, AttentionKind), window is None, window or 0, kind.name)
 
   return tuple(sorted(set(kinds), key=order))
 
