@@ -112,7 +112,7 @@ def _mlp_only_part(args, ctx, kind) -> KindPart:
   return KindPart(layer, ctx.model.blocks)
 
 
-MLP_ONLY_PROGRAM = KindProgram(lambda strategy, timeline: None, _mlp_only_part, lambda *_: {})
+MLP_ONLY_PROGRAM = KindProgram(lambda strategy: None, _mlp_only_part, lambda *_: {})
 
 
 @pytest.mark.parametrize("strategy, chunks", [("kvr", (14, 10)), ("ring", None)])

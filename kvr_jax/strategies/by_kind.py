@@ -47,10 +47,9 @@ from models.kernels import get_kernel
 from models.layer_kinds import AttentionKind, GatedDeltaNetKind, LatentAttentionKind
 
 
-def _check_attention(strategy, timeline: bool) -> None:
-  """Every registered strategy runs softmax layers (its own rank body, which refuses probes
-  it does not place); an unknown name is refused by name."""
-  del timeline
+def _check_attention(strategy) -> None:
+  """Every registered strategy runs softmax layers (its own rank body); an unknown name is
+  refused by name."""
   get_strategy(strategy)
 
 
@@ -126,7 +125,7 @@ def compile_by_kind(
   for kind in sorted(kinds, key=lambda k: isinstance(k, AttentionKind)):
     if type(kind) not in KIND_PROGRAMS:
       raise ValueError(f"no program runs {kind.name} layers (strategies.by_kind.KIND_PROGRAMS)")
-    KIND_PROGRAMS[type(kind)].check(strategy, timeline)
+    KIND_PROGRAMS[type(kind)].check(strategy)
   if timeline and not get_strategy(strategy).timeline_probes:
     raise ValueError(f"strategy {get_strategy(strategy).name!r} has no timeline probes")
   spec, body, split_shape = family_program(strategy, body, split_shape)

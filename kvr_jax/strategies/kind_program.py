@@ -85,8 +85,9 @@ class KindPart:
 @dataclasses.dataclass(frozen=True)
 class KindProgram:
   """How the builder runs one kind of layer (strategies.by_kind.KIND_PROGRAMS, by the kind
-  record's class). check(strategy, timeline): refuses a strategy whose programs do not run
-  the kind, by name; part(args, ctx, kind) -> its `KindPart`; output_specs(mesh, args) ->
+  record's class). check(strategy): refuses a strategy (a name or a record) whose programs
+  do not run the kind, by name (probes a strategy does not place the builder refuses once,
+  for every kind); part(args, ctx, kind) -> its `KindPart`; output_specs(mesh, args) ->
   {output name: how it lies over the mesh}; label: the program's name in TRACE_COUNT
   (f"{strategy}-{label}"), "" for none."""
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from kvr_jax.runtime.mesh import AXIS
-from kvr_jax.strategies import REGISTRY, get_strategy, registered_record
+from kvr_jax.strategies import REGISTRY, registered_record
 from kvr_jax.strategies.base import Strategy, gather_to_owner, owner_last_row
 from kvr_jax.strategies.kind_program import KindPart, KindProgram, ProgramArgs, RankContext
 from kvr_jax.strategies.probe import mark
@@ -144,18 +144,15 @@ def peer_last_layer(spec: Strategy, block, x_BTD, rank, chunks: tuple[int, ...],
   return probe("rest", x_BTD), own_1BT1C[0, :, :, 0]
 
 
-def check_runs_latent(strategy: str | Strategy, timeline: bool = False) -> None:
+def check_runs_latent(strategy: str | Strategy) -> None:
   """Refuses a strategy (a name or a record) whose programs run no latent model
-  (`runs_latent`, asked of its registered record), and probes where its record places none
-  (`timeline_probes`)."""
+  (`runs_latent`, asked of its registered record). Probes: every record that places them
+  places them on latent layers too (KV-Runahead's rank layer marks them as K,V layers; the
+  peers' latent layers mark the phases their K,V layers mark)."""
   shown = strategy.name if isinstance(strategy, Strategy) else strategy
   record = registered_record(strategy)
   if record is None or not runs_latent(record):
     raise ValueError(f"latent-attention models run under {STRATEGIES}, not {shown!r}")
-  if timeline and not get_strategy(strategy).timeline_probes:
-    # (KV-Runahead's rank layer marks latent layers as K,V layers; the peers' latent layers
-    # mark the phases their K,V layers mark)
-    raise ValueError(f"strategy {shown!r} has no timeline probes, on latent layers or K,V")
 
 
 def _peer_layer(spec, block, x_BTD, l, last, rank, chunks, attention, reduce, timeline):
