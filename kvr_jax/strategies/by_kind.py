@@ -191,9 +191,10 @@ def program_body(spec, mesh, kernel, chunks, full_chunks, body, split_shape) -> 
 
 
 def _rank_body(args: ProgramArgs, kinds, model, rank, rows_BT, reduce, *table) -> RankBody:
-  """A rank's `RankBody`: its tokens padded to the body's rows (KV-Runahead's one body: whole
-  blocks), each kind's part (`KIND_PROGRAMS`), composed (`kind_program.compose`), and the
-  row holding the prompt's last position."""
+  """A rank's `RankBody`: on a model of softmax layers alone the strategy's own on the whole
+  model (`_whole_model_body`); else its tokens padded to the body's rows (KV-Runahead's one
+  body: whole blocks), each kind's part (`KIND_PROGRAMS`), composed (`kind_program.compose`),
+  and the row holding the prompt's last position."""
   tokens_BT, from_end_BT = rows_BT if args.padded else (rows_BT, None)
   if _one_attention_part(kinds):
     return _whole_model_body(args, model, rank, tokens_BT, reduce, table)
