@@ -185,7 +185,7 @@ def plan_from_shape(
 def cache_form_of(config):
   """The cache form of `config`'s model where its past is not (K, V) per layer: a hybrid's
   (any Gated DeltaNet layer: hybrid.FORM) or a latent model's (latent.FORM); None for a
-  model of softmax attention layers alone (the strategies' K,V programs run it)."""
+  model of softmax attention layers alone (its K,V results: `WholeCache`, `CacheParts`)."""
   if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):
     return hybrid.FORM
   if any(isinstance(kind, LatentAttentionKind) for kind in config.kinds):
