@@ -88,8 +88,7 @@ def compile_plan(plan, graphdef, padded: bool = False, also_kinds: tuple = ()):
   program = compile_by_kind(
     spec, graphdef, mesh, None, kernel, kinds, False, timeline, None, body, split_shape, padded
   )
-  config = plan.strategy.options.config
-  table_config = config if _one_attention_part(kinds) else config.of_kind(_entries_kind(kinds))
+  table_config = _entries_config(plan.strategy.options.config, kinds)
   return runahead.on_split(program, mesh, table_config, split_shape, plan.chunks)
 
 
@@ -200,7 +199,7 @@ def _rank_body(args: ProgramArgs, kinds, model, rank, rows_BT, reduce, *table) -
     return _whole_model_body(args, model, rank, tokens_BT, reduce, table)
   one_body = None
   if args.body == "one":
-    one_body = _one_body_lengths(_entries_config(model.config), args, table)
+    one_body = _one_body_lengths(_entries_config(model.config, kinds), args, table)
   rows = tokens_BT.shape[1] if one_body is None else one_body[0].chunk_len
   tokens_BT = pad_rows(tokens_BT, rows)
   from_end_BT = None if from_end_BT is None else pad_rows(from_end_BT, rows)
@@ -232,16 +231,14 @@ def _whole_model_body(args: ProgramArgs, model, rank, tokens_BT, reduce, table) 
   return dataclasses.replace(body, outputs=outputs)
 
 
-def _entries_kind(kinds):
-  """The first of `kinds` whose past is an entry per position (softmax or latent: what
-  KV-Runahead's hops carry; its one body's shape and a split as data's table are made for
-  its layers)."""
-  return next(kind for kind in kinds if hasattr(kind, "hop_span"))
-
-
-def _entries_config(config):
-  """The config of the layers whose past is an entry per position (`_entries_kind`)."""
-  return config.of_kind(_entries_kind(config.kinds))
+def _entries_config(config, kinds):
+  """The config KV-Runahead's one body's shape and a split as data's table are made for: a
+  model of softmax layers alone, its own (each layer's window its own); else that of the
+  first of the program's `kinds` whose past is an entry per position (softmax or latent:
+  what the hops carry)."""
+  if _one_attention_part(kinds):
+    return config
+  return config.of_kind(next(kind for kind in kinds if hasattr(kind, "hop_span")))
 
 
 def _one_body_lengths(config, args: ProgramArgs, table) -> tuple:
