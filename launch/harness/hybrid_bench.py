@@ -30,7 +30,6 @@ from kvr_jax.core.chunks import even_partition
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
 from kvr_jax.planning import costmodel, presets, search
 from kvr_jax.planning.partition import PartitionPlan
-from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
@@ -163,31 +162,6 @@ def hybrid_bench_job(
       )
   last = jax.devices()[-1]
   return rows if last.process_index == jax.process_index() else None
-
-
-def run_over_links(
-  worker: str, worker_flags: list[str], num_processes: int, link_rates, duplexes=("full",)
-):
-  """The hybrid benchmark's runs, each process pinned to its own core: single in one process,
-  then the strategies over `num_processes` processes at each of `link_rates`, each throttled
-  rate under each of `duplexes` (`runtime.links`: "full", every process its own link shaped
-  both ways; "half", one bucket on the loopback for both directions; made for each run and
-  removed after; every rate and kind checked, and the tools tried, before anything runs).
-  Rows of every run, each with its `link` ("-" for single, else `links.link_label`)."""
-  runs = links.checked_runs(link_rates, duplexes, num_processes)
-
-  def run(processes: int, link: str, network=None) -> list[dict]:
-    outcomes = distributed.launch_local(
-      worker, worker_flags, processes, pin_cores=True, timeout=3600, network=network
-    )
-    return [dict(row, link=link) for o in outcomes for r in o.results() for row in r["rows"]]
-
-  rows = run(1, "-")
-  for rate, duplex, label in runs:
-    print(f"{num_processes} processes, one core each, link {label} ...", flush=True)
-    with links.throttled(rate, duplex, num_processes) as network:
-      rows += run(num_processes, label, network)
-  return rows
 
 
 def _split_text(split) -> str:
