@@ -185,3 +185,26 @@ def test_device_memory_of_a_hybrid_counts_states_not_kv_on_linear_layers(qwen):
   state = h * k * v * 4 + (qwen.linear_conv_kernel - 1) * (qwen.conv_channels // 2) * 2
   expected = qwen.num_params() / 2 * 2 + B * (full * kv + linear * state)
   assert costmodel.device_memory(qwen, C, setup) == expected
+
+
+def test_the_fitting_follows_the_models_layer_kinds(monkeypatch):
+  """fitted_model_hardware, what the benchmarks' fitted splits use, times a hybrid's layers
+  as a hybrid's, a latent model's as a latent model's and a K,V model's phases otherwise."""
+  import types
+
+  from kvr_jax.runtime.loading import preset_config
+  from kvr_jax.tools import phases
+
+  for name in ("fitted_hybrid_hardware", "fitted_latent_hardware", "fitted_hardware"):
+    monkeypatch.setattr(phases, name, lambda *args, name=name, **kwargs: name)
+  picked = {
+    preset: phases.fitted_model_hardware(
+      types.SimpleNamespace(config=preset_config(preset)), 512, 2
+    )
+    for preset in ("bench-qwen3.5", "bench-deepseek", "bench-llama")
+  }
+  assert picked == {
+    "bench-qwen3.5": "fitted_hybrid_hardware",
+    "bench-deepseek": "fitted_latent_hardware",
+    "bench-llama": "fitted_hardware",
+  }

@@ -21,7 +21,7 @@ from models.attention import attend_static
 from models.flash import attend_flash
 from models.gated_deltanet_layer import LinearState
 from models.kernels import get_kernel, kernels_where
-from models.layer_kinds import FULL_ATTENTION
+from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, LatentAttentionKind
 from models.masks import window_start
 
 
@@ -278,3 +278,18 @@ def fitted_latent_hardware(
   matmul_rate = sum(work[name].flops for name in ("qkv", "expand", "rest")) / matmul_s
   attention_rate = work["attention"].flops / flash_s
   return _fitted(base, f"one latent layer at C={T}", matmul_rate, attention_rate)
+
+
+def fitted_model_hardware(
+  model: Model, context_len: int, num_ranks: int = 2, repeats: int = 3
+) -> costmodel.Hardware:
+  """Cost-model hardware fitted to this model's own layers here, as its layer kinds are timed:
+  a hybrid's (any Gated DeltaNet layer: `fitted_hybrid_hardware`), a latent-attention
+  model's (`fitted_latent_hardware`), else a softmax-attention model's phases on an even
+  split over `num_ranks` (`fitted_hardware`, the flash kernel)."""
+  kinds = model.config.kinds
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in kinds):
+    return fitted_hybrid_hardware(model, context_len, repeats)
+  if any(isinstance(kind, LatentAttentionKind) for kind in kinds):
+    return fitted_latent_hardware(model, context_len, repeats)
+  return fitted_hardware(model, context_len, num_ranks, repeats=repeats)

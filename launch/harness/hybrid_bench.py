@@ -34,7 +34,7 @@ from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh
 from kvr_jax.tools.measured import measured_partition
-from kvr_jax.tools.phases import fitted_hybrid_hardware, fitted_latent_hardware
+from kvr_jax.tools.phases import fitted_model_hardware
 from kvr_jax.tools.timing import round_order, synthetic_prompt
 from launch.harness.report import Table
 from models.layer_kinds import GatedDeltaNetKind
@@ -102,10 +102,7 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh):
   process must compile the same program). A hybrid's also a split per layer kind
   (`search.kind_split_search`: (linear, full or None)); None for latent models."""
   is_hybrid = any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds)
-  if is_hybrid:
-    hardware = fitted_hybrid_hardware(model, context_len)
-  else:  # a latent-attention model
-    hardware = fitted_latent_hardware(model, context_len)
+  hardware = fitted_model_hardware(model, context_len, num_ranks)
   link = presets.measure_links(hardware)
   setup = presets.make_setup(hardware, link, dtype_bytes=4, **costmodel.kernel_flags("flash"))
   searched = search.modelled_search(model.config, context_len, num_ranks, setup)

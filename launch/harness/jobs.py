@@ -26,7 +26,7 @@ from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
 from kvr_jax.strategies import get_strategy, runahead
 from kvr_jax.tools import timeline
 from kvr_jax.tools.measured import measured_partition
-from kvr_jax.tools.phases import fitted_hardware
+from kvr_jax.tools.phases import fitted_model_hardware
 from kvr_jax.tools.timing import synthetic_prompt, time_interleaved
 from launch.harness.variants import NAMES, Variant, get_variant
 
@@ -262,10 +262,10 @@ def _variant_arguments(
 
 
 def fitted_plan(model, context_len: int, num_ranks: int) -> PartitionPlan:
-  """KVR-S from the cost model, its FLOP/s fitted to this model's phases on this device
-  (kvr_jax.tools.phases.fitted_hardware); with several processes process 0's split wins
-  (prefill broadcasts it)."""
-  return PartitionPlan("search", hardware=fitted_hardware(model, context_len, num_ranks))
+  """KVR-S from the cost model, its FLOP/s fitted to this model's layers on this device
+  (kvr_jax.tools.phases.fitted_model_hardware: a hybrid's, a latent model's or a K,V
+  model's phases); with several processes process 0's split wins (prefill broadcasts it)."""
+  return PartitionPlan("search", hardware=fitted_model_hardware(model, context_len, num_ranks))
 
 
 def timeline_job(
