@@ -209,6 +209,18 @@ def kinds_in_order(kinds) -> tuple:
   return tuple(sorted(set(kinds), key=order))
 
 
+def past_kind(config) -> str:
+  """What a model's past is, which chooses its cache form, its cost model and its fitting:
+  "hybrid" where any layer is Gated DeltaNet (a fixed-size state beside K,V), "latent" where
+  any layer is latent attention (a compressed latent per token), else "kv" (K,V per layer).
+  A model of both would be a hybrid first: no such model exists to say otherwise."""
+  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):
+    return "hybrid"
+  if any(isinstance(kind, LatentAttentionKind) for kind in config.kinds):
+    return "latent"
+  return "kv"
+
+
 def unbuilt_kinds(config) -> tuple:
   """The kinds of `config`'s layers that the parallel strategies do not run yet."""
   return tuple(k for k in config.kinds if not isinstance(k, AttentionKind))

@@ -10,6 +10,8 @@ import pytest
 from flax import nnx
 
 from kvr_jax.core.chunks import prefix_ends
+from kvr_jax.inference import latent
+from kvr_jax.inference.prefill_plan import cache_form_of
 from kvr_jax.planning import costmodel
 from kvr_jax.planning.presets import make_setup
 from kvr_jax.runtime.loading import preset_config
@@ -19,7 +21,7 @@ from kvr_jax.strategies.runahead.hops import hop_chain
 from models.base import scan_layers
 from models.families import model_class
 from models.gemma import GemmaConfig
-from models.layer_kinds import FULL_ATTENTION, AttentionKind, kinds_in_order
+from models.layer_kinds import FULL_ATTENTION, AttentionKind, kinds_in_order, past_kind
 from models.llama import LlamaConfig
 
 TINY = dict(
@@ -76,6 +78,15 @@ def test_a_models_kinds_in_compile_order():
     gemma.rope,
   )
   assert LlamaConfig(**TINY, sliding_window=6).kind == AttentionKind(6)
+
+
+def test_what_a_models_past_is_follows_its_layer_kinds():
+  # One answer for the cache form, the cost model and the fitting alike.
+  assert past_kind(GemmaConfig(**TINY, layer_windows=(8, None) * 2)) == "kv"
+  assert past_kind(preset_config("bench-qwen3.5")) == "hybrid"
+  assert past_kind(preset_config("bench-deepseek")) == "latent"
+  assert cache_form_of(preset_config("bench-deepseek")) is latent.FORM
+  assert cache_form_of(LlamaConfig(**TINY)) is None
 
 
 def test_the_last_hop_holds_the_cache_on_every_kind_past_one_rank():

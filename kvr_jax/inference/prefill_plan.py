@@ -46,7 +46,7 @@ from kvr_jax.strategies import STRATEGIES, get_strategy
 from kvr_jax.strategies.base import AUTO, Strategy
 from kvr_jax.strategies.by_kind import compile_plan
 from models.kernels import AttentionKernel, kernels_where
-from models.layer_kinds import GatedDeltaNetKind, LatentAttentionKind
+from models.layer_kinds import past_kind
 
 
 def _single_device_mesh(mesh):
@@ -186,11 +186,7 @@ def cache_form_of(config):
   """The cache form of `config`'s model where its past is not (K, V) per layer: a hybrid's
   (any Gated DeltaNet layer: hybrid.FORM) or a latent model's (latent.FORM); None for a
   model of softmax attention layers alone (its K,V results: `WholeCache`, `CacheParts`)."""
-  if any(isinstance(kind, GatedDeltaNetKind) for kind in config.kinds):
-    return hybrid.FORM
-  if any(isinstance(kind, LatentAttentionKind) for kind in config.kinds):
-    return latent.FORM
-  return None
+  return {"hybrid": hybrid.FORM, "latent": latent.FORM, "kv": None}[past_kind(config)]
 
 
 def _check_model_and_kernel(config, spec, attention, timeline, form=None):

@@ -21,7 +21,7 @@ from models.attention import attend_static
 from models.flash import attend_flash
 from models.gated_deltanet_layer import LinearState
 from models.kernels import get_kernel, kernels_where
-from models.layer_kinds import FULL_ATTENTION, GatedDeltaNetKind, LatentAttentionKind
+from models.layer_kinds import FULL_ATTENTION, past_kind
 from models.masks import window_start
 
 
@@ -287,9 +287,9 @@ def fitted_model_hardware(
   a hybrid's (any Gated DeltaNet layer: `fitted_hybrid_hardware`), a latent-attention
   model's (`fitted_latent_hardware`), else a softmax-attention model's phases on an even
   split over `num_ranks` (`fitted_hardware`, the flash kernel)."""
-  kinds = model.config.kinds
-  if any(isinstance(kind, GatedDeltaNetKind) for kind in kinds):
+  past = past_kind(model.config)
+  if past == "hybrid":
     return fitted_hybrid_hardware(model, context_len, repeats)
-  if any(isinstance(kind, LatentAttentionKind) for kind in kinds):
+  if past == "latent":
     return fitted_latent_hardware(model, context_len, repeats)
   return fitted_hardware(model, context_len, num_ranks, repeats=repeats)

@@ -37,7 +37,7 @@ from kvr_jax.tools.measured import measured_partition
 from kvr_jax.tools.phases import fitted_model_hardware
 from kvr_jax.tools.timing import round_order, synthetic_prompt
 from launch.harness.report import Table
-from models.layer_kinds import GatedDeltaNetKind
+from models.layer_kinds import past_kind
 
 PEERS = ("ring", "allgather")
 
@@ -101,7 +101,6 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh):
   on a slow one). Process 0's split on every process (each fits its own core, and every
   process must compile the same program). A hybrid's also a split per layer kind
   (`search.kind_split_search`: (linear, full or None)); None for latent models."""
-  is_hybrid = any(isinstance(kind, GatedDeltaNetKind) for kind in model.config.kinds)
   hardware = fitted_model_hardware(model, context_len, num_ranks)
   link = presets.measure_links(hardware)
   setup = presets.make_setup(hardware, link, dtype_bytes=4, **costmodel.kernel_flags("flash"))
@@ -114,7 +113,7 @@ def _searched_split(model, context_len: int, num_ranks: int, mesh):
   row = (*searched, *linear, *(full or (0,) * p))
   row = agreed("hybrid-bench split", (model.config, context_len), mesh, row)
   searched, linear, full = row[:p], row[p : 2 * p], row[2 * p :]
-  if not is_hybrid:
+  if past_kind(model.config) != "hybrid":
     return searched, None
   return searched, (linear, full if any(full) else None)
 
