@@ -1,8 +1,7 @@
-"""The worker of `launch.benchmark`'s multiprocess and timeline modes: one process of the
-cluster those modes start (`distributed.launch_local` sets --coordinator_address,
---num_processes, --process_id). It joins the cluster and runs one library job
-(launch.harness.jobs.bench_job or timeline_job, launch.harness.hybrid_bench's or
-link_probe's); the process
+"""The worker of `launch.benchmark`'s multiprocess, hybrid, timeline and links modes: one
+process of the cluster those modes start (`distributed.launch_local` sets
+--coordinator_address, --num_processes, --process_id). It joins the cluster and runs one job
+(launch.harness.jobs.bench_job or timeline_job, or link_probe's exchange_job); the process
 holding the last rank prints its result for the launcher to collect. Not meant to be run by
 hand.
 """
@@ -13,12 +12,10 @@ from absl import app, flags, logging
 
 from kvr_jax.runtime import distributed, faults
 from launch import common
-from launch.harness import hybrid_bench, jobs, link_probe
+from launch.harness import jobs, link_probe
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum(
-  "mode", "multiprocess", ["multiprocess", "timeline", "hybrid", "links"], "The job to run."
-)
+flags.DEFINE_enum("mode", "multiprocess", ["multiprocess", "timeline", "links"], "The job to run.")
 flags.DEFINE_float("megabytes", 16.0, "Links mode: megabytes per rank in each exchange.")
 flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax directory.")
 flags.DEFINE_string("dtype", "auto", "Weights' dtype.")
@@ -41,14 +38,6 @@ flags.DEFINE_list("local_device_ids", None, "This process's GPUs (set by the lau
 def job():
   if FLAGS.mode == "links":  # every process reports
     return link_probe.exchange_job(FLAGS.megabytes, FLAGS.repeats)
-  if FLAGS.mode == "hybrid":  # the last rank's process reports
-    rows = hybrid_bench.hybrid_bench_job(
-      FLAGS.model,
-      [int(c) for c in FLAGS.context_lens],
-      FLAGS.repeats,
-      measured="kvr-measured" in FLAGS.variants,
-    )
-    return None if rows is None else {"rows": rows}
   if FLAGS.mode == "timeline":  # every process reports its own ranks' records
     return jobs.timeline_job(
       FLAGS.model,

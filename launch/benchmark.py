@@ -24,10 +24,11 @@ exact shapes and with the default length buckets: programs compiled, the stream 
 warm TTFT (the cost of padding), e.g.
   python -m launch.benchmark --mode=buckets --model=tiny-llama --num_devices=4 \
     --stream_lengths=1000,4096 --stream_prompts=20
---mode=hybrid times a model with its own context-parallel program, a hybrid (bench-qwen3.5:
-Gated DeltaNet and full layers; KV-Runahead, ring, all-gather CP) or a latent-attention one
-(bench-deepseek: KV-Runahead, ring, all-gather CP), on p pinned processes, and single alone;
---hybrid_measured adds KV-Runahead on a measured search's split, e.g.
+--mode=hybrid is --mode=multiprocess with the variants that compare a model with a past of
+its own, a hybrid (bench-qwen3.5: Gated DeltaNet and full layers) or a latent-attention one
+(bench-deepseek): ring and all-gather CP and KV-Runahead in both cache layouts, KV-Runahead on
+the split fitted here and even (on a hybrid also its one split for both kinds), and single
+alone; --hybrid_measured adds KV-Runahead on a measured search's split, e.g.
   python -m launch.benchmark --mode=hybrid --model=bench-qwen3.5 --context_lens=8192,16384
 --link_rates (multiprocess, hybrid and links modes, as root) runs the processes over a
 throttled link, under each of --link_duplex: full (a network namespace per process, its link
@@ -60,7 +61,6 @@ from launch.benchmark_flags import FITTED
 from launch.harness import (
   accelerator,
   bucket_stream,
-  hybrid_bench,
   kernel_timing,
   link_probe,
   memory_grid,
@@ -241,7 +241,10 @@ def timeline_mode():
   return 0
 
 
-def multiprocess_mode():
+def multiprocess_mode(mode: str = "multiprocess", variants=None, single_variants=None):
+  """The multiprocess job (`jobs.bench_job` on every process) over every link asked for:
+  `variants` (default --variants) on --num_processes processes, `single_variants` (default
+  --single_variants) on one."""
   common_flags = [
     f"--model={FLAGS.model}",
     f"--context_lens={','.join(FLAGS.context_lens)}",
@@ -252,13 +255,13 @@ def multiprocess_mode():
   ]
   with common.user_errors():
     if FLAGS.num_processes < 2:
-      raise ValueError("--num_processes must be >= 2 in multiprocess mode")
+      raise ValueError(f"--num_processes must be >= 2 in {mode} mode")
     try:
       rows = multiprocess_report.run_over_links(
         "launch.bench_worker",
         common_flags,
-        FLAGS.variants,
-        FLAGS.single_variants,
+        FLAGS.variants if variants is None else variants,
+        FLAGS.single_variants if single_variants is None else single_variants,
         FLAGS.num_processes,
         FLAGS.link_rates,
         duplexes=FLAGS.link_duplex,
@@ -276,34 +279,16 @@ def multiprocess_mode():
 
 
 def hybrid_mode():
-  common_flags = [
-    "--mode=hybrid",
-    f"--model={FLAGS.model}",
-    f"--context_lens={','.join(FLAGS.context_lens)}",
-    f"--repeats={FLAGS.repeats}",
-  ]
-  # The hybrid job runs its own variants (hybrid_bench._variants); --variants only asks it
-  # for the measured split's, in the many-process runs (single alone in the one-process run).
-  variants = ["kvr-measured"] if FLAGS.hybrid_measured else []
+  """The multiprocess job with the variants that compare a hybrid's or a latent model's
+  programs (`multiprocess_report.own_past_variants`) where --variants and --single_variants
+  are not given."""
   with common.user_errors():
-    if FLAGS.num_processes < 2:
-      raise ValueError("--num_processes must be >= 2 in hybrid mode")
-    rows = multiprocess_report.run_over_links(
-      "launch.bench_worker",
-      common_flags,
-      variants,
-      [],
-      FLAGS.num_processes,
-      FLAGS.link_rates,
-      duplexes=FLAGS.link_duplex,
-    )
-  table = hybrid_bench.hybrid_table(rows, FLAGS.model, FLAGS.num_processes)
-  table.print()
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  path = os.path.join(FLAGS.output_dir, f"hybrid_{FLAGS.model}.json")
-  table.write_json(path)
-  print(f"wrote {path}")
-  return 0
+    config = loading.config_of(FLAGS.model)  # a bad name refused before anything launches
+  variants = FLAGS.variants
+  if not FLAGS["variants"].present:
+    variants = multiprocess_report.own_past_variants(config, FLAGS.hybrid_measured)
+  singles = FLAGS.single_variants if FLAGS["single_variants"].present else ["single"]
+  return multiprocess_mode("hybrid", variants, singles)
 
 
 def links_mode():

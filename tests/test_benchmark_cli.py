@@ -295,7 +295,7 @@ def test_variants_are_records_whose_fields_make_the_prefill_arguments():
   }
   record = variants.get_variant("kvr-search:sharded")
   assert (record.strategy, record.split, record.cache) == ("kvr", "search", "sharded")
-  assert variants.get_variant(record) is record and len(set(variants.NAMES)) == 16
+  assert variants.get_variant(record) is record and len(set(variants.NAMES)) == 17
   for bad, message in (
     ("kvr-serch", "unknown variant 'kvr-serch'; expected some of"),
     ("ring:last", "the only suffix is ':sharded'"),
@@ -308,6 +308,94 @@ def test_variants_are_records_whose_fields_make_the_prefill_arguments():
     variants.Variant("x", "zigzag")
   with pytest.raises(ValueError, match="unknown variant 'nope'"):
     jobs.bench_job("no-such-model", [64], ["ring", "nope"])  # before the model loads
+
+
+def test_the_multiprocess_table_judges_each_layout_and_prints_all_done_and_kind_splits():
+  """Each KV-Runahead row against the faster peer of its own cache layout on its link and
+  against single; the time until every process was done, and a hybrid's split per layer
+  kind, printed beside it."""
+  import statistics
+
+  from launch.harness import multiprocess_report as report
+
+  def row(variant, samples, link, partition=None, full=None, done=None):
+    ttft = statistics.median(samples)
+    cache = "sharded" if variant.endswith(":sharded") else "last"
+    strategy = variant.partition("-")[0].partition(":")[0]
+    return dict(variant=variant, context_len=8192, samples_s=samples, ttft_s=ttft, link=link) | {
+      "cache": cache,
+      "partition": partition,
+      "full_partition": full,
+      "done_s": done or ttft,
+      "strategy": strategy,
+      "kernel": "flash",
+    }
+
+  rows = [
+    row("single", [2.2, 2.2, 2.2], "-"),
+    row("kvr-fitted:sharded", [1.0, 1.2, 1.1], "500mbit", [5000, 3192], [4096, 4096], 1.5),
+    row("ring:sharded", [1.6, 1.5, 1.4], "500mbit"),
+    row("allgather:sharded", [1.8, 1.7, 1.9], "500mbit"),
+    row("kvr-fitted", [1.0, 1.0, 1.0], "500mbit", [5000, 3192]),
+    row("ring", [0.5, 0.5, 0.5], "500mbit"),
+  ]
+  table = report.multiprocess_table(rows)
+  lines = report.ttft_table(table, "bench-qwen3.5", 2).lines
+  sharded, last = lines[1].split(), lines[4].split()
+  assert sharded[:5] == ["kvr-fitted:sharded", "500mbit", "8192", "1.100s", "1.000-1.200"]
+  # single's 2.2 s / 1.1; every process done after 1.5 s; ahead of ring:sharded (1.4-1.6 s),
+  # not of the whole-cache ring (0.5 s), which the whole-cache KV-Runahead row meets instead
+  assert sharded[5:8] == ["0.000s", "1.500s", "2.00x"]
+  assert " ".join(sharded[-6:]) == "ahead ring:sharded linear 5000,3192 full 4096,4096"
+  assert last[-4:] == ["behind", "ring", "[5000,", "3192]"]
+  assert [r["speedup_vs_single"] for r in table][:2] == [1.0, pytest.approx(2.0)]
+
+
+@pytest.mark.e2e  # a launched command line
+def test_benchmark_hybrid_mode_times_a_hybrids_programs_on_one_fitted_split(tmp_path):
+  from kvr_jax.runtime.loading import preset_config
+  from launch.harness.multiprocess_report import own_past_variants
+
+  proc = run(
+    "launch.benchmark",
+    "--mode=hybrid",
+    "--model=bench-qwen3.5",
+    "--context_lens=256",
+    "--repeats=1",
+    f"--output_dir={tmp_path}",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  table = json.loads((tmp_path / "multiprocess.json").read_text())
+  rows = {r["variant"]: r for r in table}
+  assert set(rows) == {"single", *own_past_variants(preset_config("bench-qwen3.5"))}
+  # One fitting per length: both layouts of kvr-fitted ran the same split of the prompt.
+  fitted, sharded = rows["kvr-fitted"], rows["kvr-fitted:sharded"]
+  assert (fitted["partition"], fitted["full_partition"]) == (
+    sharded["partition"],
+    sharded["full_partition"],
+  )
+  assert (
+    sum(fitted["partition"]) == 256 and rows["kvr-one-fitted:sharded"]["full_partition"] is None
+  )
+  # Every process done no sooner than the last rank's logits; the join is inside the call.
+  assert all(r["done_s"] >= r["ttft_s"] > 0 for r in table)
+  assert rows["ring"]["move_s"] is None and rows["ring:sharded"]["move_s"] == 0.0
+
+
+@pytest.mark.parametrize(
+  ("model", "one_split"), [("bench-qwen3.5", True), ("bench-deepseek", False)]
+)
+def test_the_hybrid_mode_runs_the_peers_and_kvr_in_both_layouts(model, one_split):
+  from kvr_jax.runtime.loading import preset_config
+  from launch.harness import multiprocess_report as report
+  from launch.harness.variants import get_variant
+
+  names = report.own_past_variants(preset_config(model), measured=True)
+  records = [get_variant(name) for name in names]  # every one a variant the job runs
+  for strategy in ("ring", "allgather", "kvr"):
+    layouts = {r.cache for r in records if r.strategy == strategy}
+    assert layouts == {None, "sharded"}, (strategy, names)
+  assert ("kvr-one-fitted:sharded" in names) == one_split and names[-1] == "kvr-measured"
 
 
 def test_a_report_table_prints_what_it_writes(tmp_path, capsys):

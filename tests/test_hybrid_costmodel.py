@@ -103,33 +103,6 @@ def test_simulate_models_each_kind_of_a_hybrid_as_its_own(qwen, setup):
   assert hybrid < costmodel.simulate(every_full, "kvr", C, setup, **kw).ttft
 
 
-def test_hybrid_benchmark_table_compares_each_variant_with_the_faster_peer_and_single():
-  """Each variant against the faster peer on its own link and against single (one process,
-  no link)."""
-  from launch.harness.hybrid_bench import hybrid_table
-
-  def row(variant, samples, link, split=None, done=None):
-    r = {"variant": variant, "context_len": 8192, "samples_s": samples, "split": split}
-    return dict(r, link=link, **({"done_s": done} if done else {}))
-
-  rows = [
-    row("single", [2.2, 2.2, 2.2], "-"),
-    row("kvr-search", [1.0, 1.2, 1.1], "500mbit", (5000, 3192), [1.5, 1.6, 1.4]),
-    row("ring", [1.6, 1.5, 1.4], "500mbit"),
-    row("allgather", [1.8, 1.7, 1.9], "500mbit"),
-    row("kvr-search", [1.0, 1.0, 1.0], "unthrottled", (5000, 3192)),
-    row("ring", [0.5, 0.5, 0.5], "unthrottled"),
-  ]
-  table = hybrid_table(rows, "bench-qwen3.5", 2)
-  kvr = table.lines[1].split()
-  assert kvr[:5] == ["8192", "500mbit", "kvr-search", "1.100", "1.000-1.200"]
-  # ring's median 1.5 / 1.1 on its link, single's 2.2 / 1.1; every process done after 1.5 s
-  assert kvr[5:9] == ["1.36x", "2.00x", "1.500", "5000,3192"]
-  assert table.lines[2].split()[5] == "1.00x"  # the faster peer against itself
-  assert table.lines[4].split()[5:7] == ["0.50x", "2.20x"]  # unthrottled: ring's 0.5 s
-  assert [r["median_s"] for r in table.records] == [2.2, 1.1, 1.5, 1.8, 1.0, 0.5]
-
-
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_hybrid_rates_fitted_to_the_model_on_this_device():
   """fitted_hybrid_hardware times a linear layer, its output phase and the flash kernel of

@@ -26,15 +26,21 @@ class PrefillTiming:
   runs_s: list[float]  # the warm runs after it (the whole TTFT, the cache move included)
   result: PrefillResult
   moves_s: list[float] = dataclasses.field(default_factory=list)  # cache="last": the move
+  # Each warm run from its start until every process had finished its part (`_all_done`):
+  # a rank before the last still attends its own rows after the last rank's logits.
+  done_s: list[float] = dataclasses.field(default_factory=list)
 
   @property
   def median_s(self) -> float:
     return statistics.median(self.runs_s)
 
   @property
-  def move_median_s(self) -> float:
-    """The median time of moving the parts onto the last rank (0 for cache="sharded")."""
-    return statistics.median(self.moves_s) if self.moves_s else 0.0
+  def move_median_s(self) -> float | None:
+    """The median time of moving the parts onto the last rank (0 for cache="sharded"; None
+    where the move is inside the call, not timed apart: a hybrid's or a latent model's join)."""
+    if self.moves_s:
+      return statistics.median(self.moves_s)
+    return None if self.result.cache == "last" else 0.0
 
 
 def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
@@ -46,9 +52,9 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   # A hybrid or latent model: its join is part of its call (its figures as prefill's).
   own_form = plan.cache_form is not None
   result = run_prefill(model, plan, tokens, move_cache=cache != "last" or own_form)
-  if isinstance(result, ModelCache):
+  if isinstance(result, ModelCache):  # its join inside the call: no move timed apart
     jax.block_until_ready((result.logits, result.model_cache, result.parts))
-    return result, time.perf_counter() - start, 0.0
+    return result, time.perf_counter() - start, None
   jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
   moved = time.perf_counter()
   if cache == "last":
@@ -96,7 +102,8 @@ def time_interleaved(
   Why both: keeping every result (each with its whole cache) grew a process by gigabytes
   over a run, and the move onto the last rank, which writes fresh memory, then cost up to 4x
   more in a round's later places than in its first (bench-mistral, 16k, two processes).
-  Across processes every call ends with a barrier (`_all_done`, not in the time)."""
+  Across processes every call ends with a barrier (`_all_done`): not in the time, which
+  ends where this process's part of the result is ready, but in each sample's `done_s`."""
   setup, latest = {}, {}
   first_calls = set(variants) if first_calls is None else set(first_calls)
   for name, kwargs in variants.items():
@@ -113,15 +120,19 @@ def time_interleaved(
     for name in round_order(names, r):
       cache, kwargs, _ = setup[name]
       latest[name] = None  # its buffers freed before the next call allocates its own
+      start = time.perf_counter()
       latest[name], seconds, move_s = _timed_call(model, tokens, cache, kwargs)
       _all_done()
-      samples[name].append((seconds, move_s))
+      samples[name].append((seconds, move_s, time.perf_counter() - start))
   return {
     name: PrefillTiming(
       first_s,
-      [seconds for seconds, _ in samples[name]],
+      [seconds for seconds, _, _ in samples[name]],
       latest[name],
-      [move_s for _, move_s in samples[name]] if latest[name].cache == "last" else [],
+      [move_s for _, move_s, _ in samples[name] if move_s is not None]
+      if latest[name].cache == "last"
+      else [],
+      [done_s for _, _, done_s in samples[name]],
     )
     for name, (_, _, first_s) in setup.items()
   }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 import time
 
 import jax
@@ -18,8 +19,9 @@ from jax.experimental import multihost_utils
 from kvr_jax.inference.generate import decode_from, generate
 from kvr_jax.inference.prefill import prefill, prefill_arguments
 from kvr_jax.planning import presets
-from kvr_jax.planning.partition import PartitionPlan
+from kvr_jax.planning.partition import PartitionPlan, resolve_partition
 from kvr_jax.runtime import faults
+from kvr_jax.runtime.agreement import agreed
 from kvr_jax.runtime.links import UNTHROTTLED, rate_bits
 from kvr_jax.runtime.loading import load_model
 from kvr_jax.runtime.mesh import make_mesh, mesh_of_ranks
@@ -174,12 +176,13 @@ def bench_job(
   # of single runs there alone).
   owner = jax.process_index() == jax.process_count() - 1
   search = PartitionPlan("search", links=_links_at(link_rate))
+  fitted: dict = {}  # length -> its fitted plan, one fitting for every variant that runs it
   for C in context_lens:
     tokens = synthetic_prompt(model.config.vocab_size, C, 1, seed)
     arguments, searches = {}, {}
     for variant in variants:
       arguments[variant.name], searches[variant.name] = _variant_arguments(
-        variant, model, tokens, mesh, measured_multiple, search
+        variant, model, tokens, mesh, measured_multiple, search, fitted
       )
     # Interleaved: every variant compiled, then `repeats` rounds of one call each (ABCABC).
     timings = time_interleaved(model, tokens, arguments, repeats)
@@ -205,12 +208,23 @@ def _bench_row(variant: str, context_len: int, timing, search_s: float, decode_r
     "context_len": context_len,
     "ttft_s": timing.median_s,
     "samples_s": timing.runs_s,  # every warm run, in round order
-    "move_s": timing.move_median_s,  # the cache's move onto the last rank (in ttft_s)
+    # the cache's move onto the last rank (in ttft_s; None: inside the call, not apart)
+    "move_s": timing.move_median_s,
+    # until every process had finished its part (a rank before the last still attends)
+    "done_s": statistics.median(timing.done_s) if timing.done_s else timing.median_s,
     "search_s": search_s,
     "strategy": result.strategy,  # what ran (auto: its pick)
     "kernel": result.attention,  # the attention kernel it ran (a fair fight says so)
     "partition": None if result.partition is None else list(result.partition),
+    # KV-Runahead on a hybrid with a split per layer kind: the full layers' (`partition`
+    # then the linear layers')
+    "full_partition": _full_partition(result),
   }
+
+
+def _full_partition(result) -> list[int] | None:
+  full = getattr(result, "full_partition", None)  # K,V results have none
+  return None if full is None else list(full)
 
 
 def _decode_rate(model, result, tokens: int) -> float | None:
@@ -235,10 +249,18 @@ def _links_at(link_rate: str):
 
 
 def _variant_arguments(
-  variant: str | Variant, model, tokens, mesh, measured_multiple: int, search: PartitionPlan
+  variant: str | Variant,
+  model,
+  tokens,
+  mesh,
+  measured_multiple: int,
+  search: PartitionPlan,
+  fitted: dict | None = None,
 ):
   """(prefill keyword arguments, seconds spent choosing its split) of one bench variant (a
-  `Variant` or its name). search: the modelled plan of the "search" splits (kvr and auto)."""
+  `Variant` or its name). search: the modelled plan of the "search" splits (kvr and auto).
+  fitted: the "fitted" plans already made, by length (each variant's own fitting without):
+  the layouts and forms of one length then compare on one split."""
   variant = get_variant(variant)
   if variant.one_process and jax.process_count() > 1:
     raise ValueError(f"variant {variant.name!r} runs in a one-process launch")
@@ -248,7 +270,12 @@ def _variant_arguments(
     plan = PartitionPlan("search", objective="measured", multiple=measured_multiple)
     partition = list(measured_partition(model, tokens, mesh, plan))
   elif variant.split == "fitted":  # the cost model with this model's measured phase rates
-    partition = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
+    fitted = {} if fitted is None else fitted
+    if tokens.shape[1] not in fitted:
+      fitted[tokens.shape[1]] = fitted_plan(model, tokens.shape[1], int(mesh.devices.size))
+    partition = fitted[tokens.shape[1]]
+  if variant.one_split and isinstance(partition, PartitionPlan):
+    partition = _one_split(partition, model.config, tokens.shape[1], mesh)
   search_s = time.perf_counter() - start if variant.split in ("measured", "fitted") else 0.0
   where = {} if variant.one_process else {"mesh": mesh}
   kwargs = prefill_arguments(
@@ -261,11 +288,26 @@ def _variant_arguments(
   return kwargs, search_s
 
 
+def _one_split(plan: PartitionPlan, config, context_len: int, mesh) -> list[int]:
+  """The modelled search's one split for every layer kind: on a hybrid, what `plan` runs
+  before it gives the full layers their own split where that models faster. Process 0's on
+  every process (a fitted plan's rates are each process's own; every process must compile
+  the same program)."""
+  num_ranks = int(mesh.devices.size)
+  split = resolve_partition(plan, context_len, num_ranks, config=config)
+  return list(agreed("bench one split", (config, context_len), mesh, tuple(split)))
+
+
 def fitted_plan(model, context_len: int, num_ranks: int) -> PartitionPlan:
-  """KVR-S from the cost model, its FLOP/s fitted to this model's layers on this device
-  (kvr_jax.tools.phases.fitted_model_hardware: a hybrid's, a latent model's or a K,V
-  model's phases); with several processes process 0's split wins (prefill broadcasts it)."""
-  return PartitionPlan("search", hardware=fitted_model_hardware(model, context_len, num_ranks))
+  """KVR-S from the cost model, everything it plans with measured here: its FLOP/s fitted
+  to this model's layers on this device (kvr_jax.tools.phases.fitted_model_hardware: a
+  hybrid's, a latent model's or a K,V model's phases) and the link between the ranks as it
+  is now (`presets.measure_links`, every process taking part: a throttled loopback at the
+  rate this run gives it; a split searched for the stored unthrottled link loads the first
+  rank's hops on a slow one). With several processes process 0's split wins (prefill
+  broadcasts it)."""
+  hardware = fitted_model_hardware(model, context_len, num_ranks)
+  return PartitionPlan("search", hardware=hardware, links=presets.measure_links(hardware))
 
 
 def timeline_job(

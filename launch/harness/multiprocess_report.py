@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+from kvr_jax.planning import search
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.tools.timing import interval_verdict
@@ -17,7 +18,9 @@ from launch.harness.report import Table
 NOTES = (
   "single: one process with the flash kernel (the best single process); single-dense:",
   "dense masked scores (the paper's baseline). Speed-ups are against `single`.",
-  "move: of TTFT, the time to bring the ranks' cache parts onto the last rank.",
+  "move: of TTFT, the time to bring the ranks' cache parts onto the last rank (-: inside",
+  "the program's call, not timed apart: a hybrid's and a latent model's join).",
+  "all done: until every process finished its part (ranks before the last still attend).",
   "min-max: of the warm runs, interleaved with the other variants' (round-robin).",
   "vs peer: KV-Runahead against the faster of ring and all-gather (by median), auto against",
   "the fastest variant it chose among (single included): ahead or behind only where the",
@@ -26,6 +29,20 @@ NOTES = (
   "against the peers with the same layout. decode: greedy tokens per second from the cache.",
   "kernel: the attention kernel each variant ran (each strategy's best exact one here).",
 )
+
+
+def own_past_variants(config, measured: bool = False) -> list[str]:
+  """The variants `launch.benchmark --mode=hybrid` runs on `config`'s model: the peers and
+  KV-Runahead with the whole cache on the last rank (the peers' move in their time) and with
+  it left where computed (":sharded", each judged against the peers of its layout);
+  KV-Runahead on the split the cost model finds with rates fitted to this model and the link
+  measured in the run (kvr-fitted), on a hybrid with a split per layer kind also its one
+  split for both (kvr-one-fitted), and even; measured: also a measured search's split."""
+  variants = ["ring", "allgather", "ring:sharded", "allgather:sharded"]
+  variants += ["kvr-even", "kvr-fitted", "kvr-fitted:sharded"]
+  if search.splits_by_kind(config):
+    variants.append("kvr-one-fitted:sharded")
+  return variants + (["kvr-measured"] if measured else [])
 
 
 def process_rows(outcomes, link: str) -> list[dict]:
@@ -101,21 +118,36 @@ def ttft_table(table: list[dict], model: str, num_processes: int) -> Table:
   )
   header = (
     f"{'variant':<20}{'link':>12}{'C':>7}  {'TTFT':>9}  {'min-max':>13}  {'move':>7}  "
-    f"{'vs single':>9}  {'vs tsp':>7}  {'decode':>9}  {'kernel':<7} {'vs peer':<18}partition"
+    f"{'all done':>8}  {'vs single':>9}  {'vs tsp':>7}  {'decode':>9}  {'kernel':<7} "
+    f"{'vs peer':<25}partition"
   )
   lines = []
   for r in table:
     samples, vs_tsp = _samples(r), r["speedup_vs_tsp"]
     lines.append(
       f"{r['variant']:<20}{r['link']:>12}{r['context_len']:>7}  {r['ttft_s']:>8.3f}s  "
-      f"{min(samples):>6.3f}-{max(samples):.3f}  {r.get('move_s', 0.0):>6.3f}s  "
+      f"{min(samples):>6.3f}-{max(samples):.3f}  {_move(r):>7}  "
+      f"{r.get('done_s', r['ttft_s']):>7.3f}s  "
       f"{r['speedup_vs_single']:>8.2f}x  {'n/a' if vs_tsp is None else f'{vs_tsp:.2f}x':>7}  "
-      f"{_rate(r):>9}  {r.get('kernel') or '-':<7} {r['vs_peer']:<18}"
+      f"{_rate(r):>9}  {r.get('kernel') or '-':<7} {r['vs_peer']:<24} "
       + (f"{r['strategy']} " if r["variant"].startswith("auto") else "")
-      + f"{r['partition'] or '-'}"
+      + _partition_text(r)
       + (f" (choosing it took {r['search_s']:.0f}s)" if r.get("search_s") else "")
     )
   return Table(title, header, tuple(lines), tuple(table))
+
+
+def _partition_text(row: dict) -> str:
+  """The split a row ran: "-" for none, "linear a,b full c,d" for a split per layer kind."""
+  split, full = row["partition"], row.get("full_partition")
+  if full:
+    return f"linear {','.join(map(str, split))} full {','.join(map(str, full))}"
+  return str(split or "-")
+
+
+def _move(row: dict) -> str:
+  move = row.get("move_s", 0.0)
+  return "-" if move is None else f"{move:.3f}s"
 
 
 def _rate(row: dict) -> str:

@@ -32,6 +32,9 @@ class Variant:
   attention: str | None = None  # None: the strategy's own kernel
   cache: str | None = None  # None: prefill's default layout; "sharded": the parts stay
   one_process: bool = False  # runs only in a one-process launch (the single baselines)
+  # The modelled search's one split for every layer kind (a hybrid's "search" otherwise
+  # gives its full layers their own split where that models faster).
+  one_split: bool = False
 
   def __post_init__(self):
     if self.strategy != AUTO and self.strategy not in REGISTRY:
@@ -41,6 +44,8 @@ class Variant:
     chain = self.strategy != AUTO and REGISTRY[self.strategy].prefix_chain
     if self.body is not None and (not chain or self.body not in BODIES):
       raise ValueError(f"variant {self.name!r}: a program body {BODIES} is KV-Runahead's")
+    if self.one_split and self.split not in ("search", "fitted"):
+      raise ValueError(f"variant {self.name!r}: one split for every layer kind is searched")
     if self.cache is not None and self.cache not in CACHE_LAYOUTS:
       raise ValueError(f"variant {self.name!r}: cache {self.cache!r} is not one of {CACHE_LAYOUTS}")
 
@@ -59,6 +64,8 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("ring", "ring"),
   Variant("allgather", "allgather"),
   *(Variant(f"kvr-{split}", "kvr", split=split) for split in SPLITS),
+  # On a hybrid: one split for both layer kinds, beside the search's split per kind.
+  *(Variant(f"kvr-one-{split}", "kvr", split=split, one_split=True) for split in ("fitted",)),
   # KV-Runahead's per-rank switch program on the same splits: what the one-body program
   # replaced, timed beside it; its one body (the default only above runahead.PER_RANK_UP_TO
   # ranks) on the same splits.
