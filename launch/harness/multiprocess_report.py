@@ -132,7 +132,7 @@ def ttft_table(table: list[dict], model: str, num_processes: int) -> Table:
       f"{_rate(r):>9}  {r.get('kernel') or '-':<7} {r['vs_peer']:<24} "
       + (f"{r['strategy']} " if r["variant"].startswith("auto") else "")
       + _partition_text(r)
-      + (f" (choosing it took {r['search_s']:.0f}s)" if r.get("search_s") else "")
+      + (f" (choosing it took {r['search_s']:.0f}s)" if (r.get("search_s") or 0) >= 0.5 else "")
     )
   return Table(title, header, tuple(lines), tuple(table))
 
