@@ -284,9 +284,11 @@ def hybrid_mode():
   are not given."""
   with common.user_errors():
     config = loading.config_of(FLAGS.model)  # a bad name refused before anything launches
-  variants = FLAGS.variants
+  variants = list(FLAGS.variants)
   if not FLAGS["variants"].present:
-    variants = multiprocess_report.own_past_variants(config, FLAGS.hybrid_measured)
+    variants = multiprocess_report.own_past_variants(config)
+  if FLAGS.hybrid_measured and "kvr-measured" not in variants:
+    variants.append("kvr-measured")
   singles = FLAGS.single_variants if FLAGS["single_variants"].present else ["single"]
   return multiprocess_mode("hybrid", variants, singles)
 

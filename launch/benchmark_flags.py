@@ -36,7 +36,8 @@ flags.DEFINE_list(
   "variants",
   ["tsp", "kvr-even", "kvr-search", "kvr-measured"],
   "Multi-process variants (single always runs as the baseline); a variant ending ':sharded' "
-  "(ring:sharded, kvr-search:sharded) keeps the cache where it was computed.",
+  "(ring:sharded, kvr-search:sharded) keeps the cache where it was computed. Hybrid mode "
+  "without it: the peers and KV-Runahead in both layouts, kvr-fitted, kvr-one-fitted, kvr-even.",
 )
 flags.DEFINE_integer(
   "decode_tokens",
