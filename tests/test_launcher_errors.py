@@ -56,7 +56,7 @@ BENCHMARK_USER_ERRORS = [
     "takes no sliding window",
   ),
   (["--mode=hybrid", "--num_processes=1"], "must be >= 2 in hybrid mode"),
-  (["--mode=hybrid", "--model=no-such-model"], "unknown preset .no-such-model."),
+  (["--mode=hybrid", "--model=no-such-model"], "unknown preset 'no-such-model'"),
 ]
 
 PAPER_USER_ERRORS = [
