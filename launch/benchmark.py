@@ -70,6 +70,7 @@ from launch.harness import (
   timelines,
   transformers_baseline,
 )
+from launch.harness.variants import get_variant
 from models.kernels import KERNEL_NAMES
 
 FLAGS = flags.FLAGS
@@ -253,15 +254,18 @@ def multiprocess_mode(mode: str = "multiprocess", variants=None, single_variants
     f"--dtype={FLAGS.dtype}",
     f"--decode_tokens={FLAGS.decode_tokens}",
   ]
+  variants = FLAGS.variants if variants is None else variants
+  single_variants = FLAGS.single_variants if single_variants is None else single_variants
   with common.user_errors():
     if FLAGS.num_processes < 2:
       raise ValueError(f"--num_processes must be >= 2 in {mode} mode")
+    _check_variants(variants, single_variants)
     try:
       rows = multiprocess_report.run_over_links(
         "launch.bench_worker",
         common_flags,
-        FLAGS.variants if variants is None else variants,
-        FLAGS.single_variants if single_variants is None else single_variants,
+        variants,
+        single_variants,
         FLAGS.num_processes,
         FLAGS.link_rates,
         duplexes=FLAGS.link_duplex,
@@ -276,6 +280,18 @@ def multiprocess_mode(mode: str = "multiprocess", variants=None, single_variants
   )
   print(f"wrote {', '.join(written)}")
   return 0
+
+
+def _check_variants(variants, single_variants) -> None:
+  """Every variant name known, and each run where it can, before any process starts."""
+  records = [get_variant(name) for name in variants]
+  for name in single_variants:
+    get_variant(name)
+  if not records:
+    raise ValueError("--variants names no variant to run over several processes")
+  alone = [r.name for r in records if r.one_process]
+  if alone:
+    raise ValueError(f"{alone} run in one process: give them in --single_variants")
 
 
 def hybrid_mode():

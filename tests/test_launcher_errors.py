@@ -57,6 +57,10 @@ BENCHMARK_USER_ERRORS = [
   ),
   (["--mode=hybrid", "--num_processes=1"], "must be >= 2 in hybrid mode"),
   (["--mode=hybrid", "--model=no-such-model"], "unknown preset 'no-such-model'"),
+  (["--mode=multiprocess", "--variants=ring,nope"], "unknown variant 'nope'"),
+  (["--mode=multiprocess", "--single_variants=single,kvr-serch"], "unknown variant 'kvr-serch'"),
+  (["--mode=multiprocess", "--variants=ring,single"], "['single'] run in one process"),
+  (["--mode=hybrid", "--variants="], "--variants names no variant"),
 ]
 
 PAPER_USER_ERRORS = [

@@ -211,8 +211,7 @@ def run_over_links(
   rows = process_rows(single, "-")
   for rate, duplex, label in runs:
     print(
-      f"{num_processes} processes, one core each, link {label}: "
-      f"{','.join(variants) or 'its own variants'} ...",
+      f"{num_processes} processes, one core each, link {label}: {','.join(variants)} ...",
       flush=True,
     )
     with links.throttled(rate, duplex, num_processes) as network:
