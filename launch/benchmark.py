@@ -99,10 +99,20 @@ def kernels_mode():
       except ValueError:
         raise ValueError(f"--flash_blocks takes QxK pairs like 256x512, got {text!r}") from None
       blocks.append((bq, bk))
+    if FLAGS.kernel_prefix_len < 0:
+      raise ValueError(f"--kernel_prefix_len must be >= 0, got {FLAGS.kernel_prefix_len}")
+    if FLAGS.kernel_head_dim < 1:
+      raise ValueError(f"--kernel_head_dim must be >= 1, got {FLAGS.kernel_head_dim}")
     rows = kernel_timing.time_attention_kernels(
-      [int(c) for c in FLAGS.context_lens], FLAGS.kernels, blocks, repeats=FLAGS.repeats
+      [int(c) for c in FLAGS.context_lens],
+      FLAGS.kernels,
+      blocks,
+      repeats=FLAGS.repeats,
+      head_dim=FLAGS.kernel_head_dim,
+      prefix_len=FLAGS.kernel_prefix_len,
     )
-  kernel_timing.kernel_table(rows, FLAGS.threads or os.cpu_count()).print()
+  threads = FLAGS.threads or os.cpu_count()
+  kernel_timing.kernel_table(rows, threads, head_dim=FLAGS.kernel_head_dim).print()
   return 0
 
 

@@ -26,6 +26,12 @@ flags.DEFINE_list(
   "partitions", [], "Phases mode: KV-Runahead partitions, lengths joined by '/' (2048/2048)."
 )
 flags.DEFINE_list("kernels", ["flash", "blocked", "dense"], "Attention kernels to time.")
+flags.DEFINE_integer(
+  "kernel_prefix_len",
+  0,
+  "Kernels mode: keys before the queries (a later rank's chunk after the prefix it received).",
+)
+flags.DEFINE_integer("kernel_head_dim", 64, "Kernels mode: the head width (latent: nope + rope).")
 flags.DEFINE_string("model", "bench-llama", "Preset, Hugging Face or Orbax directory.")
 flags.DEFINE_string(
   "dtype", "auto", "Weights: auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16, float16."

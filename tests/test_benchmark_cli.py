@@ -398,6 +398,32 @@ def test_the_hybrid_mode_runs_the_peers_and_kvr_in_both_layouts(model, one_split
   assert ("kvr-one-fitted:sharded" in names) == one_split and names[-1] == "kvr-measured"
 
 
+def test_kernels_are_timed_on_a_chunk_after_a_prefix_and_rated_per_pair(monkeypatch):
+  """A later rank's shape: C queries after P keys; the table's rate is the pairs seen (the
+  prefix whole, the chunk's own block causally) per second, the same for every kernel."""
+  from launch.harness import kernel_timing
+
+  seen, attend = [], kernel_timing.attend_static
+
+  def recorded(q, k, v, offset, record):
+    seen.append((q.shape[1], k.shape[1], offset))
+    return attend(q, k, v, offset, record)
+
+  monkeypatch.setattr(kernel_timing, "attend_static", recorded)
+  rows = kernel_timing.time_attention_kernels(
+    [64], ("dense", "flash"), ((32, 32),), repeats=1, progress=False, prefix_len=128
+  )
+  assert [(r.kernel, r.prefix_len) for r in rows] == [("dense", 128), ("flash", 128)]
+  assert set(seen) == {(64, 192, 128)}  # the queries at 128.. over the prefix and their own
+  assert {r.pairs for r in rows} == {64 * 128 + 64 * 65 // 2}
+  table = kernel_timing.kernel_table(rows, 1)
+  for r, line in zip(rows, table.lines, strict=True):
+    assert line.split()[2:4] == ["64", "128"]
+    assert line.split()[5] == f"{r.pairs / r.seconds / 1e6:.1f}"
+  with pytest.raises(ValueError, match="prefix length must be >= 0"):
+    kernel_timing.time_attention_kernels([64], ("dense",), prefix_len=-1)
+
+
 def test_a_report_table_prints_what_it_writes(tmp_path, capsys):
   """The one report type: its printed text is title, header, rows, notes in that order, and
   its CSV and JSON hold the same rows as values (the title as comments in the CSV)."""

@@ -42,6 +42,8 @@ PARTITION_TABLES_USER_ERRORS = [
 BENCHMARK_USER_ERRORS = [
   (["--mode=kernels", "--context_lens=0"], "--context_lens must be"),
   (["--mode=kernels", "--flash_blocks=0x512"], "--flash_blocks takes"),
+  (["--mode=kernels", "--kernel_prefix_len=-1"], "--kernel_prefix_len must be >= 0"),
+  (["--mode=kernels", "--kernel_head_dim=0"], "--kernel_head_dim must be >= 1"),
   (["--mode=phases", "--partitions=32/0"], "--partitions takes positive"),
   (["--mode=phases", "--partitions=32/32", "--kernels="], "--kernels takes"),
   (["--mode=devices", "--output_dir=/dev/null"], "is a file"),
