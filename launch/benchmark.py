@@ -70,7 +70,7 @@ from launch.harness import (
   timelines,
   transformers_baseline,
 )
-from launch.harness.variants import get_variant
+from launch.harness.variants import get_variant, own_past_variants
 from models.kernels import KERNEL_NAMES
 
 FLAGS = flags.FLAGS
@@ -306,13 +306,13 @@ def _check_variants(variants, single_variants) -> None:
 
 def hybrid_mode():
   """The multiprocess job with the variants that compare a hybrid's or a latent model's
-  programs (`multiprocess_report.own_past_variants`) where --variants and --single_variants
+  programs (`variants.own_past_variants`) where --variants and --single_variants
   are not given."""
   with common.user_errors():
     config = loading.config_of(FLAGS.model)  # a bad name refused before anything launches
   variants = list(FLAGS.variants)
   if not FLAGS["variants"].present:
-    variants = multiprocess_report.own_past_variants(config)
+    variants = own_past_variants(config)
   if FLAGS.hybrid_measured and "kvr-measured" not in variants:
     variants.append("kvr-measured")
   singles = FLAGS.single_variants if FLAGS["single_variants"].present else ["single"]

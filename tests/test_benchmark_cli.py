@@ -354,7 +354,7 @@ def test_the_multiprocess_table_judges_each_layout_and_prints_all_done_and_kind_
 @pytest.mark.e2e  # a launched command line
 def test_benchmark_hybrid_mode_times_a_hybrids_programs_on_one_fitted_split(tmp_path):
   from kvr_jax.runtime.loading import preset_config
-  from launch.harness.multiprocess_report import own_past_variants
+  from launch.harness.variants import own_past_variants
 
   proc = run(
     "launch.benchmark",
@@ -387,10 +387,9 @@ def test_benchmark_hybrid_mode_times_a_hybrids_programs_on_one_fitted_split(tmp_
 )
 def test_the_hybrid_mode_runs_the_peers_and_kvr_in_both_layouts(model, one_split):
   from kvr_jax.runtime.loading import preset_config
-  from launch.harness import multiprocess_report as report
-  from launch.harness.variants import get_variant
+  from launch.harness.variants import get_variant, own_past_variants
 
-  names = report.own_past_variants(preset_config(model), measured=True)
+  names = own_past_variants(preset_config(model), measured=True)
   records = [get_variant(name) for name in names]  # every one a variant the job runs
   for strategy in ("ring", "allgather", "kvr"):
     layouts = {r.cache for r in records if r.strategy == strategy}

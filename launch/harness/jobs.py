@@ -211,7 +211,7 @@ def _bench_row(variant: str, context_len: int, timing, search_s: float, decode_r
     # the cache's move onto the last rank (in ttft_s; None: inside the call, not apart)
     "move_s": timing.move_median_s,
     # until every process had finished its part (a rank before the last still attends)
-    "done_s": statistics.median(timing.done_s) if timing.done_s else timing.median_s,
+    "done_s": statistics.median(timing.done_s),
     "search_s": search_s,
     "strategy": result.strategy,  # what ran (auto: its pick)
     "kernel": result.attention,  # the attention kernel it ran (a fair fight says so)

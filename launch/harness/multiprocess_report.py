@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 
-from kvr_jax.planning import search
 from kvr_jax.runtime import distributed, links
 from kvr_jax.runtime.links import UNTHROTTLED
 from kvr_jax.tools.timing import interval_verdict
@@ -29,20 +28,6 @@ NOTES = (
   "against the peers with the same layout. decode: greedy tokens per second from the cache.",
   "kernel: the attention kernel each variant ran (each strategy's best exact one here).",
 )
-
-
-def own_past_variants(config, measured: bool = False) -> list[str]:
-  """The variants `launch.benchmark --mode=hybrid` runs on `config`'s model: the peers and
-  KV-Runahead with the whole cache on the last rank (the peers' move in their time) and with
-  it left where computed (":sharded", each judged against the peers of its layout);
-  KV-Runahead on the split the cost model finds with rates fitted to this model and the link
-  measured in the run (kvr-fitted), on a hybrid with a split per layer kind also its one
-  split for both (kvr-one-fitted), and even; measured: also a measured search's split."""
-  variants = ["ring", "allgather", "ring:sharded", "allgather:sharded"]
-  variants += ["kvr-even", "kvr-fitted", "kvr-fitted:sharded"]
-  if search.splits_by_kind(config):
-    variants.append("kvr-one-fitted:sharded")
-  return variants + (["kvr-measured"] if measured else [])
 
 
 def process_rows(outcomes, link: str) -> list[dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvr_jax.inference.kv_cache import CACHE_LAYOUTS
+from kvr_jax.planning import search
 from kvr_jax.strategies import REGISTRY
 from kvr_jax.strategies.base import AUTO
 from kvr_jax.strategies.runahead import BODIES
@@ -65,7 +66,7 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("allgather", "allgather"),
   *(Variant(f"kvr-{split}", "kvr", split=split) for split in SPLITS),
   # On a hybrid: one split for both layer kinds, beside the search's split per kind.
-  *(Variant(f"kvr-one-{split}", "kvr", split=split, one_split=True) for split in ("fitted",)),
+  Variant("kvr-one-fitted", "kvr", split="fitted", one_split=True),
   # KV-Runahead's per-rank switch program on the same splits: what the one-body program
   # replaced, timed beside it; its one body (the default only above runahead.PER_RANK_UP_TO
   # ranks) on the same splits.
@@ -94,3 +95,17 @@ def get_variant(variant: str | Variant) -> Variant:
   if base not in _BY_NAME:
     raise ValueError(f"unknown variant {variant!r}; expected some of {NAMES}")
   return _BY_NAME[base].sharded() if suffix else _BY_NAME[base]
+
+
+def own_past_variants(config, measured: bool = False) -> list[str]:
+  """The variants `launch.benchmark --mode=hybrid` runs on `config`'s model: the peers and
+  KV-Runahead with the whole cache on the last rank (the peers' move in their time) and with
+  it left where computed (":sharded", each judged against the peers of its layout);
+  KV-Runahead on the split the cost model finds with rates fitted to this model and the link
+  measured in the run (kvr-fitted), on a hybrid with a split per layer kind also its one
+  split for both (kvr-one-fitted), and even; measured: also a measured search's split."""
+  variants = ["ring", "allgather", "ring:sharded", "allgather:sharded"]
+  variants += ["kvr-even", "kvr-fitted", "kvr-fitted:sharded"]
+  if search.splits_by_kind(config):
+    variants.append("kvr-one-fitted:sharded")
+  return variants + (["kvr-measured"] if measured else [])
