@@ -95,6 +95,9 @@ def test_both_layouts_match_single(models, prompt, oracle, strategy, p, partitio
   assert_close(last.k_cache, ref.k_cache, "K cache")
   assert_close(last.v_cache, ref.v_cache, "V cache")
   assert last.k_cache.sharding.device_set == {mesh_devices[-1]}
+  # KV-Runahead joins its last hop where it was received; the peers' parts move there.
+  assert last.moved == (strategy != "kvr" and p > 1) and not sharded.moved
+  assert last.full_partition is None and sharded.full_partition is None  # one split, K,V
   # cache="sharded": no whole cache anywhere; each rank's part holds its own positions.
   assert isinstance(sharded, CacheParts) and not hasattr(sharded, "k_cache")
   layout = sharded.cache_layout
@@ -199,6 +202,7 @@ def test_kvr_last_moves_where_the_join_does_not_fit(models, prompt, oracle, part
   kwargs = dict(strategy="kvr", mesh=mesh, partition=partition, cache="last")
   assert not plan_prefill(model, prompt, **kwargs).keep_last_hop
   last = kvr_jax.prefill(model, prompt, **kwargs)
+  assert last.moved  # the parts, not the last hop
   assert_close(last.k_cache, ref.k_cache, "K cache")
   assert_close(last.v_cache, ref.v_cache, "V cache")
   assert last.k_cache.sharding.device_set == {mesh.devices.reshape(-1)[-1]}

@@ -249,6 +249,7 @@ def _result_fields(plan: PrefillPlan, lengths_B) -> dict:
     attention=plan.kernel.name,
     lengths=lengths_B,
     choice=plan.choice,
+    full_partition=plan.full_chunks,
   )
 
 

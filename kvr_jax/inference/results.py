@@ -47,6 +47,13 @@ class PrefillResult:
   # The model's KV heads: on a 2-D mesh with more "model" shards than KV heads the caches hold
   # each head repeated (tensor_parallel.shard_ready_state), which `gather_cache` undoes.
   kv_heads: int | None = dataclasses.field(default=None, kw_only=True)
+  # KV-Runahead on a hybrid with a split per layer kind: the full layers' chunks (`partition`
+  # is then the linear layers'); None where one split ran every layer (every K,V model).
+  full_partition: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
+  # cache="last": whether the ranks' parts moved onto the last rank (the peers' parts, the
+  # split as data's) or were there already (KV-Runahead's kept last hops and own chunk: no
+  # move). False for cache="sharded", where nothing moves.
+  moved: bool = dataclasses.field(default=False, kw_only=True)
 
   cache: ClassVar[str]
 
@@ -260,6 +267,8 @@ class CacheParts(PrefillResult):
     (kv_cache.kept_on_last_rank: KV-Runahead joins its last hop, the peers move only the
     rings' windows)."""
     common = {f.name: getattr(self, f.name) for f in dataclasses.fields(PrefillResult)}
+    # The parts move unless KV-Runahead's last hop holds them or one rank holds them all.
+    common["moved"] = self.last_hop is None and self.mesh.shape[AXIS] > 1
     if self.kv_parts is None:  # another process holds every part (auto's one-device pick)
       return WholeCache(**common, k_layers=None, v_layers=None)
     if self.kept is not None:  # cut already (cache="sharded"): gather the parts, keep rings
@@ -313,12 +322,6 @@ class ModelCache(PrefillResult):
   # states and halos on every rank.
   cache_layout: Any = None
   linear_state: Any = None
-  # KV-Runahead on a hybrid with a split per layer kind: the full layers' (`partition` is
-  # then the linear layers'); None where one split ran every layer.
-  full_partition: tuple[int, ...] | None = None
-  # cache="last": whether the ranks' parts moved onto the last rank (the peers, the split as
-  # data's parts) or were there already (KV-Runahead's last hops and own chunk: no move).
-  moved: bool = False
 
   def gather_cache(self):
     """The cache (cache="last") as the model's own one-device forward lays it out, on the

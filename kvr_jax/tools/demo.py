@@ -162,7 +162,7 @@ def _report(strategy: str, timing, plan_s: float, cache_use, diff, gen) -> Strat
     new_tokens=[[int(t) for t in row] for row in gen.tokens],
     text=gen.text,
     choice=None if result.choice is None else describe_choice(result.choice),
-    full_partition=getattr(result, "full_partition", None),
+    full_partition=result.full_partition,
   )
 
 

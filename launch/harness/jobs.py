@@ -218,13 +218,8 @@ def _bench_row(variant: str, context_len: int, timing, search_s: float, decode_r
     "partition": None if result.partition is None else list(result.partition),
     # KV-Runahead on a hybrid with a split per layer kind: the full layers' (`partition`
     # then the linear layers')
-    "full_partition": _full_partition(result),
+    "full_partition": None if result.full_partition is None else list(result.full_partition),
   }
-
-
-def _full_partition(result) -> list[int] | None:
-  full = getattr(result, "full_partition", None)  # K,V results have none
-  return None if full is None else list(full)
 
 
 def _decode_rate(model, result, tokens: int) -> float | None:
