@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from kvr_jax.core.chunks import prefix_ends
-from kvr_jax.inference import latent
+from kvr_jax.inference import kv_form, latent
 from kvr_jax.inference.prefill_plan import cache_form_of
 from kvr_jax.planning import costmodel
 from kvr_jax.planning.presets import make_setup
@@ -86,7 +86,10 @@ def test_what_a_models_past_is_follows_its_layer_kinds():
   assert past_kind(preset_config("bench-qwen3.5")) == "hybrid"
   assert past_kind(preset_config("bench-deepseek")) == "latent"
   assert cache_form_of(preset_config("bench-deepseek")) is latent.FORM
-  assert cache_form_of(LlamaConfig(**TINY)) is None
+  # Every model has a form, each named as its past (what compiled_memory's figures key on).
+  assert cache_form_of(LlamaConfig(**TINY)) is kv_form.FORM
+  for config in (LlamaConfig(**TINY), *map(preset_config, ("bench-qwen3.5", "bench-deepseek"))):
+    assert cache_form_of(config).name == past_kind(config)
 
 
 def test_the_last_hop_holds_the_cache_on_every_kind_past_one_rank():

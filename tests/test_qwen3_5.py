@@ -257,17 +257,19 @@ def test_hybrid_prefill_equals_one_device(
 def test_padded_rows_stop_each_linear_state_at_their_end(
   checkpoints, tokens, forward, strategy, ranks, partition
 ):
-  """Rows that end before the prompt does (`prefill.prefill_outputs(ends_B=)`: at 2, inside the
+  """Rows that end before the prompt does (`prefill.program_result(ends_B=)`: at 2, inside the
   convolution's halo, and at 41, on an inner rank): each linear layer's state and halo are
   the model's own forward's with the same ends, and every full layer's K,V before each row's
   end, within 1e-5: the state passes the padding unchanged, the halo is the last inputs
   before the row's end wherever they lie."""
-  from kvr_jax.inference.prefill import plan_prefill, prefill_outputs
+  from kvr_jax.inference.cache_form import PrefillRun
+  from kvr_jax.inference.prefill import plan_prefill, program_result
 
   ours, ends = checkpoints["qwen3_5-types"][2], np.array([2, 41])
   mesh = kvr_jax.make_mesh(ranks)
   plan = plan_prefill(ours, tokens, strategy, mesh, partition, "flash", "last")
-  got = prefill_outputs(ours, plan, tokens, 0, ends, True)["model_cache"]
+  run = PrefillRun(ours, plan, np.asarray(tokens), np.full(len(tokens), T))
+  got = program_result(run, ends_B=ends).model_cache
   _, want = forward(ours.module, tokens, ends)
   assert_close(got.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
   assert_close(got.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
@@ -275,7 +277,7 @@ def test_padded_rows_stop_each_linear_state_at_their_end(
     got_kv, want_kv = got.kv_2BSKH[:, :, b, :end], want.kv_2BSKH[:, :, b, :end]
     assert_close(got_kv, want_kv, f"row {b}'s full layers' K,V before its end")
   with pytest.raises(ValueError, match="lengths must be 2 row ends"):
-    prefill_outputs(ours, plan, tokens, 0, [3, T + 1], True)
+    program_result(run, ends_B=[3, T + 1])
 
 
 def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):

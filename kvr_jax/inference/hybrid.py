@@ -1,6 +1,6 @@
 """A hybrid model's cache form (Qwen3.5, Qwen3-Next: linear and full layers; its program is
 kvr_jax/strategies/hybrid.py), `FORM`: `kvr_jax.prefill` plans and runs its program as any
-model's (`prefill.prefill_outputs`; 1-D mesh, or a 2-D one whose ranks are model groups:
+model's (`prefill.run_prefill`; 1-D mesh, or a 2-D one whose ranks are model groups:
 heads, key heads, experts and MLP columns split over "model", kvr_jax.runtime.tensor_parallel)
 and this module places its outputs and decodes from them: the cache joined on the last
 rank (KV-Runahead's last hops and own chunk where they lie; the peers' parts moved there,
@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode, sharded_decode
-from kvr_jax.inference.cache_form import CacheForm, padded_positions
+from kvr_jax.inference.cache_form import ModelCacheForm, padded_positions
 from kvr_jax.inference.rank_moves import (
   replicated_from_rank,
   stacked_on_last_rank,
@@ -342,7 +342,7 @@ def grown(cache: HybridCache, capacity: int) -> HybridCache:
   )
 
 
-FORM = CacheForm(
+FORM = ModelCacheForm(
   name="hybrid",
   runs=runs_hybrid,
   caches=CACHES,

@@ -1,7 +1,7 @@
 """Placing a latent-attention model's prefill (DeepSeek-V3, Kimi K2, Moonlight; its program is
 kvr_jax/strategies/latent.py: KV-Runahead, ring, all-gather CP or TSP) and decoding from its
 latent cache, its cache form `FORM`: `kvr_jax.prefill` plans and runs its program as any
-model's (`prefill.prefill_outputs`; 1-D mesh, or a 2-D one whose ranks are model groups: heads
+model's (`prefill.run_prefill`; 1-D mesh, or a 2-D one whose ranks are model groups: heads
 and experts split over "model", kvr_jax.runtime.tensor_parallel, the latent whole on every
 shard) and this module places its outputs: the cache joined on the last rank (cache="last":
 KV-Runahead's last hop and own chunk where they lie, the peers' parts moved), or left in the
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
 from kvr_jax.inference import decode, sharded_decode
-from kvr_jax.inference.cache_form import CacheForm, padded_positions
+from kvr_jax.inference.cache_form import ModelCacheForm, padded_positions
 from kvr_jax.inference.rank_moves import (
   stacked_on_last_rank,
 )
@@ -169,7 +169,7 @@ def grown(cache_LBSC, capacity: int):
   return padded_positions(cache_LBSC, 2, capacity)
 
 
-FORM = CacheForm(
+FORM = ModelCacheForm(
   name="latent",
   runs=runs_latent,
   caches=CACHES,

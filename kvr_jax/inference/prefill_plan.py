@@ -13,8 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvr_jax.core.layer_support import check_layers_run
-from kvr_jax.inference import hybrid, latent
+from kvr_jax.inference import hybrid, kv_form, latent
 from kvr_jax.inference.auto import auto_one_device, choose_auto_strategy, plan_cache
 from kvr_jax.inference.kv_cache import (
   check_cache,
@@ -93,9 +92,9 @@ class PrefillPlan:
   # ..}, or what "search" or "auto" modelled faster): the full layers' chunks; `partition`
   # and `chunks` are then the linear layers'.
   full_chunks: tuple[int, ...] | None = None
-  # A model whose cache has its own form (a hybrid, a latent model: `cache_form_of`), whose
-  # programs run the plan; None for a K,V model.
-  cache_form: Any = None
+  # What the model keeps of the prompt and how its program's outputs are placed
+  # (`cache_form_of`: K,V, a hybrid's, a latent model's).
+  cache_form: Any = kv_form.FORM
   # The model's layer kinds (`ModelConfig.kinds`): what its program is assembled from.
   kinds: tuple = ()
 
@@ -111,8 +110,7 @@ class PrefillPlan:
     """The program for a model of `graphdef` (a loaded model's, or one built from shapes),
     every model's (`strategies.by_kind.compile_plan`; padded: rows padded past their ends,
     which a linear layer's state stops at; a causal past takes padded rows as it takes any)."""
-    also_kinds = () if self.cache_form is None else self.cache_form.also_kinds
-    return compile_plan(self, graphdef, padded, also_kinds)
+    return compile_plan(self, graphdef, padded, self.cache_form.also_kinds)
 
 
 def plan_from_shape(
@@ -132,7 +130,7 @@ def plan_from_shape(
   kvr_jax.tools.memory compiles from shapes. device_memory: the bytes of the device planned
   for (KV-Runahead's join of its last hops), default the mesh's own."""
   T, choice = shape.prompt_len, None
-  form = cache_form_of(shape.config)  # a hybrid or latent model: its form's programs run
+  form = cache_form_of(shape.config)  # what the model keeps of the prompt, how it is placed
   if isinstance(strategy, str) and strategy == AUTO:
     strategy, partition, choice = choose_auto_strategy(shape, mesh, partition, attention)
   spec = get_strategy(strategy)
@@ -144,8 +142,7 @@ def plan_from_shape(
   if cache == AUTO:  # every layer kind's past counted as it is held (`plan_cache`)
     cache = plan_cache(shape, mesh)
   _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
-  if form is not None:
-    form.check_plan(shape.config, spec, cache)
+  form.check_plan(shape.config, spec, cache)
   if model_parallel(mesh) > 1:
     _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
   kernel = planned_kernel(shape, spec, kernel, mesh.devices.flat[0])
@@ -158,7 +155,7 @@ def plan_from_shape(
   if spec.partitioned and user_chunks is None:
     user_chunks = _plan_partition(shape, partition, mesh, kernel)
   chunks = spec.layout(T, mesh.shape[AXIS], user_chunks)
-  if form is not None and form.check_split is not None:
+  if form.check_split is not None:
     form.check_split(shape.config, spec, T, mesh.shape[AXIS], full_chunks)
   hops = full_chunks or chunks  # the split a hybrid's full layers' hops follow
   keep_last_hop = _keeps_last_hop(shape, spec, cache, hops, mesh, device_memory)
@@ -183,17 +180,16 @@ def plan_from_shape(
 
 
 def cache_form_of(config):
-  """The cache form of `config`'s model where its past is not (K, V) per layer: a hybrid's
-  (any Gated DeltaNet layer: hybrid.FORM) or a latent model's (latent.FORM); None for a
-  model of softmax attention layers alone (its K,V results: `WholeCache`, `CacheParts`)."""
-  return {"hybrid": hybrid.FORM, "latent": latent.FORM, "kv": None}[past_kind(config)]
+  """The cache form of `config`'s model (inference.cache_form): a hybrid's (any Gated
+  DeltaNet layer: hybrid.FORM), a latent model's (latent.FORM), else K,V per layer
+  (kv_form.FORM: `WholeCache`, `CacheParts` results)."""
+  return {"hybrid": hybrid.FORM, "latent": latent.FORM, "kv": kv_form.FORM}[past_kind(config)]
 
 
-def _check_model_and_kernel(config, spec, attention, timeline, form=None):
-  """The model's layer kinds (those of a model whose cache has its own form: `form`), the probes
-  and the kernel named (or "auto") against the strategy and the model's window."""
-  if form is None:
-    check_layers_run(config, "prefill")
+def _check_model_and_kernel(config, spec, attention, timeline, form):
+  """The model's layer kinds (what its cache form refuses of them), the probes and the kernel
+  named (or "auto") against the strategy and the model's window."""
+  form.check_layers(config)
   if timeline and not spec.timeline_probes:
     raise ValueError(
       f"strategy {spec.name!r} has no timeline probes; they are placed in "
@@ -276,11 +272,11 @@ def _split_by_kind(partition: Mapping, form, spec) -> tuple[Any, Any]:
   """A split per layer kind, {"linear": .., "full": ..} (each a partition as `prefill` takes
   one), checked: KV-Runahead on a hybrid model (its linear and full layers balance on
   different splits: strategies.kind_program.KindSplit). Returns (linear, full)."""
-  if not spec.partitioned or form is None or not form.splits_per_kind:
+  if not spec.partitioned or not form.splits_per_kind:
     raise ValueError(
       "a partition per layer kind ({'linear': .., 'full': ..}) is KV-Runahead's on a hybrid "
       f"model (linear and full-attention layers); this plan runs {spec.name!r}"
-      + ("" if form is not None and form.splits_per_kind else " on a model of one kind")
+      + ("" if form.splits_per_kind else " on a model of one kind")
     )
   if sorted(partition) != sorted(KIND_SPLIT_KEYS):
     raise ValueError(
@@ -337,7 +333,7 @@ def _keeps_last_hop(shape: PrefillShape, spec, cache, chunks, mesh, device_memor
   if not spec.keeps_last_hop(cache, chunks, shape.config.kinds):
     return False
   # With padded rows whether the hop holds every row's window is known per run, from the
-  # lengths (`_hop_holds_rows`): a run whose rows it does not hold moves its parts.
+  # lengths (`kv_form.hop_holds_rows`): a run whose rows it does not hold moves its parts.
   return _join_affordable(shape, chunks, mesh, device_memory)
 
 

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 
 from kvr_jax.inference import steppers
-from kvr_jax.inference.cache_form import CacheForm
 from kvr_jax.inference.decode import DecodeLayout
 from kvr_jax.inference.kv_cache import cut_on_last_rank, gather_on_last_rank, kept_on_last_rank
 from kvr_jax.inference.sharded_decode import prompt_order_of_rings
@@ -308,7 +307,8 @@ class ModelCache(PrefillResult):
 
   cache: str
   capacity: int
-  form: CacheForm = dataclasses.field(repr=False)  # the model's (hybrid.FORM, latent.FORM)
+  # The model's `cache_form.ModelCacheForm` (hybrid.FORM, latent.FORM), which builds this result.
+  form: Any = dataclasses.field(repr=False)
   mesh: Any
   config: Any = dataclasses.field(repr=False)
   model_cache: Any = None

@@ -221,9 +221,8 @@ def _measured_setup(model, tokens, mesh) -> dict:
   kernel = get_strategy("kvr").resolve_attention(
     None, first_device, model.dtype, model.config.narrowest_window
   )
-  # A model whose cache has its own form takes the split as data where its form runs it.
-  form = cache_form_of(model.config)
-  takes_data = form is None or form.takes_split_as_data
+  # A model takes the split as data where its cache form runs it.
+  takes_data = cache_form_of(model.config).takes_split_as_data
   one_program = kernel.lengths_as_data and check_mesh(mesh) > 1 and takes_data
   return {
     "program": runahead.SPLIT_AS_DATA if one_program else "kvr",

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference import decode, hybrid, latent, sharded_decode
+from kvr_jax.inference import decode, sharded_decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
   join_on_device,
@@ -366,7 +366,7 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), plan.chunks).shape
   tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
   lowered = plan.compile(graphdef).lower(state_shapes, tokens)
-  past_figures = _PAST_FIGURES[plan.cache_form]
+  past_figures = _PAST_FIGURES[plan.cache_form.name]
   return {
     **report_head(spec, shape, dtype_name, cache, plan.chunks, plan.kernel),
     **analysis(compile_for_figures(lowered, dtype_name)),
@@ -399,8 +399,8 @@ def _kv_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
   return result
 
 
-# compiled_memory's figures of each kind of past, by the model's family (None: K,V).
-_PAST_FIGURES = {None: _kv_figures, hybrid.FORM: hybrid_figures, latent.FORM: latent_figures}
+# compiled_memory's figures of each kind of past, by its cache form's name.
+_PAST_FIGURES = {"kv": _kv_figures, "hybrid": hybrid_figures, "latent": latent_figures}
 
 
 def _in_subprocess(

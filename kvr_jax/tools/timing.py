@@ -50,8 +50,9 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   plan = plan_prefill(model, tokens, cache=cache, **kwargs)
   cache = plan.cache  # "auto" resolved
   # A hybrid or latent model: its join is part of its call (its figures as prefill's).
-  own_form = plan.cache_form is not None
-  result = run_prefill(model, plan, tokens, move_cache=cache != "last" or own_form)
+  result = run_prefill(
+    model, plan, tokens, move_cache=cache != "last" or not plan.cache_form.joins_apart
+  )
   if isinstance(result, ModelCache):  # its join inside the call: no move timed apart
     jax.block_until_ready((result.logits, result.model_cache, result.parts))
     return result, time.perf_counter() - start, None
