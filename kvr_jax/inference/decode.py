@@ -288,7 +288,7 @@ def greedy(logits_BV):
 
 def next_token(logits_BV, key, index: int, temperature, top_k, top_p):
   """Step `index`'s tokens [B]: the most likely at temperature 0, else drawn (`sample`) with
-  the key `fold_in(key, index)`; what `generate` and the models with their own programs
+  the key `fold_in(key, index)`; what `generate` and the models with a cache of their own
   choose, so that the same logits and seed give the same tokens."""
   if temperature == 0:
     return greedy(logits_BV)

@@ -137,7 +137,7 @@ def generate(
   rows, lengths = check_prompts(model, _encode_prompt(model, prompt, chat_template))
   _check_length(model, int(lengths.max()), int(max_new_tokens))
   plan = plan_prefill(model, rows, strategy, mesh, partition, attention, cache, buckets)
-  # A model with its own programs keeps room for the new tokens in its prefill's cache, and
+  # A model with a cache of its own keeps room for the new tokens in its prefill's cache, and
   # its decode writes into that cache: one copy of it, not a grown second one.
   result = run_prefill(model, plan, rows, decode_room=int(max_new_tokens))
   sampling = (temperature, top_k, top_p, seed)

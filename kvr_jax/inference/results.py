@@ -1,7 +1,8 @@
 """What `prefill` returns: the last position's logits and the cache, whole on the last rank
 (`WholeCache`, cache="last") or in the ranks' parts (`CacheParts`, cache="sharded"), or for a
-model whose cache has its own form (a hybrid's, a latent model's: `CacheForm`) that cache in
-either layout (`ModelCache`)."""
+model that keeps a cache of its own (a hybrid's, a latent model's: `cache_form.ModelCacheForm`)
+that cache in either layout (`ModelCache`). The model's cache form builds each
+(inference.cache_form)."""
 
 from __future__ import annotations
 
@@ -289,7 +290,7 @@ class CacheParts(PrefillResult):
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class ModelCache(PrefillResult):
-  """What `prefill` returns for a model with its own programs (a `CacheForm`): a
+  """What `prefill` returns for a model with a cache of its own (a `ModelCacheForm`): a
   `PrefillResult` (logits [B, V] float32 on the last rank's first device, None in a process
   that does not hold it; prompt_len; strategy; partition; attention; lengths; choice) with
   its cache in the model's own form; `cache` ("last" or "sharded") is a field here, where
