@@ -357,7 +357,6 @@ FORM = ModelCacheForm(
   sharded_stepper=sharded_hybrid_stepper,
   one_rank_parts=one_rank_hybrid_parts,
   also_kinds=(FULL_ATTENTION,),
-  takes_split_as_data=True,
   splits_per_kind=True,
   stops_at_row_ends=True,
   check_split=check_split,

@@ -81,12 +81,13 @@ class KVForm(CacheForm):
     plan, model = run.plan, run.model
     mesh, layout = plan.mesh, plan.cache_layout
     kv_parts, last_hop = self._parts_and_hop(run, out)
-    replicated = replicated_logits(plan, logits_pBV)
-    if run.padded:
+    if run.padded:  # every row's logits from the step, replicated (no copy of the program's)
       replicated = sharded_decode.last_real_logits_sharded(
         model, model.state_for(mesh), mesh, layout, kv_parts, run.last_tokens_B, run.lengths_B
       )
       logits_BV = _piece_on(replicated, rank_device(mesh, last_rank(plan.chunks)))
+    else:
+      replicated = replicated_logits(plan, logits_pBV)
     # In one process the owner's logits are every process's.
     replicated = replicated if spans_processes(mesh) else None
     parts = dict(kv_parts=kv_parts, mesh=mesh, last_hop=last_hop, replicated_logits=replicated)

@@ -183,5 +183,4 @@ FORM = ModelCacheForm(
   prompt_part=lambda cache, T: cache[:, :, :T],
   sharded_stepper=sharded_latent_stepper,
   one_rank_parts=one_rank_latent_parts,
-  takes_split_as_data=True,
 )
