@@ -16,7 +16,7 @@ models -> core -> runtime -> strategies -> planning -> inference -> tools.
 
 from kvr_jax.inference.generate import GenerationResult, generate
 from kvr_jax.inference.prefill import prefill
-from kvr_jax.inference.results import CacheParts, PrefillResult, WholeCache
+from kvr_jax.inference.results import PrefillResult
 from kvr_jax.inference.text import TextStream
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime.loading import Model, load_model, save_model
@@ -25,13 +25,11 @@ from kvr_jax.tools.memory import compiled_memory
 from kvr_jax.tools.timing import synthetic_prompt
 
 __all__ = [
-  "CacheParts",
   "GenerationResult",
   "Model",
   "PartitionPlan",
   "PrefillResult",
   "TextStream",
-  "WholeCache",
   "compiled_memory",
   "generate",
   "load_model",

@@ -16,10 +16,10 @@ import pytest
 import kvr_jax
 from kvr_jax.inference import auto as auto_module
 from kvr_jax.inference import kv_cache
+from kvr_jax.inference.cache_form import OwnParts, OwnWhole
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.prefill import plan_prefill
 from kvr_jax.inference.prefill_plan import cache_form_of
-from kvr_jax.inference.results import ModelCache
 from kvr_jax.strategies import base as strategies_base
 from kvr_jax.strategies import runahead
 from models.kernels import get_kernel
@@ -102,8 +102,9 @@ def test_generate_runs_hybrid_and_latent_models_as_one_device(
     ours, tokens, NEW, strategy=strategy, mesh=mesh, partition=partition, cache=cache
   )
   result = out.prefill
-  # One result type: every prefill's is a PrefillResult, its cache here in the model's form.
-  assert isinstance(result, ModelCache) and isinstance(result, kvr_jax.PrefillResult)
+  # One result type: every prefill's is a PrefillResult, its past here in the model's form.
+  assert type(result) is kvr_jax.PrefillResult and result.form is cache_form_of(ours.config)
+  assert isinstance(result.past, OwnWhole if result.cache == "last" else OwnParts)
   for per_layer in (lambda: result.layer_cache(0), result.decode_cache):
     with pytest.raises(ValueError, match="not \\(K, V\\) per layer"):
       per_layer()
@@ -120,13 +121,13 @@ def test_generate_runs_hybrid_and_latent_models_as_one_device(
     _assert_cache_close(case, result.gather_cache(), want_cache)
     # What cache="auto" counts is what one device of the last rank's group holds.
     m = 1 if shape is None else shape[1]
-    held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(result.model_cache))
+    held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(result.past.cache))
     itemsize = np.dtype(ours.dtype).itemsize
     assert held == kv_cache.whole_cache_bytes(
-      ours.config, result.capacity, tokens.shape[0], itemsize, m
+      ours.config, result.past.capacity, tokens.shape[0], itemsize, m
     )
   elif case == LATENT:  # each rank's part where it was computed, its rows at their positions
-    parts, positions = np.asarray(result.parts), result.part_positions
+    parts, positions = np.asarray(result.past.parts), result.past.part_positions
     for rank in range(parts.shape[0]):
       rows = positions[rank] >= 0
       assert_close(
@@ -137,7 +138,7 @@ def test_generate_runs_hybrid_and_latent_models_as_one_device(
     # linear pasts on every rank (split by head on a 2-D mesh: one device's order compared)
     kv = np.asarray(want_cache.kv_2BSKH)
     layout, B = result.cache_layout, tokens.shape[0]
-    parts = np.asarray(result.parts)
+    parts = np.asarray(result.past.parts)
     m = 1 if shape is None else shape[1]
     kv = np.repeat(kv, max(m // ours.config.num_kv_heads, 1), axis=-2)  # as the shards hold
     covered = []
@@ -148,7 +149,7 @@ def test_generate_runs_hybrid_and_latent_models_as_one_device(
         assert_close(got, kv[:, :, :, position : position + length], f"rank {rank}'s K,V")
         covered += range(position, position + length)
     assert sorted(covered) == list(range(T))
-    linear = result.linear_state
+    linear = result.past.linear_state
     assert_close(linear.state_Bhkv, want_cache.linear.state_Bhkv, "linear states")
     if m == 1:
       assert_close(linear.halo_BwC, want_cache.linear.halo_BwC, "convolution halos")
@@ -254,16 +255,16 @@ def test_generate_decodes_into_its_prefills_cache_and_decode_from_into_a_copy(
   copy, the prefill's cache left as it was, and decodes the same tokens."""
   _, ours = models[LATENT]
   out = kvr_jax.generate(ours, tokens, NEW)
-  written = np.asarray(out.prefill.model_cache)  # [L, B, T + NEW, C]
+  written = np.asarray(out.prefill.past.cache)  # [L, B, T + NEW, C]
   assert written.shape[2] == T + NEW
   # Every fed token's latents (the new ones but the last, which is drawn, never fed).
   assert (np.abs(written[:, :, T : T + NEW - 1]).sum(-1) > 0).all()
   assert not written[:, :, T + NEW - 1].any()
   result = kvr_jax.prefill(ours, tokens)
-  before = np.asarray(result.model_cache)
+  before = np.asarray(result.past.cache)
   again = decode_from(ours, result, NEW)
   np.testing.assert_array_equal(again.tokens, oracle[LATENT][2])
-  np.testing.assert_array_equal(np.asarray(result.model_cache), before)
+  np.testing.assert_array_equal(np.asarray(result.past.cache), before)
 
 
 @pytest.mark.default_cases("deepseek-default")
@@ -497,7 +498,7 @@ def test_kvr_last_moves_where_the_join_does_not_fit(models, tokens, oracle, case
   small = plan_from_shape(shape, "kvr", mesh, partition, cache="last", device_memory=64 * 1024)
   assert not small.keep_last_hop
   result = run_prefill(ours, small, tokens)
-  assert result.moved and result.model_cache is not None
+  assert result.moved and result.past.cache is not None
   assert_close(result.logits, oracle[case][0], "last logits")
   _assert_cache_close(case, result.gather_cache(), oracle[case][1])
 
@@ -551,7 +552,7 @@ def test_run_prefill_can_leave_the_cache_where_the_program_put_it(
   plan = plan_prefill(ours, tokens, strategy, mesh, partition, cache="last")
   result = run_prefill(ours, plan, tokens, move_cache=False)
   assert_close(result.logits, oracle[case][0], "last logits")
-  assert result.model_cache is None and result.logits.devices() == {mesh.devices.flat[-1]}
+  assert result.past is None and result.logits.devices() == {mesh.devices.flat[-1]}
   with pytest.raises(ValueError, match="move_cache=False"):
     result.gather_cache()
   with pytest.raises(ValueError, match="holds no cache"):

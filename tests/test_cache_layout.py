@@ -21,8 +21,8 @@ import kvr_jax
 from kvr_jax.inference import auto as auto_module
 from kvr_jax.inference import decode, kv_cache, prefill_plan, sharded_decode
 from kvr_jax.inference.kv_cache import gather_on_last_rank
+from kvr_jax.inference.kv_form import KVParts, KVWhole
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
-from kvr_jax.inference.results import CacheParts
 from kvr_jax.runtime.cache_layout import contiguous_layout
 from kvr_jax.runtime.loading import build_model, preset_config
 from kvr_jax.tools.memory import compiled_memory
@@ -99,13 +99,13 @@ def test_both_layouts_match_single(models, prompt, oracle, strategy, p, partitio
   assert last.moved == (strategy != "kvr" and p > 1) and not sharded.moved
   assert last.full_partition is None and sharded.full_partition is None  # one split, K,V
   # cache="sharded": no whole cache anywhere; each rank's part holds its own positions.
-  assert isinstance(sharded, CacheParts) and not hasattr(sharded, "k_cache")
+  assert isinstance(sharded.past, KVParts) and not hasattr(sharded, "k_cache")
   layout = sharded.cache_layout
   L, B, C, K, H = ref.k_cache.shape
-  assert sharded.kv_parts.shape == (p, L, 2, B * layout.part_len, K, H)
+  assert sharded.past.kv_parts.shape == (p, L, 2, B * layout.part_len, K, H)
   by_device = {
     s.device: np.asarray(s.data[0]).reshape(L, 2, B, layout.part_len, K, H)
-    for s in sharded.kv_parts.addressable_shards
+    for s in sharded.past.kv_parts.addressable_shards
   }
   assert set(by_device) == set(mesh_devices)
   want_kv = np.stack([np.asarray(ref.k_cache), np.asarray(ref.v_cache)], axis=1)
@@ -134,8 +134,10 @@ def test_collective_move_equals_copy(models, prompt, strategy, p, partition):
   program per sender) gives the one-process copy."""
   result = run(models["gqa"], prompt, strategy, p, partition, "sharded")
   mesh = kvr_jax.make_mesh(p)
-  copied = gather_on_last_rank(result.kv_parts, result.cache_layout, mesh, method="copy")
-  collected = gather_on_last_rank(result.kv_parts, result.cache_layout, mesh, method="collective")
+  copied = gather_on_last_rank(result.past.kv_parts, result.cache_layout, mesh, method="copy")
+  collected = gather_on_last_rank(
+    result.past.kv_parts, result.cache_layout, mesh, method="collective"
+  )
   for got, want in zip(collected, copied, strict=True):
     assert got.sharding.device_set == {mesh.devices.reshape(-1)[-1]}
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -180,7 +182,7 @@ def test_kvr_last_cache_is_joined_where_the_hops_left_it(models, prompt, oracle,
   plan = plan_prefill(model, prompt, strategy="kvr", mesh=mesh, partition=partition)
   deferred = run_prefill(model, plan, prompt, move_cache=False)
   L, B, C, K, H = ref.k_cache.shape
-  assert deferred.last_hop.shape == (len(partition), L, 2, B * (C - partition[-1]), K, H)
+  assert deferred.past.last_hop.shape == (len(partition), L, 2, B * (C - partition[-1]), K, H)
   with jax.transfer_guard_device_to_device("disallow_explicit"):
     k, v = deferred.gather_cache()
     ring = run(model, prompt, "ring", 2, None, "sharded")
@@ -358,14 +360,14 @@ def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p
   got = kvr_jax.generate(
     model, prompt, new_tokens, strategy=strategy, mesh=mesh, cache="sharded", **kwargs
   )
-  assert got.prefill.cache == "sharded" and isinstance(got.prefill, CacheParts)
+  assert got.prefill.cache == "sharded" and isinstance(got.prefill.past, KVParts)
   np.testing.assert_array_equal(got.tokens, single.tokens)
   # Step by step, the same tokens fed to both: every step's logits within tolerance.
   tokens = [np.asarray(t, np.int32) for t in single.tokens.T[:-1]]
   want = single_decode_logits(model, ref, tokens)
-  L_f, K, H = got.prefill.kv_parts.shape[1], *got.prefill.kv_parts.shape[4:]
+  L_f, K, H = got.prefill.past.kv_parts.shape[1], *got.prefill.past.kv_parts.shape[4:]
   # A window shorter than the prompt keeps its ring only: no layer left in the parts.
-  kept = got.prefill.kept or decode.DecodeLayout.whole(L_f)
+  kept = got.prefill.past.kept or decode.DecodeLayout.whole(L_f)
   windowed = name == "window"
   assert kept.rings == ((WINDOW,) if windowed else (None,))
   assert L_f == (0 if windowed else model.config.num_layers)
@@ -376,11 +378,11 @@ def test_sharded_decode_matches_single(models, prompt, oracle, name, strategy, p
   state = model.state_on(replicated)
   B = prompt.shape[0]
   tail = jax.numpy.zeros((L_f, 2, B, len(tokens), K, H), device=replicated)
-  caches = jax.tree.map(jax.numpy.copy, got.prefill.rings[0]) if windowed else tail
+  caches = jax.tree.map(jax.numpy.copy, got.prefill.past.rings[0]) if windowed else tail
   prompt_lens = jax.device_put(np.full(B, ref.prompt_len, np.int32), replicated)
   for i, token in enumerate(tokens):
     token = jax.device_put(token, replicated)
-    logits, (caches,) = program(state, token, prompt_lens, got.prefill.kv_parts, (caches,), i)
+    logits, (caches,) = program(state, token, prompt_lens, got.prefill.past.kv_parts, (caches,), i)
     assert_close(logits, want[i], f"{name} {strategy} decode step {i}")
 
 
@@ -528,12 +530,12 @@ def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkey
   tokens = np.random.RandomState(2).randint(0, 512, (1, 40))
   mesh = kvr_jax.make_mesh(2)
   kw = dict(strategy="kvr", mesh=mesh, partition=[24, 16], cache="auto")
-  assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.WholeCache)
+  assert isinstance(kvr_jax.prefill(model, tokens, **kw).past, KVWhole)
   weights = model.config.num_params() * 4
   monkeypatch.setattr(auto_module, "device_memory_bytes", lambda device: weights)
-  assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)
+  assert isinstance(kvr_jax.prefill(model, tokens, **kw).past, KVParts)
   del kw["cache"]  # "auto" is the default
-  assert isinstance(kvr_jax.prefill(model, tokens, **kw), kvr_jax.CacheParts)
+  assert isinstance(kvr_jax.prefill(model, tokens, **kw).past, KVParts)
   got = kvr_jax.generate(model, tokens, 5, **kw).tokens
   np.testing.assert_array_equal(got, kvr_jax.generate(model, tokens, 5).tokens)
 

@@ -280,8 +280,8 @@ def test_latent_prefill_equals_one_device(
   result = prefilled(ours, tokens, mesh, partition, attention, 2, strategy)
   want_logits, want_cache = one_device
   assert_close(result.logits, want_logits, "last logits")
-  assert_close(result.model_cache, want_cache, "latent cache")
-  assert result.logits.devices() == result.model_cache.devices() == {mesh.devices.flat[-1]}
+  assert_close(result.past.cache, want_cache, "latent cache")
+  assert result.logits.devices() == result.past.cache.devices() == {mesh.devices.flat[-1]}
   assert result.moved == (strategy != "kvr")
 
 
@@ -298,8 +298,8 @@ def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
     result = prefilled(ours, tokens, mesh, split, "flash", 2, as_data)
     want_logits, want_cache = one_device
     assert_close(result.logits, want_logits, f"{split}: last logits")
-    assert_close(result.model_cache, want_cache, f"{split}: latent cache")
-    assert result.moved and result.model_cache.devices() == {mesh.devices.flat[-1]}
+    assert_close(result.past.cache, want_cache, f"{split}: latent cache")
+    assert result.moved and result.past.cache.devices() == {mesh.devices.flat[-1]}
   assert TRACE_COUNT["kvr-latent"] - traced <= 1, "a program per split"
 
 
@@ -398,9 +398,9 @@ def test_sharded_latent_cache_decodes_in_place(
   prompt = tokens[:, :length]
   mesh = kvr_jax.make_mesh(ranks)
   result = prefilled(ours, prompt, mesh, partition, None, 6, strategy, cache="sharded")
-  assert result.model_cache is None and result.parts.sharding.spec[0] == AXIS
-  assert {s.device for s in result.parts.addressable_shards} == set(mesh.devices.flat)
-  assert sorted(p for p in result.part_positions.flat if p >= 0) == list(range(length))
+  assert result.cache == "sharded" and result.past.parts.sharding.spec[0] == AXIS
+  assert {s.device for s in result.past.parts.addressable_shards} == set(mesh.devices.flat)
+  assert sorted(p for p in result.past.part_positions.flat if p >= 0) == list(range(length))
   got = kvr_jax.generate(
     ours, prompt, 6, strategy=strategy, mesh=mesh, partition=partition, cache="sharded"
   )
@@ -469,7 +469,7 @@ def test_latent_prefill_on_a_2d_mesh_equals_one_device(
   result = prefilled(ours, tokens, mesh, partition, attention, 2, strategy)
   want_logits, want_cache = one_device
   assert_close(result.logits, want_logits, "last logits")
-  assert_close(result.model_cache, want_cache, "latent cache")
+  assert_close(result.past.cache, want_cache, "latent cache")
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

@@ -106,7 +106,7 @@ def test_prefill_on_a_2d_mesh_matches_one_device(
   want_logits, want_cache = one_device[name]
   assert_close(result.logits, want_logits, "last logits")
   m = shape[1]
-  cache = result.model_cache  # split over the last rank's group by head: device j's part is its own
+  cache = result.past.cache  # split over the last rank's group by head: device j's part is its own
   parts = [
     [np.asarray(shard.data) for shard in sorted(a.addressable_shards, key=_model_index)]
     for a in (cache.kv_2BSKH, cache.linear.state_Bhkv, cache.linear.halo_BwC)

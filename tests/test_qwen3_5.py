@@ -237,9 +237,9 @@ def test_hybrid_prefill_equals_one_device(
   result = prefilled(ours, tokens, mesh, partition, attention, 4, strategy)
   want_logits, want = one_device
   assert_close(result.logits, want_logits, "last logits")
-  assert_close(result.model_cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
-  assert_close(result.model_cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
-  assert_close(result.model_cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  assert_close(result.past.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(result.past.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(result.past.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
   assert result.logits.devices() == {mesh.devices.flat[-1]}
   assert result.moved == (strategy != "kvr")
 
@@ -269,7 +269,7 @@ def test_padded_rows_stop_each_linear_state_at_their_end(
   mesh = kvr_jax.make_mesh(ranks)
   plan = plan_prefill(ours, tokens, strategy, mesh, partition, "flash", "last")
   run = PrefillRun(ours, plan, np.asarray(tokens), np.full(len(tokens), T))
-  got = program_result(run, ends_B=ends).model_cache
+  got = program_result(run, ends_B=ends).past.cache
   _, want = forward(ours.module, tokens, ends)
   assert_close(got.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
   assert_close(got.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
@@ -293,8 +293,8 @@ def test_the_split_as_data_equals_one_device(checkpoints, tokens, one_device):
     result = prefilled(ours, tokens, mesh, split, "flash", 4, as_data)
     want_logits, (want_kv, want_linear) = one_device
     assert_close(result.logits, want_logits, f"{split}: last logits")
-    assert_close(result.model_cache.kv_2BSKH, want_kv, f"{split}: full layers' K,V")
-    got_linear = result.model_cache.linear
+    assert_close(result.past.cache.kv_2BSKH, want_kv, f"{split}: full layers' K,V")
+    got_linear = result.past.cache.linear
     assert_close(got_linear.state_Bhkv, want_linear.state_Bhkv, f"{split}: states")
     assert_close(got_linear.halo_BwC, want_linear.halo_BwC, f"{split}: halos")
     assert result.moved and result.logits.devices() == {mesh.devices.flat[-1]}
@@ -323,7 +323,7 @@ def test_a_second_prefill_traces_nothing_again(checkpoints, tokens, strategy, pa
   again = prefilled(ours, tokens, mesh, partition, "flash", 4, strategy)
   assert TRACE_COUNT["hybrid-join"] == before["hybrid-join"] >= 1
   assert TRACE_COUNT[f"{strategy}-hybrid"] == before[f"{strategy}-hybrid"]
-  assert_close(again.model_cache.kv_2BSKH, first.model_cache.kv_2BSKH, "the same cache")
+  assert_close(again.past.cache.kv_2BSKH, first.past.cache.kv_2BSKH, "the same cache")
 
 
 @pytest.mark.parametrize(
@@ -534,9 +534,9 @@ def test_kvr_with_a_split_per_layer_kind_equals_one_device(
   kinds = {"linear": partition, "full": full_partition}
   got = prefilled(ours, tokens, mesh, kinds, "dense", 4)
   assert_close(got.logits, want_logits, "last logits")
-  assert_close(got.model_cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
-  assert_close(got.model_cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
-  assert_close(got.model_cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
+  assert_close(got.past.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(got.past.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(got.past.cache.linear.halo_BwC, want.linear.halo_BwC, "convolution halos")
   assert got.partition == tuple(partition) and got.full_partition == tuple(full_partition)
   sharded = prefilled(ours, tokens, mesh, kinds, "dense", 4, cache="sharded")
   assert_close(sharded.logits, want_logits, "last logits, cache='sharded'")

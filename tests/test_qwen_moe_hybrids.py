@@ -122,8 +122,8 @@ def test_kvr_prefill_equals_one_device(checkpoints, tokens):
   x_BTD, want = jax.jit(lambda m, t: m.forward(t, capacity=T + 2))(ours.module, tokens)
   result = prefilled(ours, tokens, kvr_jax.make_mesh(3), [30, 25, 15], "flash", 2)
   assert_close(result.logits, ours.module.logits(x_BTD)[:, -1], "last logits")
-  assert_close(result.model_cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
-  assert_close(result.model_cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
+  assert_close(result.past.cache.kv_2BSKH, want.kv_2BSKH, "full layers' K,V")
+  assert_close(result.past.cache.linear.state_Bhkv, want.linear.state_Bhkv, "linear states")
 
 
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier

@@ -235,7 +235,7 @@ def prefill_models():
 def cache_in_prompt_order(result):
   """The cache parts [p, L, 2, B*P, K, H] (host) laid out in prompt order: (k, v) [L, B, C,
   K, H], from the result's CacheLayout."""
-  parts = np.asarray(result.kv_parts)
+  parts = np.asarray(result.past.kv_parts)
   L, K, H, P = parts.shape[1], parts.shape[-2], parts.shape[-1], result.cache_layout.part_len
   parts = parts.reshape(parts.shape[0], L, 2, parts.shape[3] // P, P, K, H)
   runs = result.cache_layout.runs_in_prompt_order()
@@ -254,12 +254,14 @@ def test_strategies_on_a_2d_mesh_match_single(prefill_models, name, strategy, sh
   kw = {} if partition is None else {"partition": partition}
   result = kvr_jax.prefill(model, PROMPT, strategy, mesh=mesh, cache="sharded", **kw)
   assert_close(result.logits, oracle.logits, "logits")
-  assert result.kv_parts.sharding.spec == PartitionSpec(AXIS, None, None, None, MODEL_AXIS, None)
+  assert result.past.kv_parts.sharding.spec == PartitionSpec(
+    AXIS, None, None, None, MODEL_AXIS, None
+  )
   config = model.config
   # The parts hold the layers that keep every position: all of them, or none where a window
   # shorter than the prompt keeps a ring instead (then zeros before it in prompt order).
-  in_parts = np.arange(config.num_layers) if result.kept is None else []
-  assert (result.kept is None) == (name != "window")
+  in_parts = np.arange(config.num_layers) if result.past.kept is None else []
+  assert (result.past.kept is None) == (name != "window")
   k, v = cache_in_prompt_order(result)
   assert k.shape[0] == len(in_parts)
   if len(in_parts):
@@ -315,7 +317,7 @@ def test_kvr_joins_its_last_hop_on_a_2d_mesh_without_a_move(
   monkeypatch.setattr(sharded_decode, "sharded_rings_program", no_move)  # the rings' psum
   result = kvr_jax.prefill(model, PROMPT, "kvr", **kw)
   assert_close(result.logits, oracle.logits, "logits")
-  assert (result.kept is None) == (name != "window")
+  assert (result.past.kept is None) == (name != "window")
   config, m = model.config, shape[1]
   want_k, want_v = (as_kept(x, config.sliding_window) for x in (oracle.k_cache, oracle.v_cache))
   k, v = result.k_cache, result.v_cache

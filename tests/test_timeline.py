@@ -110,7 +110,7 @@ def _probed_latent_model(**kwargs):
   probed = run_prefill(model, plan_prefill(model, tokens, timeline=True, **kwargs), tokens)
   jax.effects_barrier()
   assert_close(probed.logits, plain.logits, "probed logits")
-  assert_close(probed.model_cache, plain.model_cache, "probed latents")
+  assert_close(probed.past.cache, plain.past.cache, "probed latents")
   items = timeline.intervals(
     [{"start_ns": min(e[3] for e in probe.EVENTS), "events": probe.EVENTS}]
   )

@@ -137,8 +137,8 @@ def test_sharded_layout_keeps_a_windowed_layers_ring_only(checkpoints, rows, str
   single = kvr_jax.prefill(ours, rows)
   B = len(rows)
   K, H = ours.config.num_kv_heads, ours.config.head_dim
-  assert got.kept.rings == (WINDOW, None) and got.kv_parts.shape[1] == 1
-  k_ring, v_ring = got.rings[0]
+  assert got.past.kept.rings == (WINDOW, None) and got.past.kv_parts.shape[1] == 1
+  k_ring, v_ring = got.past.rings[0]
   assert k_ring.shape == v_ring.shape == (1, B, WINDOW, K, H)
   assert k_ring.sharding.is_fully_replicated
   k_got, v_got = (np.asarray(x) for x in got.gather_cache())
@@ -216,10 +216,10 @@ def test_kvr_joins_rings_from_its_last_hop_and_chunk(checkpoints, monkeypatch, p
   slots = {p % WINDOW: p for p in range(C - WINDOW, C)}
 
   def check(result):
-    assert result.kept.rings == (WINDOW, None)
-    assert result.k_layers.shape == (1, 2, C, K, H)
-    np.testing.assert_allclose(np.asarray(result.k_layers[0]), k_all[1], atol=1e-5, rtol=0)
-    k_ring, v_ring = (np.asarray(x) for x in result.rings[0])
+    assert result.past.kept.rings == (WINDOW, None)
+    assert result.past.k_layers.shape == (1, 2, C, K, H)
+    np.testing.assert_allclose(np.asarray(result.past.k_layers[0]), k_all[1], atol=1e-5, rtol=0)
+    k_ring, v_ring = (np.asarray(x) for x in result.past.rings[0])
     assert k_ring.shape == (1, 2, WINDOW, K, H)
     for slot, position in slots.items():
       np.testing.assert_allclose(k_ring[0, :, slot], k_all[0, :, position], atol=1e-5, rtol=0)

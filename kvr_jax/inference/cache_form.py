@@ -4,20 +4,23 @@ one prefill path (`kvr_jax.inference.prefill.run_prefill`) and the model's cache
 Every model has one (`prefill_plan.cache_form_of`):
   kv       softmax attention layers alone (Llama, Mistral, Qwen, Gemma 3, Falcon, gpt-oss):
            K,V per layer, a window's ring where the prompt outgrew it
-           (kvr_jax.inference.kv_form.FORM: `WholeCache` / `CacheParts` results)
+           (kvr_jax.inference.kv_form.FORM: a `KVWhole` / `KVParts` past)
   hybrid   Gated DeltaNet's fixed-size state and halo beside full layers' K,V (Qwen3.5,
            Qwen3-Next: kvr_jax.inference.hybrid.FORM)
   latent   one latent per position (DeepSeek-V3, Kimi K2, Moonlight:
            kvr_jax.inference.latent.FORM)
-The last two keep the model's own cache (`ModelCacheForm`: a `ModelCache` result, the model's
-own decode step). `run_prefill` runs the plan's program and hands its outputs to the form,
-which places them as the plan's layout asks (`in_parts`, `joined`), gives a padded row its
-last real token's logits (`at_last_real_tokens`) and says what its one-rank prefill is.
+The last two keep the model's own cache (`ModelCacheForm`: an `OwnWhole` / `OwnParts` past,
+the model's own decode step). Every form's result is a `results.PrefillResult`, which reads
+its past through the form (`stepper`, `gather_cache`, ...). `run_prefill` runs the plan's
+program and hands its outputs to the form, which places them as the plan's layout asks
+(`in_parts`, `joined`), gives a padded row its last real token's logits
+(`at_last_real_tokens`) and says what its one-rank prefill is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvr_jax.inference import decode
-from kvr_jax.inference.results import ModelCache
+from kvr_jax.inference import decode, steppers
+from kvr_jax.inference.results import PrefillResult
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
@@ -119,7 +122,7 @@ class CacheForm:
   # form's programs refuse of a split, by name, once the plan has made it.
   check_split: Callable | None = None
   # Whether run_prefill(move_cache=False) leaves the parts in a result whose join onto the
-  # last rank can run (and be timed) apart (K,V: `CacheParts.moved_to_last_rank`); else the
+  # last rank can run (and be timed) apart (K,V: `KVForm.moved_to_last_rank`); else the
   # join is part of the call.
   joins_apart: bool = False
 
@@ -177,15 +180,82 @@ class CacheForm:
     """A padded batch's result with each row's logits at its last real token."""
     raise NotImplementedError  # pragma: no cover - interface
 
+  # --- how a result reads its past (`PrefillResult`'s methods, each form's own) ------------
+
+  def stepper(self, model, result, lengths_B, max_new_tokens, seed, consume=False):
+    """decode_from's stepper for `result`'s past (kvr_jax.inference.steppers)."""
+    raise NotImplementedError  # pragma: no cover - interface
+
+  def after_decode(self, result, tail, consume: bool, max_new_tokens: int):
+    """`result` after a decode from it: itself, its cache as the prefill left it (a decode
+    that writes into a grown copy)."""
+    del tail, consume, max_new_tokens
+    return result
+
+  def decode_cache(self, result):
+    """The cache as decode reads it (`PrefillResult.decode_cache`)."""
+    raise NotImplementedError  # pragma: no cover - interface
+
+  def gather_cache(self, result):
+    """The cache in one device's layout (`PrefillResult.gather_cache`)."""
+    raise NotImplementedError  # pragma: no cover - interface
+
+  def layer_cache(self, result, layer: int):
+    """(K, V) of one layer (`PrefillResult.layer_cache`)."""
+    raise NotImplementedError  # pragma: no cover - interface
+
+  def moved_to_last_rank(self, result):
+    """The result in parts as cache="last" (a form whose join runs apart: `joins_apart`)."""
+    raise ValueError(
+      f"a {self.name} cache is joined on the last rank inside its prefill: run it with "
+      "move_cache=True"
+    )
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass, data_fields=["cache"], meta_fields=["capacity"]
+)
+@dataclasses.dataclass(frozen=True)
+class OwnWhole:
+  """cache="last"'s past of a model with a cache of its own: `cache` is the model's (a
+  hybrid's `HybridCache`: each full layer's K,V, each linear layer's state and halo; a latent
+  model's [L, B, S, C] latents), S = capacity (the prompt and the room kept for decoding:
+  `generate`'s new tokens, written there), on the last rank's device, or split over its model
+  group on a 2-D mesh (`PrefillResult.decode_mesh`; by head, hybrid.CACHE_SPECS; a latent
+  cache whole on each shard)."""
+
+  cache: Any
+  capacity: int
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["parts", "part_positions", "linear_state"],
+  meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class OwnParts:
+  """cache="sharded"'s past of a model with a cache of its own: each rank's part where the
+  program left it, by rank [p, ...] (a latent model's latents [p, L, B, T_rank, C], a
+  hybrid's full layers' K,V [p, L_full, 2, B*P, K, H] laid out as the result's cache_layout
+  says). part_positions (latent models): the prompt position of each part's rows [p, T_rank]
+  (-1: padding). linear_state (hybrids): the prompt's final linear states and halos on every
+  rank."""
+
+  parts: jax.Array
+  part_positions: np.ndarray | None = None
+  linear_state: Any = None
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelCacheForm(CacheForm):
-  """A form whose cache is the model's own (a hybrid's, a latent model's), a `ModelCache`
-  result, decoded by the model's own step; the hooks say how the program's outputs `out`
+  """A form whose cache is the model's own (a hybrid's, a latent model's: an `OwnWhole` or
+  `OwnParts` past), decoded by the model's own step; the hooks say how the program's outputs `out`
   (per rank [p, ...]) become it.
 
   group_cache_spec: how the joined cache lies over a model group (a PartitionSpec or a
-  pytree of them). left_in_parts(out, plan) -> cache="sharded"'s `ModelCache` fields;
+  pytree of them). left_in_parts(out, plan) -> cache="sharded"'s `OwnParts` fields (and
+  the parts' `cache_layout` where the form's own);
   joined_from_last_hop(out, plan, capacity) -> the cache of `capacity` positions from the
   last rank's outputs alone (KV-Runahead's kept last hops: no move); joined_from_parts(out,
   plan, capacity) -> the cache from every rank's parts moved onto the last rank in prompt
@@ -202,24 +272,37 @@ class ModelCacheForm(CacheForm):
   one_device_layout: Callable  # (config, cache split over m, m) -> one device's layout
   prompt_part: Callable  # (cache, T) -> its first T positions (the room for decoding cut)
   sharded_stepper: Callable
-  # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s ModelCache fields
+  # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s OwnParts fields
   one_rank_parts: Callable
-  # (result, the caches the sharded step returned) -> the result's fields that the step of
+  # (result, the caches the sharded step returned) -> the past's fields that the step of
   # a padded row's last real token changed (`at_last_real_tokens`).
   after_sharded_step: Callable = lambda result, caches: {}
 
-  def _result(self, run: PrefillRun, logits_BV, **fields) -> ModelCache:
+  def _result(self, run: PrefillRun, logits_BV, past=None, **fields) -> PrefillResult:
     plan = run.plan
-    return ModelCache(
-      logits_BV,
+    fields.setdefault("cache_layout", plan.cache_layout)
+    return PrefillResult(
+      logits=logits_BV,
       **result_fields(plan, run.lengths_B),
       cache=plan.cache,
-      capacity=run.capacity,
+      past=past,
       form=self,
       mesh=plan.mesh,
       config=run.model.config,
       **fields,
     )
+
+  def _whole(self, run: PrefillRun, logits_BV, cache, **fields) -> PrefillResult:
+    """cache="last"'s result with the model's cache `cache` (None: another process's)."""
+    past = None if cache is None else OwnWhole(cache, run.capacity)
+    return self._result(run, logits_BV, past, **fields)
+
+  def _in_parts(self, run: PrefillRun, logits_BV, fields: dict, **more) -> PrefillResult:
+    """cache="sharded"'s result from the form's fields of it (`left_in_parts`'s): the parts'
+    own layout where the form gives one (a hybrid's full layers'), else the plan's."""
+    fields = dict(fields)
+    layout = fields.pop("cache_layout", run.plan.cache_layout)
+    return self._result(run, logits_BV, OwnParts(**fields), cache_layout=layout, **more)
 
   def check_run(self, run: PrefillRun, deferred: bool) -> None:
     if run.padded and deferred:
@@ -238,17 +321,16 @@ class ModelCacheForm(CacheForm):
       return self._result(run, logits_BV)
     replicated = replicated_logits(run.plan, logits_pBV)
     fields = self.left_in_parts(out, run.plan)
-    return self._result(run, logits_BV, replicated_logits=replicated, **fields)
+    return self._in_parts(run, logits_BV, fields, replicated_logits=replicated)
 
   def joined(self, run: PrefillRun, logits_BV, out):
     plan = run.plan
     if logits_BV is None and plan.keep_last_hop:  # another process's rank is last
       return self._result(run, None)
     if plan.keep_last_hop:  # the last rank holds every position: its last hops and own chunk
-      cache = self.joined_from_last_hop(out, plan, run.capacity)
-      return self._result(run, logits_BV, model_cache=cache)
+      return self._whole(run, logits_BV, self.joined_from_last_hop(out, plan, run.capacity))
     cache = self.joined_from_parts(out, plan, run.capacity)  # every process sends its parts
-    return self._result(run, logits_BV, model_cache=cache, moved=True)
+    return self._whole(run, logits_BV, cache, moved=True)
 
   def one_rank_prefill(self, run: PrefillRun):
     """strategy="single": the model's own forward on the plan's one device (its model group
@@ -273,8 +355,8 @@ class ModelCacheForm(CacheForm):
     logits_BV, cache = forward(state, *operands)
     logits_BV = jax.device_put(logits_BV, rank_device(mesh, 0))
     if plan.cache == "sharded":  # the cache as the one rank's part
-      return self._result(run, logits_BV, **self.one_rank_parts(cache, plan.prompt_len, mesh))
-    return self._result(run, logits_BV, model_cache=cache)
+      return self._in_parts(run, logits_BV, self.one_rank_parts(cache, plan.prompt_len, mesh))
+    return self._whole(run, logits_BV, cache)
 
   def at_last_real_tokens(self, run: PrefillRun, result):
     """One decode step of each row's last real token at its own position, where the cache
@@ -286,26 +368,81 @@ class ModelCacheForm(CacheForm):
     holds a rank; what the step changed that decoding reads next is kept
     (`after_sharded_step`: a hybrid's linear pasts, and the token's K,V written into its
     part, where the prefill, stopped before it, left other values)."""
-    if result.model_cache is None and result.parts is None:  # held in another process
+    if result.past is None:  # held in another process
       return result
     lengths_B, last_tokens_B = run.lengths_B, run.last_tokens_B
     if result.cache == "last":
       step, cache, _, _ = result.stepper(run.model, lengths_B - 1, 0, 0, consume=True)
       logits_BV, cache = step(last_tokens_B, 0, cache)
       logits_BV = jax.device_put(logits_BV, result.device)
-      return dataclasses.replace(result, logits=logits_BV, model_cache=cache)
+      past = dataclasses.replace(result.past, cache=cache)
+      return dataclasses.replace(result, logits=logits_BV, past=past)
     mesh = result.mesh
     before_last = dataclasses.replace(result, lengths=lengths_B - 1)
     step, caches, _, _ = self.sharded_stepper(run.model, before_last, 1, 0)
     tokens_B = global_array(last_tokens_B.astype(np.int32), NamedSharding(mesh, jax.P()))
     replicated_BV, caches = step(tokens_B, 0, caches)
-    result = dataclasses.replace(result, **self.after_sharded_step(before_last, caches))
+    changed = self.after_sharded_step(before_last, caches)
+    result = dataclasses.replace(result, past=dataclasses.replace(result.past, **changed))
     owner = rank_device(mesh, mesh.shape[AXIS] - 1)
     logits_BV = None  # on the last rank's device, in its process
     if owner.process_index == jax.process_index():
       logits_BV = jax.device_put(replicated_BV.addressable_shards[0].data, owner)
     replicated = replicated_BV if spans_processes(mesh) else None
     return dataclasses.replace(result, logits=logits_BV, replicated_logits=replicated)
+
+  # --- how a result reads its past ---------------------------------------------------------
+
+  def check_held(self, result) -> None:
+    """Refuses a cache="last" result without its cache, by why."""
+    if result.cache == "last" and result.past is None:
+      raise ValueError(
+        "this result holds no cache: its prefill left it where the program put it "
+        "(run_prefill(move_cache=False)), or another process's rank is last and holds it"
+      )
+
+  def stepper(self, model, result, lengths_B, max_new_tokens, seed, consume=False):
+    return steppers.model_cache_stepper(model, result, lengths_B, max_new_tokens, seed, consume)
+
+  def consumed_by(self, result, consume: bool, max_new_tokens: int) -> bool:
+    """Whether a decode of `max_new_tokens` writes into `result`'s cache itself (generate's
+    own, made with the room: consume), its buffer donated to the steps, not into a grown
+    copy."""
+    if not consume or result.cache != "last" or result.past is None:
+      return False
+    return result.past.capacity >= result.prompt_len + max_new_tokens
+
+  def after_decode(self, result, tail, consume: bool, max_new_tokens: int):
+    """Where the decode consumed the result's cache (`consumed_by`): the result with the last
+    step's cache (the prompt's positions and the fed tokens'), the prefill's buffer being
+    donated; else the result itself."""
+    if self.consumed_by(result, consume, max_new_tokens):
+      return dataclasses.replace(result, past=dataclasses.replace(result.past, cache=tail))
+    return result
+
+  def gather_cache(self, result):
+    """The cache (cache="last") as the model's own one-device forward lays it out, on the
+    last rank's first device: a hybrid's split over a model group put back in order
+    (`hybrid.one_device_layout`); a latent cache as it is."""
+    if result.cache != "last":
+      raise ValueError(f"gather_cache reads cache='last'; this prefill ran cache={result.cache!r}")
+    self.check_held(result)
+    # The prompt's positions (not the room kept for decoding), through the host: a group's
+    # arrays are typed with its mesh's axes, which one device lacks.
+    cache = jax.tree.map(lambda a: jax.device_put(np.asarray(a), result.device), result.past.cache)
+    cache = self.one_device_layout(result.config, cache, model_parallel(result.mesh))
+    return self.prompt_part(cache, result.prompt_len)
+
+  def layer_cache(self, result, layer: int):
+    """Refused: a hybrid's or latent model's cache is not one (K, V) per layer."""
+    raise ValueError(
+      f"a {self.name} model's cache is its own form, not (K, V) per layer: read gather_cache()"
+    )
+
+  def decode_cache(self, result):
+    """Refused as `layer_cache` is: its decode reads the past itself
+    (`steppers.model_cache_stepper`)."""
+    return self.layer_cache(result, 0)
 
 
 def padded_positions(array, axis: int, capacity: int):

@@ -63,7 +63,7 @@ class GenerationResult:
 
   tokens: np.ndarray | None
   text: list[str] | None
-  # The prefill's result; a ModelCache's cache after `generate` holds the decoded tokens too
+  # The prefill's result; a model's own cache after `generate` holds the decoded tokens too
   # (the decode wrote into it), after `decode_from` it is as the prefill left it.
   prefill: PrefillResult
   # [B, V] float32: the logits the last token of `tokens` was drawn from (None where tokens
@@ -164,7 +164,7 @@ def decode_from(
 def _decode(
   model, result, max_new_tokens, temperature, top_k, top_p, seed, consume: bool, on_token=None
 ):
-  """`decode_from`; consume: a `ModelCache`'s decode may write into the prefill's own cache
+  """`decode_from`; consume: a model's own cache's decode may write into the prefill's cache
   where it has room (`generate`'s, made with room for the new tokens). Each cache layout
   decodes by its result's own stepper (`PrefillResult.stepper`, kvr_jax.inference.steppers)
   in the one token loop below."""

@@ -46,7 +46,7 @@ from models.qwen3_5 import HybridCache, LinearState, by_kind
 
 
 def left_in_parts(out: dict, plan) -> dict:
-  """cache="sharded"'s `ModelCache` fields (`CacheForm.left_in_parts`): the full layers' K,V
+  """cache="sharded"'s `OwnParts` fields (`ModelCacheForm.left_in_parts`): the full layers' K,V
   parts where they lie [p, L_full, 2, B*P, K, H] by rank, laid out as cache_layout says, the
   final linear state (the last rank's; every peer's is the same) and the prompt's halo on
   every rank (one psum each)."""
@@ -279,18 +279,18 @@ def sharded_hybrid_stepper(model, result, max_new_tokens: int, seed: int):
   replicated = NamedSharding(mesh, jax.P())
   program = hybrid_sharded_step(model.graphdef, mesh, result.cache_layout)
   state = model.state_for(mesh)
-  L, _, rows, K, H = result.parts.shape[1:]
+  L, _, rows, K, H = result.past.parts.shape[1:]
   B = rows // result.cache_layout.part_len
   tail_spec = CACHE_SPECS.kv_2BSKH if m > 1 else jax.P()
   tail = decode.zeros_on(
     (L, 2, B, max_new_tokens, K, H), model.dtype, NamedSharding(mesh, tail_spec)
   )
-  linear = _copied(result.linear_state)
+  parts, linear = result.past.parts, _copied(result.past.linear_state)
   # Each row's own length: a padded row's parts are read up to it, its tokens follow it.
   prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
 
   def step(token_B, index, caches):
-    logits, tail, linear = program(state, token_B, prompt_lens_B, result.parts, *caches, index)
+    logits, tail, linear = program(state, token_B, prompt_lens_B, parts, *caches, index)
     return logits, (tail, linear)
 
   return step, (tail, linear), *sharded_decode.first_draw(result, seed)
@@ -311,7 +311,7 @@ def after_hybrid_step(result, caches) -> dict:
     rows_pB[rank, b] = b * layout.part_len + row  # the parts fold the batch into their rows
   rows_pB = global_array(rows_pB, NamedSharding(mesh, jax.P(AXIS)))
   return dict(
-    parts=_written_into_parts(mesh)(result.parts, tail_L2BMKH, rows_pB), linear_state=linear
+    parts=_written_into_parts(mesh)(result.past.parts, tail_L2BMKH, rows_pB), linear_state=linear
   )
 
 

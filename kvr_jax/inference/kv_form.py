@@ -1,8 +1,8 @@
 """The K,V cache form, `FORM`: a model of softmax attention layers alone (Llama, Mistral,
 Qwen2/3 and their MoE, Mixtral, Gemma 3, Falcon, gpt-oss). Each layer keeps (K, V) per
 position, or where its window is shorter than the prompt a ring of its window
-(decode.DecodeLayout); the result is a `WholeCache` (cache="last": the cache in prompt order
-on the last rank, KV-Runahead's joined from its last hop without a move) or `CacheParts`
+(decode.DecodeLayout); the result's past is a `KVWhole` (cache="last": the cache in prompt
+order on the last rank, KV-Runahead's joined from its last hop without a move) or `KVParts`
 (cache="sharded", and run_prefill(move_cache=False): each rank's part where it was
 computed). Every registered strategy runs it, on 1-D and 2-D meshes.
 """
@@ -10,17 +10,120 @@ computed). Every registered strategy runs it, on 1-D and 2-D meshes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.layer_support import check_layers_run
-from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference import decode, sharded_decode, steppers
 from kvr_jax.inference.cache_form import CacheForm, PrefillRun, replicated_logits, result_fields
-from kvr_jax.inference.results import CacheParts, WholeCache
-from kvr_jax.runtime.mesh import global_array, rank_device, spans_processes
+from kvr_jax.inference.kv_cache import cut_on_last_rank, gather_on_last_rank, kept_on_last_rank
+from kvr_jax.inference.results import PrefillResult
+from kvr_jax.inference.sharded_decode import prompt_order_of_rings
+from kvr_jax.runtime.mesh import (
+  AXIS,
+  MODEL_AXIS,
+  global_array,
+  rank_device,
+  spans_processes,
+)
 from kvr_jax.strategies.base import last_rank
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["k_layers", "v_layers", "rings"],
+  meta_fields=["kept"],
+)
+@dataclasses.dataclass(frozen=True)
+class KVWhole:
+  """cache="last"'s past (the paper's layout): the cache on the last rank's device (its row
+  of devices on a 2-D mesh, heads split over "model"), where decode continues.
+
+  k_layers, v_layers: [L_f, B, S, K, H], S = prompt_len, in prompt order: every layer, or
+  where a window is shorter than the prompt (`kept`, decode.DecodeLayout of the prompt) only
+  the layers that keep every position; such a window's layers keep only a ring, `rings[g]` =
+  (k, v) [L_g, B, W, K, H] per group of `kept` (None for the every-position group), each
+  row's last W prompt positions at slot position mod W: what decode reads, all that moved or
+  was joined."""
+
+  k_layers: jax.Array
+  v_layers: jax.Array
+  kept: decode.DecodeLayout | None = None
+  rings: tuple = ()
+
+  def groups(self) -> tuple[decode.DecodeLayout, tuple]:
+    """(layout, caches): the cache as decode's whole-cache step reads it, per group of the
+    layout (the every-position layers, then each ring), with no copy."""
+    kept = self.kept or decode.DecodeLayout.whole(self.k_layers.shape[0])
+    caches = tuple(
+      (self.k_layers, self.v_layers) if ring is None else self.rings[g]
+      for g, ring in enumerate(kept.rings)
+    )
+    return kept, caches
+
+  def with_groups(self, caches) -> KVWhole:
+    """This past with the caches per group of `groups()`'s layout."""
+    kept, _ = self.groups()
+    every = kept.every_position_group
+    k, v = (self.k_layers, self.v_layers) if every is None else caches[every]
+    rings = tuple(None if ring is None else caches[g] for g, ring in enumerate(kept.rings))
+    return KVWhole(k, v, self.kept, rings if self.kept else ())
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["kv_parts", "last_hop", "rings"],
+  meta_fields=["kept"],
+)
+@dataclasses.dataclass(frozen=True)
+class KVParts:
+  """cache="sharded"'s past: the parts where they were computed. kv_parts [p, L, 2, B*P, K, H]
+  (batch folded into the rows: `strategies.base.unfold_batch(part, cache_layout.part_len)`
+  gives [..., B, P, K, H]) sharded over the result's mesh, rank r's part holding the
+  positions `cache_layout.segments[r]` says. last_hop: KV-Runahead's last-hop messages where
+  the plan kept them (`run_prefill(move_cache=False)`): the last rank's cache is joined from
+  them and its part, without a move (`PrefillResult.moved_to_last_rank`). Where a window is
+  shorter than the prompt (`kept`; else None: every layer in the parts) kv_parts holds only
+  the layers of `kept`'s every-position group, [p, L_f, 2, B*P, K, H]; a windowed layer keeps
+  a ring of its window, `rings[g]` = (k, v) [L_g, B, W, K, H] replicated over the mesh (None
+  for the every-position group), each row's last W prompt positions at slot position mod W
+  (sharded_decode.sharded_rings_program)."""
+
+  kv_parts: jax.Array
+  last_hop: jax.Array | None = None
+  kept: decode.DecodeLayout | None = None
+  rings: tuple = ()
+
+
+def prompt_order(k_full, v_full, kept, rings, lengths, prompt_len: int):
+  """(k, v) [L, B, C, K, H] in prompt order from what is kept where windowed layers keep
+  rings (`kept`; None: k_full, v_full already hold every layer): the every-position layers
+  [L_f, B, C, K, H] as they are, each ring's positions in prompt order (zeros before the
+  window), stacked by layer."""
+  if kept is None:
+    return k_full, v_full
+  pieces = [
+    (k_full, v_full) if ring is None else prompt_order_of_rings(*rings[g], lengths, prompt_len)
+    for g, ring in enumerate(kept.rings)
+  ]
+  return tuple(kept.in_layer_order([kv[i] for kv in pieces]) for i in (0, 1))
+
+
+def _model_heads(k_LBSKH, v_LBSKH, kv_heads: int | None):
+  """(k, v) with the model's KV heads: a head repeated r times over "model" shards (K < m)
+  taken once, so that the cache has single's shape on every mesh."""
+  if k_LBSKH is None or kv_heads is None or k_LBSKH.shape[3] == kv_heads:
+    return k_LBSKH, v_LBSKH
+  repeats = k_LBSKH.shape[3] // kv_heads
+
+  def once(x):  # the heads axis is split over "model": replicate over the row, then slice
+    whole = jax.device_put(x, x.sharding.update(spec=jax.P()))
+    return whole[:, :, :, ::repeats]
+
+  return once(k_LBSKH), once(v_LBSKH)
 
 
 def hop_holds_rows(config, chunks, lengths_B) -> bool:
@@ -45,18 +148,26 @@ def _piece_on(array: jax.Array, device):
 
 @dataclasses.dataclass(frozen=True)
 class KVForm(CacheForm):
-  """K,V per layer (`FORM`): the hooks of `run_prefill` for `WholeCache` and `CacheParts`."""
+  """K,V per layer (`FORM`): the hooks of `run_prefill` for a `KVWhole` or `KVParts` past,
+  and how a result reads it."""
 
   def check_layers(self, config) -> None:
     """A layer no K,V program runs (a kind outside every form) is refused by name."""
     check_layers_run(config, "prefill")
 
-  def _fields(self, run: PrefillRun) -> dict:
+  def _result(self, run: PrefillRun, logits_BV, cache: str, past, **fields) -> PrefillResult:
     plan = run.plan
-    return dict(
+    return PrefillResult(
+      logits=logits_BV,
       **result_fields(plan, run.lengths_B),
+      cache=cache,
+      past=past,
+      form=self,
+      mesh=plan.mesh,
+      config=run.model.config,
       cache_layout=plan.cache_layout,
       kv_heads=run.model.config.num_kv_heads,
+      **fields,
     )
 
   def _parts_and_hop(self, run: PrefillRun, out) -> tuple:
@@ -69,14 +180,13 @@ class KVForm(CacheForm):
     return kv_parts, last_hop
 
   def held_elsewhere(self, run: PrefillRun, deferred: bool):
-    if run.plan.cache == "sharded" or deferred:
-      return CacheParts(None, **self._fields(run), kv_parts=None, mesh=run.plan.mesh)
-    return WholeCache(None, **self._fields(run), k_layers=None, v_layers=None)
+    cache = "sharded" if run.plan.cache == "sharded" or deferred else "last"
+    return self._result(run, None, cache, None)
 
   def in_parts(self, run: PrefillRun, logits_pBV, logits_BV, out, deferred: bool):
-    """The parts where they lie (with KV-Runahead's last hop: `CacheParts.moved_to_last_rank`
-    joins it without a move). A padded row's logits come from one decode step of its last
-    real token over the parts (here, before a window's layers keep only their rings); with
+    """The parts where they lie (with KV-Runahead's last hop: `moved_to_last_rank` joins it
+    without a move). A padded row's logits come from one decode step of its last real token
+    over the parts (here, before a window's layers keep only their rings); with
     cache="sharded", a window the prompt outgrew keeps its ring alone from here on."""
     plan, model = run.plan, run.model
     mesh, layout = plan.mesh, plan.cache_layout
@@ -90,36 +200,102 @@ class KVForm(CacheForm):
       replicated = replicated_logits(plan, logits_pBV)
     # In one process the owner's logits are every process's.
     replicated = replicated if spans_processes(mesh) else None
-    parts = dict(kv_parts=kv_parts, mesh=mesh, last_hop=last_hop, replicated_logits=replicated)
+    past = KVParts(kv_parts, last_hop)
     kept = decode.DecodeLayout.of(model.config, plan.prompt_len)
     if plan.cache == "sharded" and kept.rings != (None,):
       # A window the prompt outgrew: its layers keep only their rings from here on (what
       # decode reads), the parts only the other layers.
       program = sharded_decode.sharded_rings_program(mesh, layout, kept)
       lengths = global_array(np.asarray(run.lengths_B, np.int32), NamedSharding(mesh, jax.P()))
-      parts["kv_parts"], rings = program(kv_parts, lengths)
-      parts.update(kept=kept, rings=rings)
-    return CacheParts(logits_BV, **self._fields(run), **parts)
+      kv_parts, rings = program(kv_parts, lengths)
+      past = KVParts(kv_parts, last_hop, kept, rings)
+    return self._result(run, logits_BV, "sharded", past, replicated_logits=replicated)
 
   def joined(self, run: PrefillRun, logits_BV, out):
     kv_parts, last_hop = self._parts_and_hop(run, out)
-    parts = CacheParts(
-      logits_BV, **self._fields(run), kv_parts=kv_parts, mesh=run.plan.mesh, last_hop=last_hop
+    parts = self._result(run, logits_BV, "sharded", KVParts(kv_parts, last_hop))
+    return self.moved_to_last_rank(parts)
+
+  def moved_to_last_rank(self, result: PrefillResult) -> PrefillResult:
+    """The result in parts as cache="last": the cache brought onto the last rank as
+    prefill(cache="last") brings it, from the parts that run_prefill(move_cache=False) leaves.
+    Every layer in prompt order, or where a window is shorter than the prompt the
+    every-position layers and each window's ring only (kv_cache.kept_on_last_rank:
+    KV-Runahead joins its last hop, the peers move only the rings' windows)."""
+    parts, mesh, layout = result.past, result.mesh, result.cache_layout
+    # The parts move unless KV-Runahead's last hop holds them or one rank holds them all.
+    moved = (parts is None or parts.last_hop is None) and mesh.shape[AXIS] > 1
+    as_last = functools.partial(dataclasses.replace, result, cache="last", moved=moved)
+    as_last = functools.partial(as_last, replicated_logits=None)
+    if parts is None:  # another process holds every part (auto's one-device pick)
+      return as_last(past=None)
+    if parts.kept is not None:  # cut already (cache="sharded"): gather the parts, keep rings
+      k, v, rings = cut_on_last_rank(parts.kv_parts, parts.rings, layout, mesh, parts.kept)
+      return as_last(past=None if k is None else KVWhole(k, v, parts.kept, rings))
+    kept = decode.DecodeLayout.of(result.config, result.prompt_len)
+    if kept.rings == (None,):
+      k, v = gather_on_last_rank(parts.kv_parts, layout, mesh, last_hop=parts.last_hop)
+      return as_last(past=None if k is None else KVWhole(k, v))
+    k, v, rings = kept_on_last_rank(
+      parts.kv_parts, layout, mesh, kept, result.lengths, parts.last_hop
     )
-    return parts.moved_to_last_rank(run.model.config)
+    return as_last(past=None if k is None else KVWhole(k, v, kept, rings))
 
   def at_last_real_tokens(self, run: PrefillRun, result):
     """cache="last": one decode step of each row's last real token at its own position, where
     the whole cache lies (its K,V, already in the cache, are written again identically). The
     parts' rows got theirs in `in_parts`."""
-    if isinstance(result, CacheParts):
+    if result.cache == "sharded":
       return result
-    if result.k_layers is None:  # another process holds the cache and the logits
+    if result.past is None:  # another process holds the cache and the logits
       return dataclasses.replace(result, logits=None)
     logits_BV, caches = decode.last_real_logits(
-      run.model, *result.groups(), run.last_tokens_B, run.lengths_B
+      run.model, *result.past.groups(), run.last_tokens_B, run.lengths_B
     )
-    return result.with_groups(logits_BV, caches)
+    return dataclasses.replace(result, logits=logits_BV, past=result.past.with_groups(caches))
+
+  # --- how a result reads its past ---------------------------------------------------------
+
+  def stepper(self, model, result, lengths_B, max_new_tokens, seed, consume=False):
+    del consume  # a K,V decode grows the cache into a fresh buffer either way
+    if result.cache == "sharded":
+      return steppers.sharded_stepper(model, result, lengths_B, max_new_tokens, seed)
+    # On a ("ranks", "model") mesh the cache's heads are split over the last rank's row (a
+    # result rebuilt around a gathered cache, as timing does, says so by its sharding).
+    spec = getattr(getattr(result.past.k_layers, "sharding", None), "spec", ())
+    on_group = MODEL_AXIS in tuple(spec)
+    stepper = steppers.model_group_stepper if on_group else steppers.whole_cache_stepper
+    return stepper(model, result, lengths_B, max_new_tokens, seed)
+
+  def decode_cache(self, result):
+    past = result.past
+    if past is None:  # another process holds the cache
+      return None, None
+    if result.cache == "last":
+      return prompt_order(
+        past.k_layers, past.v_layers, past.kept, past.rings, result.lengths, result.prompt_len
+      )
+    if past.kept is None:
+      return gather_on_last_rank(
+        past.kv_parts, result.cache_layout, result.mesh, last_hop=past.last_hop
+      )
+    # Windowed layers keep rings: the parts' layers gathered as ever, each ring's positions
+    # in prompt order (zeros before its window), stacked by layer, where the every-position
+    # layers lie (the last rank's device, or its row's heads).
+    k, v, rings = cut_on_last_rank(
+      past.kv_parts, past.rings, result.cache_layout, result.mesh, past.kept
+    )
+    if k is None:
+      return None, None  # another process holds the last rank
+    kv = prompt_order(k, v, past.kept, rings, result.lengths, result.prompt_len)
+    return tuple(jax.device_put(x, k.sharding) for x in kv)
+
+  def gather_cache(self, result):
+    return _model_heads(*self.decode_cache(result), result.kv_heads)
+
+  def layer_cache(self, result, layer: int):
+    k, v = self.gather_cache(result)
+    return k[layer], v[layer]
 
 
 FORM = KVForm(

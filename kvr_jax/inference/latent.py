@@ -48,7 +48,7 @@ def operands(tokens_BT, ends_B, m: int):
 
 
 def left_in_parts(out: dict, plan) -> dict:
-  """cache="sharded"'s `ModelCache` fields (`CacheForm.left_in_parts`): each rank's latents
+  """cache="sharded"'s `OwnParts` fields (`ModelCacheForm.left_in_parts`): each rank's latents
   where the program left them, [p, L, B, T_rank, C] (parts), and the prompt position of each
   of their rows [p, T_rank] (part_positions, -1: padding)."""
   positions = plan.strategy.cache_layout(plan.prompt_len, plan.chunks).positions()
@@ -146,13 +146,13 @@ def sharded_latent_stepper(model, result, max_new_tokens: int, seed: int):
   replicated = NamedSharding(mesh, jax.P())
   program = latent_sharded_step(model.graphdef, mesh)
   state = model.state_for(mesh)
-  positions = global_array(result.part_positions, NamedSharding(mesh, jax.P(AXIS)))
-  L, B, _, C = result.parts.shape[1:]
+  positions = global_array(result.past.part_positions, NamedSharding(mesh, jax.P(AXIS)))
+  L, B, _, C = result.past.parts.shape[1:]
   tail = decode.zeros_on((L, B, max_new_tokens, C), model.dtype, replicated)
   prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
 
   def step(token_B, index, tail):
-    return program(state, token_B, prompt_lens_B, result.parts, positions, tail, index)
+    return program(state, token_B, prompt_lens_B, result.past.parts, positions, tail, index)
 
   return step, tail, *sharded_decode.first_draw(result, seed)
 

@@ -72,8 +72,8 @@ def prefill(
   """Runs the prompt phase and returns each row's last-position logits and the KV cache:
   `run_prefill(model, plan_prefill(model, tokens, ...), tokens)`. A model with its own
   cache form (a hybrid, Qwen3.5; latent attention, DeepSeek-V3: inference.cache_form) runs
-  its programs under the same arguments and returns a `ModelCache` (a `PrefillResult` whose
-  cache is in the model's own form):
+  its programs under the same arguments, its result's past in the model's own form
+  (`cache_form.OwnWhole` / `OwnParts`):
   strategies "single", "kvr", "ring", "allgather" (and "tsp" on latent models) or "auto",
   cache "auto", "last" or "sharded", buckets and ragged batches as on any model (a
   hybrid's linear layers stop each padded row's state at its end).
@@ -152,12 +152,12 @@ def run_prefill(
   its `PrefillResult`, one path for every model: the plan's program, then its outputs placed
   by the model's cache form (`plan.cache_form`: inference.cache_form) as the plan's layout
   asks, and a padded row's logits from one decode step of its last real token. A model with
-  its own cache (a hybrid, a latent model) returns a `ModelCache` whose cache has room for
-  `decode_room` more positions (a K,V cache grows when decode starts). move_cache=False:
-  with cache="last", return as soon as the program's outputs exist (what kvr_jax.tools.timing
-  times apart): a K,V cache laid out as cache="sharded" (plus KV-Runahead's `last_hop`),
-  whose `gather_cache()` then brings it onto the last rank; a model's own cache is not
-  joined at all (the result has the logits alone)."""
+  its own cache (a hybrid, a latent model) keeps room for `decode_room` more positions in
+  it (a K,V cache grows when decode starts). move_cache=False: with cache="last", return as
+  soon as the program's outputs exist (what kvr_jax.tools.timing times apart): a K,V cache
+  laid out as cache="sharded" (plus KV-Runahead's `last_hop`), whose `moved_to_last_rank()`
+  then brings it onto the last rank; a model's own cache is not joined at all (the result
+  has the logits alone)."""
   tokens_BT, lengths_B = _planned_rows(model, plan, tokens)
   run = PrefillRun(model, plan, tokens_BT, lengths_B, decode_room)
   form, deferred = plan.cache_form, not move_cache and plan.cache == "last"

@@ -182,7 +182,7 @@ def plan_from_shape(
 def cache_form_of(config):
   """The cache form of `config`'s model (inference.cache_form): a hybrid's (any Gated
   DeltaNet layer: hybrid.FORM), a latent model's (latent.FORM), else K,V per layer
-  (kv_form.FORM: `WholeCache`, `CacheParts` results)."""
+  (kv_form.FORM: a `KVWhole` / `KVParts` past)."""
   return {"hybrid": hybrid.FORM, "latent": latent.FORM, "kv": kv_form.FORM}[past_kind(config)]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from kvr_jax.inference.prefill import plan_prefill, run_prefill
-from kvr_jax.inference.results import ModelCache, PrefillResult
+from kvr_jax.inference.results import PrefillResult
 from kvr_jax.runtime.loading import Model
 
 
@@ -53,14 +53,13 @@ def _timed_call(model: Model, tokens, cache: str, kwargs: dict):
   result = run_prefill(
     model, plan, tokens, move_cache=cache != "last" or not plan.cache_form.joins_apart
   )
-  if isinstance(result, ModelCache):  # its join inside the call: no move timed apart
-    jax.block_until_ready((result.logits, result.model_cache, result.parts))
+  jax.block_until_ready((result.logits, result.past))  # the past: its form's pytree
+  if not plan.cache_form.joins_apart:  # its join inside the call: no move timed apart
     return result, time.perf_counter() - start, None
-  jax.block_until_ready((result.logits, result.kv_parts, result.last_hop))
   moved = time.perf_counter()
   if cache == "last":
-    result = result.moved_to_last_rank(model.config)
-    jax.block_until_ready((result.k_layers, result.v_layers, result.rings))
+    result = result.moved_to_last_rank()
+    jax.block_until_ready(result.past)
   end = time.perf_counter()
   return result, end - start, end - moved
 
