@@ -29,6 +29,7 @@ from flax import nnx
 
 from models.attention import attend_partial, attend_static
 from models.config import ModelConfig
+from models.kv_cache import KVCache
 from models.norms import rms_norm
 from models.rope import apply_rope
 
@@ -397,7 +398,68 @@ class CausalLM(nnx.Module):
     x_BTD, (k_LBTKH, v_LBTKH) = scan_layers(self, layer, self.embed(tokens_BT))
     return x_BTD, k_LBTKH, v_LBTKH
 
+  def decode_step(self, tokens_B, positions_B, cache: KVCache, reduce=no_reduce):
+    """One token per row, row b at `positions_B[b]` (a scalar: every row's), over the cache
+    `cache` (its rows' positions before then filled): (logits [B, V] float32, the cache with
+    the token's K,V written in). Keys past a row's position are hidden by its causal offset,
+    so the unused tail of the cache (and a shorter row's padding, which its later tokens
+    overwrite) needs no mask; a window whose layer keeps every position masks the keys
+    before it, a ring holds its window alone. `reduce`: as in `forward`."""
+    layout = cache.layout
+    B = tokens_B.shape[0]
+    positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
+    slots_L = jnp.asarray(layout.slot_of_layer, jnp.int32)  # each layer's row in its group
+
+    def layer(block: Block, at, carry):
+      slot = slots_L[at.index]
+      # The cache is carried through the layers and written where it lies (one token's row
+      # per sequence, by index): with it donated, no second copy exists during the step;
+      # attention reads this layer's [B, S_g, K, H] slice.
+      x_B1D, groups = carry
+      group = layout.group_of_window(block.config.kind.window)
+      ring = layout.rings[group]
+      q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
+      if ring is None:
+        k_LBSKH, v_LBSKH = groups[group]
+        k_LBSKH = write_rows(k_LBSKH, (slot,), positions_B, k_B1KH)
+        v_LBSKH = write_rows(v_LBSKH, (slot,), positions_B, v_B1KH)
+        attn_B1NH = block.attend(q_B1NH, k_LBSKH[slot], v_LBSKH[slot], positions_B, "dense")
+        kept = (k_LBSKH, v_LBSKH)
+      else:
+        attn_B1NH, kept = window_ring_attention(
+          block, q_B1NH, k_B1KH, v_B1KH, groups[group], slot, positions_B, ring
+        )
+      groups = (*groups[:group], kept, *groups[group + 1 :])
+      return (block.finish(x_B1D, attn_B1NH, reduce=reduce), groups), None
+
+    carry = (self.embed(tokens_B[:, None]), tuple(cache.groups))
+    (x_B1D, groups), _ = scan_layers(self, layer, carry)
+    return self.logits(x_B1D)[:, 0], KVCache(layout, groups)
+
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:
     """Logits of every position, [B, T, V] float32."""
     x_BTD, _, _ = self.forward(tokens_BT)
     return self.logits(x_BTD)
+
+
+def window_ring_attention(block, q_B1NH, k_B1KH, v_B1KH, ring_kv, slot, positions_B, ring: int):
+  """A windowed layer's decode attention over its ring (`kv_cache.DecodeLayout`): the new
+  token's K,V written at position mod W of layer `slot` of ring_kv ((k, v) [L_g, B, W, K,
+  H]), where the ring lies, then its queries attend the ring. Returns (attn [B, 1, N, H],
+  ring_kv)."""
+  k_LBWKH, v_LBWKH = ring_kv
+  written_B = positions_B % ring
+  k_LBWKH = write_rows(k_LBWKH, (slot,), written_B, k_B1KH)
+  v_LBWKH = write_rows(v_LBWKH, (slot,), written_B, v_B1KH)
+  # The ring holds exactly the window's positions once it is full, in slot order (the softmax
+  # does not care which): nothing to mask then; before, slots past the token's position are
+  # empty, hidden as a causal offset hides them.
+  attn_B1NH = attend_static(
+    q_B1NH,
+    k_LBWKH[slot],
+    v_LBWKH[slot],
+    jnp.minimum(positions_B, ring - 1),
+    "dense",
+    sinks_N=block.sinks_N,
+  )
+  return attn_B1NH, (k_LBWKH, v_LBWKH)

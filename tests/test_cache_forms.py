@@ -15,7 +15,7 @@ import pytest
 
 import kvr_jax
 from kvr_jax.inference import auto as auto_module
-from kvr_jax.inference import kv_cache
+from kvr_jax.inference import decode, kv_cache
 from kvr_jax.inference.cache_form import OwnParts, OwnWhole
 from kvr_jax.inference.generate import decode_from
 from kvr_jax.inference.prefill import plan_prefill
@@ -581,3 +581,26 @@ def test_what_is_not_built_is_refused_by_name(models, tokens):
   result = kvr_jax.prefill(latent, tokens[:1, :8], "single")
   with pytest.raises(ValueError, match="decode it with the model that made it"):
     decode_from(hybrid, result, 2)
+
+
+@pytest.mark.parametrize("case", ["kv", HYBRID, LATENT])
+def test_every_model_decodes_cache_last_by_its_own_decode_step(models, tokens, monkeypatch, case):
+  """One decode path after cache="last": a K,V model, a hybrid and a latent model each run
+  their own `decode_step` over their own cache (a K,V model's `KVCache` too), through
+  `decode.decode_step_of`, and the tokens are single's."""
+  ours = kvr_jax.load_model("tiny-llama") if case == "kv" else models[case][1]
+  seen = []
+  model_class = type(ours.module)
+  own_step = model_class.decode_step
+
+  def recorded(module, tokens_B, positions_B, cache, **kwargs):
+    seen.append("latents" if isinstance(cache, jax.Array) else type(cache).__name__)
+    return own_step(module, tokens_B, positions_B, cache, **kwargs)
+
+  monkeypatch.setattr(model_class, "decode_step", recorded)
+  decode.decode_step_of.cache_clear()  # its steps traced afresh, with the recording method
+  out = kvr_jax.generate(ours, tokens, NEW, strategy="kvr", mesh=kvr_jax.make_mesh(2), cache="last")
+  want = {"kv": "KVCache", HYBRID: "HybridCache", LATENT: "latents"}[case]
+  assert seen and set(seen) == {want}, seen  # traced once per compiled step
+  single = kvr_jax.generate(ours, tokens, NEW)
+  np.testing.assert_array_equal(out.tokens, single.tokens)

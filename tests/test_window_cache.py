@@ -79,9 +79,9 @@ def test_rings_hold_each_rows_last_window(checkpoints):
   k = rng.randn(L, B, C, K, H).astype(np.float32)
   v = rng.randn(L, B, C, K, H).astype(np.float32)
   layout = decode.DecodeLayout.of(config, capacity=12)
-  (k_ring, v_ring), (k_full, v_full) = decode.decode_caches(
-    k, v, np.asarray([10, 4], np.int32), layout, 12
-  )
+  cache = decode.decode_caches(k, v, np.asarray([10, 4], np.int32), layout, 12)
+  assert cache.layout == layout
+  (k_ring, v_ring), (k_full, v_full) = cache.groups
   assert k_ring.shape == (1, B, WINDOW, K, H) and k_full.shape == (1, B, 12, K, H)
   for slot, position in zip(range(WINDOW), [6, 7, 8, 9, 4, 5], strict=True):
     np.testing.assert_array_equal(k_ring[0, 0, slot], k[0, 0, position])

@@ -183,7 +183,27 @@ class CacheForm:
   # --- how a result reads its past (`PrefillResult`'s methods, each form's own) ------------
 
   def stepper(self, model, result, lengths_B, max_new_tokens, seed, consume=False):
-    """decode_from's stepper for `result`'s past (kvr_jax.inference.steppers)."""
+    """decode_from's stepper for `result`'s past (kvr_jax.inference.steppers): cache="last"
+    the one for every model (`steppers.last_rank_stepper`: the model's own decode step over
+    `decode_past`), cache="sharded" the form's own (`sharded_stepper(model, result,
+    max_new_tokens, seed)`: each form's parts read where they lie)."""
+    if model.config != result.config:
+      raise ValueError(
+        f"this cache is a {result.config.architecture} model's ({self.name} cache); decode "
+        "it with the model that made it"
+      )
+    if result.cache == "sharded":
+      return self.sharded_stepper(model, result, max_new_tokens, seed)
+    return steppers.last_rank_stepper(model, result, lengths_B, max_new_tokens, seed, consume)
+
+  def decode_past(self, result, lengths_B, capacity: int, consume: bool):
+    """cache="last": the model's own decode cache from `result`'s past, with room for
+    `capacity` positions (lengths_B: each row's, placed where the cache decodes)."""
+    raise NotImplementedError  # pragma: no cover - interface
+
+  def decode_cache_spec(self, cache):
+    """How `decode_past`'s cache lies over the last rank's model group (a PartitionSpec or a
+    pytree of them, `cache`'s structure)."""
     raise NotImplementedError  # pragma: no cover - interface
 
   def after_decode(self, result, tail, consume: bool, max_new_tokens: int):
@@ -262,7 +282,7 @@ class ModelCacheForm(CacheForm):
   order (None in a process without it). grown(cache, capacity) -> the cache with room for
   `capacity` positions (a fresh buffer: the decode steps donate theirs).
   sharded_stepper(model, result, max_new_tokens, seed): decode from cache="sharded"
-  (`steppers.model_cache_stepper`'s return)."""
+  (`CacheForm.stepper`'s return)."""
 
   group_cache_spec: Any
   left_in_parts: Callable
@@ -401,8 +421,18 @@ class ModelCacheForm(CacheForm):
         "(run_prefill(move_cache=False)), or another process's rank is last and holds it"
       )
 
-  def stepper(self, model, result, lengths_B, max_new_tokens, seed, consume=False):
-    return steppers.model_cache_stepper(model, result, lengths_B, max_new_tokens, seed, consume)
+  def decode_past(self, result, lengths_B, capacity: int, consume: bool):
+    """The model's cache grown to `capacity` (a fresh buffer: the steps donate theirs), or
+    generate's own, written in place where it has the room (`consumed_by`)."""
+    del lengths_B  # a model's own cache holds its rows' lengths as written
+    self.check_held(result)
+    if self.consumed_by(result, consume, capacity - result.prompt_len):
+      return result.past.cache  # generate's own: the steps donate and write into it
+    return self.grown(result.past.cache, capacity)
+
+  def decode_cache_spec(self, cache):
+    del cache
+    return self.group_cache_spec
 
   def consumed_by(self, result, consume: bool, max_new_tokens: int) -> bool:
     """Whether a decode of `max_new_tokens` writes into `result`'s cache itself (generate's
@@ -441,7 +471,7 @@ class ModelCacheForm(CacheForm):
 
   def decode_cache(self, result):
     """Refused as `layer_cache` is: its decode reads the past itself
-    (`steppers.model_cache_stepper`)."""
+    (`CausalLM.decode_step` overridden: `steppers.last_rank_stepper`)."""
     return self.layer_cache(result, 0)
 
 

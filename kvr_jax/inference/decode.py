@@ -1,13 +1,16 @@
-"""Decode from a KV cache: one jitted step per token, and token sampling.
+"""Decode: one jitted step per token, and token sampling.
 
 Two steps, one per cache layout (kvr_jax.inference.kv_cache):
-* `decode_step`: the whole cache on one device (cache="last": the last rank's device), where
-  the step runs without moving the cache. On a ("ranks", "model") mesh the last rank is a
-  row of devices holding the cache with its heads split: `model_group_decode_step` runs the
-  same step there as tensor-parallel shards (a psum after each partial sum).
-* `sharded_decode_program`: the cache left in the ranks' parts (cache="sharded"). Every rank
-  runs the new token's projections and MLP (the weights are replicated, so no hidden state
-  is sent), attends the token's queries to its own part only, and the partial outputs are
+* cache="last": the model's own `decode_step` over its own cache (a K,V model's
+  `models.kv_cache.KVCache`, a hybrid's, a latent model's), one program for every model, on
+  the last rank's device where the cache lies (`decode_step_of`). On a ("ranks", "model")
+  mesh the last rank is a row of devices holding the cache split by head:
+  `group_decode_step` runs the same step there as tensor-parallel shards (a psum after each
+  partial sum).
+* `sharded_decode.sharded_decode_program`: the cache left in the ranks' parts
+  (cache="sharded"). Every rank runs the new token's projections and MLP (the weights are
+  replicated, so no hidden state is sent), attends the token's queries to its own part
+  only, and the partial outputs are
   merged exactly by log-sum-exp in float32 across the ranks (flash-decoding across devices,
   pass-Q: only [B, 1, N, H] outputs and [B, 1, N] statistics travel, never K,V). The decoded
   tokens' own K,V (the "tail", max_new_tokens long) are computed identically on every rank
@@ -18,7 +21,6 @@ Two steps, one per cache layout (kvr_jax.inference.kv_cache):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -27,65 +29,9 @@ import numpy as np
 from flax import nnx
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, split_dims
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
-from models import scan_layers
-from models.attention import attend_static
-from models.base import no_reduce, write_rows
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeLayout:
-  """How the whole-cache decode keeps each layer's K,V: layers stacked in groups, a group by
-  the positions it keeps. `rings[g]` None: every position (a full layer, or a window that
-  never binds within the cache's capacity), written at its position; W: a windowed layer's
-  last W positions only, a ring buffer written at position mod W (its queries see exactly
-  those W keys, so nothing before the window is kept or read). Layer l is slot
-  `slot_of_layer[l]` of group `group_of_layer[l]`."""
-
-  rings: tuple[int | None, ...]
-  group_of_layer: tuple[int, ...]
-  slot_of_layer: tuple[int, ...]
-
-  @classmethod
-  def whole(cls, num_layers: int) -> DecodeLayout:
-    """Every layer keeps every position, in one stack [L, B, S, K, H] (layer l at slot l)."""
-    return cls((None,), (0,) * num_layers, tuple(range(num_layers)))
-
-  @classmethod
-  def of(cls, config, capacity: int) -> DecodeLayout:
-    """`config`'s layers for a cache of `capacity` positions (prompt and new tokens): a
-    window shorter than the capacity keeps a ring of its size."""
-    ring_L = [w if w is not None and w < capacity else None for w in config.windows]
-    rings = tuple(dict.fromkeys(ring_L))
-    group_L = [rings.index(r) for r in ring_L]
-    slot_L = [group_L[:l].count(g) for l, g in enumerate(group_L)]
-    return cls(rings, tuple(group_L), tuple(slot_L))
-
-  def group_of_window(self, window: int | None) -> int:
-    """The group of a layer whose window is `window` (static inside a layer's body)."""
-    return self.rings.index(window if window in self.rings else None)
-
-  def layers_of(self, group: int) -> np.ndarray:
-    """The layers of `group`, in slot order."""
-    return np.flatnonzero(np.asarray(self.group_of_layer) == group)
-
-  @property
-  def every_position_group(self) -> int | None:
-    """The group of the layers that keep every position (None where every layer keeps a
-    ring)."""
-    return self.rings.index(None) if None in self.rings else None
-
-  @property
-  def every_position_layers(self) -> np.ndarray:
-    """The layers that keep every position, in slot order (none where all keep rings)."""
-    group = self.every_position_group
-    return np.zeros(0, int) if group is None else self.layers_of(group)
-
-  def in_layer_order(self, per_group: list) -> jax.Array:
-    """Arrays per group [L_g, ...] (same trailing shape) stacked back into layer order."""
-    order = np.concatenate([self.layers_of(g) for g in range(len(self.rings))])
-    return jnp.concatenate(per_group)[np.argsort(order)]
+from models.kv_cache import DecodeLayout, KVCache
 
 
 def take_slots(x, index_BW, axis: int):
@@ -107,121 +53,24 @@ def ring_positions(lengths_B, ring: int):
   return last_B1 - jnp.mod(last_B1 - jnp.arange(ring), ring)
 
 
-def _step(graphdef, state, tokens_B, positions_B, caches, layout, reduce=no_reduce):
-  """The decode step's body over the cache `caches` (per group of `layout`, (k, v) [L_g, B,
-  S_g, K, H]); `reduce` adds tensor-parallel shards' partial sums."""
-  model = nnx.merge(graphdef, state)
-  B = tokens_B.shape[0]
-  positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
-
-  slots_L = jnp.asarray(layout.slot_of_layer, jnp.int32)  # each layer's row in its group
-
-  def layer(block, at, carry):
-    slot = slots_L[at.index]
-    # The cache is carried through the layers and written where it lies (one token's row per
-    # sequence, by index): with it donated, no second copy exists during the step; attention
-    # reads this layer's [B, S_g, K, H] slice.
-    x_B1D, caches = carry
-    group = layout.group_of_window(block.config.kind.window)
-    ring = layout.rings[group]
-    q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, positions_B[:, None])
-    if ring is None:
-      k_LBSKH, v_LBSKH = caches[group]
-      k_LBSKH = write_rows(k_LBSKH, (slot,), positions_B, k_B1KH)
-      v_LBSKH = write_rows(v_LBSKH, (slot,), positions_B, v_B1KH)
-      attn_B1NH = block.attend(q_B1NH, k_LBSKH[slot], v_LBSKH[slot], positions_B, "dense")
-      kept = (k_LBSKH, v_LBSKH)
-    else:
-      attn_B1NH, kept = ring_attention(
-        block, q_B1NH, k_B1KH, v_B1KH, caches[group], slot, positions_B, ring
-      )
-    caches = (*caches[:group], kept, *caches[group + 1 :])
-    return (block.finish(x_B1D, attn_B1NH, reduce=reduce), caches), None
-
-  (x_B1D, caches), _ = scan_layers(model, layer, (model.embed(tokens_B[:, None]), tuple(caches)))
-  return model.logits(x_B1D)[:, 0], caches
-
-
-def ring_attention(block, q_B1NH, k_B1KH, v_B1KH, ring_kv, slot, positions_B, ring: int):
-  """A windowed layer's decode attention over its ring (`DecodeLayout`): the new token's K,V
-  written at position mod W of layer `slot` of ring_kv ((k, v) [L_g, B, W, K, H]), where the
-  ring lies, then its queries attend the ring. Returns (attn [B, 1, N, H], ring_kv)."""
-  k_LBWKH, v_LBWKH = ring_kv
-  written_B = positions_B % ring
-  k_LBWKH = write_rows(k_LBWKH, (slot,), written_B, k_B1KH)
-  v_LBWKH = write_rows(v_LBWKH, (slot,), written_B, v_B1KH)
-  # The ring holds exactly the window's positions once it is full, in slot order (the softmax
-  # does not care which): nothing to mask then; before, slots past the token's position are
-  # empty, hidden as a causal offset hides them.
-  attn_B1NH = attend_static(
-    q_B1NH,
-    k_LBWKH[slot],
-    v_LBWKH[slot],
-    jnp.minimum(positions_B, ring - 1),
-    "dense",
-    sinks_N=block.sinks_N,
-  )
-  return attn_B1NH, (k_LBWKH, v_LBWKH)
-
-
-@kept_cache(32)
-def model_group_decode_step(graphdef, group_mesh, layout: DecodeLayout):
-  """`ring_decode_step` on one rank's row of devices (a ("ranks", "model") mesh of one rank):
-  the weights split as the prefill split them (`Model.state_split_over(group_mesh)`), the
-  caches as `layout` keeps them (`decode_caches`) with their heads split over "model", tokens
-  and positions replicated; returns (logits [B, V] replicated, caches)."""
-  P = jax.P
-  heads = split_dims("LBSKH", K=MODEL_AXIS)
-  caches_spec = tuple((heads, heads) for _ in layout.rings)
-
-  def shard_step(state, tokens_B, positions_B, caches):
-    return _step(graphdef, state, tokens_B, positions_B, caches, layout, psum_over_model)
-
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def step(state, tokens_B, positions_B, caches):
-    # check_vma=False as in strategies.base.spmd: the psummed logits are whole on every shard.
-    return jax.shard_map(
-      shard_step,
-      mesh=group_mesh,
-      in_specs=(partition_specs(state, group_mesh.shape[MODEL_AXIS]), P(), P(), caches_spec),
-      out_specs=(P(), caches_spec),
-      check_vma=False,
-    )(state, tokens_B, positions_B, caches)
-
-  return step
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4, 5))
 def decode_step(graphdef, state, tokens_B, positions_B, k_cache, v_cache):
-  """Appends one token per sequence, row b at `positions_B[b]` (rows of a ragged batch sit at
-  their own lengths; a scalar is every row's); returns (logits [B, V], k_cache, v_cache).
-
-  k_cache, v_cache: [L, B, S_max, K, H] with each row's positions [0, positions_B[b]) filled.
-  Keys past a row's position are hidden by its causal offset, so the unused tail of the cache
-  (and a shorter row's padding, which its later tokens overwrite) needs no mask; with a
-  sliding window W keys before position - W + 1 are masked (they may be zeros after a
-  windowed KV-Runahead prefill). `ring_decode_step` keeps a windowed layer's window only.
-  """
-  caches = ((k_cache, v_cache),)
-  logits, ((k_cache, v_cache),) = _step(
-    graphdef, state, tokens_B, positions_B, caches, DecodeLayout.whole(k_cache.shape[0])
-  )
+  """One token per row over a whole K,V cache, every layer keeping every position: (logits
+  [B, V], k_cache, v_cache), the caches [L, B, S_max, K, H] donated (the model's
+  `decode_step`, `decode_step_of`; with a sliding window W keys before position - W + 1 are
+  masked, where a windowed KV-Runahead prefill may have left zeros). A ring per window:
+  `decode_caches`, then `decode_step_of`."""
+  cache = KVCache(DecodeLayout.whole(k_cache.shape[0]), ((k_cache, v_cache),))
+  logits, cache = decode_step_of(graphdef)(state, tokens_B, positions_B, cache)
+  ((k_cache, v_cache),) = cache.groups
   return logits, k_cache, v_cache
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def ring_decode_step(graphdef, layout: DecodeLayout, state, tokens_B, positions_B, caches):
-  """`decode_step` over a cache kept as `layout` says (`decode_caches`): per group (k, v)
-  [L_g, B, S_g, K, H], a windowed layer's a ring of its window; returns (logits [B, V],
-  caches)."""
-  return _step(graphdef, state, tokens_B, positions_B, caches, layout)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def decode_caches(
   k_LBCKH, v_LBCKH, lengths_B, layout: DecodeLayout, capacity: int, kept=None, rings=()
-):
-  """A prompt's cache as `ring_decode_step` keeps it with room for `capacity` positions: per
+) -> KVCache:
+  """A prompt's cache as the model's decode step reads it (a `KVCache` of `layout`) with room
+  for `capacity` positions: per
   group of `layout`, (k, v) [L_g, B, capacity, K, H] for layers that keep every position, and
   for a window W [L_g, B, W, K, H] holding each row's last W positions at slot position mod W
   (zeros where the row is shorter than the window).
@@ -248,7 +97,7 @@ def decode_caches(
       continue
     position_BW = ring_positions(lengths_B, ring)
     caches.append(tuple(take_slots(x, position_BW, axis=2) for x in (k, v)))
-  return tuple(caches)
+  return KVCache(layout, tuple(caches))
 
 
 def zeros_on(shape, dtype, sharding) -> jax.Array:
@@ -322,25 +171,23 @@ def sample(logits_BV, key, temperature, *, top_k: int | None, top_p: float | Non
 # --- the logits of padded rows' last real tokens (kvr_jax.inference.prefill)
 
 
-def last_real_logits(model, layout: DecodeLayout, caches, last_tokens_B, lengths_B):
+def last_real_logits(model, cache: KVCache, last_tokens_B, lengths_B):
   """One decode step of each row's last real token at its own position, where the whole
-  cache lies (per group of `layout`, as cache="last" keeps it): (its logits, the caches). Its
-  K,V, already in the cache (a ring's slot holds it too), are written again identically."""
-  cache_device = next(iter(caches[0][0].devices()))
-  return ring_decode_step(
-    model.graphdef,
-    layout,
+  cache lies (as cache="last" keeps it): (its logits, the cache). Its K,V, already in the
+  cache (a ring's slot holds it too), are written again identically."""
+  cache_device = next(iter(cache.groups[0][0].devices()))
+  return decode_step_of(model.graphdef)(
     model.state_on(cache_device),
     jax.device_put(last_tokens_B, cache_device),
     jax.device_put(lengths_B - 1, cache_device),
-    caches,
+    cache,
   )
 
 
 @kept_cache(8)
 def decode_step_of(graphdef):
-  """The model's own `decode_step` (a hybrid's or latent model's cache, in its own form),
-  jitted once per graphdef (not per call).
+  """The model's own `decode_step` over its own cache (a K,V model's `KVCache`, a hybrid's
+  `HybridCache`, a latent model's latents), jitted once per graphdef (not per call).
   The cache is donated: each step writes the new token into it where it lies (without, XLA
   outputs a second cache every step: bench-qwen3.5 at 16k, 65.1 MiB beside its 64 MiB)."""
 
@@ -355,9 +202,9 @@ def decode_step_of(graphdef):
 def group_decode_step(graphdef, row_mesh, cache_spec):
   """The model's decode step on one rank's model group (a ("ranks", "model") mesh of one
   rank): (state split over "model", tokens [B], positions [B], cache placed by `cache_spec`
-  (a PartitionSpec, or a pytree of them: a latent cache whole on every shard, a hybrid's split
-  by head), donated) -> (logits [B, V] replicated, the cache moved on). Each shard runs its
-  heads and experts; the psums over "model" add their partial sums."""
+  (a PartitionSpec, or a pytree of them: a latent cache whole on every shard, a hybrid's and a
+  K,V cache split by head), donated) -> (logits [B, V] replicated, the cache moved on). Each
+  shard runs its heads and experts; the psums over "model" add their partial sums."""
   P = jax.P
 
   def shard_step(state, tokens_B, positions_B, cache):

@@ -28,8 +28,10 @@ from kvr_jax.runtime.mesh import (
   global_array,
   rank_device,
   spans_processes,
+  split_dims,
 )
 from kvr_jax.strategies.base import last_rank
+from models.kv_cache import KVCache
 
 
 @functools.partial(
@@ -54,22 +56,22 @@ class KVWhole:
   kept: decode.DecodeLayout | None = None
   rings: tuple = ()
 
-  def groups(self) -> tuple[decode.DecodeLayout, tuple]:
-    """(layout, caches): the cache as decode's whole-cache step reads it, per group of the
-    layout (the every-position layers, then each ring), with no copy."""
+  def decode_cache(self) -> KVCache:
+    """The cache as the model's decode step reads it, with no copy and no room beyond the
+    prompt: per group of the kept layout (the every-position layers, then each ring)."""
     kept = self.kept or decode.DecodeLayout.whole(self.k_layers.shape[0])
-    caches = tuple(
+    groups = tuple(
       (self.k_layers, self.v_layers) if ring is None else self.rings[g]
       for g, ring in enumerate(kept.rings)
     )
-    return kept, caches
+    return KVCache(kept, groups)
 
-  def with_groups(self, caches) -> KVWhole:
-    """This past with the caches per group of `groups()`'s layout."""
-    kept, _ = self.groups()
+  def with_groups(self, cache: KVCache) -> KVWhole:
+    """This past from a decode cache of `decode_cache()`'s layout."""
+    kept, groups = cache.layout, cache.groups
     every = kept.every_position_group
-    k, v = (self.k_layers, self.v_layers) if every is None else caches[every]
-    rings = tuple(None if ring is None else caches[g] for g, ring in enumerate(kept.rings))
+    k, v = (self.k_layers, self.v_layers) if every is None else groups[every]
+    rings = tuple(None if ring is None else groups[g] for g, ring in enumerate(kept.rings))
     return KVWhole(k, v, self.kept, rings if self.kept else ())
 
 
@@ -249,23 +251,31 @@ class KVForm(CacheForm):
       return result
     if result.past is None:  # another process holds the cache and the logits
       return dataclasses.replace(result, logits=None)
-    logits_BV, caches = decode.last_real_logits(
-      run.model, *result.past.groups(), run.last_tokens_B, run.lengths_B
+    logits_BV, cache = decode.last_real_logits(
+      run.model, result.past.decode_cache(), run.last_tokens_B, run.lengths_B
     )
-    return dataclasses.replace(result, logits=logits_BV, past=result.past.with_groups(caches))
+    return dataclasses.replace(result, logits=logits_BV, past=result.past.with_groups(cache))
 
   # --- how a result reads its past ---------------------------------------------------------
 
-  def stepper(self, model, result, lengths_B, max_new_tokens, seed, consume=False):
-    del consume  # a K,V decode grows the cache into a fresh buffer either way
-    if result.cache == "sharded":
-      return steppers.sharded_stepper(model, result, lengths_B, max_new_tokens, seed)
-    # On a ("ranks", "model") mesh the cache's heads are split over the last rank's row (a
-    # result rebuilt around a gathered cache, as timing does, says so by its sharding).
-    spec = getattr(getattr(result.past.k_layers, "sharding", None), "spec", ())
-    on_group = MODEL_AXIS in tuple(spec)
-    stepper = steppers.model_group_stepper if on_group else steppers.whole_cache_stepper
-    return stepper(model, result, lengths_B, max_new_tokens, seed)
+  def sharded_stepper(self, model, result, max_new_tokens: int, seed: int):
+    return steppers.sharded_stepper(model, result, max_new_tokens, seed)
+
+  def decode_past(self, result, lengths_B, capacity: int, consume: bool):
+    """The cache grown into a fresh buffer for `capacity` positions (generate's own too: the
+    prefill's is never written), a window shorter than the capacity kept as its ring alone
+    (decode.decode_caches)."""
+    del consume
+    past = result.past
+    layout = decode.DecodeLayout.of(result.config, capacity)
+    return decode.decode_caches(
+      past.k_layers, past.v_layers, lengths_B, layout, capacity, past.kept, past.rings
+    )
+
+  def decode_cache_spec(self, cache: KVCache) -> KVCache:
+    """Every group's K,V split by head over "model" (as the prefill left it)."""
+    heads = split_dims("LBSKH", K=MODEL_AXIS)
+    return KVCache(cache.layout, tuple((heads, heads) for _ in cache.groups))
 
   def decode_cache(self, result):
     past = result.past

@@ -17,19 +17,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference.decode import (
-  DecodeLayout,
-  ring_attention,
-  ring_positions,
-  take_slots,
-  zeros_on,
-)
+from kvr_jax.inference.decode import DecodeLayout, ring_positions, take_slots, zeros_on
 from kvr_jax.runtime.cache_layout import CacheLayout, parts_spec, unfold_batch
 from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS, global_array, model_parallel, split_dims
 from kvr_jax.runtime.tensor_parallel import partition_specs, psum_over_model
 from models import scan_layers
 from models.attention import attend_with_lse, merge_partials
-from models.base import no_reduce
+from models.base import no_reduce, window_ring_attention
 from models.flash import attend_flash
 
 
@@ -222,7 +216,7 @@ def sharded_decode_program(graphdef, mesh, layout: CacheLayout, kept: DecodeLayo
     group = kept.group_of_window(window)
     q_B1NH, k_B1KH, v_B1KH = block.project_qkv(x_B1D, step.positions_B[:, None])
     if kept.rings[group] is not None:
-      attn_B1NH, written = ring_attention(
+      attn_B1NH, written = window_ring_attention(
         block, q_B1NH, k_B1KH, v_B1KH, caches[group], slot, step.positions_B, kept.rings[group]
       )
     else:

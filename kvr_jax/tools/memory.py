@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference import decode, kv_form, sharded_decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
   join_on_device,
@@ -39,7 +39,7 @@ from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
-from kvr_jax.runtime.mesh import AXIS, make_mesh, rank_row_mesh, split_dims
+from kvr_jax.runtime.mesh import AXIS, make_mesh, split_dims
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
 from kvr_jax.tools.own_memory import hybrid_figures, latent_figures
@@ -51,6 +51,7 @@ from kvr_jax.tools.xla_memory import (
   analysis,
   compile_for_figures,
   decode_bytes,
+  last_rank_step,
   placed_state,
   report_head,
   struct,
@@ -58,6 +59,7 @@ from kvr_jax.tools.xla_memory import (
 from models.config import ModelConfig
 from models.families import config_from_dict
 from models.kernels import AttentionKernel
+from models.kv_cache import KVCache
 
 __all__ = [
   "HOISTING_NOTE",
@@ -247,32 +249,22 @@ def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
 
 
 def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
-  """The whole-cache decode step compiled from shapes on the last rank's device, or as model
-  shards on its row (generate's model-group step), a windowed layer keeping its window only
-  as generate keeps it (decode.DecodeLayout)."""
+  """The model's own decode step generate runs after cache="last" (`xla_memory.last_rank_step`,
+  every model's), compiled from shapes over the whole cache grown by the new tokens, a
+  windowed layer keeping its window only as generate keeps it (a `KVCache` of
+  decode.DecodeLayout, split by head over the last rank's row on a 2-D mesh)."""
   _, batch, m, _ = shape
   kept, capacity = _kept(config, "last", shape, layout)
-  if m > 1:
-    row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
-    on = NamedSharding(row, jax.P())
-    state_shapes, _ = placed_state(config, state, row, m, np.dtype(dtype_name).itemsize)
-    caches = _ring_structs(
-      config, kept, shape, dtype_name, NamedSharding(row, _RING_HEADS), capacity
-    )
-    program = decode.model_group_decode_step(graphdef, row, kept)
-    positions = struct((batch,), np.int32, on)
-    # tokens and positions have the same shape and placement
-    return compile_for_figures(
-      program.lower(state_shapes, positions, positions, caches), dtype_name
-    )
-  last = jax.sharding.SingleDeviceSharding(mesh.devices.flat[-1])
-  state_shapes = jax.tree.map(lambda x: struct(x.shape, x.dtype, last), state)
-  caches = _ring_structs(config, kept, shape, dtype_name, last, capacity)
-  positions = struct((batch,), np.int32, last)
-  program = decode.ring_decode_step
-  return compile_for_figures(
-    program.lower(graphdef, kept, state_shapes, positions, positions, caches), dtype_name
+  K, H = tensor_parallel.kv_heads_per_shard(config, m) * m, config.head_dim
+  groups = tuple(
+    (jax.ShapeDtypeStruct((len(kept.layers_of(g)), batch, ring or capacity, K, H), dtype_name),) * 2
+    for g, ring in enumerate(kept.rings)
   )
+  grown = KVCache(kept, groups)
+  specs = kv_form.FORM.decode_cache_spec(grown)
+  itemsize = np.dtype(dtype_name).itemsize
+  lowered = last_rank_step(config, mesh, (graphdef, state, None), batch, grown, specs, itemsize)
+  return compile_for_figures(lowered, dtype_name)
 
 
 def compiled_memory(

@@ -10,17 +10,17 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvr_jax.inference import decode, latent
 from kvr_jax.inference import hybrid as hybrid_inference
+from kvr_jax.inference import latent
 from kvr_jax.runtime import tensor_parallel
 from kvr_jax.runtime.cache_layout import parts_spec
-from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_device, rank_row_mesh
+from kvr_jax.runtime.mesh import AXIS, rank_device, rank_row_mesh
 from kvr_jax.strategies import by_kind, hybrid
 from kvr_jax.tools.xla_memory import (
   analysis,
   compile_for_figures,
   decode_bytes,
-  placed_state,
+  last_rank_step,
   struct,
 )
 from models.qwen3_5 import HybridCache, LinearState
@@ -50,7 +50,7 @@ def latent_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
   dtype = np.dtype(dtype_name)
   if cache == "last":  # the latent cache whole on every device of the group
     grown = jax.ShapeDtypeStruct((L, batch, context_len + decode_tokens, C), dtype)
-    lowered = _step_on_last_rank(config, plan, model, batch, grown, jax.P(), itemsize)
+    lowered = last_rank_step(config, plan.mesh, model, batch, grown, jax.P(), itemsize)
   else:
     step = latent.latent_sharded_step(graphdef, mesh)
     rows = lowered.out_info[1]["own"].shape[3]
@@ -159,30 +159,9 @@ def hybrid_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
     stats = compile_for_figures(lowered, dtype_name).memory_analysis()
     return {**result, **decode_bytes(stats)}
   specs = hybrid_inference.CACHE_SPECS  # split by head over the group
-  lowered = _step_on_last_rank(config, plan, model, batch, past, specs, itemsize)
+  lowered = last_rank_step(config, plan.mesh, model, batch, past, specs, itemsize)
   stats = compile_for_figures(lowered, dtype_name).memory_analysis()
   return {**result, **decode_bytes(stats)}
-
-
-def _step_on_last_rank(config, plan, model, batch: int, grown, group_specs, itemsize: int):
-  """The model's own decode step that generate runs after cache="last", lowered from shapes
-  over the joined cache grown by the decoded tokens (`grown`, shapes): on the last rank's
-  device (`decode.decode_step_of`) or its model group (`decode.group_decode_step`, the cache
-  placed by `group_specs`: `CacheForm.group_cache_spec`)."""
-  graphdef, state, _ = model
-  mesh, m = plan.mesh, model_parallel(plan.mesh)
-  row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
-  row_state, _ = placed_state(config, state, row, m, itemsize)
-  vector = struct((batch,), np.int32, NamedSharding(row, jax.P()))
-  specs = group_specs if m > 1 else jax.tree.map(lambda _: jax.P(), grown)
-  grown = jax.tree.map(
-    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(row, spec)), grown, specs
-  )
-  if m > 1:
-    step = decode.group_decode_step(graphdef, row, group_specs)
-  else:  # one device: the model's own decode step, as generate runs it
-    step = decode.decode_step_of(graphdef)
-  return step.lower(row_state, vector, vector, grown)
 
 
 def _hybrid_sharded_step_lowered(config, graphdef, state_shapes, mesh, layout, shape, dtype_name):

@@ -8,8 +8,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kvr_jax.inference import decode
 from kvr_jax.planning.partition import PartitionPlan
 from kvr_jax.runtime import tensor_parallel
+from kvr_jax.runtime.mesh import AXIS, model_parallel, rank_row_mesh
 
 # KVR's split for the memory report: equal modelled compute on a GPU node (a "balanced"
 # partition), not this machine's calibration (which would measure the CPU).
@@ -101,3 +103,25 @@ def report_head(spec, shape, dtype_name: str, cache: str, chunks, kernel) -> dic
     "chunks": list(chunks),
     "attention": kernel.name,
   }
+
+
+def last_rank_step(config, mesh, model, batch: int, grown, group_specs, itemsize: int):
+  """The model's own decode step that generate runs after cache="last" (every model's:
+  steppers.last_rank_stepper), lowered from shapes over the joined cache grown by the decoded
+  tokens (`grown`, shapes: a `KVCache`, a `HybridCache`, latents): on the last rank's device
+  (`decode.decode_step_of`) or its model group (`decode.group_decode_step`, the cache placed
+  by `group_specs`: `CacheForm.decode_cache_spec`). model: (graphdef, abstract state, _)."""
+  graphdef, state, _ = model
+  m = model_parallel(mesh)
+  row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
+  row_state, _ = placed_state(config, state, row, m, itemsize)
+  vector = struct((batch,), np.int32, NamedSharding(row, jax.P()))
+  specs = group_specs if m > 1 else jax.tree.map(lambda _: jax.P(), grown)
+  grown = jax.tree.map(
+    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(row, spec)), grown, specs
+  )
+  if m > 1:
+    step = decode.group_decode_step(graphdef, row, group_specs)
+  else:  # one device: the model's own decode step, as generate runs it
+    step = decode.decode_step_of(graphdef)
+  return step.lower(row_state, vector, vector, grown)
