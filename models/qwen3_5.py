@@ -44,6 +44,7 @@ from models.base import (
 )
 from models.family import Family
 from models.gated_deltanet_layer import GatedDeltaNetBlock, LinearState, OnePlusNormMlp
+from models.kv_cache import KVCache
 from models.layer_kinds import GatedDeltaNetKind
 from models.norms import rms_norm_one_plus
 from models.qwen3_5_config import (
@@ -212,11 +213,14 @@ class Qwen35(CausalLM):
     x_BTD, _ = self.forward(tokens_BT)
     return self.logits(x_BTD)
 
-  def decode_step(self, tokens_B, positions_B, cache: HybridCache, reduce=no_reduce):
+  def decode_step(self, tokens_B, positions_B, cache: HybridCache | KVCache, reduce=no_reduce):
     """One token per row, row b at `positions_B[b]` (its length so far): (logits [B, V], the
     cache with the token's K,V written at its position and every linear layer's past moved
     on). reduce: a model group's sum over its shards (each holds some heads, their cache and
-    states: runtime.tensor_parallel)."""
+    states: runtime.tensor_parallel). A model of full-attention layers alone keeps a K,V
+    model's cache (`KVCache`) and decodes as one."""
+    if isinstance(cache, KVCache):
+      return super().decode_step(tokens_B, positions_B, cache, reduce=reduce)
     B = tokens_B.shape[0]
     positions_B = jnp.broadcast_to(jnp.asarray(positions_B, jnp.int32), (B,))
 

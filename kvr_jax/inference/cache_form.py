@@ -185,15 +185,16 @@ class CacheForm:
   def stepper(self, model, result, lengths_B, max_new_tokens, seed, consume=False):
     """decode_from's stepper for `result`'s past (kvr_jax.inference.steppers): cache="last"
     the one for every model (`steppers.last_rank_stepper`: the model's own decode step over
-    `decode_past`), cache="sharded" the form's own (`sharded_stepper(model, result,
-    max_new_tokens, seed)`: each form's parts read where they lie)."""
+    `decode_past`), cache="sharded" too (`steppers.sharded_stepper`, over the form's
+    `sharded_decode(model, result, max_new_tokens)` -> (program, inputs, caches): each
+    form's parts read where they lie)."""
     if model.config != result.config:
       raise ValueError(
         f"this cache is a {result.config.architecture} model's ({self.name} cache); decode "
         "it with the model that made it"
       )
     if result.cache == "sharded":
-      return self.sharded_stepper(model, result, max_new_tokens, seed)
+      return steppers.sharded_stepper(model, result, max_new_tokens, seed)
     return steppers.last_rank_stepper(model, result, lengths_B, max_new_tokens, seed, consume)
 
   def decode_past(self, result, lengths_B, capacity: int, consume: bool):
@@ -281,8 +282,8 @@ class ModelCacheForm(CacheForm):
   plan, capacity) -> the cache from every rank's parts moved onto the last rank in prompt
   order (None in a process without it). grown(cache, capacity) -> the cache with room for
   `capacity` positions (a fresh buffer: the decode steps donate theirs).
-  sharded_stepper(model, result, max_new_tokens, seed): decode from cache="sharded"
-  (`CacheForm.stepper`'s return)."""
+  sharded_decode(model, result, max_new_tokens) -> (the form's sharded step program, its
+  read-only inputs, its first caches): what `steppers.sharded_stepper` runs."""
 
   group_cache_spec: Any
   left_in_parts: Callable
@@ -291,7 +292,7 @@ class ModelCacheForm(CacheForm):
   grown: Callable
   one_device_layout: Callable  # (config, cache split over m, m) -> one device's layout
   prompt_part: Callable  # (cache, T) -> its first T positions (the room for decoding cut)
-  sharded_stepper: Callable
+  sharded_decode: Callable
   # (a one-rank prefill's cache, T, its mesh) -> cache="sharded"'s OwnParts fields
   one_rank_parts: Callable
   # (result, the caches the sharded step returned) -> the past's fields that the step of
@@ -399,7 +400,7 @@ class ModelCacheForm(CacheForm):
       return dataclasses.replace(result, logits=logits_BV, past=past)
     mesh = result.mesh
     before_last = dataclasses.replace(result, lengths=lengths_B - 1)
-    step, caches, _, _ = self.sharded_stepper(run.model, before_last, 1, 0)
+    step, caches, _, _ = steppers.sharded_stepper(run.model, before_last, 1, 0)
     tokens_B = global_array(last_tokens_B.astype(np.int32), NamedSharding(mesh, jax.P()))
     replicated_BV, caches = step(tokens_B, 0, caches)
     changed = self.after_sharded_step(before_last, caches)

@@ -6,7 +6,7 @@ and this module places its outputs and decodes from them: the cache joined on th
 rank (KV-Runahead's last hops and own chunk where they lie; the peers' parts moved there,
 across processes too; on a 2-D mesh split over its group by head, `CACHE_SPECS`), or left
 in the ranks' parts (cache="sharded": `hybrid_sharded_step` decodes them where they lie,
-`sharded_hybrid_stepper` is `decode_from`'s loop over it).
+`sharded_hybrid_decode` gives it to the one sharded stepper).
 Rows of one length or padded past their ends (a bucket, a ragged batch; 1-D meshes).
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.caches import kept_cache
-from kvr_jax.inference import decode, sharded_decode
+from kvr_jax.inference import decode, sharded_decode, steppers
 from kvr_jax.inference.cache_form import ModelCacheForm, padded_positions
 from kvr_jax.inference.rank_moves import (
   replicated_from_rank,
@@ -270,30 +270,19 @@ def _linear_specs(mesh):
   return CACHE_SPECS.linear if model_parallel(mesh) > 1 else LinearState(jax.P(), jax.P())
 
 
-def sharded_hybrid_stepper(model, result, max_new_tokens: int, seed: int):
-  """cache="sharded" (hybrid models): the full layers' parts stay put, the decoded tokens'
-  K,V in a tail on every rank, the linear pasts on every rank (a copy: the steps write into
-  theirs); every operand a global array that every process builds alike."""
+def sharded_hybrid_decode(model, result, max_new_tokens: int):
+  """cache="sharded"'s step of a hybrid (`hybrid_sharded_step`), the full layers' parts as
+  its input (they stay put), and its caches: the decoded tokens' K,V in a tail on every rank
+  and a copy of the linear pasts on every rank (split by head on a 2-D mesh)."""
   mesh = result.mesh
-  m = model_parallel(mesh)
-  replicated = NamedSharding(mesh, jax.P())
   program = hybrid_sharded_step(model.graphdef, mesh, result.cache_layout)
-  state = model.state_for(mesh)
   L, _, rows, K, H = result.past.parts.shape[1:]
   B = rows // result.cache_layout.part_len
-  tail_spec = CACHE_SPECS.kv_2BSKH if m > 1 else jax.P()
+  tail_spec = CACHE_SPECS.kv_2BSKH if model_parallel(mesh) > 1 else jax.P()
   tail = decode.zeros_on(
     (L, 2, B, max_new_tokens, K, H), model.dtype, NamedSharding(mesh, tail_spec)
   )
-  parts, linear = result.past.parts, _copied(result.past.linear_state)
-  # Each row's own length: a padded row's parts are read up to it, its tokens follow it.
-  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
-
-  def step(token_B, index, caches):
-    logits, tail, linear = program(state, token_B, prompt_lens_B, parts, *caches, index)
-    return logits, (tail, linear)
-
-  return step, (tail, linear), *sharded_decode.first_draw(result, seed)
+  return program, (result.past.parts,), (tail, steppers.copied(result.past.linear_state))
 
 
 def after_hybrid_step(result, caches) -> dict:
@@ -328,10 +317,6 @@ def _written_into_parts(mesh):
   return jax.jit(jax.shard_map(write, mesh=mesh, in_specs=specs, out_specs=parts_spec(mesh)))
 
 
-# A fresh copy of arrays (global ones too), placed as they were, which a step then owns.
-_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def grown(cache: HybridCache, capacity: int) -> HybridCache:
   """The cache with room for `capacity` positions, a fresh buffer: K,V [L_full, 2, B, S, K, H]
@@ -354,7 +339,7 @@ FORM = ModelCacheForm(
   grown=grown,
   one_device_layout=one_device_layout,
   prompt_part=lambda cache, T: cache._replace(kv_2BSKH=cache.kv_2BSKH[:, :, :, :T]),
-  sharded_stepper=sharded_hybrid_stepper,
+  sharded_decode=sharded_hybrid_decode,
   one_rank_parts=one_rank_hybrid_parts,
   also_kinds=(FULL_ATTENTION,),
   splits_per_kind=True,

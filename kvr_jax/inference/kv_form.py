@@ -26,6 +26,7 @@ from kvr_jax.runtime.mesh import (
   AXIS,
   MODEL_AXIS,
   global_array,
+  model_parallel,
   rank_device,
   spans_processes,
   split_dims,
@@ -258,8 +259,22 @@ class KVForm(CacheForm):
 
   # --- how a result reads its past ---------------------------------------------------------
 
-  def sharded_stepper(self, model, result, max_new_tokens: int, seed: int):
-    return steppers.sharded_stepper(model, result, max_new_tokens, seed)
+  def sharded_decode(self, model, result, max_new_tokens: int):
+    """The sharded step of K,V (sharded_decode.sharded_decode_program), the parts as its
+    input, and its caches per group of the kept layout: the decoded tokens' tail [L_f, 2, B,
+    M, K, H] of the every-position layers, a copy of each window's ring (heads split over
+    "model" on a 2-D mesh)."""
+    past, mesh = result.past, result.mesh
+    B, (L_f, K, H) = len(result.lengths), (past.kv_parts.shape[1], *past.kv_parts.shape[4:])
+    split = model_parallel(mesh) > 1
+    heads = NamedSharding(mesh, split_dims("L2BTKH", K=MODEL_AXIS) if split else jax.P())
+    kept = past.kept or decode.DecodeLayout.whole(L_f)
+    tail = decode.zeros_on((L_f, 2, B, max_new_tokens, K, H), past.kv_parts.dtype, heads)
+    groups = tuple(
+      tail if ring is None else steppers.copied(past.rings[g]) for g, ring in enumerate(kept.rings)
+    )
+    program = sharded_decode.sharded_decode_program(model.graphdef, mesh, result.cache_layout, kept)
+    return program, (past.kv_parts,), (groups,)
 
   def decode_past(self, result, lengths_B, capacity: int, consume: bool):
     """The cache grown into a fresh buffer for `capacity` positions (generate's own too: the

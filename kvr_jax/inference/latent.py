@@ -8,8 +8,8 @@ KV-Runahead's last hop and own chunk where they lie, the peers' parts moved), or
 ranks' parts
 (cache="sharded": `latent_sharded_step` attends every part where it lies in the absorbed form
 and merges the partials across the ranks, pass-Q as for K,V caches; the decoded tokens'
-latents on every rank, counted on the last; `sharded_latent_stepper` is `decode_from`'s loop
-over it).
+latents on every rank, counted on the last; `sharded_latent_decode` gives it to the one
+sharded stepper).
 """
 
 from __future__ import annotations
@@ -138,23 +138,16 @@ def latent_sharded_step(graphdef, mesh):
   return sharded_decode.sharded_step_program(graphdef, mesh, layer, *specs)
 
 
-def sharded_latent_stepper(model, result, max_new_tokens: int, seed: int):
-  """cache="sharded" (latent models): every operand replicated over the prefill's mesh but the
-  parts, which stay put; the new tokens' latents in a replicated tail. Across processes every
-  operand is a global array that every process builds alike, and every process decodes."""
+def sharded_latent_decode(model, result, max_new_tokens: int):
+  """cache="sharded"'s step of a latent model (`latent_sharded_step`), its inputs (the parts,
+  which stay put, and their rows' prompt positions, by rank) and its cache: the new tokens'
+  latents in a replicated tail."""
   mesh = result.mesh
-  replicated = NamedSharding(mesh, jax.P())
   program = latent_sharded_step(model.graphdef, mesh)
-  state = model.state_for(mesh)
   positions = global_array(result.past.part_positions, NamedSharding(mesh, jax.P(AXIS)))
   L, B, _, C = result.past.parts.shape[1:]
-  tail = decode.zeros_on((L, B, max_new_tokens, C), model.dtype, replicated)
-  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
-
-  def step(token_B, index, tail):
-    return program(state, token_B, prompt_lens_B, result.past.parts, positions, tail, index)
-
-  return step, tail, *sharded_decode.first_draw(result, seed)
+  tail = decode.zeros_on((L, B, max_new_tokens, C), model.dtype, NamedSharding(mesh, jax.P()))
+  return program, (result.past.parts, positions), (tail,)
 
 
 def one_rank_latent_parts(cache_LBSC, T: int, mesh) -> dict:
@@ -181,6 +174,6 @@ FORM = ModelCacheForm(
   grown=grown,
   one_device_layout=lambda config, cache, m: cache,
   prompt_part=lambda cache, T: cache[:, :, :T],
-  sharded_stepper=sharded_latent_stepper,
+  sharded_decode=sharded_latent_decode,
   one_rank_parts=one_rank_latent_parts,
 )

@@ -4,8 +4,8 @@ logits and the sampling key), all placed where that cache decodes.
 
   last_rank_stepper   cache="last", every model: the model's own decode step over its own
                       cache, on the last rank's device or model group
-  sharded_stepper     cache="sharded" of K,V: every part attended where it lies (a hybrid's
-                      and a latent model's: their forms', inference/hybrid.py, latent.py)
+  sharded_stepper     cache="sharded", every model: every part attended where it lies, by
+                      the form's program (`CacheForm.sharded_decode`)
 """
 
 from __future__ import annotations
@@ -16,41 +16,33 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvr_jax.inference import decode, sharded_decode
-from kvr_jax.runtime.mesh import MODEL_AXIS, global_array, model_parallel, placements, split_dims
+from kvr_jax.runtime.mesh import global_array, placements
 
 
-def sharded_stepper(model, result, max_new_tokens, seed):
-  """cache="sharded": every operand replicated over the prefill's mesh but the cache parts,
-  which stay put; each step attends every part where it lies
-  (sharded_decode.sharded_decode_program), and a windowed layer whose window the prompt
-  outgrew its ring (`past.rings`, copied: the steps write into theirs). Across processes
-  every operand is a global array that every process builds alike."""
-  replicated, past = NamedSharding(result.mesh, jax.P()), result.past
-  lengths_B = np.asarray(result.lengths, np.int32)
-  B, (L_f, K, H) = len(lengths_B), (past.kv_parts.shape[1], *past.kv_parts.shape[4:])
+def sharded_stepper(model, result, max_new_tokens: int, seed: int):
+  """cache="sharded", every model: each step attends every rank's part where it lies, by
+  the form's program (`CacheForm.sharded_decode`: a layer of the model's kinds on
+  `sharded_decode.sharded_step_program`, its read-only inputs, the parts, and its first
+  caches: the decoded tokens' tail, a window's ring, a linear layer's state, fresh copies
+  that the steps donate and carry). Every operand but the parts is replicated over the
+  prefill's mesh; across processes every one is a global array that every process builds
+  alike."""
+  replicated = NamedSharding(result.mesh, jax.P())
   state = model.state_for(result.mesh)
-  heads = replicated  # the tail's heads: split over "model" where the weights' are
-  if model_parallel(result.mesh) > 1:
-    heads = NamedSharding(result.mesh, split_dims("L2BTKH", K=MODEL_AXIS))
-  kept = past.kept or decode.DecodeLayout.whole(L_f)
-  tail = decode.zeros_on((L_f, 2, B, max_new_tokens, K, H), past.kv_parts.dtype, heads)
-  caches = tuple(
-    tail if ring is None else _copied(past.rings[group]) for group, ring in enumerate(kept.rings)
-  )
-  program = sharded_decode.sharded_decode_program(
-    model.graphdef, result.mesh, result.cache_layout, kept
-  )
-  prompt_lens_B = global_array(lengths_B, replicated)
+  program, inputs, caches = result.form.sharded_decode(model, result, max_new_tokens)
+  # Each row's own length: a padded row's parts are read up to it, its tokens follow it.
+  prompt_lens_B = global_array(np.asarray(result.lengths, np.int32), replicated)
 
   def step(token_B, index, caches):
     index = global_array(np.int32(index), replicated)
-    return program(state, token_B, prompt_lens_B, past.kv_parts, caches, index)
+    logits, *caches = program(state, token_B, prompt_lens_B, *inputs, *caches, index)
+    return logits, tuple(caches)
 
-  return step, caches, *sharded_decode.first_draw(result, seed)
+  return step, tuple(caches), *sharded_decode.first_draw(result, seed)
 
 
 # A fresh copy of arrays (global ones too), which a step then owns and donates.
-_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 def last_rank_stepper(model, result, lengths_B, max_new_tokens: int, seed: int, consume=False):

@@ -186,7 +186,8 @@ def _check_comparison(strategies, mesh, partition, attention, repeats, padded_le
   unknown = [s for s in strategies if s not in known]
   if unknown or not strategies:
     raise ValueError(f"unknown strategy {unknown or strategies}; expected some of {known}")
-  strategies = sorted(strategies, key=lambda s: s != "single")
+  # The one-device strategy first (by its record): the others are compared with it.
+  strategies = sorted(strategies, key=lambda s: s == AUTO or get_strategy(s).max_ranks != 1)
   if _is_measured(partition):
     if AUTO in strategies:
       raise ValueError(
