@@ -20,7 +20,9 @@ MAKERS = {
 }
 
 
-@pytest.mark.e2e  # slow (compiling): the end-to-end tier
+# One case in the default tier: a hybrid family's model of full layers alone keeps a K,V
+# model's cache and decodes it through its family's decode step; the rest end to end.
+@pytest.mark.default_cases("full_attention-qwen3_5")
 @pytest.mark.parametrize("family", list(MAKERS))
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
 def test_one_kind_of_layer_alone_matches_transformers(tmp_path, family, kind):
