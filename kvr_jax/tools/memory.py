@@ -54,6 +54,7 @@ from kvr_jax.tools.xla_memory import (
   last_rank_step,
   placed_state,
   report_head,
+  sharded_step,
   struct,
 )
 from models.config import ModelConfig
@@ -236,16 +237,10 @@ def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
   ring_sharding = NamedSharding(mesh, _RING_HEADS) if m > 1 else replicated
   rings = _ring_structs(config, kept, shape, dtype_name, ring_sharding, 0)
   caches = tuple(tail if g == every else rings[g] for g in range(len(kept.rings)))
-  arguments = (
-    state_shapes,
-    struct((batch,), np.int32, replicated),
-    struct((batch,), np.int32, replicated),
-    struct(parts, dtype_name, NamedSharding(mesh, parts_spec(mesh))),
-    caches,
-    struct((), np.int32, replicated),
-  )
+  parts = struct(parts, dtype_name, NamedSharding(mesh, parts_spec(mesh)))
   program = sharded_decode.sharded_decode_program(graphdef, mesh, layout, kept)
-  return compile_for_figures(program.lower(*arguments), dtype_name)
+  lowered = sharded_step(program, state_shapes, mesh, batch, (parts,), (caches,))
+  return compile_for_figures(lowered, dtype_name)
 
 
 def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):

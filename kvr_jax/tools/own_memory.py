@@ -21,6 +21,7 @@ from kvr_jax.tools.xla_memory import (
   compile_for_figures,
   decode_bytes,
   last_rank_step,
+  sharded_step,
   struct,
 )
 from models.qwen3_5 import HybridCache, LinearState
@@ -52,18 +53,15 @@ def latent_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
     grown = jax.ShapeDtypeStruct((L, batch, context_len + decode_tokens, C), dtype)
     lowered = last_rank_step(config, plan.mesh, model, batch, grown, jax.P(), itemsize)
   else:
-    step = latent.latent_sharded_step(graphdef, mesh)
     rows = lowered.out_info[1]["own"].shape[3]
     by_rank, replicated = NamedSharding(mesh, jax.P(AXIS)), NamedSharding(mesh, jax.P())
-    lowered = step.lower(
-      state_shapes,
-      struct((batch,), np.int32, replicated),
-      struct((batch,), np.int32, replicated),
-      struct((num_ranks, L, batch, rows, C), dtype, by_rank),
-      struct((num_ranks, rows), np.int32, by_rank),
-      struct((L, batch, decode_tokens, C), dtype, replicated),
-      struct((), np.int32, replicated),
+    inputs = (
+      struct((num_ranks, L, batch, rows, C), dtype, by_rank),  # the parts
+      struct((num_ranks, rows), np.int32, by_rank),  # their rows' prompt positions
     )
+    tail = struct((L, batch, decode_tokens, C), dtype, replicated)
+    step = latent.latent_sharded_step(graphdef, mesh)
+    lowered = sharded_step(step, state_shapes, mesh, batch, inputs, (tail,))
   stats = compile_for_figures(lowered, dtype_name).memory_analysis()
   return {**result, **decode_bytes(stats)}
 
@@ -181,17 +179,8 @@ def _hybrid_sharded_step_lowered(config, graphdef, state_shapes, mesh, layout, s
     np.dtype(dtype_name),
     NamedSharding(mesh, parts_spec(mesh)),
   )
-  replicated = NamedSharding(mesh, jax.P())
   step = hybrid_inference.hybrid_sharded_step(graphdef, mesh, layout)
-  return step.lower(
-    state_shapes,
-    struct((batch,), np.int32, replicated),
-    struct((batch,), np.int32, replicated),
-    parts,
-    tail.kv_2BSKH,
-    tail.linear,
-    struct((), np.int32, replicated),
-  )
+  return sharded_step(step, state_shapes, mesh, batch, (parts,), (tail.kv_2BSKH, tail.linear))
 
 
 def _hybrid_cache_shapes(config, batch: int, capacity: int, m: int, dtype_name: str):

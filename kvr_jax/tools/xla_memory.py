@@ -125,3 +125,14 @@ def last_rank_step(config, mesh, model, batch: int, grown, group_specs, itemsize
   else:  # one device: the model's own decode step, as generate runs it
     step = decode.decode_step_of(graphdef)
   return step.lower(row_state, vector, vector, grown)
+
+
+def sharded_step(program, state_shapes, mesh, batch: int, inputs: tuple, caches: tuple):
+  """A cache="sharded" decode step lowered from shapes, every model's alike (they share
+  `sharded_decode.sharded_step_program`'s convention, as `steppers.sharded_stepper` calls
+  them): f(state, tokens [B], prompt lengths [B], *inputs, *caches, tail index), tokens,
+  lengths and index replicated over `mesh`; inputs (the parts) and caches as shapes placed
+  where generate holds them."""
+  replicated = NamedSharding(mesh, jax.P())
+  rows = struct((batch,), np.int32, replicated)  # tokens and lengths alike
+  return program.lower(state_shapes, rows, rows, *inputs, *caches, struct((), np.int32, replicated))
