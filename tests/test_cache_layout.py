@@ -540,8 +540,7 @@ def test_auto_cache_keeps_the_parts_when_the_last_device_cannot_hold_them(monkey
   np.testing.assert_array_equal(got, kvr_jax.generate(model, tokens, 5).tokens)
 
 
-@pytest.mark.e2e  # slow (compiling): the end-to-end tier
-def test_compiled_memory_reports_each_layouts_decode_step():
+def test_compiled_memory_reports_each_layouts_decode_step():  # 2 s: in the default tier
   """decode_tokens: XLA's analysis of one decode step of each layout, by hand. cache="last":
   the last rank's device takes the weights and the whole K and V caches grown by the new
   tokens; cache="sharded": every device takes the weights, its part and the new tokens' K,V
