@@ -228,8 +228,9 @@ class KVForm(CacheForm):
     parts, mesh, layout = result.past, result.mesh, result.cache_layout
     # The parts move unless KV-Runahead's last hop holds them or one rank holds them all.
     moved = (parts is None or parts.last_hop is None) and mesh.shape[AXIS] > 1
-    as_last = functools.partial(dataclasses.replace, result, cache="last", moved=moved)
-    as_last = functools.partial(as_last, replicated_logits=None)
+    as_last = functools.partial(
+      dataclasses.replace, result, cache="last", moved=moved, replicated_logits=None
+    )
     if parts is None:  # another process holds every part (auto's one-device pick)
       return as_last(past=None)
     if parts.kept is not None:  # cut already (cache="sharded"): gather the parts, keep rings

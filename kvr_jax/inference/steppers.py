@@ -55,23 +55,18 @@ def last_rank_stepper(model, result, lengths_B, max_new_tokens: int, seed: int, 
   consume)."""
   form, group = result.form, result.decode_mesh
   capacity = result.prompt_len + max_new_tokens
+  if group is None:  # the cache's device
+    where, state = result.device, model.state_on(result.device)
+  else:  # replicated over the last rank's row, the cache split as its form says
+    where, state = NamedSharding(group, jax.P()), model.state_split_over(group)
+
+  def placed(x):
+    return jax.device_put(x, where)
+
+  cache = form.decode_past(result, placed(lengths_B), capacity, consume)
   if group is None:
-    device = result.device
-    state = model.state_on(device)
-
-    def placed(x):
-      return jax.device_put(x, device)
-
-    cache = form.decode_past(result, placed(lengths_B), capacity, consume)
     program = decode.decode_step_of(model.graphdef)
   else:
-    replicated = NamedSharding(group, jax.P())
-    state = model.state_split_over(group)
-
-    def placed(x):
-      return jax.device_put(x, replicated)
-
-    cache = form.decode_past(result, placed(lengths_B), capacity, consume)
     spec = form.decode_cache_spec(cache)
     program = decode.group_decode_step(model.graphdef, group, spec)
     cache = jax.device_put(cache, placements(group, spec))  # a no-op where it lies so
