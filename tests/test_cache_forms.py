@@ -454,6 +454,33 @@ def test_compiled_memory_measures_a_hybrid_models_move_onto_the_last_rank(models
     assert held <= figures["move_argument_bytes"] < held + 64, m
 
 
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+@pytest.mark.parametrize("cache", ["last", "sharded"])
+def test_compiled_memory_counts_the_cache_each_decode_step_reads(models, case, cache):
+  """With decode tokens, every kind's report counts the cache its decode step reads on one
+  device (`decode_cache_bytes`, as for K,V): cache="last" the whole cache grown by the new
+  tokens on the last rank's device, cache="sharded" a part (KV-Runahead's longest chunk, 18
+  rows) and the new tokens' tail; a hybrid's linear states and halos beside its full
+  layers' K,V, a latent model's C numbers per position and layer. Whether KV-Runahead joins
+  its last hops is reported for every kind."""
+  from models.layer_kinds import GatedDeltaNetKind
+
+  config = models[case][1].config
+  B, M = 2, 4
+  shape = dict(context_len=T, num_ranks=2, batch=B, partition=[18, 12], decode_tokens=M)
+  figures = kvr_jax.compiled_memory(config, "kvr", cache=cache, **shape)
+  positions = T + M if cache == "last" else 18 + M
+  if case == HYBRID:
+    full_layers = sum(not isinstance(kind, GatedDeltaNetKind) for kind in config.layer_kinds)
+    position_bytes = full_layers * 2 * B * config.num_kv_heads * config.head_dim * 4
+    want = positions * position_bytes + figures["state_cache_bytes"]
+  else:
+    want = positions * config.num_layers * B * config.cache_width * 4
+  assert figures["decode_cache_bytes"] == want
+  assert figures["joins_last_hop"] is (cache == "last")
+  assert figures["decode_argument_bytes"] >= want
+
+
 @pytest.mark.e2e  # slow (two hybrid programs compiled from shapes): the end-to-end tier
 def test_compiled_memory_measures_a_hybrids_split_per_layer_kind(models):
   """compiled_memory plans as prefill does, a split per layer kind too: with the linear layers

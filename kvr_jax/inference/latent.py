@@ -94,7 +94,7 @@ def _in_prompt_order(pieces, rows_S, capacity: int):
 
 
 # The joins on the last rank's device, jitted once (their lengths static): what prefill runs
-# and what compiled_memory lowers from shapes for its move figures (tools.own_memory).
+# and what compiled_memory lowers from shapes for its move figures (tools.past_memory).
 join_last_hop = jax.jit(_joined, static_argnums=(2, 3))
 join_in_prompt_order = jax.jit(_in_prompt_order, static_argnums=2)
 

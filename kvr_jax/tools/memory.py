@@ -26,23 +26,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from kvr_jax.core.chunks import check_ranks
-from kvr_jax.inference import decode, kv_form, sharded_decode
 from kvr_jax.inference.kv_cache import (
   check_cache,
-  join_on_device,
-  join_rings_on_device,
-  place,
 )
 from kvr_jax.inference.prefill_plan import check_partition_applies, plan_from_shape
 from kvr_jax.inference.shape import PrefillShape
 from kvr_jax.planning.partition import PartitionPlan
-from kvr_jax.runtime import tensor_parallel
-from kvr_jax.runtime.cache_layout import parts_spec
 from kvr_jax.runtime.loading import abstract_model, config_of, resolve_dtype
-from kvr_jax.runtime.mesh import AXIS, make_mesh, split_dims
+from kvr_jax.runtime.mesh import AXIS, make_mesh
 from kvr_jax.runtime.tensor_parallel import check_model_parallel
 from kvr_jax.strategies import get_strategy
-from kvr_jax.tools.own_memory import hybrid_figures, latent_figures
+from kvr_jax.tools.past_memory import PAST_MEMORY, Measured, past_figures
 from kvr_jax.tools.xla_memory import (
   HOISTING_NOTE,
   LOW_PRECISION,
@@ -50,17 +44,13 @@ from kvr_jax.tools.xla_memory import (
   NO_HOISTED_CONVERTS,
   analysis,
   compile_for_figures,
-  decode_bytes,
-  last_rank_step,
   placed_state,
   report_head,
-  sharded_step,
   struct,
 )
 from models.config import ModelConfig
 from models.families import config_from_dict
 from models.kernels import AttentionKernel
-from models.kv_cache import KVCache
 
 __all__ = [
   "HOISTING_NOTE",
@@ -113,155 +103,6 @@ def _check_arguments(config, spec, cache, partition, context_len, num_ranks, bat
   return partition
 
 
-def _move_memory(config, mesh, layout, chunks, cache, joined, batch, dtype_name, m) -> dict:
-  """What bringing the cache onto the last rank needs there (`move_argument_bytes`,
-  `move_temp_bytes`; none for cache="sharded"): KVR's join of its last hops, the move of the
-  parts run by run (on a 2-D mesh into each device of the last rank's row, its heads). A
-  window shorter than the prompt keeps its ring only (kv_cache.kept_on_last_rank): the rings
-  join the arguments, the every-position layers alone are joined or moved."""
-  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
-  context_len = sum(chunks)
-  on_last = jax.sharding.SingleDeviceSharding(mesh.devices.reshape(-1)[-1])
-  kept = decode.DecodeLayout.of(config, context_len)
-  L_f = len(kept.every_position_layers)
-  ring_bytes = sum(
-    2 * len(kept.layers_of(g)) * batch * ring * K * H * np.dtype(dtype_name).itemsize
-    for g, ring in enumerate(kept.rings)
-    if ring is not None
-  )
-  if joined:
-    # The last rank joins its last hops and its own part into the cache (kv_cache.join_on_device;
-    # join_rings_on_device where windows keep rings: its output holds them).
-    prefix_len = context_len - chunks[-1]
-    hop = jax.ShapeDtypeStruct((1, L, 2, batch * prefix_len, K, H), dtype_name, sharding=on_last)
-    part = jax.ShapeDtypeStruct(
-      (1, L, 2, batch * layout.part_len, K, H), dtype_name, sharding=on_last
-    )
-    args = (hop, part, prefix_len, layout.part_len, chunks[-1])
-    if kept.rings == (None,):
-      move = analysis(join_on_device.lower(*args).compile())
-    else:
-      lengths = jax.ShapeDtypeStruct((batch,), np.int32, sharding=on_last)
-      move = analysis(join_rings_on_device.lower(*args, kept, lengths).compile())
-  elif cache == "last":
-    # The move onto the last rank: its device (each of its row's, its heads on a 2-D mesh)
-    # holds the cache (the every-position layers and the rings) and, at a time, one run's
-    # real rows beside it (kv_cache.copy_onto, send_onto_last_rank); XLA's analysis of
-    # writing the longest run.
-    move = {"argument_bytes": ring_bytes, "temp_bytes": 0}
-    if L_f:
-      longest = max(length for _, _, _, length in layout.runs_in_prompt_order())
-      cache_shape = jax.ShapeDtypeStruct(
-        (L_f, batch, context_len, K, H), dtype_name, sharding=on_last
-      )
-      piece = jax.ShapeDtypeStruct((L_f, 2, batch, longest, K, H), dtype_name, sharding=on_last)
-      position = jax.ShapeDtypeStruct((), np.int32, sharding=on_last)
-      placed = analysis(place.lower(cache_shape, cache_shape, piece, position).compile())
-      move = {**placed, "argument_bytes": placed["argument_bytes"] + ring_bytes}
-  else:
-    return {}
-  return {"move_argument_bytes": move["argument_bytes"], "move_temp_bytes": move["temp_bytes"]}
-
-
-def _decode_memory(config, graphdef, state, mesh, layout, cache, shape, dtype_name) -> dict:
-  """XLA's analysis of one decode step as `generate` runs it after this layout, with room for
-  `decode_tokens` new tokens: cache="last" on the last rank's device (its row of model shards
-  on a 2-D mesh) over the whole cache grown by them; cache="sharded" on every device over its
-  part and the decoded tokens' K,V (the tail)."""
-  step = _sharded_step if cache == "sharded" else _whole_cache_step
-  stats = step(config, graphdef, state, mesh, layout, shape, dtype_name).memory_analysis()
-  return {
-    "decode_cache_bytes": _decode_cache_bytes(config, layout, cache, shape, dtype_name),
-    **decode_bytes(stats),
-  }
-
-
-def _decode_cache_bytes(config, layout, cache, shape, dtype_name) -> int:
-  """The K,V one device decodes from (`decode_cache_bytes`): cache="sharded" its part and the
-  decoded tokens' K,V; cache="last" the whole cache with room for the new tokens; a windowed
-  layer's window only (decode.DecodeLayout, `_kept`)."""
-  context_len, batch, m, decode_tokens = shape
-  K, H = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim
-  per_position = 2 * batch * K * H * np.dtype(dtype_name).itemsize
-  kept, every_position = _kept(config, cache, shape, layout)
-  return sum(
-    len(kept.layers_of(g)) * (ring or every_position) * per_position
-    for g, ring in enumerate(kept.rings)
-  )
-
-
-def _kept(config, cache, shape, layout) -> tuple[decode.DecodeLayout, int]:
-  """What `generate` keeps per layer (decode.DecodeLayout) and how many positions a layer
-  that keeps every position holds on one device: cache="last" the prompt and the new tokens
-  (rings of the windows shorter than that); cache="sharded" a part and the new tokens (rings
-  of the windows shorter than the prompt)."""
-  context_len, _, _, decode_tokens = shape
-  if cache == "sharded":
-    return decode.DecodeLayout.of(config, context_len), layout.part_len + decode_tokens
-  capacity = context_len + decode_tokens
-  return decode.DecodeLayout.of(config, capacity), capacity
-
-
-# The decoded tokens' K,V (the tail) and a ring, their KV heads split over "model".
-_TAIL_HEADS = split_dims("L2BTKH", K=tensor_parallel.MODEL_AXIS)
-_RING_HEADS = split_dims("LBWKH", K=tensor_parallel.MODEL_AXIS)
-
-
-def _ring_structs(config, kept, shape, dtype_name, sharding, every_position) -> tuple:
-  """Per group of `kept`, (k, v) shapes [L_g, B, S, K, H]: a ring of its window, or
-  `every_position` positions."""
-  _, batch, m, _ = shape
-  K, H = tensor_parallel.kv_heads_per_shard(config, m) * m, config.head_dim
-  return tuple(
-    (struct((len(kept.layers_of(g)), batch, ring or every_position, K, H), dtype_name, sharding),)
-    * 2
-    for g, ring in enumerate(kept.rings)
-  )
-
-
-def _sharded_step(config, graphdef, state, mesh, layout, shape, dtype_name):
-  """sharded_decode.sharded_decode_program compiled from shapes: every device's part, the tail, and
-  the rings of windows the prompt outgrew."""
-  _, batch, m, decode_tokens = shape
-  K, H = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim
-  replicated = NamedSharding(mesh, jax.P())
-  state_shapes, _ = placed_state(config, state, mesh, m, np.dtype(dtype_name).itemsize)
-  kept, _ = _kept(config, "sharded", shape, layout)
-  every, L_f = kept.every_position_group, len(kept.every_position_layers)
-  parts = (layout.num_ranks, L_f, 2, batch * layout.part_len, K * m, H)
-  tail = struct(
-    (L_f, 2, batch, decode_tokens, K * m, H),
-    dtype_name,
-    NamedSharding(mesh, _TAIL_HEADS) if m > 1 else replicated,
-  )
-  ring_sharding = NamedSharding(mesh, _RING_HEADS) if m > 1 else replicated
-  rings = _ring_structs(config, kept, shape, dtype_name, ring_sharding, 0)
-  caches = tuple(tail if g == every else rings[g] for g in range(len(kept.rings)))
-  parts = struct(parts, dtype_name, NamedSharding(mesh, parts_spec(mesh)))
-  program = sharded_decode.sharded_decode_program(graphdef, mesh, layout, kept)
-  lowered = sharded_step(program, state_shapes, mesh, batch, (parts,), (caches,))
-  return compile_for_figures(lowered, dtype_name)
-
-
-def _whole_cache_step(config, graphdef, state, mesh, layout, shape, dtype_name):
-  """The model's own decode step generate runs after cache="last" (`xla_memory.last_rank_step`,
-  every model's), compiled from shapes over the whole cache grown by the new tokens, a
-  windowed layer keeping its window only as generate keeps it (a `KVCache` of
-  decode.DecodeLayout, split by head over the last rank's row on a 2-D mesh)."""
-  _, batch, m, _ = shape
-  kept, capacity = _kept(config, "last", shape, layout)
-  K, H = tensor_parallel.kv_heads_per_shard(config, m) * m, config.head_dim
-  groups = tuple(
-    (jax.ShapeDtypeStruct((len(kept.layers_of(g)), batch, ring or capacity, K, H), dtype_name),) * 2
-    for g, ring in enumerate(kept.rings)
-  )
-  grown = KVCache(kept, groups)
-  specs = kv_form.FORM.decode_cache_spec(grown)
-  itemsize = np.dtype(dtype_name).itemsize
-  lowered = last_rank_step(config, mesh, (graphdef, state, None), batch, grown, specs, itemsize)
-  return compile_for_figures(lowered, dtype_name)
-
-
 def compiled_memory(
   model,
   strategy: str = "kvr",
@@ -303,17 +144,16 @@ def compiled_memory(
   room for that many new tokens (cache="last": on the last rank's device, the whole cache
   grown by them among its arguments, a windowed layer's window only where it is shorter;
   cache="sharded": on every device, its part and the decoded tokens' K,V among them); and
-  `decode_cache_bytes`, the K,V among those arguments.
+  `decode_cache_bytes`, the cache among those arguments (one device's share).
 
-  A latent-attention model (DeepSeek-V3) is measured in the programs kvr_jax.prefill and
-  generate run for it (its plan's program; `own_memory.latent_figures`): `latent_cache_bytes`
-  in place of `kv_cache_bytes` (its cache is headless, so whole on every device of a model
-  group); its move figures are KV-Runahead's join of its last hop and own part, or a peer's
-  parts all on the last rank's device at once (`latent_move`). A hybrid model (Qwen3.5,
-  Qwen3-Next) in those kvr_jax.prefill and generate run (`own_memory.hybrid_figures`):
-  `kv_cache_bytes` its full layers' K,V and `state_cache_bytes` its linear layers' states and
-  halos (one device's heads of each);
-  its move figures as a latent model's, with the states (`hybrid_move`).
+  Every kind of past is measured alike (kvr_jax.tools.past_memory: the kind gives its
+  shapes, the programs are the ones prefill and generate run). A latent-attention model
+  (DeepSeek-V3) reports `latent_cache_bytes` in place of `kv_cache_bytes` (its cache is
+  headless, so whole on every device of a model group); its move figures are KV-Runahead's
+  join of its last hop and own part, or a peer's parts all on the last rank's device at once.
+  A hybrid model (Qwen3.5, Qwen3-Next) reports `kv_cache_bytes` for its full layers' K,V and
+  `state_cache_bytes` for its linear layers' states and halos (one device's heads of each);
+  its move figures as a latent model's, with the states.
   """
   config = _config(model)
   spec = get_strategy(strategy)
@@ -340,7 +180,8 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   """compiled_memory on this process's devices (enough of them): the plan prefill would make
   for this shape, its program (`PrefillPlan.compile`: the strategy's, or a hybrid's or latent
   model's own) compiled from shapes and XLA's analysis of it, then the figures of the model's
-  past (`_PAST_FIGURES`): its cache's bytes, the move after the program and the decode step."""
+  past (`past_memory.past_figures`, its kind's shapes from `PAST_MEMORY`): its cache's bytes,
+  the move after the program and the decode step."""
   context_len, num_ranks, batch, m, decode_tokens = shape
   graphdef, state = nnx.split(abstract_model(config, dtype_name))
   mesh = make_mesh(num_ranks) if m == 1 else make_mesh(num_ranks, model=m)
@@ -353,41 +194,14 @@ def _measure(config, spec, shape, dtype_name, cache, attention, partition, devic
   tokens_shape = spec.arrange(np.zeros((batch, context_len), np.int32), plan.chunks).shape
   tokens = struct(tokens_shape, np.int32, NamedSharding(mesh, jax.P(AXIS)))
   lowered = plan.compile(graphdef).lower(state_shapes, tokens)
-  past_figures = _PAST_FIGURES[plan.cache_form.name]
+  model = (graphdef, state, state_shapes)
+  measured = Measured(config, plan, shape, dtype_name, lowered.out_info[1], model)
   return {
     **report_head(spec, shape, dtype_name, cache, plan.chunks, plan.kernel),
     **analysis(compile_for_figures(lowered, dtype_name)),
     "weights_bytes": weights_bytes,
-    **past_figures(config, plan, lowered, shape, dtype_name, (graphdef, state, state_shapes)),
+    **past_figures(measured, PAST_MEMORY[plan.cache_form.name]),
   }
-
-
-def _kv_figures(config, plan, lowered, shape, dtype_name, model) -> dict:
-  """A K,V model's figures past its prefill program's: whether KV-Runahead's last rank
-  joins its last hops (`joins_last_hop`), the whole prompt's K,V (`kv_cache_bytes`), the
-  move onto the last rank (`_move_memory`) and the decode step (`_decode_memory`)."""
-  del lowered
-  context_len, _, batch, m, decode_tokens = shape
-  graphdef, state, _ = model
-  chunks, cache = plan.chunks, plan.cache
-  K, H, L = tensor_parallel.kv_heads_per_shard(config, m), config.head_dim, config.num_layers
-  result = {
-    "joins_last_hop": plan.keep_last_hop,
-    "kv_cache_bytes": L * 2 * batch * context_len * K * H * np.dtype(dtype_name).itemsize,
-  }
-  layout = plan.strategy.cache_layout(context_len, chunks)
-  moved = (config, plan.mesh, layout, chunks, cache, plan.keep_last_hop, batch, dtype_name, m)
-  result.update(_move_memory(*moved))
-  if decode_tokens:
-    decode_shape = (context_len, batch, m, decode_tokens)
-    result.update(
-      _decode_memory(config, graphdef, state, plan.mesh, layout, cache, decode_shape, dtype_name)
-    )
-  return result
-
-
-# compiled_memory's figures of each kind of past, by its cache form's name.
-_PAST_FIGURES = {"kv": _kv_figures, "hybrid": hybrid_figures, "latent": latent_figures}
 
 
 def _in_subprocess(

@@ -105,26 +105,32 @@ def report_head(spec, shape, dtype_name: str, cache: str, chunks, kernel) -> dic
   }
 
 
+def on_last_row(mesh, grown, group_specs):
+  """`grown` (shapes) placed on the last rank's device, or split over its model group by
+  `group_specs` (`CacheForm.decode_cache_spec`), as generate holds it there."""
+  row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
+  specs = group_specs if model_parallel(mesh) > 1 else jax.tree.map(lambda _: jax.P(), grown)
+  return jax.tree.map(
+    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(row, spec)), grown, specs
+  )
+
+
 def last_rank_step(config, mesh, model, batch: int, grown, group_specs, itemsize: int):
   """The model's own decode step that generate runs after cache="last" (every model's:
   steppers.last_rank_stepper), lowered from shapes over the joined cache grown by the decoded
   tokens (`grown`, shapes: a `KVCache`, a `HybridCache`, latents): on the last rank's device
   (`decode.decode_step_of`) or its model group (`decode.group_decode_step`, the cache placed
-  by `group_specs`: `CacheForm.decode_cache_spec`). model: (graphdef, abstract state, _)."""
+  by `group_specs`: `on_last_row`). model: (graphdef, abstract state, _)."""
   graphdef, state, _ = model
   m = model_parallel(mesh)
   row = rank_row_mesh(mesh, mesh.shape[AXIS] - 1)
   row_state, _ = placed_state(config, state, row, m, itemsize)
   vector = struct((batch,), np.int32, NamedSharding(row, jax.P()))
-  specs = group_specs if m > 1 else jax.tree.map(lambda _: jax.P(), grown)
-  grown = jax.tree.map(
-    lambda x, spec: struct(x.shape, x.dtype, NamedSharding(row, spec)), grown, specs
-  )
   if m > 1:
     step = decode.group_decode_step(graphdef, row, group_specs)
   else:  # one device: the model's own decode step, as generate runs it
     step = decode.decode_step_of(graphdef)
-  return step.lower(row_state, vector, vector, grown)
+  return step.lower(row_state, vector, vector, on_last_row(mesh, grown, group_specs))
 
 
 def sharded_step(program, state_shapes, mesh, batch: int, inputs: tuple, caches: tuple):
