@@ -6,7 +6,6 @@ cache lies is kvr_jax's business (kvr_jax.inference.decode.decode_caches builds 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +66,7 @@ class DecodeLayout:
     return jnp.concatenate(per_group)[np.argsort(order)]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["groups"], meta_fields=["layout"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """A K,V model's decode cache: per group of `layout`, (k, v) [L_g, B, S_g, K, H] (S_g the
@@ -76,5 +75,5 @@ class KVCache:
   layout static (a cache of another layout is another program). Leaves may be
   PartitionSpecs: the same structure says how a cache lies over a mesh."""
 
-  layout: DecodeLayout
+  layout: DecodeLayout = dataclasses.field(metadata=dict(static=True))
   groups: tuple

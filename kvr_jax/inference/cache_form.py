@@ -20,7 +20,6 @@ program and hands its outputs to the form, which places them as the plan's layou
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -233,9 +232,7 @@ class CacheForm:
     )
 
 
-@functools.partial(
-  jax.tree_util.register_dataclass, data_fields=["cache"], meta_fields=["capacity"]
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OwnWhole:
   """cache="last"'s past of a model with a cache of its own: `cache` is the model's (a
@@ -246,14 +243,10 @@ class OwnWhole:
   cache whole on each shard)."""
 
   cache: Any
-  capacity: int
+  capacity: int = dataclasses.field(metadata=dict(static=True))
 
 
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=["parts", "part_positions", "linear_state"],
-  meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OwnParts:
   """cache="sharded"'s past of a model with a cache of its own: each rank's part where the

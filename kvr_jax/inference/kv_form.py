@@ -35,11 +35,7 @@ from kvr_jax.strategies.base import last_rank
 from models.kv_cache import KVCache
 
 
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=["k_layers", "v_layers", "rings"],
-  meta_fields=["kept"],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVWhole:
   """cache="last"'s past (the paper's layout): the cache on the last rank's device (its row
@@ -54,7 +50,7 @@ class KVWhole:
 
   k_layers: jax.Array
   v_layers: jax.Array
-  kept: decode.DecodeLayout | None = None
+  kept: decode.DecodeLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
   rings: tuple = ()
 
   def decode_cache(self) -> KVCache:
@@ -76,11 +72,7 @@ class KVWhole:
     return KVWhole(k, v, self.kept, rings if self.kept else ())
 
 
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=["kv_parts", "last_hop", "rings"],
-  meta_fields=["kept"],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVParts:
   """cache="sharded"'s past: the parts where they were computed. kv_parts [p, L, 2, B*P, K, H]
@@ -97,7 +89,7 @@ class KVParts:
 
   kv_parts: jax.Array
   last_hop: jax.Array | None = None
-  kept: decode.DecodeLayout | None = None
+  kept: decode.DecodeLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
   rings: tuple = ()
 
 
