@@ -112,6 +112,32 @@ def test_a_ragged_batch_equals_its_rows_run_alone(model, prompt, reference, mesh
     np.testing.assert_array_equal(got.tokens[i], want.tokens[0], f"{strategy} row {i} tokens")
 
 
+@pytest.mark.default_cases("kvr-sharded")
+@pytest.mark.parametrize(
+  "strategy,cache",
+  [
+    ("kvr", "last"),
+    ("kvr", "sharded"),
+    ("ring", "last"),
+    ("allgather", "sharded"),
+    ("tsp", "last"),
+  ],
+)
+def test_a_ragged_batch_on_a_2d_mesh_equals_its_rows_run_alone(
+  model, prompt, reference, strategy, cache
+):
+  """On a ("ranks", "model") mesh (2 x 2): the last real tokens' step over the last rank's
+  model group (cache="last") or the parts with a tail split by KV head (cache="sharded")."""
+  rows = [prompt[BUCKET - t :] for t in RAGGED]
+  mesh = kvr_jax.make_mesh(2, model=2)
+  got = kvr_jax.generate(model, rows, NEW_TOKENS, strategy=strategy, cache=cache, mesh=mesh)
+  assert got.prefill.lengths.tolist() == list(RAGGED)
+  for i, row in enumerate(rows):
+    want = alone(model, row)
+    assert_close(got.prefill.logits[i], want.prefill.logits[0], f"{strategy} row {i} logits")
+    np.testing.assert_array_equal(got.tokens[i], want.tokens[0], f"{strategy} row {i} tokens")
+
+
 def test_a_ragged_batch_without_buckets_pads_to_its_longest_row(model, prompt, reference):
   rows = [prompt[:40], prompt[:33]]
   result = kvr_jax.prefill(model, rows)

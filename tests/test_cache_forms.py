@@ -212,11 +212,31 @@ def test_padded_rows_decode_as_each_row_alone(models, case, strategy, partition,
   linear states and halos stop at each row's end, not at the bucket's), and the logits the
   last token was drawn from the forward's on the row and its new tokens (every cache entry
   the decode read, within 1e-5: greedy tokens of a tiny model survive small errors)."""
+  mesh = None if strategy == "single" else kvr_jax.make_mesh(len(partition) if partition else 2)
+  kw = dict(strategy=strategy, mesh=mesh, partition=partition, buckets=buckets, cache=cache)
+  _check_padded_rows(models, case, kw)
+
+
+@pytest.mark.default_cases("kvr-sharded-qwen3_5-types", "allgather-last-deepseek-default")
+@pytest.mark.parametrize("case", [HYBRID, LATENT])
+@pytest.mark.parametrize(
+  "strategy, cache",
+  [("kvr", "last"), ("kvr", "sharded"), ("allgather", "last"), ("single", "sharded")],
+)
+def test_padded_rows_on_a_2d_mesh_decode_as_each_row_alone(models, case, strategy, cache):
+  """The same ragged rows on a ("ranks", "model") mesh (2 x 2; "single": its first rank's
+  row): the last real tokens' step runs on the last rank's model group, or over the parts
+  with the tail split by KV head as the parts are; each row as the model's own forward on it
+  alone (1e-5) and transformers' greedy tokens."""
+  kw = dict(strategy=strategy, mesh=kvr_jax.make_mesh(2, model=2), cache=cache)
+  _check_padded_rows(models, case, kw)
+
+
+def _check_padded_rows(models, case, kw):
   hf_model, ours = models[case]
   rng = np.random.RandomState(4)
   rows = [rng.randint(0, hf_fixtures.VOCAB, n) for n in (30, 19)]
-  mesh = None if strategy == "single" else kvr_jax.make_mesh(len(partition) if partition else 2)
-  kw = dict(strategy=strategy, mesh=mesh, partition=partition, buckets=buckets, cache=cache)
+  buckets, cache = kw.get("buckets"), kw["cache"]
   out = kvr_jax.generate(ours, rows, NEW, **kw)
   assert out.prefill.cache == cache and list(out.prefill.lengths) == [30, 19]
   assert out.prefill.prompt_len == (30 if buckets is None else 32)
@@ -596,9 +616,6 @@ def test_what_is_not_built_is_refused_by_name(models, tokens):
   mesh = kvr_jax.make_mesh(2)
   with pytest.raises(ValueError, match=r"runs under \['single', 'kvr', 'ring', 'allgather'\]"):
     kvr_jax.prefill(hybrid, tokens, "tsp", mesh)
-  ragged = [tokens[0, :20], tokens[1]]
-  with pytest.raises(ValueError, match="runs prompts of one length without buckets"):
-    kvr_jax.generate(hybrid, ragged, 2, strategy="kvr", mesh=kvr_jax.make_mesh(2, model=2))
   with pytest.raises(ValueError, match=r"strategy 'tsp' has no timeline probes"):
     plan_prefill(latent, tokens, "tsp", mesh, timeline=True)
   with pytest.raises(ValueError, match=r"strategy 'single' has no timeline probes"):

@@ -354,7 +354,6 @@ def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):
 @pytest.mark.parametrize(
   "kwargs,message",
   [
-    (dict(cache="sharded", buckets="auto"), "padded to 32 tokens (a bucket"),
     (dict(cache="sharded", timeline=True, strategy="kvr"), "no timeline probes yet"),
   ],
 )

@@ -34,6 +34,7 @@ from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
   model_parallel,
+  piece_on,
   rank_device,
   spans_processes,
 )
@@ -95,8 +96,8 @@ class CacheForm:
 
   runs(record): whether its programs run a registered strategy's record (every one-rank
   record runs); `strategies` names them. caches: the layouts its decode reads ("last":
-  joined on the last rank; "sharded": left in the ranks' parts). operands(tokens_BT, ends_B,
-  m): the program's tokens operand (where rows end before the prompt, what the past needs to
+  joined on the last rank; "sharded": left in the ranks' parts). operands(tokens_BT, ends_B):
+  the program's tokens operand (where rows end before the prompt, what the past needs to
   stop there)."""
 
   name: str
@@ -177,6 +178,24 @@ class CacheForm:
 
   def at_last_real_tokens(self, run: PrefillRun, result):
     """A padded batch's result with each row's logits at its last real token."""
+    raise NotImplementedError  # pragma: no cover - interface
+
+  def last_real_tokens_joined(self, run: PrefillRun, result):
+    """cache="last", every form: one decode step of each row's last real token at its own
+    position, by the model's own step where the cache lies (`stepper`: the last rank's
+    device, or its model group on a 2-D mesh), written into the prefill's own cache (the
+    causal prefill left every position before a row's end as that row alone gives it; the
+    token's past entry, already in the cache, is written again identically). The padded
+    positions after a row's end are overwritten by its decoded tokens before any query reads
+    them."""
+    step, cache, _, _ = result.stepper(run.model, run.lengths_B - 1, 0, 0, consume=True)
+    logits_BV, cache = step(run.last_tokens_B, 0, cache)
+    logits_BV = piece_on(logits_BV, result.device)  # a model group's: replicated over it
+    past = self.with_decoded(result.past, cache)
+    return dataclasses.replace(result, logits=logits_BV, past=past)
+
+  def with_decoded(self, past, cache):
+    """`past` holding `cache`, the decode cache a step over `decode_past`'s returned."""
     raise NotImplementedError  # pragma: no cover - interface
 
   # --- how a result reads its past (`PrefillResult`'s methods, each form's own) ------------
@@ -374,23 +393,16 @@ class ModelCacheForm(CacheForm):
 
   def at_last_real_tokens(self, run: PrefillRun, result):
     """One decode step of each row's last real token at its own position, where the cache
-    lies (the causal prefill left every position before a row's end as that row alone gives
-    it; the token's past entry, already in the cache, is written again identically). The
-    padded positions after a row's end are overwritten by its decoded tokens before any query
-    reads them. cache="sharded": the form's sharded step with a one-token tail, every rank's
-    part read up to the row's last token only (its copy there hidden), in every process that
-    holds a rank; what the step changed that decoding reads next is kept
-    (`after_sharded_step`: a hybrid's linear pasts, and the token's K,V written into its
-    part, where the prefill, stopped before it, left other values)."""
+    lies: cache="last" `last_real_tokens_joined`; cache="sharded" the form's sharded step
+    with a one-token tail, every rank's part read up to the row's last token only (its copy
+    there hidden), in every process that holds a rank; what the step changed that decoding
+    reads next is kept (`after_sharded_step`: a hybrid's linear pasts, and the token's K,V
+    written into its part, where the prefill, stopped before it, left other values)."""
     if result.past is None:  # held in another process
       return result
     lengths_B, last_tokens_B = run.lengths_B, run.last_tokens_B
     if result.cache == "last":
-      step, cache, _, _ = result.stepper(run.model, lengths_B - 1, 0, 0, consume=True)
-      logits_BV, cache = step(last_tokens_B, 0, cache)
-      logits_BV = jax.device_put(logits_BV, result.device)
-      past = dataclasses.replace(result.past, cache=cache)
-      return dataclasses.replace(result, logits=logits_BV, past=past)
+      return self.last_real_tokens_joined(run, result)
     mesh = result.mesh
     before_last = dataclasses.replace(result, lengths=lengths_B - 1)
     step, caches, _, _ = steppers.sharded_stepper(run.model, before_last, 1, 0)
@@ -427,6 +439,9 @@ class ModelCacheForm(CacheForm):
   def decode_cache_spec(self, cache):
     del cache
     return self.group_cache_spec
+
+  def with_decoded(self, past: OwnWhole, cache) -> OwnWhole:
+    return dataclasses.replace(past, cache=cache)
 
   def consumed_by(self, result, consume: bool, max_new_tokens: int) -> bool:
     """Whether a decode of `max_new_tokens` writes into `result`'s cache itself (generate's

@@ -171,19 +171,6 @@ def sample(logits_BV, key, temperature, *, top_k: int | None, top_p: float | Non
 # --- the logits of padded rows' last real tokens (kvr_jax.inference.prefill)
 
 
-def last_real_logits(model, cache: KVCache, last_tokens_B, lengths_B):
-  """One decode step of each row's last real token at its own position, where the whole
-  cache lies (as cache="last" keeps it): (its logits, the cache). Its K,V, already in the
-  cache (a ring's slot holds it too), are written again identically."""
-  cache_device = next(iter(cache.groups[0][0].devices()))
-  return decode_step_of(model.graphdef)(
-    model.state_on(cache_device),
-    jax.device_put(last_tokens_B, cache_device),
-    jax.device_put(lengths_B - 1, cache_device),
-    cache,
-  )
-
-
 @kept_cache(8)
 def decode_step_of(graphdef):
   """The model's own `decode_step` over its own cache (a K,V model's `KVCache`, a hybrid's

@@ -7,7 +7,7 @@ rank (KV-Runahead's last hops and own chunk where they lie; the peers' parts mov
 across processes too; on a 2-D mesh split over its group by head, `CACHE_SPECS`), or left
 in the ranks' parts (cache="sharded": `hybrid_sharded_step` decodes them where they lie,
 `sharded_hybrid_decode` gives it to the one sharded stepper).
-Rows of one length or padded past their ends (a bucket, a ragged batch; 1-D meshes).
+Rows of one length or padded past their ends (a bucket, a ragged batch), on 1-D and 2-D meshes.
 """
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ def parts_layout(record, T: int, chunks, full_chunks) -> tuple:
   return record.cache_layout(T, full_chunks or chunks), halo_rank
 
 
-def operands(tokens_BT, lengths, m: int):
+def operands(tokens_BT, lengths):
   """The program's tokens operand (`CacheForm.operands`): tokens [B, T] where every row runs
   to the prompt's end, else (tokens, each position minus its row's end [B, T]: the linear
-  layers stop each row's state there), refused on a 2-D mesh."""
+  layers stop each row's state there)."""
   if lengths is None:
     return tokens_BT
   B, T = tokens_BT.shape
@@ -104,8 +104,6 @@ def operands(tokens_BT, lengths, m: int):
     raise ValueError(f"lengths must be {B} row ends in [0, {T}], got {np.asarray(lengths)}")
   if (ends_B == T).all():
     return tokens_BT
-  if m > 1:
-    raise ValueError("a mesh with model > 1 runs hybrid rows of one length (no lengths)")
   return tokens_BT, (np.arange(T)[None] - ends_B[:, None]).astype(np.int32)
 
 
@@ -246,10 +244,8 @@ def hybrid_sharded_step(graphdef, mesh, layout: CacheLayout):
   def layer(block, at, x_B1D, caches, step):
     return by_layer_kind(block, at, (x_B1D, caches, step))[0]
 
-  split = model_parallel(mesh) > 1
-  tail_spec = CACHE_SPECS.kv_2BSKH if split else jax.P()
-  linear_spec = CACHE_SPECS.linear if split else LinearState(jax.P(), jax.P())
-  specs = ((parts_spec(mesh),), (tail_spec, linear_spec))
+  tail_spec = sharded_decode.tail_sharding(mesh).spec  # by KV head on a 2-D mesh, as the parts
+  specs = ((parts_spec(mesh),), (tail_spec, _linear_specs(mesh)))
   return sharded_decode.sharded_step_program(graphdef, mesh, layer, *specs)
 
 
@@ -257,9 +253,10 @@ def one_rank_hybrid_parts(cache: HybridCache, T: int, mesh) -> dict:
   """A one-rank prefill's hybrid cache as cache="sharded" holds it: the full layers' K,V as
   the rank's part [1, L, 2, B*T, K, H] (rows folded by batch), the linear pasts as they are."""
   L, _, B, _, K, H = cache.kv_2BSKH.shape
+  parts = NamedSharding(mesh, parts_spec(mesh))  # by KV head on a 2-D mesh, as the cache
   fold = jax.jit(
-    lambda kv: kv[:, :, :, :T].reshape(1, L, 2, B * T, K, H),
-    out_shardings=NamedSharding(mesh, parts_spec(mesh)),
+    lambda kv: jnp.reshape(kv[:, :, :, :T], (1, L, 2, B * T, K, H), out_sharding=parts),
+    out_shardings=parts,
   )
   layout = CacheLayout(context_len=T, part_len=T, segments=(((0, T, 0),),))
   linear = jax.device_put(cache.linear, placements(mesh, _linear_specs(mesh)))
@@ -278,10 +275,8 @@ def sharded_hybrid_decode(model, result, max_new_tokens: int):
   program = hybrid_sharded_step(model.graphdef, mesh, result.cache_layout)
   L, _, rows, K, H = result.past.parts.shape[1:]
   B = rows // result.cache_layout.part_len
-  tail_spec = CACHE_SPECS.kv_2BSKH if model_parallel(mesh) > 1 else jax.P()
-  tail = decode.zeros_on(
-    (L, 2, B, max_new_tokens, K, H), model.dtype, NamedSharding(mesh, tail_spec)
-  )
+  tail_sharding = sharded_decode.tail_sharding(mesh)
+  tail = decode.zeros_on((L, 2, B, max_new_tokens, K, H), model.dtype, tail_sharding)
   return program, (result.past.parts,), (tail, steppers.copied(result.past.linear_state))
 
 
@@ -313,7 +308,8 @@ def _written_into_parts(mesh):
     new_L2BKH = tail_L2BMKH[:, :, :, 0].astype(parts_1L2RKH.dtype)
     return parts_1L2RKH[0].at[:, :, rows_1B[0]].set(new_L2BKH, mode="drop")[None]
 
-  specs = (parts_spec(mesh), jax.P(), jax.P(AXIS))
+  # The tail lies as the parts do: whole, or by KV head on a 2-D mesh.
+  specs = (parts_spec(mesh), sharded_decode.tail_sharding(mesh).spec, jax.P(AXIS))
   return jax.jit(jax.shard_map(write, mesh=mesh, in_specs=specs, out_specs=parts_spec(mesh)))
 
 

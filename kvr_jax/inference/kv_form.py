@@ -26,7 +26,7 @@ from kvr_jax.runtime.mesh import (
   AXIS,
   MODEL_AXIS,
   global_array,
-  model_parallel,
+  piece_on,
   rank_device,
   spans_processes,
   split_dims,
@@ -132,15 +132,6 @@ def hop_holds_rows(config, chunks, lengths_B) -> bool:
   return whole or int(np.min(lengths_B)) > hop_end
 
 
-def _piece_on(array: jax.Array, device):
-  """`device`'s copy of a replicated array as a single-device array; None where `device` is
-  another process's."""
-  piece = next((s.data for s in array.addressable_shards if s.device == device), None)
-  if piece is None:
-    return None
-  return jax.device_put(piece, jax.sharding.SingleDeviceSharding(device))
-
-
 @dataclasses.dataclass(frozen=True)
 class KVForm(CacheForm):
   """K,V per layer (`FORM`): the hooks of `run_prefill` for a `KVWhole` or `KVParts` past,
@@ -190,7 +181,7 @@ class KVForm(CacheForm):
       replicated = sharded_decode.last_real_logits_sharded(
         model, model.state_for(mesh), mesh, layout, kv_parts, run.last_tokens_B, run.lengths_B
       )
-      logits_BV = _piece_on(replicated, rank_device(mesh, last_rank(plan.chunks)))
+      logits_BV = piece_on(replicated, rank_device(mesh, last_rank(plan.chunks)))
     else:
       replicated = replicated_logits(plan, logits_pBV)
     # In one process the owner's logits are every process's.
@@ -238,17 +229,16 @@ class KVForm(CacheForm):
     return as_last(past=None if k is None else KVWhole(k, v, kept, rings))
 
   def at_last_real_tokens(self, run: PrefillRun, result):
-    """cache="last": one decode step of each row's last real token at its own position, where
-    the whole cache lies (its K,V, already in the cache, are written again identically). The
-    parts' rows got theirs in `in_parts`."""
+    """cache="last": the last real tokens' step where the whole cache lies
+    (`CacheForm.last_real_tokens_joined`). The parts' rows got theirs in `in_parts`."""
     if result.cache == "sharded":
       return result
     if result.past is None:  # another process holds the cache and the logits
       return dataclasses.replace(result, logits=None)
-    logits_BV, cache = decode.last_real_logits(
-      run.model, result.past.decode_cache(), run.last_tokens_B, run.lengths_B
-    )
-    return dataclasses.replace(result, logits=logits_BV, past=result.past.with_groups(cache))
+    return self.last_real_tokens_joined(run, result)
+
+  def with_decoded(self, past: KVWhole, cache: KVCache) -> KVWhole:
+    return past.with_groups(cache)
 
   # --- how a result reads its past ---------------------------------------------------------
 
@@ -259,10 +249,10 @@ class KVForm(CacheForm):
     "model" on a 2-D mesh)."""
     past, mesh = result.past, result.mesh
     B, (L_f, K, H) = len(result.lengths), (past.kv_parts.shape[1], *past.kv_parts.shape[4:])
-    split = model_parallel(mesh) > 1
-    heads = NamedSharding(mesh, split_dims("L2BTKH", K=MODEL_AXIS) if split else jax.P())
     kept = past.kept or decode.DecodeLayout.whole(L_f)
-    tail = decode.zeros_on((L_f, 2, B, max_new_tokens, K, H), past.kv_parts.dtype, heads)
+    tail = decode.zeros_on(
+      (L_f, 2, B, max_new_tokens, K, H), past.kv_parts.dtype, sharded_decode.tail_sharding(mesh)
+    )
     groups = tuple(
       tail if ring is None else steppers.copied(past.rings[g]) for g, ring in enumerate(kept.rings)
     )
@@ -272,9 +262,11 @@ class KVForm(CacheForm):
   def decode_past(self, result, lengths_B, capacity: int, consume: bool):
     """The cache grown into a fresh buffer for `capacity` positions (generate's own too: the
     prefill's is never written), a window shorter than the capacity kept as its ring alone
-    (decode.decode_caches)."""
-    del consume
+    (decode.decode_caches); with no room to grow and `consume`, the prefill's own buffers
+    (`at_last_real_tokens`' step writes into them)."""
     past = result.past
+    if consume and capacity == result.prompt_len:
+      return past.decode_cache()
     layout = decode.DecodeLayout.of(result.config, capacity)
     return decode.decode_caches(
       past.k_layers, past.v_layers, lengths_B, layout, capacity, past.kept, past.rings
@@ -320,6 +312,6 @@ FORM = KVForm(
   name="kv",
   runs=lambda record: True,  # every registered strategy's own rank body
   caches=("last", "sharded"),
-  operands=lambda tokens_BT, ends_B, m: tokens_BT,  # a causal past is written per position
+  operands=lambda tokens_BT, ends_B: tokens_BT,  # a causal past is written per position
   joins_apart=True,
 )

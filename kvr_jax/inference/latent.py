@@ -40,10 +40,10 @@ from models.attention import merge_partials
 CACHES = ("last", "sharded")
 
 
-def operands(tokens_BT, ends_B, m: int):
+def operands(tokens_BT, ends_B):
   """The program's tokens operand (`CacheForm.operands`): the tokens as they are, padded
-  rows too (a causal past is written per position; ends_B and m unused)."""
-  del ends_B, m
+  rows too (a causal past is written per position; ends_B unused)."""
+  del ends_B
   return tokens_BT
 
 

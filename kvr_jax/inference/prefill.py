@@ -25,7 +25,6 @@ from kvr_jax.runtime.loading import Model
 from kvr_jax.runtime.mesh import (
   AXIS,
   global_array,
-  model_parallel,
   rank_device,
   shard_on,
 )
@@ -180,7 +179,7 @@ def program_result(run: PrefillRun, deferred: bool = False, ends_B=None):
   plan, form = run.plan, run.plan.cache_form
   if ends_B is None and run.padded and form.stops_at_row_ends:
     ends_B = run.lengths_B - 1
-  rows = form.operands(run.tokens_BT, ends_B, model_parallel(plan.mesh))
+  rows = form.operands(run.tokens_BT, ends_B)
   logits_pBV, out = _run_program(run.model, plan, rows, padded=isinstance(rows, tuple))
   logits_BV = shard_on(logits_pBV, rank_device(plan.mesh, last_rank(plan.chunks)))
   if logits_BV is None:  # another process's rank is last: this one returns when its part is done

@@ -86,7 +86,7 @@ class PrefillPlan:
   keep_last_hop: bool
   timeline: bool
   buckets: Any
-  padded: bool  # planned for rows padded past their length (what a 2-D mesh refuses so far)
+  padded: bool  # planned for rows padded past their length (a bucket, a ragged batch)
   choice: StrategyChoice | None = None  # strategy="auto": what it picked and why (modelled)
   # KV-Runahead on a hybrid with a split per layer kind (partition={"linear": .., "full":
   # ..}, or what "search" or "auto" modelled faster): the full layers' chunks; `partition`
@@ -144,7 +144,7 @@ def plan_from_shape(
   _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
   form.check_plan(shape.config, spec, cache)
   if model_parallel(mesh) > 1:
-    _check_tensor_parallel(shape.config, mesh, T if shape.padded else 0, timeline)
+    _check_tensor_parallel(shape.config, mesh, timeline)
   kernel = planned_kernel(shape, spec, kernel, mesh.devices.flat[0])
   user_chunks = full_chunks = None
   if isinstance(partition, Mapping):  # a split per layer kind (a hybrid's, KV-Runahead's)
@@ -349,19 +349,13 @@ def _join_affordable(shape: PrefillShape, chunks, mesh, device_memory) -> bool:
   return bool(agreed("join", (shape.model_key, chunks, B), mesh, int(joins)))
 
 
-def _check_tensor_parallel(config, mesh, padded, timeline) -> None:
-  """What a ("ranks", "model") mesh runs so far: the prefill, with the cache left where it was
-  computed or moved onto the last rank's row (heads split over "model" either way). Refused
-  by name before anything compiles: what needs a decode step over a model group."""
+def _check_tensor_parallel(config, mesh, timeline) -> None:
+  """What a ("ranks", "model") mesh runs so far: every prefill and decode (padded rows too),
+  with the cache left where it was computed or moved onto the last rank's row (heads split
+  over "model" either way), but for timeline probes and a rank's devices split over
+  processes, refused by name before anything compiles."""
   m = model_parallel(mesh)
   check_model_parallel(config, m)
-  if padded:
-    raise ValueError(
-      f"a mesh with model={m} runs prompts of one length without buckets (a padded row's "
-      f"logits need a decode step over the model group, not built yet); these rows were "
-      f"padded to {padded} tokens (a bucket, or the longest row of a ragged batch): pass "
-      "buckets=None (launch.run: --buckets=none) with rows of one length"
-    )
   if timeline:
     raise ValueError(f"a mesh with model={m} has no timeline probes yet")
   processes = [sorted({d.process_index for d in row}) for row in mesh.devices]

@@ -270,6 +270,13 @@ def attend_parts_and_tail(
   return merge_across_ranks(out, lse).astype(q_B1NH.dtype), tail_L2BMKH
 
 
+def tail_sharding(mesh) -> NamedSharding:
+  """Where the decoded tokens' K,V [L, 2, B, M, K, H] lie for the sharded step: on every
+  device, their KV heads split over "model" on a 2-D mesh (as the parts' are)."""
+  split = model_parallel(mesh) > 1
+  return NamedSharding(mesh, split_dims("L2BTKH", K=MODEL_AXIS) if split else jax.P())
+
+
 def last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B, lengths_B):
   """[B, V] replicated over `mesh`: each row's last real token decoded once from the sharded
   parts (the parts' copy of its K,V hidden, a one-token tail holding it), as `generate`
@@ -277,7 +284,7 @@ def last_real_logits_sharded(model, state, mesh, layout, kv_parts, last_tokens_B
   replicated = NamedSharding(mesh, jax.P())
   L, K, H = kv_parts.shape[1], *kv_parts.shape[4:]
   B = last_tokens_B.shape[0]
-  tail = zeros_on((L, 2, B, 1, K, H), kv_parts.dtype, replicated)
+  tail = zeros_on((L, 2, B, 1, K, H), kv_parts.dtype, tail_sharding(mesh))
   program = sharded_decode_program(model.graphdef, mesh, layout, DecodeLayout.whole(L))
   logits, _ = program(
     state,

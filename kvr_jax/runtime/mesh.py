@@ -185,6 +185,15 @@ def shard_on(array: jax.Array, device) -> jax.Array | None:
   return None
 
 
+def piece_on(array: jax.Array, device) -> jax.Array | None:
+  """`device`'s copy of a replicated array (a model group's logits) as a plain single-device
+  array; None where `device` is another process's."""
+  piece = next((s.data for s in array.addressable_shards if s.device == device), None)
+  if piece is None:
+    return None
+  return jax.device_put(piece, jax.sharding.SingleDeviceSharding(device))
+
+
 def placements(mesh, specs):
   """A NamedSharding on `mesh` for each PartitionSpec of a pytree of them."""
   return jax.tree.map(
