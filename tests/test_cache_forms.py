@@ -217,7 +217,9 @@ def test_padded_rows_decode_as_each_row_alone(models, case, strategy, partition,
   _check_padded_rows(models, case, kw)
 
 
-@pytest.mark.default_cases("kvr-sharded-qwen3_5-types", "allgather-last-deepseek-default")
+@pytest.mark.default_cases(
+  "kvr-sharded-qwen3_5-types", "allgather-last-deepseek-default", "single-sharded-qwen3_5-types"
+)
 @pytest.mark.parametrize("case", [HYBRID, LATENT])
 @pytest.mark.parametrize(
   "strategy, cache",
