@@ -351,19 +351,6 @@ def test_kvr_hops_carry_each_shards_own_kv_heads(prefill_models):
   assert hops[1] and set(hops[1]) == {"2"}, hops
 
 
-@pytest.mark.parametrize(
-  "kwargs,message",
-  [
-    (dict(cache="sharded", timeline=True, strategy="kvr"), "no timeline probes yet"),
-  ],
-)
-def test_a_2d_mesh_refuses_what_it_does_not_run_yet(prefill_models, kwargs, message):
-  model, _ = prefill_models["gqa"]
-  kwargs = {"strategy": "tsp", **kwargs}
-  with pytest.raises(ValueError, match=re.escape(message)):
-    plan_prefill(model, TOKENS, mesh=kvr_jax.make_mesh(2, model=2), **kwargs)
-
-
 def test_2d_mesh_inputs_are_checked_before_compiling(prefill_models):
   model, _ = prefill_models["gqa"]  # 4 query heads
   with pytest.raises(ValueError, match=re.escape("model_parallel=8 must divide num_heads (4)")):

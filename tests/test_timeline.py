@@ -88,6 +88,31 @@ def test_probes_change_nothing_and_come_in_order(strategy, partition):
   assert len(hops) == (0 if strategy == "allgather" else 3)
 
 
+@pytest.mark.default_cases("kvr")
+@pytest.mark.parametrize("strategy", ["kvr", "allgather", "ring"])
+def test_probes_on_a_2d_mesh_record_each_rank_once(strategy):
+  """On a ("ranks", "model") mesh every device of a rank runs the marks; only the first of
+  its group records them: the same records per rank, layer and phase as on the 1-D mesh of
+  as many ranks, in program order, and the probes change neither logits nor cache."""
+  import collections
+
+  model = kvr_jax.load_model("tiny-llama")
+  tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 48)
+  records = {}
+  for mesh in (kvr_jax.make_mesh(2), kvr_jax.make_mesh(2, model=2)):
+    plain = kvr_jax.prefill(model, tokens, strategy=strategy, mesh=mesh, cache="sharded")
+    probe.EVENTS.clear()
+    plan = plan_prefill(model, tokens, strategy, mesh, cache="sharded", timeline=True)
+    probed = run_prefill(model, plan, tokens)
+    jax.effects_barrier()  # every rank's records, not only the last rank's
+    assert_close(probed.logits, plain.logits, "probed logits")
+    assert_close(probed.gather_cache()[0], plain.gather_cache()[0], "probed K cache")
+    run = {"start_ns": min(e[3] for e in probe.EVENTS), "events": list(probe.EVENTS)}
+    check_order(timeline.intervals([run]), strategy, model.config.num_layers, 2)
+    records[len(mesh.axis_names)] = collections.Counter(e[:3] for e in probe.EVENTS)
+  assert records[2] == records[1]
+
+
 @pytest.mark.e2e  # slow (compiling): the end-to-end tier
 def test_a_latent_models_probes_change_nothing_and_come_in_order():
   """KV-Runahead on latent layers (bench-deepseek: its hops carry latents) marks its phases as

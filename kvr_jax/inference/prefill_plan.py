@@ -144,7 +144,7 @@ def plan_from_shape(
   _check_layout(spec, partition, cache, T, shape.longest, shape.padded, buckets)
   form.check_plan(shape.config, spec, cache)
   if model_parallel(mesh) > 1:
-    _check_tensor_parallel(shape.config, mesh, timeline)
+    _check_tensor_parallel(shape.config, mesh)
   kernel = planned_kernel(shape, spec, kernel, mesh.devices.flat[0])
   user_chunks = full_chunks = None
   if isinstance(partition, Mapping):  # a split per layer kind (a hybrid's, KV-Runahead's)
@@ -349,15 +349,13 @@ def _join_affordable(shape: PrefillShape, chunks, mesh, device_memory) -> bool:
   return bool(agreed("join", (shape.model_key, chunks, B), mesh, int(joins)))
 
 
-def _check_tensor_parallel(config, mesh, timeline) -> None:
-  """What a ("ranks", "model") mesh runs so far: every prefill and decode (padded rows too),
-  with the cache left where it was computed or moved onto the last rank's row (heads split
-  over "model" either way), but for timeline probes and a rank's devices split over
+def _check_tensor_parallel(config, mesh) -> None:
+  """What a ("ranks", "model") mesh runs: every prefill and decode (padded rows and timeline
+  probes too), with the cache left where it was computed or moved onto the last rank's row
+  (heads split over "model" either way), but for a rank whose devices live in several
   processes, refused by name before anything compiles."""
   m = model_parallel(mesh)
   check_model_parallel(config, m)
-  if timeline:
-    raise ValueError(f"a mesh with model={m} has no timeline probes yet")
   processes = [sorted({d.process_index for d in row}) for row in mesh.devices]
   split = next(((rank, procs) for rank, procs in enumerate(processes) if len(procs) > 1), None)
   if split is not None:

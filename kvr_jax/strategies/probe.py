@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from kvr_jax.runtime.mesh import AXIS
+from kvr_jax.runtime.mesh import AXIS, MODEL_AXIS
 
 # (rank, layer, label, ns): appended by the callbacks of probed programs.
 EVENTS: list[tuple[int, int, str, int]] = []
@@ -37,9 +37,19 @@ def _label_id(label: str) -> int:
   return _LABELS.index(label)
 
 
-def _record(label_id, rank, layer, _element):
-  EVENTS.append((int(rank), int(layer), _LABELS[int(label_id)], time.monotonic_ns()))
+def _record(label_id, rank, shard, layer, _element):
+  if int(shard) == 0:  # one record per rank: its first device's (a model group's run together)
+    EVENTS.append((int(rank), int(layer), _LABELS[int(label_id)], time.monotonic_ns()))
   return np.zeros((), np.float32)
+
+
+def _shard_index():
+  """This device's index in its rank's model group: on a ("ranks", "model") mesh every device
+  of a rank runs the mark, and only the first records; 0 on a 1-D mesh (no "model" axis)."""
+  try:
+    return jax.lax.axis_index(MODEL_AXIS)
+  except NameError:  # the program's mesh has no "model" axis
+    return jnp.int32(0)
 
 
 def now_ns() -> int:
@@ -62,6 +72,7 @@ def mark(enabled: bool, label: str, layer, value):
     jax.ShapeDtypeStruct((), jnp.float32),
     jnp.int32(_label_id(label)),
     jax.lax.axis_index(AXIS),
+    _shard_index(),
     jnp.asarray(layer, jnp.int32),
     elements,
   )
