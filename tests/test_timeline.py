@@ -88,15 +88,25 @@ def test_probes_change_nothing_and_come_in_order(strategy, partition):
   assert len(hops) == (0 if strategy == "allgather" else 3)
 
 
-@pytest.mark.default_cases("kvr")
-@pytest.mark.parametrize("strategy", ["kvr", "allgather", "ring"])
-def test_probes_on_a_2d_mesh_record_each_rank_once(strategy):
+@pytest.mark.default_cases("tiny-llama-kvr")
+@pytest.mark.parametrize(
+  "name, strategy",
+  [
+    ("tiny-llama", "kvr"),
+    ("tiny-llama", "allgather"),
+    ("tiny-llama", "ring"),
+    ("bench-qwen3.5", "kvr"),
+    ("bench-deepseek", "allgather"),
+  ],
+)
+def test_probes_on_a_2d_mesh_record_each_rank_once(name, strategy):
   """On a ("ranks", "model") mesh every device of a rank runs the marks; only the first of
   its group records them: the same records per rank, layer and phase as on the 1-D mesh of
-  as many ranks, in program order, and the probes change neither logits nor cache."""
+  as many ranks (K,V, hybrid and latent layers), in program order, and the probes change
+  no logit."""
   import collections
 
-  model = kvr_jax.load_model("tiny-llama")
+  model = kvr_jax.Model(build_model(preset_config(name)))
   tokens = kvr_jax.synthetic_prompt(model.config.vocab_size, 48)
   records = {}
   for mesh in (kvr_jax.make_mesh(2), kvr_jax.make_mesh(2, model=2)):
@@ -106,9 +116,9 @@ def test_probes_on_a_2d_mesh_record_each_rank_once(strategy):
     probed = run_prefill(model, plan, tokens)
     jax.effects_barrier()  # every rank's records, not only the last rank's
     assert_close(probed.logits, plain.logits, "probed logits")
-    assert_close(probed.gather_cache()[0], plain.gather_cache()[0], "probed K cache")
-    run = {"start_ns": min(e[3] for e in probe.EVENTS), "events": list(probe.EVENTS)}
-    check_order(timeline.intervals([run]), strategy, model.config.num_layers, 2)
+    if name == "tiny-llama":  # K,V layers alone: each phase in program order
+      run = {"start_ns": min(e[3] for e in probe.EVENTS), "events": list(probe.EVENTS)}
+      check_order(timeline.intervals([run]), strategy, model.config.num_layers, 2)
     records[len(mesh.axis_names)] = collections.Counter(e[:3] for e in probe.EVENTS)
   assert records[2] == records[1]
 
