@@ -213,8 +213,7 @@ def _kv_grown(measured: Measured) -> KVCache:
   return KVCache(kept, _kv_groups(measured, kept, measured.capacity))
 
 
-# The decoded tokens' K,V (the tail) and a ring, their KV heads split over "model".
-_TAIL_HEADS = split_dims("L2BTKH", K=MODEL_AXIS)
+# A ring, its KV heads split over "model" (the tail lies as sharded_decode.tail_sharding).
 _RING_HEADS = split_dims("LBWKH", K=MODEL_AXIS)
 
 
@@ -228,7 +227,7 @@ def _kv_sharded(measured: Measured) -> tuple:
   replicated = NamedSharding(mesh, jax.P())
   kept = decode.DecodeLayout.of(measured.config, context_len)
   every, L_f = kept.every_position_group, len(kept.every_position_layers)
-  tail_sharding = NamedSharding(mesh, _TAIL_HEADS) if m > 1 else replicated
+  tail_sharding = sharded_decode.tail_sharding(mesh)
   tail = struct((L_f, 2, batch, decode_tokens, K * m, H), dtype_name, tail_sharding)
   ring_sharding = NamedSharding(mesh, _RING_HEADS) if m > 1 else replicated
   rings = _kv_groups(measured, kept, 0, ring_sharding)
